@@ -1,0 +1,12 @@
+"""tensorstow: stowage plans for training models far larger than GPU memory.
+
+The package is laid out by pipeline stage: `tensorstow.ir` (trace a model into the
+tensor-lifetime IR), `tensorstow.planner` (hardware, cost model, policies, simulator, plan
+JSON, CLI) and `tensorstow.executor` (replay a plan every step).
+"""
+
+__version__ = "0.1.0"
+
+
+class TensorstowError(ValueError):
+    """Bad input from a user: a message that names the problem and how to fix it."""

@@ -1,0 +1,1 @@
+"""Executor: replays a plan's static schedule every training step."""

@@ -1,0 +1,169 @@
+"""The tensor-lifetime IR: ops in execution order, tensors with kind and lifetime, blocks.
+
+Plain frozen dataclasses that round-trip losslessly through JSON. Op indices are the
+execution order of one training step: forward, backward, then one optimizer op per block.
+
+Blocks are the model's repeated layers (`b0`..`b{L-1}`) plus `pre` (everything before the
+first layer: embeddings) and `post` (after the last layer: final norm, head, loss). Each
+block carries a similarity signature: identical transformer layers share one traced
+profile (Mobius §3.2 layer similarity), so a 96-layer model can be traced as 3 layers
+(first, middle, last) and the middle one replicated; `Block.profile` names the traced
+block whose ops describe it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, fields
+
+SCHEMA_VERSION_IR = 1
+
+KINDS = ("parameter", "gradient", "optimizer_state", "saved_activation", "temporary", "input")
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1,
+               "uint8": 1, "int8": 1, "float64": 8}
+
+
+def stable_hash(obj) -> str:
+    """sha256 of canonical JSON (sorted keys, no whitespace): the fingerprint of plain data."""
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    """Unique name (the fx node name; `<param>.grad`/`.master`/`.exp_avg`/`.exp_avg_sq` for model states)."""
+    kind: str
+    """One of KINDS."""
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    """Bytes of this tensor's own elements (a view reports its elements; see `storage`)."""
+    block: str
+    """Block that produces it (parameters/states: the block that owns the parameter)."""
+    producer: int | None
+    """Index of the producing op; None for graph inputs, parameters and optimizer states."""
+    consumers: tuple[int, ...]
+    """Indices of the ops that read it, ascending."""
+    storage: str
+    """Name of the tensor whose memory this one uses (itself unless it is a view)."""
+    param: str = ""
+    """For parameters, gradients and optimizer states: the parameter's qualified name."""
+
+    @property
+    def lifetime(self) -> tuple[int, int]:
+        """(first op index it exists at, last op index that reads it); -1 = before the step."""
+        start = -1 if self.producer is None else self.producer
+        return start, (self.consumers[-1] if self.consumers else start)
+
+
+@dataclass(frozen=True)
+class Op:
+    index: int
+    name: str
+    """fx node name in the traced joint graph ("adam:<block>" for optimizer ops)."""
+    target: str
+    """aten overload, e.g. "aten.addmm.default"."""
+    phase: str
+    """"fwd", "bwd" or "opt"."""
+    block: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    flops: int
+    """From torch.utils.flop_counter (0 for ops it does not count: elementwise, views)."""
+    bytes_in: int
+    """Bytes read (views read nothing)."""
+    bytes_out: int
+    """Bytes written (views write nothing)."""
+
+
+@dataclass(frozen=True)
+class Block:
+    name: str
+    """"pre", "b0".."b{L-1}", "post"."""
+    kind: str
+    """"pre", "layer" or "post"."""
+    params: tuple[str, ...]
+    """Qualified names of the parameters it owns (empty for replicas: see `profile`)."""
+    param_count: int
+    signature: str
+    """Similarity signature: equal signatures mean identical ops, shapes and parameters."""
+    profile: str
+    """Name of the traced block whose ops describe this one (itself when traced)."""
+
+
+@dataclass(frozen=True)
+class Graph:
+    model: str
+    batch: int
+    seq: int
+    precision: str
+    """"fp32", "bf16-mixed" or "fp16-mixed"."""
+    compute_dtype: str
+    ops: tuple[Op, ...]
+    tensors: tuple[Tensor, ...]
+    """Sorted by name."""
+    blocks: tuple[Block, ...]
+    """All blocks of the real model in forward order (replicas included)."""
+    traced_layers: int
+    """How many layers the joint graph holds (< number of layer blocks when replicated)."""
+    schema_version: int = SCHEMA_VERSION_IR
+
+    # ---- queries -------------------------------------------------------------------------
+    def tensor(self, name: str) -> Tensor:
+        return self._by_name()[name]
+
+    def _by_name(self) -> dict[str, Tensor]:
+        cache = self.__dict__.get("_tensor_index")
+        if cache is None:
+            cache = {t.name: t for t in self.tensors}
+            object.__setattr__(self, "_tensor_index", cache)
+        return cache
+
+    def block(self, name: str) -> Block:
+        for b in self.blocks:
+            if b.name == name:
+                return b
+        raise KeyError(name)
+
+    def layer_blocks(self) -> list[Block]:
+        return [b for b in self.blocks if b.kind == "layer"]
+
+    def param_count(self) -> int:
+        return sum(b.param_count for b in self.blocks)
+
+    def fingerprint(self) -> str:
+        """Identity of the traced computation (what the executor must re-trace identically)."""
+        d = self.to_json()
+        return stable_hash(d)
+
+    # ---- JSON -----------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.pop("_tensor_index", None)
+        return d
+
+    @staticmethod
+    def from_json(d: dict) -> "Graph":
+        if d.get("schema_version") != SCHEMA_VERSION_IR:
+            raise ValueError(f"IR schema_version {d.get('schema_version')!r} is not "
+                             f"{SCHEMA_VERSION_IR}; re-trace the model")
+        return Graph(
+            model=d["model"], batch=d["batch"], seq=d["seq"], precision=d["precision"],
+            compute_dtype=d["compute_dtype"],
+            ops=tuple(_tuplify(Op, o) for o in d["ops"]),
+            tensors=tuple(_tuplify(Tensor, t) for t in d["tensors"]),
+            blocks=tuple(_tuplify(Block, b) for b in d["blocks"]),
+            traced_layers=d["traced_layers"], schema_version=d["schema_version"])
+
+
+def _tuplify(cls, d: dict):
+    """Rebuild a dataclass from JSON, turning lists back into tuples."""
+    kw = {}
+    for f in fields(cls):
+        v = d[f.name]
+        if isinstance(v, list):
+            v = tuple(tuple(x) if isinstance(x, list) else x for x in v)
+        kw[f.name] = v
+    return cls(**kw)

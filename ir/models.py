@@ -1,0 +1,175 @@
+"""Built-in models: a nanoGPT-style decoder-only GPT and the papers' configurations.
+
+User models follow nanoGPT's convention: a factory with no arguments returns an
+`nn.Module` whose `forward(idx, targets)` returns the scalar loss and which has
+`vocab_size` and `block_size` attributes. Its repeated layers should live in an
+`nn.ModuleList` (the tracer uses the first ModuleList it finds as the list of blocks).
+"""
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from tensorstow import TensorstowError
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    n_layer: int
+    """Number of transformer blocks."""
+    n_head: int
+    """Attention heads."""
+    n_embd: int
+    """Hidden dimension."""
+    vocab_size: int = 50257
+    """Vocabulary (the papers use GPT-2's 50257)."""
+    block_size: int = 1024
+    """Default sequence length T."""
+    source: str = ""
+    """Where the configuration comes from (paper and table)."""
+
+
+class Block(nn.Module):
+    """Pre-LN transformer block: x + attn(ln(x)); x + mlp(ln(x)). No dropout, no bias tricks."""
+
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.n_head = c.n_head
+        self.ln_1 = nn.LayerNorm(c.n_embd)
+        self.c_attn = nn.Linear(c.n_embd, 3 * c.n_embd)
+        self.c_proj = nn.Linear(c.n_embd, c.n_embd)
+        self.ln_2 = nn.LayerNorm(c.n_embd)
+        self.c_fc = nn.Linear(c.n_embd, 4 * c.n_embd)
+        self.mlp_proj = nn.Linear(4 * c.n_embd, c.n_embd)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class GPT(nn.Module):
+    """Decoder-only GPT (nanoGPT layout) with untied embedding and LM head.
+
+    The head is untied so that every parameter belongs to exactly one place in the
+    execution order; parameter count is 12·L·d² + 13·L·d + 2·V·d + T·d + 2·d.
+    """
+
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.config = c
+        self.vocab_size = c.vocab_size
+        self.block_size = c.block_size
+        self.wte = nn.Embedding(c.vocab_size, c.n_embd)
+        self.wpe = nn.Embedding(c.block_size, c.n_embd)
+        self.h = nn.ModuleList(Block(c) for _ in range(c.n_layer))
+        self.ln_f = nn.LayerNorm(c.n_embd)
+        self.lm_head = nn.Linear(c.n_embd, c.vocab_size, bias=False)
+        std = 0.02
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                scale = std / math.sqrt(2 * c.n_layer) if name.endswith(("c_proj.weight", "mlp_proj.weight")) else std
+                nn.init.normal_(p, 0.0, scale)
+            elif name.endswith(".bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, idx, targets):
+        T = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def gpt_param_count(c: GPTConfig) -> int:
+    L, d, V, T = c.n_layer, c.n_embd, c.vocab_size, c.block_size
+    return 12 * L * d * d + 13 * L * d + 2 * V * d + T * d + 2 * d
+
+
+def _gpt3(L, H, d, src):
+    return GPTConfig(n_layer=L, n_head=H, n_embd=d, vocab_size=50257, block_size=1024, source=src)
+
+
+_FUYOU = "Fuyou Table 4 (seq 1024, vocab 50257)"
+_LOHAN = "LoHan Table IV (seq 1024, vocab 50257)"
+PRESETS: dict[str, GPTConfig] = {
+    # Fuyou Table 4 and LoHan Table IV share 13B/135B/175B/276B/412B.
+    "gpt3-6b": _gpt3(28, 32, 4096, _LOHAN),
+    "gpt3-13b": _gpt3(40, 40, 5120, _FUYOU + "; " + _LOHAN),
+    "gpt3-30b": _gpt3(48, 56, 7168, _LOHAN),
+    "gpt3-33b": _gpt3(60, 52, 6656, _FUYOU),
+    "gpt3-65b": _gpt3(80, 64, 8192, _FUYOU),
+    "gpt3-70b": _gpt3(80, 64, 8192, _LOHAN),
+    "gpt3-135b": _gpt3(88, 88, 11264, _FUYOU + "; " + _LOHAN),
+    "gpt3-175b": _gpt3(96, 96, 12288, _FUYOU + "; " + _LOHAN),
+    "gpt3-276b": _gpt3(112, 112, 14336, _FUYOU + "; " + _LOHAN),
+    "gpt3-412b": _gpt3(128, 128, 16384, _FUYOU + "; " + _LOHAN),
+    "gpt3-805b": _gpt3(160, 160, 20480, _FUYOU),
+    # Mobius Table 3 (seq 512; micro-batch 2, 2, 1, 1).
+    "mobius-3b": GPTConfig(n_layer=64, n_head=32, n_embd=2048, block_size=512, source="Mobius Table 3"),
+    "mobius-8b": GPTConfig(n_layer=40, n_head=32, n_embd=4096, block_size=512, source="Mobius Table 3"),
+    "mobius-15b": GPTConfig(n_layer=40, n_head=64, n_embd=5120, block_size=512, source="Mobius Table 3"),
+    "mobius-51b": GPTConfig(n_layer=50, n_head=80, n_embd=9216, block_size=512, source="Mobius Table 3"),
+    # Deep Optimizer States Table 2 (seq 2048).
+    "dos-7b": GPTConfig(n_layer=32, n_head=32, n_embd=4096, block_size=2048, source="Deep Optimizer States Table 2"),
+    "dos-8.3b": GPTConfig(n_layer=72, n_head=24, n_embd=3072, block_size=2048, source="Deep Optimizer States Table 2"),
+    "dos-10b": GPTConfig(n_layer=50, n_head=32, n_embd=4096, block_size=2048, source="Deep Optimizer States Table 2"),
+    "dos-13b": GPTConfig(n_layer=40, n_head=40, n_embd=5120, block_size=2048, source="Deep Optimizer States Table 2"),
+    "dos-20b": GPTConfig(n_layer=48, n_head=64, n_embd=6144, block_size=2048, source="Deep Optimizer States Table 2"),
+    # Tiny models for tests and CPU-only runs.
+    "gpt-tiny": GPTConfig(n_layer=4, n_head=4, n_embd=64, vocab_size=512, block_size=64, source="tensorstow test model"),
+    "gpt-small": GPTConfig(n_layer=6, n_head=8, n_embd=256, vocab_size=4096, block_size=128, source="tensorstow CPU demo model"),
+}
+
+# Mobius Table 3 micro-batch sizes, used as the default batch of those presets.
+DEFAULT_BATCH = {"mobius-3b": 2, "mobius-8b": 2, "mobius-15b": 1, "mobius-51b": 1}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the planner knows about a model before tracing."""
+
+    name: str
+    """Preset name or `pkg.module:factory`."""
+    config: GPTConfig | None
+    """Set for built-in presets (enables tracing a few blocks and replicating by similarity)."""
+
+    def build(self, n_layer: int | None = None) -> nn.Module:
+        if self.config is not None:
+            c = self.config
+            if n_layer is not None:
+                c = GPTConfig(**{**c.__dict__, "n_layer": n_layer})
+            return GPT(c)
+        return _load_factory(self.name)()
+
+
+def _load_factory(ref: str):
+    mod_name, _, attr = ref.partition(":")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise TensorstowError(f"model '{ref}': cannot import module '{mod_name}' ({e}); "
+                              f"check PYTHONPATH or the spelling") from None
+    fn = getattr(mod, attr, None)
+    if not callable(fn):
+        raise TensorstowError(f"model '{ref}': module '{mod_name}' has no callable '{attr}'")
+    return fn
+
+
+def resolve_model(name: str) -> ModelSpec:
+    if name in PRESETS:
+        return ModelSpec(name, PRESETS[name])
+    if ":" in name:
+        _load_factory(name)  # fail early with a clear message
+        return ModelSpec(name, None)
+    raise TensorstowError(f"unknown model '{name}': use a preset ({', '.join(sorted(PRESETS))}) "
+                          f"or a factory as 'pkg.module:function'")

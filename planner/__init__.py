@@ -1,0 +1,1 @@
+"""Planner: hardware specs, cost model, policies, simulator, plan JSON and the CLI."""

@@ -1,0 +1,150 @@
+"""Cost model: block profiles from the IR, and the duration of every instruction.
+
+Op time is a roofline: max(FLOPs / THP_G, bytes / memory bandwidth), summed over a
+segment's ops. Transfers take bytes / link bandwidth; the host link is duplex (H2D and D2H
+are separate resources), SSD traffic is simplex across N drives (Fuyou Eq. 3-4, LoHan
+Eq. 2: reads and writes share the SSDs' bandwidth). The CPU optimizer updates
+`cpu.adam_rate` parameters per second; the GPU optimizer is memory-bound.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tensorstow.ir.graph import DTYPE_BYTES, Graph
+from tensorstow.planner.hardware import Hardware
+
+# Bytes moved per parameter by one Adam step on the GPU: read param, grad, master, m, v and
+# write master, m, v, param (mixed precision: 2+2+4+4+4 read, 4+4+4+2 written).
+GPU_ADAM_BYTES_PER_PARAM = 30
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    """Everything the planner needs about one traced block (shared by similar blocks)."""
+
+    name: str
+    fwd_ops: tuple[int, int]
+    """[first, last] op index of the block's forward in the IR (-1, -1 if none)."""
+    bwd_ops: tuple[int, int]
+    fwd_flops: int
+    bwd_flops: int
+    fwd_time_s: float
+    """Roofline time of the forward on the GPU."""
+    bwd_time_s: float
+    param_count: int
+    saved_bytes: int
+    """Activations produced in the block and read by its backward (A_i)."""
+    input_bytes: int
+    """Activations produced before the block and read by its backward: its checkpoint X_i."""
+    output_bytes: int
+    """Bytes the block's forward hands to the next block."""
+    fwd_workspace: int
+    """Peak bytes of temporaries while the forward runs."""
+    bwd_workspace: int
+    saved: tuple[tuple[str, int, int], ...]
+    """(tensor, bytes, FLOPs of the op that produced it) for each saved storage."""
+
+
+def op_time(flops: int, nbytes: int, hw: Hardware, gpu: int = 0) -> float:
+    g = hw.gpus[gpu]
+    return max(flops / g.flops, nbytes / g.mem_bw)
+
+
+def profiles(graph: Graph, hw: Hardware) -> dict[str, BlockProfile]:
+    """One profile per traced block."""
+    tensors = {t.name: t for t in graph.tensors}
+    ops = graph.ops
+    out: dict[str, BlockProfile] = {}
+    for b in {blk.profile for blk in graph.blocks}:
+        fwd = [o for o in ops if o.block == b and o.phase == "fwd"]
+        bwd = [o for o in ops if o.block == b and o.phase == "bwd"]
+        fwd_idx = {o.index for o in fwd}
+        bwd_idx = {o.index for o in bwd}
+        saved, inputs = {}, {}
+        for t in tensors.values():
+            if t.kind != "saved_activation" or t.storage != t.name:
+                continue
+            readers = set(t.consumers)
+            # a saved storage is read by this block's backward through itself or a view
+            for v in tensors.values():
+                if v.storage == t.name and v.name != t.name:
+                    readers |= set(v.consumers)
+            if not readers & bwd_idx:
+                continue
+            pflops = ops[t.producer].flops if t.producer is not None else 0
+            (saved if t.producer in fwd_idx else inputs)[t.name] = (t.nbytes, pflops)
+        nxt = set()
+        for o in fwd:
+            for name in o.outputs:
+                t = tensors[name]
+                if any(c not in fwd_idx and ops[c].phase == "fwd" for c in t.consumers):
+                    nxt.add(t.storage)
+        out[b] = BlockProfile(
+            name=b,
+            fwd_ops=(fwd[0].index, fwd[-1].index) if fwd else (-1, -1),
+            bwd_ops=(bwd[0].index, bwd[-1].index) if bwd else (-1, -1),
+            fwd_flops=sum(o.flops for o in fwd), bwd_flops=sum(o.flops for o in bwd),
+            fwd_time_s=sum(op_time(o.flops, o.bytes_in + o.bytes_out, hw) for o in fwd),
+            bwd_time_s=sum(op_time(o.flops, o.bytes_in + o.bytes_out, hw) for o in bwd),
+            param_count=next(blk.param_count for blk in graph.blocks if blk.name == b),
+            saved_bytes=sum(v[0] for v in saved.values()),
+            input_bytes=sum(v[0] for v in inputs.values()),
+            output_bytes=sum(tensors[n].nbytes for n in sorted(nxt)),
+            fwd_workspace=_workspace(fwd, tensors, ops), bwd_workspace=_workspace(bwd, tensors, ops),
+            saved=tuple(sorted((k, v[0], v[1]) for k, v in saved.items())))
+    return out
+
+
+def _workspace(seg, tensors, ops) -> int:
+    """Peak live bytes of temporaries (not saved, not parameters/gradients) inside a segment."""
+    if not seg:
+        return 0
+    idx = {o.index for o in seg}
+    live: dict[str, int] = {}
+    last_use: dict[str, int] = {}
+    peak = 0
+    for o in seg:
+        for name in o.outputs:
+            t = tensors[name]
+            if t.kind == "temporary" and t.storage == t.name:
+                live[name] = t.nbytes
+                inside = [c for c in t.consumers if c in idx]
+                last_use[name] = max(inside) if inside else o.index
+        peak = max(peak, sum(live.values()))
+        for name in [n for n, last in last_use.items() if last <= o.index and n in live]:
+            del live[name]
+    return peak
+
+
+def dtype_bytes(graph: Graph) -> int:
+    return DTYPE_BYTES[graph.compute_dtype]
+
+
+def transfer_time(nbytes: int, src: str, dst: str, hw: Hardware) -> float:
+    """Seconds to move `nbytes` between tiers ("gpuK", "dram", "ssd")."""
+    if nbytes == 0:
+        return 0.0
+    if src.startswith("gpu") and dst.startswith("gpu"):
+        bw = hw.gpu_p2p_bw or min(hw.gpus[int(src[3:])].d2h_bw, hw.gpus[int(dst[3:])].h2d_bw)
+        return nbytes / bw
+    if src == "dram" and dst.startswith("gpu"):
+        return nbytes / hw.gpus[int(dst[3:])].h2d_bw
+    if src.startswith("gpu") and dst == "dram":
+        return nbytes / hw.gpus[int(src[3:])].d2h_bw
+    if src == "ssd" and dst == "dram":
+        return nbytes / _nonzero(hw.ssd.read_total(), "SSD read bandwidth")
+    if src == "dram" and dst == "ssd":
+        return nbytes / _nonzero(hw.ssd.write_total(), "SSD write bandwidth")
+    raise ValueError(f"no direct link {src} -> {dst} (consumer GPUs have no GPUDirect storage)")
+
+
+def _nonzero(bw: float, what: str) -> float:
+    if bw <= 0:
+        raise ValueError(f"{what} is 0 (no SSDs in the hardware spec) but the plan uses the SSD tier")
+    return bw
+
+
+def optimizer_time(params: int, device: str, hw: Hardware) -> float:
+    if device == "cpu":
+        return params / hw.cpu.adam_rate
+    return params * GPU_ADAM_BYTES_PER_PARAM / hw.gpus[int(device[3:])].mem_bw

@@ -1,0 +1,182 @@
+"""Hardware specs: what the planner needs to know about a machine.
+
+A spec is plain data (JSON on disk). Bandwidths are bytes/s, capacities bytes, FLOP/s are
+the *measured* peak the papers use (LoHan THP_G), not the datasheet number.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tensorstow import TensorstowError
+
+GB = 10**9
+GiB = 2**30
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPU:
+    name: str
+    """Human name, e.g. "RTX 4090"."""
+    memory_bytes: int
+    """Device memory usable for training state."""
+    flops: float
+    """Measured peak FLOP/s at the compute precision (LoHan THP_G)."""
+    mem_bw: float
+    """Device memory bandwidth, bytes/s (roofline for memory-bound ops)."""
+    h2d_bw: float
+    """Host (DRAM) -> device bandwidth, bytes/s (LoHan BW_G, one direction)."""
+    d2h_bw: float
+    """Device -> host bandwidth, bytes/s. The host link is duplex: h2d and d2h overlap."""
+    root_complex: int = 0
+    """Which CPU root complex the GPU hangs off (Mobius: GPUs on one complex share its bandwidth)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DRAM:
+    capacity_bytes: int
+    """Main memory the training job may use."""
+    bandwidth: float
+    """Main memory bandwidth, bytes/s."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SSD:
+    count: int
+    """Number of NVMe drives striped together (0 = no SSD tier)."""
+    read_bw: float
+    """Sequential read bandwidth of ONE drive, bytes/s."""
+    write_bw: float
+    """Sequential write bandwidth of ONE drive, bytes/s."""
+    capacity_bytes: int
+    """Capacity of ONE drive."""
+    max_total_bw: float = 0.0
+    """Cap on the aggregate bandwidth (PCIe / root complex limit); 0 = no cap."""
+
+    def read_total(self) -> float:
+        bw = self.count * self.read_bw
+        return min(bw, self.max_total_bw) if self.max_total_bw else bw
+
+    def write_total(self) -> float:
+        bw = self.count * self.write_bw
+        return min(bw, self.max_total_bw) if self.max_total_bw else bw
+
+
+@dataclass(frozen=True, kw_only=True)
+class CPU:
+    cores: int
+    """Physical cores available to the optimizer."""
+    adam_rate: float
+    """Adam/AdamW update rate of the whole CPU, parameters/s (fp32 master + m + v)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    name: str
+    """Preset name or a user label."""
+    gpus: tuple[GPU, ...]
+    dram: DRAM
+    ssd: SSD
+    cpu: CPU
+    gpu_p2p_bw: float = 0.0
+    """GPU<->GPU bandwidth when GPUDirect P2P exists (0: peer traffic goes through DRAM)."""
+    root_complex_bw: float = 0.0
+    """Bandwidth of one CPU root complex shared by its GPUs (Mobius contention); 0 = unlimited."""
+    source: str = ""
+    """Where the numbers come from (paper table, datasheet, `tensorstow probe`)."""
+
+    @property
+    def gpu(self) -> GPU:
+        return self.gpus[0]
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_json(d: dict, where: str = "hardware spec") -> "Hardware":
+        return _build(Hardware, d, where)
+
+    def fingerprint(self) -> str:
+        from tensorstow.ir.graph import stable_hash
+
+        return stable_hash(self.to_json())
+
+    def with_overrides(self, *, gpu_mem: int | None = None, dram: int | None = None,
+                       ssds: int | None = None) -> "Hardware":
+        hw = self
+        if gpu_mem is not None:
+            hw = dataclasses.replace(hw, gpus=tuple(dataclasses.replace(g, memory_bytes=gpu_mem) for g in hw.gpus))
+        if dram is not None:
+            hw = dataclasses.replace(hw, dram=dataclasses.replace(hw.dram, capacity_bytes=dram))
+        if ssds is not None:
+            if ssds < 0:
+                raise TensorstowError(f"--ssds must be >= 0, got {ssds}")
+            hw = dataclasses.replace(hw, ssd=dataclasses.replace(hw.ssd, count=ssds))
+        return hw
+
+
+_NESTED = {"gpus": GPU, "dram": DRAM, "ssd": SSD, "cpu": CPU}
+
+
+def _build(cls, d, where):
+    """Strict construction: unknown or missing keys and wrong types are errors naming the field."""
+    if not isinstance(d, dict):
+        raise TensorstowError(f"{where}: expected a JSON object, got {type(d).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise TensorstowError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(fields)}")
+    kwargs = {}
+    for name, f in fields.items():
+        if name not in d:
+            if f.default is dataclasses.MISSING:
+                raise TensorstowError(f"{where}: missing required key '{name}'")
+            continue
+        v = d[name]
+        sub = f"{where}.{name}"
+        if name == "gpus" and cls is Hardware:
+            if not isinstance(v, list) or not v:
+                raise TensorstowError(f"{sub}: expected a non-empty list of GPU objects")
+            v = tuple(_build(GPU, g, f"{sub}[{i}]") for i, g in enumerate(v))
+        elif name in _NESTED and cls is Hardware:
+            v = _build(_NESTED[name], v, sub)
+        elif f.type in ("int", "float"):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TensorstowError(f"{sub}: expected a number, got {v!r}")
+            if v < 0:
+                raise TensorstowError(f"{sub}: must be >= 0, got {v}")
+            v = int(v) if f.type == "int" else float(v)
+        elif f.type == "str" and not isinstance(v, str):
+            raise TensorstowError(f"{sub}: expected a string, got {v!r}")
+        kwargs[name] = v
+    return cls(**kwargs)
+
+
+PRESET_DIR = Path(__file__).parent / "hardware_presets"
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json")) + ["local"]
+
+
+def load_hardware(spec: str) -> Hardware:
+    """`spec` is a preset name, `local` (probe this machine), or a path to a JSON spec file."""
+    if spec == "local":
+        from tensorstow.planner.probe import probe
+
+        return probe()
+    path = PRESET_DIR / f"{spec}.json"
+    if not path.exists():
+        path = Path(spec)
+        if not path.exists() or path.is_dir():
+            raise TensorstowError(
+                f"unknown hardware '{spec}': not a preset ({', '.join(preset_names())}) "
+                f"and not a spec file")
+    try:
+        d = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise TensorstowError(f"hardware spec {path}: not valid JSON ({e}); fix the file or "
+                              f"regenerate it with `tensorstow probe -o {path}`") from None
+    return Hardware.from_json(d, where=f"hardware spec {path}")

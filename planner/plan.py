@@ -1,0 +1,251 @@
+"""Plan = model + hardware + options + decisions + static schedule + predictions, as JSON.
+
+`make_plan()` is the whole `plan` pipeline: trace -> profiles -> policy decisions ->
+lowering -> simulation -> memory check -> Plan. Same inputs give byte-identical JSON.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+from tensorstow import TensorstowError
+from tensorstow.ir.graph import Graph, stable_hash
+from tensorstow.ir.models import DEFAULT_BATCH, resolve_model
+from tensorstow.ir.trace import PRECISIONS, trace_spec
+from tensorstow.planner import cost
+from tensorstow.planner.hardware import Hardware
+from tensorstow.planner.schedule import Buffer, Decisions, Instr, buffers_for, lower
+from tensorstow.planner.simulate import SimResult, simulate
+
+SCHEMA_VERSION = 1
+TIER_NAMES = ("gpu", "dram", "ssd")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    model: str
+    """Preset name or `pkg.module:factory`."""
+    hardware: str
+    """Preset name, spec file, or "local"."""
+    policy: str = "zero-infinity"
+    batch: int = 0
+    """Micro-batch size (0: the preset's default, else 1)."""
+    seq: int = 0
+    """Sequence length (0: the model's block_size)."""
+    precision: str = "fp16-mixed"
+    gpu_mem: int | None = None
+    dram: int | None = None
+    ssds: int | None = None
+    optimizer: str = "adamw"
+    """Optimizer semantics of torch.optim.Adam / AdamW."""
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @staticmethod
+    def from_json(d: dict) -> "Options":
+        fields = {f.name for f in dataclasses.fields(Options)}
+        unknown = sorted(set(d) - fields)
+        if unknown:
+            raise TensorstowError(f"plan options: unknown key(s) {unknown}")
+        d = dict(d)
+        if "betas" in d:
+            d["betas"] = tuple(d["betas"])
+        return Options(**d)
+
+
+@dataclass
+class Problem:
+    """What every policy sees: the traced model, the hardware and the options."""
+
+    graph: Graph
+    hw: Hardware
+    options: Options
+    profiles: dict[str, cost.BlockProfile]
+    order: list[str]
+    """Block names in forward order."""
+    profile_of: dict[str, str]
+
+    @property
+    def mixed(self) -> bool:
+        return self.options.precision != "fp32"
+
+    @property
+    def elt(self) -> int:
+        return cost.dtype_bytes(self.graph)
+
+    def capacity(self) -> dict[str, int]:
+        return {"gpu": self.hw.gpu.memory_bytes, "dram": self.hw.dram.capacity_bytes,
+                "ssd": self.hw.ssd.count * self.hw.ssd.capacity_bytes}
+
+
+def build_problem(options: Options, hw: Hardware) -> Problem:
+    if options.optimizer not in ("adam", "adamw"):
+        raise TensorstowError(f"unknown optimizer '{options.optimizer}': use adam or adamw")
+    if options.precision not in PRECISIONS:
+        raise TensorstowError(f"unknown precision '{options.precision}': use one of {sorted(PRECISIONS)}")
+    spec = resolve_model(options.model)
+    batch = options.batch or DEFAULT_BATCH.get(options.model, 1)
+    traced = trace_spec(spec, batch=batch, seq=options.seq or None, precision=options.precision)
+    g = traced.graph
+    return Problem(graph=g, hw=hw, options=options, profiles=cost.profiles(g, hw),
+                   order=[b.name for b in g.blocks], profile_of={b.name: b.profile for b in g.blocks})
+
+
+@dataclass
+class Plan:
+    problem: Problem
+    decisions: Decisions
+    buffers: dict[str, Buffer]
+    instructions: list[Instr]
+    sim: SimResult
+    durations: list[float]
+
+    @property
+    def fits(self) -> bool:
+        return not self.over_capacity()
+
+    def over_capacity(self) -> dict[str, tuple[int, int]]:
+        cap = self.problem.capacity()
+        return {t: (self.peak(t), cap[t]) for t in TIER_NAMES if self.peak(t) > cap[t]}
+
+    def peak(self, tier: str) -> int:
+        if tier == "gpu":
+            return max([v for k, v in self.sim.peak_bytes.items() if k.startswith("gpu")] or [0])
+        return self.sim.peak_bytes.get(tier, 0)
+
+    def breakdown(self, tier: str) -> dict[str, int]:
+        """Bytes by kind live on `tier` at its peak."""
+        snap = self.sim.peak_live.get(_sim_tier(tier), [])
+        out: dict[str, int] = {}
+        for b in snap:
+            buf = self.buffers[b]
+            out[buf.kind] = out.get(buf.kind, 0) + buf.bytes
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def to_json(self) -> dict:
+        p, g = self.problem, self.problem.graph
+        tokens = g.batch * g.seq
+        flops = 0
+        for b in p.order:
+            prof = p.profiles[p.profile_of[b]]
+            flops += prof.fwd_flops + prof.bwd_flops
+        sim = self.sim
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "model": {
+                "name": g.model, "fingerprint": g.fingerprint(), "params": g.param_count(),
+                "layers": len(g.layer_blocks()), "traced_layers": g.traced_layers,
+                "batch": g.batch, "seq": g.seq, "precision": g.precision,
+                "blocks": [{"name": b.name, "profile": b.profile, "params": b.param_count} for b in g.blocks],
+                "profiles": {k: _profile_json(v) for k, v in sorted(p.profiles.items())},
+            },
+            "hardware": {"name": p.hw.name, "fingerprint": p.hw.fingerprint(), "spec": p.hw.to_json()},
+            "options": p.options.to_json(),
+            "decisions": self.decisions.to_json(),
+            "buffers": {k: {"bytes": b.bytes, "kind": b.kind, "block": b.block, "home": b.home}
+                        for k, b in sorted(self.buffers.items())},
+            "instructions": [i.to_json() | {"est_s": _r(self.durations[i.id])} for i in self.instructions],
+            "pools": {t: self.peak(t) for t in TIER_NAMES},
+            "predicted": {
+                "step_time_s": _r(sim.step_time_s),
+                "tokens_per_s": _r(tokens / sim.step_time_s) if sim.step_time_s else 0.0,
+                "model_tflops": _r(flops / sim.step_time_s / 1e12) if sim.step_time_s else 0.0,
+                "peak_bytes": {t: self.peak(t) for t in TIER_NAMES},
+                "capacity_bytes": p.capacity(),
+                "bottleneck": sim.bottleneck,
+                "busy_s": {k: _r(v) for k, v in sorted(sim.busy_s.items())},
+                "traffic_bytes": dict(sorted(sim.traffic_bytes.items())),
+            },
+        }
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n"
+
+
+def _sim_tier(t: str) -> str:
+    return "gpu0" if t == "gpu" else t
+
+
+def _r(x: float) -> float:
+    return float(f"{x:.6g}")
+
+
+def _profile_json(p: cost.BlockProfile) -> dict:
+    d = dataclasses.asdict(p)
+    d.pop("saved")
+    d["fwd_time_s"], d["bwd_time_s"] = _r(p.fwd_time_s), _r(p.bwd_time_s)
+    d["fwd_ops"], d["bwd_ops"] = list(p.fwd_ops), list(p.bwd_ops)
+    return d
+
+
+def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer]) -> list[float]:
+    hw, out = problem.hw, []
+    for ins in instrs:
+        if ins.kind in ("compute", "recompute"):
+            phase, b = ins.segment.split(":", 1)
+            prof = problem.profiles[problem.profile_of[b]]
+            out.append(prof.fwd_time_s if phase == "fwd" else prof.bwd_time_s)
+        elif ins.kind in ("load", "store"):
+            out.append(cost.transfer_time(buffers[ins.tensor].bytes, ins.src, ins.dst, hw))
+        elif ins.kind == "optimizer_step":
+            n = problem.profiles[problem.profile_of[ins.segment]].param_count
+            out.append(cost.optimizer_time(n, ins.dst, hw))
+        else:
+            out.append(0.0)
+    return out
+
+
+def schedule(problem: Problem, decisions: Decisions) -> Plan:
+    """Lower decisions and simulate them: the one yardstick every policy is measured with."""
+    bufs = buffers_for(problem.order, problem.profiles, problem.profile_of, decisions,
+                       problem.elt, problem.mixed)
+    instrs = lower(problem.order, problem.profiles, problem.profile_of, decisions, bufs)
+    dur = durations(problem, instrs, bufs)
+    initial = {(n, "gpu0" if b.home == "gpu" else b.home) for n, b in bufs.items() if b.home}
+    sim = simulate(instrs, dur, {n: b.bytes for n, b in bufs.items()}, initial)
+    return Plan(problem, decisions, bufs, instrs, sim, dur)
+
+
+def policies() -> dict:
+    from tensorstow.planner.policies import all_gpu, zero_infinity
+    return {"all-gpu": all_gpu.plan, "zero-infinity": zero_infinity.plan}
+
+
+def make_plan(options: Options, hw: Hardware) -> Plan:
+    table = policies()
+    if options.policy not in table:
+        raise TensorstowError(f"unknown policy '{options.policy}': use one of {sorted(table)}")
+    problem = build_problem(options, hw)
+    plan = schedule(problem, table[options.policy](problem))
+    over = plan.over_capacity()
+    if over:
+        raise TensorstowError(infeasible_message(plan, over))
+    return plan
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def infeasible_message(plan: Plan, over: dict[str, tuple[int, int]]) -> str:
+    o = plan.problem.options
+    parts = []
+    for tier, (need, cap) in over.items():
+        kinds = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in plan.breakdown(tier).items())
+        parts.append(f"{tier} needs {fmt_bytes(need)} at peak > {fmt_bytes(cap)} capacity ({kinds})")
+    hint = {"gpu": "try an offloading policy (--policy zero-infinity), a smaller --batch, or more --gpu-mem",
+            "dram": "add --dram, use SSDs (--ssds N), or a smaller --batch",
+            "ssd": "add SSDs (--ssds N) or use a smaller model"}
+    return (f"{o.model} does not fit on {plan.problem.hw.name} with policy {o.policy}: "
+            + "; ".join(parts) + "; " + "; ".join(hint[t] for t in over))

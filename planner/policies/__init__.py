@@ -1,0 +1,1 @@
+"""One module per policy; all share `plan(problem) -> Decisions` (see planner/policy.py)."""

@@ -1,0 +1,522 @@
+"""`tensorstow probe`: measure this machine and return a `Hardware` spec named "local".
+
+Everything is measured, nothing is looked up in a table:
+
+* GPU (torch.cuda available): memory from the device properties (NVML, when it loads, only
+  adds names and driver info to `source`), matmul FLOP/s at bf16 (fp16 where bf16 is not
+  supported), device-to-device copy bandwidth, pinned host<->device bandwidth per direction,
+  and GPU->GPU bandwidth when peer access exists.
+* No CUDA: the "device tier" is budgeted CPU memory, so the spec holds one pseudo-GPU
+  "cpu (no CUDA)" with a quarter of total RAM (the CLI usually overrides it with --gpu-mem),
+  fp32 CPU matmul FLOP/s and memcpy bandwidth. Its budget is taken out of the DRAM capacity
+  (both tiers live in the same RAM).
+* DRAM: capacity = MemAvailable, bandwidth = measured memcpy.
+* SSD: sequential O_DIRECT write (+fsync) and read of a temp file in `disk_dir` (default:
+  a temp dir on the current directory's filesystem) with a few threads of pwrite/preadv,
+  like the executor's I/O pool. Where O_DIRECT is refused (tmpfs, some network file
+  systems) it falls back to buffered I/O + fsync + POSIX_FADV_DONTNEED and says so in
+  `source`. The temp file is always removed.
+* CPU: os.cpu_count() and the measured AdamW rate (fused when this torch supports it on
+  CPU, else foreach) on one large fp32 tensor.
+
+Bandwidth conventions (all bytes/s): h2d/d2h and SSD numbers are bytes *moved* per second;
+`GPU.mem_bw` and `DRAM.bandwidth` are memory *traffic* (a copy of n bytes reads n and
+writes n, so 2n/t), the convention of datasheets and STREAM.
+
+Every number is the best of several short repetitions (noisy VMs); a quick probe takes
+~3 s on a 2-core VM (plus ~1.5 s the first time an optimizer steps in a process: torch
+imports its compiler stack then). Results are cached per (disk_dir, quick) per process.
+"""
+from __future__ import annotations
+
+import datetime
+import errno
+import functools
+import gc
+import mmap
+import os
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from tensorstow import TensorstowError
+from tensorstow.planner.hardware import CPU, DRAM, GPU, SSD, GiB, Hardware
+
+MiB = 2**20
+
+CPU_GPU_NAME = "cpu (no CUDA)"
+"""Name of the pseudo-GPU that stands for budgeted CPU memory on a machine without CUDA."""
+
+CPU_GPU_FRACTION = 4
+"""Without CUDA the pseudo-GPU gets 1/CPU_GPU_FRACTION of total RAM."""
+
+
+@dataclass(frozen=True)
+class _Params:
+    """Sizes and repetition counts for one probe mode."""
+
+    cpu_mm_n: int
+    cpu_mm_reps: int
+    memcpy_bytes: int
+    memcpy_reps: int
+    disk_bytes: int
+    disk_chunk: int
+    disk_threads: int
+    disk_reps: int
+    adam_numel: int
+    adam_reps: int
+    gpu_mm_n: int
+    gpu_mm_iters: int
+    gpu_mm_reps: int
+    gpu_copy_bytes: int
+    gpu_copy_reps: int
+
+
+_QUICK = _Params(cpu_mm_n=1024, cpu_mm_reps=6, memcpy_bytes=128 * MiB, memcpy_reps=6,
+                 disk_bytes=64 * MiB, disk_chunk=16 * MiB, disk_threads=4, disk_reps=5,
+                 adam_numel=8 * MiB, adam_reps=6,
+                 gpu_mm_n=4096, gpu_mm_iters=5, gpu_mm_reps=3,
+                 gpu_copy_bytes=256 * MiB, gpu_copy_reps=3)
+_FULL = _Params(cpu_mm_n=2048, cpu_mm_reps=6, memcpy_bytes=256 * MiB, memcpy_reps=10,
+                disk_bytes=512 * MiB, disk_chunk=16 * MiB, disk_threads=4, disk_reps=4,
+                adam_numel=16 * MiB, adam_reps=10,
+                gpu_mm_n=8192, gpu_mm_iters=10, gpu_mm_reps=5,
+                gpu_copy_bytes=1 * GiB, gpu_copy_reps=5)
+
+
+# --------------------------------------------------------------------------------------
+# public API
+
+
+def probe(*, disk_dir: str | None = None, quick: bool = True) -> Hardware:
+    """Measure this machine; see the module docstring. Cached per (disk_dir, quick).
+
+    `disk_dir`: directory on the filesystem whose disk is measured (default: the current
+    working directory). A temp dir is created inside it and removed afterwards.
+    """
+    if disk_dir is None:
+        base = os.getcwd()
+    else:
+        base = os.fspath(disk_dir)
+        if not os.path.isdir(base):
+            raise TensorstowError(f"probe: disk_dir '{base}' is not an existing directory")
+    return _probe_cached(os.path.realpath(base), bool(quick), disk_dir is None)
+
+
+def clear_cache() -> None:
+    """Forget cached probe results (the next `probe()` measures again)."""
+    _probe_cached.cache_clear()
+
+
+# --------------------------------------------------------------------------------------
+# orchestration
+
+
+@functools.lru_cache(maxsize=None)
+def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
+    import torch
+
+    p = _QUICK if quick else _FULL
+    t0 = time.perf_counter()
+    notes: list[str] = []
+
+    mem = _meminfo()
+    total_ram, avail_ram = mem["total"], mem["available"]
+
+    # Host measurements first (the GPU path needs nothing from them, the no-CUDA path does).
+    copy_bw = _cpu_memcpy_bw(p.memcpy_bytes, p.memcpy_reps)  # bytes moved per second
+    dram = DRAM(capacity_bytes=avail_ram, bandwidth=2 * copy_bw)
+    try:
+        disk = _disk_bw(base, p.disk_bytes, p.disk_chunk, p.disk_threads, p.disk_reps)
+    except TensorstowError:
+        if not default_dir:
+            raise
+        # The current directory is not writable: measure the system temp dir instead.
+        fallback = os.path.realpath(tempfile.gettempdir())
+        disk = _disk_bw(fallback, p.disk_bytes, p.disk_chunk, p.disk_threads, p.disk_reps)
+        notes.append(f"current directory {base} not writable, measured {fallback}")
+    adam_rate, adam_kind = _adam_rate(p.adam_numel, p.adam_reps)
+    cores = os.cpu_count() or 1
+
+    nvml_note = _nvml_summary()
+    gpu_result = None
+    if torch.cuda.is_available():
+        try:
+            gpu_result = _probe_cuda(p)
+        except Exception as e:  # a broken driver/runtime must not kill the probe
+            notes.append(f"CUDA probe failed ({type(e).__name__}: {e}); using CPU pseudo-GPU")
+    if gpu_result is not None:
+        gpus, p2p_bw, gpu_notes = gpu_result
+        notes += gpu_notes
+    else:
+        flops = _cpu_matmul_flops(p.cpu_mm_n, p.cpu_mm_reps)
+        budget = total_ram // CPU_GPU_FRACTION
+        gpus = (GPU(name=CPU_GPU_NAME, memory_bytes=budget, flops=flops, mem_bw=2 * copy_bw,
+                    h2d_bw=copy_bw, d2h_bw=copy_bw),)
+        p2p_bw = 0.0
+        # Device tier and DRAM tier share the same RAM: do not count it twice.
+        dram = DRAM(capacity_bytes=max(0, avail_ram - budget), bandwidth=dram.bandwidth)
+        notes.append(f"no CUDA: device tier = CPU memory, 1/{CPU_GPU_FRACTION} of RAM "
+                     f"({budget / GiB:.1f} GiB, taken out of DRAM capacity); "
+                     f"flops = fp32 torch.mm {p.cpu_mm_n}^2 on {torch.get_num_threads()} "
+                     f"thread(s)")
+    if nvml_note:
+        notes.append(nvml_note)
+
+    ssd = SSD(count=1, read_bw=disk.read_bw, write_bw=disk.write_bw,
+              capacity_bytes=disk.capacity)
+    cpu = CPU(cores=cores, adam_rate=adam_rate)
+
+    stamp = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    source = "; ".join([
+        f"tensorstow probe {stamp} ({'quick' if quick else 'full'}, torch {torch.__version__}, "
+        f"{time.perf_counter() - t0:.1f} s)",
+        *notes,
+        f"DRAM: MemAvailable {avail_ram / GiB:.1f} of {total_ram / GiB:.1f} GiB, "
+        f"bandwidth = 2x memcpy of {p.memcpy_bytes // MiB} MiB (read+write traffic)",
+        f"SSD: {disk.method} on {disk.fs_dir}, {p.disk_bytes // MiB} MiB file, "
+        f"{p.disk_chunk // MiB} MiB requests x {p.disk_threads} threads",
+        f"CPU: AdamW {adam_kind} on {p.adam_numel // MiB}Mi fp32 params",
+        f"best of {p.memcpy_reps}/{p.disk_reps}/{p.adam_reps} reps (memcpy/disk/adam)",
+    ])
+    return Hardware(name="local", gpus=gpus, dram=dram, ssd=ssd, cpu=cpu,
+                    gpu_p2p_bw=p2p_bw, source=source)
+
+
+# --------------------------------------------------------------------------------------
+# host memory
+
+
+def _meminfo() -> dict[str, int]:
+    """Total and available RAM in bytes (/proc/meminfo; os.sysconf elsewhere)."""
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("MemTotal", "MemAvailable"):
+                    out[key] = int(rest.split()[0]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        pass
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = out.get("MemTotal") or os.sysconf("SC_PHYS_PAGES") * page
+    avail = out.get("MemAvailable")
+    if avail is None:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * page
+        except (ValueError, OSError):
+            avail = total
+    return {"total": int(total), "available": int(min(avail, total))}
+
+
+def _best_time(fn, reps: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return max(best, 1e-9)
+
+
+def _cpu_memcpy_bw(nbytes: int, reps: int) -> float:
+    """Bytes moved per second by a torch tensor copy_ (both buffers pre-faulted)."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    dst = torch.empty(nbytes, dtype=torch.uint8)
+    src.fill_(1)
+    dst.fill_(0)
+    try:
+        return nbytes / _best_time(lambda: dst.copy_(src), reps)
+    finally:
+        del src, dst
+
+
+def _cpu_matmul_flops(n: int, reps: int) -> float:
+    import torch
+
+    a = torch.randn(n, n)
+    b = torch.randn(n, n)
+    c = torch.empty(n, n)
+    return 2 * n**3 / _best_time(lambda: torch.mm(a, b, out=c), reps)
+
+
+def _adam_rate(numel: int, reps: int) -> tuple[float, str]:
+    """Parameters/s of AdamW steps on one fp32 tensor; fused if this torch has it on CPU."""
+    import torch
+
+    param = torch.nn.Parameter(torch.zeros(numel))
+    param.grad = torch.randn(numel) * 1e-3
+    opt = None
+    kind = ""
+    for kind, kw in (("fused", {"fused": True}), ("foreach", {"foreach": True}),
+                     ("for-loop", {"foreach": False})):
+        try:
+            opt = torch.optim.AdamW([param], lr=1e-4, **kw)
+            opt.step()  # also the warm-up; state (m, v) is allocated here
+            break
+        except (RuntimeError, TypeError, ValueError):
+            opt = None
+    if opt is None:  # pragma: no cover - every torch >= 2.4 has the for-loop variant
+        raise RuntimeError("probe: torch.optim.AdamW does not step on this machine")
+    try:
+        return numel / _best_time(opt.step, reps, warmup=0), kind
+    finally:
+        del opt, param
+        gc.collect()
+
+
+# --------------------------------------------------------------------------------------
+# disk
+
+
+@dataclass(frozen=True)
+class _DiskResult:
+    read_bw: float
+    write_bw: float
+    capacity: int
+    method: str
+    fs_dir: str
+
+
+def _fill_buffer(buf: mmap.mmap) -> None:
+    """Fill with random bytes. Content matters on these VMs: zero or tiled data reads back
+    ~2x slower than random data (the host dedupes/compresses), and tensors look random."""
+    import numpy as np
+
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    gen = np.random.default_rng(0).bit_generator
+    piece = 8 * MiB
+    whole = len(arr) // 8 * 8
+    for off in range(0, whole, piece):
+        n = min(piece, whole - off)
+        arr[off:off + n] = gen.random_raw(n // 8).view(np.uint8)
+    arr[whole:] = 0x5A
+    del arr
+
+
+def _pwrite_all(fd: int, view: memoryview, off: int) -> None:
+    done = 0
+    while done < len(view):
+        n = os.pwrite(fd, view[done:], off + done)
+        if n <= 0:
+            raise OSError(errno.EIO, "short write")
+        done += n
+
+
+def _pread_all(fd: int, view: memoryview, off: int) -> None:
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], off + done)
+        if n <= 0:
+            raise OSError(errno.EIO, "unexpected end of file")
+        done += n
+
+
+def _time_file_io(path: str, view: memoryview, chunk: int, pool: ThreadPoolExecutor,
+                  reps: int, direct: bool) -> tuple[float, float]:
+    """(read_bw, write_bw) of `path`, best of `reps` each; raises OSError on failure."""
+    size = len(view)
+    flags = os.O_RDWR | os.O_CREAT
+    if direct:
+        flags |= os.O_DIRECT
+    offsets = list(range(0, size, chunk))
+    chunks = [view[o:o + chunk] for o in offsets]
+    fd = -1
+    try:
+        fd = os.open(path, flags, 0o600)
+
+        def write_all():
+            list(pool.map(lambda i: _pwrite_all(fd, chunks[i], offsets[i]), range(len(offsets))))
+            os.fsync(fd)
+
+        def read_all():
+            if not direct:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            list(pool.map(lambda i: _pread_all(fd, chunks[i], offsets[i]), range(len(offsets))))
+
+        # The first write allocates the file's blocks (warm-up); later ones overwrite.
+        write_bw = size / _best_time(write_all, reps, warmup=1)
+        read_bw = size / _best_time(read_all, reps, warmup=1)
+        return read_bw, write_bw
+    finally:
+        for c in chunks:
+            c.release()  # the mmap behind `view` cannot be closed while slices exist
+        if fd >= 0:
+            os.close(fd)
+
+
+def _disk_bw(base: str, size: int, chunk: int, threads: int, reps: int) -> _DiskResult:
+    try:
+        tmpdir = tempfile.mkdtemp(prefix=".tensorstow-probe-", dir=base)
+    except OSError as e:
+        raise TensorstowError(f"probe: cannot create a temp dir in '{base}' to measure the "
+                              f"disk ({e.strerror}); pass a writable directory "
+                              f"(disk_dir / --disk-dir)") from None
+    buf = mmap.mmap(-1, size)  # page-aligned, as O_DIRECT requires
+    view = memoryview(buf)
+    try:
+        capacity = shutil.disk_usage(tmpdir).free
+        _fill_buffer(buf)
+        path = os.path.join(tmpdir, "probe.bin")
+        method = "O_DIRECT"
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            direct_ok = hasattr(os, "O_DIRECT")
+            err = "O_DIRECT not available on this OS"
+            if direct_ok:
+                try:
+                    read_bw, write_bw = _time_file_io(path, view, chunk, pool, reps, True)
+                except OSError as e:
+                    direct_ok = False
+                    err = f"O_DIRECT failed: {e.strerror or e}"
+                    try:
+                        os.unlink(path)
+                    except FileNotFoundError:
+                        pass
+            if not direct_ok:
+                method = f"buffered I/O + fsync + FADV_DONTNEED ({err})"
+                read_bw, write_bw = _time_file_io(path, view, chunk, pool, reps, False)
+        return _DiskResult(read_bw=read_bw, write_bw=write_bw, capacity=int(capacity),
+                           method=method, fs_dir=base)
+    finally:
+        view.release()
+        buf.close()
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------
+# GPU
+
+
+def _nvml_summary() -> str:
+    """A note on what NVML sees ('' when it does not load, e.g. no GPU/driver)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return ""
+    try:
+        names = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            name = pynvml.nvmlDeviceGetName(h)
+            if isinstance(name, bytes):
+                name = name.decode(errors="replace")
+            total = pynvml.nvmlDeviceGetMemoryInfo(h).total
+            names.append(f"{name} {total / GiB:.0f} GiB")
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        if isinstance(driver, bytes):
+            driver = driver.decode(errors="replace")
+        return f"NVML (driver {driver}) sees {len(names)} GPU(s): {', '.join(names) or 'none'}"
+    except Exception as e:
+        return f"NVML error: {type(e).__name__}"
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def _cuda_best(fn, reps: int, warmup: int = 1) -> float:
+    """Best elapsed seconds of `fn` on the current CUDA stream (CUDA events)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return max(best, 1e-9)
+
+
+def _probe_one_cuda(dev: int, p: _Params) -> tuple[GPU, str]:
+    import torch
+
+    with torch.cuda.device(dev):
+        props = torch.cuda.get_device_properties(dev)
+        dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        n = p.gpu_mm_n
+        # Keep the matmul and copies well inside free memory on small GPUs.
+        free, _total = torch.cuda.mem_get_info(dev)
+        while n > 1024 and 3 * n * n * 2 > free // 4:
+            n //= 2
+        nbytes = min(p.gpu_copy_bytes, max(MiB, free // 8))
+
+        a = torch.randn(n, n, device=dev, dtype=dtype)
+        b = torch.randn(n, n, device=dev, dtype=dtype)
+        c = torch.empty(n, n, device=dev, dtype=dtype)
+
+        def mm():
+            for _ in range(p.gpu_mm_iters):
+                torch.mm(a, b, out=c)
+
+        flops = 2 * n**3 * p.gpu_mm_iters / _cuda_best(mm, p.gpu_mm_reps, warmup=2)
+        del a, b, c
+
+        d_src = torch.empty(nbytes, dtype=torch.uint8, device=dev).fill_(1)
+        d_dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        mem_bw = 2 * nbytes / _cuda_best(lambda: d_dst.copy_(d_src), p.gpu_copy_reps)
+        del d_dst
+        h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).fill_(2)
+        h2d = nbytes / _cuda_best(lambda: d_src.copy_(h, non_blocking=True), p.gpu_copy_reps)
+        d2h = nbytes / _cuda_best(lambda: h.copy_(d_src, non_blocking=True), p.gpu_copy_reps)
+        del d_src, h
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    note = (f"cuda:{dev} {props.name}: {str(dtype).removeprefix('torch.')} mm {n}^2, "
+            f"copies {nbytes // MiB} MiB (pinned host)")
+    return GPU(name=props.name, memory_bytes=int(props.total_memory), flops=flops,
+               mem_bw=mem_bw, h2d_bw=h2d, d2h_bw=d2h), note
+
+
+def _probe_p2p(p: _Params) -> float:
+    import torch
+
+    if torch.cuda.device_count() < 2 or not torch.cuda.can_device_access_peer(0, 1):
+        return 0.0
+    nbytes = p.gpu_copy_bytes
+    src = torch.empty(nbytes, dtype=torch.uint8, device=0).fill_(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=1)
+    with torch.cuda.device(0):
+        bw = nbytes / _cuda_best(lambda: dst.copy_(src, non_blocking=True), p.gpu_copy_reps)
+    del src, dst
+    torch.cuda.synchronize(0)
+    torch.cuda.synchronize(1)
+    for d in (0, 1):
+        with torch.cuda.device(d):
+            torch.cuda.empty_cache()
+    return bw
+
+
+def _probe_cuda(p: _Params) -> tuple[tuple[GPU, ...], float, list[str]]:
+    import torch
+
+    gpus, notes = [], []
+    for dev in range(torch.cuda.device_count()):
+        g, note = _probe_one_cuda(dev, p)
+        gpus.append(g)
+        notes.append(note)
+    if not gpus:
+        raise RuntimeError("torch.cuda.is_available() but no devices")
+    p2p = _probe_p2p(p)
+    notes.append(f"GPU P2P {'measured 0->1' if p2p else 'none (peer traffic via DRAM)'}")
+    return tuple(gpus), p2p, notes
+
+
+if __name__ == "__main__":  # pragma: no cover - manual use: python -m tensorstow.planner.probe
+    import json
+    import sys
+
+    print(json.dumps(probe(quick="--full" not in sys.argv).to_json(), indent=2))

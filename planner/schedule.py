@@ -1,0 +1,309 @@
+"""Decisions (what a policy chooses) and their lowering into the static schedule.
+
+A policy returns `Decisions` only; `lower()` turns them into the instruction list,
+deterministically (Checkmate's `schedule_from_rs`). Every policy shares this lowering, so
+their plans differ only where their decisions differ and are compared on one yardstick.
+
+Buffers are per block and per kind (granularity: a block's activations move as one unit):
+  P:<b>  parameters in compute precision        G:<b>  their gradient (compute precision)
+  M:<b>  fp32 master copy (mixed precision)     OS:<b> Adam exp_avg + exp_avg_sq (fp32)
+  X:<b>  the block's input checkpoint           A:<b>  activations saved inside the block
+  W:<b>  transient workspace of a segment
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tensorstow.planner.cost import BlockProfile
+
+TIERS = ("gpu", "dram", "ssd")
+ACTIVATION_CHOICES = ("keep", "swap_dram", "swap_ssd", "recompute")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockDecision:
+    params: str = "gpu"
+    """Home tier of the compute-precision parameters P; not "gpu" = streamed in per use."""
+    states: str = "gpu"
+    """Home tier of the fp32 master copy and Adam states (M, OS)."""
+    optimizer: str = "gpu"
+    """Where the block's optimizer subgroup is updated: "gpu" or "cpu"."""
+    activations: str = "keep"
+    """Saved activations A: keep on GPU, swap to DRAM / SSD, or recompute from the checkpoint."""
+    checkpoint: str = "gpu"
+    """Tier holding the block's input X between forward and backward."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decisions:
+    policy: str
+    blocks: dict[str, BlockDecision]
+    """Per block, in forward order."""
+    prefetch: int = 1
+    """Streamed blocks loaded ahead of use (Fuyou §4.4 FIFO prefetch; STRONGHOLD window - 1)."""
+    overlap_optimizer: bool = False
+    """True: a block's CPU update starts once its gradient arrives, during backward (LoHan
+    active gradient offloading); False: all updates after backward (ZeRO-Infinity, Fuyou Fig. 2a)."""
+    serialize_optimizer: bool = False
+    """True: subgroup i+1's state read waits for subgroup i's write-back (no I/O pipelining)."""
+    notes: tuple[str, ...] = ()
+    """Human-readable reasons the policy gives for its choices."""
+
+    def to_json(self) -> dict:
+        return {"policy": self.policy, "prefetch": self.prefetch,
+                "overlap_optimizer": self.overlap_optimizer,
+                "serialize_optimizer": self.serialize_optimizer, "notes": list(self.notes),
+                "blocks": {b: vars(d).copy() for b, d in self.blocks.items()}}
+
+    @staticmethod
+    def from_json(d: dict) -> "Decisions":
+        return Decisions(policy=d["policy"], prefetch=d["prefetch"],
+                         overlap_optimizer=d["overlap_optimizer"],
+                         serialize_optimizer=d["serialize_optimizer"], notes=tuple(d["notes"]),
+                         blocks={b: BlockDecision(**v) for b, v in d["blocks"].items()})
+
+
+@dataclass(frozen=True)
+class Instr:
+    id: int
+    kind: str
+    """compute | recompute | load | store | free | optimizer_step"""
+    stream: str
+    """gpuK.compute, gpuK.h2d, gpuK.d2h, ssd.read, ssd.write, cpu.opt"""
+    deps: tuple[int, ...]
+    segment: str = ""
+    """compute/recompute: "fwd:<b>" or "bwd:<b>"; optimizer_step: the subgroup (block)."""
+    tensor: str = ""
+    """load/store/free: the buffer."""
+    src: str = ""
+    dst: str = ""
+    """load/store: tiers; free: `dst` is the tier released; optimizer_step: the device."""
+    allocs: tuple[str, ...] = ()
+    """Buffers this instruction creates on the compute device (compute/recompute)."""
+    workspace: str = ""
+    """Transient buffer held only while the instruction runs."""
+
+    def to_json(self) -> dict:
+        d = {"id": self.id, "kind": self.kind, "stream": self.stream, "deps": list(self.deps)}
+        for k in ("segment", "tensor", "src", "dst", "workspace"):
+            if getattr(self, k):
+                d[k] = getattr(self, k)
+        if self.allocs:
+            d["allocs"] = list(self.allocs)
+        return d
+
+    @staticmethod
+    def from_json(d: dict) -> "Instr":
+        return Instr(id=d["id"], kind=d["kind"], stream=d["stream"], deps=tuple(d["deps"]),
+                     segment=d.get("segment", ""), tensor=d.get("tensor", ""), src=d.get("src", ""),
+                     dst=d.get("dst", ""), allocs=tuple(d.get("allocs", ())),
+                     workspace=d.get("workspace", ""))
+
+
+@dataclass(frozen=True)
+class Buffer:
+    name: str
+    bytes: int
+    kind: str
+    block: str
+    home: str = ""
+    """Tier holding it at the start and end of every step ("" = created and freed within the step)."""
+
+
+def buffers_for(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str, str],
+                decisions: Decisions, elt: int, mixed: bool) -> dict[str, Buffer]:
+    """The buffers of every block, with their home tiers from the decisions."""
+    out = {}
+    for b in order:
+        p, d = prof[profile_of[b]], decisions.blocks[b]
+        n = p.param_count
+        if n:
+            out[f"P:{b}"] = Buffer(f"P:{b}", n * elt, "parameter", b, d.params)
+            out[f"G:{b}"] = Buffer(f"G:{b}", n * elt, "gradient", b)
+            if mixed:
+                out[f"M:{b}"] = Buffer(f"M:{b}", 4 * n, "optimizer_state", b, d.states)
+            out[f"OS:{b}"] = Buffer(f"OS:{b}", 8 * n, "optimizer_state", b, d.states)
+        if p.input_bytes:
+            out[f"X:{b}"] = Buffer(f"X:{b}", p.input_bytes, "saved_activation", b)
+        if p.saved_bytes:
+            out[f"A:{b}"] = Buffer(f"A:{b}", p.saved_bytes, "saved_activation", b)
+        for ph, ws in (("fwd", p.fwd_workspace), ("bwd", p.bwd_workspace)):
+            if ws:
+                out[f"W:{ph}:{b}"] = Buffer(f"W:{ph}:{b}", ws, "temporary", b)
+    return out
+
+
+class _Emitter:
+    def __init__(self, gpu: str):
+        self.gpu = gpu
+        self.instrs: list[Instr] = []
+        self.where: dict[tuple[str, str], int] = {}   # (buffer, tier) -> instr that made it present
+        self.freed: dict[tuple[str, str], int] = {}   # (buffer, tier) -> the free that released it
+
+    def emit(self, kind, stream, deps=(), **kw) -> int:
+        # A copy may only appear where the previous copy of the same buffer is gone.
+        made = [(a, stream.split(".")[0] if stream != "cpu.opt" else "dram") for a in kw.get("allocs", ())]
+        if kind in ("load", "store"):
+            made.append((kw["tensor"], kw["dst"]))
+        deps = (*deps, *(self.freed.get(m) for m in made))
+        i = len(self.instrs)
+        self.instrs.append(Instr(id=i, kind=kind, stream=stream,
+                                 deps=tuple(sorted({d for d in deps if d is not None})), **kw))
+        return i
+
+    def move(self, buf: str, src: str, dst: str, deps=()) -> int:
+        """Copy buf src -> dst, through DRAM when needed; returns the last instruction."""
+        g = self.gpu
+        path = {("ssd", g): ["ssd", "dram", g], (g, "ssd"): [g, "dram", "ssd"]}.get((src, dst), [src, dst])
+        last = None
+        for a, b in zip(path, path[1:]):
+            stream = {("ssd", "dram"): "ssd.read", ("dram", "ssd"): "ssd.write",
+                      ("dram", g): f"{g}.h2d", (g, "dram"): f"{g}.d2h"}[(a, b)]
+            kind = "load" if TIERS.index(_tier(b)) < TIERS.index(_tier(a)) else "store"
+            last = self.emit(kind, stream, (*deps, last, self.where.get((buf, a))), tensor=buf, src=a, dst=b)
+            self.where[(buf, b)] = last
+            if a != src:  # an intermediate hop: release it once the next hop is done
+                self.free(buf, a, (last,))
+        return last
+
+    def free(self, buf: str, tier: str, deps=()) -> int:
+        stream = f"{self.gpu}.compute" if tier == self.gpu else ("cpu.opt" if tier == "dram" else "ssd.write")
+        i = self.emit("free", stream, deps, tensor=buf, dst=tier)
+        self.where.pop((buf, tier), None)
+        self.freed[(buf, tier)] = i
+        return i
+
+
+def _tier(t: str) -> str:
+    return "gpu" if t.startswith("gpu") else t
+
+
+def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str, str],
+          decisions: Decisions, buffers: dict[str, Buffer], gpu: str = "gpu0") -> list[Instr]:
+    """Turn per-block decisions into one step's instruction list (single GPU)."""
+    e = _Emitter(gpu)
+    comp = f"{gpu}.compute"
+    has = buffers.__contains__
+    home = {n: (gpu if b.home == "gpu" else b.home) for n, b in buffers.items() if b.home}
+    for n, t in home.items():
+        e.where[(n, t)] = None
+    dec = decisions.blocks
+    streamed = [b for b in order if has(f"P:{b}") and dec[b].params != "gpu"]
+    last_fwd = order[-1]
+    mixed = any(n.startswith("M:") for n in buffers)
+
+    # ---- forward ----------------------------------------------------------------------------
+    frees_fwd: dict[str, int] = {}
+    prev_compute = None
+    for b in order:
+        d = dec[b]
+        p_ready = None
+        if has(f"P:{b}") and d.params != "gpu":
+            k = streamed.index(b)
+            gate = frees_fwd.get(streamed[k - 1 - decisions.prefetch]) if k - 1 - decisions.prefetch >= 0 else None
+            p_ready = e.move(f"P:{b}", home[f"P:{b}"], gpu, (gate,))
+        allocs = [x for x in (f"A:{b}",) if has(x) and d.activations != "recompute"]
+        nxt = order[order.index(b) + 1] if b != last_fwd else None
+        if nxt and has(f"X:{nxt}"):
+            allocs.append(f"X:{nxt}")
+        c = e.emit("compute", comp, (p_ready,), segment=f"fwd:{b}", allocs=tuple(allocs),
+                   workspace=f"W:fwd:{b}" if has(f"W:fwd:{b}") else "")
+        for a in allocs:
+            e.where[(a, gpu)] = c
+        prev_compute = c
+        if has(f"P:{b}") and d.params != "gpu" and b != last_fwd:
+            frees_fwd[b] = e.free(f"P:{b}", gpu, (c,))
+        if has(f"A:{b}") and d.activations in ("swap_dram", "swap_ssd"):
+            s = e.move(f"A:{b}", gpu, "dram" if d.activations == "swap_dram" else "ssd", (c,))
+            e.free(f"A:{b}", gpu, (s,))
+        if has(f"X:{b}") and d.checkpoint != "gpu":
+            s = e.move(f"X:{b}", gpu, d.checkpoint, (c,))
+            e.free(f"X:{b}", gpu, (s, c))
+
+    # ---- backward (+ optimizer) -------------------------------------------------------------
+    bwd_order = list(reversed(order))
+    frees_bwd: dict[str, int] = {}
+    bwd_streamed = [b for b in bwd_order if b in streamed]
+    grads_ready: dict[str, int] = {}
+    for b in bwd_order:
+        d = dec[b]
+        deps = []
+        if has(f"P:{b}") and d.params != "gpu" and b != last_fwd:
+            k = bwd_streamed.index(b)
+            gate = frees_bwd.get(bwd_streamed[k - 1 - decisions.prefetch]) if k - 1 - decisions.prefetch >= 0 else None
+            deps.append(e.move(f"P:{b}", home[f"P:{b}"], gpu, (gate,)))
+        if has(f"X:{b}") and d.checkpoint != "gpu":
+            deps.append(e.move(f"X:{b}", d.checkpoint, gpu))
+        if has(f"A:{b}"):
+            if d.activations in ("swap_dram", "swap_ssd"):
+                src = "dram" if d.activations == "swap_dram" else "ssd"
+                deps.append(e.move(f"A:{b}", src, gpu))
+                e.free(f"A:{b}", src, (deps[-1],))
+            elif d.activations == "recompute":
+                r = e.emit("recompute", comp, tuple(deps), segment=f"fwd:{b}", allocs=(f"A:{b}",),
+                           workspace=f"W:fwd:{b}" if has(f"W:fwd:{b}") else "")
+                deps.append(r)
+        if has(f"X:{b}") and d.checkpoint != "gpu":
+            e.free(f"X:{b}", d.checkpoint, (deps[-1] if deps else None,))
+        allocs = (f"G:{b}",) if has(f"G:{b}") else ()
+        c = e.emit("compute", comp, tuple(deps), segment=f"bwd:{b}", allocs=allocs,
+                   workspace=f"W:bwd:{b}" if has(f"W:bwd:{b}") else "")
+        for a in allocs:
+            e.where[(a, gpu)] = c
+        for x in (f"A:{b}", f"X:{b}"):
+            if has(x):
+                e.free(x, gpu, (c,))
+        if has(f"P:{b}") and d.params != "gpu":
+            frees_bwd[b] = e.free(f"P:{b}", gpu, (c,))
+        if has(f"G:{b}"):
+            if d.optimizer == "cpu":
+                s = e.move(f"G:{b}", gpu, "dram", (c,))
+                e.free(f"G:{b}", gpu, (s,))
+                grads_ready[b] = s
+            else:
+                grads_ready[b] = c
+    last_bwd = len(e.instrs) - 1
+
+    prev_write = None
+    for b in bwd_order:
+        if not has(f"G:{b}"):
+            continue
+        d = dec[b]
+        start = (grads_ready[b],) if decisions.overlap_optimizer else (grads_ready[b], last_bwd)
+        if decisions.serialize_optimizer:
+            start = (*start, prev_write)
+        dev = "cpu" if d.optimizer == "cpu" else gpu
+        tier = "dram" if dev == "cpu" else gpu
+        states = [s for s in (f"M:{b}", f"OS:{b}") if has(s)]
+        p_here = not mixed  # fp32: P is the master and is updated in place
+        ready = list(start)
+        for s in states + ([f"P:{b}"] if p_here or home[f"P:{b}"] == tier else []):
+            if home[s] != tier and (s, tier) not in e.where:
+                ready.append(e.move(s, home[s], tier, start))
+        fresh = (f"P:{b}",) if mixed and home[f"P:{b}"] != tier else ()
+        u = e.emit("optimizer_step", "cpu.opt" if dev == "cpu" else comp, tuple(ready), segment=b,
+                   dst=dev, allocs=fresh)
+        e.free(f"G:{b}", tier, (u,))
+        writes = [u]
+        for s in states + [f"P:{b}"]:
+            if s == f"P:{b}" and home[s] == tier:
+                continue
+            if s != f"P:{b}" and home[s] == tier:
+                continue
+            if s == f"P:{b}" and mixed:
+                # LoHan Table II: the optimizer produces P16 from P32; send it to P's home.
+                w = _write_new(e, s, tier, home[s], u, gpu)
+            else:
+                w = e.move(s, tier, home[s], (u,))
+                e.free(s, tier, (w,))
+            writes.append(w)
+        prev_write = writes[-1]
+    return e.instrs
+
+
+def _write_new(e: _Emitter, buf: str, at: str, home: str, after: int, gpu: str) -> int:
+    """The optimizer wrote a fresh copy of `buf` on tier `at`; move it home and drop the rest."""
+    e.where[(buf, at)] = after
+    w = e.move(buf, at, home, (after,))
+    e.free(buf, at, (w,))
+    return w

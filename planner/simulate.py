@@ -1,0 +1,187 @@
+"""Discrete-event replay of a plan's instruction list over the machine's resources.
+
+The executor and the simulator interpret the very same instructions: here each one takes
+its modeled duration (planner/cost.py). Streams are FIFO in program order (like CUDA
+streams); an instruction starts when its stream is free, every instruction it depends on
+has finished, and its resource is free. Resources: each GPU's compute, H2D and D2H engines,
+the SSDs (one simplex resource shared by reads and writes), the CPU optimizer.
+
+Memory: every (buffer, tier) pair is either present or not. Compute allocates its outputs
+when it starts and its workspace while it runs; a load/store allocates the destination
+copy when it starts (overwriting a copy already there costs nothing); `free` releases.
+Buffers with a home tier are present at the start and must be present, alone, at the end.
+"""
+from __future__ import annotations
+
+import heapq
+import json
+from dataclasses import dataclass, field
+
+from tensorstow.planner.schedule import Instr
+
+
+class ScheduleError(Exception):
+    """The instruction list is inconsistent (a planner bug, not bad user input)."""
+
+
+def resource_of(stream: str) -> str:
+    return "ssd" if stream.startswith("ssd.") else stream
+
+
+@dataclass
+class SimResult:
+    step_time_s: float
+    start: list[float]
+    end: list[float]
+    busy_s: dict[str, float]
+    traffic_bytes: dict[str, int]
+    peak_bytes: dict[str, int]
+    timeline: dict[str, list[tuple[float, int]]]
+    """Per tier: (time, bytes live from then on), one point per change."""
+    order: list[int] = field(default_factory=list)
+    """Instruction ids in the order they started."""
+    peak_live: dict[str, list[str]] = field(default_factory=dict)
+    """Per tier: the buffers live at its peak (for byte breakdowns)."""
+
+    @property
+    def bottleneck(self) -> str:
+        return max(sorted(self.busy_s), key=lambda r: self.busy_s[r])
+
+
+def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
+             initial: dict[tuple[str, str], None] | set, tier_of_device=lambda t: t) -> SimResult:
+    """Replay `instrs` with `duration[i]` seconds each.
+
+    nbytes: buffer -> bytes. initial: the (buffer, tier) pairs present at the start.
+    """
+    n = len(instrs)
+    streams: dict[str, list[int]] = {}
+    for ins in instrs:
+        for d in ins.deps:
+            if not 0 <= d < n or d == ins.id:
+                raise ScheduleError(f"instruction {ins.id} depends on invalid id {d}")
+        streams.setdefault(ins.stream, []).append(ins.id)
+    head = {s: 0 for s in streams}
+    stream_free = {s: 0.0 for s in streams}
+    res_free: dict[str, float] = {}
+    end = [None] * n
+    start = [None] * n
+    order = []
+    done = 0
+    while done < n:
+        best = None
+        for s in sorted(streams):
+            if head[s] >= len(streams[s]):
+                continue
+            i = streams[s][head[s]]
+            if any(end[d] is None for d in instrs[i].deps):
+                continue
+            r = resource_of(s)
+            t = max([stream_free[s], res_free.get(r, 0.0)] + [end[d] for d in instrs[i].deps])
+            if best is None or (t, i) < best[:2]:
+                best = (t, i, s)
+        if best is None:
+            stuck = sorted(streams[s][head[s]] for s in streams if head[s] < len(streams[s]))
+            raise ScheduleError(f"deadlock: instructions {stuck[:8]} wait on each other")
+        t, i, s = best
+        start[i], end[i] = t, t + duration[i]
+        stream_free[s] = end[i]
+        res_free[resource_of(s)] = end[i]
+        head[s] += 1
+        order.append(i)
+        done += 1
+
+    busy: dict[str, float] = {}
+    traffic: dict[str, int] = {}
+    for ins in instrs:
+        r = resource_of(ins.stream)
+        busy[r] = busy.get(r, 0.0) + duration[ins.id]
+        if ins.kind in ("load", "store"):
+            key = f"{ins.src}->{ins.dst}"
+            traffic[key] = traffic.get(key, 0) + nbytes[ins.tensor]
+
+    # Memory: starts in start order; releases (free, end of workspace) before allocations at equal times.
+    events = []
+    for k, i in enumerate(order):
+        ins = instrs[i]
+        if ins.kind == "free":
+            events.append((start[i], 0, k, "free", ins.tensor, ins.dst))
+        for a in ins.allocs:
+            events.append((start[i], 1, k, "alloc", a, _device_tier(ins)))
+        if ins.kind in ("load", "store"):
+            events.append((start[i], 1, k, "copy", ins.tensor, ins.dst, ins.src))
+        if ins.workspace:
+            events.append((start[i], 1, k, "alloc", ins.workspace, _device_tier(ins)))
+            events.append((end[i], 0, k, "free", ins.workspace, _device_tier(ins)))
+    events.sort(key=lambda e: (e[0], e[1], e[2]))
+    live = set(initial)
+    use: dict[str, int] = {}
+    for (b, t) in live:
+        use[t] = use.get(t, 0) + nbytes[b]
+    peak = dict(use)
+    peak_live = {t: sorted(b for b, tt in live if tt == t) for t in use}
+    timeline = {t: [(0.0, v)] for t, v in use.items()}
+    for ev in events:
+        time, _, _, what, buf, tier = ev[:6]
+        if what == "free":
+            if (buf, tier) not in live:
+                raise ScheduleError(f"free of {buf} on {tier}, which does not hold it")
+            live.remove((buf, tier))
+            use[tier] -= nbytes[buf]
+        else:
+            if what == "copy" and (buf, ev[6]) not in live:
+                raise ScheduleError(f"{buf} moved from {ev[6]}, which does not hold it")
+            if (buf, tier) in live:
+                if what == "alloc":
+                    raise ScheduleError(f"{buf} allocated twice on {tier}")
+                continue  # overwrite in place
+            live.add((buf, tier))
+            use[tier] = use.get(tier, 0) + nbytes[buf]
+            if use[tier] > peak.get(tier, -1) or tier not in peak_live:
+                peak[tier] = use[tier]
+                peak_live[tier] = sorted(b for b, t in live if t == tier)
+        timeline.setdefault(tier, [(0.0, 0)])
+        if timeline[tier][-1][0] == time:
+            timeline[tier][-1] = (time, use[tier])
+        else:
+            timeline[tier].append((time, use[tier]))
+    leftover = sorted(live - set(initial))
+    missing = sorted(set(initial) - live)
+    if leftover or missing:
+        raise ScheduleError(f"the step does not return to its initial state: left {leftover[:5]}, "
+                            f"lost {missing[:5]}")
+    makespan = max((e for e in end), default=0.0)
+    return SimResult(step_time_s=makespan, start=start, end=end, busy_s=busy, traffic_bytes=traffic,
+                     peak_bytes=peak, timeline=timeline, order=order, peak_live=peak_live)
+
+
+def _device_tier(ins: Instr) -> str:
+    """Compute and optimizer instructions allocate on the device their stream belongs to."""
+    if ins.stream == "cpu.opt":
+        return "dram"
+    return ins.stream.split(".")[0]
+
+
+def perfetto_trace(instrs: list[Instr], sim: SimResult, title: str = "tensorstow") -> dict:
+    """Chrome/Perfetto trace JSON: one track per stream, one counter per memory tier."""
+    tids = {s: k for k, s in enumerate(sorted({i.stream for i in instrs}))}
+    ev = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": title}}]
+    ev += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": s}} for s, t in tids.items()]
+    for ins in instrs:
+        if ins.kind == "free":
+            continue
+        label = ins.segment or ins.tensor
+        ev.append({"name": f"{ins.kind} {label}", "ph": "X", "pid": 0, "tid": tids[ins.stream],
+                   "ts": round(sim.start[ins.id] * 1e6, 3),
+                   "dur": round((sim.end[ins.id] - sim.start[ins.id]) * 1e6, 3),
+                   "args": {"id": ins.id, "deps": list(ins.deps)}})
+    for tier, pts in sorted(sim.timeline.items()):
+        for t, v in pts:
+            ev.append({"name": f"mem {tier}", "ph": "C", "pid": 0, "ts": round(t * 1e6, 3),
+                       "args": {"bytes": v}})
+    return {"traceEvents": ev, "displayTimeUnit": "ms"}
+
+
+def write_trace(path: str, trace: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(trace, f)

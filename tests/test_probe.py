@@ -1,0 +1,148 @@
+"""`tensorstow.planner.probe`: measures this machine into a Hardware spec."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from tensorstow import TensorstowError
+from tensorstow.planner import probe as probe_mod
+from tensorstow.planner.hardware import GB, Hardware
+from tensorstow.planner.probe import CPU_GPU_NAME, probe
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """One quick probe shared by the tests below: (Hardware, disk dir, wall seconds)."""
+    d = tmp_path_factory.mktemp("probe_disk")
+    probe_mod.clear_cache()
+    t = time.perf_counter()
+    hw = probe(disk_dir=str(d), quick=True)
+    return hw, d, time.perf_counter() - t
+
+
+def test_returns_local_hardware_with_plausible_numbers(measured):
+    hw, _, _ = measured
+    assert isinstance(hw, Hardware)
+    assert hw.name == "local"
+    assert len(hw.gpus) >= 1
+    for g in hw.gpus:
+        assert g.memory_bytes > 0
+        assert g.flops > 1e8
+        assert g.mem_bw > 1e8
+        assert g.h2d_bw > 1e7 and g.d2h_bw > 1e7
+    assert 0 < hw.dram.capacity_bytes < 1 << 50
+    assert hw.dram.bandwidth > 1e8
+    assert hw.ssd.count == 1
+    assert hw.ssd.read_bw > 1e6 and hw.ssd.write_bw > 1e6
+    assert hw.ssd.capacity_bytes > 0
+    # Nobody's disk is faster than 100 GB/s; a number above that means we timed the page cache
+    # or mis-sized the transfer.
+    assert hw.ssd.read_bw < 100 * GB and hw.ssd.write_bw < 100 * GB
+    assert hw.cpu.cores == os.cpu_count()
+    assert hw.cpu.adam_rate > 1e5
+    assert hw.source.startswith("tensorstow probe")
+    assert "SSD:" in hw.source and "AdamW" in hw.source
+
+
+def test_quick_probe_is_quick(measured):
+    # ~3 s on the 2-core dev VM (plus a one-time ~1.5 s torch import on the first optimizer
+    # step); generous bound for loaded CI machines.
+    _, _, seconds = measured
+    assert seconds < 30
+
+
+def test_json_round_trip(measured):
+    hw, _, _ = measured
+    d = json.loads(json.dumps(hw.to_json()))
+    back = Hardware.from_json(d)
+    assert back == hw
+    assert back.fingerprint() == hw.fingerprint()
+
+
+def test_no_temp_files_left_behind(measured):
+    _, d, _ = measured
+    assert list(d.iterdir()) == []
+
+
+def test_cached_per_process(measured):
+    hw, d, _ = measured
+    t = time.perf_counter()
+    again = probe(disk_dir=str(d), quick=True)
+    assert again is hw
+    assert time.perf_counter() - t < 0.1
+
+
+def test_missing_disk_dir_is_a_user_error(tmp_path):
+    with pytest.raises(TensorstowError, match="not an existing directory"):
+        probe(disk_dir=str(tmp_path / "nope"))
+
+
+def test_no_gpu_path(measured):
+    if HAS_CUDA:
+        pytest.skip("CUDA is available: the pseudo-GPU path is not taken on this machine")
+    hw, _, _ = measured
+    (g,) = hw.gpus
+    assert g.name == CPU_GPU_NAME
+    total = probe_mod._meminfo()["total"]
+    assert g.memory_bytes == total // probe_mod.CPU_GPU_FRACTION
+    # CPU memory is shared between the pseudo-device tier and DRAM: not counted twice.
+    assert hw.dram.capacity_bytes + g.memory_bytes <= total
+    assert g.h2d_bw == g.d2h_bw
+    assert hw.gpu_p2p_bw == 0.0
+    assert "no CUDA" in hw.source
+
+
+def test_gpu_path(measured):
+    if not HAS_CUDA:
+        pytest.skip("no CUDA on this machine: GPU measurements cannot be checked")
+    hw, _, _ = measured
+    assert len(hw.gpus) == torch.cuda.device_count()
+    for i, g in enumerate(hw.gpus):
+        assert g.name == torch.cuda.get_device_properties(i).name
+        assert g.memory_bytes == torch.cuda.get_device_properties(i).total_memory
+        assert g.flops > 1e12          # any CUDA GPU of the last decade at bf16/fp16
+        assert g.h2d_bw > 1e9 and g.d2h_bw > 1e9   # pinned copies over PCIe/NVLink-C2C
+        assert g.mem_bw > g.h2d_bw
+
+
+def test_disk_fallback_without_o_direct(tmp_path, monkeypatch):
+    """Where O_DIRECT is refused (EINVAL on tmpfs & co.) the probe uses buffered I/O and says so."""
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this OS: the fallback is the only path")
+    real_open = os.open
+
+    def refusing_open(path, flags, *args, **kwargs):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(probe_mod.os, "open", refusing_open)
+    r = probe_mod._disk_bw(str(tmp_path), 8 * 2**20, 2**20, 2, 2)
+    assert r.method.startswith("buffered")
+    assert "Invalid argument" in r.method
+    assert r.read_bw > 1e6 and r.write_bw > 1e6
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_disk_temp_dir_removed_on_error(tmp_path, monkeypatch):
+    def failing_fsync(fd):
+        raise OSError(errno.EIO, "simulated I/O error")
+
+    monkeypatch.setattr(probe_mod.os, "fsync", failing_fsync)
+    with pytest.raises(OSError, match="simulated"):
+        probe_mod._disk_bw(str(tmp_path), 2**20, 2**20, 1, 1)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_disk_direct_io_where_supported(tmp_path):
+    r = probe_mod._disk_bw(str(tmp_path), 4 * 2**20, 2**20, 2, 2)
+    assert r.method == "O_DIRECT" or r.method.startswith("buffered")
+    assert r.read_bw > 1e6 and r.write_bw > 1e6
+    assert list(tmp_path.iterdir()) == []
