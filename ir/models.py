@@ -149,7 +149,11 @@ class ModelSpec:
             if n_layer is not None:
                 c = GPTConfig(**{**c.__dict__, "n_layer": n_layer})
             return GPT(c)
-        return _load_factory(self.name)()
+        m = _load_factory(self.name)()
+        if not isinstance(m, nn.Module):
+            raise TensorstowError(f"model '{self.name}': the factory returned {type(m).__name__}, "
+                                  f"not an nn.Module")
+        return m
 
 
 def _load_factory(ref: str):

@@ -442,18 +442,22 @@ def _blocks(ops, tensors, owner, block_names, n_layers, replicate_to) -> list[Bl
     return out
 
 
+FULL_TRACE_LAYERS = 8
+"""Presets up to this depth are traced layer by layer; deeper ones trace 3 and replicate."""
+
+
 def trace_spec(spec, *, batch: int, seq: int | None = None, precision: str = "fp32") -> Traced:
-    """Trace a ModelSpec. Presets deeper than 3 layers are built with 3 layers (first,
+    """Trace a ModelSpec. Presets deeper than FULL_TRACE_LAYERS are built with 3 layers (first,
     middle, last) on fake tensors and replicated by similarity: the middle layer's profile
     stands for layers 1..L-2 (their signatures are equal by construction)."""
     fm = FakeTensorMode(allow_non_fake_inputs=True)
     cfg = spec.config
     seq = seq or (cfg.block_size if cfg else None)
     if cfg is not None:
-        depth = min(cfg.n_layer, 3)
+        depth = cfg.n_layer if cfg.n_layer <= FULL_TRACE_LAYERS else 3
         with fm:
             model = spec.build(n_layer=depth)
-        replicate = cfg.n_layer if cfg.n_layer > 3 else None
+        replicate = None if depth == cfg.n_layer else cfg.n_layer
     else:
         with fm:
             model = spec.build()

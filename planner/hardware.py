@@ -120,28 +120,30 @@ class Hardware:
 _NESTED = {"gpus": GPU, "dram": DRAM, "ssd": SSD, "cpu": CPU}
 
 
-def _build(cls, d, where):
+def _build(cls, d, where, path=""):
     """Strict construction: unknown or missing keys and wrong types are errors naming the field."""
+    at = f"{where}: field '{path}'" if path else where
     if not isinstance(d, dict):
-        raise TensorstowError(f"{where}: expected a JSON object, got {type(d).__name__}")
+        raise TensorstowError(f"{at}: expected a JSON object, got {type(d).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(d) - set(fields))
     if unknown:
-        raise TensorstowError(f"{where}: unknown key(s) {unknown}; allowed: {sorted(fields)}")
+        raise TensorstowError(f"{at}: unknown key(s) {unknown}; allowed: {sorted(fields)}")
     kwargs = {}
     for name, f in fields.items():
         if name not in d:
             if f.default is dataclasses.MISSING:
-                raise TensorstowError(f"{where}: missing required key '{name}'")
+                raise TensorstowError(f"{at}: missing required key '{name}'")
             continue
         v = d[name]
-        sub = f"{where}.{name}"
+        sub_path = f"{path}.{name}" if path else name
+        sub = f"{where}: field '{sub_path}'"
         if name == "gpus" and cls is Hardware:
             if not isinstance(v, list) or not v:
                 raise TensorstowError(f"{sub}: expected a non-empty list of GPU objects")
-            v = tuple(_build(GPU, g, f"{sub}[{i}]") for i, g in enumerate(v))
+            v = tuple(_build(GPU, g, where, f"{sub_path}[{i}]") for i, g in enumerate(v))
         elif name in _NESTED and cls is Hardware:
-            v = _build(_NESTED[name], v, sub)
+            v = _build(_NESTED[name], v, where, sub_path)
         elif f.type in ("int", "float"):
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise TensorstowError(f"{sub}: expected a number, got {v!r}")

@@ -37,7 +37,7 @@ class SimResult:
     traffic_bytes: dict[str, int]
     peak_bytes: dict[str, int]
     timeline: dict[str, list[tuple[float, int]]]
-    """Per tier: (time, bytes live from then on), one point per change."""
+    """Per tier: (time, bytes live from then on), one point per change (several may share a time)."""
     order: list[int] = field(default_factory=list)
     """Instruction ids in the order they started."""
     peak_live: dict[str, list[str]] = field(default_factory=dict)
@@ -100,20 +100,25 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
             key = f"{ins.src}->{ins.dst}"
             traffic[key] = traffic.get(key, 0) + nbytes[ins.tensor]
 
-    # Memory: starts in start order; releases (free, end of workspace) before allocations at equal times.
+    # Memory events in causal order: at one instant, workspaces of instructions that ended
+    # are released first, then instructions start in dispatch order (a dependent instruction
+    # is always dispatched after what it depends on); a zero-length instruction releases its
+    # workspace right after it starts.
     events = []
     for k, i in enumerate(order):
         ins = instrs[i]
+        dev = _device_tier(ins)
         if ins.kind == "free":
-            events.append((start[i], 0, k, "free", ins.tensor, ins.dst))
+            events.append(((start[i], k, 0), "free", ins.tensor, ins.dst, None))
         for a in ins.allocs:
-            events.append((start[i], 1, k, "alloc", a, _device_tier(ins)))
+            events.append(((start[i], k, 0), "alloc", a, dev, None))
         if ins.kind in ("load", "store"):
-            events.append((start[i], 1, k, "copy", ins.tensor, ins.dst, ins.src))
+            events.append(((start[i], k, 0), "copy", ins.tensor, ins.dst, ins.src))
         if ins.workspace:
-            events.append((start[i], 1, k, "alloc", ins.workspace, _device_tier(ins)))
-            events.append((end[i], 0, k, "free", ins.workspace, _device_tier(ins)))
-    events.sort(key=lambda e: (e[0], e[1], e[2]))
+            events.append(((start[i], k, 0), "alloc", ins.workspace, dev, None))
+            key = (end[i], k, 1) if end[i] == start[i] else (end[i], -1, k)
+            events.append((key, "free", ins.workspace, dev, None))
+    events.sort(key=lambda e: e[0])
     live = set(initial)
     use: dict[str, int] = {}
     for (b, t) in live:
@@ -121,16 +126,16 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
     peak = dict(use)
     peak_live = {t: sorted(b for b, tt in live if tt == t) for t in use}
     timeline = {t: [(0.0, v)] for t, v in use.items()}
-    for ev in events:
-        time, _, _, what, buf, tier = ev[:6]
+    for key, what, buf, tier, src in events:
+        time = key[0]
         if what == "free":
             if (buf, tier) not in live:
                 raise ScheduleError(f"free of {buf} on {tier}, which does not hold it")
             live.remove((buf, tier))
             use[tier] -= nbytes[buf]
         else:
-            if what == "copy" and (buf, ev[6]) not in live:
-                raise ScheduleError(f"{buf} moved from {ev[6]}, which does not hold it")
+            if what == "copy" and (buf, src) not in live:
+                raise ScheduleError(f"{buf} moved from {src}, which does not hold it")
             if (buf, tier) in live:
                 if what == "alloc":
                     raise ScheduleError(f"{buf} allocated twice on {tier}")
@@ -140,11 +145,7 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
             if use[tier] > peak.get(tier, -1) or tier not in peak_live:
                 peak[tier] = use[tier]
                 peak_live[tier] = sorted(b for b, t in live if t == tier)
-        timeline.setdefault(tier, [(0.0, 0)])
-        if timeline[tier][-1][0] == time:
-            timeline[tier][-1] = (time, use[tier])
-        else:
-            timeline[tier].append((time, use[tier]))
+        timeline.setdefault(tier, [(0.0, 0)]).append((time, use[tier]))
     leftover = sorted(live - set(initial))
     missing = sorted(set(initial) - live)
     if leftover or missing:

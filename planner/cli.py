@@ -1,0 +1,299 @@
+"""The `tensorstow` command line: plan, show, diff, check, probe (and execute, when built).
+
+User errors print one line `tensorstow: error: ...` naming the problem and the fix, and
+exit with status 2. Run with no arguments for the built-in demo.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from tensorstow import TensorstowError
+
+TIERS = ("gpu", "dram", "ssd")
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise TensorstowError(f"cannot read size '{text}': write e.g. 200MB, 24GB, 256GiB or a byte count")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def _fmt(n: float) -> str:
+    from tensorstow.planner.plan import fmt_bytes
+    return fmt_bytes(n)
+
+
+# ---- plan files ----------------------------------------------------------------------------
+
+REQUIRED = ("schema_version", "model", "hardware", "options", "decisions", "instructions", "predicted")
+
+
+def load_plan_json(path: str) -> dict:
+    """Read and validate a plan file's shape; one clear error for anything malformed."""
+    from tensorstow.planner.plan import SCHEMA_VERSION
+    p = Path(path)
+    if not p.is_file():
+        raise TensorstowError(f"plan file {path} does not exist; create one with `tensorstow plan MODEL -o {path}`")
+    try:
+        d = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TensorstowError(f"plan file {path} is not valid JSON ({e}); re-create it with `tensorstow plan`") from None
+    if not isinstance(d, dict):
+        raise TensorstowError(f"plan file {path}: expected a JSON object at the top level")
+    missing = [k for k in REQUIRED if k not in d]
+    if missing:
+        raise TensorstowError(f"plan file {path} lacks {missing}; it is not a tensorstow plan or is truncated")
+    if d["schema_version"] != SCHEMA_VERSION:
+        raise TensorstowError(f"plan file {path} has schema_version {d['schema_version']!r}, this tensorstow "
+                              f"reads {SCHEMA_VERSION}; re-plan it")
+    pred = d["predicted"]
+    if not isinstance(pred, dict) or not {"step_time_s", "peak_bytes", "bottleneck"} <= set(pred):
+        raise TensorstowError(f"plan file {path}: 'predicted' lacks step_time_s/peak_bytes/bottleneck")
+    if not isinstance(d["instructions"], list):
+        raise TensorstowError(f"plan file {path}: 'instructions' must be a list")
+    return d
+
+
+def summary(d: dict) -> str:
+    m, o, pred, dec = d["model"], d["options"], d["predicted"], d["decisions"]
+    step = pred["step_time_s"]
+    bn = pred["bottleneck"]
+    busy = pred.get("busy_s", {})
+    lines = [
+        f"plan: {m['name']} on {d['hardware']['name']}, policy {dec['policy']} "
+        f"({m['precision']}, batch {m['batch']}, seq {m['seq']})",
+        f"model: {m['params'] / 1e9:.3g}B parameters, {m['layers']} layers"
+        + (f" (traced {m['traced_layers']}, the rest replicated by similarity)" if m['traced_layers'] < m['layers'] else ""),
+        f"predicted step: {step:.4g} s, {pred.get('tokens_per_s', 0):.4g} tokens/s, "
+        f"{pred.get('model_tflops', 0):.3g} model TFLOPS",
+        f"bottleneck: {bn}" + (f" (busy {busy[bn]:.4g} s = {100 * busy[bn] / step:.0f}% of the step)" if bn in busy and step else ""),
+        "memory peak / capacity: " + "   ".join(
+            f"{t} {_fmt(pred['peak_bytes'].get(t, 0))} / {_fmt(pred.get('capacity_bytes', {}).get(t, 0))}" for t in TIERS),
+        "busy: " + ", ".join(f"{k} {v:.4g} s" for k, v in sorted(busy.items(), key=lambda kv: -kv[1])),
+        "traffic: " + (", ".join(f"{k} {_fmt(v)}" for k, v in pred.get("traffic_bytes", {}).items()) or "none"),
+        "placement: " + _placement(dec),
+    ]
+    kinds: dict[str, int] = {}
+    for ins in d["instructions"]:
+        kinds[ins["kind"]] = kinds.get(ins["kind"], 0) + 1
+    lines.append(f"instructions: {len(d['instructions'])} (" + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) + ")")
+    lines += [f"note: {n}" for n in dec.get("notes", [])]
+    return "\n".join(lines)
+
+
+def _placement(dec: dict) -> str:
+    counts: dict[str, dict[str, int]] = {}
+    for bd in dec["blocks"].values():
+        for k, v in bd.items():
+            counts.setdefault(k, {})
+            counts[k][v] = counts[k].get(v, 0) + 1
+    return "; ".join(f"{k}: " + ", ".join(f"{v} x{n}" for v, n in sorted(c.items())) for k, c in counts.items())
+
+
+def diff_text(a: dict, b: dict) -> tuple[str, bool]:
+    """What changed between two plans and why it matters; (text, identical)."""
+    out = []
+    for key in ("model", "hardware"):
+        if a[key].get("fingerprint") != b[key].get("fingerprint"):
+            out.append(f"{key}: {a[key]['name']} ({a[key]['fingerprint']}) -> {b[key]['name']} ({b[key]['fingerprint']})"
+                       + ("; same model and options, so the traced graph itself changed (torch or model code)"
+                          if key == "model" and a[key]["name"] == b[key]["name"] and a["options"] == b["options"] else ""))
+    for k in sorted(set(a["options"]) | set(b["options"])):
+        if a["options"].get(k) != b["options"].get(k):
+            out.append(f"option {k}: {a['options'].get(k)} -> {b['options'].get(k)}")
+    pa, pb = a["predicted"], b["predicted"]
+    if pa["step_time_s"] != pb["step_time_s"]:
+        ch = (pb["step_time_s"] - pa["step_time_s"]) / pa["step_time_s"] * 100 if pa["step_time_s"] else float("inf")
+        out.append(f"predicted step time: {pa['step_time_s']:.6g} s -> {pb['step_time_s']:.6g} s ({ch:+.1f}%"
+                   + (", faster)" if ch < 0 else ", slower)"))
+    if pa["bottleneck"] != pb["bottleneck"]:
+        out.append(f"bottleneck: {pa['bottleneck']} -> {pb['bottleneck']}")
+    for t in TIERS:
+        x, y = pa["peak_bytes"].get(t, 0), pb["peak_bytes"].get(t, 0)
+        if x != y:
+            cap = pb.get("capacity_bytes", {}).get(t, 0)
+            out.append(f"peak {t}: {_fmt(x)} -> {_fmt(y)}" + (f" ({100 * y / cap:.0f}% of capacity)" if cap else ""))
+    da, db = a["decisions"], b["decisions"]
+    for k in ("policy", "prefetch", "overlap_optimizer", "serialize_optimizer"):
+        if da.get(k) != db.get(k):
+            out.append(f"decision {k}: {da.get(k)} -> {db.get(k)}")
+    changes: dict[str, list[str]] = {}
+    for blk in sorted(set(da["blocks"]) | set(db["blocks"]), key=_block_key):
+        x, y = da["blocks"].get(blk, {}), db["blocks"].get(blk, {})
+        for f in sorted(set(x) | set(y)):
+            if x.get(f) != y.get(f):
+                changes.setdefault(f"{f}: {x.get(f)} -> {y.get(f)}", []).append(blk)
+    for what, blks in changes.items():
+        out.append(f"blocks {_ranges(blks)}: {what}")
+    ia, ib = a["instructions"], b["instructions"]
+    if ia != ib:
+        out.append(f"instructions: {len(ia)} -> {len(ib)}"
+                   + ("" if len(ia) != len(ib) else f" ({sum(x != y for x, y in zip(ia, ib))} differ)"))
+    return ("\n".join(out) if out else "plans are identical"), not out
+
+
+def _block_key(b: str):
+    return (0, 0) if b == "pre" else (2, 0) if b == "post" else (1, int(b[1:]))
+
+
+def _ranges(blocks: list[str]) -> str:
+    if len(blocks) <= 3:
+        return ",".join(blocks)
+    return f"{blocks[0]}..{blocks[-1]} ({len(blocks)} blocks)"
+
+
+# ---- commands ------------------------------------------------------------------------------
+
+def _options(args):
+    from tensorstow.planner.plan import Options
+    kw = dict(model=args.model, hardware=args.hw, policy=args.policy, batch=args.batch, seq=args.seq,
+              precision=args.precision, optimizer=args.optimizer, lr=args.lr, betas=tuple(args.betas),
+              eps=args.eps, weight_decay=args.weight_decay)
+    for k in ("gpu_mem", "dram"):
+        v = getattr(args, k)
+        kw[k] = parse_size(v) if v is not None else None
+    kw["ssds"] = args.ssds
+    return Options(**kw)
+
+
+def hardware_for(o) -> "Hardware":
+    from tensorstow.planner.hardware import load_hardware
+    return load_hardware(o.hardware).with_overrides(gpu_mem=o.gpu_mem, dram=o.dram, ssds=o.ssds)
+
+
+def cmd_plan(args) -> int:
+    from tensorstow.planner.plan import make_plan
+    from tensorstow.planner.simulate import perfetto_trace, write_trace
+    o = _options(args)
+    plan = make_plan(o, hardware_for(o))
+    text = plan.dumps()
+    if args.output:
+        Path(args.output).write_text(text)
+    if args.trace:
+        write_trace(args.trace, perfetto_trace(plan.instructions, plan.sim, f"{o.model} {o.policy}"))
+    print(summary(json.loads(text)))
+    if args.output:
+        print(f"wrote {args.output}")
+    return 0
+
+
+def cmd_show(args) -> int:
+    print(summary(load_plan_json(args.plan)))
+    return 0
+
+
+def cmd_diff(args) -> int:
+    text, same = diff_text(load_plan_json(args.a), load_plan_json(args.b))
+    print(text)
+    return 0 if same else 1
+
+
+def cmd_check(args) -> int:
+    """Re-plan every golden plan from its own options; fail on any drift."""
+    from tensorstow.planner.plan import Options, make_plan
+    files = sorted(Path(args.dir).glob("*.json")) if Path(args.dir).is_dir() else []
+    if not files:
+        raise TensorstowError(f"no golden plans (*.json) in {args.dir}")
+    drift = 0
+    for f in files:
+        old = load_plan_json(str(f))
+        o = Options.from_json(old["options"])
+        new_text = make_plan(o, hardware_for(o)).dumps()
+        if new_text == f.read_text():
+            print(f"ok     {f.name}")
+            continue
+        if args.update:
+            f.write_text(new_text)
+            print(f"update {f.name}")
+            continue
+        drift += 1
+        text, _ = diff_text(old, json.loads(new_text))
+        print(f"DRIFT  {f.name}\n" + "\n".join("       " + line for line in text.splitlines()))
+    if drift:
+        print(f"{drift} golden plan(s) drifted; if the change is intended run "
+              f"`tensorstow check {args.dir} --update` and say why in the commit")
+        return 1
+    return 0
+
+
+def cmd_probe(args) -> int:
+    from tensorstow.planner.probe import probe
+    hw = probe(disk_dir=args.disk_dir, quick=not args.full)
+    text = json.dumps(hw.to_json(), indent=1, sort_keys=True) + "\n"
+    if args.output:
+        Path(args.output).write_text(text)
+        print(f"wrote {args.output}")
+    else:
+        print(text, end="")
+    return 0
+
+
+DEMO = ["plan", "gpt-small", "--hw", "local", "--gpu-mem", "64MB", "--precision", "fp32",
+        "--batch", "4", "--policy", "zero-infinity"]
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tensorstow", description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd")
+    p = sub.add_parser("plan", help="trace a model and write its static schedule")
+    p.add_argument("model", help="preset (gpt3-13b, gpt-tiny, ...) or pkg.module:factory")
+    p.add_argument("--hw", default="local", help="hardware preset, spec file, or 'local' (probe this machine)")
+    p.add_argument("--policy", default="zero-infinity")
+    p.add_argument("--batch", type=int, default=0, help="micro-batch size (default: preset's, else 1)")
+    p.add_argument("--seq", type=int, default=0, help="sequence length (default: model block_size)")
+    p.add_argument("--precision", default="fp16-mixed", choices=["fp32", "bf16-mixed", "fp16-mixed"])
+    p.add_argument("--gpu-mem", dest="gpu_mem", help="override GPU memory (e.g. 200MB, 24GB)")
+    p.add_argument("--dram", help="override DRAM capacity (e.g. 256GB)")
+    p.add_argument("--ssds", type=int, help="override the number of SSDs")
+    p.add_argument("--optimizer", default="adamw", choices=["adam", "adamw"])
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--betas", type=float, nargs=2, default=[0.9, 0.999])
+    p.add_argument("--eps", type=float, default=1e-8)
+    p.add_argument("--weight-decay", dest="weight_decay", type=float, default=0.0)
+    p.add_argument("-o", "--output", help="write the plan JSON here")
+    p.add_argument("--trace", help="write the simulated timeline as Perfetto/Chrome trace JSON")
+    p.set_defaults(fn=cmd_plan)
+    s = sub.add_parser("show", help="summarize a plan")
+    s.add_argument("plan")
+    s.set_defaults(fn=cmd_show)
+    d = sub.add_parser("diff", help="what changed between two plans and why it matters")
+    d.add_argument("a")
+    d.add_argument("b")
+    d.set_defaults(fn=cmd_diff)
+    c = sub.add_parser("check", help="re-plan golden plans and fail on drift")
+    c.add_argument("dir", nargs="?", default="plans")
+    c.add_argument("--update", action="store_true", help="rewrite drifted plans")
+    c.set_defaults(fn=cmd_check)
+    pr = sub.add_parser("probe", help="measure this machine and write a hardware spec")
+    pr.add_argument("-o", "--output")
+    pr.add_argument("--disk-dir", dest="disk_dir", help="directory on the SSD to measure")
+    pr.add_argument("--full", action="store_true", help="longer, steadier measurements")
+    pr.set_defaults(fn=cmd_probe)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        print("tensorstow demo: " + " ".join(["tensorstow", *DEMO]), flush=True)
+        argv = DEMO
+    args = parser().parse_args(argv)
+    if not getattr(args, "fn", None):
+        parser().print_help()
+        return 2
+    try:
+        return args.fn(args)
+    except TensorstowError as e:
+        print(f"tensorstow: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,19 @@
+import functools
+
+import pytest
+import torch
+
+from tensorstow.ir.models import GPT, PRESETS
+from tensorstow.ir.trace import trace
+
+
+@functools.lru_cache(maxsize=None)
+def traced_tiny(precision="fp32", batch=2, seq=32):
+    torch.manual_seed(0)
+    model = GPT(PRESETS["gpt-tiny"])
+    return model, trace(model, batch=batch, seq=seq, precision=precision, model_name="gpt-tiny")
+
+
+@pytest.fixture
+def tiny():
+    return traced_tiny()

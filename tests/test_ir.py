@@ -1,0 +1,125 @@
+"""IR invariants on real traces of small models."""
+import json
+
+import pytest
+import torch
+
+from tensorstow import TensorstowError
+from tensorstow.ir.graph import DTYPE_BYTES, Graph
+from tensorstow.ir.models import GPT, PRESETS, gpt_param_count, resolve_model
+from tensorstow.ir.trace import trace, trace_spec
+from tests.conftest import traced_tiny
+
+
+def roots(g, kind):
+    return [t for t in g.tensors if t.kind == kind and t.storage == t.name]
+
+
+def test_every_consumer_after_its_producer(tiny):
+    _, tr = tiny
+    g = tr.graph
+    assert [op.index for op in g.ops] == list(range(len(g.ops)))
+    for t in g.tensors:
+        if t.producer is not None:
+            assert all(c > t.producer for c in t.consumers), t.name
+        for c in t.consumers:
+            assert t.name in g.ops[c].inputs
+    for op in g.ops:
+        for name in op.inputs:
+            assert op.index in g.tensor(name).consumers
+
+
+def test_phases_in_execution_order(tiny):
+    _, tr = tiny
+    phases = [op.phase for op in tr.graph.ops]
+    assert phases == sorted(phases, key=["fwd", "bwd", "opt"].index)
+
+
+@pytest.mark.parametrize("precision,elt,master", [("fp32", 4, 0), ("fp16-mixed", 2, 4), ("bf16-mixed", 2, 4)])
+def test_model_state_bytes_add_up(precision, elt, master):
+    model, tr = traced_tiny(precision)
+    g = tr.graph
+    P = sum(p.numel() for p in model.parameters())
+    assert g.param_count() == P
+    by_kind = {}
+    for t in g.tensors:
+        if t.storage == t.name:
+            by_kind[t.kind] = by_kind.get(t.kind, 0) + t.nbytes
+    assert by_kind["parameter"] == elt * P            # P16 (LoHan Table II: 2P) or P32
+    assert by_kind["gradient"] == elt * P             # G16: 2P
+    assert by_kind["optimizer_state"] == (master + 8) * P  # P32 4P + OS32 8P
+    assert {t.dtype for t in roots(g, "saved_activation")} <= {g.compute_dtype, "float32", "int64", "bool", "uint8"}
+
+
+def test_saved_activation_bytes_match_autograd_saved_tensors(tiny):
+    model, tr = tiny
+    ir_bytes = sum(t.nbytes for t in roots(tr.graph, "saved_activation"))
+    idx = torch.randint(0, model.vocab_size, (2, 32))
+    tgt = torch.randint(0, model.vocab_size, (2, 32))
+    excluded = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    excluded |= {idx.untyped_storage().data_ptr(), tgt.untyped_storage().data_ptr()}
+    saved = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in excluded:
+            saved[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(idx, tgt)
+    assert ir_bytes == sum(saved.values()) > 0
+    assert len(roots(tr.graph, "saved_activation")) == len(saved)
+
+
+def test_blocks_and_similarity(tiny):
+    _, tr = tiny
+    g = tr.graph
+    assert [b.name for b in g.blocks] == ["pre", "b0", "b1", "b2", "b3", "post"]
+    # each block's forward and backward ops are contiguous runs; backward visits blocks in reverse
+    fwd = [op.block for op in g.ops if op.phase == "fwd"]
+    bwd = [op.block for op in g.ops if op.phase == "bwd"]
+    dedup = lambda xs: [x for i, x in enumerate(xs) if i == 0 or xs[i - 1] != x]
+    assert dedup(fwd) == ["pre", "b0", "b1", "b2", "b3", "post"]
+    assert dedup(bwd) == ["post", "b3", "b2", "b1", "b0", "pre"]
+    sigs = {b.name: b.signature for b in g.blocks}
+    assert sigs["b1"] == sigs["b2"] == sigs["b3"]
+    assert len({sigs["pre"], sigs["b1"], sigs["post"]}) == 3
+    # a layer's matmul FLOPs: 24·B·T·d² forward (qkv, proj, fc, proj) plus attention
+    B, T, d = 2, 32, 64
+    mm = sum(op.flops for op in g.ops if op.block == "b1" and op.phase == "fwd" and "addmm" in op.target)
+    assert mm == 2 * B * T * (3 * d * d + d * d + 8 * d * d)
+
+
+def test_json_round_trip_and_determinism(tiny):
+    _, tr = tiny
+    g = tr.graph
+    text = json.dumps(g.to_json(), sort_keys=True)
+    g2 = Graph.from_json(json.loads(text))
+    assert g2 == g
+    assert json.dumps(g2.to_json(), sort_keys=True) == text
+    again = trace(GPT(PRESETS["gpt-tiny"]), batch=2, seq=32, model_name="gpt-tiny").graph
+    assert again.fingerprint() == g.fingerprint()
+
+
+def test_replicated_preset_matches_analytic_param_count():
+    spec = resolve_model("gpt3-175b")
+    g = trace_spec(spec, batch=1, precision="fp16-mixed").graph
+    assert g.traced_layers == 3
+    assert len(g.layer_blocks()) == 96
+    assert g.param_count() == gpt_param_count(PRESETS["gpt3-175b"]) == 175_209_234_432
+    assert {b.profile for b in g.layer_blocks()[1:-1]} == {"b1"}
+
+
+def test_user_factory_models():
+    g = trace_spec(resolve_model("tests.fixtures.user_models:mlp_stack"), batch=2).graph
+    assert [b.name for b in g.blocks] == ["pre", "b0", "b1", "b2", "b3", "post"]
+    assert g.block("b1").signature == g.block("b2").signature  # identical middle layers share a profile
+    flat = trace_spec(resolve_model("tests.fixtures.user_models:flat"), batch=2).graph
+    assert [b.name for b in flat.blocks] == ["b0"]
+    with pytest.raises(TensorstowError, match="not an nn.Module"):
+        trace_spec(resolve_model("tests.fixtures.user_models:not_a_model"), batch=1)
+    with pytest.raises(TensorstowError, match="unknown model"):
+        resolve_model("gpt-nonexistent")
+    with pytest.raises(TensorstowError, match="cannot import"):
+        resolve_model("no_such_pkg.mod:fn")

@@ -1,0 +1,109 @@
+"""Simulator invariants on random instruction DAGs (hypothesis)."""
+import networkx as nx
+from hypothesis import given, settings, strategies as st
+
+from tensorstow.planner.schedule import Instr
+from tensorstow.planner.simulate import ScheduleError, resource_of, simulate
+
+STREAMS = ["gpu0.compute", "gpu0.h2d", "gpu0.d2h", "ssd.read", "ssd.write", "cpu.opt"]
+
+
+@st.composite
+def dags(draw):
+    n = draw(st.integers(1, 40))
+    instrs, dur = [], []
+    allocs = {}
+    for i in range(n):
+        deps = draw(st.lists(st.integers(0, i - 1), max_size=3, unique=True)) if i else []
+        stream = draw(st.sampled_from(STREAMS))
+        kind = draw(st.sampled_from(["compute", "load", "free"]))
+        kw = {}
+        if kind == "compute" and stream == "gpu0.compute":
+            kw = {"allocs": (f"buf{i}",), "workspace": f"ws{i}"}
+            allocs[f"buf{i}"] = i
+        elif kind == "load":
+            kind = "compute"
+        elif kind == "free":
+            kind = "compute"
+        instrs.append(Instr(id=i, kind=kind, stream=stream, deps=tuple(sorted(deps)), **kw))
+        dur.append(draw(st.floats(0, 5, allow_nan=False)))
+    # free every allocated buffer after its producer
+    for name, producer in sorted(allocs.items()):
+        i = len(instrs)
+        extra = draw(st.lists(st.integers(0, i - 1), max_size=2, unique=True))
+        instrs.append(Instr(id=i, kind="free", stream="gpu0.compute",
+                            deps=tuple(sorted({producer, *extra})), tensor=name, dst="gpu0"))
+        dur.append(0.0)
+    sizes = {f"buf{i}": draw(st.integers(1, 100)) for i in range(len(instrs))}
+    sizes |= {f"ws{i}": draw(st.integers(0, 50)) for i in range(len(instrs))}
+    return instrs, dur, sizes
+
+
+@settings(max_examples=150, deadline=None)
+@given(dags())
+def test_simulator_invariants(case):
+    instrs, dur, sizes = case
+    sim = simulate(instrs, dur, sizes, set())
+    eps = 1e-9
+    for ins in instrs:
+        for d in ins.deps:  # dependencies respected
+            assert sim.start[ins.id] >= sim.end[d] - eps
+    by_res = {}
+    for ins in instrs:
+        by_res.setdefault(resource_of(ins.stream), []).append((sim.start[ins.id], sim.end[ins.id], ins.id))
+    for res, spans in by_res.items():  # no resource runs two things at once
+        spans.sort()
+        for (s1, e1, a), (s2, e2, b) in zip(spans, spans[1:]):
+            assert s2 >= e1 - eps, (res, a, b)
+    for s in {i.stream for i in instrs}:  # streams are FIFO in program order
+        ids = [i.id for i in instrs if i.stream == s]
+        assert [sim.start[i] for i in ids] == sorted(sim.start[i] for i in ids)
+    # makespan >= critical path and >= the busiest resource
+    g = nx.DiGraph()
+    for ins in instrs:
+        g.add_node(ins.id)
+        for d in ins.deps:
+            g.add_edge(d, ins.id)
+    longest = {}
+    for v in nx.topological_sort(g):
+        longest[v] = dur[v] + max((longest[u] for u in g.predecessors(v)), default=0.0)
+    assert sim.step_time_s >= max(longest.values()) - eps
+    assert sim.step_time_s >= max(sim.busy_s.values()) - eps
+    # memory never negative, peak = brute-force maximum over event times
+    for tier, pts in sim.timeline.items():
+        assert all(v >= 0 for _, v in pts)
+        assert sim.peak_bytes.get(tier, 0) == max(v for _, v in pts)
+    for t, _ in sim.timeline.get("gpu0", []):
+        live = 0
+        for ins in instrs:
+            if ins.allocs and sim.start[ins.id] <= t:
+                free = next(f for f in instrs if f.kind == "free" and f.tensor == ins.allocs[0])
+                if sim.start[free.id] > t:
+                    live += sizes[ins.allocs[0]]
+            if ins.workspace and sim.start[ins.id] <= t < sim.end[ins.id]:
+                live += sizes[ins.workspace]
+        assert live <= sim.peak_bytes["gpu0"]
+
+
+def test_simplex_ssd_shares_one_resource():
+    instrs = [Instr(id=0, kind="load", stream="ssd.read", deps=(), tensor="a", src="ssd", dst="dram"),
+              Instr(id=1, kind="store", stream="ssd.write", deps=(), tensor="b", src="dram", dst="ssd")]
+    sim = simulate(instrs, [2.0, 3.0], {"a": 1, "b": 1}, {("a", "ssd"), ("a", "dram"), ("b", "dram"), ("b", "ssd")})
+    assert sim.step_time_s == 5.0  # reads and writes do not overlap (Fuyou Eq. 3-4)
+    h2d_d2h = [Instr(id=0, kind="load", stream="gpu0.h2d", deps=(), tensor="a", src="dram", dst="gpu0"),
+               Instr(id=1, kind="store", stream="gpu0.d2h", deps=(), tensor="b", src="gpu0", dst="dram")]
+    sim = simulate(h2d_d2h, [2.0, 3.0], {"a": 1, "b": 1}, {("a", "dram"), ("a", "gpu0"), ("b", "gpu0"), ("b", "dram")})
+    assert sim.step_time_s == 3.0  # the host link is duplex
+
+
+def test_inconsistent_schedules_are_rejected():
+    import pytest
+    free_missing = [Instr(id=0, kind="free", stream="gpu0.compute", deps=(), tensor="x", dst="gpu0")]
+    with pytest.raises(ScheduleError, match="does not hold"):
+        simulate(free_missing, [0.0], {"x": 1}, set())
+    leak = [Instr(id=0, kind="compute", stream="gpu0.compute", deps=(), allocs=("x",))]
+    with pytest.raises(ScheduleError, match="initial state"):
+        simulate(leak, [1.0], {"x": 1}, set())
+    cycle = [Instr(id=0, kind="compute", stream="a", deps=(1,)), Instr(id=1, kind="compute", stream="b", deps=(0,))]
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(cycle, [1.0, 1.0], {}, set())
