@@ -1,0 +1,89 @@
+"""The command line: golden plans, show/diff, and one clear line for bad input."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tensorstow.planner.cli import main, parse_size
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "tensorstow.planner.cli", *args], capture_output=True,
+                          text=True, cwd=cwd or ROOT, timeout=300)
+
+
+def test_golden_plans_have_not_drifted():
+    r = run("check", "plans")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("ok ") == len(list((ROOT / "plans").glob("*.json"))) >= 4
+
+
+def test_plan_show_diff(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert main(["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--batch", "2", "-o", str(a)]) == 0
+    assert main(["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--batch", "2", "--policy", "all-gpu", "-o", str(b),
+                 "--trace", str(tmp_path / "t.json")]) == 0
+    r = run("show", str(a))
+    assert r.returncode == 0 and "bottleneck:" in r.stdout and "zero-infinity" in r.stdout
+    r = run("diff", str(a), str(b))
+    assert r.returncode == 1
+    assert "decision policy: zero-infinity -> all-gpu" in r.stdout
+    assert "predicted step time" in r.stdout and "faster" in r.stdout
+    assert run("diff", str(a), str(a)).stdout.strip() == "plans are identical"
+    trace = json.loads((tmp_path / "t.json").read_text())
+    names = {e["name"] for e in trace["traceEvents"]}
+    assert "compute fwd:b0" in names and "mem gpu0" in names
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["plan", "gpt-nope"], "unknown model 'gpt-nope'"),
+    (["plan", "gpt-tiny", "--hw", "no-such-hw"], "unknown hardware 'no-such-hw'"),
+    (["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--policy", "magic"], "unknown policy 'magic'"),
+    (["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--gpu-mem", "12XB"], "cannot read size '12XB'"),
+    (["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--seq", "4096"], "exceeds the model's block_size"),
+])
+def test_bad_input_gives_one_clear_line(args, needle):
+    r = run(*args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tensorstow: error:") and needle in lines[0]
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("{not json", "not valid JSON"),
+    ('{"name": "x"}', "missing required key"),
+    ('{"name": "x", "gpus": [{"name": "g", "memory_bytes": -1, "flops": 1, "mem_bw": 1, "h2d_bw": 1, "d2h_bw": 1}],'
+     ' "dram": {"capacity_bytes": 1, "bandwidth": 1}, "ssd": {"count": 0, "read_bw": 0, "write_bw": 0,'
+     ' "capacity_bytes": 0}, "cpu": {"cores": 1, "adam_rate": 1}}', "field 'gpus[0].memory_bytes': must be >= 0"),
+    ('{"name": "x", "bogus": 1}', "unknown key(s) ['bogus']"),
+])
+def test_malformed_hardware_file(tmp_path, content, needle):
+    f = tmp_path / "hw.json"
+    f.write_text(content)
+    r = run("plan", "gpt-tiny", "--hw", str(f))
+    assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("{trunc", "not valid JSON"),
+    ('{"schema_version": 1}', "lacks"),
+    ("[1, 2]", "JSON object"),
+])
+def test_malformed_plan_file(tmp_path, content, needle):
+    f = tmp_path / "p.json"
+    f.write_text(content)
+    before = f.read_bytes()
+    r = run("show", str(f))
+    assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert f.read_bytes() == before  # never damages what it read
+    assert run("show", str(tmp_path / "missing.json")).returncode == 2
+
+
+def test_parse_size():
+    assert parse_size("200MB") == 200 * 10**6
+    assert parse_size("1.5GiB") == int(1.5 * 2**30)
+    assert parse_size("4096") == 4096
