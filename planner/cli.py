@@ -121,7 +121,7 @@ def diff_text(a: dict, b: dict) -> tuple[str, bool]:
             cap = pb.get("capacity_bytes", {}).get(t, 0)
             out.append(f"peak {t}: {_fmt(x)} -> {_fmt(y)}" + (f" ({100 * y / cap:.0f}% of capacity)" if cap else ""))
     da, db = a["decisions"], b["decisions"]
-    for k in ("policy", "prefetch", "overlap_optimizer", "serialize_optimizer"):
+    for k in sorted((set(da) | set(db)) - {"blocks"}):
         if da.get(k) != db.get(k):
             out.append(f"decision {k}: {da.get(k)} -> {db.get(k)}")
     changes: dict[str, list[str]] = {}

@@ -46,18 +46,23 @@ class Decisions:
     active gradient offloading); False: all updates after backward (ZeRO-Infinity, Fuyou Fig. 2a)."""
     serialize_optimizer: bool = False
     """True: subgroup i+1's state read waits for subgroup i's write-back (no I/O pipelining)."""
+    grad_buffers: int = 0
+    """Gradient slots in DRAM for CPU-updated subgroups (0 = unbounded): the backward of a block
+    waits until the gradient `grad_buffers` blocks earlier has been consumed by its update, so
+    an optimizer slower than backward throttles it instead of filling DRAM. Only with
+    overlap_optimizer (otherwise every gradient waits for the end of backward anyway)."""
     notes: tuple[str, ...] = ()
     """Human-readable reasons the policy gives for its choices."""
 
     def to_json(self) -> dict:
-        return {"policy": self.policy, "prefetch": self.prefetch,
+        return {"policy": self.policy, "prefetch": self.prefetch, "grad_buffers": self.grad_buffers,
                 "overlap_optimizer": self.overlap_optimizer,
                 "serialize_optimizer": self.serialize_optimizer, "notes": list(self.notes),
                 "blocks": {b: vars(d).copy() for b, d in self.blocks.items()}}
 
     @staticmethod
     def from_json(d: dict) -> "Decisions":
-        return Decisions(policy=d["policy"], prefetch=d["prefetch"],
+        return Decisions(policy=d["policy"], prefetch=d["prefetch"], grad_buffers=d.get("grad_buffers", 0),
                          overlap_optimizer=d["overlap_optimizer"],
                          serialize_optimizer=d["serialize_optimizer"], notes=tuple(d["notes"]),
                          blocks={b: BlockDecision(**v) for b, v in d["blocks"].items()})
@@ -225,6 +230,39 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
     frees_bwd: dict[str, int] = {}
     bwd_streamed = [b for b in bwd_order if b in streamed]
     grads_ready: dict[str, int] = {}
+    cpu_grads: list[str] = []
+    g_freed: dict[str, int] = {}
+    prev_write = [None]
+
+    def opt_step(b: str, start: tuple) -> None:
+        """One subgroup's update: bring its states to the device, update, write results home."""
+        d = dec[b]
+        if decisions.serialize_optimizer:
+            start = (*start, prev_write[0])
+        dev = "cpu" if d.optimizer == "cpu" else gpu
+        tier = "dram" if dev == "cpu" else gpu
+        states = [s for s in (f"M:{b}", f"OS:{b}") if has(s)]
+        p_here = not mixed  # fp32: P is the master and is updated in place
+        ready = list(start)
+        for s in states + ([f"P:{b}"] if p_here or home[f"P:{b}"] == tier else []):
+            if home[s] != tier and (s, tier) not in e.where:
+                ready.append(e.move(s, home[s], tier, start))
+        fresh = (f"P:{b}",) if mixed and home[f"P:{b}"] != tier else ()
+        u = e.emit("optimizer_step", "cpu.opt" if dev == "cpu" else comp, tuple(ready), segment=b,
+                   dst=dev, allocs=fresh)
+        g_freed[b] = e.free(f"G:{b}", tier, (u,))
+        last = u
+        for s in states + [f"P:{b}"]:
+            if home[s] == tier:
+                continue
+            if s == f"P:{b}" and mixed:
+                # LoHan Table II: the optimizer produces P16 from P32; send it to P's home.
+                last = _write_new(e, s, tier, home[s], u, gpu)
+            else:
+                last = e.move(s, tier, home[s], (u,))
+                e.free(s, tier, (last,))
+        prev_write[0] = last
+
     for b in bwd_order:
         d = dec[b]
         deps = []
@@ -246,6 +284,10 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
         if has(f"X:{b}") and d.checkpoint != "gpu":
             e.free(f"X:{b}", d.checkpoint, (deps[-1] if deps else None,))
         allocs = (f"G:{b}",) if has(f"G:{b}") else ()
+        if decisions.grad_buffers and has(f"G:{b}") and d.optimizer == "cpu":
+            if len(cpu_grads) >= decisions.grad_buffers and decisions.overlap_optimizer:
+                deps.append(g_freed[cpu_grads[-decisions.grad_buffers]])
+            cpu_grads.append(b)
         c = e.emit("compute", comp, tuple(deps), segment=f"bwd:{b}", allocs=allocs,
                    workspace=f"W:bwd:{b}" if has(f"W:bwd:{b}") else "")
         for a in allocs:
@@ -262,42 +304,13 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
                 grads_ready[b] = s
             else:
                 grads_ready[b] = c
-    last_bwd = len(e.instrs) - 1
-
-    prev_write = None
-    for b in bwd_order:
-        if not has(f"G:{b}"):
-            continue
-        d = dec[b]
-        start = (grads_ready[b],) if decisions.overlap_optimizer else (grads_ready[b], last_bwd)
-        if decisions.serialize_optimizer:
-            start = (*start, prev_write)
-        dev = "cpu" if d.optimizer == "cpu" else gpu
-        tier = "dram" if dev == "cpu" else gpu
-        states = [s for s in (f"M:{b}", f"OS:{b}") if has(s)]
-        p_here = not mixed  # fp32: P is the master and is updated in place
-        ready = list(start)
-        for s in states + ([f"P:{b}"] if p_here or home[f"P:{b}"] == tier else []):
-            if home[s] != tier and (s, tier) not in e.where:
-                ready.append(e.move(s, home[s], tier, start))
-        fresh = (f"P:{b}",) if mixed and home[f"P:{b}"] != tier else ()
-        u = e.emit("optimizer_step", "cpu.opt" if dev == "cpu" else comp, tuple(ready), segment=b,
-                   dst=dev, allocs=fresh)
-        e.free(f"G:{b}", tier, (u,))
-        writes = [u]
-        for s in states + [f"P:{b}"]:
-            if s == f"P:{b}" and home[s] == tier:
-                continue
-            if s != f"P:{b}" and home[s] == tier:
-                continue
-            if s == f"P:{b}" and mixed:
-                # LoHan Table II: the optimizer produces P16 from P32; send it to P's home.
-                w = _write_new(e, s, tier, home[s], u, gpu)
-            else:
-                w = e.move(s, tier, home[s], (u,))
-                e.free(s, tier, (w,))
-            writes.append(w)
-        prev_write = writes[-1]
+            if decisions.overlap_optimizer:
+                opt_step(b, (grads_ready[b],))
+    if not decisions.overlap_optimizer:
+        last_bwd = len(e.instrs) - 1
+        for b in bwd_order:
+            if has(f"G:{b}"):
+                opt_step(b, (grads_ready[b], last_bwd))
     return e.instrs
 
 

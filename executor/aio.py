@@ -1,0 +1,257 @@
+"""Asynchronous file I/O for the SSD tier: the C++ engine (csrc/aio.cpp) or a Python fallback.
+
+Both engines have one API::
+
+    engine.submit_read(fd, tensor, offset) -> int    # fill `tensor` from the file at `offset`
+    engine.submit_write(fd, tensor, offset) -> int   # write `tensor`'s bytes at `offset`
+    engine.wait(handle) -> None                      # block; OSError(errno, "... at file offset N ...")
+    engine.done(handle) -> bool
+    engine.num_threads, engine.block_size, engine.queue_depth
+
+Tensors are CPU and contiguous; a request is split into `block_size` chunks that the worker
+threads run in parallel, at most `queue_depth` chunks at once. On an fd opened with O_DIRECT
+the data pointer, byte count and offset must be multiples of 4096 (`aligned_empty` gives
+such buffers). The caller keeps the fd open and leaves the tensor alone until `wait`.
+
+`load_engine()` JIT-builds the C++ engine once (cached under $TENSORSTOW_CACHE, else
+$TORCH_EXTENSIONS_DIR/tensorstow, else ~/.cache/tensorstow) and falls back to `PythonEngine`
+when the build fails; `engine_info()` says which one is active and why.
+`TENSORSTOW_AIO=python` forces the fallback, `TENSORSTOW_AIO=cpp` makes a failed build an error.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import sys
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+ALIGN = 4096
+"""O_DIRECT alignment (bytes) of data pointers, sizes and file offsets."""
+
+DEFAULT_THREADS = 4
+DEFAULT_BLOCK_SIZE = 1 << 20
+DEFAULT_QUEUE_DEPTH = 64
+
+_CSRC = Path(__file__).resolve().parent.parent / "csrc" / "aio.cpp"
+_EXT_NAME = "tensorstow_aio"
+
+
+def round_up(nbytes: int, align: int = ALIGN) -> int:
+    return -(-nbytes // align) * align
+
+
+def aligned_empty(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+    """A 1-D CPU tensor of `nbytes` bytes whose data pointer is 4096-aligned.
+
+    Over-allocates by one page and slices; the storage extends at least to the next multiple
+    of 4096 past the end, so O_DIRECT I/O of the padded size stays inside the allocation.
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if nbytes < 0 or nbytes % itemsize:
+        raise ValueError(f"aligned_empty: {nbytes} bytes is not a whole number of {dtype} elements")
+    raw = torch.empty(round_up(nbytes) + ALIGN, dtype=torch.uint8)
+    start = -raw.data_ptr() % ALIGN
+    out = raw[start : start + nbytes].view(dtype)
+    assert out.data_ptr() % ALIGN == 0
+    return out
+
+
+def is_direct(fd: int) -> bool:
+    return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+
+
+def _byte_view(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
+
+
+class PythonEngine:
+    """Pure-Python engine with the C++ engine's API: a thread pool of os.preadv/os.pwritev."""
+
+    def __init__(self, num_threads: int = DEFAULT_THREADS, block_size: int = DEFAULT_BLOCK_SIZE,
+                 queue_depth: int = DEFAULT_QUEUE_DEPTH):
+        if not 1 <= num_threads <= 256:
+            raise ValueError(f"aio Engine: num_threads must be in [1, 256], got {num_threads}")
+        if block_size < ALIGN or block_size % ALIGN:
+            raise ValueError("aio Engine: block_size must be a positive multiple of 4096 bytes "
+                             f"(O_DIRECT alignment), got {block_size}")
+        if queue_depth < 1:
+            raise ValueError(f"aio Engine: queue_depth must be >= 1, got {queue_depth}")
+        self.num_threads, self.block_size, self.queue_depth = num_threads, block_size, queue_depth
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="tensorstow-aio")
+        self._slots = threading.BoundedSemaphore(queue_depth)
+        self._lock = threading.Lock()
+        self._requests: dict[int, tuple[torch.Tensor, list[Future]]] = {}
+        self._next = 1
+
+    def submit_read(self, fd: int, tensor: torch.Tensor, offset: int) -> int:
+        return self._submit(fd, tensor, offset, write=False)
+
+    def submit_write(self, fd: int, tensor: torch.Tensor, offset: int) -> int:
+        return self._submit(fd, tensor, offset, write=True)
+
+    def wait(self, handle: int) -> None:
+        with self._lock:
+            if handle not in self._requests:
+                raise ValueError(f"aio wait: unknown handle {handle} (never submitted, or already waited for)")
+            _, futures = self._requests.pop(handle)
+        errors = [f.result() for f in futures]  # every chunk finishes before wait returns
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise OSError(*first)
+
+    def done(self, handle: int) -> bool:
+        with self._lock:
+            if handle not in self._requests:
+                raise ValueError(f"aio done: unknown handle {handle} (never submitted, or already waited for)")
+            return all(f.done() for f in self._requests[handle][1])
+
+    def _submit(self, fd: int, tensor: torch.Tensor, offset: int, *, write: bool) -> int:
+        op = "submit_write" if write else "submit_read"
+        if tensor.device.type != "cpu":
+            raise ValueError(f"aio {op}: tensor must be on the CPU, got {tensor.device}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"aio {op}: tensor must be contiguous")
+        if offset < 0:
+            raise ValueError(f"aio {op}: file offset must be >= 0, got {offset}")
+        if fd < 0:
+            raise ValueError(f"aio {op}: invalid file descriptor {fd}")
+        try:
+            direct = is_direct(fd)
+        except OSError as e:
+            raise ValueError(f"aio {op}: fd {fd} is not an open file ({e.strerror})") from None
+        nbytes = tensor.numel() * tensor.element_size()
+        ptr = tensor.data_ptr()
+        if direct and (ptr % ALIGN or nbytes % ALIGN or offset % ALIGN):
+            raise ValueError(
+                f"aio {op}: fd {fd} is open with O_DIRECT, so the data pointer, the byte count and the "
+                f"file offset must all be multiples of 4096; got pointer {ptr:#x}, {nbytes} bytes, "
+                f"offset {offset} (allocate with tensorstow.executor.aio.aligned_empty and pad to 4096)")
+        view = _byte_view(tensor) if nbytes else memoryview(b"")
+        futures = []
+        for start in range(0, nbytes, self.block_size):
+            self._slots.acquire()
+            chunk = view[start : start + self.block_size]
+            fut = self._pool.submit(self._run_chunk, fd, chunk, offset + start, write)
+            fut.add_done_callback(lambda _: self._slots.release())
+            futures.append(fut)
+        with self._lock:
+            handle = self._next
+            self._next += 1
+            self._requests[handle] = (tensor, futures)
+        return handle
+
+    @staticmethod
+    def _run_chunk(fd: int, chunk: memoryview, offset: int, write: bool):
+        """Runs one chunk; returns None or the (errno, message) of its OSError."""
+        name = "pwrite" if write else "pread"
+        what = f"{name} of {len(chunk)} bytes at file offset {offset} (fd {fd})"
+        done = 0
+        while done < len(chunk):
+            try:
+                part = chunk[done:]
+                n = os.pwritev(fd, [part], offset + done) if write else os.preadv(fd, [part], offset + done)
+            except OSError as e:  # EINTR is retried by Python itself (PEP 475)
+                return e.errno, f"{what} failed after {done} bytes: {e.strerror}"
+            if n == 0:
+                if write:
+                    return errno.ENOSPC, f"{what} wrote nothing after {done} bytes: {os.strerror(errno.ENOSPC)}"
+                return errno.EIO, f"{what} hit end of file after {done} bytes (file too short)"
+            done += n
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading the C++ engine
+
+_load_lock = threading.Lock()
+_default_lock = threading.Lock()
+_module = None
+_status: str | None = None  # why the active engine is the one it is
+_default_engine = None
+_default_info: str | None = None
+
+
+def cache_dir() -> Path:
+    """Where the C++ extension is built and cached."""
+    if os.environ.get("TENSORSTOW_CACHE"):
+        root = Path(os.environ["TENSORSTOW_CACHE"])
+    elif os.environ.get("TORCH_EXTENSIONS_DIR"):
+        root = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "tensorstow"
+    else:
+        root = Path.home() / ".cache" / "tensorstow"
+    tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info.major}{sys.version_info.minor}"
+    return root / "torch_extensions" / tag / _EXT_NAME
+
+
+def build_extension():
+    """The compiled `tensorstow_aio` module (built on first use, ~20 s; then loaded from cache).
+
+    Raises RuntimeError (with the compiler's message) when it cannot be built. Thread-safe;
+    concurrent processes are serialized by torch's lock file in the build directory.
+    """
+    global _module, _status
+    with _load_lock:
+        if _module is not None:
+            return _module
+        from torch.utils import cpp_extension
+
+        build_dir = cache_dir()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        bin_dir = os.path.dirname(sys.executable)  # pip's ninja lands next to the interpreter
+        old_path = os.environ.get("PATH", "")
+        if bin_dir not in old_path.split(os.pathsep):
+            os.environ["PATH"] = bin_dir + os.pathsep + old_path
+        try:
+            _module = cpp_extension.load(name=_EXT_NAME, sources=[str(_CSRC)], extra_cflags=["-O3"],
+                                         build_directory=str(build_dir), verbose=False)
+        except Exception as e:  # the compiler, ninja or the loader: all mean "no C++ engine"
+            lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+            raise RuntimeError(f"building the C++ aio engine from {_CSRC} in {build_dir} failed: "
+                               f"{lines[-1] if lines else type(e).__name__}") from e
+        finally:
+            os.environ["PATH"] = old_path
+        _status = f"C++ thread-pool engine (tensorstow_aio, pread/pwrite; io_uring not used) built in {build_dir}"
+        return _module
+
+
+def load_engine(num_threads: int = DEFAULT_THREADS, block_size: int = DEFAULT_BLOCK_SIZE,
+                queue_depth: int = DEFAULT_QUEUE_DEPTH):
+    """A new engine: the C++ one when it builds (or is cached), else `PythonEngine`."""
+    global _status
+    choice = os.environ.get("TENSORSTOW_AIO", "auto").lower()
+    if choice not in ("auto", "cpp", "python"):
+        raise ValueError(f"TENSORSTOW_AIO={choice!r}: use auto, cpp or python")
+    if choice == "python":
+        _status = "Python fallback engine (os.preadv/os.pwritev thread pool): TENSORSTOW_AIO=python"
+        return PythonEngine(num_threads, block_size, queue_depth)
+    try:
+        module = build_extension()
+    except RuntimeError as e:
+        if choice == "cpp":
+            raise
+        _status = f"Python fallback engine (os.preadv/os.pwritev thread pool): {e}"
+        return PythonEngine(num_threads, block_size, queue_depth)
+    return module.Engine(num_threads, block_size, queue_depth)
+
+
+def default_engine():
+    """One shared engine per process (the default of `SSDStore(engine=None)`)."""
+    global _default_engine, _default_info
+    with _default_lock:
+        if _default_engine is None:
+            _default_engine = load_engine()
+            _default_info = _status
+    return _default_engine
+
+
+def engine_info() -> str:
+    """Which engine `load_engine()` gives and why (builds or loads the C++ engine if needed)."""
+    engine = default_engine()
+    return (f"aio: {_default_info}; {engine.num_threads} threads, block {engine.block_size // 1024} KiB, "
+            f"queue depth {engine.queue_depth}")

@@ -1,0 +1,216 @@
+"""`lohan`: the Fuyou / LoHan policy for one consumer GPU with DRAM and NVMe SSDs.
+
+Model states: the fp16 parameters P, the fp32 master M and the Adam states OS all live on SSD
+(DRAM when the machine has no SSD) and the optimizer runs on the CPU. Updates are
+*overlapped* with the backward (LoHan §IV-C active gradient offloading: a block's update
+consumes its gradient as soon as the gradient reaches DRAM) and *not serialized*: the
+read / update / write pipeline of LoHan Fig. 3b falls out of stream ordering, because the
+SSD reads and writes of consecutive subgroups sit on separate streams.
+
+Activations: the search starts from ZeRO-Infinity's choice -- every layer block's input X is
+checkpointed to DRAM and everything saved inside the block is recomputed -- and then switches
+layer blocks from recompute to swap, in order of offloading benefit (LoHan Eq. 6). It never
+goes below the inter-block checkpoints (LoHan §IV-D Case 1, Fuyou D_start).
+
+Granularity is the block: `lower()` moves a block's saved activations A as one unit, so a
+block is either recomputed or swapped as a whole. LoHan Eq. 6 ranks single layers and Fuyou
+Table 2 single linear layers (a block's Linear_4htoh output has 4x the benefit of the rest);
+that per-layer selection inside a block is approximated here at block granularity. The pre
+and post blocks (embedding, head + loss) keep their activations on the GPU, as in
+ZeRO-Infinity.
+
+The swap amount A_G2M is chosen on the real yardstick: every candidate is lowered and
+simulated (`schedule(problem, decisions).sim.step_time_s`) and must fit every tier
+(`Plan.over_capacity()`). LoHan §IV-D shows T_iter(A_G2M) is convex when the candidates are
+taken in decreasing OB order, so over whole-block prefixes the step times are unimodal.
+Instead of Algorithm 1's linear scan (up to 97 simulations for GPT-3 175B) we bisect on the
+sign of the forward difference T(k+1) - T(k) over the prefix length k: ~2 log2(n) simulations,
+exact for a unimodal sequence, and on a plateau it keeps the smaller swap amount (Case 1:
+"swap as little as is safe"). The plan returned is the best of all prefixes evaluated, so a
+simulator that is not exactly convex can only make the answer less than optimal, never
+infeasible when a feasible prefix was seen; among prefixes within REL_TOL (0.5 %) of the best
+step time the smallest swap amount wins.
+
+Three tiers (LoHan Eq. 3): swapped activations go to DRAM while they fit in the DRAM left
+free by the no-swap plan (MEM_M^avail), the rest to SSD (swap_ssd); if the simulated DRAM
+peak still overflows, more of them move to SSD.
+
+Prefetch depth (Fuyou §4.4 GPU-memory-aware FIFO prefetch: the FIFO gets the GPU memory the
+rest of the plan leaves free): once the swap amount is fixed, the largest depth in 1..8 whose
+plan still fits (bisection, the GPU peak grows with the depth), kept only if it is not slower
+in simulation than depth 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tensorstow.planner.plan import Problem, fmt_bytes, schedule
+from tensorstow.planner.schedule import BlockDecision, Decisions
+
+MAX_PREFETCH = 8
+"""Deepest parameter prefetch considered (Fuyou §4.4 FIFO)."""
+DRAM_RETRIES = 2
+"""Extra simulations allowed per swap count to move DRAM-swapped blocks on to SSD."""
+REL_TOL = 0.005
+"""Swap more only for a gain above this fraction of the step time: smaller gains are within
+the wiggle that discrete-event ordering adds to a flat T_iter, and every swapped byte is PCIe
+and DRAM/SSD traffic (LoHan Case 1: swap as little as is safe)."""
+
+
+@dataclass(frozen=True)
+class _Eval:
+    step_time_s: float
+    over: dict[str, tuple[int, int]]
+    """Tiers above capacity: tier -> (peak, capacity)."""
+    dram_peak: int
+    n_dram: int
+    """How many of the swapped blocks went to DRAM (the rest to SSD)."""
+
+    @property
+    def fits(self) -> bool:
+        return not self.over
+
+    @property
+    def key(self) -> tuple:
+        """Feasible plans by step time, before every infeasible one (least overflow first)."""
+        if self.fits:
+            return (0, self.step_time_s)
+        excess = max((peak - cap) / max(cap, 1) for peak, cap in self.over.values())
+        return (1, excess, self.step_time_s)
+
+
+def by_offloading_benefit(problem: Problem) -> list[str]:
+    """Layer blocks with saved activations, highest offloading benefit first.
+
+    LoHan Eq. 6: OB = FLOP / A, FLOP = what recomputing the block's activations costs (its
+    whole forward: that is what a `recompute` instruction runs), A = bytes of its saved
+    activations. Stable sort: equal OB (every replicated layer) keeps forward order.
+    """
+    def ob(b: str) -> float:
+        p = problem.profiles[problem.profile_of[b]]
+        return p.fwd_flops / p.saved_bytes
+
+    layers = [b for b in problem.order if problem.graph.block(b).kind == "layer"
+              and problem.profiles[problem.profile_of[b]].saved_bytes > 0]
+    return sorted(layers, key=lambda b: -ob(b))
+
+
+class _Search:
+    def __init__(self, problem: Problem):
+        self.problem = problem
+        self.home = "ssd" if problem.hw.ssd.count > 0 else "dram"
+        self.ranked = by_offloading_benefit(problem)
+        self.size = [problem.profiles[problem.profile_of[b]].saved_bytes for b in self.ranked]
+        self.mem_avail = 0
+        self.memo: dict[tuple[int, int, int], _Eval] = {}
+        self.by_count: dict[int, _Eval] = {}
+
+    def decisions(self, k: int, n_dram: int, prefetch: int, notes: tuple[str, ...] = ()) -> Decisions:
+        """The first k blocks in OB order swapped (the first n_dram of them to DRAM)."""
+        swap = {b: ("swap_dram" if i < n_dram else "swap_ssd") for i, b in enumerate(self.ranked[:k])}
+        blocks = {}
+        for b in self.problem.order:
+            layer = self.problem.graph.block(b).kind == "layer"
+            acts = swap.get(b, "recompute") if layer else "keep"
+            blocks[b] = BlockDecision(params=self.home, states=self.home, optimizer="cpu",
+                                      activations=acts, checkpoint="dram" if layer else "gpu")
+        return Decisions(policy="lohan", blocks=blocks, prefetch=prefetch, overlap_optimizer=True,
+                         serialize_optimizer=False, notes=notes)
+
+    def evaluate(self, k: int, n_dram: int, prefetch: int) -> _Eval:
+        key = (k, n_dram, prefetch)
+        if key not in self.memo:
+            plan = schedule(self.problem, self.decisions(k, n_dram, prefetch))
+            self.memo[key] = _Eval(plan.sim.step_time_s, plan.over_capacity(), plan.peak("dram"), n_dram)
+        return self.memo[key]
+
+    def dram_share(self, k: int) -> int:
+        """LoHan Eq. 3: alpha*A_G2M = max(0, A_G2M - MEM_M^avail) goes to SSD; returns how many
+        of the first k blocks stay in DRAM."""
+        if self.home == "dram":
+            return k
+        n, total = 0, 0
+        while n < k and total + self.size[n] <= self.mem_avail:
+            total += self.size[n]
+            n += 1
+        return n
+
+    def count(self, k: int) -> _Eval:
+        """Step time with the first k OB-ranked blocks swapped (at prefetch depth 1)."""
+        if k in self.by_count:
+            return self.by_count[k]
+        n_dram = self.dram_share(k)
+        r = self.evaluate(k, n_dram, 1)
+        for _ in range(DRAM_RETRIES):
+            if "dram" not in r.over or n_dram == 0 or self.home == "dram":
+                break
+            excess = r.over["dram"][0] - r.over["dram"][1]
+            while n_dram > 0 and excess > 0:  # LoHan Eq. 3: the overflow goes to SSD
+                n_dram -= 1
+                excess -= self.size[n_dram]
+            r = self.evaluate(k, n_dram, 1)
+        self.by_count[k] = r
+        return r
+
+    def best_count(self) -> int:
+        """Bisection on the sign of T(k+1) - T(k) over the OB-ordered prefixes (T convex,
+        LoHan §IV-D), then the smallest prefix among all evaluated whose step time is within
+        REL_TOL of the best."""
+        lo, hi = 0, len(self.ranked)
+        while lo < hi:
+            m = (lo + hi) // 2
+            if self.count(m + 1).key < self.count(m).key:
+                lo = m + 1
+            else:
+                hi = m
+        self.count(lo)
+        best = min(self.by_count.values(), key=lambda e: e.key)
+        if not best.fits:
+            return min(self.by_count, key=lambda k: (self.by_count[k].key, k))
+        return min(k for k, e in self.by_count.items()
+                   if e.fits and e.step_time_s <= best.step_time_s * (1 + REL_TOL))
+
+    def best_prefetch(self, k: int, n_dram: int) -> tuple[int, str]:
+        """Fuyou §4.4: the deepest FIFO the memory allows, if it is not slower than depth 1."""
+        lo, hi = 1, MAX_PREFETCH
+        while lo < hi:
+            m = (lo + hi + 1) // 2
+            if self.evaluate(k, n_dram, m).fits:
+                lo = m
+            else:
+                hi = m - 1
+        why = f"the deepest of 1..{MAX_PREFETCH} that fits"
+        if self.evaluate(k, n_dram, lo).key > self.evaluate(k, n_dram, 1).key:
+            return 1, f"depth {lo} fits ({why}) but simulates slower"
+        return lo, why
+
+
+def plan(problem: Problem) -> Decisions:
+    s = _Search(problem)
+    # MEM_M^avail: the DRAM the no-swap plan leaves free at its peak (LoHan Eq. 4 "profiling").
+    base = s.evaluate(0, 0, 1)
+    s.mem_avail = max(0, problem.hw.dram.capacity_bytes - base.dram_peak)
+    s.by_count[0] = base
+    k = s.best_count()
+    n_dram = s.by_count[k].n_dram
+    prefetch, why = s.best_prefetch(k, n_dram)
+    final = s.evaluate(k, n_dram, prefetch)
+
+    a_dram = sum(s.size[:n_dram])
+    a_ssd = sum(s.size[n_dram:k])
+    searched = ", ".join(f"{c}:{'%.4g' % e.step_time_s}s{'' if e.fits else '(over)'}"
+                         for c, e in sorted(s.by_count.items()))
+    notes = (
+        f"P, M, OS on {s.home}; CPU Adam overlapped with backward (LoHan §IV-C active gradient "
+        f"offloading), SSD read/update/write pipelined (LoHan Fig. 3b)",
+        f"layer-block inputs checkpointed to DRAM; {k} of {len(s.ranked)} layer blocks swap their "
+        f"activations (A_G2M {fmt_bytes(a_dram + a_ssd)}: {fmt_bytes(a_dram)} to DRAM, "
+        f"{fmt_bytes(a_ssd)} to SSD, LoHan Eq. 3), the rest recomputed; blocks ranked by "
+        f"FLOP/byte (LoHan Eq. 6), whole blocks only",
+        f"swap count by bisection over OB-ordered prefixes (T_iter convex, LoHan §IV-D); "
+        f"simulated k:step_time {searched}",
+        f"prefetch depth {prefetch}: {why} (Fuyou §4.4 GPU-memory-aware FIFO)",
+    )
+    if not final.fits:
+        notes += ("no candidate fits every tier; this is the least-overflowing one",)
+    return s.decisions(k, n_dram, prefetch, notes)
