@@ -216,7 +216,7 @@ def build_extension():
                                f"{lines[-1] if lines else type(e).__name__}") from e
         finally:
             os.environ["PATH"] = old_path
-        _status = f"C++ thread-pool engine (tensorstow_aio, pread/pwrite; io_uring not used) built in {build_dir}"
+        _status = f"C++ thread-pool engine (tensorstow_aio: pread/pwrite, io_uring not used), built/cached in {build_dir}"
         return _module
 
 

@@ -67,7 +67,8 @@ def summary(d: dict) -> str:
     bn = pred["bottleneck"]
     busy = pred.get("busy_s", {})
     lines = [
-        f"plan: {m['name']} on {d['hardware']['name']}, policy {dec['policy']} "
+        f"plan: {m['name']} on {d['hardware']['name']}, policy {dec['policy']}"
+        + (" (chosen by auto)" if d["options"].get("policy") == "auto" else "") + " "
         f"({m['precision']}, batch {m['batch']}, seq {m['seq']})",
         f"model: {m['params'] / 1e9:.3g}B parameters, {m['layers']} layers"
         + (f" (traced {m['traced_layers']}, the rest replicated by similarity)" if m['traced_layers'] < m['layers'] else ""),
@@ -172,6 +173,8 @@ def cmd_plan(args) -> int:
     from tensorstow.planner.plan import make_plan
     from tensorstow.planner.simulate import perfetto_trace, write_trace
     o = _options(args)
+    if args.sweep:
+        return _sweep(args, o)
     plan = make_plan(o, hardware_for(o))
     text = plan.dumps()
     if args.output:
@@ -181,6 +184,43 @@ def cmd_plan(args) -> int:
     print(summary(json.loads(text)))
     if args.output:
         print(f"wrote {args.output}")
+    return 0
+
+
+def _sweep(args, o) -> int:
+    from tensorstow.planner import report
+    key, values = report.parse_sweep(args.sweep)
+    rows = report.sweep(o, hardware_for(o), key, values)
+    unit = " (GB)" if key == "dram" else ""
+    print(f"{key}{unit:>6} {'fits':>5} {'step s':>10} {'tokens/s':>10} {'TFLOPS':>8}  bottleneck  policy")
+    for r in rows:
+        print(f"{r['value']:>10} {'yes' if r['fits'] else 'no':>5} {r['step_time_s']:>10.4g} {r['tokens_per_s']:>10.4g} "
+              f"{r['model_tflops']:>8.3g}  {r['bottleneck']:<11} {r['policy']}")
+    plot = args.plot or f"sweep-{key}.svg"
+    report.svg_plot(plot, [r["value"] for r in rows], [r["tokens_per_s"] for r in rows],
+                    xlabel=key + unit, ylabel="predicted tokens/s",
+                    title=f"{o.model} on {o.hardware}, policy {o.policy}")
+    print(f"wrote {plot}")
+    return 0
+
+
+def cmd_fit(args) -> int:
+    from tensorstow.planner import report
+    from tensorstow.planner.plan import HEURISTICS, Options, policies
+    names = [args.policy] if args.policy else [*HEURISTICS, "ilp"]
+    print(f"{'policy':<14} {'largest model':<14} {'params':>8} {'batch':>6} {'tokens/s':>10} {'step s':>9}")
+    for name in names:
+        if name not in policies() and name != "auto":
+            raise TensorstowError(f"unknown policy '{name}': use one of {sorted(policies()) + ['auto']}")
+        o = Options(model="gpt3-13b", hardware=args.hw, policy=name, precision=args.precision,
+                    gpu_mem=parse_size(args.gpu_mem) if args.gpu_mem else None,
+                    dram=parse_size(args.dram) if args.dram else None, ssds=args.ssds)
+        r = report.largest_fitting(o, hardware_for(o))
+        if r["model"] is None:
+            print(f"{name:<14} {'none fits':<14}")
+        else:
+            print(f"{name:<14} {r['model']:<14} {r['params'] / 1e9:>7.1f}B {r['batch']:>6} "
+                  f"{r['tokens_per_s']:>10.4g} {r['step_time_s']:>9.4g}")
     return 0
 
 
@@ -245,7 +285,7 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="trace a model and write its static schedule")
     p.add_argument("model", help="preset (gpt3-13b, gpt-tiny, ...) or pkg.module:factory")
     p.add_argument("--hw", default="local", help="hardware preset, spec file, or 'local' (probe this machine)")
-    p.add_argument("--policy", default="zero-infinity")
+    p.add_argument("--policy", default="auto", help="all-gpu, zero-infinity, ilp, ... or auto (fastest feasible)")
     p.add_argument("--batch", type=int, default=0, help="micro-batch size (default: preset's, else 1)")
     p.add_argument("--seq", type=int, default=0, help="sequence length (default: model block_size)")
     p.add_argument("--precision", default="fp16-mixed", choices=["fp32", "bf16-mixed", "fp16-mixed"])
@@ -259,7 +299,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--weight-decay", dest="weight_decay", type=float, default=0.0)
     p.add_argument("-o", "--output", help="write the plan JSON here")
     p.add_argument("--trace", help="write the simulated timeline as Perfetto/Chrome trace JSON")
+    p.add_argument("--sweep", help="KEY=A..B or KEY=a,b,c over ssd_count, dram (GB) or batch: "
+                                   "print predicted throughput per value and plot it")
+    p.add_argument("--plot", help="SVG file for --sweep (default sweep-KEY.svg)")
     p.set_defaults(fn=cmd_plan)
+    f = sub.add_parser("fit", help="largest preset each policy can train on a machine, and its best batch")
+    f.add_argument("--hw", default="local")
+    f.add_argument("--policy")
+    f.add_argument("--precision", default="fp16-mixed", choices=["fp32", "bf16-mixed", "fp16-mixed"])
+    f.add_argument("--gpu-mem", dest="gpu_mem")
+    f.add_argument("--dram")
+    f.add_argument("--ssds", type=int)
+    f.set_defaults(fn=cmd_fit)
     s = sub.add_parser("show", help="summarize a plan")
     s.add_argument("plan")
     s.set_defaults(fn=cmd_show)

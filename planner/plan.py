@@ -28,7 +28,7 @@ class Options:
     """Preset name or `pkg.module:factory`."""
     hardware: str
     """Preset name, spec file, or "local"."""
-    policy: str = "zero-infinity"
+    policy: str = "auto"
     batch: int = 0
     """Micro-batch size (0: the preset's default, else 1)."""
     seq: int = 0
@@ -214,17 +214,42 @@ def schedule(problem: Problem, decisions: Decisions) -> Plan:
     return Plan(problem, decisions, bufs, instrs, sim, dur)
 
 
+HEURISTICS = ("all-gpu", "zero-infinity")
+
+
 def policies() -> dict:
-    from tensorstow.planner.policies import all_gpu, zero_infinity
-    return {"all-gpu": all_gpu.plan, "zero-infinity": zero_infinity.plan}
+    from tensorstow.planner.policies import all_gpu, ilp, zero_infinity
+    return {"all-gpu": all_gpu.plan, "zero-infinity": zero_infinity.plan, "ilp": ilp.plan}
+
+
+def heuristic_plans(problem: Problem) -> dict[str, Plan]:
+    """Every heuristic policy's plan for `problem` (feasible or not), by policy name."""
+    table = policies()
+    return {name: schedule(problem, table[name](problem)) for name in HEURISTICS if name in table}
+
+
+def plan_problem(problem: Problem, policy: str) -> Plan:
+    """Plan with one policy, or with `auto`: every policy, keeping the fastest feasible."""
+    table = policies()
+    if policy == "auto":
+        plans = {name: schedule(problem, fn(problem)) for name, fn in sorted(table.items())}
+        feasible = {n: p for n, p in plans.items() if p.fits}
+        if not feasible:
+            return min(plans.values(), key=lambda p: sum(n for n, _ in p.over_capacity().values()))
+        name = min(sorted(feasible), key=lambda n: feasible[n].sim.step_time_s)
+        times = ", ".join(f"{n} {p.sim.step_time_s:.4g} s" + ("" if p.fits else " (does not fit)")
+                          for n, p in sorted(plans.items()))
+        best = feasible[name]
+        best.decisions = dataclasses.replace(best.decisions, notes=(*best.decisions.notes,
+                                             f"auto chose {name}: {times}"))
+        return best
+    if policy not in table:
+        raise TensorstowError(f"unknown policy '{policy}': use one of {sorted(table) + ['auto']}")
+    return schedule(problem, table[policy](problem))
 
 
 def make_plan(options: Options, hw: Hardware) -> Plan:
-    table = policies()
-    if options.policy not in table:
-        raise TensorstowError(f"unknown policy '{options.policy}': use one of {sorted(table)}")
-    problem = build_problem(options, hw)
-    plan = schedule(problem, table[options.policy](problem))
+    plan = plan_problem(build_problem(options, hw), options.policy)
     over = plan.over_capacity()
     if over:
         raise TensorstowError(infeasible_message(plan, over))

@@ -10,8 +10,13 @@ DOS §4 as tensorstow decisions:
   (which would put 1/(k+1) on the GPU); docs/paper-equations.md §4.3 weighs the two readings.
   Counting subgroups in update (= backward) order from 0, subgroup i is updated on the GPU when
   (i+1) % k == 0: `lower()` moves its M/OS from DRAM to the GPU, updates, and writes them back
-  (Algorithm 1's prefetch and flush); its gradient stays on the GPU (§4.1). The others go to
-  the CPU as soon as their gradient reaches DRAM (`overlap_optimizer`).
+  (Algorithm 1's prefetch and flush); its gradient stays on the GPU (§4.1). The others are
+  updated by the CPU from gradients sent to DRAM during backward.
+- The update phase follows backward (DOS builds on ZeRO-3: gradients leave asynchronously
+  during backward, the optimizer step runs after it, Fig. 5-6), so `overlap_optimizer` is
+  False; CPU and GPU subgroups interleave within that phase, the H2D/D2H of GPU subgroups'
+  states overlapping the CPU updates. (With True, `lower()` runs each GPU update inside
+  backward, right after the block, where it stalls the compute stream on its state load.)
 - Static GPU-resident subgroups (states and update on the GPU for good) are the *last* ones in
   update order (§4.1, Fig. 5: S^7, S^8), added one at a time while the plan still fits. They
   form the tail of the update order, so the stride positions of the others do not change.
@@ -81,7 +86,7 @@ def decisions(problem, k: int | None, params: str, activations: str, resident: f
             states, opt = "dram", "gpu" if b in on_gpu else "cpu"
         blocks[b] = BlockDecision(params=params, states=states, optimizer=opt,
                                   activations=acts, checkpoint=ckpt)
-    return Decisions(policy="dos", blocks=blocks, prefetch=1, overlap_optimizer=True,
+    return Decisions(policy="dos", blocks=blocks, prefetch=1, overlap_optimizer=False,
                      serialize_optimizer=False, notes=notes)
 
 
@@ -119,7 +124,8 @@ def plan(problem) -> Decisions:
         resident, d = resident | {b}, trial
     notes = (
         eq1,
-        "optimizer subgroups = blocks; optimizer states in DRAM, CPU Adam as gradients arrive",
+        "optimizer subgroups = blocks; optimizer states in DRAM; update phase after backward, "
+        "CPU and GPU subgroups interleaved (DOS §4.1, Fig. 5)",
         "fp16 parameters resident on the GPU" if params == "gpu" else
         "fp16 parameters streamed from DRAM (they do not fit next to the activations)",
         "activations kept on the GPU" if acts == "keep" else

@@ -88,7 +88,7 @@ def by_offloading_benefit(problem: Problem) -> list[str]:
     """
     def ob(b: str) -> float:
         p = problem.profiles[problem.profile_of[b]]
-        return p.fwd_flops / p.saved_bytes
+        return p.fwd_flops / p.saved_bytes  # LoHan Eq. 6: OB = FLOP_layer / A_layer
 
     layers = [b for b in problem.order if problem.graph.block(b).kind == "layer"
               and problem.profiles[problem.profile_of[b]].saved_bytes > 0]
@@ -101,9 +101,11 @@ class _Search:
         self.home = "ssd" if problem.hw.ssd.count > 0 else "dram"
         self.ranked = by_offloading_benefit(problem)
         self.size = [problem.profiles[problem.profile_of[b]].saved_bytes for b in self.ranked]
-        self.mem_avail = 0
         self.memo: dict[tuple[int, int, int], _Eval] = {}
-        self.by_count: dict[int, _Eval] = {}
+        base = self.evaluate(0, 0, 1)  # ZeRO-Infinity's activations + active gradient offloading
+        self.by_count: dict[int, _Eval] = {0: base}
+        # LoHan Eq. 3-4 MEM_M^avail: the DRAM left free at the peak of the no-swap ("profiling") plan.
+        self.mem_avail = max(0, problem.hw.dram.capacity_bytes - base.dram_peak)
 
     def decisions(self, k: int, n_dram: int, prefetch: int, notes: tuple[str, ...] = ()) -> Decisions:
         """The first k blocks in OB order swapped (the first n_dram of them to DRAM)."""
@@ -167,6 +169,7 @@ class _Search:
         best = min(self.by_count.values(), key=lambda e: e.key)
         if not best.fits:
             return min(self.by_count, key=lambda k: (self.by_count[k].key, k))
+        # LoHan §IV-D Case 1: among (near-)equal times, the smallest swap amount.
         return min(k for k, e in self.by_count.items()
                    if e.fits and e.step_time_s <= best.step_time_s * (1 + REL_TOL))
 
@@ -187,10 +190,6 @@ class _Search:
 
 def plan(problem: Problem) -> Decisions:
     s = _Search(problem)
-    # MEM_M^avail: the DRAM the no-swap plan leaves free at its peak (LoHan Eq. 4 "profiling").
-    base = s.evaluate(0, 0, 1)
-    s.mem_avail = max(0, problem.hw.dram.capacity_bytes - base.dram_peak)
-    s.by_count[0] = base
     k = s.best_count()
     n_dram = s.by_count[k].n_dram
     prefetch, why = s.best_prefetch(k, n_dram)

@@ -1,0 +1,586 @@
+"""Replay a plan's static schedule every training step: a dispatch table and a flat loop.
+
+`Executor(plan, model)` re-traces `model` exactly as the planner did, refuses a plan whose
+model fingerprint differs, places every buffer on its home tier (parameters from the
+model, Adam states zero) and then, per `step(idx, targets)`, runs the plan's instructions:
+
+  compute / recompute   interpret a segment of the joint graph on the device tier
+  load / store          copy a buffer between tiers (gpu0 <-> dram <-> ssd), never aliasing
+  free                  drop a tier's copy
+  optimizer_step        torch.optim.Adam/AdamW (foreach=False) on one block's fp32 masters
+
+The executor makes no decisions: what moves where and when is the plan's. `mode="sync"`
+runs the instructions one at a time in program order (the reference); `mode="overlap"`
+runs one worker per stream, each instruction waiting only for the instructions in its
+`deps` (and its stream's earlier ones), so the plan's dependencies must be sufficient. Both
+modes compute the same bits.
+
+Buffer contents (see planner/schedule.py for the names):
+  P:<b>  the block's parameter placeholders (compute precision); for fp32 also the master
+  G:<b>  storage roots of their gradients (joint-graph outputs after the loss)
+  M:<b>  fp32 master copies (mixed precision only)    OS:<b>  exp_avg and exp_avg_sq
+  A:<b>  saved storages produced in b (planner.cost BlockProfile.saved)
+  X:<b>  saved storages produced outside b's forward and read by b's backward
+Anything else a segment makes is a temporary: it stays on the device until the last
+instruction that reads it (program order on the compute stream), then it is freed.
+Adam's `step` count is not stored: every subgroup is updated once per step, so it is the
+executor's step counter (`steps_done`, which `commit` records in the SSD store).
+"""
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from concurrent.futures import Future
+
+import torch
+import torch.nn as nn
+
+from tensorstow import TensorstowError
+from tensorstow.executor.segments import Joint
+from tensorstow.executor.stores import (DeviceTier, FileStore, HostCopy, HostTier, Layout, SSDTier,
+                                        contiguous_stride)
+from tensorstow.ir.trace import trace
+from tensorstow.planner.schedule import Instr
+
+MODES = ("sync", "overlap")
+KINDS = ("compute", "recompute", "load", "store", "free", "optimizer_step")
+_HOME = {"gpu": "gpu0", "gpu0": "gpu0", "dram": "dram", "ssd": "ssd", "": ""}
+_LINKS = {("gpu0", "dram"), ("dram", "gpu0"), ("dram", "ssd"), ("ssd", "dram")}
+
+
+class ExecutionError(TensorstowError):
+    """An instruction could not run as the plan says (names the instruction)."""
+
+
+def ssd_sizes(plan: dict) -> dict[str, int]:
+    """Buffer name -> bytes for every buffer the plan ever keeps on the SSD tier (what an
+    SSD store must be created with)."""
+    bufs = plan["buffers"]
+    names = {n for n, b in bufs.items() if b.get("home") == "ssd"}
+    names |= {i["tensor"] for i in plan["instructions"] if i["kind"] in ("load", "store") and i["dst"] == "ssd"}
+    return {n: int(bufs[n]["bytes"]) for n in sorted(names)}
+
+
+class Executor:
+    def __init__(self, plan: dict, model: nn.Module, *, mode: str = "sync", state_dir=None,
+                 ssd_store=None):
+        if mode not in MODES:
+            raise TensorstowError(f"unknown executor mode '{mode}': use one of {list(MODES)}")
+        self.mode = mode
+        self.plan = plan
+        m = plan["model"]
+        if m["traced_layers"] != m["layers"]:
+            raise TensorstowError(
+                f"plan for {m['name']} describes {m['layers']} layers traced as {m['traced_layers']} and "
+                f"replicated by similarity; the executor needs the whole joint graph, so it runs only "
+                f"fully traced models (presets up to 8 layers, or user models)")
+        self.traced = trace(model, batch=m["batch"], seq=m["seq"], precision=m["precision"],
+                            model_name=m["name"])
+        fp = self.traced.graph.fingerprint()
+        if fp != m["fingerprint"]:
+            raise TensorstowError(
+                f"plan fingerprint mismatch: the plan was made for model graph {m['fingerprint']} but "
+                f"{m['name']} (batch {m['batch']}, seq {m['seq']}, {m['precision']}) traces to {fp} here "
+                f"(the model code, its configuration or the torch version changed); re-plan it with "
+                f"`tensorstow plan {m['name']} ...`")
+        self.graph = self.traced.graph
+        self.joint = Joint(self.traced)
+        self.precision = m["precision"]
+        self.mixed = self.precision != "fp32"
+        self.compute_dtype = self.joint.meta(self.joint.placeholder[self.joint.param_names[0]])[0]
+        self.instrs = self._read_instructions(plan)
+        self.block_params = {b.name: list(b.params) for b in self.graph.blocks}
+        self.layouts, self.members = self._buffers(plan)
+        self.holders: dict[str, list[str]] = defaultdict(list)
+        for buf, roots in self.members.items():
+            if buf[:2] in ("P:", "G:", "A:", "X:"):
+                for r in roots:
+                    self.holders[r].append(buf)
+
+        cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        self.dev = DeviceTier(plan["predicted"]["capacity_bytes"]["gpu"], self.device)
+        self.host = HostTier(pin=cuda)
+        uses_ssd = bool(ssd_sizes(plan))
+        if ssd_store is None and uses_ssd:
+            if state_dir is None:
+                raise TensorstowError("the plan keeps buffers on the SSD tier: pass state_dir= "
+                                      "(a directory on the SSD) or ssd_store=")
+            ssd_store = FileStore(state_dir)
+        self.ssd = SSDTier(ssd_store if uses_ssd else None)
+        self.tiers = {"gpu0": self.dev, "dram": self.host, "ssd": self.ssd}
+
+        self.stash, self.drop, self.keep = self._temporaries()
+        self.adam = {b: _Adam(plan["options"]) for b in self.block_params if self.block_params[b]}
+        self.steps_done = 0
+        self.loss: float | None = None
+        self.temps: dict[str, torch.Tensor] = {}
+        self.inputs: dict[str, torch.Tensor] = {}
+        self._place_homes(model)
+
+    # ---- setup ------------------------------------------------------------------------------
+    def _read_instructions(self, plan: dict) -> list[Instr]:
+        instrs = []
+        for k, d in enumerate(plan["instructions"]):
+            try:
+                ins = Instr.from_json(d)
+            except (KeyError, TypeError) as e:
+                raise TensorstowError(f"plan instruction {k} is malformed ({e!r}); re-plan it") from None
+            if ins.id != k or any(not 0 <= x < k for x in ins.deps):
+                raise TensorstowError(f"plan instruction {k}: id {ins.id} / deps {list(ins.deps)} must be "
+                                      f"the index and smaller ids; re-plan it")
+            if ins.kind not in KINDS:
+                raise TensorstowError(f"plan instruction {k}: unknown kind '{ins.kind}' (this executor "
+                                      f"runs {', '.join(KINDS)})")
+            if ins.kind in ("compute", "recompute") and ins.segment not in self.joint.segments:
+                raise TensorstowError(f"plan instruction {k}: unknown segment '{ins.segment}'")
+            if ins.kind in ("load", "store") and (ins.src, ins.dst) not in _LINKS:
+                raise TensorstowError(f"plan instruction {k}: no copy {ins.src} -> {ins.dst} (this executor "
+                                      f"drives one device, gpu0, with dram and ssd)")
+            if ins.kind == "free" and ins.dst not in ("gpu0", "dram", "ssd"):
+                raise TensorstowError(f"plan instruction {k}: unknown tier '{ins.dst}'")
+            if ins.kind == "optimizer_step" and ins.dst not in ("cpu", "gpu0"):
+                raise TensorstowError(f"plan instruction {k}: optimizer device '{ins.dst}' is not cpu or gpu0")
+            instrs.append(ins)
+        return instrs
+
+    def _buffers(self, plan: dict):
+        """Layout (named tensors) of every data buffer, checked against the plan's bytes."""
+        from tensorstow.planner.cost import profiles
+        from tensorstow.planner.hardware import Hardware
+
+        j = self.joint
+        prof = profiles(self.graph, Hardware.from_json(plan["hardware"]["spec"], where="plan hardware"))
+        entries: dict[str, list] = {}
+        members: dict[str, list[str]] = {}
+
+        def add(buf, key, dtype, shape, root=True):
+            entries.setdefault(buf, []).append((key, dtype, shape))
+            if root:
+                members.setdefault(buf, []).append(key)
+
+        for b, params in self.block_params.items():
+            for p in params:
+                ph = j.placeholder[p]
+                dt, shape = j.meta(ph)
+                add(f"P:{b}", ph, dt, shape)
+                if self.mixed:
+                    add(f"M:{b}", p, torch.float32, shape, root=False)
+                add(f"OS:{b}", f"{p}.exp_avg", torch.float32, shape, root=False)
+                add(f"OS:{b}", f"{p}.exp_avg_sq", torch.float32, shape, root=False)
+                if p in j.grad:
+                    for r in sorted(j.roots_of(j.grad[p])):
+                        if r not in members.get(f"G:{b}", []):
+                            add(f"G:{b}", r, *j.meta(r))
+            for name, _, _ in prof[b].saved:
+                add(f"A:{b}", name, *j.meta(name))
+            for name in self._checkpoint_roots(b):
+                add(f"X:{b}", name, *j.meta(name))
+        layouts = {k: Layout(v) for k, v in entries.items()}
+        for name, spec in plan["buffers"].items():
+            if name.startswith("W:"):
+                continue  # a workspace: the segment's real temporaries, counted as they are made
+            if name not in layouts:
+                raise TensorstowError(f"plan buffer {name} names nothing in the traced model; re-plan it")
+            if layouts[name].nbytes != spec["bytes"]:
+                raise TensorstowError(f"plan buffer {name}: {spec['bytes']} bytes in the plan, "
+                                      f"{layouts[name].nbytes} in the traced model; re-plan it")
+        extra = sorted(set(layouts) - set(plan["buffers"]))
+        if extra:
+            raise TensorstowError(f"the plan lacks buffers {extra[:5]} of the traced model; re-plan it")
+        return layouts, members
+
+    def _checkpoint_roots(self, b: str) -> list[str]:
+        """X:<b>: saved storages read by b's backward but produced outside b's forward (the
+        `inputs` of planner.cost.profiles)."""
+        ops = self.graph.ops
+        fwd = {o.index for o in ops if o.block == b and o.phase == "fwd"}
+        bwd = {o.index for o in ops if o.block == b and o.phase == "bwd"}
+        readers: dict[str, set] = defaultdict(set)
+        for t in self.graph.tensors:
+            readers[t.storage] |= set(t.consumers)
+        out = []
+        for t in self.graph.tensors:
+            if t.kind == "saved_activation" and t.storage == t.name and readers[t.name] & bwd \
+                    and t.producer not in fwd:
+                out.append(t.name)
+        return sorted(out)
+
+    def _temporaries(self):
+        """Which storage roots the device keeps between compute instructions, and until when.
+
+        Walks the instructions in program order tracking which buffers are on gpu0. A root a
+        segment reads (or an `allocs` buffer gathers) that no present buffer holds must be a
+        temporary left by the last segment that made it: keep it from there to its last reader.
+        Compute instructions all run on the compute stream, so program order is their order.
+        """
+        j = self.joint
+        present = {(n, _HOME[b["home"]]) for n, b in self.plan["buffers"].items() if b.get("home")}
+        last_made: dict[str, int] = {}
+        last_read: dict[tuple[int, str], int] = {}
+        for ins in self.instrs:
+            if ins.kind in ("load", "store"):
+                present.add((ins.tensor, ins.dst))
+            elif ins.kind == "free":
+                present.discard((ins.tensor, ins.dst))
+            elif ins.kind == "optimizer_step":
+                for a in ins.allocs:
+                    present.add((a, "dram" if ins.dst == "cpu" else ins.dst))
+            elif ins.kind in ("compute", "recompute"):
+                seg = j.segments[ins.segment]
+                need = set(seg.ext_roots)
+                for a in ins.allocs:
+                    need |= set(self.members.get(a, ())) - seg.produced
+                for r in sorted(need):
+                    if r in j.inputs or any((h, "gpu0") in present for h in self.holders.get(r, ())):
+                        continue
+                    if r not in last_made:
+                        where = self.holders.get(r) or ["no buffer"]
+                        raise TensorstowError(
+                            f"plan instruction {ins.id} ({ins.kind} {ins.segment}) reads {r} (held by "
+                            f"{', '.join(where)}), which is not on gpu0 at that point of the schedule; "
+                            f"the plan is missing a load: re-plan it")
+                    last_read[(last_made[r], r)] = ins.id
+                for r in seg.produced:
+                    last_made[r] = ins.id
+                for a in ins.allocs:
+                    present.add((a, "gpu0"))
+        stash, drop = defaultdict(set), defaultdict(set)
+        for (made, r), last in last_read.items():
+            stash[made].add(r)
+            drop[last].add(r)
+        keep = {}
+        loss_done = False
+        for ins in self.instrs:
+            if ins.kind not in ("compute", "recompute"):
+                continue
+            seg = j.segments[ins.segment]
+            k = set(stash[ins.id])
+            for a in ins.allocs:
+                k |= set(self.members.get(a, ())) & seg.produced
+            if j.loss in seg.produced and ins.kind == "compute" and not loss_done:
+                k.add(j.loss)
+                loss_done = True
+            keep[ins.id] = frozenset(k)
+        if not loss_done:
+            raise TensorstowError("the plan never computes the segment that produces the loss; re-plan it")
+        return dict(stash), dict(drop), keep
+
+    def _place_homes(self, model: nn.Module) -> None:
+        """Every buffer with a home tier gets its initial copy there: P from the model (cast to
+        the compute precision), M the fp32 parameters, OS zeros."""
+        params = dict(model.named_parameters())
+        for name, spec in sorted(self.plan["buffers"].items()):
+            home = _HOME[spec.get("home", "")]
+            if not home:
+                continue
+            kind, b = name.split(":", 1)
+            if kind not in ("P", "M", "OS"):
+                raise TensorstowError(f"plan buffer {name} has home {home}; only P/M/OS live across steps")
+            vals = {}
+            for p in self.block_params[b]:
+                w = params[p].detach()
+                if kind == "P":
+                    vals[self.joint.placeholder[p]] = w.to(self.compute_dtype)
+                elif kind == "M":
+                    vals[p] = w.float()
+                else:
+                    vals[f"{p}.exp_avg"] = torch.zeros_like(w, dtype=torch.float32)
+                    vals[f"{p}.exp_avg_sq"] = torch.zeros_like(w, dtype=torch.float32)
+            layout = self.layouts[name]
+            if home == "gpu0":
+                self.dev.put(name, {k: _clone_to(vals[k], self.device) for k in layout.keys()})
+            else:
+                self.host.store_from(name, layout, vals)
+                if home == "ssd":
+                    self.ssd.write(name, self.host.get(name))
+                    self.host.drop(name)
+        self.host.peak = self.host.used
+        if self.ssd.store is not None:
+            self.ssd.store.commit(0)
+
+    # ---- the step ---------------------------------------------------------------------------
+    def step(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
+        """One training step (forward, backward, optimizer) exactly as the plan schedules it."""
+        j = self.joint
+        m = self.plan["model"]
+        for what, t in (("idx", idx), ("targets", targets)):
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (m["batch"], m["seq"]) \
+                    or t.dtype != torch.long:
+                raise TensorstowError(f"{what} must be an int64 tensor of shape ({m['batch']}, {m['seq']}) "
+                                      f"as planned, got {getattr(t, 'dtype', type(t))} "
+                                      f"{tuple(getattr(t, 'shape', ()))}")
+        tdtype, tshape = j.meta(j.inputs[2])
+        vals = (idx.to(self.device), targets.to(self.device),
+                torch.ones(tshape, dtype=tdtype, device=self.device))
+        for name, v in zip(j.inputs, vals):
+            self.dev.hold(v, name)
+            self.inputs[name] = v
+        self.loss = None
+        try:
+            (self._run_sync if self.mode == "sync" else self._run_overlap)()
+        finally:
+            for v in self.inputs.values():
+                self.dev.release(v)
+            self.inputs.clear()
+        self._check_end_state()
+        self.steps_done += 1
+        if self.ssd.store is not None:
+            self.ssd.store.commit(self.steps_done)
+        return self.loss
+
+    def _run_sync(self) -> None:
+        for ins in self.instrs:
+            self._dispatch(ins)
+
+    def _run_overlap(self) -> None:
+        """One worker per stream, in program order; an instruction waits for its deps only."""
+        futures = [Future() for _ in self.instrs]
+        lanes: dict[str, list[Instr]] = {}
+        for ins in self.instrs:
+            lanes.setdefault(ins.stream, []).append(ins)
+        failures: list[tuple[int, BaseException]] = []
+        nthreads = torch.get_num_threads()
+        cuda = self.device.type == "cuda"
+
+        def lane(instrs: list[Instr]) -> None:
+            torch.set_num_threads(nthreads)  # same intra-op split (and reduction order) as sync
+            stream = torch.cuda.Stream() if cuda else None
+            for k, ins in enumerate(instrs):
+                try:
+                    for d in ins.deps:
+                        if futures[d].exception() is not None:
+                            raise _Upstream()
+                    if stream is not None:
+                        with torch.cuda.stream(stream):
+                            self._dispatch(ins)
+                        stream.synchronize()
+                    else:
+                        self._dispatch(ins)
+                except BaseException as e:  # this and every later instruction of the lane fail
+                    if not isinstance(e, _Upstream):
+                        failures.append((ins.id, e))
+                    for rest in instrs[k:]:
+                        futures[rest.id].set_exception(_Upstream())
+                    return
+                futures[ins.id].set_result(None)
+
+        threads = [threading.Thread(target=lane, args=(v,), name=f"tensorstow-{s}", daemon=True)
+                   for s, v in sorted(lanes.items())]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if failures:
+            raise min(failures, key=lambda f: f[0])[1]
+
+    def _dispatch(self, ins: Instr) -> None:
+        try:
+            HANDLERS[ins.kind](self, ins)
+        except TensorstowError as e:
+            raise type(e)(f"instruction {ins.id} ({_describe(ins)}): {e}") from None
+
+    def _check_end_state(self) -> None:
+        want = {(n, _HOME[b["home"]]) for n, b in self.plan["buffers"].items() if b.get("home")}
+        have = {(n, t) for t, tier in self.tiers.items() for n in tier.copies}
+        if have != want or self.temps:
+            raise ExecutionError(
+                f"the step did not return to its initial state: left {sorted(have - want)[:5]}, "
+                f"lost {sorted(want - have)[:5]}, temporaries {sorted(self.temps)[:5]}; re-plan it")
+
+    # ---- handlers ---------------------------------------------------------------------------
+    def _compute(self, ins: Instr) -> None:
+        j = self.joint
+        seg = j.segments[ins.segment]
+        kept: dict[str, torch.Tensor] = {}
+
+        def sink(name, v):
+            self.dev.hold(v, name)
+            kept[name] = v
+
+        try:
+            j.run(seg, fetch=self._fetch, hold=self.dev.hold, release=self.dev.release,
+                  keep=self.keep[ins.id], sink=sink, device=self.device)
+            for a in ins.allocs:
+                self.dev.put(a, {r: kept[r] if r in kept else self._fetch(r) for r in self.members[a]})
+            for r in self.stash.get(ins.id, ()):
+                if r in self.temps:
+                    self.dev.release(self.temps.pop(r))
+                self.dev.hold(kept[r], r)
+                self.temps[r] = kept[r]
+            if j.loss in kept:
+                self.loss = float(kept[j.loss])
+        finally:
+            for v in kept.values():
+                self.dev.release(v)
+        for r in self.drop.get(ins.id, ()):
+            self.dev.release(self.temps.pop(r))
+
+    def _fetch(self, root: str) -> torch.Tensor:
+        v = self.temps.get(root)
+        if v is None:
+            v = self.inputs.get(root)
+        if v is None:
+            for h in self.holders.get(root, ()):
+                c = self.dev.copies.get(h)
+                if c is not None:
+                    return c[root]
+            raise ExecutionError(
+                f"{root} (in {', '.join(self.holders.get(root, ['no buffer']))}) is not on gpu0; "
+                f"the plan does not make it wait for the load that brings it")
+        return v
+
+    def _copy(self, ins: Instr) -> None:
+        buf, src, dst = ins.tensor, ins.src, ins.dst
+        layout = self.layouts[buf]
+        if (src, dst) == ("gpu0", "dram"):
+            self.host.store_from(buf, layout, self.dev.get(buf))
+        elif (src, dst) == ("dram", "gpu0"):
+            self.dev.load_from(buf, self.host.get(buf))
+        elif (src, dst) == ("dram", "ssd"):
+            self.ssd.write(buf, self.host.get(buf))
+        else:
+            self.ssd.read(buf, self.host, layout)
+
+    def _free(self, ins: Instr) -> None:
+        self.tiers[ins.dst].drop(ins.tensor)
+
+    def _optimizer_step(self, ins: Instr) -> None:
+        b = ins.segment
+        on_dev = ins.dst != "cpu"
+        tier = self.dev if on_dev else self.host
+        j = self.joint
+        grads_copy = tier.get(f"G:{b}")
+        states = tier.get(f"OS:{b}")
+        master = tier.get(f"M:{b}") if self.mixed else tier.get(f"P:{b}")
+        params, grads, moments, held = [], [], [], []
+        try:
+            for p in self.block_params[b]:
+                if p not in j.grad:
+                    continue  # no gradient: torch.optim skips it too
+                g = j.materialize(j.grad[p], grads_copy.__getitem__)
+                if self.mixed:
+                    g = g.float()
+                    if on_dev:
+                        self.dev.hold(g, f"{p} fp32 gradient")
+                        held.append(g)
+                params.append(master[p if self.mixed else j.placeholder[p]])
+                grads.append(g)
+                moments.append((states[f"{p}.exp_avg"], states[f"{p}.exp_avg_sq"]))
+            # torch's single-tensor Adam allocates two parameter-sized temporaries (sqrt, denom)
+            scratch = 2 * max((t.numel() * 4 for t in params), default=0) if on_dev else 0
+            if on_dev:
+                with self.dev.reserve(scratch, f"Adam scratch of {b}"):
+                    self.adam[b].step(params, grads, moments, self.steps_done)
+            else:
+                self.adam[b].step(params, grads, moments, self.steps_done)
+        finally:
+            for g in held:
+                self.dev.release(g)
+        if self.mixed:  # LoHan Table II: the update produces the compute-precision copy P from M
+            fresh = {j.placeholder[p]: master[p].to(self.compute_dtype) for p in self.block_params[b]}
+            if f"P:{b}" in ins.allocs:
+                if on_dev:
+                    self.dev.put(f"P:{b}", fresh)
+                else:
+                    self.host.store_from(f"P:{b}", self.layouts[f"P:{b}"], fresh)
+            else:
+                cur = tier.get(f"P:{b}")
+                for k, v in fresh.items():
+                    cur[k].copy_(v)
+
+    # ---- results ----------------------------------------------------------------------------
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """The fp32 parameters (masters) by qualified name, as CPU tensors."""
+        out = {}
+        for b, params in self.block_params.items():
+            if not params:
+                continue
+            buf = f"M:{b}" if self.mixed else f"P:{b}"
+            copy = self._home_copy(buf)
+            for p in params:
+                out[p] = copy[p if self.mixed else self.joint.placeholder[p]].detach().float().cpu().clone()
+        return out
+
+    def load_into(self, model: nn.Module) -> None:
+        """Copy the trained parameters into `model`."""
+        params = self.parameters()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(params[n])
+
+    def _home_copy(self, buf: str):
+        home = _HOME[self.plan["buffers"][buf]["home"]]
+        if home == "gpu0":
+            return self.dev.get(buf)
+        if home == "dram":
+            return self.host.get(buf)
+        layout = self.layouts[buf]
+        c = HostCopy(layout, torch.empty(layout.nbytes, dtype=torch.uint8), self.ssd.copies[buf])
+        self.ssd.store.read(buf, c.blob)
+        return c
+
+    @property
+    def peak_bytes(self) -> dict[str, int]:
+        """High-water marks the executor measured: device tier and DRAM."""
+        return {"gpu": self.dev.peak, "dram": self.host.peak}
+
+
+HANDLERS = {
+    "compute": Executor._compute,
+    "recompute": Executor._compute,
+    "load": Executor._copy,
+    "store": Executor._copy,
+    "free": Executor._free,
+    "optimizer_step": Executor._optimizer_step,
+}
+
+
+class _Upstream(Exception):
+    """An instruction did not run because one it waits for failed."""
+
+
+class _Adam:
+    """One torch.optim.Adam/AdamW per subgroup, pointed at the tier copies every step."""
+
+    def __init__(self, options: dict):
+        kind = options["optimizer"]
+        if kind not in ("adam", "adamw"):
+            raise TensorstowError(f"plan options: unknown optimizer '{kind}' (adam or adamw)")
+        cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
+        self.opt = cls([torch.zeros(1)], lr=options["lr"], betas=tuple(options["betas"]),
+                       eps=options["eps"], weight_decay=options["weight_decay"], foreach=False)
+
+    def step(self, params, grads, moments, steps_done: int) -> None:
+        from torch.optim.optimizer import _get_scalar_dtype
+
+        group = self.opt.param_groups[0]
+        group["params"] = params
+        self.opt.state.clear()
+        try:
+            for p, g, (m, v) in zip(params, grads, moments):
+                p.grad = g
+                self.opt.state[p] = {"step": torch.tensor(float(steps_done), dtype=_get_scalar_dtype()),
+                                     "exp_avg": m, "exp_avg_sq": v}
+            self.opt.step()
+        finally:
+            for p in params:
+                p.grad = None
+            self.opt.state.clear()
+            group["params"] = []
+
+
+def _clone_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    out = torch.empty_strided(t.shape, contiguous_stride(t.shape), dtype=t.dtype, device=device)
+    out.copy_(t)
+    return out
+
+
+def _describe(ins: Instr) -> str:
+    if ins.kind in ("compute", "recompute"):
+        return f"{ins.kind} {ins.segment}"
+    if ins.kind == "optimizer_step":
+        return f"optimizer_step {ins.segment} on {ins.dst}"
+    if ins.kind == "free":
+        return f"free {ins.tensor} on {ins.dst}"
+    return f"{ins.kind} {ins.tensor} {ins.src}->{ins.dst}"

@@ -1,0 +1,187 @@
+"""The traced joint graph cut into per-block segments, and an interpreter that runs them.
+
+Segments `fwd:<b>` / `bwd:<b>` are the joint-graph nodes of the IR ops with that block and
+phase, plus the `getitem` users of each (multi-output ops), in graph order. A segment runs
+by interpretation: `node.target(*args)` with fx Nodes replaced by values. Interpreting
+(rather than building one fx GraphModule per segment) lets the executor free each
+intermediate right after its last use inside the segment, count every allocation on the
+device, and fetch the segment's inputs from whichever buffer copy holds them.
+
+Storage roots: buffers hold storage roots only (IR `Tensor.storage == name`). A view that a
+later segment or the optimizer reads (a `t` of a weight gradient, the `split` of q/k/v) is
+re-created from its root by replaying its aliasing ops, which moves no data, so a buffer
+that went to DRAM and back gives kernels exactly the tensors (values, shapes, strides)
+they would have seen without the trip.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.fx.node import map_arg
+
+from tensorstow.ir.trace import Traced
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Segment:
+    name: str
+    nodes: tuple[fx.Node, ...]
+    ext_roots: frozenset[str]
+    """Storage roots the segment reads from outside (placeholders included)."""
+    produced: frozenset[str]
+    """Storage roots the segment creates."""
+    release_after: tuple[tuple[str, ...], ...]
+    """release_after[i]: local values whose last use in the segment is node i."""
+
+
+class Joint:
+    """The joint forward+backward graph of a traced model, split into segments."""
+
+    def __init__(self, traced: Traced):
+        gm, g = traced.gm, traced.graph
+        nodes = list(gm.graph.nodes)
+        self.node = {n.name: n for n in nodes}
+        pos = {n.name: i for i, n in enumerate(nodes)}
+        self.tensors = {t.name: t for t in g.tensors}
+        ph = [n for n in nodes if n.op == "placeholder"]
+        names = traced.param_names
+        self.param_names = list(names)
+        self.placeholder = {p: ph[i].name for i, p in enumerate(names)}
+        """Parameter name -> its placeholder (primals_k)."""
+        self.inputs = tuple(n.name for n in ph[len(names):])
+        """idx, targets and the loss tangent: given by the caller every step."""
+        if len(self.inputs) != 3:
+            raise RuntimeError(f"internal: expected placeholders params..., idx, targets, tangent; "
+                               f"got {len(self.inputs)} after the parameters")
+        out = next(n for n in nodes if n.op == "output").args[0]
+        self.loss = out[0].name
+        self.grad = {p: out[1 + i].name for i, p in enumerate(names)
+                     if i + 1 < len(out) and isinstance(out[1 + i], fx.Node)}
+        """Parameter name -> the node holding its gradient (joint-graph outputs after the loss)."""
+        self._roots: dict[str, frozenset[str]] = {}
+
+        members: dict[str, list[fx.Node]] = {}
+        seen = set()
+        for op in g.ops:
+            if op.phase not in ("fwd", "bwd"):
+                continue
+            n = self.node[op.name]
+            seg = members.setdefault(f"{op.phase}:{op.block}", [])
+            for m in [n] + [u for u in n.users if u.target is operator.getitem]:
+                if m.name not in seen:
+                    seen.add(m.name)
+                    seg.append(m)
+        missing = [n.name for n in nodes if n.op == "call_function" and n.name not in seen]
+        if missing or any(n.op not in ("placeholder", "call_function", "output") for n in nodes):
+            raise RuntimeError(f"internal: joint-graph nodes outside every segment: {missing[:5]}")
+        self.segments = {k: self._segment(k, sorted(v, key=lambda n: pos[n.name]))
+                         for k, v in sorted(members.items())}
+
+    # ---- structure --------------------------------------------------------------------------
+    def is_root(self, name: str) -> bool:
+        n = self.node[name]
+        if n.op == "placeholder":
+            return True
+        t = self.tensors.get(name)
+        return t is not None and t.storage == name
+
+    def roots_of(self, name: str) -> frozenset[str]:
+        """The storage roots a node's value lives in (itself, for a root)."""
+        r = self._roots.get(name)
+        if r is None:
+            if self.is_root(name):
+                r = frozenset([name])
+            else:
+                r = frozenset()
+                for a in _arg_nodes(self.node[name]):
+                    r |= self.roots_of(a.name)
+            self._roots[name] = r
+        return r
+
+    def meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        v = self.node[name].meta["val"]
+        return v.dtype, tuple(int(s) for s in v.shape)
+
+    def _segment(self, name: str, nodes: list[fx.Node]) -> Segment:
+        inside = {n.name for n in nodes}
+        ext, produced = set(), set()
+        last: dict[str, int] = {}
+        for i, n in enumerate(nodes):
+            for a in _arg_nodes(n):
+                last[a.name] = i
+                if a.name not in inside:
+                    ext |= self.roots_of(a.name)
+            if self.is_root(n.name):
+                produced.add(n.name)
+        release: list[list[str]] = [[] for _ in nodes]
+        for i, n in enumerate(nodes):
+            if n.name not in last:  # unused inside: release right after it is made
+                release[i].append(n.name)
+        for a, i in last.items():
+            release[i].append(a)
+        return Segment(name=name, nodes=tuple(nodes), ext_roots=frozenset(ext),
+                       produced=frozenset(produced),
+                       release_after=tuple(tuple(sorted(r)) for r in release))
+
+    # ---- execution --------------------------------------------------------------------------
+    def call(self, n: fx.Node, value, device: torch.device | None = None):
+        args = map_arg(n.args, value)
+        kwargs = map_arg(n.kwargs, value)
+        if device is not None and isinstance(kwargs.get("device"), torch.device):
+            kwargs = {**kwargs, "device": device}
+        return n.target(*args, **kwargs)
+
+    def materialize(self, name: str, fetch_root, cache: dict | None = None):
+        """The value of node `name`, fetching roots with `fetch_root` and replaying views."""
+        cache = {} if cache is None else cache
+        def value(n: fx.Node):
+            if n.name in cache:
+                return cache[n.name]
+            v = fetch_root(n.name) if self.is_root(n.name) else self.call(n, value)
+            cache[n.name] = v
+            return v
+        return value(self.node[name])
+
+    def run(self, seg: Segment, *, fetch, hold, release, keep: frozenset[str], sink,
+            device: torch.device | None = None) -> None:
+        """Interpret `seg`. Outside roots come from `fetch(name)`; views of them are replayed.
+        Every local value is `hold`-ed when made and `release`-d after its last use; the roots
+        in `keep` are handed to `sink(name, value)` at the end (before the release)."""
+        env: dict = {}
+
+        def value(n: fx.Node):
+            v = env.get(n.name, _MISSING)
+            if v is not _MISSING:
+                return v
+            if self.is_root(n.name):
+                return fetch(n.name)
+            v = self.call(n, value, device)  # a view of an outside root: replay it
+            hold(v, n.name)
+            env[n.name] = v
+            return v
+
+        try:
+            for i, n in enumerate(seg.nodes):
+                v = self.call(n, value, device)
+                hold(v, n.name)
+                env[n.name] = v
+                for name in seg.release_after[i]:
+                    if name not in keep and name in env:
+                        release(env.pop(name))
+            for name in sorted(keep):
+                sink(name, env[name])
+        finally:
+            for v in env.values():
+                release(v)
+            env.clear()
+
+
+def _arg_nodes(n: fx.Node) -> list[fx.Node]:
+    out: list[fx.Node] = []
+    map_arg((n.args, n.kwargs), lambda a: out.append(a))
+    return out

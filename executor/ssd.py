@@ -1,0 +1,596 @@
+"""SSD tier: a crash-consistent store for buffers whose master copy lives on SSD.
+
+Every buffer has two preallocated files ("slots"), sizes rounded up to 4096. MANIFEST names,
+per buffer, the committed slot and the CRC-32 of its bytes (one per 16 MiB block); the other
+slot is the shadow. `write` only ever touches the shadow slot; `commit(step)` waits for the
+writes, fdatasyncs the files written, writes the new manifest to MANIFEST.tmp, fsyncs it,
+renames it over MANIFEST and fsyncs the directory. Until that rename the old manifest and
+the slots it names are untouched, so a crash at any point leaves the last committed step
+readable, and a torn or corrupted block is caught by its checksum on read (DESIGN.md,
+invariant 4).
+
+Files are opened with O_DIRECT where the filesystem allows it (buffered I/O + fsync
+otherwise; `io_mode_reason` says why). With O_DIRECT, tensors whose data pointer is
+4096-aligned (`aio.aligned_empty`) move without a copy; others go through a staging buffer.
+
+The directory holds one store at a time: a lock file (flock) refuses a second opener.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from tensorstow import TensorstowError
+from tensorstow.executor import aio
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "MANIFEST"
+FORMAT = "tensorstow-ssd-store"
+VERSION = 1
+CRC_BLOCK = 16 << 20
+"""Bytes covered by one CRC-32 in the manifest."""
+
+_crc_pool = ThreadPoolExecutor(max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="tensorstow-crc")
+_OWN_FILE = re.compile(r"(MANIFEST|MANIFEST\.tmp|LOCK|\.direct-probe|.+\.slot[01])")
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def _crc_blocks(u8: torch.Tensor) -> list:
+    """Futures of the CRC-32 of each CRC_BLOCK of a uint8 tensor (zlib releases the GIL)."""
+    view = memoryview(u8.numpy()) if u8.numel() else memoryview(b"")
+    return [_crc_pool.submit(zlib.crc32, view[a : a + CRC_BLOCK]) for a in range(0, len(view), CRC_BLOCK)]
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _file_names(name: str) -> list[str]:
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:64]
+    digest = hashlib.sha1(name.encode()).hexdigest()[:10]
+    return [f"{safe}-{digest}.slot0", f"{safe}-{digest}.slot1"]
+
+
+def _describe_os_error(e: OSError) -> str:
+    if e.errno == errno.ENOSPC:
+        return f"disk full ({e.strerror})"
+    return str(e)
+
+
+class _Buffer:
+    """Per-buffer state. `io_lock` serializes submissions on this buffer (and commit)."""
+
+    def __init__(self, name: str, nbytes: int, files: list[str], slot: int, crc: list[int] | None):
+        self.name, self.nbytes, self.files = name, nbytes, files
+        self.slot = slot  # committed slot; the shadow is 1 - slot
+        self.crc = crc  # committed checksums; None: never committed
+        self.fds: list[int] = []
+        self.io_lock = threading.Lock()
+        self.pending: list[_Op] = []  # ops that may still be in flight
+        self.last_write: _Op | None = None  # this step's latest write, if any
+
+
+class _Op:
+    """One store-level read or write: engine handles plus the work to finish it.
+
+    `wait()` is idempotent and thread-safe: the first caller waits for the engine, runs the
+    finishing step (copies, checksum) and records the result; later callers see the result.
+    """
+
+    def __init__(self, kind: str, what: str, engine, handles: list[int], keep: list, finish):
+        self.kind, self.what = kind, what
+        self.crcs: list[int] | None = None
+        self.error: TensorstowError | None = None
+        self._engine, self._handles, self._keep, self._finish = engine, handles, keep, finish
+        self._lock = threading.Lock()
+        self._finished = False
+
+    def wait(self) -> None:
+        self._complete()
+        if self.error is not None:
+            raise self.error
+
+    def _complete(self) -> None:
+        with self._lock:
+            if self._finished:
+                return
+            try:
+                first: OSError | None = None
+                for h in self._handles:  # every handle, even after a failure: memory stays in use until then
+                    try:
+                        self._engine.wait(h)
+                    except OSError as e:
+                        first = first or e
+                if first is not None:
+                    self.error = TensorstowError(f"{self.what} failed: {_describe_os_error(first)}")
+                else:
+                    self._finish(self)
+            except TensorstowError as e:
+                self.error = e
+            finally:
+                self._finished = True
+                self._handles, self._keep, self._finish = [], [], None
+
+    @property
+    def done(self) -> bool:
+        return self._finished
+
+
+class SSDStore:
+    """Crash-consistent two-slot store for SSD-resident buffers (see the module docstring).
+
+    `sizes` maps buffer name -> byte count. Opening a directory that already holds a store
+    resumes it (reads return the committed step's data); its buffers and sizes must equal
+    `sizes`. Tensors passed to `write`/`read` are CPU, contiguous, with exactly that many
+    bytes (any dtype). Async handles must be waited for before the tensor is reused.
+    """
+
+    def __init__(self, dir, sizes: dict[str, int], *, direct: bool = True, engine=None, verify: bool = True):
+        self.dir = Path(dir)
+        self.verify = verify
+        """Check checksums on every read (committed data and data written in this step)."""
+        self._engine = engine if engine is not None else aio.default_engine()
+        self._commit_lock = threading.Lock()
+        self._lock_fd: int | None = None
+        self._closed = True
+        for name, n in sizes.items():
+            if not isinstance(name, str) or not name:
+                raise TensorstowError(f"SSD store: buffer names must be non-empty strings, got {name!r}")
+            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+                raise TensorstowError(f"SSD store: size of buffer '{name}' must be a byte count >= 0, got {n!r}")
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise TensorstowError(f"SSD store: cannot create directory {self.dir}: {e}") from None
+        self._acquire_dir_lock()
+        self._closed = False
+        try:
+            self.direct, self.io_mode_reason = self._probe_direct(direct)
+            manifest = self._load_manifest()
+            if manifest is None:
+                self._create(sizes)
+            else:
+                self._resume(manifest, sizes)
+            self._open_files()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- public API -------------------------------------------------------------------------
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write `tensor`'s bytes as the new version of buffer `name` (shadow slot)."""
+        self.write_async(name, tensor).wait()
+
+    def read(self, name: str, out: torch.Tensor) -> None:
+        """Fill `out` with the latest version of `name`: this step's write, else the committed one."""
+        self.read_async(name, out).wait()
+
+    def write_async(self, name: str, tensor: torch.Tensor) -> _Op:
+        buf = self._checked(name, tensor, "write")
+        with buf.io_lock:
+            for op in buf.pending:  # earlier reads and writes of this buffer finish first
+                op._complete()
+            buf.pending = []
+            slot = 1 - buf.slot
+            fd, path = buf.fds[slot], self.dir / buf.files[slot]
+            what = f"SSD store {self.dir}: writing buffer '{name}' to {path}"
+            src = _bytes(tensor)
+            n = buf.nbytes
+            keep: list = [tensor]
+            pieces: list[tuple[torch.Tensor, int]] = []  # (bytes, file offset)
+            if self.direct and n:
+                if src.data_ptr() % aio.ALIGN == 0:
+                    prefix = n - n % aio.ALIGN
+                    if prefix:
+                        pieces.append((src[:prefix], 0))
+                    if n > prefix:
+                        tail = aio.aligned_empty(aio.ALIGN)
+                        tail[: n - prefix].copy_(src[prefix:])
+                        tail[n - prefix :].zero_()
+                        pieces.append((tail, prefix))
+                else:
+                    stage = aio.aligned_empty(aio.round_up(n))
+                    stage[:n].copy_(src)
+                    stage[n:].zero_()
+                    pieces.append((stage, 0))
+                    src = stage[:n]
+            elif n:
+                pieces.append((src, 0))
+            keep += [p for p, _ in pieces]
+            crc_futures = _crc_blocks(src)
+
+            def finish(op: _Op) -> None:
+                op.crcs = [f.result() for f in crc_futures]
+
+            op = self._submit(what, "write", fd, pieces, keep, finish)
+            buf.pending = [op]
+            buf.last_write = op
+            return op
+
+    def read_async(self, name: str, out: torch.Tensor) -> _Op:
+        buf = self._checked(name, out, "read into")
+        with buf.io_lock:
+            if buf.last_write is not None:
+                buf.last_write._complete()
+                if buf.last_write.error is not None:
+                    raise TensorstowError(f"SSD store {self.dir}: cannot read buffer '{name}': its write in "
+                                          f"this step failed ({buf.last_write.error}); write it again")
+                slot, crcs, version = 1 - buf.slot, buf.last_write.crcs, "the version written in this step"
+            elif buf.crc is not None:
+                slot, crcs, version = buf.slot, buf.crc, f"committed step {self._step}"
+            else:
+                raise TensorstowError(f"SSD store {self.dir}: buffer '{name}' has no data yet: it was never "
+                                      "written and committed; write it before reading it")
+            buf.pending = [op for op in buf.pending if not op.done]
+            fd, path = buf.fds[slot], self.dir / buf.files[slot]
+            what = f"SSD store {self.dir}: reading buffer '{name}' ({version}) from {path}"
+            dst = _bytes(out)
+            n = buf.nbytes
+            pieces: list[tuple[torch.Tensor, int]] = []
+            copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (dst, src) after the I/O
+            if self.direct and n:
+                if dst.data_ptr() % aio.ALIGN == 0:
+                    prefix = n - n % aio.ALIGN
+                    if prefix:
+                        pieces.append((dst[:prefix], 0))
+                    if n > prefix:
+                        tail = aio.aligned_empty(aio.ALIGN)
+                        pieces.append((tail, prefix))
+                        copies.append((dst[prefix:], tail[: n - prefix]))
+                else:
+                    stage = aio.aligned_empty(aio.round_up(n))
+                    pieces.append((stage, 0))
+                    copies.append((dst, stage[:n]))
+            elif n:
+                pieces.append((dst, 0))
+            verify = self.verify
+
+            def finish(op: _Op) -> None:
+                for d, s in copies:
+                    d.copy_(s)
+                if not verify:
+                    return
+                got = [f.result() for f in _crc_blocks(dst)]
+                for i, (a, b) in enumerate(zip(got, crcs)):
+                    if a != b:
+                        lo, hi = i * CRC_BLOCK, min(n, (i + 1) * CRC_BLOCK)
+                        raise TensorstowError(
+                            f"SSD store {self.dir}: buffer '{name}' is corrupted in {path}: bytes {lo}..{hi} "
+                            f"fail their checksum ({version}; crc32 {a:#010x}, expected {b:#010x}). The "
+                            "file was torn or damaged outside tensorstow; restore the directory from a "
+                            "backup or restart training from scratch in a fresh directory")
+                if len(got) != len(crcs):
+                    raise TensorstowError(f"SSD store {self.dir}: buffer '{name}': MANIFEST lists "
+                                          f"{len(crcs)} checksums for {n} bytes; the manifest is damaged")
+
+            op = self._submit(what, "read", fd, pieces, [out, dst], finish)
+            buf.pending.append(op)
+            return op
+
+    def wait(self, handle: _Op) -> None:
+        """Block until a `write_async`/`read_async` finished; raise its TensorstowError, if any."""
+        handle.wait()
+
+    def commit(self, step: int) -> None:
+        """Make this step's writes the committed state, atomically and durably."""
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise TensorstowError(f"SSD store: commit step must be an int >= 0, got {step!r}")
+        self._check_open()
+        with self._commit_lock:
+            bufs = [self._bufs[k] for k in sorted(self._bufs)]
+            for b in bufs:  # sorted order: the only place that holds several io_locks
+                b.io_lock.acquire()
+            try:
+                self._commit_locked(step, bufs)
+            finally:
+                for b in reversed(bufs):
+                    b.io_lock.release()
+
+    def committed_step(self) -> int | None:
+        return self._step
+
+    def committed_path(self, name: str) -> Path:
+        """The file holding `name`'s committed version."""
+        buf = self._bufs[name]
+        return self.dir / buf.files[buf.slot]
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {k: b.nbytes for k, b in self._bufs.items()}
+
+    def close(self) -> None:
+        """Wait for outstanding I/O, close the files and release the directory lock (no commit)."""
+        if self._closed:
+            return
+        self._closed = True
+        for buf in getattr(self, "_bufs", {}).values():
+            for op in buf.pending:
+                op._complete()
+            for fd in buf.fds:
+                os.close(fd)
+            buf.fds = []
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+
+    def __enter__(self) -> SSDStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        if not getattr(self, "_closed", True):
+            self.close()
+
+    def __repr__(self) -> str:
+        mode = "O_DIRECT" if self.direct else "buffered+fsync"
+        return f"SSDStore({str(self.dir)!r}, {len(self._bufs)} buffers, {mode}, committed step {self._step})"
+
+    # -- internals ----------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TensorstowError(f"SSD store {self.dir} is closed")
+
+    def _checked(self, name: str, tensor: torch.Tensor, verb: str) -> _Buffer:
+        self._check_open()
+        buf = self._bufs.get(name)
+        if buf is None:
+            raise TensorstowError(f"SSD store {self.dir}: unknown buffer '{name}' (the store holds "
+                                  f"{len(self._bufs)} buffers: {', '.join(sorted(self._bufs)[:5])}...)")
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise TensorstowError(f"SSD store: cannot {verb} buffer '{name}': need a contiguous CPU tensor")
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes != buf.nbytes:
+            raise TensorstowError(f"SSD store: cannot {verb} buffer '{name}': the tensor has {nbytes} bytes, "
+                                  f"the buffer {buf.nbytes}")
+        return buf
+
+    def _submit(self, what: str, kind: str, fd: int, pieces, keep, finish) -> _Op:
+        submit = self._engine.submit_write if kind == "write" else self._engine.submit_read
+        handles: list[int] = []
+        try:
+            for tensor, offset in pieces:
+                handles.append(submit(fd, tensor, offset))
+        except BaseException:
+            for h in handles:
+                try:
+                    self._engine.wait(h)
+                except OSError:
+                    pass
+            raise
+        return _Op(kind, what, self._engine, handles, keep, finish)
+
+    def _commit_locked(self, step: int, bufs: list[_Buffer]) -> None:
+        written = [b for b in bufs if b.last_write is not None]
+        for b in written:
+            b.last_write._complete()
+        failed = [b for b in written if b.last_write.error is not None]
+        if failed:
+            raise TensorstowError(
+                f"SSD store {self.dir}: cannot commit step {step}: the write of "
+                f"{', '.join(repr(b.name) for b in failed)} failed ({failed[0].last_write.error}); the "
+                f"committed step {self._step} is untouched; write those buffers again, then commit")
+        for b in written:
+            try:
+                os.fdatasync(b.fds[1 - b.slot])
+            except OSError as e:
+                raise TensorstowError(
+                    f"SSD store {self.dir}: cannot commit step {step}: syncing {self.dir / b.files[1 - b.slot]} "
+                    f"failed: {_describe_os_error(e)}; the committed step {self._step} is untouched") from None
+        entries = {}
+        for b in bufs:
+            new = b.last_write is not None
+            entries[b.name] = {"nbytes": b.nbytes, "files": b.files, "slot": 1 - b.slot if new else b.slot,
+                               "crc32": b.last_write.crcs if new else b.crc}
+        replaced = self._write_manifest(step, entries, what=f"commit step {step}")
+        for b in written:
+            b.slot, b.crc, b.last_write = 1 - b.slot, b.last_write.crcs, None
+        self._step = step
+        if replaced is not None:  # MANIFEST was replaced but the directory sync failed
+            raise TensorstowError(f"SSD store {self.dir}: step {step} was committed but syncing the directory "
+                                  f"failed ({_describe_os_error(replaced)}); a crash now may bring back the previous "
+                                  "committed step; check the disk")
+
+    def _write_manifest(self, step: int | None, entries: dict, *, what: str) -> OSError | None:
+        """Atomically replace MANIFEST. Raises before the rename; returns a directory-sync error after it."""
+        body = json.dumps({"format": FORMAT, "version": VERSION, "step": step, "crc_block": CRC_BLOCK,
+                           "buffers": entries}, sort_keys=True, indent=1).encode() + b"\n"
+        tmp, final = self.dir / (MANIFEST + ".tmp"), self.dir / MANIFEST
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            try:
+                view = memoryview(body)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+        except OSError as e:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+            last = "none" if self._step is None else self._step
+            raise TensorstowError(f"SSD store {self.dir}: cannot {what}: writing {final} failed: "
+                                  f"{_describe_os_error(e)}; the committed state (step {last}) is "
+                                  "untouched") from None
+        try:
+            self._fsync_dir()
+        except OSError as e:
+            return e
+        return None
+
+    def _fsync_dir(self) -> None:
+        fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _acquire_dir_lock(self) -> None:
+        path = self.dir / "LOCK"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise TensorstowError(f"SSD store: cannot open {path}: {e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise TensorstowError(f"SSD store {self.dir} is in use by another SSDStore (process or object); "
+                                  "close it first or use another directory") from None
+        self._lock_fd = fd
+
+    def _probe_direct(self, want: bool) -> tuple[bool, str]:
+        if not want:
+            return False, "buffered I/O + fsync: direct=False was requested"
+        path = self.dir / ".direct-probe"
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o644)
+            try:
+                page = aio.aligned_empty(aio.ALIGN)
+                page.zero_()
+                os.pwritev(fd, [memoryview(page.numpy())], 0)
+                os.preadv(fd, [memoryview(page.numpy())], 0)
+            finally:
+                os.close(fd)
+                path.unlink()
+        except OSError as e:
+            reason = (f"buffered I/O + fsync: the filesystem of {self.dir} refuses O_DIRECT "
+                      f"({e.strerror})")
+            log.warning("SSD store: %s", reason)
+            return False, reason
+        return True, "O_DIRECT"
+
+    def _load_manifest(self) -> dict | None:
+        path = self.dir / MANIFEST
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise TensorstowError(f"SSD store: cannot read {path}: {e}") from None
+        try:
+            d = json.loads(raw)
+            if d.get("format") != FORMAT:
+                raise ValueError(f"format is {d.get('format')!r}, not {FORMAT!r}")
+            if d.get("version") != VERSION:
+                raise ValueError(f"version {d.get('version')!r}; this tensorstow reads version {VERSION}")
+            if d.get("crc_block") != CRC_BLOCK:
+                raise ValueError(f"crc_block {d.get('crc_block')!r}, expected {CRC_BLOCK}")
+            if not isinstance(d.get("buffers"), dict):
+                raise ValueError("'buffers' is not an object")
+            for name, e in d["buffers"].items():
+                if not (isinstance(e, dict) and e.get("slot") in (0, 1) and isinstance(e.get("nbytes"), int)
+                        and isinstance(e.get("files"), list) and len(e["files"]) == 2
+                        and all(isinstance(f, str) and "/" not in f for f in e["files"])
+                        and (e.get("crc32") is None or isinstance(e["crc32"], list))):
+                    raise ValueError(f"entry of buffer {name!r} is malformed")
+        except ValueError as e:
+            raise TensorstowError(f"SSD store: {path} is not a valid tensorstow SSD store manifest ({e}); "
+                                  "use a fresh directory") from None
+        return d
+
+    def _create(self, sizes: dict[str, int]) -> None:
+        strangers = sorted(p.name for p in self.dir.iterdir() if not _OWN_FILE.fullmatch(p.name))
+        if strangers:
+            raise TensorstowError(f"SSD store: {self.dir} has no {MANIFEST} but holds other files "
+                                  f"({', '.join(strangers[:3])}); give the store an empty directory")
+        self._bufs = {name: _Buffer(name, n, _file_names(name), 0, None) for name, n in sizes.items()}
+        self._step = None
+        need = 0
+        for b in self._bufs.values():
+            for f in b.files:
+                p = self.dir / f
+                need += max(0, aio.round_up(b.nbytes) - (p.stat().st_size if p.exists() else 0))
+        free = shutil.disk_usage(self.dir).free
+        if need > free:
+            raise TensorstowError(f"SSD store: {self.dir} needs {_fmt_bytes(need)} more for "
+                                  f"{2 * len(self._bufs)} preallocated files but only {_fmt_bytes(free)} is "
+                                  "free; free space or choose a larger disk")
+        for b in self._bufs.values():
+            for f in b.files:
+                self._preallocate(self.dir / f, aio.round_up(b.nbytes))
+        entries = {b.name: {"nbytes": b.nbytes, "files": b.files, "slot": 0, "crc32": None}
+                   for b in self._bufs.values()}
+        err = self._write_manifest(None, entries, what="create the store")
+        if err is not None:
+            raise TensorstowError(f"SSD store {self.dir}: syncing the directory failed: {_describe_os_error(err)}")
+
+    def _preallocate(self, path: Path, size: int) -> None:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                if size:
+                    try:
+                        os.posix_fallocate(fd, 0, size)
+                    except OSError as e:
+                        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                            raise
+                os.ftruncate(fd, size)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise TensorstowError(f"SSD store: cannot preallocate {path} ({_fmt_bytes(size)}): "
+                                  f"{_describe_os_error(e)}; free space or choose a larger disk") from None
+
+    def _resume(self, manifest: dict, sizes: dict[str, int]) -> None:
+        stored = {k: e["nbytes"] for k, e in manifest["buffers"].items()}
+        if stored != sizes:
+            missing = sorted(set(sizes) - set(stored))
+            extra = sorted(set(stored) - set(sizes))
+            differ = sorted(k for k in set(sizes) & set(stored) if sizes[k] != stored[k])
+            parts = []
+            if missing:
+                parts.append(f"not in the store: {', '.join(repr(k) for k in missing[:5])}")
+            if extra:
+                parts.append(f"not in the plan: {', '.join(repr(k) for k in extra[:5])}")
+            if differ:
+                parts.append("sizes differ: " + ", ".join(f"{k!r} stored {stored[k]} B, plan {sizes[k]} B"
+                                                          for k in differ[:5]))
+            raise TensorstowError(f"SSD store {self.dir} was created for a different plan ({'; '.join(parts)}); "
+                                  "resume with the plan that created it, or use a fresh directory")
+        self._step = manifest["step"]
+        self._bufs = {}
+        for name, e in manifest["buffers"].items():
+            b = _Buffer(name, e["nbytes"], e["files"], e["slot"], e["crc32"])
+            for f in b.files:
+                p = self.dir / f
+                size = p.stat().st_size if p.exists() else None
+                if size is None or size < aio.round_up(b.nbytes):
+                    state = "is missing" if size is None else f"has {size} bytes, expected {aio.round_up(b.nbytes)}"
+                    raise TensorstowError(f"SSD store {self.dir} is damaged: {p} (buffer '{name}') {state}; "
+                                          "restore the directory from a backup or use a fresh one")
+            self._bufs[name] = b
+
+    def _open_files(self) -> None:
+        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if self.direct else 0)
+        for b in self._bufs.values():
+            for f in b.files:
+                b.fds.append(os.open(self.dir / f, flags))

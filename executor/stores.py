@@ -1,0 +1,431 @@
+"""Tier stores: where the executor keeps each copy of a plan buffer.
+
+A buffer (`P:b0`, `A:b3`, ...) is a fixed set of named tensors (its `Layout`). Each tier
+holds at most one copy of it:
+
+- `DeviceTier` ("gpu0"): a dict key -> tensor per buffer, on CUDA when there is a GPU, else
+  CPU tensors held under the device's byte budget. Every tensor the executor keeps on the
+  device (buffer copies, temporaries, a segment's intermediates) is counted once per
+  storage; going over the budget raises `DeviceMemoryError`. `peak` is the high-water mark.
+- `HostTier` ("dram"): one flat byte tensor per buffer (pinned with CUDA), the layout's
+  tensors are views into it, so a whole buffer moves with one read or write.
+- `SSDTier` ("ssd"): the same flat bytes in a store with the `write/read/commit/
+  committed_step` interface (`executor.ssd.SSDStore`, or the `FileStore` fallback here).
+
+Copies never alias: a load or store allocates (or overwrites) the destination and copies
+bytes into it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.utils._pytree as pytree
+
+from tensorstow import TensorstowError
+
+
+class DeviceMemoryError(TensorstowError):
+    """The executor would hold more bytes on the device than the plan's hardware has."""
+
+
+@dataclass(frozen=True)
+class Slot:
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+class Layout:
+    """The tensors of one buffer, packed back to back in a flat byte tensor.
+
+    Slots are ordered by element size (largest first, then by key) so every offset is a
+    multiple of its dtype's size without padding: the flat size equals the plan's bytes.
+    """
+
+    def __init__(self, entries: list[tuple[str, torch.dtype, tuple[int, ...]]]):
+        order = sorted(entries, key=lambda e: (-_itemsize(e[1]), e[0]))
+        self.slots: dict[str, Slot] = {}
+        off = 0
+        for key, dtype, shape in order:
+            n = _numel(shape) * _itemsize(dtype)
+            self.slots[key] = Slot(key, dtype, tuple(shape), off, n)
+            off += n
+        self.nbytes = off
+
+    def keys(self):
+        return self.slots.keys()
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def contiguous_stride(shape) -> tuple[int, ...]:
+    out, acc = [], 1
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(out))
+
+
+def kept_stride(t: torch.Tensor) -> tuple[int, ...]:
+    """The stride a copy of `t` keeps: its own when dense (a permutation of contiguous), so
+    kernels see the same memory layout after a round trip; else contiguous."""
+    return tuple(t.stride()) if _dense(t.shape, t.stride()) else contiguous_stride(t.shape)
+
+
+def _dense(shape, stride) -> bool:
+    """True when the elements fill [0, numel) exactly once (a permuted contiguous layout)."""
+    expected = 1
+    for st, sz in sorted((st, sz) for sz, st in zip(shape, stride) if sz != 1):
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
+def _tensors(value):
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+# ---- device ---------------------------------------------------------------------------------
+
+class DeviceTier:
+    """The compute device's memory under a byte budget; counts each storage once."""
+
+    name = "gpu0"
+
+    def __init__(self, budget: int, device: torch.device):
+        self.budget = int(budget)
+        self.device = device
+        self.copies: dict[str, dict[str, torch.Tensor]] = {}
+        self.used = 0
+        self.peak = 0
+        self._live: dict[int, list[int]] = {}  # storage data_ptr -> [nbytes, references]
+        self._lock = threading.Lock()
+
+    # accounting ---------------------------------------------------------------------------
+    def hold(self, value, what: str = "") -> None:
+        """Count `value`'s tensors as live on the device (all or none of them)."""
+        done = []
+        try:
+            for t in _tensors(value):
+                self._hold_one(t, what)
+                done.append(t)
+        except BaseException:
+            for t in done:
+                self.release(t)
+            raise
+
+    def _hold_one(self, t: torch.Tensor, what: str) -> None:
+        st = t.untyped_storage()
+        n = st.nbytes()
+        if n == 0:
+            return
+        with self._lock:
+            rec = self._live.get(st.data_ptr())
+            if rec is not None:
+                rec[1] += 1
+                return
+            self._grow(n, what)
+            self._live[st.data_ptr()] = [n, 1]
+
+    def release(self, value) -> None:
+        for t in _tensors(value):
+            st = t.untyped_storage()
+            if st.nbytes() == 0:
+                continue
+            with self._lock:
+                rec = self._live.get(st.data_ptr())
+                if rec is None:
+                    raise RuntimeError("internal: released a device tensor that was not held")
+                rec[1] -= 1
+                if rec[1] == 0:
+                    del self._live[st.data_ptr()]
+                    self.used -= rec[0]
+
+    @contextmanager
+    def reserve(self, nbytes: int, what: str):
+        """Count `nbytes` of scratch that library code allocates out of our sight."""
+        with self._lock:
+            self._grow(nbytes, what)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.used -= nbytes
+
+    def _grow(self, n: int, what: str) -> None:
+        self.used += n
+        self.peak = max(self.peak, self.used)
+        if self.used > self.budget:
+            used = self.used
+            self.used -= n
+            raise DeviceMemoryError(
+                f"device tier gpu0 would hold {used} bytes > its budget of {self.budget} bytes "
+                f"(allocating {what or 'a tensor'} of {n} bytes); the plan under-estimates device "
+                f"memory: re-plan with a smaller --gpu-mem so the planner leaves more headroom")
+
+    # buffer copies --------------------------------------------------------------------------
+    def has(self, buf: str) -> bool:
+        return buf in self.copies
+
+    def get(self, buf: str) -> dict[str, torch.Tensor]:
+        c = self.copies.get(buf)
+        if c is None:
+            raise TensorstowError(f"buffer {buf} is not on gpu0")
+        return c
+
+    def put(self, buf: str, values: dict[str, torch.Tensor]) -> None:
+        if buf in self.copies:
+            raise TensorstowError(f"buffer {buf} is allocated twice on gpu0 (the plan must free it first)")
+        for k, v in values.items():
+            self.hold(v, f"{buf}[{k}]")
+        self.copies[buf] = values
+
+    def load_from(self, buf: str, src: "HostCopy") -> None:
+        """Copy a host copy onto the device (overwriting the device copy if there is one)."""
+        old = self.copies.get(buf)
+        if old is not None:
+            for k in src.layout.keys():
+                old[k].copy_(src.get(k), non_blocking=self.device.type == "cuda")
+            return
+        vals = {}
+        try:
+            for k in src.layout.keys():
+                v = src.get(k)
+                t = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=self.device)
+                self.hold(t, f"{buf}[{k}]")
+                vals[k] = t
+                t.copy_(v, non_blocking=self.device.type == "cuda")
+        except BaseException:
+            for t in vals.values():
+                self.release(t)
+            raise
+        self.copies[buf] = vals
+
+    def drop(self, buf: str) -> None:
+        c = self.copies.pop(buf, None)
+        if c is None:
+            raise TensorstowError(f"free of {buf} on gpu0, which does not hold it")
+        for v in c.values():
+            self.release(v)
+
+
+# ---- host -----------------------------------------------------------------------------------
+
+class HostCopy:
+    """One buffer in DRAM: a flat byte tensor plus the stride each tensor was stored with."""
+
+    def __init__(self, layout: Layout, blob: torch.Tensor, strides: dict[str, tuple] | None = None):
+        self.layout, self.blob = layout, blob
+        self.strides = dict(strides or {})
+
+    def get(self, key: str) -> torch.Tensor:
+        s = self.layout.slots[key]
+        flat = self.blob[s.offset:s.offset + s.nbytes].view(s.dtype)
+        return flat.as_strided(s.shape, self.strides.get(key) or contiguous_stride(s.shape))
+
+    def set(self, key: str, t: torch.Tensor) -> None:
+        self.strides[key] = kept_stride(t)
+        self.get(key).copy_(t)
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.get(key)
+
+
+class HostTier:
+    """DRAM: one flat (pinned with CUDA) byte tensor per buffer copy; tracks its peak."""
+
+    name = "dram"
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self.copies: dict[str, HostCopy] = {}
+        self.used = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+
+    def has(self, buf: str) -> bool:
+        return buf in self.copies
+
+    def get(self, buf: str) -> HostCopy:
+        c = self.copies.get(buf)
+        if c is None:
+            raise TensorstowError(f"buffer {buf} is not in dram")
+        return c
+
+    def alloc(self, buf: str, layout: Layout) -> HostCopy:
+        """The copy of `buf` to write into: the existing one (overwritten in place) or a new one."""
+        c = self.copies.get(buf)
+        if c is not None:
+            return c
+        blob = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        with self._lock:
+            self.used += layout.nbytes
+            self.peak = max(self.peak, self.used)
+        c = self.copies[buf] = HostCopy(layout, blob)
+        return c
+
+    def store_from(self, buf: str, layout: Layout, values: dict[str, torch.Tensor]) -> None:
+        c = self.alloc(buf, layout)
+        for k in layout.keys():
+            c.set(k, values[k])
+
+    def drop(self, buf: str) -> None:
+        c = self.copies.pop(buf, None)
+        if c is None:
+            raise TensorstowError(f"free of {buf} in dram, which does not hold it")
+        with self._lock:
+            self.used -= c.layout.nbytes
+
+
+# ---- SSD ------------------------------------------------------------------------------------
+
+class SSDTier:
+    """Which buffers have a valid copy in the store, and the strides they were written with."""
+
+    name = "ssd"
+
+    def __init__(self, store):
+        self.store = store
+        self.copies: dict[str, dict[str, tuple]] = {}
+
+    def has(self, buf: str) -> bool:
+        return buf in self.copies
+
+    def write(self, buf: str, src: HostCopy) -> None:
+        self._need_store(buf)
+        self.store.write(buf, src.blob)
+        self.copies[buf] = dict(src.strides)
+
+    def read(self, buf: str, host: HostTier, layout: Layout) -> None:
+        if buf not in self.copies:
+            raise TensorstowError(f"load of {buf} from ssd, which does not hold it")
+        dst = host.alloc(buf, layout)
+        self.store.read(buf, dst.blob)
+        dst.strides = dict(self.copies[buf])
+
+    def drop(self, buf: str) -> None:
+        if self.copies.pop(buf, None) is None:
+            raise TensorstowError(f"free of {buf} on ssd, which does not hold it")
+
+    def _need_store(self, buf: str) -> None:
+        if self.store is None:
+            raise TensorstowError(f"the plan moves {buf} to the SSD tier but the executor has no "
+                                  f"SSD store: pass state_dir= (or ssd_store=)")
+
+
+class FileStore:
+    """Fallback SSD store: one preallocated file per buffer under `root`, synchronous
+    `os.pwrite`/`os.preadv` of the tensor's bytes. `commit(step)` fsyncs the files and
+    atomically replaces COMMITTED (a JSON file naming the step).
+
+    Unlike `executor.ssd.SSDStore` it overwrites buffers in place: a crash in the middle of a
+    step leaves a mix of old and new bytes (use SSDStore for crash-consistent training).
+    """
+
+    COMMIT = "COMMITTED"
+
+    def __init__(self, root):
+        self.root = Path(root)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise TensorstowError(f"SSD state dir {self.root}: cannot create it ({e})") from None
+        self._fds: dict[str, int] = {}
+        self._sizes: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def _path(self, name: str) -> Path:
+        return self.root / (name.replace("/", "_").replace(":", "-") + ".bin")
+
+    def _fd(self, name: str, nbytes: int | None) -> int:
+        with self._lock:
+            fd = self._fds.get(name)
+            if fd is None:
+                path = self._path(name)
+                if nbytes is None and not path.exists():
+                    raise TensorstowError(f"SSD store {self.root}: buffer '{name}' was never written")
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                self._fds[name] = fd
+                self._sizes[name] = os.fstat(fd).st_size
+            if nbytes is not None and self._sizes[name] < nbytes:
+                try:
+                    os.posix_fallocate(fd, 0, nbytes)
+                except OSError as e:
+                    raise TensorstowError(f"SSD store {self.root}: cannot preallocate {nbytes} bytes "
+                                          f"for '{name}' ({e}); free disk space or use another state dir") from None
+                self._sizes[name] = nbytes
+            return fd
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        mv = _byte_view(t)
+        fd = self._fd(name, len(mv))
+        done = 0
+        while done < len(mv):
+            done += os.pwrite(fd, mv[done:], done)
+
+    def read(self, name: str, out: torch.Tensor) -> None:
+        if not out.is_contiguous() or out.device.type != "cpu":
+            raise TensorstowError(f"SSD store: read of '{name}' needs a contiguous CPU tensor")
+        mv = _byte_view(out)
+        fd = self._fd(name, None)
+        if self._sizes[name] < len(mv):
+            raise TensorstowError(f"SSD store {self.root}: '{name}' holds {self._sizes[name]} bytes, "
+                                  f"{len(mv)} requested; the state dir belongs to another plan")
+        done = 0
+        while done < len(mv):
+            n = os.preadv(fd, [mv[done:]], done)
+            if n == 0:
+                raise TensorstowError(f"SSD store {self.root}: '{name}' is truncated")
+            done += n
+
+    def commit(self, step: int) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.fsync(fd)
+        tmp = self.root / (self.COMMIT + ".tmp")
+        tmp.write_text(json.dumps({"step": int(step)}))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, self.root / self.COMMIT)
+
+    def committed_step(self) -> int | None:
+        p = self.root / self.COMMIT
+        if not p.exists():
+            return None
+        return int(json.loads(p.read_text())["step"])
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise TensorstowError("SSD store: tensors must be contiguous CPU tensors")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")

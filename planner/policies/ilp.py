@@ -1,0 +1,303 @@
+"""`ilp`: one mixed-integer program over the decisions the heuristics make separately.
+
+Decision space (per block, granularity documented in planner/schedule.py): what happens to
+its saved activations A (keep / swap to DRAM / swap to SSD / recompute), where its input
+checkpoint X waits (GPU / DRAM / SSD), the home tier of its parameters P (GPU = resident,
+else streamed in per use), the home tier of its fp32 states M + OS, and the device that
+updates it (CPU / GPU). One such tuple is a `Combo`; combos that make no sense (a CPU
+update of states that live on the GPU) are left out.
+
+Compact formulation: blocks with the same similarity signature are interchangeable, so the
+variables are counts x[g, c] = how many blocks of group g take combo c (Σ_c x[g, c] = n_g).
+Every time and byte term is linear in the counts.
+
+Objective (LoHan Eq. 1): T_iter = T_f + T_b, each phase bounded below by every resource it
+uses (LoHan Eq. 2 forward, Eq. 5 backward; Fuyou Eq. 3-4: the host link is duplex, SSD
+traffic simplex), with the CPU optimizer overlapped with backward (LoHan §IV-C):
+    T_f >= Σ GPU_f,  T_f >= Σ H2D_f,  T_f >= Σ D2H_f,  T_f >= Σ (SSD_read_f + SSD_write_f)
+    T_b >= Σ GPU_b (+ recompute, + GPU Adam),  T_b >= Σ H2D_b,  T_b >= Σ D2H_b,
+    T_b >= Σ (SSD_read_b + SSD_write_b),  T_b >= Σ CPU Adam
+Capacity (bytes in MiB, well-conditioned): resident bytes per tier + the transient
+working set (largest block's streamed params x (prefetch+1), workspace, one block's
+activations and gradient, staging for states) <= capacity.
+
+The analytic model ignores pipeline fill and drain, so the decisions are lowered and replayed
+in the simulator (the one yardstick of every policy); a tier the simulator finds over
+capacity is tightened by the overflow and the MIP re-solved (at most 5 rounds). Warm
+start: the best heuristic's plan is the incumbent; its analytic objective is passed to
+HiGHS as `objective_bound` (PuLP's HiGHS interface takes no start solution; with
+solver="cbc" the incumbent is a real MIP start), and if the simulator ranks the
+incumbent faster than the MIP's plan, the incumbent is returned and the notes say so.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+
+import pulp
+
+from tensorstow.planner.cost import GPU_ADAM_BYTES_PER_PARAM, BlockProfile
+from tensorstow.planner.schedule import ACTIVATION_CHOICES, BlockDecision, Decisions
+
+MiB = 2**20
+TIME_LIMIT_S = 60.0
+GAP_REL = 1e-3
+ROUNDS = 5
+PHASE_TERMS = {"f": ("gpu_f", "h2d_f", "d2h_f", "ssd_f"), "b": ("gpu_b", "h2d_b", "d2h_b", "ssd_b", "cpu_b")}
+
+
+@dataclass(frozen=True, order=True)
+class Combo:
+    act: str
+    ck: str
+    ph: str
+    sh: str
+    opt: str
+
+    def decision(self) -> BlockDecision:
+        return BlockDecision(params=self.ph, states=self.sh, optimizer=self.opt, activations=self.act,
+                             checkpoint=self.ck)
+
+
+def combos(hw, *, choices: dict[str, tuple[str, ...]] | None = None) -> list[Combo]:
+    tiers = ("gpu", "dram", "ssd") if hw.ssd.count > 0 else ("gpu", "dram")
+    acts = tuple(a for a in ACTIVATION_CHOICES if a != "swap_ssd" or "ssd" in tiers)
+    c = {"act": acts, "ck": tiers, "ph": tiers, "sh": tiers, "opt": ("gpu", "cpu")} | (choices or {})
+    out = [Combo(*t) for t in itertools.product(c["act"], c["ck"], c["ph"], c["sh"], c["opt"])]
+    return [x for x in out if not (x.opt == "cpu" and x.sh == "gpu")]
+
+
+def coefficients(p: BlockProfile, c: Combo, problem, last: bool) -> dict[str, float]:
+    """Seconds per resource and phase, and bytes per tier, for one block taking combo c."""
+    hw, g = problem.hw, problem.hw.gpu
+    elt, mixed = problem.elt, problem.mixed
+    n = p.param_count
+    P, G = n * elt, n * elt
+    S = (12 if mixed else 8) * n
+    A, X = p.saved_bytes, p.input_bytes
+    rd = 1 / hw.ssd.read_total() if hw.ssd.count else 0.0
+    wr = 1 / hw.ssd.write_total() if hw.ssd.count else 0.0
+    h2d, d2h = 1 / g.h2d_bw, 1 / g.d2h_bw
+    streamed = c.ph != "gpu"
+    swapped = c.act in ("swap_dram", "swap_ssd")
+    k = {t: 0.0 for t in PHASE_TERMS["f"] + PHASE_TERMS["b"]}
+    # forward (LoHan Eq. 2 terms)
+    k["gpu_f"] = p.fwd_time_s
+    k["h2d_f"] = P * h2d * streamed
+    k["d2h_f"] = (A * swapped + X * (c.ck != "gpu")) * d2h
+    k["ssd_f"] = P * rd * (c.ph == "ssd") + (A * (c.act == "swap_ssd") + X * (c.ck == "ssd")) * wr
+    # backward + optimizer (LoHan Eq. 5 terms); the last block keeps its streamed params
+    reload = streamed and not last
+    k["gpu_b"] = p.bwd_time_s + p.fwd_time_s * (c.act == "recompute")
+    k["gpu_b"] += n * GPU_ADAM_BYTES_PER_PARAM / g.mem_bw * (c.opt == "gpu")
+    states_cross = c.opt == "gpu" and c.sh != "gpu"
+    k["h2d_b"] = (P * reload + A * swapped + X * (c.ck != "gpu") + S * states_cross
+                  + P * (c.opt == "cpu" and c.ph == "gpu")) * h2d
+    k["d2h_b"] = (G * (c.opt == "cpu") + S * states_cross + P * (c.opt == "gpu" and streamed)) * d2h
+    ssd_r = P * (c.ph == "ssd") * reload + A * (c.act == "swap_ssd") + X * (c.ck == "ssd") + S * (c.sh == "ssd")
+    ssd_w = S * (c.sh == "ssd") + P * (c.ph == "ssd")
+    if not mixed and c.ph == "ssd" and c.opt == "cpu":
+        ssd_r += P  # fp32: the parameter is the master and is read for its update
+    k["ssd_b"] = ssd_r * rd + ssd_w * wr
+    k["cpu_b"] = n / hw.cpu.adam_rate * (c.opt == "cpu")
+    # resident bytes per tier
+    k["mem_gpu"] = (P * (c.ph == "gpu") + S * (c.sh == "gpu") + A * (c.act == "keep") + X * (c.ck == "gpu")) / MiB
+    k["mem_dram"] = (P * (c.ph == "dram") + S * (c.sh == "dram") + A * (c.act == "swap_dram")
+                     + X * (c.ck == "dram")) / MiB
+    k["mem_ssd"] = (P * (c.ph == "ssd") + S * (c.sh == "ssd") + A * (c.act == "swap_ssd") + X * (c.ck == "ssd")) / MiB
+    k["streamed"] = float(streamed)
+    k["gpu_update_of_offloaded_states"] = float(states_cross)
+    return k
+
+
+@dataclass
+class Groups:
+    names: list[str]
+    """Group keys (similarity signatures) in first-appearance order."""
+    members: dict[str, list[str]]
+    """Group -> its blocks in forward order."""
+    coef: dict[str, dict[Combo, dict[str, float]]]
+    last_group: str
+
+
+def groups(problem, cs: list[Combo]) -> Groups:
+    """Blocks with equal signature share coefficients; the last block is its own group."""
+    order = problem.order
+    members: dict[str, list[str]] = {}
+    for b in order:
+        key = "last" if b == order[-1] else problem.graph.block(b).signature
+        members.setdefault(key, []).append(b)
+    coef = {}
+    for key, blocks in members.items():
+        prof = problem.profiles[problem.profile_of[blocks[0]]]
+        coef[key] = {c: coefficients(prof, c, problem, last=key == "last") for c in cs}
+    return Groups(list(members), members, coef, "last")
+
+
+def transient(problem, prefetch: int = 1) -> dict[str, float]:
+    """Working set on top of resident bytes (MiB): what one block in flight needs."""
+    profs = [problem.profiles[problem.profile_of[b]] for b in problem.order]
+    elt, mixed = problem.elt, problem.mixed
+    pmax = max(p.param_count for p in profs) * elt
+    smax = max(p.param_count for p in profs) * (12 if mixed else 8)
+    amax = max(p.saved_bytes for p in profs)
+    xmax = max(p.input_bytes + p.output_bytes for p in profs)
+    wmax = max(max(p.fwd_workspace, p.bwd_workspace) for p in profs)
+    return {"gpu": (amax + xmax + wmax + pmax) / MiB, "gpu_stream": pmax * (prefetch + 1) / MiB,
+            "gpu_states": smax / MiB, "dram": (2 * pmax + 2 * smax + 2 * amax + 2 * xmax) / MiB}
+
+
+@dataclass
+class IlpResult:
+    feasible: bool
+    status: str
+    """The solver's own verdict: "optimal", "time limit (incumbent)", "infeasible", ..."""
+    objective: float | None
+    counts: dict[str, dict[Combo, int]]
+    message: str = ""
+
+
+def solve(problem, *, choices=None, caps_mib: dict[str, float] | None = None, prefetch: int = 1,
+          solver: str = "highs", time_limit: float = TIME_LIMIT_S, bound: float | None = None,
+          start: dict[str, Combo] | None = None) -> IlpResult:
+    cs = combos(problem.hw, choices=choices)
+    gr = groups(problem, cs)
+    cap = caps_mib or {t: v / MiB for t, v in problem.capacity().items()}
+    tr = transient(problem, prefetch)
+    prob = pulp.LpProblem("tensorstow_placement", pulp.LpMinimize)
+    x = {(g, i): pulp.LpVariable(f"x_{gi}_{i}", lowBound=0, upBound=len(gr.members[g]), cat="Integer")
+         for gi, g in enumerate(gr.names) for i in range(len(cs))}
+    T_f = pulp.LpVariable("T_f", lowBound=0)
+    T_b = pulp.LpVariable("T_b", lowBound=0)
+    stream_any = pulp.LpVariable("stream_any", cat="Binary")
+    states_any = pulp.LpVariable("gpu_update_of_offloaded_states_any", cat="Binary")
+    # LoHan Eq. 1: T_iter = T_f + T_b
+    prob += T_f + T_b
+
+    def total(term):
+        return pulp.lpSum(gr.coef[g][c][term] * x[g, i] for g in gr.names for i, c in enumerate(cs)
+                          if gr.coef[g][c][term])
+
+    for g in gr.names:
+        # every block takes exactly one combo
+        prob += pulp.lpSum(x[g, i] for i in range(len(cs))) == len(gr.members[g]), f"one_combo_{gr.names.index(g)}"
+        n = len(gr.members[g])
+        prob += n * stream_any >= pulp.lpSum(x[g, i] for i, c in enumerate(cs) if c.ph != "gpu")
+        prob += n * states_any >= pulp.lpSum(x[g, i] for i, c in enumerate(cs) if c.opt == "gpu" and c.sh != "gpu")
+    # LoHan Eq. 2: T_f = max(T_f^G, T_f^M2G, T_f^G2M, T_f^S)
+    for term in PHASE_TERMS["f"]:
+        prob += T_f >= total(term), f"Tf_{term}"
+    # LoHan Eq. 5 (+ CPU Adam overlapped with backward, LoHan §IV-C)
+    for term in PHASE_TERMS["b"]:
+        prob += T_b >= total(term), f"Tb_{term}"
+    # capacity per tier: resident + transient working set <= capacity
+    prob += total("mem_gpu") + tr["gpu"] + tr["gpu_stream"] * stream_any + tr["gpu_states"] * states_any <= cap["gpu"], "cap_gpu"
+    prob += total("mem_dram") + tr["dram"] <= cap["dram"], "cap_dram"
+    prob += total("mem_ssd") <= cap["ssd"], "cap_ssd"
+
+    if start is not None:
+        for g in gr.names:
+            for i, c in enumerate(cs):
+                x[g, i].setInitialValue(sum(start[b] == c for b in gr.members[g]))
+    if solver == "cbc":
+        s = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=GAP_REL, warmStart=start is not None)
+    else:
+        params = {"objective_bound": bound * (1 + 1e-6) + 1e-9} if bound is not None else {}
+        s = pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=GAP_REL, **params)
+    prob.solve(s)
+    status = pulp.LpStatus[prob.status]
+    sol = pulp.LpSolution[prob.sol_status]  # LpStatus says "Optimal" after a time limit too
+    if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        return IlpResult(False, f"{status}: {sol}", None, {}, message=f"{solver}: {sol}")
+    counts = {g: {c: int(round(x[g, i].value() or 0)) for i, c in enumerate(cs) if round(x[g, i].value() or 0)}
+              for g in gr.names}
+    label = "optimal" if prob.sol_status == pulp.LpSolutionOptimal else "time limit (incumbent)"
+    return IlpResult(True, label, float(pulp.value(prob.objective)), counts, message=f"{solver}: {sol}")
+
+
+def analytic(problem, assignment: dict[str, Combo], *, caps_mib=None, prefetch: int = 1) -> float | None:
+    """The MIP's objective for a per-block assignment; None if it breaks a capacity row."""
+    gr = groups(problem, sorted(set(assignment.values())))
+    cap = caps_mib or {t: v / MiB for t, v in problem.capacity().items()}
+    tr = transient(problem, prefetch)
+    tot: dict[str, float] = {}
+    for g in gr.names:
+        for b in gr.members[g]:
+            for term, v in gr.coef[g][assignment[b]].items():
+                tot[term] = tot.get(term, 0.0) + v
+    stream_any = any(c.ph != "gpu" for c in assignment.values())
+    states_any = any(c.opt == "gpu" and c.sh != "gpu" for c in assignment.values())
+    if tot["mem_gpu"] + tr["gpu"] + tr["gpu_stream"] * stream_any + tr["gpu_states"] * states_any > cap["gpu"] + 1e-6:
+        return None
+    if tot["mem_dram"] + tr["dram"] > cap["dram"] + 1e-6 or tot["mem_ssd"] > cap["ssd"] + 1e-6:
+        return None
+    return max(tot[t] for t in PHASE_TERMS["f"]) + max(tot[t] for t in PHASE_TERMS["b"])
+
+
+def assign(problem, counts: dict[str, dict[Combo, int]]) -> dict[str, Combo]:
+    """Counts -> blocks, deterministically, spreading each combo evenly over its group
+    (largest-remainder sequencing: the k-th GPU update lands every n/k blocks, as in DOS)."""
+    cs = combos(problem.hw)
+    gr = groups(problem, cs)
+    out = {}
+    for g in gr.names:
+        blocks, want = gr.members[g], counts.get(g, {})
+        n, got = len(blocks), {c: 0 for c in want}
+        for i, b in enumerate(blocks):
+            c = max(sorted(want), key=lambda c: (want[c] * (i + 1) / n - got[c]))
+            got[c] += 1
+            out[b] = c
+    return out
+
+
+def decisions_from(problem, assignment: dict[str, Combo], notes=()) -> Decisions:
+    return Decisions(policy="ilp", blocks={b: assignment[b].decision() for b in problem.order}, prefetch=1,
+                     overlap_optimizer=True, serialize_optimizer=False, notes=tuple(notes))
+
+
+def plan(problem) -> Decisions:
+    from tensorstow.planner.plan import heuristic_plans, schedule
+
+    incumbent = None
+    for name, pl in heuristic_plans(problem).items():
+        if pl.fits and (incumbent is None or pl.sim.step_time_s < incumbent[1].sim.step_time_s):
+            incumbent = (name, pl)
+    start, bound = None, None
+    if incumbent is not None:
+        cs = combos(problem.hw)
+        dec = incumbent[1].decisions.blocks
+        start = {b: Combo(d.activations, d.checkpoint, d.params, d.states, d.optimizer) for b, d in dec.items()}
+        if all(c in cs for c in start.values()):
+            bound = analytic(problem, start)
+        else:
+            start = None
+    caps = {t: v / MiB for t, v in problem.capacity().items()}
+    best, notes, res = None, [], None
+    for rnd in range(ROUNDS):
+        res = solve(problem, caps_mib=caps, bound=bound, start=start)
+        if not res.feasible:
+            notes.append(f"MIP round {rnd + 1}: {res.status} ({res.message})")
+            break
+        assignment = assign(problem, res.counts)
+        pl = schedule(problem, decisions_from(problem, assignment))
+        over = pl.over_capacity()
+        notes.append(f"MIP round {rnd + 1}: {res.status}, analytic {res.objective:.4g} s, "
+                     f"simulated {pl.sim.step_time_s:.4g} s" + (f", over capacity on {sorted(over)}" if over else ""))
+        if not over:
+            best = pl
+            break
+        for tier, (need, cap) in over.items():
+            caps[tier] -= (need - cap) * 1.05 / MiB + 1
+    if best is not None and (incumbent is None or best.sim.step_time_s <= incumbent[1].sim.step_time_s):
+        return replace(best.decisions, notes=(*notes, "chosen: the MIP's plan"))
+    if incumbent is not None:
+        why = "the MIP found no feasible plan" if best is None else \
+            f"the simulator ranks it faster ({incumbent[1].sim.step_time_s:.4g} s vs {best.sim.step_time_s:.4g} s)"
+        return replace(incumbent[1].decisions, policy="ilp",
+                       notes=(*notes, f"chosen: the incumbent from {incumbent[0]}: {why}"))
+    if best is None and res is not None:
+        assignment = {b: Combo("recompute", "ssd" if problem.hw.ssd.count else "dram",
+                               "ssd" if problem.hw.ssd.count else "dram",
+                               "ssd" if problem.hw.ssd.count else "dram", "cpu") for b in problem.order}
+        return decisions_from(problem, assignment, notes=(*notes, "no feasible plan found; smallest-footprint decisions"))
+    return replace(best.decisions, notes=tuple(notes))

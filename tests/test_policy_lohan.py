@@ -1,0 +1,87 @@
+"""The `lohan` policy (Fuyou / LoHan): feasibility, never slower than ZeRO-Infinity, and the
+papers' qualitative results on their own machines."""
+import functools
+
+import pytest
+
+from tensorstow.planner.hardware import load_hardware
+from tensorstow.planner.plan import Options, build_problem, schedule
+from tensorstow.planner.policies import lohan, zero_infinity
+
+GB = 10**9
+
+
+@functools.lru_cache(maxsize=None)
+def problem(model, hardware, batch, dram=None, ssds=None):
+    hw = load_hardware(hardware).with_overrides(dram=dram, ssds=ssds)
+    return build_problem(Options(model=model, hardware=hardware, batch=batch, policy="lohan"), hw)
+
+
+@functools.lru_cache(maxsize=None)
+def lohan_decisions(*key):
+    return lohan.plan(problem(*key))
+
+
+def swapped(decisions):
+    return [b for b, d in decisions.blocks.items() if d.activations in ("swap_dram", "swap_ssd")]
+
+
+@pytest.mark.parametrize("key", [("gpt-tiny", "lohan-rtx4090", 2), ("gpt3-13b", "fuyou-a100-80g", 32)])
+def test_fits_and_is_not_slower_than_zero_infinity(key):
+    p = problem(*key)
+    dec = lohan_decisions(*key)
+    ours = schedule(p, dec)
+    base = schedule(p, zero_infinity.plan(p))
+    assert ours.over_capacity() == {}
+    assert ours.sim.step_time_s <= base.sim.step_time_s
+    assert dec.policy == "lohan" and dec.overlap_optimizer and not dec.serialize_optimizer
+    assert 1 <= dec.prefetch <= lohan.MAX_PREFETCH
+
+
+def test_decision_shape_and_determinism():
+    key = ("gpt-tiny", "lohan-rtx4090", 2)
+    p = problem(*key)
+    dec = lohan_decisions(*key)
+    assert lohan.plan(p).to_json() == dec.to_json()
+    ranked = lohan.by_offloading_benefit(p)
+    assert ranked == [b.name for b in p.graph.layer_blocks()]  # equal OB: forward order
+    # the swapped blocks are a prefix of the OB order, never below the inter-block checkpoints
+    assert swapped(dec) == ranked[:len(swapped(dec))]
+    for b, d in dec.blocks.items():
+        assert (d.params, d.states, d.optimizer) == ("ssd", "ssd", "cpu")
+        if p.graph.block(b).kind == "layer":
+            assert d.checkpoint == "dram" and d.activations != "keep"
+
+
+def test_without_ssds_everything_stays_in_dram():
+    dec = lohan_decisions("gpt-tiny", "lohan-rtx4090", 2, None, 0)
+    assert all(d.params == d.states == "dram" and d.activations != "swap_ssd" for d in dec.blocks.values())
+    assert schedule(problem("gpt-tiny", "lohan-rtx4090", 2, None, 0), dec).over_capacity() == {}
+
+
+def test_175b_fits_rtx4090_with_256gb_where_zero_infinity_does_not():
+    # LoHan §I / §V: the first to fine-tune a 175B model on an RTX 4090 with 256 GB of DRAM.
+    p = problem("gpt3-175b", "lohan-rtx4090", 1, 256 * GB)
+    assert schedule(p, lohan.plan(p)).over_capacity() == {}
+    assert "dram" in schedule(p, zero_infinity.plan(p)).over_capacity()
+
+
+LOWERING = ("the current lowering serializes swap-out with compute: the GPU-side free of a swapped "
+            "block's activations sits on gpu0.compute behind its D2H copy, and with "
+            "overlap_optimizer the optimizer state reads wait for the gradient on ssd.read, "
+            "holding up the next blocks' parameter and activation loads; so every swapped 13B "
+            "block costs 0.3-0.75 s more than its recompute saves at batch 64/80")
+
+
+@pytest.mark.parametrize("batch", [
+    32,
+    pytest.param(64, marks=pytest.mark.xfail(reason=LOWERING, strict=True)),
+    pytest.param(80, marks=pytest.mark.xfail(reason=LOWERING, strict=True)),
+])
+def test_fuyou_swap_amount_grows_with_batch(batch):
+    # Fuyou §5.6: A100-80GB, 12 SSDs, GPT-3 13B: batch 32 is communication-bound in backward
+    # (swap coefficient 0); at batch 64 and 80 the GPU is the bottleneck and swapping pays.
+    assert problem("gpt3-13b", "fuyou-a100-80g", batch).hw.ssd.count == 12
+    dec = lohan_decisions("gpt3-13b", "fuyou-a100-80g", batch)
+    n = len(swapped(dec))
+    assert (n == 0) if batch == 32 else (n > 0), dec.notes

@@ -1,0 +1,396 @@
+"""SSD tier: the async I/O engines (C++ and Python fallback) and the crash-consistent SSDStore.
+
+The kill tests run a child process that writes and commits steps in a loop, SIGKILL it at
+random moments (and at chosen points of the commit protocol), then check that the store
+resumes at a step the child committed, with exactly that step's bytes (DESIGN.md,
+invariant 4).
+"""
+
+import errno
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from tensorstow import TensorstowError
+from tensorstow.executor import aio
+from tensorstow.executor.ssd import SSDStore
+
+
+@pytest.fixture(scope="session")
+def cpp_module():
+    try:
+        return aio.build_extension()
+    except RuntimeError as e:
+        pytest.skip(f"C++ aio engine unavailable: {e}")
+
+
+def _engines(cpp_module):
+    return {"cpp": cpp_module.Engine(3, 64 << 10, 8), "python": aio.PythonEngine(3, 64 << 10, 8)}
+
+
+def _random_bytes(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+# ---- engines ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_engines_write_identical_bytes(tmp_path, cpp_module, direct):
+    n = (1 << 20) + 3 * 4096  # several 64 KiB chunks across 3 threads, queue depth 8
+    data = aio.aligned_empty(n)
+    data.copy_(_random_bytes(n, 7))
+    flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0)
+    contents = {}
+    for name, engine in _engines(cpp_module).items():
+        path = tmp_path / f"{name}.bin"
+        fd = os.open(path, flags, 0o644)
+        try:
+            engine.wait(engine.submit_write(fd, data, 4096))
+            back = aio.aligned_empty(n)
+            h = engine.submit_read(fd, back, 4096)
+            engine.wait(h)
+            assert torch.equal(back, data)
+        finally:
+            os.close(fd)
+        contents[name] = path.read_bytes()
+    assert contents["cpp"] == contents["python"] == bytes(4096) + data.numpy().tobytes()
+
+
+@pytest.mark.parametrize("which", ["cpp", "python"])
+def test_engine_caller_errors(tmp_path, cpp_module, which):
+    engine = _engines(cpp_module)[which]
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o644)
+    try:
+        buf = aio.aligned_empty(8192)
+        with pytest.raises(ValueError, match="O_DIRECT.*4096"):
+            engine.submit_write(fd, buf[1:4097], 0)  # unaligned pointer
+        with pytest.raises(ValueError, match="O_DIRECT.*4096"):
+            engine.submit_write(fd, buf, 512)  # unaligned offset
+        with pytest.raises(ValueError, match="contiguous"):
+            engine.submit_write(fd, torch.zeros(8, 8).t(), 0)
+        with pytest.raises(ValueError, match="unknown handle"):
+            engine.wait(12345)
+        # Reading past the end of the file: OSError naming the offset.
+        engine.wait(engine.submit_write(fd, buf, 0))
+        h = engine.submit_read(fd, buf, 4096)
+        with pytest.raises(OSError, match="offset 4096.*end of file") as info:
+            engine.wait(h)
+        assert info.value.errno == errno.EIO
+    finally:
+        os.close(fd)
+    ro = os.open(tmp_path / "f", os.O_RDONLY)
+    try:  # errno from the kernel comes through with the offset
+        h = engine.submit_write(ro, torch.zeros(100, dtype=torch.uint8), 8192)
+        with pytest.raises(OSError, match="pwrite of 100 bytes at file offset 8192") as info:
+            engine.wait(h)
+        assert info.value.errno == errno.EBADF
+    finally:
+        os.close(ro)
+
+
+def test_engine_info_and_aligned_empty():
+    assert aio.engine_info().startswith("aio: ")
+    for n, dtype in [(0, torch.uint8), (12, torch.float32), (4096 * 3 + 8, torch.float64)]:
+        t = aio.aligned_empty(n, dtype)
+        assert t.data_ptr() % 4096 == 0 and t.numel() * t.element_size() == n and t.dtype == dtype
+    with pytest.raises(ValueError, match="whole number"):
+        aio.aligned_empty(6, torch.float32)
+
+
+# ---- store round trips ------------------------------------------------------------------------
+
+SIZES = {"layers.0.w": (1 << 20) + 12, "opt/m": 4096 * 5, "odd": 4097, "one": 1, "empty": 0, "big": (17 << 20) + 4}
+DTYPES = {"layers.0.w": torch.float32, "opt/m": torch.bfloat16, "odd": torch.uint8, "one": torch.bool,
+          "empty": torch.float16, "big": torch.int32}
+
+
+def _tensor(name: str, seed: int, aligned: bool) -> torch.Tensor:
+    raw = _random_bytes(SIZES[name], seed) if name != "one" else torch.tensor([seed % 2], dtype=torch.uint8)
+    dtype = DTYPES[name]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if SIZES[name] % itemsize:
+        dtype = torch.uint8
+    if aligned:
+        out = aio.aligned_empty(SIZES[name], dtype)
+    else:  # deliberately misaligned: a view 64 bytes into a larger allocation
+        out = torch.empty(SIZES[name] + 64, dtype=torch.uint8)[64:].view(dtype)
+    out.view(torch.uint8).copy_(raw)
+    return out
+
+
+@pytest.mark.parametrize("direct,aligned", [(True, True), (True, False), (False, False)])
+def test_round_trip_and_resume(tmp_path, direct, aligned):
+    with SSDStore(tmp_path, SIZES, direct=direct) as store:
+        assert store.direct == direct, store.io_mode_reason
+        assert store.committed_step() is None
+        step1 = {k: _tensor(k, 1, aligned) for k in SIZES}
+        handles = [store.write_async(k, t) for k, t in step1.items()]
+        for h in handles:
+            store.wait(h)
+        for k, t in step1.items():  # latest version = this step's write, before commit
+            out = torch.empty_like(t)
+            store.read(k, out)
+            assert torch.equal(out.view(torch.uint8), t.view(torch.uint8)), k
+        store.commit(1)
+        # Step 2 rewrites some buffers, is read back, but never committed.
+        step2 = {k: _tensor(k, 2, not aligned) for k in ("layers.0.w", "odd", "big")}
+        for k, t in step2.items():
+            store.write(k, t)
+        for k in SIZES:
+            out = torch.empty_like(step1[k])
+            store.wait(store.read_async(k, out))
+            expect = step2.get(k, step1[k])
+            assert torch.equal(out.view(torch.uint8), expect.view(torch.uint8)), k
+    with SSDStore(tmp_path, SIZES, direct=direct) as store:  # resume: step 1, not the uncommitted step 2
+        assert store.committed_step() == 1
+        for k, t in step1.items():
+            out = aio.aligned_empty(SIZES[k]) if aligned else torch.empty(SIZES[k], dtype=torch.uint8)
+            store.read(k, out)
+            assert torch.equal(out, t.view(torch.uint8).reshape(-1)), k
+        store.write("odd", step2["odd"])
+        store.commit(3)  # only "odd" changes slot; the others keep step 1's slot
+    with SSDStore(tmp_path, SIZES, direct=direct) as store:
+        assert store.committed_step() == 3
+        out = torch.empty(SIZES["odd"], dtype=torch.uint8)
+        store.read("odd", out)
+        assert torch.equal(out, step2["odd"].view(torch.uint8))
+        store.read("layers.0.w", out2 := torch.empty(SIZES["layers.0.w"], dtype=torch.uint8))
+        assert torch.equal(out2, step1["layers.0.w"].view(torch.uint8).reshape(-1))
+
+
+def test_cpp_and_python_store_files_identical(tmp_path, cpp_module):
+    data = {k: _tensor(k, 5, aligned=False) for k in SIZES}
+    for name, engine in _engines(cpp_module).items():
+        with SSDStore(tmp_path / name, SIZES, engine=engine) as store:
+            for k, t in data.items():
+                store.write(k, t)
+            store.commit(5)
+    files = sorted(p.name for p in (tmp_path / "cpp").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "python").iterdir())
+    for f in files:
+        assert (tmp_path / "cpp" / f).read_bytes() == (tmp_path / "python" / f).read_bytes(), f
+    engines = _engines(cpp_module)
+    for writer, reader in (("cpp", "python"), ("python", "cpp")):
+        with SSDStore(tmp_path / writer, SIZES, engine=engines[reader]) as store:
+            for k, t in data.items():
+                out = torch.empty(SIZES[k], dtype=torch.uint8)
+                store.read(k, out)
+                assert torch.equal(out, t.view(torch.uint8).reshape(-1))
+
+
+# ---- clear errors ------------------------------------------------------------------------------
+
+
+def test_corrupted_block_is_detected(tmp_path):
+    sizes = {"w": 3 << 20, "b": 100}
+    with SSDStore(tmp_path, sizes) as store:
+        store.write("w", _random_bytes(3 << 20, 1))
+        store.write("b", _random_bytes(100, 2))
+        store.commit(7)
+        path = store.committed_path("w")
+    with open(path, "r+b") as f:  # flip one byte in the committed slot
+        f.seek(2_000_000)
+        byte = f.read(1)
+        f.seek(2_000_000)
+        f.write(bytes([byte[0] ^ 0x40]))
+    with SSDStore(tmp_path, sizes) as store:
+        out = torch.empty(100, dtype=torch.uint8)
+        store.read("b", out)  # the other buffer is fine
+        with pytest.raises(TensorstowError, match=rf"buffer 'w' is corrupted in {path}.*committed step 7"):
+            store.read("w", torch.empty(3 << 20, dtype=torch.uint8))
+
+
+def test_mismatched_plan_and_bad_dirs(tmp_path):
+    with SSDStore(tmp_path / "s", {"a": 100, "b": 200}):
+        with pytest.raises(TensorstowError, match="in use"):
+            SSDStore(tmp_path / "s", {"a": 100, "b": 200})
+    with pytest.raises(TensorstowError, match=r"different plan.*sizes differ: 'b' stored 200 B, plan 300 B"):
+        SSDStore(tmp_path / "s", {"a": 100, "b": 300})
+    with pytest.raises(TensorstowError, match=r"different plan.*not in the store: 'c'.*not in the plan: 'b'"):
+        SSDStore(tmp_path / "s", {"a": 100, "c": 200})
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "notes.txt").write_text("mine")
+    with pytest.raises(TensorstowError, match="no MANIFEST but holds other files"):
+        SSDStore(tmp_path / "home", {"a": 1})
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "MANIFEST").write_text("{trunc")
+    with pytest.raises(TensorstowError, match="not a valid tensorstow SSD store manifest"):
+        SSDStore(tmp_path / "bad", {"a": 1})
+    with SSDStore(tmp_path / "s", {"a": 100, "b": 200}) as store:
+        with pytest.raises(TensorstowError, match="no data yet"):
+            store.read("a", torch.empty(100, dtype=torch.uint8))
+        with pytest.raises(TensorstowError, match="tensor has 99 bytes, the buffer 100"):
+            store.write("a", torch.empty(99, dtype=torch.uint8))
+        with pytest.raises(TensorstowError, match="unknown buffer 'zz'"):
+            store.write("zz", torch.empty(1))
+
+
+class _DiskFullEngine(aio.PythonEngine):
+    """Writes half of each chunk, then reports ENOSPC: a torn shadow slot."""
+
+    full = False
+
+    def _run_chunk(self, fd, chunk, offset, write):
+        if write and self.full:
+            os.pwrite(fd, chunk[: len(chunk) // 2], offset)
+            return errno.ENOSPC, f"pwrite of {len(chunk)} bytes at file offset {offset}: No space left on device"
+        return aio.PythonEngine._run_chunk(fd, chunk, offset, write)
+
+
+def test_disk_full_leaves_committed_state(tmp_path, monkeypatch):
+    sizes = {"w": 1 << 20, "m": 5000}
+    engine = _DiskFullEngine(2, 256 << 10, 4)
+    old = {k: _random_bytes(n, 1) for k, n in sizes.items()}
+    new = {k: _random_bytes(n, 2) for k, n in sizes.items()}
+    with SSDStore(tmp_path, sizes, engine=engine) as store:
+        for k, t in old.items():
+            store.write(k, t)
+        store.commit(1)
+        engine.full = True
+        with pytest.raises(TensorstowError, match=r"writing buffer 'w' to .*slot0 failed: disk full.*offset"):
+            store.write("w", new["w"])
+        with pytest.raises(TensorstowError, match=r"cannot commit step 2: the write of 'w' failed.*step 1 is untouched"):
+            store.commit(2)
+        engine.full = False
+        for k, t in new.items():
+            store.write(k, t)
+        with monkeypatch.context() as m:  # the manifest cannot be written: ENOSPC on rename
+            def no_space(*a):
+                raise OSError(errno.ENOSPC, "No space left on device")
+            m.setattr(os, "replace", no_space)
+            with pytest.raises(TensorstowError, match=r"cannot commit step 2: writing .*MANIFEST failed: disk full"):
+                store.commit(2)
+        assert not (tmp_path / "MANIFEST.tmp").exists()
+        assert store.committed_step() == 1
+    with SSDStore(tmp_path, sizes) as store:  # a crash now would resume at step 1, intact
+        assert store.committed_step() == 1
+        for k, t in old.items():
+            out = torch.empty_like(t)
+            store.read(k, out)
+            assert torch.equal(out, t)
+    monkeypatch.setattr("tensorstow.executor.ssd.shutil.disk_usage", lambda p: type("U", (), {"free": 10**6})())
+    with pytest.raises(TensorstowError, match=r"needs 16.0 MiB more .* only 976.6 KiB is free"):
+        SSDStore(tmp_path / "small", {"x": 8 << 20})
+
+
+# ---- kill tests -------------------------------------------------------------------------------
+
+CHILD = textwrap.dedent(
+    """
+    import os, signal, sys
+    import torch
+    from tensorstow.executor import ssd
+    from tensorstow.executor.ssd import SSDStore
+
+    SIZES = {"w0": (6 << 20) + 123, "w1": 3 << 20, "opt.m": (4 << 20) + 4095, "tiny": 10}
+
+    def data(step, i):
+        g = torch.Generator().manual_seed(step * 1000 + i)
+        return torch.randint(0, 256, (SIZES[list(SIZES)[i]],), dtype=torch.uint8, generator=g)
+
+    def writes(step, i):  # step k writes buffer i unless (k + i) % 3 == 0; step 1 writes all
+        return step == 1 or (step + i) % 3 != 0
+
+    if __name__ == "__main__":
+        directory, crash_step, crash_point = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+        sys.stdin.readline()  # imports done; start when the parent says so
+        die = lambda: os.kill(os.getpid(), signal.SIGKILL)
+        store = SSDStore(directory, SIZES)
+        step = (store.committed_step() or 0) + 1
+        while True:
+            if step == crash_step and crash_point == "before_replace":
+                os.replace = lambda *a: die()
+            if step == crash_step and crash_point == "after_replace":
+                real = os.replace
+                os.replace = lambda *a: (real(*a), die())
+            handles = []
+            for i, name in enumerate(SIZES):
+                if writes(step, i):
+                    handles.append(store.write_async(name, data(step, i)))
+                    if step == crash_step and crash_point == "mid_step":
+                        die()
+            store.commit(step)  # waits for the writes
+            print(step, flush=True)
+            step += 1
+    """
+)
+
+
+def _load_child(tmp_path):
+    path = tmp_path / "child.py"
+    path.write_text(CHILD)
+    namespace = {"__name__": "child"}
+    exec(compile(CHILD, str(path), "exec"), namespace)
+    return path, namespace
+
+
+def _check_store(directory, child, low, high):
+    """The store resumes at a step in [low, high] with exactly the bytes that step left behind."""
+    sizes = child["SIZES"]
+    with SSDStore(directory, sizes) as store:
+        step = store.committed_step()
+        assert step is not None and low <= step <= high, (step, low, high)
+        for i, name in enumerate(sizes):
+            last = max(s for s in range(1, step + 1) if child["writes"](s, i))
+            out = torch.empty(sizes[name], dtype=torch.uint8)
+            store.read(name, out)
+            assert torch.equal(out, child["data"](last, i)), (name, step, last)
+    return step
+
+
+def _spawn_child(path, directory, crash_step=-1, crash_point="none"):
+    """Starts a child; it imports, then waits for a line on stdin before it opens the store."""
+    return subprocess.Popen([sys.executable, str(path), str(directory), str(crash_step), crash_point],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _go(proc):
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+
+
+def test_sigkill_at_random_points_keeps_last_commit(tmp_path):
+    path, child = _load_child(tmp_path)
+    store_dir = tmp_path / "store"
+    rng = random.Random(int(os.environ.get("TENSORSTOW_KILL_SEED", "20261121")))
+    reported = 0
+    proc = _spawn_child(path, store_dir)
+    for kill in range(5):  # each run resumes from the previous run's committed step
+        _go(proc)
+        # The next child imports torch meanwhile (it only opens the store after its "go").
+        following = _spawn_child(path, store_dir) if kill < 4 else None
+        first = proc.stdout.readline()  # the child is in its write/commit loop
+        assert first, proc.stderr.read()
+        time.sleep(rng.uniform(0.0, 0.5))
+        proc.send_signal(signal.SIGKILL)
+        out, err = proc.communicate()
+        assert proc.returncode == -signal.SIGKILL, err
+        steps = [int(x) for x in (first + out).split()]
+        assert steps[0] == reported + 1  # resumed right after the committed step
+        # commit() returned for steps[-1], so it is durable; steps[-1] + 1 may have landed too.
+        reported = _check_store(store_dir, child, steps[-1], steps[-1] + 1)
+        proc = following
+
+
+def test_sigkill_inside_commit_protocol(tmp_path):
+    path, child = _load_child(tmp_path)
+    points = {"mid_step": 2, "before_replace": 2, "after_replace": 3}  # crash point -> step that survives
+    procs = {p: _spawn_child(path, tmp_path / p, crash_step=3, crash_point=p) for p in points}
+    for proc in procs.values():
+        _go(proc)
+    for point, proc in procs.items():
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == -signal.SIGKILL, (point, err)
+        assert out.split() == ["1", "2"], point
+        assert _check_store(tmp_path / point, child, points[point], points[point]) == points[point], point
+        manifest = json.loads((tmp_path / point / "MANIFEST").read_text())
+        assert manifest["step"] == points[point], point
