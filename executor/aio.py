@@ -211,9 +211,10 @@ def build_extension():
             _module = cpp_extension.load(name=_EXT_NAME, sources=[str(_CSRC)], extra_cflags=["-O3"],
                                          build_directory=str(build_dir), verbose=False)
         except Exception as e:  # the compiler, ninja or the loader: all mean "no C++ engine"
-            lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+            first_error = next((ln for ln in lines if "error" in ln.lower()), lines[-1] if lines else repr(e))
             raise RuntimeError(f"building the C++ aio engine from {_CSRC} in {build_dir} failed: "
-                               f"{lines[-1] if lines else type(e).__name__}") from e
+                               f"{first_error}") from e
         finally:
             os.environ["PATH"] = old_path
         _status = f"C++ thread-pool engine (tensorstow_aio: pread/pwrite, io_uring not used), built/cached in {build_dir}"

@@ -101,7 +101,7 @@ class _Op:
     def __init__(self, kind: str, what: str, engine, handles: list[int], keep: list, finish):
         self.kind, self.what = kind, what
         self.crcs: list[int] | None = None
-        self.error: TensorstowError | None = None
+        self.error: Exception | None = None
         self._engine, self._handles, self._keep, self._finish = engine, handles, keep, finish
         self._lock = threading.Lock()
         self._finished = False
@@ -126,7 +126,7 @@ class _Op:
                     self.error = TensorstowError(f"{self.what} failed: {_describe_os_error(first)}")
                 else:
                     self._finish(self)
-            except TensorstowError as e:
+            except Exception as e:  # recorded, so every waiter sees it, not only the first
                 self.error = e
             finally:
                 self._finished = True

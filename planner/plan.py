@@ -214,12 +214,14 @@ def schedule(problem: Problem, decisions: Decisions) -> Plan:
     return Plan(problem, decisions, bufs, instrs, sim, dur)
 
 
-HEURISTICS = ("all-gpu", "zero-infinity")
+HEURISTICS = ("all-gpu", "zero-infinity", "lohan", "stronghold", "dos")
 
 
 def policies() -> dict:
-    from tensorstow.planner.policies import all_gpu, ilp, zero_infinity
-    return {"all-gpu": all_gpu.plan, "zero-infinity": zero_infinity.plan, "ilp": ilp.plan}
+    from tensorstow.planner.policies import all_gpu, dos, ilp, lohan, stronghold, zero_infinity
+    return {"all-gpu": all_gpu.plan, "zero-infinity": zero_infinity.plan, "lohan": lohan.plan,
+            "stronghold": stronghold.plan,
+            "dos": dos.plan, "ilp": ilp.plan}
 
 
 def heuristic_plans(problem: Problem) -> dict[str, Plan]:

@@ -40,7 +40,8 @@ class Decisions:
     blocks: dict[str, BlockDecision]
     """Per block, in forward order."""
     prefetch: int = 1
-    """Streamed blocks loaded ahead of use (Fuyou §4.4 FIFO prefetch; STRONGHOLD window - 1)."""
+    """Streamed blocks loaded ahead of use (Fuyou §4.4 FIFO prefetch). STRONGHOLD's window of m
+    layers is prefetch = m: m+1 parameter buffers on the GPU (STRONGHOLD Eq. 1c)."""
     overlap_optimizer: bool = False
     """True: a block's CPU update starts once its gradient arrives, during backward (LoHan
     active gradient offloading); False: all updates after backward (ZeRO-Infinity, Fuyou Fig. 2a)."""
@@ -172,7 +173,13 @@ class _Emitter:
         return last
 
     def free(self, buf: str, tier: str, deps=()) -> int:
-        stream = f"{self.gpu}.compute" if tier == self.gpu else ("cpu.opt" if tier == "dram" else "ssd.write")
+        """Release a copy. It runs on the stream of the instruction that releases it (its latest
+        dependency), so bookkeeping never makes one stream wait for another's transfers."""
+        deps = [d for d in deps if d is not None]
+        if deps:
+            stream = self.instrs[max(deps)].stream
+        else:
+            stream = f"{self.gpu}.compute" if tier == self.gpu else ("cpu.opt" if tier == "dram" else "ssd.write")
         i = self.emit("free", stream, deps, tensor=buf, dst=tier)
         self.where.pop((buf, tier), None)
         self.freed[(buf, tier)] = i
@@ -199,6 +206,7 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
 
     # ---- forward ----------------------------------------------------------------------------
     frees_fwd: dict[str, int] = {}
+    swap_outs: dict[str, int] = {}
     prev_compute = None
     for b in order:
         d = dec[b]
@@ -211,7 +219,10 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
         nxt = order[order.index(b) + 1] if b != last_fwd else None
         if nxt and has(f"X:{nxt}"):
             allocs.append(f"X:{nxt}")
-        c = e.emit("compute", comp, (p_ready,), segment=f"fwd:{b}", allocs=tuple(allocs),
+        # Back-pressure: a forward may run at most prefetch+1 blocks ahead of the swap-outs.
+        k_fwd = order.index(b)
+        gate_swap = swap_outs.get(order[k_fwd - 2 - decisions.prefetch]) if k_fwd - 2 - decisions.prefetch >= 0 else None
+        c = e.emit("compute", comp, (p_ready, gate_swap), segment=f"fwd:{b}", allocs=tuple(allocs),
                    workspace=f"W:fwd:{b}" if has(f"W:fwd:{b}") else "")
         for a in allocs:
             e.where[(a, gpu)] = c
@@ -220,10 +231,11 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
             frees_fwd[b] = e.free(f"P:{b}", gpu, (c,))
         if has(f"A:{b}") and d.activations in ("swap_dram", "swap_ssd"):
             s = e.move(f"A:{b}", gpu, "dram" if d.activations == "swap_dram" else "ssd", (c,))
-            e.free(f"A:{b}", gpu, (s,))
+            swap_outs[b] = e.free(f"A:{b}", gpu, (s,))
         if has(f"X:{b}") and d.checkpoint != "gpu":
             s = e.move(f"X:{b}", gpu, d.checkpoint, (c,))
-            e.free(f"X:{b}", gpu, (s, c))
+            f = e.free(f"X:{b}", gpu, (s, c))
+            swap_outs[b] = max(f, swap_outs.get(b, f))
 
     # ---- backward (+ optimizer) -------------------------------------------------------------
     bwd_order = list(reversed(order))
@@ -244,9 +256,12 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
         states = [s for s in (f"M:{b}", f"OS:{b}") if has(s)]
         p_here = not mixed  # fp32: P is the master and is updated in place
         ready = list(start)
+        # Overlapped: read the states while the block's backward still runs (Fuyou §4.3);
+        # only the serialized baseline waits for the gradient before reading.
+        read_after = start[1:] if decisions.overlap_optimizer else start
         for s in states + ([f"P:{b}"] if p_here or home[f"P:{b}"] == tier else []):
             if home[s] != tier and (s, tier) not in e.where:
-                ready.append(e.move(s, home[s], tier, start))
+                ready.append(e.move(s, home[s], tier, read_after))
         fresh = (f"P:{b}",) if mixed and home[f"P:{b}"] != tier else ()
         u = e.emit("optimizer_step", "cpu.opt" if dev == "cpu" else comp, tuple(ready), segment=b,
                    dst=dev, allocs=fresh)

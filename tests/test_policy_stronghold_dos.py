@@ -121,8 +121,8 @@ def test_update_stride_v100_numbers_of_dos_5_4():
     v100 = load_hardware("stronghold-v100-32g")
     g = dataclasses.replace(v100.gpu, h2d_bw=4 * 3e9, d2h_bw=4 * 3e9,
                             mem_bw=35e9 * cost.GPU_ADAM_BYTES_PER_PARAM)
-    hw = dataclasses.replace(v100, gpus=(g,), cpu=dataclasses.replace(v100.cpu, adam_rate=2e9),
-                             dram=dataclasses.replace(v100.dram, bandwidth=8.7e9 * dos.DOWNCAST_BYTES_PER_PARAM))
+    dram = dataclasses.replace(v100.dram, bandwidth=8.7e9 * dos.DOWNCAST_BYTES_PER_PARAM)
+    hw = dataclasses.replace(v100, gpus=(g,), cpu=dataclasses.replace(v100.cpu, adam_rate=2e9), dram=dram)
     assert dos.stride_inputs(hw) == pytest.approx({"B": 3e9, "U_g": 35e9, "U_c": 2e9, "D_c": 8.7e9})
     k_float, k = dos.update_stride(hw)
     assert k_float == pytest.approx(2.2945, abs=1e-4) and k == 2

@@ -8,11 +8,11 @@ invariant 4).
 
 import errno
 import json
+import multiprocessing
 import os
 import random
+import runpy
 import signal
-import subprocess
-import sys
 import textwrap
 import time
 
@@ -104,6 +104,23 @@ def test_engine_info_and_aligned_empty():
         assert t.data_ptr() % 4096 == 0 and t.numel() * t.element_size() == n and t.dtype == dtype
     with pytest.raises(ValueError, match="whole number"):
         aio.aligned_empty(6, torch.float32)
+
+
+def test_falls_back_to_python_when_the_build_fails(monkeypatch):
+    def broken():
+        raise RuntimeError("building the C++ aio engine failed: ninja: not found")
+
+    monkeypatch.setattr(aio, "build_extension", broken)
+    monkeypatch.setattr(aio, "_default_engine", None)
+    monkeypatch.setattr(aio, "_default_info", None)
+    assert isinstance(aio.load_engine(), aio.PythonEngine)
+    assert "Python fallback engine" in aio.engine_info() and "ninja: not found" in aio.engine_info()
+    monkeypatch.setenv("TENSORSTOW_AIO", "cpp")
+    with pytest.raises(RuntimeError, match="ninja"):
+        aio.load_engine()
+    monkeypatch.setenv("TENSORSTOW_AIO", "python")
+    monkeypatch.setattr(aio, "build_extension", lambda: pytest.fail("must not build"))
+    assert isinstance(aio.load_engine(), aio.PythonEngine)
 
 
 # ---- store round trips ------------------------------------------------------------------------
@@ -283,12 +300,13 @@ def test_disk_full_leaves_committed_state(tmp_path, monkeypatch):
 
 
 # ---- kill tests -------------------------------------------------------------------------------
+# Children are forked from a forkserver that has imported torch once, so a child starts in
+# milliseconds. Each appends a step to its progress file after commit(step) returned.
 
 CHILD = textwrap.dedent(
     """
-    import os, signal, sys
+    import os, signal
     import torch
-    from tensorstow.executor import ssd
     from tensorstow.executor.ssd import SSDStore
 
     SIZES = {"w0": (6 << 20) + 123, "w1": 3 << 20, "opt.m": (4 << 20) + 4095, "tiny": 10}
@@ -301,8 +319,7 @@ CHILD = textwrap.dedent(
         return step == 1 or (step + i) % 3 != 0
 
     if __name__ == "__main__":
-        directory, crash_step, crash_point = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-        sys.stdin.readline()  # imports done; start when the parent says so
+        directory, progress, crash_step, crash_point = ARGS
         die = lambda: os.kill(os.getpid(), signal.SIGKILL)
         store = SSDStore(directory, SIZES)
         step = (store.committed_step() or 0) + 1
@@ -312,85 +329,94 @@ CHILD = textwrap.dedent(
             if step == crash_step and crash_point == "after_replace":
                 real = os.replace
                 os.replace = lambda *a: (real(*a), die())
-            handles = []
             for i, name in enumerate(SIZES):
                 if writes(step, i):
-                    handles.append(store.write_async(name, data(step, i)))
+                    store.write_async(name, data(step, i))
                     if step == crash_step and crash_point == "mid_step":
                         die()
             store.commit(step)  # waits for the writes
-            print(step, flush=True)
+            with open(progress, "a") as f:
+                f.write(f"{step}\\n")
             step += 1
     """
 )
 
 
-def _load_child(tmp_path):
-    path = tmp_path / "child.py"
+@pytest.fixture(scope="module")
+def child(tmp_path_factory):
+    """(path of the child script, its namespace, a forkserver context with torch preloaded)."""
+    path = tmp_path_factory.mktemp("child") / "child.py"
     path.write_text(CHILD)
     namespace = {"__name__": "child"}
     exec(compile(CHILD, str(path), "exec"), namespace)
-    return path, namespace
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "tensorstow.executor.ssd"])
+    return path, namespace, ctx
+
+
+def _start(child, directory, crash_step=-1, crash_point="none"):
+    path, _, ctx = child
+    progress = f"{directory}.progress"
+    args = (str(directory), progress, crash_step, crash_point)
+    proc = ctx.Process(target=runpy.run_path, args=(str(path),),
+                       kwargs={"init_globals": {"ARGS": args}, "run_name": "__main__"})
+    proc.start()
+    return proc, progress
+
+
+def _steps(progress) -> list[int]:
+    try:
+        text = open(progress).read()
+    except FileNotFoundError:
+        return []
+    return [int(line) for line in text.split("\n")[:-1]]  # complete lines only
 
 
 def _check_store(directory, child, low, high):
     """The store resumes at a step in [low, high] with exactly the bytes that step left behind."""
-    sizes = child["SIZES"]
+    sizes, data, writes = child[1]["SIZES"], child[1]["data"], child[1]["writes"]
     with SSDStore(directory, sizes) as store:
         step = store.committed_step()
         assert step is not None and low <= step <= high, (step, low, high)
         for i, name in enumerate(sizes):
-            last = max(s for s in range(1, step + 1) if child["writes"](s, i))
+            last = max(s for s in range(1, step + 1) if writes(s, i))
             out = torch.empty(sizes[name], dtype=torch.uint8)
             store.read(name, out)
-            assert torch.equal(out, child["data"](last, i)), (name, step, last)
+            assert torch.equal(out, data(last, i)), (name, step, last)
     return step
 
 
-def _spawn_child(path, directory, crash_step=-1, crash_point="none"):
-    """Starts a child; it imports, then waits for a line on stdin before it opens the store."""
-    return subprocess.Popen([sys.executable, str(path), str(directory), str(crash_step), crash_point],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _go(proc):
-    proc.stdin.write("go\n")
-    proc.stdin.flush()
-
-
-def test_sigkill_at_random_points_keeps_last_commit(tmp_path):
-    path, child = _load_child(tmp_path)
+def test_sigkill_at_random_points_keeps_last_commit(tmp_path, child):
     store_dir = tmp_path / "store"
     rng = random.Random(int(os.environ.get("TENSORSTOW_KILL_SEED", "20261121")))
-    reported = 0
-    proc = _spawn_child(path, store_dir)
-    for kill in range(5):  # each run resumes from the previous run's committed step
-        _go(proc)
-        # The next child imports torch meanwhile (it only opens the store after its "go").
-        following = _spawn_child(path, store_dir) if kill < 4 else None
-        first = proc.stdout.readline()  # the child is in its write/commit loop
-        assert first, proc.stderr.read()
-        time.sleep(rng.uniform(0.0, 0.5))
-        proc.send_signal(signal.SIGKILL)
-        out, err = proc.communicate()
-        assert proc.returncode == -signal.SIGKILL, err
-        steps = [int(x) for x in (first + out).split()]
-        assert steps[0] == reported + 1  # resumed right after the committed step
+    committed = 0
+    for kill in range(8):  # each run resumes from the previous run's committed step
+        proc, progress = _start(child, store_dir)
+        deadline = time.monotonic() + 60
+        while len(_steps(progress)) <= committed:  # wait until it is in its write/commit loop
+            assert proc.is_alive(), f"child exited with {proc.exitcode}"
+            assert time.monotonic() < deadline, "child made no progress in 60 s"
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.25))
+        proc.kill()
+        proc.join()
+        assert proc.exitcode == -signal.SIGKILL
+        steps = _steps(progress)
+        assert steps == list(range(1, steps[-1] + 1))  # each run resumed right after the committed step
         # commit() returned for steps[-1], so it is durable; steps[-1] + 1 may have landed too.
-        reported = _check_store(store_dir, child, steps[-1], steps[-1] + 1)
-        proc = following
+        committed = _check_store(store_dir, child, steps[-1], steps[-1] + 1)
+        if committed > steps[-1]:  # record the step the child committed but could not report
+            with open(progress, "a") as f:
+                f.write(f"{committed}\n")
 
 
-def test_sigkill_inside_commit_protocol(tmp_path):
-    path, child = _load_child(tmp_path)
+def test_sigkill_inside_commit_protocol(tmp_path, child):
     points = {"mid_step": 2, "before_replace": 2, "after_replace": 3}  # crash point -> step that survives
-    procs = {p: _spawn_child(path, tmp_path / p, crash_step=3, crash_point=p) for p in points}
-    for proc in procs.values():
-        _go(proc)
-    for point, proc in procs.items():
-        out, err = proc.communicate(timeout=120)
-        assert proc.returncode == -signal.SIGKILL, (point, err)
-        assert out.split() == ["1", "2"], point
+    procs = {p: _start(child, tmp_path / p, crash_step=3, crash_point=p) for p in points}
+    for point, (proc, progress) in procs.items():
+        proc.join(timeout=120)
+        assert proc.exitcode == -signal.SIGKILL, point
+        assert _steps(progress) == [1, 2], point
         assert _check_store(tmp_path / point, child, points[point], points[point]) == points[point], point
         manifest = json.loads((tmp_path / point / "MANIFEST").read_text())
         assert manifest["step"] == points[point], point

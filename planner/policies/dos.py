@@ -126,8 +126,8 @@ def plan(problem) -> Decisions:
         eq1,
         "optimizer subgroups = blocks; optimizer states in DRAM; update phase after backward, "
         "CPU and GPU subgroups interleaved (DOS §4.1, Fig. 5)",
-        "fp16 parameters resident on the GPU" if params == "gpu" else
-        "fp16 parameters streamed from DRAM (they do not fit next to the activations)",
+        "compute-precision parameters resident on the GPU" if params == "gpu" else
+        "compute-precision parameters streamed from DRAM (they do not fit next to the activations)",
         "activations kept on the GPU" if acts == "keep" else
         "layer inputs checkpointed to DRAM, layers recomputed in backward",
         f"{len(resident)} static GPU-resident subgroups (the last in update order, DOS §4.1)"

@@ -17,13 +17,16 @@ traffic simplex), with the CPU optimizer overlapped with backward (LoHan §IV-C)
     T_f >= Σ GPU_f,  T_f >= Σ H2D_f,  T_f >= Σ D2H_f,  T_f >= Σ (SSD_read_f + SSD_write_f)
     T_b >= Σ GPU_b (+ recompute, + GPU Adam),  T_b >= Σ H2D_b,  T_b >= Σ D2H_b,
     T_b >= Σ (SSD_read_b + SSD_write_b),  T_b >= Σ CPU Adam
-Capacity (bytes in MiB, well-conditioned): resident bytes per tier + the transient
+Capacity (each row divided by its capacity; time in units of 1% of the model's compute time,
+so the solver sees numbers near 1 whatever the model size): resident bytes per tier + the transient
 working set (largest block's streamed params x (prefetch+1), workspace, one block's
 activations and gradient, staging for states) <= capacity.
 
 The analytic model ignores pipeline fill and drain, so the decisions are lowered and replayed
 in the simulator (the one yardstick of every policy); a tier the simulator finds over
-capacity is tightened by the overflow and the MIP re-solved (at most 5 rounds). Warm
+capacity is tightened by the overflow and the MIP re-solved (at most 5 rounds). This is done
+for prefetch depths 1, 2 and 4 (the transient GPU memory depends on it) and the fastest
+simulated plan is kept. Warm
 start: the best heuristic's plan is the incumbent; its analytic objective is passed to
 HiGHS as `objective_bound` (PuLP's HiGHS interface takes no start solution; with
 solver="cbc" the incumbent is a real MIP start), and if the simulator ranks the
@@ -43,6 +46,7 @@ MiB = 2**20
 TIME_LIMIT_S = 60.0
 GAP_REL = 1e-3
 ROUNDS = 5
+PREFETCH_CANDIDATES = (1, 2, 4)
 PHASE_TERMS = {"f": ("gpu_f", "h2d_f", "d2h_f", "ssd_f"), "b": ("gpu_b", "h2d_b", "d2h_b", "ssd_b", "cpu_b")}
 
 
@@ -173,9 +177,14 @@ def solve(problem, *, choices=None, caps_mib: dict[str, float] | None = None, pr
     states_any = pulp.LpVariable("gpu_update_of_offloaded_states_any", cat="Binary")
     # LoHan Eq. 1: T_iter = T_f + T_b
     prob += T_f + T_b
+    # Well-conditioned units: time in units of 1% of the model's GPU compute time, each
+    # capacity row divided by its capacity (solver tolerances are ~1e-7 absolute).
+    tscale = max(sum(gr.coef[g][cs[0]]["gpu_f"] + gr.coef[g][cs[0]]["gpu_b"] for g in gr.names), 1e-12) / 100
+    mscale = {t: max(cap[t], 1e-9) for t in ("gpu", "dram", "ssd")}
 
     def total(term):
-        return pulp.lpSum(gr.coef[g][c][term] * x[g, i] for g in gr.names for i, c in enumerate(cs)
+        unit = tscale if not term.startswith("mem_") else mscale[term[4:]]
+        return pulp.lpSum(gr.coef[g][c][term] / unit * x[g, i] for g in gr.names for i, c in enumerate(cs)
                           if gr.coef[g][c][term])
 
     for g in gr.names:
@@ -191,9 +200,11 @@ def solve(problem, *, choices=None, caps_mib: dict[str, float] | None = None, pr
     for term in PHASE_TERMS["b"]:
         prob += T_b >= total(term), f"Tb_{term}"
     # capacity per tier: resident + transient working set <= capacity
-    prob += total("mem_gpu") + tr["gpu"] + tr["gpu_stream"] * stream_any + tr["gpu_states"] * states_any <= cap["gpu"], "cap_gpu"
-    prob += total("mem_dram") + tr["dram"] <= cap["dram"], "cap_dram"
-    prob += total("mem_ssd") <= cap["ssd"], "cap_ssd"
+    mg, md = mscale["gpu"], mscale["dram"]
+    prob += (total("mem_gpu") + tr["gpu"] / mg + tr["gpu_stream"] / mg * stream_any
+             + tr["gpu_states"] / mg * states_any <= cap["gpu"] / mg), "cap_gpu"
+    prob += total("mem_dram") + tr["dram"] / md <= cap["dram"] / md, "cap_dram"
+    prob += total("mem_ssd") <= cap["ssd"] / mscale["ssd"], "cap_ssd"
 
     if start is not None:
         for g in gr.names:
@@ -202,7 +213,7 @@ def solve(problem, *, choices=None, caps_mib: dict[str, float] | None = None, pr
     if solver == "cbc":
         s = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=GAP_REL, warmStart=start is not None)
     else:
-        params = {"objective_bound": bound * (1 + 1e-6) + 1e-9} if bound is not None else {}
+        params = {"objective_bound": bound / tscale * (1 + 1e-6) + 1e-6} if bound is not None else {}
         s = pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=GAP_REL, **params)
     prob.solve(s)
     status = pulp.LpStatus[prob.status]
@@ -212,7 +223,7 @@ def solve(problem, *, choices=None, caps_mib: dict[str, float] | None = None, pr
     counts = {g: {c: int(round(x[g, i].value() or 0)) for i, c in enumerate(cs) if round(x[g, i].value() or 0)}
               for g in gr.names}
     label = "optimal" if prob.sol_status == pulp.LpSolutionOptimal else "time limit (incumbent)"
-    return IlpResult(True, label, float(pulp.value(prob.objective)), counts, message=f"{solver}: {sol}")
+    return IlpResult(True, label, float(pulp.value(prob.objective)) * tscale, counts, message=f"{solver}: {sol}")
 
 
 def analytic(problem, assignment: dict[str, Combo], *, caps_mib=None, prefetch: int = 1) -> float | None:
@@ -250,8 +261,8 @@ def assign(problem, counts: dict[str, dict[Combo, int]]) -> dict[str, Combo]:
     return out
 
 
-def decisions_from(problem, assignment: dict[str, Combo], notes=()) -> Decisions:
-    return Decisions(policy="ilp", blocks={b: assignment[b].decision() for b in problem.order}, prefetch=1,
+def decisions_from(problem, assignment: dict[str, Combo], notes=(), prefetch: int = 1) -> Decisions:
+    return Decisions(policy="ilp", blocks={b: assignment[b].decision() for b in problem.order}, prefetch=prefetch,
                      overlap_optimizer=True, serialize_optimizer=False, notes=tuple(notes))
 
 
@@ -271,23 +282,25 @@ def plan(problem) -> Decisions:
             bound = analytic(problem, start)
         else:
             start = None
-    caps = {t: v / MiB for t, v in problem.capacity().items()}
     best, notes, res = None, [], None
-    for rnd in range(ROUNDS):
-        res = solve(problem, caps_mib=caps, bound=bound, start=start)
-        if not res.feasible:
-            notes.append(f"MIP round {rnd + 1}: {res.status} ({res.message})")
-            break
-        assignment = assign(problem, res.counts)
-        pl = schedule(problem, decisions_from(problem, assignment))
-        over = pl.over_capacity()
-        notes.append(f"MIP round {rnd + 1}: {res.status}, analytic {res.objective:.4g} s, "
-                     f"simulated {pl.sim.step_time_s:.4g} s" + (f", over capacity on {sorted(over)}" if over else ""))
-        if not over:
-            best = pl
-            break
-        for tier, (need, cap) in over.items():
-            caps[tier] -= (need - cap) * 1.05 / MiB + 1
+    for prefetch in PREFETCH_CANDIDATES:  # the MIP's transient memory depends on the prefetch depth
+        caps = {t: v / MiB for t, v in problem.capacity().items()}
+        for rnd in range(ROUNDS):
+            res = solve(problem, caps_mib=caps, prefetch=prefetch, bound=bound, start=start)
+            if not res.feasible:
+                notes.append(f"prefetch {prefetch}, MIP round {rnd + 1}: {res.status} ({res.message})")
+                break
+            assignment = assign(problem, res.counts)
+            pl = schedule(problem, decisions_from(problem, assignment, prefetch=prefetch))
+            over = pl.over_capacity()
+            notes.append(f"prefetch {prefetch}, MIP round {rnd + 1}: {res.status}, analytic {res.objective:.4g} s, "
+                         f"simulated {pl.sim.step_time_s:.4g} s" + (f", over capacity on {sorted(over)}" if over else ""))
+            if not over:
+                if best is None or pl.sim.step_time_s < best.sim.step_time_s:
+                    best = pl
+                break
+            for tier, (need, cap) in over.items():
+                caps[tier] -= (need - cap) * 1.05 / MiB + 1
     if best is not None and (incumbent is None or best.sim.step_time_s <= incumbent[1].sim.step_time_s):
         return replace(best.decisions, notes=(*notes, "chosen: the MIP's plan"))
     if incumbent is not None:

@@ -1,8 +1,9 @@
 """`stronghold`: a working window of layers streamed through the GPU (Sun et al., SC'22).
 
 STRONGHOLD §III-C..E, as tensorstow decisions:
-- Layer parameters, gradients' optimizer work and all optimizer states live in DRAM
-  (STRONGHOLD keeps the SSD out of the loop, §III-C); only a window of layers is on the GPU.
+- Layer parameters and optimizer states live in DRAM (STRONGHOLD keeps the SSD out of the
+  loop, §III-C; its optimizer states are in CPU RAM, footnote 1); only a window of layers is
+  on the GPU at a time.
 - The first and the last blocks (embedding `pre`, head `post`) stay on the GPU (Fig. 3 caption)
   and are updated there (when memory is short, their states move to DRAM and the CPU updates
   them [OURS]); every layer is updated by the CPU as soon as its gradient leaves the
@@ -132,7 +133,8 @@ def plan(problem) -> Decisions:
             f"t_g2c {_ms(t.t_g2c)}; hard P1 (1b) {'met' if p1_holds(t, m) else 'violated'}, "
             f"P2 (2b) {'met' if p2_holds(t, m) else 'violated'}",
             f"soft (1d) {'met' if soft_fp else 'violated'}, (2d) {'met' if soft_bp else 'violated'}"
-            + ("" if soft_fp and soft_bp else ": the host link, not the window, bounds the step"),
+            + ("" if soft_fp and soft_bp else
+               ": a layer's transfers outlast its compute, so the host link bounds the step at any m"),
             "activations kept on the GPU" if acts == "keep" else
             "activations recomputed from block-input checkpoints kept on the GPU (memory is short)",
             "layer parameters and optimizer states in DRAM, CPU Adam per layer as its gradient "
