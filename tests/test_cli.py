@@ -22,19 +22,22 @@ def test_golden_plans_have_not_drifted():
     assert r.stdout.count("ok ") == len(list((ROOT / "plans").glob("*.json"))) >= 4
 
 
-def test_plan_show_diff(tmp_path):
+def test_plan_show_diff(tmp_path, capsys):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     assert main(["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--batch", "2", "--policy", "zero-infinity",
                  "-o", str(a)]) == 0
     assert main(["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--batch", "2", "--policy", "all-gpu", "-o", str(b),
                  "--trace", str(tmp_path / "t.json")]) == 0
-    r = run("show", str(a))
-    assert r.returncode == 0 and "bottleneck:" in r.stdout and "zero-infinity" in r.stdout
-    r = run("diff", str(a), str(b))
-    assert r.returncode == 1
-    assert "decision policy: zero-infinity -> all-gpu" in r.stdout
-    assert "predicted step time" in r.stdout and "faster" in r.stdout
-    assert run("diff", str(a), str(a)).stdout.strip() == "plans are identical"
+    capsys.readouterr()
+    assert main(["show", str(a)]) == 0
+    out = capsys.readouterr().out
+    assert "bottleneck:" in out and "zero-infinity" in out
+    assert main(["diff", str(a), str(b)]) == 1
+    out = capsys.readouterr().out
+    assert "decision policy: zero-infinity -> all-gpu" in out
+    assert "predicted step time" in out and "faster" in out
+    assert main(["diff", str(a), str(a)]) == 0
+    assert capsys.readouterr().out.strip() == "plans are identical"
     trace = json.loads((tmp_path / "t.json").read_text())
     names = {e["name"] for e in trace["traceEvents"]}
     assert "compute fwd:b0" in names and "mem gpu0" in names
@@ -47,11 +50,15 @@ def test_plan_show_diff(tmp_path):
     (["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--gpu-mem", "12XB"], "cannot read size '12XB'"),
     (["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--seq", "4096"], "exceeds the model's block_size"),
 ])
-def test_bad_input_gives_one_clear_line(args, needle):
-    r = run(*args)
-    assert r.returncode == 2
-    lines = r.stderr.strip().splitlines()
+def test_bad_input_gives_one_clear_line(args, needle, capsys):
+    assert main(args) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("tensorstow: error:") and needle in lines[0]
+
+
+def test_error_exit_status_of_the_real_process():
+    r = run("plan", "gpt-nope")
+    assert r.returncode == 2 and r.stderr.startswith("tensorstow: error: unknown model") and not r.stdout
 
 
 @pytest.mark.parametrize("content,needle", [
@@ -62,11 +69,12 @@ def test_bad_input_gives_one_clear_line(args, needle):
      ' "capacity_bytes": 0}, "cpu": {"cores": 1, "adam_rate": 1}}', "field 'gpus[0].memory_bytes': must be >= 0"),
     ('{"name": "x", "bogus": 1}', "unknown key(s) ['bogus']"),
 ])
-def test_malformed_hardware_file(tmp_path, content, needle):
+def test_malformed_hardware_file(tmp_path, content, needle, capsys):
     f = tmp_path / "hw.json"
     f.write_text(content)
-    r = run("plan", "gpt-tiny", "--hw", str(f))
-    assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert main(["plan", "gpt-tiny", "--hw", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("content,needle", [
@@ -74,14 +82,15 @@ def test_malformed_hardware_file(tmp_path, content, needle):
     ('{"schema_version": 1}', "lacks"),
     ("[1, 2]", "JSON object"),
 ])
-def test_malformed_plan_file(tmp_path, content, needle):
+def test_malformed_plan_file(tmp_path, content, needle, capsys):
     f = tmp_path / "p.json"
     f.write_text(content)
     before = f.read_bytes()
-    r = run("show", str(f))
-    assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert main(["show", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1
     assert f.read_bytes() == before  # never damages what it read
-    assert run("show", str(tmp_path / "missing.json")).returncode == 2
+    assert main(["show", str(tmp_path / "missing.json")]) == 2
 
 
 def test_parse_size():

@@ -35,6 +35,7 @@ incumbent faster than the MIP's plan, the incumbent is returned and the notes sa
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, replace
 
 import pulp
@@ -43,7 +44,10 @@ from tensorstow.planner.cost import GPU_ADAM_BYTES_PER_PARAM, BlockProfile
 from tensorstow.planner.schedule import ACTIVATION_CHOICES, BlockDecision, Decisions
 
 MiB = 2**20
-TIME_LIMIT_S = 60.0
+TIME_LIMIT_S = 20.0
+"""Per MIP solve; a solve stopped by it returns its incumbent and says so."""
+TOTAL_BUDGET_S = 60.0
+"""All MIP solves of one `plan()` together."""
 GAP_REL = 1e-3
 ROUNDS = 5
 PREFETCH_CANDIDATES = (1, 2, 4)
@@ -124,6 +128,23 @@ class Groups:
     last_group: str
 
 
+def prune(coef: dict[Combo, dict[str, float]]) -> dict[Combo, dict[str, float]]:
+    """Drop combos no optimal solution needs: exact duplicates of another combo's vector, and
+    combos dominated term by term (every time, byte and flag term >= another's). Replacing a
+    dominated combo by its dominator keeps every row feasible and never raises the objective."""
+    items = sorted(coef.items())
+    keys = sorted(items[0][1]) if items else []
+    vecs = [(c, tuple(k[t] for t in keys)) for c, k in items]
+    keep = {}
+    for c, v in vecs:
+        if v in {tuple(kv) for kv in keep.values()}:
+            continue
+        dominated = any(all(a <= b + 1e-15 for a, b in zip(w, v)) and w != v for _, w in vecs)
+        if not dominated:
+            keep[c] = v
+    return {c: coef[c] for c in keep}
+
+
 def groups(problem, cs: list[Combo]) -> Groups:
     """Blocks with equal signature share coefficients; the last block is its own group."""
     order = problem.order
@@ -169,8 +190,9 @@ def solve(problem, *, choices=None, caps_mib: dict[str, float] | None = None, pr
     cap = caps_mib or {t: v / MiB for t, v in problem.capacity().items()}
     tr = transient(problem, prefetch)
     prob = pulp.LpProblem("tensorstow_placement", pulp.LpMinimize)
+    live = {g: prune(gr.coef[g]) for g in gr.names}
     x = {(g, i): pulp.LpVariable(f"x_{gi}_{i}", lowBound=0, upBound=len(gr.members[g]), cat="Integer")
-         for gi, g in enumerate(gr.names) for i in range(len(cs))}
+         for gi, g in enumerate(gr.names) for i, c in enumerate(cs) if c in live[g]}
     T_f = pulp.LpVariable("T_f", lowBound=0)
     T_b = pulp.LpVariable("T_b", lowBound=0)
     stream_any = pulp.LpVariable("stream_any", cat="Binary")
@@ -185,14 +207,16 @@ def solve(problem, *, choices=None, caps_mib: dict[str, float] | None = None, pr
     def total(term):
         unit = tscale if not term.startswith("mem_") else mscale[term[4:]]
         return pulp.lpSum(gr.coef[g][c][term] / unit * x[g, i] for g in gr.names for i, c in enumerate(cs)
-                          if gr.coef[g][c][term])
+                          if (g, i) in x and gr.coef[g][c][term])
 
     for g in gr.names:
         # every block takes exactly one combo
-        prob += pulp.lpSum(x[g, i] for i in range(len(cs))) == len(gr.members[g]), f"one_combo_{gr.names.index(g)}"
+        prob += pulp.lpSum(x[g, i] for i in range(len(cs)) if (g, i) in x) == len(gr.members[g]), \
+            f"one_combo_{gr.names.index(g)}"
         n = len(gr.members[g])
-        prob += n * stream_any >= pulp.lpSum(x[g, i] for i, c in enumerate(cs) if c.ph != "gpu")
-        prob += n * states_any >= pulp.lpSum(x[g, i] for i, c in enumerate(cs) if c.opt == "gpu" and c.sh != "gpu")
+        prob += n * stream_any >= pulp.lpSum(x[g, i] for i, c in enumerate(cs) if (g, i) in x and c.ph != "gpu")
+        prob += n * states_any >= pulp.lpSum(x[g, i] for i, c in enumerate(cs)
+                                             if (g, i) in x and c.opt == "gpu" and c.sh != "gpu")
     # LoHan Eq. 2: T_f = max(T_f^G, T_f^M2G, T_f^G2M, T_f^S)
     for term in PHASE_TERMS["f"]:
         prob += T_f >= total(term), f"Tf_{term}"
@@ -207,9 +231,8 @@ def solve(problem, *, choices=None, caps_mib: dict[str, float] | None = None, pr
     prob += total("mem_ssd") <= cap["ssd"] / mscale["ssd"], "cap_ssd"
 
     if start is not None:
-        for g in gr.names:
-            for i, c in enumerate(cs):
-                x[g, i].setInitialValue(sum(start[b] == c for b in gr.members[g]))
+        for (g, i), var in x.items():
+            var.setInitialValue(sum(start[b] == cs[i] for b in gr.members[g]))
     if solver == "cbc":
         s = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=GAP_REL, warmStart=start is not None)
     else:
@@ -220,8 +243,8 @@ def solve(problem, *, choices=None, caps_mib: dict[str, float] | None = None, pr
     sol = pulp.LpSolution[prob.sol_status]  # LpStatus says "Optimal" after a time limit too
     if prob.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         return IlpResult(False, f"{status}: {sol}", None, {}, message=f"{solver}: {sol}")
-    counts = {g: {c: int(round(x[g, i].value() or 0)) for i, c in enumerate(cs) if round(x[g, i].value() or 0)}
-              for g in gr.names}
+    counts = {g: {c: int(round(x[g, i].value() or 0)) for i, c in enumerate(cs)
+                  if (g, i) in x and round(x[g, i].value() or 0)} for g in gr.names}
     label = "optimal" if prob.sol_status == pulp.LpSolutionOptimal else "time limit (incumbent)"
     return IlpResult(True, label, float(pulp.value(prob.objective)) * tscale, counts, message=f"{solver}: {sol}")
 
@@ -283,10 +306,16 @@ def plan(problem) -> Decisions:
         else:
             start = None
     best, notes, res = None, [], None
+    deadline = time.monotonic() + TOTAL_BUDGET_S
     for prefetch in PREFETCH_CANDIDATES:  # the MIP's transient memory depends on the prefetch depth
         caps = {t: v / MiB for t, v in problem.capacity().items()}
         for rnd in range(ROUNDS):
-            res = solve(problem, caps_mib=caps, prefetch=prefetch, bound=bound, start=start)
+            left = deadline - time.monotonic()
+            if left <= 1:
+                notes.append(f"prefetch {prefetch}: skipped, the MIP time budget ({TOTAL_BUDGET_S:.0f} s) is spent")
+                break
+            res = solve(problem, caps_mib=caps, prefetch=prefetch, bound=bound, start=start,
+                        time_limit=min(TIME_LIMIT_S, left))
             if not res.feasible:
                 notes.append(f"prefetch {prefetch}, MIP round {rnd + 1}: {res.status} ({res.message})")
                 break
@@ -304,8 +333,8 @@ def plan(problem) -> Decisions:
     if best is not None and (incumbent is None or best.sim.step_time_s <= incumbent[1].sim.step_time_s):
         return replace(best.decisions, notes=(*notes, "chosen: the MIP's plan"))
     if incumbent is not None:
-        why = "the MIP found no feasible plan" if best is None else \
-            f"the simulator ranks it faster ({incumbent[1].sim.step_time_s:.4g} s vs {best.sim.step_time_s:.4g} s)"
+        why = ("no MIP plan fit in the simulator within the rounds and time budget" if best is None else
+               f"the simulator ranks it faster ({incumbent[1].sim.step_time_s:.4g} s vs {best.sim.step_time_s:.4g} s)")
         return replace(incumbent[1].decisions, policy="ilp",
                        notes=(*notes, f"chosen: the incumbent from {incumbent[0]}: {why}"))
     if best is None and res is not None:
