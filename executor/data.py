@@ -37,14 +37,15 @@ def tokens(source: str, need: int, vocab: int, seed: int = 0) -> np.ndarray:
 
 
 def batches(source: str, batch: int, seq: int, vocab: int, steps: int,
-            seed: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """`steps` (x, y) pairs of int64 tensors of shape (batch, seq)."""
+            seed: int = 0, start: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(x, y) pairs of int64 tensors of shape (batch, seq) for steps start..steps-1 (a resumed
+    run continues with the very samples an uninterrupted one would have seen)."""
     if min(batch, seq, vocab, steps) < 1:
         raise TensorstowError(f"batch, seq, vocab and steps must be >= 1 (got {batch}, {seq}, {vocab}, {steps})")
     per = batch * (seq + 1)
     data = tokens(source, steps * per, vocab, seed)
-    for step in range(steps):
-        rows = np.asarray(data[step * per:(step + 1) * per], dtype=np.int64).reshape(batch, seq + 1)
+    for step in range(start, steps):
+        rows = np.array(data[step * per:(step + 1) * per], dtype=np.int64).reshape(batch, seq + 1)
         hi = int(rows.max())
         if hi >= vocab or int(rows.min()) < 0:
             raise TensorstowError(f"data {source}: token id {hi} at step {step} is outside the model's "

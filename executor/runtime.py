@@ -29,6 +29,7 @@ executor's step counter (`steps_done`, which `commit` records in the SSD store).
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from concurrent.futures import Future
 
@@ -39,7 +40,7 @@ from tensorstow import TensorstowError
 from tensorstow.executor.segments import Joint
 from tensorstow.executor.stores import (DeviceTier, FileStore, HostCopy, HostTier, Layout, SSDTier,
                                         contiguous_stride)
-from tensorstow.ir.trace import trace
+from tensorstow.ir.trace import Traced, trace
 from tensorstow.planner.schedule import Instr
 
 MODES = ("sync", "overlap")
@@ -63,7 +64,16 @@ def ssd_sizes(plan: dict) -> dict[str, int]:
 
 class Executor:
     def __init__(self, plan: dict, model: nn.Module, *, mode: str = "sync", state_dir=None,
-                 ssd_store=None):
+                 ssd_store=None, resume: bool = False, device_budget: int | None = None,
+                 traced: Traced | None = None):
+        """`state_dir`: directory for the fallback `FileStore` when the plan uses the SSD tier and
+        no `ssd_store` is given. `resume`: continue from the step the SSD store committed last
+        (every P/M/OS buffer must live on SSD; the model's values are then not used); without
+        it a store holding committed state is refused rather than overwritten.
+        `device_budget`: bytes the device tier may hold (default: the plan's GPU capacity).
+        `traced`: a trace of this very model (`ir.trace.trace` with the plan's batch, seq and
+        precision) to skip re-tracing; it is checked against the plan's fingerprint and the
+        model's parameters like a fresh trace."""
         if mode not in MODES:
             raise TensorstowError(f"unknown executor mode '{mode}': use one of {list(MODES)}")
         self.mode = mode
@@ -74,8 +84,10 @@ class Executor:
                 f"plan for {m['name']} describes {m['layers']} layers traced as {m['traced_layers']} and "
                 f"replicated by similarity; the executor needs the whole joint graph, so it runs only "
                 f"fully traced models (presets up to 8 layers, or user models)")
-        self.traced = trace(model, batch=m["batch"], seq=m["seq"], precision=m["precision"],
-                            model_name=m["name"])
+        if traced is None:
+            traced = trace(model, batch=m["batch"], seq=m["seq"], precision=m["precision"],
+                           model_name=m["name"])
+        self.traced = traced
         fp = self.traced.graph.fingerprint()
         if fp != m["fingerprint"]:
             raise TensorstowError(
@@ -85,21 +97,32 @@ class Executor:
                 f"`tensorstow plan {m['name']} ...`")
         self.graph = self.traced.graph
         self.joint = Joint(self.traced)
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        if list(shapes) != traced.param_names or any(
+                shapes[n] != self.joint.meta(self.joint.placeholder[n])[1] for n in shapes):
+            raise TensorstowError(f"the model's parameters do not match the traced graph of {m['name']}; "
+                                  f"pass the model the trace was made from")
         self.precision = m["precision"]
         self.mixed = self.precision != "fp32"
         self.compute_dtype = self.joint.meta(self.joint.placeholder[self.joint.param_names[0]])[0]
         self.instrs = self._read_instructions(plan)
         self.block_params = {b.name: list(b.params) for b in self.graph.blocks}
         self.layouts, self.members = self._buffers(plan)
+        self._check_references()
         self.holders: dict[str, list[str]] = defaultdict(list)
         for buf, roots in self.members.items():
             if buf[:2] in ("P:", "G:", "A:", "X:"):
                 for r in roots:
                     self.holders[r].append(buf)
 
+        pred = plan["predicted"]
+        if pred["peak_bytes"]["gpu"] > pred["capacity_bytes"]["gpu"]:
+            raise TensorstowError(f"the plan does not fit its GPU ({pred['peak_bytes']['gpu']} bytes at peak > "
+                                  f"{pred['capacity_bytes']['gpu']} capacity); re-plan it")
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-        self.dev = DeviceTier(plan["predicted"]["capacity_bytes"]["gpu"], self.device)
+        self.dev = DeviceTier(pred["capacity_bytes"]["gpu"] if device_budget is None else device_budget,
+                              self.device)
         self.host = HostTier(pin=cuda)
         uses_ssd = bool(ssd_sizes(plan))
         if ssd_store is None and uses_ssd:
@@ -112,11 +135,21 @@ class Executor:
 
         self.stash, self.drop, self.keep = self._temporaries()
         self.adam = {b: _Adam(plan["options"]) for b in self.block_params if self.block_params[b]}
+        self.vocab = getattr(model, "vocab_size", None)
         self.steps_done = 0
+        self.timeline: list[tuple[int, float, float]] = []
         self.loss: float | None = None
         self.temps: dict[str, torch.Tensor] = {}
         self.inputs: dict[str, torch.Tensor] = {}
-        self._place_homes(model)
+        committed = self.ssd.store.committed_step() if self.ssd.store is not None else None
+        if resume:
+            self._resume(committed)
+        elif committed is not None:
+            raise TensorstowError(
+                f"the SSD store ({state_dir or ssd_store}) holds training state committed at step "
+                f"{committed}: pass resume=True to continue from it, or use an empty state dir")
+        else:
+            self._place_homes(model)
 
     # ---- setup ------------------------------------------------------------------------------
     def _read_instructions(self, plan: dict) -> list[Instr]:
@@ -134,6 +167,9 @@ class Executor:
                                       f"runs {', '.join(KINDS)})")
             if ins.kind in ("compute", "recompute") and ins.segment not in self.joint.segments:
                 raise TensorstowError(f"plan instruction {k}: unknown segment '{ins.segment}'")
+            if ins.kind in ("compute", "recompute") and ins.stream != "gpu0.compute":
+                raise TensorstowError(f"plan instruction {k}: segments run on gpu0.compute, not "
+                                      f"'{ins.stream}' (one device, one compute stream)")
             if ins.kind in ("load", "store") and (ins.src, ins.dst) not in _LINKS:
                 raise TensorstowError(f"plan instruction {k}: no copy {ins.src} -> {ins.dst} (this executor "
                                       f"drives one device, gpu0, with dram and ssd)")
@@ -143,6 +179,25 @@ class Executor:
                 raise TensorstowError(f"plan instruction {k}: optimizer device '{ins.dst}' is not cpu or gpu0")
             instrs.append(ins)
         return instrs
+
+    def _check_references(self) -> None:
+        """Every buffer an instruction names exists, and each kind creates what it can."""
+        for ins in self.instrs:
+            named = [ins.tensor] if ins.kind in ("load", "store", "free") else []
+            for n in named + list(ins.allocs):
+                if n not in self.layouts:
+                    raise TensorstowError(f"plan instruction {ins.id}: unknown buffer '{n}'; re-plan it")
+            if ins.kind in ("compute", "recompute"):
+                bad = [a for a in ins.allocs if a[:2] not in ("A:", "X:", "G:")]
+            elif ins.kind == "optimizer_step":
+                if not self.block_params.get(ins.segment):
+                    raise TensorstowError(f"plan instruction {ins.id}: '{ins.segment}' is not a block "
+                                          f"with parameters")
+                bad = [a for a in ins.allocs if a != f"P:{ins.segment}"]
+            else:
+                bad = list(ins.allocs)
+            if bad:
+                raise TensorstowError(f"plan instruction {ins.id} ({ins.kind}) cannot create {bad}")
 
     def _buffers(self, plan: dict):
         """Layout (named tensors) of every data buffer, checked against the plan's bytes."""
@@ -218,6 +273,7 @@ class Executor:
         present = {(n, _HOME[b["home"]]) for n, b in self.plan["buffers"].items() if b.get("home")}
         last_made: dict[str, int] = {}
         last_read: dict[tuple[int, str], int] = {}
+        backward = {i.id for i in self.instrs if i.kind == "recompute" or i.segment.startswith("bwd:")}
         for ins in self.instrs:
             if ins.kind in ("load", "store"):
                 present.add((ins.tensor, ins.dst))
@@ -234,13 +290,17 @@ class Executor:
                 for r in sorted(need):
                     if r in j.inputs or any((h, "gpu0") in present for h in self.holders.get(r, ())):
                         continue
-                    if r not in last_made:
-                        where = self.holders.get(r) or ["no buffer"]
+                    made = last_made.get(r)
+                    if made is None or (ins.id in backward and made not in backward):
+                        # a forward value read in backward must come from a buffer the plan moves
+                        where = self.holders.get(r)
                         raise TensorstowError(
-                            f"plan instruction {ins.id} ({ins.kind} {ins.segment}) reads {r} (held by "
-                            f"{', '.join(where)}), which is not on gpu0 at that point of the schedule; "
-                            f"the plan is missing a load: re-plan it")
-                    last_read[(last_made[r], r)] = ins.id
+                            f"plan instruction {ins.id} ({ins.kind} {ins.segment}) reads {r}, which is "
+                            + (f"in {', '.join(where)} but none of them is on gpu0 at that point of the "
+                               f"schedule: the plan is missing a load; re-plan it" if where else
+                               f"in no buffer of the plan (X:<b> holds only tensors the block's backward "
+                               f"reads, not every input of its forward), so a recompute cannot get it"))
+                    last_read[(made, r)] = ins.id
                 for r in seg.produced:
                     last_made[r] = ins.id
                 for a in ins.allocs:
@@ -299,6 +359,20 @@ class Executor:
         if self.ssd.store is not None:
             self.ssd.store.commit(0)
 
+    def _resume(self, committed: int | None) -> None:
+        if committed is None:
+            raise TensorstowError("resume=True but the SSD store holds no committed step "
+                                  "(or the plan does not use the SSD tier)")
+        elsewhere = sorted(n for n, b in self.plan["buffers"].items()
+                           if n.split(":")[0] in ("P", "M", "OS") and b.get("home") != "ssd")
+        if elsewhere:
+            raise TensorstowError(f"cannot resume: the plan keeps {', '.join(elsewhere[:4])} outside the "
+                                  f"SSD tier, so the store does not hold the whole training state")
+        for n, b in self.plan["buffers"].items():
+            if b.get("home") == "ssd":
+                self.ssd.copies[n] = {}  # written contiguous (from parameters or an update)
+        self.steps_done = committed
+
     # ---- the step ---------------------------------------------------------------------------
     def step(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
         """One training step (forward, backward, optimizer) exactly as the plan schedules it."""
@@ -310,13 +384,19 @@ class Executor:
                 raise TensorstowError(f"{what} must be an int64 tensor of shape ({m['batch']}, {m['seq']}) "
                                       f"as planned, got {getattr(t, 'dtype', type(t))} "
                                       f"{tuple(getattr(t, 'shape', ()))}")
+        if self.vocab is not None:
+            ok = (idx >= 0) & (idx < self.vocab)
+            if not bool(ok.all()) or not bool((((targets >= 0) & (targets < self.vocab)) | (targets == -100)).all()):
+                raise TensorstowError(f"idx/targets hold token ids outside the model's vocabulary "
+                                      f"[0, {self.vocab})")
         tdtype, tshape = j.meta(j.inputs[2])
-        vals = (idx.to(self.device), targets.to(self.device),
+        vals = (idx.to(self.device, copy=True), targets.to(self.device, copy=True),
                 torch.ones(tshape, dtype=tdtype, device=self.device))
         for name, v in zip(j.inputs, vals):
             self.dev.hold(v, name)
             self.inputs[name] = v
         self.loss = None
+        self.timeline = []
         try:
             (self._run_sync if self.mode == "sync" else self._run_overlap)()
         finally:
@@ -328,6 +408,27 @@ class Executor:
         if self.ssd.store is not None:
             self.ssd.store.commit(self.steps_done)
         return self.loss
+
+    def lane_busy(self) -> dict[str, float]:
+        """Measured seconds each lane spent in the last step (same resource names as the simulator)."""
+        from tensorstow.planner.simulate import resource_of
+        out: dict[str, float] = {}
+        for i, t0, t1 in self.timeline:
+            r = resource_of(self.instrs[i].stream)
+            out[r] = out.get(r, 0.0) + (t1 - t0)
+        return dict(sorted(out.items()))
+
+    def measured_trace(self) -> dict:
+        """The last step's measured timeline in the simulator's Perfetto format."""
+        from tensorstow.planner.simulate import SimResult, perfetto_trace
+        n = len(self.instrs)
+        start, end = [0.0] * n, [0.0] * n
+        base = min((t0 for _, t0, _ in self.timeline), default=0.0)
+        for i, t0, t1 in self.timeline:
+            start[i], end[i] = t0 - base, t1 - base
+        sim = SimResult(step_time_s=max(end, default=0.0), start=start, end=end, busy_s=self.lane_busy(),
+                        traffic_bytes={}, peak_bytes={}, timeline={})
+        return perfetto_trace(self.instrs, sim, f"{self.plan['model']['name']} measured")
 
     def _run_sync(self) -> None:
         for ins in self.instrs:
@@ -375,8 +476,10 @@ class Executor:
             raise min(failures, key=lambda f: f[0])[1]
 
     def _dispatch(self, ins: Instr) -> None:
+        t0 = time.perf_counter()
         try:
             HANDLERS[ins.kind](self, ins)
+            self.timeline.append((ins.id, t0, time.perf_counter()))
         except TensorstowError as e:
             raise type(e)(f"instruction {ins.id} ({_describe(ins)}): {e}") from None
 
@@ -519,6 +622,11 @@ class Executor:
         c = HostCopy(layout, torch.empty(layout.nbytes, dtype=torch.uint8), self.ssd.copies[buf])
         self.ssd.store.read(buf, c.blob)
         return c
+
+    def close(self) -> None:
+        """Close the SSD store (it is not committed again: the last step already was)."""
+        if self.ssd.store is not None and hasattr(self.ssd.store, "close"):
+            self.ssd.store.close()
 
     @property
     def peak_bytes(self) -> dict[str, int]:

@@ -176,10 +176,14 @@ class DeviceTier:
         if self.used > self.budget:
             used = self.used
             self.used -= n
+            bufs = {b: sum(t.untyped_storage().nbytes() for t in c.values()) for b, c in list(self.copies.items())}
+            top = ", ".join(f"{b} {v}" for b, v in sorted(bufs.items(), key=lambda kv: -kv[1])[:6])
             raise DeviceMemoryError(
                 f"device tier gpu0 would hold {used} bytes > its budget of {self.budget} bytes "
-                f"(allocating {what or 'a tensor'} of {n} bytes); the plan under-estimates device "
-                f"memory: re-plan with a smaller --gpu-mem so the planner leaves more headroom")
+                f"(allocating {what or 'a tensor'} of {n} bytes; buffers {top or 'none'}; temporaries "
+                f"and inputs {max(used - n - sum(bufs.values()), 0)}): the plan under-estimates device "
+                f"memory; re-plan with a smaller --gpu-mem so it leaves headroom (mode='sync', which "
+                f"follows program order, usually needs less than mode='overlap')")
 
     # buffer copies --------------------------------------------------------------------------
     def has(self, buf: str) -> bool:

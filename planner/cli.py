@@ -275,8 +275,31 @@ def cmd_probe(args) -> int:
     return 0
 
 
-DEMO = ["plan", "gpt-small", "--hw", "local", "--gpu-mem", "64MB", "--precision", "fp32",
-        "--batch", "4", "--policy", "zero-infinity"]
+DEMO = ["plan", "gpt-small", "--hw", "local", "--gpu-mem", "48MB", "--precision", "fp32",
+        "--batch", "4"]
+
+
+def cmd_execute(args) -> int:
+    from tensorstow.executor.run import execute
+    execute(load_plan_json(args.plan), steps=args.steps, data=args.data, state_dir=args.state_dir,
+            mode=args.mode, seed=args.seed, log_json=args.log_json, trace=args.trace)
+    return 0
+
+
+def cmd_demo() -> int:
+    """The built-in main job: plan gpt-small for this machine with a device budget too small
+    to hold it, execute a few steps, and compare measured with predicted."""
+    import tempfile
+    from tensorstow.executor.run import execute
+    with tempfile.TemporaryDirectory(prefix="tensorstow-demo-", dir=".") as tmp:
+        plan_path = str(Path(tmp) / "plan.json")
+        print("tensorstow demo: " + " ".join(["tensorstow", *DEMO, "-o", plan_path]), flush=True)
+        rc = main([*DEMO, "-o", plan_path])
+        if rc:
+            return rc
+        print(f"\ntensorstow demo: tensorstow execute {plan_path} --steps 4 --state-dir {tmp}/state", flush=True)
+        execute(load_plan_json(plan_path), steps=4, state_dir=str(Path(tmp) / "state"))
+    return 0
 
 
 def parser() -> argparse.ArgumentParser:
@@ -322,6 +345,17 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("dir", nargs="?", default="plans")
     c.add_argument("--update", action="store_true", help="rewrite drifted plans")
     c.set_defaults(fn=cmd_check)
+    x = sub.add_parser("execute", help="replay a plan every training step")
+    x.add_argument("plan")
+    x.add_argument("--steps", type=int, required=True, help="train until this many steps are committed")
+    x.add_argument("--data", default="synthetic", help="uint16 token file (nanoGPT train.bin), .npy, or 'synthetic'")
+    x.add_argument("--state-dir", dest="state_dir", help="directory for SSD-resident state; resumes from it")
+    x.add_argument("--mode", default="sync", choices=["sync", "overlap"],
+                   help="sync: one instruction at a time; overlap: one worker per stream")
+    x.add_argument("--seed", type=int, default=0, help="torch.manual_seed right before the model factory")
+    x.add_argument("--log-json", dest="log_json", help="append one JSON object per step")
+    x.add_argument("--trace", help="write the measured timeline of the last step (Perfetto JSON)")
+    x.set_defaults(fn=cmd_execute)
     pr = sub.add_parser("probe", help="measure this machine and write a hardware spec")
     pr.add_argument("-o", "--output")
     pr.add_argument("--disk-dir", dest="disk_dir", help="directory on the SSD to measure")
@@ -333,8 +367,11 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
-        print("tensorstow demo: " + " ".join(["tensorstow", *DEMO]), flush=True)
-        argv = DEMO
+        try:
+            return cmd_demo()
+        except TensorstowError as e:
+            print(f"tensorstow: error: {e}", file=sys.stderr)
+            return 2
     args = parser().parse_args(argv)
     if not getattr(args, "fn", None):
         parser().print_help()

@@ -1,0 +1,324 @@
+"""Executor: plans replayed step by step train exactly like eager PyTorch.
+
+Every plan here runs gpt-tiny (fp32, batch 2, seq 32) for 3 steps and is compared with 3
+steps of plain PyTorch (same seed, same data, torch.optim.AdamW/Adam with the plan's
+hyperparameters): losses and parameters must be bit-identical (torch.equal). They are: the
+segments run the very aten ops eager autograd runs, in the same order, on tensors with the
+same strides (buffers move storage roots and views are replayed), and each subgroup's
+update is torch's own single-tensor Adam.
+"""
+import dataclasses
+import functools
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tensorstow import TensorstowError
+from tensorstow.executor.data import batches
+from tensorstow.executor.runtime import Executor, ssd_sizes
+from tensorstow.executor.stores import DeviceMemoryError, FileStore
+from tensorstow.ir.models import GPT, PRESETS
+from tensorstow.ir.trace import trace
+from tensorstow.planner.hardware import load_hardware
+from tensorstow.planner.plan import Options, build_problem, policies, schedule
+from tensorstow.planner.schedule import BlockDecision, Decisions
+
+B, T, STEPS = 2, 32, 3
+VOCAB = PRESETS["gpt-tiny"].vocab_size
+
+
+@functools.lru_cache(maxsize=None)
+def _traced_problem():
+    o = Options(model="gpt-tiny", hardware="lohan-rtx4090", policy="custom", batch=B, seq=T,
+                precision="fp32", lr=1e-3, weight_decay=0.1)
+    return build_problem(o, load_hardware(o.hardware))
+
+
+def problem(optimizer="adamw", gpu_mem=3_000_000):
+    """gpt-tiny traced once; optimizer and GPU memory are overrides (as --optimizer, --gpu-mem)."""
+    p = _traced_problem()
+    return dataclasses.replace(p, hw=p.hw.with_overrides(gpu_mem=gpu_mem),
+                               options=dataclasses.replace(p.options, gpu_mem=gpu_mem, optimizer=optimizer))
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_trace():
+    """One trace of the real gpt-tiny shared by the executors below (each still checks it
+    against its plan's fingerprint); test_fingerprint_mismatch_is_refused re-traces."""
+    return trace(GPT(PRESETS["gpt-tiny"]), batch=B, seq=T, precision="fp32", model_name="gpt-tiny")
+
+
+def plan_json(decisions: Decisions, **kw) -> dict:
+    plan = schedule(problem(**kw), decisions)
+    assert_fits(plan)
+    return json.loads(plan.dumps())
+
+
+def assert_fits(plan) -> None:
+    assert not plan.over_capacity(), plan.over_capacity()
+
+
+def policy_plan(name: str, **kw) -> dict:
+    p = problem(**kw)
+    return plan_json(policies()[name](p), **kw)
+
+
+def mix(choose) -> Decisions:
+    """Decisions from a function block -> BlockDecision."""
+    order = problem().order
+    return Decisions(policy="custom", blocks={b: choose(b) for b in order}, overlap_optimizer=True)
+
+
+PLANS = {
+    "all-gpu": lambda: policy_plan("all-gpu", gpu_mem=6_000_000),
+    # streamed params from SSD, DRAM checkpoints + recompute, CPU AdamW after backward
+    "zero-infinity": lambda: policy_plan("zero-infinity", gpu_mem=2_000_000),
+    # activations swapped to DRAM and SSD, params home DRAM, GPU optimizer with states in DRAM
+    "swap-gpuopt": lambda: plan_json(mix(lambda b: BlockDecision(
+        params="dram", states="dram", optimizer="gpu",
+        activations={"b0": "swap_dram", "b1": "swap_ssd", "b2": "recompute"}.get(b, "keep"),
+        checkpoint="ssd" if b == "b2" else ("dram" if b.startswith("b") else "gpu")))),
+    # interleaved subgroups: CPU updates overlapped with backward (states on SSD) next to GPU
+    # updates whose states live in DRAM; params resident on the GPU for some blocks
+    "interleaved": lambda: plan_json(mix(lambda b: BlockDecision(
+        params="gpu" if b in ("pre", "b1") else "ssd",
+        states="ssd" if b in ("b0", "b2", "post") else "dram",
+        optimizer="cpu" if b in ("b0", "b2", "post") else "gpu",
+        activations="swap_ssd" if b == "b3" else ("swap_dram" if b == "post" else "keep"),
+        checkpoint="gpu"))),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def get_plan(name: str) -> dict:
+    """A named plan as JSON (copy it before changing it)."""
+    return PLANS[name]()
+
+
+@functools.lru_cache(maxsize=None)
+def eager(optimizer="adamw", lr=1e-3, weight_decay=0.1):
+    torch.manual_seed(0)
+    model = GPT(PRESETS["gpt-tiny"])
+    cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.Adam
+    opt = cls(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
+    losses = []
+    for x, y in batches("synthetic", B, T, VOCAB, STEPS, seed=0):
+        opt.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def executor(plan: dict, state_dir=None, mode="sync", **kw) -> Executor:
+    torch.manual_seed(0)
+    return Executor(plan, GPT(PRESETS["gpt-tiny"]), mode=mode, state_dir=state_dir, traced=tiny_trace(), **kw)
+
+
+def run(plan: dict, mode: str, tmp_path, **kw):
+    ex = executor(plan, tmp_path / f"ssd-{mode}", mode, **kw)
+    losses = [ex.step(x, y) for x, y in batches("synthetic", B, T, VOCAB, STEPS, seed=0)]
+    return ex, losses, ex.parameters()
+
+
+_sync_runs = {}
+
+
+def sync_run(name: str, tmp_path_factory):
+    """The sync run of a named plan, shared by the tests that compare against it."""
+    if name not in _sync_runs:
+        _sync_runs[name] = run(get_plan(name), "sync", tmp_path_factory.mktemp(name))
+    return _sync_runs[name]
+
+
+def assert_same(a, b):
+    (la, pa), (lb, pb) = a, b
+    assert la == lb
+    assert pa.keys() == pb.keys()
+    bad = [n for n in pa if not torch.equal(pa[n], pb[n])]
+    assert not bad, f"parameters differ: {bad[:5]}"
+
+
+@pytest.mark.parametrize("name", sorted(PLANS))
+def test_plan_trains_exactly_like_eager_pytorch(name, tmp_path_factory):
+    ex, losses, params = sync_run(name, tmp_path_factory)
+    assert_same((losses, params), eager())
+    # the executor's own accounting of the device tier stays within the plan's GPU
+    assert 0 < ex.peak_bytes["gpu"] <= ex.plan["predicted"]["capacity_bytes"]["gpu"]
+    if name != "all-gpu":  # the SSD tier really held state: the fallback store wrote its files
+        sizes = ssd_sizes(ex.plan)
+        assert sizes and all(ex.ssd.store._path(n).stat().st_size == n_ for n, n_ in sizes.items())
+        assert ex.ssd.store.committed_step() == STEPS
+
+
+@pytest.mark.parametrize("name", ["zero-infinity", "swap-gpuopt", "interleaved"])
+def test_overlap_mode_is_bit_identical_to_sync(name, tmp_path, tmp_path_factory):
+    """One worker per stream, each instruction waiting only for its deps. The plan's deps order
+    data, not memory: its peak holds for the modeled timing, and here copies are memcpys far
+    faster than the interpreted compute, so a GPU optimizer's state loads (gated only by the
+    block's gradient) can pile up. The mixes get twice the plan's GPU as the device budget;
+    zero-infinity (1 MB of headroom in its plan) runs under the plan's own capacity."""
+    cap = get_plan(name)["predicted"]["capacity_bytes"]["gpu"]
+    budget = cap if name == "zero-infinity" else 2 * cap
+    ex, losses, params = run(get_plan(name), "overlap", tmp_path, device_budget=budget)
+    _, sync_losses, sync_params = sync_run(name, tmp_path_factory)
+    assert_same((losses, params), (sync_losses, sync_params))
+    assert ex.peak_bytes["gpu"] <= budget
+
+
+def test_adam_with_l2_weight_decay(tmp_path):
+    o = dict(optimizer="adam")
+    p = problem(**o)
+    plan = plan_json(Decisions(policy="custom", blocks={b: BlockDecision(
+        params="dram", states="dram", optimizer="cpu", activations="recompute" if b == "b1" else "keep",
+        checkpoint="dram" if b == "b1" else "gpu") for b in p.order}), **o)
+    _, losses, params = run(plan, "sync", tmp_path)
+    assert_same((losses, params), eager(optimizer="adam"))
+
+
+def test_device_budget_is_enforced(tmp_path, tmp_path_factory):
+    ex, _, _ = sync_run("zero-infinity", tmp_path_factory)
+    tight = json.loads(json.dumps(ex.plan))
+    pred = tight["predicted"]
+    with pytest.raises(TensorstowError, match="does not fit"):  # a plan over its own capacity
+        pred["capacity_bytes"]["gpu"] = pred["peak_bytes"]["gpu"] - 1
+        executor(tight, tmp_path / "over")
+    # a plan that claims to fit but needs one byte more than the device has while running
+    pred["capacity_bytes"]["gpu"] = ex.peak_bytes["gpu"] - 1
+    pred["peak_bytes"]["gpu"] = min(pred["peak_bytes"]["gpu"], pred["capacity_bytes"]["gpu"])
+    ex2 = executor(tight, tmp_path / "tight")
+    x, y = next(batches("synthetic", B, T, VOCAB, 1))
+    with pytest.raises(DeviceMemoryError, match=r"instruction \d+ .*budget of"):
+        ex2.step(x, y)
+
+
+def test_fingerprint_mismatch_is_refused(tmp_path):
+    plan = json.loads(json.dumps(get_plan("all-gpu")))
+    good = plan["model"]["fingerprint"]
+    plan["model"]["fingerprint"] = "0123456789abcdef"
+    with pytest.raises(TensorstowError) as e:
+        Executor(plan, GPT(PRESETS["gpt-tiny"]))
+    msg = str(e.value)
+    assert "0123456789abcdef" in msg and good in msg and "re-plan" in msg
+
+
+def test_replicated_trace_is_refused():
+    plan = json.loads(json.dumps(get_plan("all-gpu")))
+    plan["model"]["layers"] = 40
+    with pytest.raises(TensorstowError, match="fully traced"):
+        executor(plan)
+
+
+def test_plan_missing_a_load_is_refused(tmp_path):
+    plan = json.loads(json.dumps(get_plan("zero-infinity")))
+    ins = next(i for i in plan["instructions"] if i["kind"] == "load" and i["tensor"] == "X:b2"
+               and i["dst"] == "gpu0")
+    ins["tensor"] = "X:b1"
+    with pytest.raises(TensorstowError, match="missing a load"):
+        executor(plan, tmp_path)
+
+
+def test_ssd_plan_needs_a_state_dir():
+    with pytest.raises(TensorstowError, match="state_dir"):
+        executor(get_plan("zero-infinity"))
+
+
+def test_file_store_round_trip_and_commit(tmp_path):
+    s = FileStore(tmp_path)
+    assert s.committed_step() is None
+    a = torch.arange(10, dtype=torch.float32)
+    s.write("P:b0", a)
+    out = torch.empty(10, dtype=torch.float32)
+    s.read("P:b0", out)
+    assert torch.equal(a, out)
+    s.commit(3)
+    assert FileStore(tmp_path).committed_step() == 3
+    with pytest.raises(TensorstowError, match="never written"):
+        s.read("OS:b0", out)
+
+
+def test_batches_synthetic_and_files(tmp_path):
+    a = list(batches("synthetic", 2, 4, 50, 3, seed=1))
+    b = list(batches("synthetic", 2, 4, 50, 3, seed=1))
+    assert all(torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1), (x2, y2) in zip(a, b))
+    toks = np.arange(100, dtype=np.uint16)
+    toks.tofile(tmp_path / "train.bin")
+    np.save(tmp_path / "train.npy", toks.astype(np.int64))
+    for f in ("train.bin", "train.npy"):
+        (x0, y0), (x1, y1) = batches(str(tmp_path / f), 2, 4, 200, 2)
+        assert x0.tolist() == [[0, 1, 2, 3], [5, 6, 7, 8]] and y0.tolist() == [[1, 2, 3, 4], [6, 7, 8, 9]]
+        assert x1[0].tolist() == [10, 11, 12, 13] and x1.dtype == torch.long
+    with pytest.raises(TensorstowError, match="holds 100 tokens"):
+        list(batches(str(tmp_path / "train.bin"), 4, 9, 200, 5))
+    with pytest.raises(TensorstowError, match="does not exist"):
+        list(batches(str(tmp_path / "nope.bin"), 2, 4, 200, 1))
+    with pytest.raises(TensorstowError, match="vocabulary"):
+        list(batches(str(tmp_path / "train.bin"), 2, 4, 10, 2))
+
+
+def test_resume_from_the_ssd_store(tmp_path, tmp_path_factory):
+    """Two steps, a new executor resuming from the committed step, one more step: the same
+    parameters as three uninterrupted steps."""
+    plan = get_plan("zero-infinity")
+    data = list(batches("synthetic", B, T, VOCAB, STEPS, seed=0))
+    first = executor(plan, tmp_path)
+    for x, y in data[:2]:
+        first.step(x, y)
+    first.close()
+    with pytest.raises(TensorstowError, match="resume=True"):
+        executor(plan, tmp_path)
+    torch.manual_seed(1)  # a differently initialized model: its values must not be used
+    ex = Executor(plan, GPT(PRESETS["gpt-tiny"]), state_dir=tmp_path, resume=True, traced=tiny_trace())
+    assert ex.steps_done == 2
+    loss = ex.step(*data[2])
+    _, losses, params = sync_run("zero-infinity", tmp_path_factory)
+    assert_same(([loss], ex.parameters()), (losses[2:], params))
+
+
+def test_bf16_mixed_precision_matches_a_mixed_precision_reference(tmp_path):
+    """bf16 compute copies P, fp32 masters M updated by AdamW from the bf16 gradients, P = M in
+    bf16 after each update (LoHan Table II) — the reference does the same with eager PyTorch."""
+    o = Options(model="gpt-tiny", hardware="lohan-rtx4090", policy="custom", batch=B, seq=T,
+                precision="bf16-mixed", lr=1e-3, weight_decay=0.1, gpu_mem=4_000_000)
+    p = build_problem(o, load_hardware(o.hardware).with_overrides(gpu_mem=o.gpu_mem))
+    dec = Decisions(policy="custom", overlap_optimizer=True, blocks={b: BlockDecision(
+        params="gpu" if b in ("pre", "b1") else ("ssd" if b == "b2" else "dram"),
+        states="ssd" if b in ("b0", "b3") else ("dram" if b == "post" else "gpu"),
+        optimizer="cpu" if b in ("b0", "b3") else "gpu",
+        activations={"b0": "recompute", "b2": "swap_dram", "b3": "swap_ssd"}.get(b, "keep"),
+        checkpoint="dram" if b == "b0" else "gpu") for b in p.order})
+    sched = schedule(p, dec)
+    assert_fits(sched)
+    plan = json.loads(sched.dumps())
+
+    torch.manual_seed(0)
+    model = GPT(PRESETS["gpt-tiny"])
+    masters = [q.detach().clone() for q in model.parameters()]
+    opt = torch.optim.AdamW(masters, lr=1e-3, weight_decay=0.1)
+    half = GPT(PRESETS["gpt-tiny"]).to(torch.bfloat16)
+    ref_losses = []
+    for x, y in batches("synthetic", B, T, VOCAB, STEPS, seed=0):
+        with torch.no_grad():
+            for h, m in zip(half.parameters(), masters):
+                h.copy_(m)
+                h.grad = None
+        loss = half(x, y)
+        loss.backward()
+        for m, h in zip(masters, half.parameters()):
+            m.grad = h.grad.float()
+        opt.step()
+        ref_losses.append(loss.item())
+    ref = (ref_losses, dict(zip([n for n, _ in model.named_parameters()], masters)))
+
+    traced = trace(model, batch=B, seq=T, precision="bf16-mixed", model_name="gpt-tiny")
+    for mode in ("sync", "overlap"):
+        torch.manual_seed(0)
+        budget = o.gpu_mem * (2 if mode == "overlap" else 1)  # see test_overlap_mode_is_bit_identical_to_sync
+        ex = Executor(plan, GPT(PRESETS["gpt-tiny"]), mode=mode, state_dir=tmp_path / mode, traced=traced,
+                      device_budget=budget)
+        losses = [ex.step(x, y) for x, y in batches("synthetic", B, T, VOCAB, STEPS, seed=0)]
+        assert_same((losses, ex.parameters()), ref)
+        assert ex.peak_bytes["gpu"] <= budget
