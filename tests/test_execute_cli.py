@@ -1,0 +1,102 @@
+"""`tensorstow execute` end to end: logs, traces, and SIGKILL + resume == an uninterrupted run."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tensorstow.executor.runtime import ssd_sizes
+from tensorstow.executor.ssd import SSDStore
+from tensorstow.planner.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def ssd_plan(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan") / "p.json"
+    assert main(["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--policy", "zero-infinity", "--precision", "fp32",
+                 "--batch", "2", "--seq", "32", "--gpu-mem", "2MB", "-o", str(out)]) == 0
+    return out
+
+
+def execute(plan, state, *extra, wait=True):
+    cmd = [sys.executable, "-m", "tensorstow.planner.cli", "execute", str(plan), "--steps", str(STEPS),
+           "--state-dir", str(state), *extra]
+    if wait:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+
+
+def committed_state(plan_path, state):
+    plan = json.loads(Path(plan_path).read_text())
+    sizes = ssd_sizes(plan)
+    with SSDStore(state, sizes) as store:
+        out = {}
+        for name, n in sizes.items():
+            if name.startswith(("P:", "M:", "OS:")):
+                buf = torch.empty(n, dtype=torch.uint8)
+                store.read(name, buf)
+                out[name] = buf
+        return store.committed_step(), out
+
+
+def test_log_json_and_measured_trace(ssd_plan, tmp_path):
+    log, trace = tmp_path / "log.jsonl", tmp_path / "trace.json"
+    r = execute(ssd_plan, tmp_path / "s", "--log-json", str(log), "--trace", str(trace))
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [row["step"] for row in rows] == list(range(1, STEPS + 1))
+    assert all(row["loss"] > 0 and row["step_time_s"] > 0 for row in rows)
+    assert "measured step" in r.stdout and "predicted" in r.stdout
+    names = {e["name"] for e in json.loads(trace.read_text())["traceEvents"]}
+    assert "compute fwd:b0" in names and "load P:b0" in names
+    again = execute(ssd_plan, tmp_path / "s")  # a finished state dir has nothing left to do
+    assert again.returncode == 0 and "nothing to do" in again.stdout
+
+
+def test_sigkill_then_resume_equals_uninterrupted(ssd_plan, tmp_path):
+    ref = tmp_path / "ref"
+    r = execute(ssd_plan, ref)
+    assert r.returncode == 0, r.stderr
+    ref_step, ref_state = committed_state(ssd_plan, ref)
+    assert ref_step == STEPS
+    rng = random.Random(1234)
+    for trial in range(2):
+        state = tmp_path / f"killed{trial}"
+        p = execute(ssd_plan, state, wait=False)
+        # wait until a random step has been printed, then kill at a random moment inside the next
+        target = rng.randint(1, STEPS - 2)
+        seen = 0
+        for line in p.stdout:
+            if line.startswith("step "):
+                seen += 1
+                if seen >= target:
+                    break
+        time.sleep(rng.uniform(0, 0.3))
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        step, _ = committed_state(ssd_plan, state)
+        assert step is not None and target <= step < STEPS
+        r = execute(ssd_plan, state)
+        assert r.returncode == 0, r.stderr
+        assert f"resuming from step {step}" in r.stdout
+        final_step, final = committed_state(ssd_plan, state)
+        assert final_step == STEPS
+        for name, buf in ref_state.items():
+            assert torch.equal(final[name], buf), name
+
+
+def test_execute_errors(ssd_plan, tmp_path, capsys):
+    assert main(["execute", str(ssd_plan), "--steps", "2"]) == 2
+    assert "--state-dir" in capsys.readouterr().err
+    assert main(["execute", str(ssd_plan), "--steps", "2", "--state-dir", str(tmp_path / "s"),
+                 "--data", str(tmp_path / "nope.bin")]) == 2
+    assert "does not exist" in capsys.readouterr().err
