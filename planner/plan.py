@@ -271,7 +271,8 @@ def infeasible_message(plan: Plan, over: dict[str, tuple[int, int]]) -> str:
     for tier, (need, cap) in over.items():
         kinds = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in plan.breakdown(tier).items())
         parts.append(f"{tier} needs {fmt_bytes(need)} at peak > {fmt_bytes(cap)} capacity ({kinds})")
-    hint = {"gpu": "try an offloading policy (--policy zero-infinity), a smaller --batch, or more --gpu-mem",
+    offload = "an offloading policy (--policy auto, lohan, ilp), " if o.policy == "all-gpu" else ""
+    hint = {"gpu": f"try {offload}a smaller --batch, or more --gpu-mem",
             "dram": "add --dram, use SSDs (--ssds N), or a smaller --batch",
             "ssd": "add SSDs (--ssds N) or use a smaller model"}
     return (f"{o.model} does not fit on {plan.problem.hw.name} with policy {o.policy}: "

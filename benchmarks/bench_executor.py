@@ -1,0 +1,91 @@
+"""Executor vs eager PyTorch, and an SSD-offloaded plan's measured vs simulated step time.
+
+Prints ratios measured in the same run (the machines are shared and noisy):
+  1. all-resident plan through the executor / eager PyTorch (same model, batch, optimizer)
+  2. SSD-offloaded plan (probed spec of this machine, small device budget): measured / predicted
+Usage: python benchmarks/bench_executor.py [--model gpt-small] [--batch 4] [--steps 4] [--mode sync]
+Run under jemalloc as well:
+  LD_PRELOAD=libjemalloc.so.2 MALLOC_CONF=dirty_decay_ms:-1,muzzy_decay_ms:-1,retain:true python ...
+"""
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+from tensorstow.executor.data import batches
+from tensorstow.executor.runtime import Executor, ssd_sizes
+from tensorstow.executor.ssd import SSDStore
+from tensorstow.ir.models import resolve_model
+from tensorstow.planner.cli import hardware_for
+from tensorstow.planner.plan import Options, make_plan
+
+
+def median_step(fn, xs):
+    times = []
+    for x, y in xs:
+        t0 = time.perf_counter()
+        fn(x, y)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:] or times)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="gpt-small")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--mode", default="sync", choices=["sync", "overlap"])
+    ap.add_argument("--gpu-mem", default="48MB")
+    a = ap.parse_args()
+    spec = resolve_model(a.model)
+    allocator = "jemalloc" if "jemalloc" in os.environ.get("LD_PRELOAD", "") else "glibc malloc"
+    print(f"# {a.model}, batch {a.batch}, fp32, {a.steps} steps (median of the last {a.steps - 1}), "
+          f"executor mode {a.mode}, allocator {allocator}, torch threads {torch.get_num_threads()}")
+
+    def plan(**kw):
+        o = Options(model=a.model, hardware="local", batch=a.batch, precision="fp32", **kw)
+        return json.loads(make_plan(o, hardware_for(o)).dumps())
+
+    resident = plan(policy="all-gpu")
+    seq = resident["model"]["seq"]
+    data = list(batches("synthetic", a.batch, seq, spec.config.vocab_size, a.steps, seed=0))
+
+    torch.manual_seed(0)
+    model = spec.build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+
+    def eager(x, y):
+        opt.zero_grad(set_to_none=True)
+        model(x, y).backward()
+        opt.step()
+
+    t_eager = median_step(eager, data)
+    torch.manual_seed(0)
+    ex = Executor(resident, spec.build(), mode=a.mode)
+    t_res = median_step(ex.step, data)
+    print(f"eager PyTorch step        {t_eager:.4f} s")
+    print(f"executor, all-resident    {t_res:.4f} s   ratio executor/eager = {t_res / t_eager:.2f}x")
+
+    from tensorstow.planner.cli import parse_size
+    offl = plan(policy="zero-infinity", gpu_mem=parse_size(a.gpu_mem))
+    with tempfile.TemporaryDirectory(dir=".") as d:
+        torch.manual_seed(0)
+        ex = Executor(offl, spec.build(), mode=a.mode, ssd_store=SSDStore(d, ssd_sizes(offl)))
+        t_off = median_step(ex.step, data)
+        busy = ex.lane_busy()
+        ex.close()
+    pred = offl["predicted"]
+    print(f"executor, SSD-offloaded   {t_off:.4f} s   (zero-infinity, device budget {a.gpu_mem}, "
+          f"probed spec of this machine)")
+    print(f"  predicted {pred['step_time_s']:.4f} s   ratio measured/predicted = {t_off / pred['step_time_s']:.2f}x")
+    print("  lane busy measured/predicted: " + ", ".join(
+        f"{r} {v / pred['busy_s'][r]:.2f}x" for r, v in busy.items() if pred["busy_s"].get(r)))
+    print(f"  offloaded/eager = {t_off / t_eager:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
