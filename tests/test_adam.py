@@ -1,0 +1,220 @@
+"""executor/adam.py and csrc/adam.cpp against torch.optim.Adam/AdamW(foreach=False).
+
+exact=True must be bit-identical to torch. exact=False (the default) must be bit-identical to
+torch's single-tensor op order with a correctly rounded sqrt (numpy's), which differs from
+torch's own Tensor.sqrt (MKL VML) by 1 ulp for some inputs; against torch itself that leaves
+at most a last-bit difference per step (rtol 2**-22 below).
+
+The C++ tests build the kernel (~50 s the first time, then cached) and skip, with the
+compiler's message, when it cannot be built.
+"""
+
+import numpy as np
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from tensorstow.executor import adam
+
+STEPS = 5
+# (optimizer, decoupled, weight decay, betas): both lerp branches (1 - beta1 < 0.5 and >= 0.5),
+# with and without weight decay.
+CONFIGS = [
+    (torch.optim.AdamW, True, 0.01, (0.9, 0.999)),
+    (torch.optim.AdamW, True, 0.1, (0.3, 0.99)),
+    (torch.optim.AdamW, True, 0.0, (0.9, 0.999)),
+    (torch.optim.Adam, False, 0.01, (0.9, 0.999)),
+    (torch.optim.Adam, False, 0.0, (0.5, 0.9)),
+]
+# Sizes: single element, below one vector, one vector + tail, multi-threaded with odd tails.
+SIZES = [1, 7, 17, 1000, 65537, 300007]
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    try:
+        adam.load_kernel()
+    except RuntimeError as e:
+        pytest.skip(f"C++ Adam kernel unavailable: {e}")
+
+
+def reference(n, opt_cls, wd, betas, lr=1e-3, eps=1e-8, seed=0):
+    """Initial params, the gradients of each step, and torch's optimizer after STEPS steps."""
+    gen = torch.Generator().manual_seed(seed)
+    p0 = torch.randn(n, generator=gen)
+    grads = [torch.randn(n, generator=gen) * 0.1 for _ in range(STEPS)]
+    ref = p0.clone().requires_grad_(True)
+    opt = opt_cls([ref], lr=lr, betas=betas, eps=eps, weight_decay=wd, foreach=False)
+    for g in grads:
+        ref.grad = g.clone()
+        opt.step()
+    return p0, grads, ref.detach(), opt.state[ref]
+
+
+def correctly_rounded_reference(p0, grads, decoupled, wd, betas, lr=1e-3, eps=1e-8):
+    """torch's `_single_tensor_adam` op for op, with numpy's correctly rounded float32 sqrt."""
+    beta1, beta2 = betas
+    p, m, v = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0)
+    for step, grad in enumerate(grads, start=1):
+        if wd != 0:
+            if decoupled:
+                p.mul_(1 - lr * wd)
+            else:
+                grad = grad.add(p, alpha=wd)
+        m.lerp_(grad, 1 - beta1)
+        v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = (torch.from_numpy(np.sqrt(v.numpy())) / (1 - beta2**step) ** 0.5).add_(eps)
+        p.addcdiv_(m, denom, value=-(lr / (1 - beta1**step)))
+    return p, {"exp_avg": m, "exp_avg_sq": v}
+
+
+def run_ours(p0, grads, decoupled, wd, betas, dtype, exact, lr=1e-3, eps=1e-8):
+    p, m, v = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0)
+    out16 = torch.empty(p0.numel(), dtype=dtype) if dtype is not None else None
+    for step, g in enumerate(grads, start=1):
+        g_in = g.clone()
+        adam.adamw_step_(p, g_in, m, v, step, lr, betas, eps, wd, out16, decoupled=decoupled, exact=exact)
+        assert torch.equal(g_in, g), "grad must be read only"
+    return p, m, v, out16
+
+
+def assert_bit_identical(p, m, v, out16, ref_p, state):
+    assert torch.equal(p, ref_p), f"params differ at {(p != ref_p).sum().item()} of {p.numel()} elements"
+    assert torch.equal(m, state["exp_avg"])
+    assert torch.equal(v, state["exp_avg_sq"])
+    if out16 is not None:
+        assert torch.equal(out16, p.to(out16.dtype))
+
+
+@pytest.mark.parametrize("opt_cls,decoupled,wd,betas", CONFIGS)
+@pytest.mark.parametrize("n", [1, 17, 1000])
+def test_torch_fallback(monkeypatch, opt_cls, decoupled, wd, betas, n):
+    """exact=True: torch's single-tensor step, bit for bit; exact=False: torch's fused kernel, close."""
+    monkeypatch.setenv("TENSORSTOW_ADAM", "torch")
+    p0, grads, ref_p, state = reference(n, opt_cls, wd, betas)
+    assert_bit_identical(*run_ours(p0, grads, decoupled, wd, betas, torch.bfloat16, True), ref_p, state)
+    p, m, v, out16 = run_ours(p0, grads, decoupled, wd, betas, torch.float16, False)
+    torch.testing.assert_close(p, ref_p, rtol=2**-21, atol=1e-9)
+    torch.testing.assert_close(v, state["exp_avg_sq"], rtol=2**-21, atol=0.0)
+    assert torch.equal(out16, p.half())
+    assert "torch fallback" in adam.kernel_info() and "TENSORSTOW_ADAM=torch" in adam.kernel_info()
+
+
+@pytest.mark.parametrize("opt_cls,decoupled,wd,betas", CONFIGS)
+@pytest.mark.parametrize("n", SIZES)
+def test_kernel_exact_bit_identical_to_torch(kernel, monkeypatch, opt_cls, decoupled, wd, betas, n):
+    monkeypatch.setenv("TENSORSTOW_ADAM", "cpp")
+    p0, grads, ref_p, state = reference(n, opt_cls, wd, betas, seed=n)
+    for dtype in (None, torch.bfloat16, torch.float16):
+        assert_bit_identical(*run_ours(p0, grads, decoupled, wd, betas, dtype, True), ref_p, state)
+    assert "C++ kernel" in adam.kernel_info()
+
+
+@pytest.mark.parametrize("opt_cls,decoupled,wd,betas", CONFIGS)
+@pytest.mark.parametrize("n", SIZES)
+def test_kernel_default_is_torch_order_with_rounded_sqrt(kernel, monkeypatch, opt_cls, decoupled, wd, betas, n):
+    monkeypatch.setenv("TENSORSTOW_ADAM", "cpp")
+    p0, grads, ref_p, state = reference(n, opt_cls, wd, betas, seed=n)
+    rounded_p, rounded_state = correctly_rounded_reference(p0, grads, decoupled, wd, betas)
+    for dtype in (None, torch.bfloat16, torch.float16):
+        p, m, v, out16 = run_ours(p0, grads, decoupled, wd, betas, dtype, False)
+        assert_bit_identical(p, m, v, out16, rounded_p, rounded_state)
+    # Against torch itself only sqrt's last bit differs: params are close, and so are the
+    # moments where Adam's L2 term feeds p back into the gradient (else they are equal).
+    torch.testing.assert_close(p, ref_p, rtol=2**-22, atol=1e-9)
+    if decoupled or wd == 0:
+        assert torch.equal(m, state["exp_avg"]) and torch.equal(v, state["exp_avg_sq"])
+    else:
+        torch.testing.assert_close(m, state["exp_avg"], rtol=2**-22, atol=wd * 1e-6)  # wd * ulp(p)-sized
+
+
+def test_kernel_downcast_special_values(kernel, monkeypatch):
+    """fp16 overflow to inf, subnormals, signed zero: out16 is exactly p32.to(dtype)."""
+    monkeypatch.setenv("TENSORSTOW_ADAM", "cpp")
+    values = torch.tensor([0.0, -0.0, 1e-7, -1e-7, 6e-8, 65504.0, 65520.0, 1e5, -1e5, 3e38, 1.0 + 2**-9, 1.0 + 2**-8])
+    p = values.repeat(9)  # 108 elements: full vectors and a tail
+    g, m, v = torch.zeros_like(p), torch.zeros_like(p), torch.zeros_like(p)
+    for dtype in (torch.bfloat16, torch.float16):
+        out = torch.empty(p.numel(), dtype=dtype)
+        adam.adamw_step_(p, g, m, v, 1, 0.0, (0.9, 0.999), 1e-8, 0.0, out)
+        assert torch.equal(p, values.repeat(9)), "lr 0, grad 0: params unchanged"
+        assert torch.equal(out.view(torch.int16), p.to(dtype).view(torch.int16)), dtype
+
+
+def test_kernel_thread_count_independent(kernel):
+    n = 200001
+    results = []
+    for threads in (1, 2):
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            p0, grads, _, _ = reference(n, torch.optim.AdamW, 0.01, (0.9, 0.999))
+            results.append(run_ours(p0, grads, True, 0.01, (0.9, 0.999), torch.bfloat16, False))
+        finally:
+            torch.set_num_threads(old)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_kernel_traces_with_fake_tensors(kernel):
+    args = [torch.randn(64), torch.randn(64), torch.zeros(64), torch.zeros(64), torch.empty(64, dtype=torch.bfloat16)]
+    torch.library.opcheck(torch.ops.tensorstow.adam_step_.default,
+                          (*args, 1, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, True))
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in args]
+        torch.ops.tensorstow.adam_step_(*fake, 3, 1e-3, 0.9, 0.999, 1e-8, 0.01, True, True)
+
+
+def test_kernel_rejects_bad_tensors(kernel):
+    p, g, m, v = (torch.zeros(16) for _ in range(4))
+    op = torch.ops.tensorstow.adam_step_
+    with pytest.raises(RuntimeError, match="grad must be float32"):
+        op(p, g.double(), m, v, None, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True)
+    with pytest.raises(RuntimeError, match="exp_avg must be contiguous"):
+        op(p, g, torch.zeros(32)[::2], v, None, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True)
+    with pytest.raises(RuntimeError, match="param16 must be bfloat16 or float16"):
+        op(p, g, m, v, torch.zeros(16), 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True)
+    with pytest.raises(RuntimeError, match="step .* must be >= 1"):
+        op(p, g, m, v, None, 0, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True)
+    with pytest.raises(RuntimeError, match="param and exp_avg share memory"):
+        op(p, g, p, v, None, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(grad=torch.zeros(8, dtype=torch.float64)), "grad must be a float32 CPU tensor"),
+    (dict(m=torch.zeros(9)), "m has 9 elements but p32 has 8"),
+    (dict(out16=torch.zeros(8)), "out16 must be a bfloat16 or float16"),
+    (dict(out16=torch.zeros(9, dtype=torch.bfloat16)), "out16 must be contiguous with 8 elements"),
+    (dict(step=0), "step is the step number after this update"),
+    (dict(betas=(1.0, 0.999)), "0 <= betas < 1"),
+    ("m=v", "m and v share memory"),
+])
+def test_step_rejects_bad_arguments(monkeypatch, bad, match):
+    monkeypatch.setenv("TENSORSTOW_ADAM", "torch")
+    kwargs = dict(p32=torch.zeros(8), grad=torch.zeros(8), m=torch.zeros(8), v=torch.zeros(8), step=1, lr=1e-3,
+                  betas=(0.9, 0.999), eps=1e-8, wd=0.0, out16=None)
+    if bad == "m=v":
+        kwargs["m"] = kwargs["v"]
+    else:
+        kwargs.update(bad)
+    with pytest.raises(ValueError, match=match):
+        adam.adamw_step_(**kwargs)
+
+
+def test_state_slices_of_one_buffer(monkeypatch):
+    """m and v as neighbouring slices of one flat buffer (a common layout) are accepted."""
+    buf = torch.zeros(2 * 1000)
+    p0, grads, ref_p, state = reference(1000, torch.optim.AdamW, 0.01, (0.9, 0.999))
+    for engine in ("torch", "auto"):
+        monkeypatch.setenv("TENSORSTOW_ADAM", engine)
+        buf.zero_()
+        p, m, v = p0.clone(), buf[:1000], buf[1000:]
+        for step, g in enumerate(grads, start=1):
+            adam.adamw_step_(p, g, m, v, step, 1e-3, (0.9, 0.999), 1e-8, 0.01, exact=True)
+        assert_bit_identical(p, m, v, None, ref_p, state)
+
+
+def test_bad_engine_choice(monkeypatch):
+    monkeypatch.setenv("TENSORSTOW_ADAM", "fortran")
+    with pytest.raises(ValueError, match="TENSORSTOW_ADAM='fortran': use auto, cpp or torch"):
+        adam.kernel_info()
