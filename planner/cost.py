@@ -41,6 +41,9 @@ class BlockProfile:
     fwd_workspace: int
     """Peak bytes of temporaries while the forward runs."""
     bwd_workspace: int
+    """Peak temporaries of the backward plus the incoming activation gradient."""
+    opt_workspace: int
+    """Scratch of a GPU Adam step: two fp32 tensors the size of the block's largest parameter."""
     saved: tuple[tuple[str, int, int], ...]
     """(tensor, bytes, FLOPs of the op that produced it) for each saved storage."""
 
@@ -79,6 +82,8 @@ def profiles(graph: Graph, hw: Hardware) -> dict[str, BlockProfile]:
                 t = tensors[name]
                 if any(c not in fwd_idx and ops[c].phase == "fwd" for c in t.consumers):
                     nxt.add(t.storage)
+        largest = max((_numel(t.shape) for t in tensors.values()
+                       if t.kind == "parameter" and t.storage == t.name and t.block == b), default=0)
         out[b] = BlockProfile(
             name=b,
             fwd_ops=(fwd[0].index, fwd[-1].index) if fwd else (-1, -1),
@@ -90,9 +95,20 @@ def profiles(graph: Graph, hw: Hardware) -> dict[str, BlockProfile]:
             saved_bytes=sum(v[0] for v in saved.values()),
             input_bytes=sum(v[0] for v in inputs.values()),
             output_bytes=sum(tensors[n].nbytes for n in sorted(nxt)),
-            fwd_workspace=_workspace(fwd, tensors, ops), bwd_workspace=_workspace(bwd, tensors, ops),
+            # backward also holds the gradient flowing in from the next block (the size of the
+            # block's output) while it runs
+            fwd_workspace=_workspace(fwd, tensors, ops),
+            bwd_workspace=_workspace(bwd, tensors, ops) + sum(tensors[n].nbytes for n in sorted(nxt)),
+            opt_workspace=2 * 4 * largest,
             saved=tuple(sorted((k, v[0], v[1]) for k, v in saved.items())))
     return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
 
 
 def _workspace(seg, tensors, ops) -> int:

@@ -210,8 +210,15 @@ def schedule(problem: Problem, decisions: Decisions) -> Plan:
     instrs = lower(problem.order, problem.profiles, problem.profile_of, decisions, bufs)
     dur = durations(problem, instrs, bufs)
     initial = {(n, "gpu0" if b.home == "gpu" else b.home) for n, b in bufs.items() if b.home}
-    sim = simulate(instrs, dur, {n: b.bytes for n, b in bufs.items()}, initial)
-    return Plan(problem, decisions, bufs, instrs, sim, dur)
+    sizes = {n: b.bytes for n, b in bufs.items()}
+    sim = simulate(instrs, dur, sizes, initial)
+    # Memory fences: an allocation waits for the releases that preceded it in the replay, so an
+    # executor whose real timing differs (overlap mode) never holds more than the simulated peak.
+    instrs = [dataclasses.replace(i, deps=tuple(sorted(set(i.deps) | set(sim.fences.get(i.id, ())))))
+              for i in instrs]
+    fenced = simulate(instrs, dur, sizes, initial)
+    assert fenced.step_time_s == sim.step_time_s, "memory fences must not change the replay"
+    return Plan(problem, decisions, bufs, instrs, fenced, dur)
 
 
 HEURISTICS = ("all-gpu", "zero-infinity", "lohan", "stronghold", "dos")

@@ -133,7 +133,8 @@ def buffers_for(order: list[str], prof: dict[str, BlockProfile], profile_of: dic
             out[f"X:{b}"] = Buffer(f"X:{b}", p.input_bytes, "saved_activation", b)
         if p.saved_bytes:
             out[f"A:{b}"] = Buffer(f"A:{b}", p.saved_bytes, "saved_activation", b)
-        for ph, ws in (("fwd", p.fwd_workspace), ("bwd", p.bwd_workspace)):
+        ws_opt = p.opt_workspace if d.optimizer == "gpu" else 0
+        for ph, ws in (("fwd", p.fwd_workspace), ("bwd", p.bwd_workspace), ("opt", ws_opt)):
             if ws:
                 out[f"W:{ph}:{b}"] = Buffer(f"W:{ph}:{b}", ws, "temporary", b)
     return out
@@ -264,7 +265,7 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
                 ready.append(e.move(s, home[s], tier, read_after))
         fresh = (f"P:{b}",) if mixed and home[f"P:{b}"] != tier else ()
         u = e.emit("optimizer_step", "cpu.opt" if dev == "cpu" else comp, tuple(ready), segment=b,
-                   dst=dev, allocs=fresh)
+                   dst=dev, allocs=fresh, workspace=f"W:opt:{b}" if has(f"W:opt:{b}") else "")
         g_freed[b] = e.free(f"G:{b}", tier, (u,))
         last = u
         for s in states + [f"P:{b}"]:

@@ -42,6 +42,10 @@ class SimResult:
     """Instruction ids in the order they started."""
     peak_live: dict[str, list[str]] = field(default_factory=dict)
     """Per tier: the buffers live at its peak (for byte breakdowns)."""
+    fences: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    """Memory fences: for each instruction that allocates, the latest release per stream (earlier
+    in program order) that preceded its allocation in this replay. Adding them as dependencies
+    bounds real memory by the simulated peak under any timing, and changes no simulated time."""
 
     @property
     def bottleneck(self) -> str:
@@ -109,15 +113,15 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
         ins = instrs[i]
         dev = _device_tier(ins)
         if ins.kind == "free":
-            events.append(((start[i], k, 0), "free", ins.tensor, ins.dst, None))
+            events.append(((start[i], k, 0), "free", ins.tensor, ins.dst, None, i))
         for a in ins.allocs:
-            events.append(((start[i], k, 0), "alloc", a, dev, None))
+            events.append(((start[i], k, 0), "alloc", a, dev, None, i))
         if ins.kind in ("load", "store"):
-            events.append(((start[i], k, 0), "copy", ins.tensor, ins.dst, ins.src))
+            events.append(((start[i], k, 0), "copy", ins.tensor, ins.dst, ins.src, i))
         if ins.workspace:
-            events.append(((start[i], k, 0), "alloc", ins.workspace, dev, None))
+            events.append(((start[i], k, 0), "alloc", ins.workspace, dev, None, i))
             key = (end[i], k, 1) if end[i] == start[i] else (end[i], -1, k)
-            events.append((key, "free", ins.workspace, dev, None))
+            events.append((key, "free", ins.workspace, dev, None, i))
     events.sort(key=lambda e: e[0])
     live = set(initial)
     use: dict[str, int] = {}
@@ -126,8 +130,15 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
     peak = dict(use)
     peak_live = {t: sorted(b for b, tt in live if tt == t) for t in use}
     timeline = {t: [(0.0, v)] for t, v in use.items()}
-    for key, what, buf, tier, src in events:
+    fences: dict[int, set[int]] = {}
+    last_release: dict[str, dict[str, int]] = {}  # tier -> stream -> latest releasing instruction
+    for key, what, buf, tier, src, owner in events:
         time = key[0]
+        if what == "free":
+            last_release.setdefault(tier, {})[instrs[owner].stream] = owner
+        else:
+            fences.setdefault(owner, set()).update(
+                r for r in last_release.get(tier, {}).values() if r < owner and r not in instrs[owner].deps)
         if what == "free":
             if (buf, tier) not in live:
                 raise ScheduleError(f"free of {buf} on {tier}, which does not hold it")
@@ -153,7 +164,8 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
                             f"lost {missing[:5]}")
     makespan = max((e for e in end), default=0.0)
     return SimResult(step_time_s=makespan, start=start, end=end, busy_s=busy, traffic_bytes=traffic,
-                     peak_bytes=peak, timeline=timeline, order=order, peak_live=peak_live)
+                     peak_bytes=peak, timeline=timeline, order=order, peak_live=peak_live,
+                     fences={i: tuple(sorted(f)) for i, f in sorted(fences.items()) if f})
 
 
 def _device_tier(ins: Instr) -> str:

@@ -156,13 +156,11 @@ def test_plan_trains_exactly_like_eager_pytorch(name, tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["zero-infinity", "swap-gpuopt", "interleaved"])
 def test_overlap_mode_is_bit_identical_to_sync(name, tmp_path, tmp_path_factory):
-    """One worker per stream, each instruction waiting only for its deps. The plan's deps order
-    data, not memory: its peak holds for the modeled timing, and here copies are memcpys far
-    faster than the interpreted compute, so a GPU optimizer's state loads (gated only by the
-    block's gradient) can pile up. The mixes get twice the plan's GPU as the device budget;
-    zero-infinity (1 MB of headroom in its plan) runs under the plan's own capacity."""
-    cap = get_plan(name)["predicted"]["capacity_bytes"]["gpu"]
-    budget = cap if name == "zero-infinity" else 2 * cap
+    """One worker per stream, each instruction waiting only for its deps. Copies here are memcpys
+    far faster than the interpreted compute, so the real timing is nothing like the modeled one;
+    the plan's memory fences (planner/simulate.py) must still keep the device within the plan's
+    own capacity."""
+    budget = get_plan(name)["predicted"]["capacity_bytes"]["gpu"]
     ex, losses, params = run(get_plan(name), "overlap", tmp_path, device_budget=budget)
     _, sync_losses, sync_params = sync_run(name, tmp_path_factory)
     assert_same((losses, params), (sync_losses, sync_params))
@@ -316,7 +314,7 @@ def test_bf16_mixed_precision_matches_a_mixed_precision_reference(tmp_path):
     traced = trace(model, batch=B, seq=T, precision="bf16-mixed", model_name="gpt-tiny")
     for mode in ("sync", "overlap"):
         torch.manual_seed(0)
-        budget = o.gpu_mem * (2 if mode == "overlap" else 1)  # see test_overlap_mode_is_bit_identical_to_sync
+        budget = o.gpu_mem  # the plan's own capacity in both modes (memory fences)
         ex = Executor(plan, GPT(PRESETS["gpt-tiny"]), mode=mode, state_dir=tmp_path / mode, traced=traced,
                       device_budget=budget)
         losses = [ex.step(x, y) for x, y in batches("synthetic", B, T, VOCAB, STEPS, seed=0)]
