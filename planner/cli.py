@@ -266,6 +266,11 @@ def cmd_check(args) -> int:
 def cmd_probe(args) -> int:
     from tensorstow.planner.probe import probe
     hw = probe(disk_dir=args.disk_dir, quick=not args.full)
+    from tensorstow.executor import adam, aio
+    aio.default_engine()
+    adam.kernel_info()
+    for line in (aio.engine_info(), adam.kernel_info()):  # which native code is in use
+        print(line, file=sys.stderr)
     text = json.dumps(hw.to_json(), indent=1, sort_keys=True) + "\n"
     if args.output:
         Path(args.output).write_text(text)

@@ -97,3 +97,13 @@ def test_parse_size():
     assert parse_size("200MB") == 200 * 10**6
     assert parse_size("1.5GiB") == int(1.5 * 2**30)
     assert parse_size("4096") == 4096
+
+
+def test_probe_writes_a_spec_and_reports_native_engines(tmp_path, capsys):
+    out = tmp_path / "spec.json"
+    assert main(["probe", "-o", str(out), "--disk-dir", str(tmp_path)]) == 0
+    err = capsys.readouterr().err
+    assert "aio:" in err and "adam:" in err  # C++ engine or the fallback, and why
+    from tensorstow.planner.hardware import load_hardware
+    hw = load_hardware(str(out))
+    assert hw.name == "local" and hw.gpu.memory_bytes > 0 and hw.cpu.adam_rate > 0
