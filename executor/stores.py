@@ -274,6 +274,11 @@ class HostTier:
             raise TensorstowError(f"buffer {buf} is not in dram")
         return c
 
+    def footprint(self, nbytes: int) -> int:
+        """Bytes a copy really takes: CUDA's caching host allocator rounds pinned blocks up to a
+        power of two, so a pinned copy is accounted at that size (unpinned: as asked)."""
+        return 1 << max(nbytes - 1, 0).bit_length() if self.pin and nbytes else nbytes
+
     def alloc(self, buf: str, layout: Layout) -> HostCopy:
         """The copy of `buf` to write into: the existing one (overwritten in place) or a new one."""
         c = self.copies.get(buf)
@@ -281,7 +286,7 @@ class HostTier:
             return c
         blob = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=self.pin)
         with self._lock:
-            self.used += layout.nbytes
+            self.used += self.footprint(layout.nbytes)
             self.peak = max(self.peak, self.used)
         c = self.copies[buf] = HostCopy(layout, blob)
         return c
@@ -296,7 +301,7 @@ class HostTier:
         if c is None:
             raise TensorstowError(f"free of {buf} in dram, which does not hold it")
         with self._lock:
-            self.used -= c.layout.nbytes
+            self.used -= self.footprint(c.layout.nbytes)
 
 
 # ---- SSD ------------------------------------------------------------------------------------

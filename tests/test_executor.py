@@ -320,3 +320,10 @@ def test_bf16_mixed_precision_matches_a_mixed_precision_reference(tmp_path):
         losses = [ex.step(x, y) for x, y in batches("synthetic", B, T, VOCAB, STEPS, seed=0)]
         assert_same((losses, ex.parameters()), ref)
         assert ex.peak_bytes["gpu"] <= budget
+
+
+def test_pinned_host_copies_are_accounted_at_the_caching_allocators_size():
+    from tensorstow.executor.stores import HostTier
+    pinned, plain = HostTier(pin=True), HostTier(pin=False)
+    assert [pinned.footprint(n) for n in (0, 1, 4096, 4097, 3 * 2**20)] == [0, 1, 4096, 8192, 4 * 2**20]
+    assert plain.footprint(4097) == 4097

@@ -1,0 +1,412 @@
+"""Training step time: DeepSpeed ZeRO-Infinity vs eager PyTorch vs a tensorstow SSD plan, same run.
+
+All three train the same GPT preset (default gpt-small: 6 layers, d 256, vocab 4096, seq 128)
+with the same micro-batch (default 4), fp32, AdamW (lr 1e-4, betas 0.9/0.999, eps 1e-8,
+weight decay 0), the same initial weights (`torch.manual_seed(seed)` right before `GPT(...)`,
+as `tensorstow execute` does) and the same synthetic batches (`tensorstow.executor.data.batches`,
+a different batch every step). Each engine runs `--warmup` untimed steps, then `--steps` timed
+ones; the table shows the median (and min) step time and the losses of the first and last step.
+Equal first-step losses show the three start from the same model and batch.
+
+  eager        plain `loss = model(x, y); loss.backward(); AdamW.step()` in this venv; nothing
+               offloaded (the baseline of the ratios).
+  deepspeed    ZeRO stage 3 with parameters AND optimizer state offloaded to NVMe (ZeRO-Infinity):
+               DS_ACCELERATOR=cpu, gloo backend, one process (world size 1), DeepSpeed's own
+               AdamW (DeepSpeedCPUAdam, adamw mode), aio block_size/queue_depth left at their
+               defaults, pin_memory false, no activation checkpointing unless
+               --ds-activation-checkpointing (then every transformer block is wrapped in
+               deepspeed.checkpointing.checkpoint). It runs in a subprocess with the python of a
+               SEPARATE venv (default <repo>/.venv-ds) so DeepSpeed never enters tensorstow's
+               dependencies; if that venv is missing the row is skipped with the reason.
+               --ds-offload cpu switches both offloads to device "cpu" (ZeRO-Offload) for
+               comparison.
+  tensorstow   `tensorstow plan PRESET --hw lohan-rtx4090 --gpu-mem 40MB --precision fp32
+               --batch B --policy zero-infinity` (parameters and Adam states homed on SSD,
+               inter-block checkpoints in DRAM, intra-block activations recomputed, CPU Adam),
+               replayed by `tensorstow.executor.runtime.Executor` on this CPU (the "gpu0" tier
+               is host memory here) with the crash-consistent SSDStore (--ts-store file: the
+               FileStore fallback). --gpu-mem 16MB does not fit gpt-small at batch 4 under this
+               policy (the plan needs 37.8 MB at peak), hence 40MB. Skipped with the reason if
+               the executor cannot be imported or fails.
+
+Ratios printed: deepspeed / eager, tensorstow / eager and tensorstow / deepspeed (step time;
+below 1 is faster). Engines run one after another on a possibly shared machine: the 1-minute
+load average is printed before and after; rerun with more --steps if it was high.
+
+Setup (once; Debian, run as root; commands used on the 2-core CPU-only dev VM, 2026-11-21):
+
+    apt-get update
+    apt-get install -y libaio-dev            # headers + .so for DeepSpeed's async_io op (NVMe offload)
+    python3 -m venv /work/main/.venv-ds      # outside tensorstow's venv; add `.venv-ds/` to .gitignore
+    /work/main/.venv-ds/bin/pip install torch==2.13.0 deepspeed ninja
+        # -> deepspeed 0.19.8 (sdist, no ops prebuilt), torch 2.13.0+cpu; use the CPU wheel index
+        #    (--index-url https://download.pytorch.org/whl/cpu) if pip would pull CUDA torch
+    # JIT-build DeepSpeed's CPU ops once (about 6 minutes on 2 cores; cached under
+    # ~/.cache/torch_extensions); otherwise the first benchmark run builds them inside its
+    # DeepSpeed init (not inside the timed steps). If a build is interrupted, delete the
+    # stale `lock` file in ~/.cache/torch_extensions/py311_cpu/<op>/ or later builds hang.
+    DS_ACCELERATOR=cpu /work/main/.venv-ds/bin/python -c \
+      "from deepspeed.ops.op_builder.cpu import AsyncIOBuilder, CPUAdamBuilder; AsyncIOBuilder().load(); CPUAdamBuilder().load()"
+    DS_ACCELERATOR=cpu /work/main/.venv-ds/bin/ds_report   # async_io ... [OKAY] once libaio-dev is in
+
+tensorstow is NOT installed into .venv-ds: the DeepSpeed worker loads this checkout's package
+(GPT, PRESETS and the data generator) from the repository root by file location.
+
+Run (from the repo root, in tensorstow's venv):
+
+    .venv/bin/python benchmarks/bench_deepspeed.py [--preset gpt-small] [--batch 4] [--warmup 2]
+        [--steps 5] [--dir DIR_ON_THE_SSD] [--ds-python PATH] [--ds-offload nvme|cpu]
+        [--ds-activation-checkpointing] [--ts-gpu-mem 40MB] [--ts-store ssd|file] [--ts-mode sync|overlap]
+        [--json OUT.json]
+
+DeepSpeed notes (0.19.8, CPU accelerator): the model is built normally and then converted
+with `deepspeed.zero.Init(module=model, config_dict_or_path=cfg)` before
+`deepspeed.initialize`. Both obvious alternatives are wrong here: building the model inside
+`with deepspeed.zero.Init(...)` partitions each submodule as it is created, so GPT's own
+weight init (normal_ on the partitioned, empty tensors) has no effect and the weights differ
+from eager; and leaving the conversion to `deepspeed.initialize` makes its internal
+`Init(dtype=torch.float32, ...)` pick bfloat16 for the NVMe parameter swapper on an
+accelerator without fp16 (`Init._set_dtype`: `dtype or torch.float16 if fp16 else bfloat16
+...` binds as `(dtype or fp16) if fp16 else bf16`), so fp32 parameters get swapped through a
+folder and buffers sized for bf16. With `Init(module=..., config_dict_or_path=cfg)` and no
+dtype the dtype comes from the config (fp32): swap files land in zero_stage_3/float32params.
+Parameters smaller than DeepSpeed's default param_persistence_threshold (1e5 elements:
+LayerNorms, biases, wpe, c_proj) stay resident in DRAM as ZeRO-3 does by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DS_PYTHON = REPO / ".venv-ds" / "bin" / "python"
+RESULT_TAG = "BENCH_DS_RESULT "
+
+
+# ---- shared ------------------------------------------------------------------------------------
+def _import_tensorstow():
+    """`import tensorstow`; in a venv where it is not installed (the DeepSpeed venv) load this
+    checkout's package from the repository root (whose directory is not named tensorstow)."""
+    try:
+        import tensorstow  # noqa: F401
+        return
+    except ImportError:
+        pass
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("tensorstow", REPO / "__init__.py",
+                                                  submodule_search_locations=[str(REPO)])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["tensorstow"] = mod
+    spec.loader.exec_module(mod)
+
+
+def _setup(a: dict):
+    """Model (seeded exactly like `tensorstow execute`) and the warmup+steps batches."""
+    import torch
+
+    _import_tensorstow()
+    from tensorstow.executor.data import batches
+    from tensorstow.ir.models import GPT, PRESETS
+
+    torch.set_num_threads(a["threads"])
+    cfg = PRESETS[a["preset"]]
+    torch.manual_seed(a["seed"])
+    model = GPT(cfg)
+    data = list(batches("synthetic", a["batch"], a["seq"], cfg.vocab_size, a["warmup"] + a["steps"], a["seed"]))
+    return model, data
+
+
+def _timed(step, data, warmup: int) -> dict:
+    times, losses = [], []
+    for k, (x, y) in enumerate(data):
+        t0 = time.perf_counter()
+        loss = step(x, y)
+        dt = time.perf_counter() - t0
+        losses.append(float(loss))
+        if k >= warmup:
+            times.append(dt)
+    return {"median_s": statistics.median(times), "min_s": min(times), "times_s": times, "losses": losses}
+
+
+# ---- eager baseline (tensorstow's venv) -----------------------------------------------------------
+def run_eager(a: dict) -> dict:
+    import torch
+
+    model, data = _setup(a)
+    opt = torch.optim.AdamW(model.parameters(), lr=a["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+
+    def step(x, y):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return {**_timed(step, data, a["warmup"]), "offload": "none (all in DRAM)"}
+
+
+# ---- tensorstow SSD plan (tensorstow's venv) ------------------------------------------------------
+def run_tensorstow(a: dict, work: Path) -> dict:
+    try:
+        from tensorstow.executor.runtime import Executor, ssd_sizes
+    except Exception as e:  # noqa: BLE001 - report whatever keeps it from importing
+        return {"skipped": f"cannot import tensorstow.executor.runtime.Executor ({type(e).__name__}: {e})"}
+    plan_path = work / "tensorstow-plan.json"
+    cmd = [sys.executable, "-m", "tensorstow.planner.cli", "plan", a["preset"], "--hw", "lohan-rtx4090",
+           "--gpu-mem", a["ts_gpu_mem"], "--precision", "fp32", "--batch", str(a["batch"]),
+           "--policy", "zero-infinity", "--lr", str(a["lr"]), "-o", str(plan_path)]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0 or not plan_path.exists():
+        return {"skipped": f"`{' '.join(cmd[3:])}` failed (rc {p.returncode}): "
+                           f"{(p.stderr or p.stdout).strip()[-800:]}"}
+    plan = json.loads(plan_path.read_text())
+    sizes = ssd_sizes(plan)
+    homes = {}
+    for n, b in plan["buffers"].items():
+        homes.setdefault(n.split(":")[0], set()).add(b.get("home") or "-")
+    model, data = _setup(a)
+    state = work / "tensorstow-state"
+    try:
+        if a["ts_store"] == "ssd":
+            from tensorstow.executor.ssd import SSDStore
+
+            state.mkdir()
+            store = SSDStore(state, sizes)
+            ex = Executor(plan, model, mode=a["ts_mode"], ssd_store=store)
+        else:
+            ex = Executor(plan, model, mode=a["ts_mode"], state_dir=state)
+        try:
+            r = _timed(ex.step, data, a["warmup"])
+        finally:
+            ex.close()
+    except Exception as e:  # noqa: BLE001 - a benchmark row, not a crash of the whole run
+        import traceback
+
+        return {"skipped": f"Executor failed: {type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"}
+    return {**r, "offload": f"P/OS on SSD ({a['ts_store']} store, {a['ts_mode']})",
+            "plan_predicted_step_s": plan["predicted"]["step_time_s"],
+            "ssd_bytes": sum(sizes.values()),
+            "homes": {k: sorted(v) for k, v in sorted(homes.items())}}
+
+
+# ---- DeepSpeed ZeRO-Infinity (the .venv-ds python, this file as a worker) -------------------------
+def ds_config(a: dict, nvme_dir: str) -> dict:
+    def off():
+        if a["ds_offload"] == "nvme":
+            return {"device": "nvme", "nvme_path": nvme_dir, "pin_memory": False}
+        return {"device": "cpu", "pin_memory": False}
+
+    return {
+        "train_micro_batch_size_per_gpu": a["batch"],
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW",
+                      "params": {"lr": a["lr"], "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}},
+        "fp16": {"enabled": False},
+        "bf16": {"enabled": False},
+        "zero_optimization": {"stage": 3, "offload_param": off(), "offload_optimizer": off()},
+        "aio": {},  # block_size, queue_depth, ... at DeepSpeed's defaults
+        "steps_per_print": 10 ** 9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def ds_worker(a: dict) -> None:
+    """Runs under the DeepSpeed venv's python; prints one RESULT_TAG line of JSON."""
+    import torch
+    import deepspeed
+
+    t0 = time.perf_counter()
+    deepspeed.init_distributed(dist_backend="gloo")
+    model, data = _setup(a)
+    cfg = ds_config(a, a["nvme_dir"])
+    # Convert the already-initialised model (same weights as eager); dtype from the config (fp32).
+    deepspeed.zero.Init(module=model, config_dict_or_path=cfg)
+    if a["ds_activation_checkpointing"]:
+        deepspeed.checkpointing.configure(None, partition_activations=False, checkpoint_in_cpu=False)
+        for blk in model.h:
+            fwd = blk.forward
+            blk.forward = lambda x, _f=fwd: deepspeed.checkpointing.checkpoint(_f, x)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    init_s = time.perf_counter() - t0
+
+    def step(x, y):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    r = _timed(step, data, a["warmup"])
+    files = {}
+    for root, _, fs in os.walk(a["nvme_dir"]):
+        if fs:
+            files[os.path.relpath(root, a["nvme_dir"])] = [len(fs), sum(os.path.getsize(os.path.join(root, f)) for f in fs)]
+    opt = engine.optimizer
+    r.update({
+        "init_s": init_s,
+        "deepspeed_version": deepspeed.__version__,
+        "torch_version": torch.__version__,
+        "accelerator": deepspeed.get_accelerator().device_name(),
+        "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
+        "threads": torch.get_num_threads(),
+        "zero_optimizer": type(opt).__name__,
+        "inner_optimizer": type(getattr(opt, "optimizer", None)).__name__,
+        "param_dtype": str(next(model.parameters()).ds_tensor.dtype),
+        "aio": dict(engine._config.aio_config),
+        "offload": f"params+optimizer on {a['ds_offload']}",
+        "swap_files": files,
+        "activation_checkpointing": a["ds_activation_checkpointing"],
+    })
+    print(RESULT_TAG + json.dumps(r), flush=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_deepspeed(a: dict, work: Path) -> dict:
+    py = Path(a["ds_python"])
+    if not py.exists():
+        return {"skipped": f"DeepSpeed venv python {py} not found; create it as the module docstring says "
+                           f"(python3 -m venv .venv-ds && .venv-ds/bin/pip install torch==2.13.0 deepspeed ninja)"}
+    nvme = work / "ds-nvme"
+    nvme.mkdir()
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+           "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env.pop("PYTHONPATH", None)  # the worker loads tensorstow from REPO itself
+    wa = {**a, "nvme_dir": str(nvme)}
+    log = work / "deepspeed.log"
+    cmd = [str(py), str(Path(__file__).resolve()), "--_ds-worker", json.dumps(wa)]
+    try:
+        with open(log, "w") as f:
+            p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=a["ds_timeout"])
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
+        rc = f"timeout after {a['ds_timeout']} s"
+    text = log.read_text(errors="replace")
+    for line in text.splitlines():
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG):])
+    tail = "\n".join(text.splitlines()[-40:])
+    return {"skipped": f"DeepSpeed worker failed (rc {rc}); last lines of its output:\n{tail}"}
+
+
+# ---- main --------------------------------------------------------------------------------------
+def _load() -> str:
+    try:
+        return f"{os.getloadavg()[0]:.2f}"
+    except OSError:
+        return "?"
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--_ds-worker":
+        ds_worker(json.loads(sys.argv[2]))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="gpt-small")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads in every engine (default: torch's)")
+    ap.add_argument("--dir", default=None, help="directory on the SSD for swap/state files (default: a temp dir)")
+    ap.add_argument("--ds-python", default=str(DEFAULT_DS_PYTHON), help="python of the DeepSpeed venv")
+    ap.add_argument("--ds-offload", choices=["nvme", "cpu"], default="nvme")
+    ap.add_argument("--ds-activation-checkpointing", action="store_true")
+    ap.add_argument("--ds-timeout", type=int, default=1800, help="seconds (a first run JIT-builds DeepSpeed ops)")
+    ap.add_argument("--ts-gpu-mem", default="40MB")
+    ap.add_argument("--ts-store", choices=["ssd", "file"], default="ssd")
+    ap.add_argument("--ts-mode", choices=["sync", "overlap"], default="sync")
+    ap.add_argument("--only", default="eager,deepspeed,tensorstow", help="comma-separated engines to run")
+    ap.add_argument("--keep", action="store_true", help="keep the work dir (logs, swap files)")
+    ap.add_argument("--json", help="write all results here")
+    args = ap.parse_args()
+    if args.warmup < 0 or args.steps < 1:
+        ap.error("--warmup must be >= 0 and --steps >= 1")
+
+    import torch
+
+    _import_tensorstow()
+    from tensorstow.ir.models import PRESETS
+
+    if args.preset not in PRESETS:
+        ap.error(f"unknown preset {args.preset}")
+    a = {k: v for k, v in vars(args).items() if k not in ("json", "only", "keep", "dir")}
+    a["threads"] = args.threads or torch.get_num_threads()
+    a["seq"] = PRESETS[args.preset].block_size
+    work = Path(tempfile.mkdtemp(prefix="tensorstow-bench-ds-", dir=args.dir))
+    only = set(args.only.split(","))
+    c = PRESETS[args.preset]
+    print(f"{args.preset}: {c.n_layer} layers, d {c.n_embd}, vocab {c.vocab_size}; batch {args.batch} x seq "
+          f"{a['seq']}, fp32, AdamW lr {args.lr}; {args.warmup} warmup + {args.steps} timed steps; "
+          f"{a['threads']} torch threads; work dir {work}; load {_load()}", flush=True)
+    res: dict[str, dict] = {}
+    try:
+        for name, fn in (("eager", lambda: run_eager(a)), ("deepspeed", lambda: run_deepspeed(a, work)),
+                         ("tensorstow", lambda: run_tensorstow(a, work))):
+            if name not in only:
+                continue
+            t0 = time.perf_counter()
+            res[name] = fn()
+            res[name]["wall_s"] = time.perf_counter() - t0
+            r = res[name]
+            msg = f"skipped: {r['skipped']}" if "skipped" in r else f"median {r['median_s']:.4f} s"
+            print(f"  {name}: {msg} ({r['wall_s']:.0f} s wall, load {_load()})", flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+    tokens = args.batch * a["seq"]
+    print()
+    print(f"{'engine':<11} {'offload':<36} {'median s':>9} {'min s':>8} {'tok/s':>8} {'loss@1':>8} {'loss@last':>9}")
+    for name, r in res.items():
+        if "skipped" in r:
+            print(f"{name:<11} SKIPPED: {r['skipped'].splitlines()[0]}")
+            continue
+        print(f"{name:<11} {r['offload']:<36} {r['median_s']:>9.4f} {r['min_s']:>8.4f} "
+              f"{tokens / r['median_s']:>8.0f} {r['losses'][0]:>8.4f} {r['losses'][-1]:>9.4f}")
+    for name, r in res.items():
+        if "skipped" in r and "\n" in r["skipped"]:
+            print(f"\n{name} skipped, details:\n{r['skipped']}")
+    ds = res.get("deepspeed", {})
+    if "median_s" in ds:
+        print(f"\ndeepspeed: {ds['deepspeed_version']} torch {ds['torch_version']}, accelerator {ds['accelerator']}, "
+              f"backend {ds['backend']}, {ds['zero_optimizer']} + {ds['inner_optimizer']}, params {ds['param_dtype']}, "
+              f"activation checkpointing {'on' if ds['activation_checkpointing'] else 'off'}, init {ds['init_s']:.1f} s")
+        print(f"  aio {ds['aio']}")
+        print(f"  swap files: " + ", ".join(f"{k}: {n} files {b / 2**20:.1f} MiB" for k, (n, b) in ds["swap_files"].items()))
+    ts = res.get("tensorstow", {})
+    if "median_s" in ts:
+        print(f"tensorstow: plan predicts {ts['plan_predicted_step_s']:.4g} s/step on lohan-rtx4090; "
+              f"{ts['ssd_bytes'] / 2**20:.1f} MiB on the SSD tier; buffer homes {ts['homes']}")
+
+    def ratio(num, den):
+        if "median_s" in res.get(num, {}) and "median_s" in res.get(den, {}):
+            label = {"deepspeed": "deepspeed_zero_infinity"}.get(num, num)
+            print(f"  {label} / {den}: {res[num]['median_s'] / res[den]['median_s']:.3f}")
+
+    print("\nstep-time ratios (median; < 1 is faster):")
+    ratio("deepspeed", "eager")
+    ratio("tensorstow", "eager")
+    ratio("tensorstow", "deepspeed")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": a, "results": res}, indent=2))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
