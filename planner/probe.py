@@ -16,8 +16,8 @@ Everything is measured, nothing is looked up in a table:
   like the executor's I/O pool. Where O_DIRECT is refused (tmpfs, some network file
   systems) it falls back to buffered I/O + fsync + POSIX_FADV_DONTNEED and says so in
   `source`. The temp file is always removed.
-* CPU: os.cpu_count() and the measured AdamW rate (fused when this torch supports it on
-  CPU, else foreach) on one large fp32 tensor.
+* CPU: os.cpu_count() and the measured AdamW rate of the single-tensor path the executor runs
+  (not fused: the executor stays bit-identical with eager's CPU default) on one fp32 tensor.
 
 Bandwidth conventions (all bytes/s): h2d/d2h and SSD numbers are bytes *moved* per second;
 `GPU.mem_bw` and `DRAM.bandwidth` are memory *traffic* (a copy of n bytes reads n and
@@ -246,15 +246,16 @@ def _cpu_matmul_flops(n: int, reps: int) -> float:
 
 
 def _adam_rate(numel: int, reps: int) -> tuple[float, str]:
-    """Parameters/s of AdamW steps on one fp32 tensor; fused if this torch has it on CPU."""
+    """Parameters/s of AdamW steps on one fp32 tensor, with the implementation the executor
+    runs: the single-tensor (for-loop) path, which is eager PyTorch's CPU default and keeps
+    training bit-identical to it (fused is 4-8x faster here; see benchmarks/RESULTS.md)."""
     import torch
 
     param = torch.nn.Parameter(torch.zeros(numel))
     param.grad = torch.randn(numel) * 1e-3
     opt = None
     kind = ""
-    for kind, kw in (("fused", {"fused": True}), ("foreach", {"foreach": True}),
-                     ("for-loop", {"foreach": False})):
+    for kind, kw in (("for-loop", {"foreach": False}),):
         try:
             opt = torch.optim.AdamW([param], lr=1e-4, **kw)
             opt.step()  # also the warm-up; state (m, v) is allocated here
