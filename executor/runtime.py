@@ -297,9 +297,9 @@ class Executor:
                         raise TensorstowError(
                             f"plan instruction {ins.id} ({ins.kind} {ins.segment}) reads {r}, which is "
                             + (f"in {', '.join(where)} but none of them is on gpu0 at that point of the "
-                               f"schedule: the plan is missing a load; re-plan it" if where else
-                               f"in no buffer of the plan (X:<b> holds only tensors the block's backward "
-                               f"reads, not every input of its forward), so a recompute cannot get it"))
+                               "schedule: the plan is missing a load; re-plan it" if where else
+                               "in no buffer of the plan (X:<b> holds only tensors the block's backward "
+                               "reads, not every input of its forward), so a recompute cannot get it"))
                     last_read[(made, r)] = ins.id
                 for r in seg.produced:
                     last_made[r] = ins.id

@@ -202,9 +202,8 @@ def _build_ir(gm, bounds, n_layers, param_names, model_name, batch, seq, precisi
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     primals = [n for n in placeholders if n.name.startswith("primals")]
-    tangents = [n for n in placeholders if n.name.startswith("tangents")]
     out_node = next(n for n in nodes if n.op == "output")
-    fwd_outs, grads = out_node.args[0][:1], out_node.args[0][1:]
+    grads = out_node.args[0][1:]
     param_of_ph = {primals[i].name: param_names[i] for i in range(len(param_names))}
     grad_of = {}  # node name -> param name
     for i, g in enumerate(grads[:len(param_names)]):
@@ -366,11 +365,9 @@ def _build_ir(gm, bounds, n_layers, param_names, model_name, batch, seq, precisi
                 ins.append(p + s)
             ins.append(ph.name)
             tensors[ph.name] = _with_consumer(ph, idx)
-        n_params = sum(_numel(tensors[ph_of_param[p]].shape) for p in ps)
         ops.append(Op(index=idx, name=f"adam:{b}", target="tensorstow.adam", phase="opt", block=b,
                       inputs=tuple(ins), outputs=(), flops=0,
                       bytes_in=sum(tensors[t].nbytes for t in ins), bytes_out=0))
-        del n_params
 
     blocks = _blocks(ops, tensors, owner, block_names, n_layers, replicate_to)
     return Graph(model=model_name, batch=batch, seq=seq, precision=precision,

@@ -62,7 +62,7 @@ def load_plan_json(path: str) -> dict:
 
 
 def summary(d: dict) -> str:
-    m, o, pred, dec = d["model"], d["options"], d["predicted"], d["decisions"]
+    m, pred, dec = d["model"], d["predicted"], d["decisions"]
     step = pred["step_time_s"]
     bn = pred["bottleneck"]
     busy = pred.get("busy_s", {})

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tensorstow import TensorstowError
-from tensorstow.ir.graph import Graph, stable_hash
+from tensorstow.ir.graph import Graph
 from tensorstow.ir.models import DEFAULT_BATCH, resolve_model
 from tensorstow.ir.trace import PRECISIONS, trace_spec
 from tensorstow.planner import cost

@@ -12,7 +12,7 @@ Buffers are per block and per kind (granularity: a block's activations move as o
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from tensorstow.planner.cost import BlockProfile
 
@@ -208,7 +208,6 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
     # ---- forward ----------------------------------------------------------------------------
     frees_fwd: dict[str, int] = {}
     swap_outs: dict[str, int] = {}
-    prev_compute = None
     for b in order:
         d = dec[b]
         p_ready = None
@@ -227,7 +226,6 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
                    workspace=f"W:fwd:{b}" if has(f"W:fwd:{b}") else "")
         for a in allocs:
             e.where[(a, gpu)] = c
-        prev_compute = c
         if has(f"P:{b}") and d.params != "gpu" and b != last_fwd:
             frees_fwd[b] = e.free(f"P:{b}", gpu, (c,))
         if has(f"A:{b}") and d.activations in ("swap_dram", "swap_ssd"):

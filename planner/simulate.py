@@ -13,7 +13,6 @@ Buffers with a home tier are present at the start and must be present, alone, at
 """
 from __future__ import annotations
 
-import heapq
 import json
 from dataclasses import dataclass, field
 
