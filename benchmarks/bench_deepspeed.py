@@ -31,7 +31,9 @@ Equal first-step losses show the three start from the same model and batch.
 
 Ratios printed: deepspeed / eager, tensorstow / eager and tensorstow / deepspeed (step time;
 below 1 is faster). Engines run one after another on a possibly shared machine: the 1-minute
-load average is printed before and after; rerun with more --steps if it was high.
+load average is printed before and after each engine. With other processes on the cores,
+multi-threaded torch steps become erratic (2 threads on the shared 2-core VM: eager 0.23 s to
+4 s per step), so a warning is printed and `--threads 1` gives the comparable numbers.
 
 Setup (once; Debian, run as root; commands used on the 2-core CPU-only dev VM, 2026-11-21):
 
@@ -98,7 +100,7 @@ def _import_tensorstow():
     """`import tensorstow`; in a venv where it is not installed (the DeepSpeed venv) load this
     checkout's package from the repository root (whose directory is not named tensorstow)."""
     try:
-        import tensorstow  # noqa: F401
+        __import__("tensorstow")
         return
     except ImportError:
         pass
@@ -354,6 +356,14 @@ def main() -> None:
     print(f"{args.preset}: {c.n_layer} layers, d {c.n_embd}, vocab {c.vocab_size}; batch {args.batch} x seq "
           f"{a['seq']}, fp32, AdamW lr {args.lr}; {args.warmup} warmup + {args.steps} timed steps; "
           f"{a['threads']} torch threads; work dir {work}; load {_load()}", flush=True)
+    try:
+        busy = os.getloadavg()[0]
+    except OSError:
+        busy = 0.0
+    if a["threads"] > 1 and busy >= 0.75:
+        print(f"warning: load average {busy:.2f} before starting: other processes share the cores, and torch's "
+              f"{a['threads']}-thread OpenMP steps then swing by up to 10x (seen on the 2-core VM: eager 0.23 s "
+              f"idle, 1-4 s with one busy neighbour); compare with --threads 1", flush=True)
     res: dict[str, dict] = {}
     try:
         for name, fn in (("eager", lambda: run_eager(a)), ("deepspeed", lambda: run_deepspeed(a, work)),
@@ -388,7 +398,7 @@ def main() -> None:
               f"backend {ds['backend']}, {ds['zero_optimizer']} + {ds['inner_optimizer']}, params {ds['param_dtype']}, "
               f"activation checkpointing {'on' if ds['activation_checkpointing'] else 'off'}, init {ds['init_s']:.1f} s")
         print(f"  aio {ds['aio']}")
-        print(f"  swap files: " + ", ".join(f"{k}: {n} files {b / 2**20:.1f} MiB" for k, (n, b) in ds["swap_files"].items()))
+        print("  swap files: " + ", ".join(f"{k}: {n} files {b / 2**20:.1f} MiB" for k, (n, b) in ds["swap_files"].items()))
     ts = res.get("tensorstow", {})
     if "median_s" in ts:
         print(f"tensorstow: plan predicts {ts['plan_predicted_step_s']:.4g} s/step on lohan-rtx4090; "
