@@ -231,17 +231,25 @@ def policies() -> dict:
             "dos": dos.plan, "ilp": ilp.plan}
 
 
+def policy_plan(problem: Problem, name: str) -> Plan:
+    """One policy's plan for `problem`, computed once per problem (`auto` and the ILP's
+    incumbent search both need every heuristic's plan)."""
+    cache = problem.__dict__.setdefault("_plans", {})
+    if name not in cache:
+        cache[name] = schedule(problem, policies()[name](problem))
+    return cache[name]
+
+
 def heuristic_plans(problem: Problem) -> dict[str, Plan]:
     """Every heuristic policy's plan for `problem` (feasible or not), by policy name."""
-    table = policies()
-    return {name: schedule(problem, table[name](problem)) for name in HEURISTICS if name in table}
+    return {name: policy_plan(problem, name) for name in HEURISTICS if name in policies()}
 
 
 def plan_problem(problem: Problem, policy: str) -> Plan:
     """Plan with one policy, or with `auto`: every policy, keeping the fastest feasible."""
     table = policies()
     if policy == "auto":
-        plans = {name: schedule(problem, fn(problem)) for name, fn in sorted(table.items())}
+        plans = {name: policy_plan(problem, name) for name in sorted(table)}
         feasible = {n: p for n, p in plans.items() if p.fits}
         if not feasible:
             return min(plans.values(), key=lambda p: sum(n for n, _ in p.over_capacity().values()))
@@ -249,12 +257,11 @@ def plan_problem(problem: Problem, policy: str) -> Plan:
         times = ", ".join(f"{n} {p.sim.step_time_s:.4g} s" + ("" if p.fits else " (does not fit)")
                           for n, p in sorted(plans.items()))
         best = feasible[name]
-        best.decisions = dataclasses.replace(best.decisions, notes=(*best.decisions.notes,
-                                             f"auto chose {name}: {times}"))
-        return best
+        return dataclasses.replace(best, decisions=dataclasses.replace(
+            best.decisions, notes=(*best.decisions.notes, f"auto chose {name}: {times}")))
     if policy not in table:
         raise TensorstowError(f"unknown policy '{policy}': use one of {sorted(table) + ['auto']}")
-    return schedule(problem, table[policy](problem))
+    return policy_plan(problem, policy)
 
 
 def make_plan(options: Options, hw: Hardware) -> Plan:
