@@ -137,6 +137,24 @@ class _Op:
         return self._finished
 
 
+
+def _direct_pieces(t: torch.Tensor, n: int):
+    """Split the first n bytes of the byte tensor t into O_DIRECT-safe (tensor, file offset)
+    pieces: its 4096-aligned prefix in place and the rest through a zero-padded aligned
+    staging buffer (all of it when t itself is unaligned). Returns (pieces, staged), staged
+    being (user bytes, staging view) pairs to copy in before a write or out after a read."""
+    if t.data_ptr() % aio.ALIGN == 0:
+        prefix = n - n % aio.ALIGN
+        pieces = [(t[:prefix], 0)] if prefix else []
+        if n == prefix:
+            return pieces, []
+        stage, at = aio.aligned_empty(aio.ALIGN), prefix
+    else:
+        pieces, stage, at = [], aio.aligned_empty(aio.round_up(n)), 0
+    stage[n - at:].zero_()
+    pieces.append((stage, at))
+    return pieces, [(t[at:n], stage[:n - at])]
+
 class SSDStore:
     """Crash-consistent two-slot store for SSD-resident buffers (see the module docstring).
 
@@ -201,21 +219,9 @@ class SSDStore:
             keep: list = [tensor]
             pieces: list[tuple[torch.Tensor, int]] = []  # (bytes, file offset)
             if self.direct and n:
-                if src.data_ptr() % aio.ALIGN == 0:
-                    prefix = n - n % aio.ALIGN
-                    if prefix:
-                        pieces.append((src[:prefix], 0))
-                    if n > prefix:
-                        tail = aio.aligned_empty(aio.ALIGN)
-                        tail[: n - prefix].copy_(src[prefix:])
-                        tail[n - prefix :].zero_()
-                        pieces.append((tail, prefix))
-                else:
-                    stage = aio.aligned_empty(aio.round_up(n))
-                    stage[:n].copy_(src)
-                    stage[n:].zero_()
-                    pieces.append((stage, 0))
-                    src = stage[:n]
+                pieces, staged = _direct_pieces(src, n)
+                for user, stage in staged:
+                    stage.copy_(user)
             elif n:
                 pieces.append((src, 0))
             keep += [p for p, _ in pieces]
@@ -251,18 +257,7 @@ class SSDStore:
             pieces: list[tuple[torch.Tensor, int]] = []
             copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (dst, src) after the I/O
             if self.direct and n:
-                if dst.data_ptr() % aio.ALIGN == 0:
-                    prefix = n - n % aio.ALIGN
-                    if prefix:
-                        pieces.append((dst[:prefix], 0))
-                    if n > prefix:
-                        tail = aio.aligned_empty(aio.ALIGN)
-                        pieces.append((tail, prefix))
-                        copies.append((dst[prefix:], tail[: n - prefix]))
-                else:
-                    stage = aio.aligned_empty(aio.round_up(n))
-                    pieces.append((stage, 0))
-                    copies.append((dst, stage[:n]))
+                pieces, copies = _direct_pieces(dst, n)
             elif n:
                 pieces.append((dst, 0))
             verify = self.verify
