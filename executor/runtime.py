@@ -63,7 +63,7 @@ def ssd_sizes(plan: dict) -> dict[str, int]:
 
 
 class Executor:
-    def __init__(self, plan: dict, model: nn.Module, *, mode: str = "sync", state_dir=None,
+    def __init__(self, plan, model: nn.Module, *, mode: str = "sync", state_dir=None,
                  ssd_store=None, resume: bool = False, device_budget: int | None = None,
                  traced: Traced | None = None):
         """`state_dir`: directory for the fallback `FileStore` when the plan uses the SSD tier and
@@ -76,6 +76,9 @@ class Executor:
         model's parameters like a fresh trace."""
         if mode not in MODES:
             raise TensorstowError(f"unknown executor mode '{mode}': use one of {list(MODES)}")
+        from tensorstow.ir.hf import wrap
+        plan = plan.to_json() if hasattr(plan, "to_json") else plan  # a planner Plan or its JSON
+        model = wrap(model)
         self.mode = mode
         self.plan = plan
         m = plan["model"]
@@ -97,23 +100,35 @@ class Executor:
                 f"`tensorstow plan {m['name']} ...`")
         self.graph = self.traced.graph
         self.joint = Joint(self.traced)
-        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        shapes = {n: tuple(p.shape) for n, p in model_state(model).items()}
         if list(shapes) != traced.param_names or any(
                 shapes[n] != self.joint.meta(self.joint.placeholder[n])[1] for n in shapes):
-            raise TensorstowError(f"the model's parameters do not match the traced graph of {m['name']}; "
-                                  f"pass the model the trace was made from")
+            raise TensorstowError(f"the model's parameters and buffers do not match the traced graph of "
+                                  f"{m['name']}; pass the model the trace was made from")
         self.precision = m["precision"]
         self.mixed = self.precision != "fp32"
         self.compute_dtype = self.joint.meta(self.joint.placeholder[self.joint.param_names[0]])[0]
         self.instrs = self._read_instructions(plan)
         self.block_params = {b.name: list(b.params) for b in self.graph.blocks}
+        """Trainable parameters per block (P, G, M, OS, the optimizer)."""
+        self.block_consts: dict[str, list[str]] = defaultdict(list)
+        """Frozen parameters and buffers per block (C: read, never written)."""
+        for t in self.graph.tensors:
+            if t.kind == "constant" and t.producer is None and t.storage == t.name:
+                self.block_consts[t.block].append(t.param)
+        self.frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
         self.layouts, self.members = self._buffers(plan)
         self._check_references()
         self.holders: dict[str, list[str]] = defaultdict(list)
         for buf, roots in self.members.items():
-            if buf[:2] in ("P:", "G:", "A:", "X:"):
+            if buf.split(":")[0] in ("P", "C", "G", "A", "X", "T"):
                 for r in roots:
                     self.holders[r].append(buf)
+        self.rng_states: dict[str, torch.Tensor] = {}
+        recomputed = {i.segment for i in self.instrs if i.kind == "recompute"}
+        self.random_segments = {name for name in recomputed if _draws_random(self.joint.segments[name])}
+        """Recomputed segments that draw random numbers (dropout): their recompute replays the
+        generator state their first run started from, so masks equal the original forward's."""
 
         pred = plan["predicted"]
         if pred["peak_bytes"]["gpu"] > pred["capacity_bytes"]["gpu"]:
@@ -144,6 +159,7 @@ class Executor:
         committed = self.ssd.store.committed_step() if self.ssd.store is not None else None
         if resume:
             self._resume(committed)
+            self._place_homes(model, kinds=("C",), skip_ssd=True)  # never trained: from the model
         elif committed is not None:
             raise TensorstowError(
                 f"the SSD store ({state_dir or ssd_store}) holds training state committed at step "
@@ -188,7 +204,7 @@ class Executor:
                 if n not in self.layouts:
                     raise TensorstowError(f"plan instruction {ins.id}: unknown buffer '{n}'; re-plan it")
             if ins.kind in ("compute", "recompute"):
-                bad = [a for a in ins.allocs if a[:2] not in ("A:", "X:", "G:")]
+                bad = [a for a in ins.allocs if a.split(":")[0] not in ("A", "X", "G", "T")]
             elif ins.kind == "optimizer_step":
                 if not self.block_params.get(ins.segment):
                     raise TensorstowError(f"plan instruction {ins.id}: '{ins.segment}' is not a block "
@@ -227,10 +243,14 @@ class Executor:
                     for r in sorted(j.roots_of(j.grad[p])):
                         if r not in members.get(f"G:{b}", []):
                             add(f"G:{b}", r, *j.meta(r))
+            for c in self.block_consts.get(b, ()):
+                add(f"C:{b}", j.placeholder[c], *j.meta(j.placeholder[c]))
             for name, _, _ in prof[b].saved:
                 add(f"A:{b}", name, *j.meta(name))
-            for name in self._checkpoint_roots(b):
+            for name in prof[b].inputs:
                 add(f"X:{b}", name, *j.meta(name))
+            for name in prof[b].carried:
+                add(f"T:{b}", name, *j.meta(name))
         layouts = {k: Layout(v) for k, v in entries.items()}
         for name, spec in plan["buffers"].items():
             if name.startswith("W:"):
@@ -244,22 +264,6 @@ class Executor:
         if extra:
             raise TensorstowError(f"the plan lacks buffers {extra[:5]} of the traced model; re-plan it")
         return layouts, members
-
-    def _checkpoint_roots(self, b: str) -> list[str]:
-        """X:<b>: saved storages read by b's backward but produced outside b's forward (the
-        `inputs` of planner.cost.profiles)."""
-        ops = self.graph.ops
-        fwd = {o.index for o in ops if o.block == b and o.phase == "fwd"}
-        bwd = {o.index for o in ops if o.block == b and o.phase == "bwd"}
-        readers: dict[str, set] = defaultdict(set)
-        for t in self.graph.tensors:
-            readers[t.storage] |= set(t.consumers)
-        out = []
-        for t in self.graph.tensors:
-            if t.kind == "saved_activation" and t.storage == t.name and readers[t.name] & bwd \
-                    and t.producer not in fwd:
-                out.append(t.name)
-        return sorted(out)
 
     def _temporaries(self):
         """Which storage roots the device keeps between compute instructions, and until when.
@@ -326,22 +330,23 @@ class Executor:
             raise TensorstowError("the plan never computes the segment that produces the loss; re-plan it")
         return dict(stash), dict(drop), keep
 
-    def _place_homes(self, model: nn.Module) -> None:
-        """Every buffer with a home tier gets its initial copy there: P from the model (cast to
-        the compute precision), M the fp32 parameters, OS zeros."""
-        params = dict(model.named_parameters())
+    def _place_homes(self, model: nn.Module, kinds=("P", "C", "M", "OS"), skip_ssd: bool = False) -> None:
+        """Every buffer with a home tier gets its initial copy there: P and C from the model's
+        state (cast to the dtype the trace gives them), M the fp32 parameters, OS zeros."""
+        state = model_state(model)
+        ph = self.joint.placeholder
         for name, spec in sorted(self.plan["buffers"].items()):
             home = _HOME[spec.get("home", "")]
-            if not home:
-                continue
             kind, b = name.split(":", 1)
-            if kind not in ("P", "M", "OS"):
-                raise TensorstowError(f"plan buffer {name} has home {home}; only P/M/OS live across steps")
+            if not home or kind not in kinds or (skip_ssd and home == "ssd"):
+                continue
+            if kind not in ("P", "C", "M", "OS"):
+                raise TensorstowError(f"plan buffer {name} has home {home}; only P/C/M/OS live across steps")
             vals = {}
-            for p in self.block_params[b]:
-                w = params[p].detach()
-                if kind == "P":
-                    vals[self.joint.placeholder[p]] = w.to(self.compute_dtype)
+            for p in self.block_consts.get(b, ()) if kind == "C" else self.block_params[b]:
+                w = state[p].detach()
+                if kind in ("P", "C"):
+                    vals[ph[p]] = w.to(self.joint.meta(ph[p])[0])
                 elif kind == "M":
                     vals[p] = w.float()
                 else:
@@ -356,7 +361,7 @@ class Executor:
                     self.ssd.write(name, self.host.get(name))
                     self.host.drop(name)
         self.host.peak = self.host.used
-        if self.ssd.store is not None:
+        if self.ssd.store is not None and "OS" in kinds:
             self.ssd.store.commit(0)
 
     def _resume(self, committed: int | None) -> None:
@@ -493,6 +498,24 @@ class Executor:
 
     # ---- handlers ---------------------------------------------------------------------------
     def _compute(self, ins: Instr) -> None:
+        """Run a segment. One that draws random numbers (dropout) and is recomputed later
+        records, on its first run, the generator state it starts from; its recompute runs from
+        that state and then puts the generator back, so the masks equal the original forward's
+        and the rest of the step sees eager PyTorch's random stream."""
+        if ins.segment not in self.random_segments:
+            return self._run_segment(ins)
+        gen = torch.cuda if self.device.type == "cuda" else torch
+        if ins.kind == "compute":
+            self.rng_states[ins.segment] = gen.get_rng_state()
+            return self._run_segment(ins)
+        now = gen.get_rng_state()
+        gen.set_rng_state(self.rng_states[ins.segment])
+        try:
+            self._run_segment(ins)
+        finally:
+            gen.set_rng_state(now)
+
+    def _run_segment(self, ins: Instr) -> None:
         j = self.joint
         seg = j.segments[ins.segment]
         kept: dict[str, torch.Tensor] = {}
@@ -594,7 +617,8 @@ class Executor:
 
     # ---- results ----------------------------------------------------------------------------
     def parameters(self) -> dict[str, torch.Tensor]:
-        """The fp32 parameters (masters) by qualified name, as CPU tensors."""
+        """The parameters by qualified name, as fp32 CPU tensors: trainable ones from their
+        masters, frozen ones from their constants (buffers are not parameters)."""
         out = {}
         for b, params in self.block_params.items():
             if not params:
@@ -603,7 +627,13 @@ class Executor:
             copy = self._home_copy(buf)
             for p in params:
                 out[p] = copy[p if self.mixed else self.joint.placeholder[p]].detach().float().cpu().clone()
-        return out
+        for b, consts in self.block_consts.items():
+            frozen = [c for c in consts if c in self.frozen]
+            if frozen:
+                copy = self._home_copy(f"C:{b}")
+                for c in frozen:
+                    out[c] = copy[self.joint.placeholder[c]].detach().float().cpu().clone()
+        return dict(sorted(out.items()))
 
     def load_into(self, model: nn.Module) -> None:
         """Copy the trained parameters into `model`."""
@@ -676,6 +706,16 @@ class _Adam:
                 p.grad = None
             self.opt.state.clear()
             group["params"] = []
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters, then buffers, by qualified name: the state inputs of the traced graph, in
+    its placeholder order."""
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+def _draws_random(seg) -> bool:
+    return any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) for n in seg.nodes)
 
 
 def _clone_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:

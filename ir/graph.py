@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, fields
 
 SCHEMA_VERSION_IR = 1
 
-KINDS = ("parameter", "gradient", "optimizer_state", "saved_activation", "temporary", "input")
+KINDS = ("parameter", "constant", "gradient", "optimizer_state", "saved_activation", "temporary", "input")
+"""`constant`: model state that is read but never trained (frozen parameters, buffers)."""
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1,
                "uint8": 1, "int8": 1, "float64": 8}
@@ -85,8 +86,10 @@ class Block:
     kind: str
     """"pre", "layer" or "post"."""
     params: tuple[str, ...]
-    """Qualified names of the parameters it owns (empty for replicas: see `profile`)."""
+    """Qualified names of the trainable parameters it owns (empty for replicas: see `profile`).
+    Frozen parameters and buffers it owns are its `constant` tensors."""
     param_count: int
+    """Trainable parameters."""
     signature: str
     """Similarity signature: equal signatures mean identical ops, shapes and parameters."""
     profile: str

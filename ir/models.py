@@ -139,21 +139,26 @@ class ModelSpec:
     """What the planner knows about a model before tracing."""
 
     name: str
-    """Preset name or `pkg.module:factory`."""
+    """Preset name, `hf:DIR` or `pkg.module:factory`."""
     config: GPTConfig | None
     """Set for built-in presets (enables tracing a few blocks and replicating by similarity)."""
 
-    def build(self, n_layer: int | None = None) -> nn.Module:
+    def build(self, n_layer: int | None = None, *, weights: bool = True) -> nn.Module:
+        """The model. `weights=False`: a Hugging Face checkpoint is built from its config alone
+        (tracing needs shapes, not values)."""
         if self.config is not None:
             c = self.config
             if n_layer is not None:
                 c = GPTConfig(**{**c.__dict__, "n_layer": n_layer})
             return GPT(c)
+        from tensorstow.ir import hf
+        if self.name.startswith(hf.PREFIX):
+            return hf.load(self.name, weights=weights)
         m = _load_factory(self.name)()
         if not isinstance(m, nn.Module):
             raise TensorstowError(f"model '{self.name}': the factory returned {type(m).__name__}, "
                                   f"not an nn.Module")
-        return m
+        return hf.wrap(m)
 
 
 def _load_factory(ref: str):
@@ -172,8 +177,12 @@ def _load_factory(ref: str):
 def resolve_model(name: str) -> ModelSpec:
     if name in PRESETS:
         return ModelSpec(name, PRESETS[name])
+    from tensorstow.ir import hf
+    if name.startswith(hf.PREFIX):
+        hf.check_dir(name)
+        return ModelSpec(name, None)
     if ":" in name:
         _load_factory(name)  # fail early with a clear message
         return ModelSpec(name, None)
-    raise TensorstowError(f"unknown model '{name}': use a preset ({', '.join(sorted(PRESETS))}) "
-                          f"or a factory as 'pkg.module:function'")
+    raise TensorstowError(f"unknown model '{name}': use a preset ({', '.join(sorted(PRESETS))}), "
+                          f"hf:DIR (a save_pretrained directory) or a factory as 'pkg.module:function'")

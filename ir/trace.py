@@ -12,7 +12,12 @@ op's block; ops without one inherit the block of the op before them.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import operator
+import os
+import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +26,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 import torch.utils.flop_counter as flop_counter
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
 
 from tensorstow import TensorstowError
 from tensorstow.ir.graph import Block, Graph, Op, Tensor, stable_hash
@@ -40,7 +46,10 @@ class Traced:
     gm: fx.GraphModule
     """The joint forward+backward graph (placeholders: params..., idx, targets, tangent)."""
     param_names: list[str]
-    """Qualified parameter names in placeholder order."""
+    """Qualified names of the model state in placeholder order: parameters (trainable and
+    frozen), then buffers. All of them are inputs of the joint graph."""
+    trainable: frozenset[str] = frozenset()
+    """The parameters that require grad (the others, and buffers, are read-only constants)."""
 
 
 class _Captured(Exception):
@@ -79,11 +88,19 @@ def trace(model: nn.Module, *, batch: int, seq: int, precision: str = "fp32",
     fm = fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
     layers_name, layers = find_layers(model)
 
+    def fake(t):
+        return fm.from_tensor(t) if not _is_fake(t) else t
+
     with fm:
-        params = {n: (fm.from_tensor(p) if not _is_fake(p) else p).detach().to(dtype).requires_grad_(True)
+        # Parameters run in the compute precision; buffers (rotary tables, masks) keep their dtype.
+        params = {n: fake(p).detach().to(dtype).requires_grad_(p.requires_grad)
                   for n, p in model.named_parameters()}
+        buffers = {n: fake(b).detach() for n, b in model.named_buffers()}
         idx = torch.zeros(batch, seq, dtype=torch.long)
         tgt = torch.zeros(batch, seq, dtype=torch.long)
+    if not any(p.requires_grad for p in params.values()):
+        raise TensorstowError(f"model '{model_name}': no parameter requires grad, so there is nothing to "
+                              f"train; unfreeze some (p.requires_grad_(True))")
 
     bounds: dict[int, list] = {}
     hooks = []
@@ -101,20 +118,18 @@ def trace(model: nn.Module, *, batch: int, seq: int, precision: str = "fp32",
     from functorch.compile import aot_function
     from torch.func import functional_call
 
-    def step(p, i, t):
-        return functional_call(model, p, (i, t))
+    def step(p, b, i, t):
+        return loss_of(functional_call(model, {**p, **b}, (i, t)), model_name)
 
     try:
-        with fm:
-            aot_function(step, fw_compiler=_never, partition_fn=partition)(params, idx, tgt)
+        with fm, quiet_tracing(), ShapeConstants():
+            aot_function(step, fw_compiler=_never, partition_fn=partition)(params, buffers, idx, tgt)
     except _Captured:
         pass
     except TensorstowError:
         raise
-    except Exception as e:  # a user model the tracer cannot handle: say which and why
-        raise TensorstowError(f"model '{model_name}': tracing failed ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''}); the model must run "
-                              f"forward(idx, targets) -> scalar loss under torch.fx/aot tracing") from None
+    except Exception as e:  # a user model the tracer cannot handle: say where and why
+        raise TensorstowError(tracing_failure(model_name, e)) from e
     finally:
         for h in hooks:
             h.remove()
@@ -123,10 +138,135 @@ def trace(model: nn.Module, *, batch: int, seq: int, precision: str = "fp32",
                               f"(does forward return a loss that requires grad?)")
     gm: fx.GraphModule = captured["gm"]
     n_layers = len(layers) if layers is not None else 0
-    param_names = list(params)
-    graph = _build_ir(gm, captured["bounds"], n_layers, param_names, model_name, batch, seq,
+    state_names = [*params, *buffers]
+    trainable = frozenset(n for n, p in params.items() if p.requires_grad)
+    graph = _build_ir(gm, captured["bounds"], n_layers, state_names, trainable, model_name, batch, seq,
                       precision, replicate_to)
-    return Traced(graph=graph, gm=gm, param_names=param_names)
+    return Traced(graph=graph, gm=gm, param_names=state_names, trainable=trainable)
+
+
+def loss_of(out, model_name: str) -> torch.Tensor:
+    """The scalar loss of a forward's result: the result itself, or the one 0-dim floating
+    tensor of a tuple / dict / ModelOutput (nanoGPT returns `(logits, loss)`)."""
+    if isinstance(out, torch.Tensor):
+        if out.dim() == 0:
+            return out
+        raise TensorstowError(
+            f"model '{model_name}': forward returned a tensor of shape {tuple(out.shape)}, not a scalar "
+            f"loss; return the loss (forward(idx, targets) -> loss), or use hf:DIR, which applies the "
+            f"loss contract to a Hugging Face model's logits")
+    leaves = pytree.tree_leaves(dict(out) if isinstance(out, dict) else out)
+    scalars = [t for t in leaves if isinstance(t, torch.Tensor) and t.dim() == 0 and t.is_floating_point()]
+    if len(scalars) == 1:
+        return scalars[0]
+    raise TensorstowError(
+        f"model '{model_name}': forward returned {type(out).__name__} with {len(scalars)} scalar tensors; "
+        f"tensorstow needs one scalar loss: return it alone (forward(idx, targets) -> loss)")
+
+
+class ShapeConstants(TorchFunctionMode):
+    """Evaluates, for real, the values that depend only on shapes, so that tracing takes the
+    branches eager execution takes.
+
+    Models branch on such values (Hugging Face's mask code checks whether `position_ids =
+    arange(T)` describe packed sequences); on fake tensors `bool(t)` has no answer. A tensor
+    made by a factory with no tensor inputs (arange, ones, full, tril of those) or by an op
+    whose tensor inputs are all such tensors gets a real shadow value; reading it (`bool`,
+    `item`, `tolist`) reads the shadow. Values that depend on the data, the parameters or a
+    random draw have no shadow, and reading them stays a tracing error (data-dependent
+    control flow)."""
+
+    LIMIT = 1 << 22
+    """Largest shadow computed, in elements (masks of long sequences are left fake)."""
+    _READS = {torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__int__,
+              torch.Tensor.__float__, torch.Tensor.__index__}
+
+    def __init__(self):
+        super().__init__()
+        from torch.utils.weak import WeakTensorKeyDictionary
+        self.real = WeakTensorKeyDictionary()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from torch.utils._python_dispatch import _disable_current_modes
+        kwargs = kwargs or {}
+        if func in self._READS and isinstance(args[0], torch.Tensor) and args[0] in self.real:
+            with _disable_current_modes():
+                return func(self.real[args[0]], *args[1:])
+        out = func(*args, **kwargs)
+        tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+        name = getattr(func, "__name__", "")
+        if not all(t in self.real for t in tensors) or _random(name):
+            if tensors and (name.endswith("_") or "out" in kwargs):
+                self.real.pop(tensors[0], None)  # mutated by unknown values: no longer known
+            return out
+        outs = [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor)]
+        if not outs or any(o.numel() > self.LIMIT for o in outs):
+            return out
+        with _disable_current_modes():
+            try:
+                real_args = pytree.tree_map_only(torch.Tensor, lambda t: self.real[t], (args, kwargs))
+                real_out = func(*real_args[0], **real_args[1])
+            except Exception:  # no real value after all: the fake result stands alone
+                return out
+        reals = [r for r in pytree.tree_leaves(real_out) if isinstance(r, torch.Tensor)]
+        if len(reals) == len(outs):
+            for o, r in zip(outs, reals):
+                self.real[o] = r
+        return out
+
+
+def _random(name: str) -> bool:
+    return any(k in name for k in ("rand", "bernoulli", "normal", "dropout", "multinomial", "uniform",
+                                   "exponential", "poisson", "shuffle"))
+
+
+@contextmanager
+def quiet_tracing():
+    """Silence the loggers that print pages of fake-tensor internals when a trace fails (the
+    failure itself becomes one line; `--debug` shows the traceback)."""
+    loggers = [logging.getLogger(n) for n in ("torch._subclasses.fake_tensor", "torch.fx.experimental",
+                                             "torch._functorch", "torch._dynamo", "transformers")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, lv in zip(loggers, levels):
+            lg.setLevel(lv)
+
+
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                      for m in (torch, __import__("functorch")))
+_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def user_frame(exc: BaseException) -> str:
+    """`file:line` of the innermost frame of the user's code (not torch, not tensorstow, not
+    the standard library) in the exception's traceback; "" if there is none."""
+    found = ""
+    stdlib = os.path.dirname(contextlib.__file__) + os.sep
+    for fs in traceback.extract_tb(exc.__traceback__):
+        f = os.path.abspath(fs.filename)
+        if f.startswith(_LIBRARY_DIRS) or f.startswith(_OWN_DIR) or (f.startswith(stdlib) and "site-packages" not in f):
+            continue
+        found = f"{fs.filename}:{fs.lineno}"
+    return found
+
+
+def tracing_failure(model_name: str, e: BaseException) -> str:
+    """One line: what failed, where in the user's code, and what to do."""
+    where = user_frame(e)
+    at = f" at {where}" if where else ""
+    first = str(e).splitlines()[0] if str(e) else ""
+    name = type(e).__name__
+    if "DataDependent" in name or "data-dependent" in first.lower() or "_local_scalar_dense" in first:
+        return (f"model '{model_name}': data-dependent control flow{at}: forward reads a tensor's value "
+                f"(`if t:`, `.item()`, `.tolist()`) that depends on the data or the parameters ({name}); "
+                f"tensorstow plans one static schedule, so branches may depend on shapes only: compute "
+                f"both sides with torch.where, or move the check out of forward")
+    return (f"model '{model_name}': tracing failed{at} ({name}: {first}); forward(idx, targets) must run "
+            f"under torch.fx/aot tracing on fake tensors (run with --debug for the traceback)")
 
 
 def _is_fake(t) -> bool:
@@ -197,7 +337,7 @@ def _flops(node: fx.Node) -> int:
         return 0
 
 
-def _build_ir(gm, bounds, n_layers, param_names, model_name, batch, seq, precision,
+def _build_ir(gm, bounds, n_layers, param_names, trainable, model_name, batch, seq, precision,
               replicate_to) -> Graph:
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
@@ -303,25 +443,21 @@ def _build_ir(gm, bounds, n_layers, param_names, model_name, batch, seq, precisi
     param_tag: dict[str, str] = {}
     for n in nodes:
         if n.op == "placeholder":
-            kind[n.name] = "parameter" if n.name in param_of_ph else "input"
-            param_tag[n.name] = param_of_ph.get(n.name, "")
+            p = param_of_ph.get(n.name)
+            kind[n.name] = "input" if p is None else "parameter" if p in trainable else "constant"
+            param_tag[n.name] = p or ""
     for name, p in grad_of.items():
         for nm in {name, root[name]}:
-            if kind.get(nm) not in ("parameter", "input"):
+            if kind.get(nm) not in ("parameter", "constant", "input"):
                 kind[nm], param_tag[nm] = "gradient", p
     for name in fwd_saved:
         for nm in (name, root[name]):
             kind.setdefault(nm, "saved_activation")
     for name, r in root.items():
-        if r != name and kind.get(r) in ("parameter", "input") and name not in kind:
+        if r != name and kind.get(r) in ("parameter", "constant", "input") and name not in kind:
             kind[name], param_tag[name] = kind[r], param_tag[r]
 
-    owner = {}  # param name -> block (block of first op that reads it)
-    for op in ops:
-        for a in op.inputs:
-            p = param_of_ph.get(a)
-            if p and p not in owner:
-                owner[p] = op.block
+    owner = _owners(ops, param_of_ph, grad_of, root, op_index, n_layers)
     tensors: dict[str, Tensor] = {}
     for n in nodes:
         v = _val(n)
@@ -346,7 +482,7 @@ def _build_ir(gm, bounds, n_layers, param_names, model_name, batch, seq, precisi
     grad_node_of = {p: g for g, p in grad_of.items()}
     block_names = ["pre"] + [f"b{i}" for i in range(n_layers)] + ["post"] if n_layers else ["b0"]
     for b in block_names:
-        ps = sorted(p for p, ob in owner.items() if ob == b)
+        ps = sorted(p for p, ob in owner.items() if ob == b and p in trainable)
         if not ps:
             continue
         idx = len(ops)
@@ -374,6 +510,35 @@ def _build_ir(gm, bounds, n_layers, param_names, model_name, batch, seq, precisi
                  compute_dtype=_DTYPE_NAME[PRECISIONS[precision]], ops=tuple(ops),
                  tensors=tuple(tensors[k] for k in sorted(tensors)), blocks=tuple(blocks),
                  traced_layers=n_layers)
+
+
+def _owners(ops, param_of_ph, grad_of, root, op_index, n_layers) -> dict[str, str]:
+    """Model state name -> the block that owns it (whose P:/C: buffer holds it).
+
+    A trainable parameter belongs to the block whose backward produces its final gradient
+    (for a weight tied across blocks, where the contributions are summed); anything else to
+    the first block that reads it. Every other reader must run its backward before the
+    owner's, so the single update comes after every use (tied embedding = LM head: the head
+    in `post` reads the embedding owned by `pre`)."""
+    owner: dict[str, str] = {}
+    readers: dict[str, list[str]] = {}
+    for op in ops:
+        for a in op.inputs:
+            p = param_of_ph.get(a)
+            if p:
+                owner.setdefault(p, op.block)
+                readers.setdefault(p, []).append(op.block)
+    for g, p in grad_of.items():
+        owner[p] = ops[op_index[root[g]]].block if root[g] in op_index else owner.get(p, "pre")
+    order = {b: i for i, b in enumerate(["pre"] + [f"b{i}" for i in range(n_layers)] + ["post"])}
+    for p, blocks in readers.items():
+        early = [b for b in blocks if order.get(b, 0) < order.get(owner[p], 0)]
+        if p in grad_of.values() and early:
+            raise TensorstowError(
+                f"parameter {p} is read by block {early[0]} but its gradient is completed in block "
+                f"{owner[p]}, which runs backward first; tensorstow updates it once after its last use, "
+                f"so a shared parameter must be owned by the earliest block that reads it")
+    return owner
 
 
 def _numel(shape) -> int:
@@ -413,12 +578,14 @@ def _signature(block: str, ops: list[Op], tensors: dict[str, Tensor], params: li
 
 
 def _blocks(ops, tensors, owner, block_names, n_layers, replicate_to) -> list[Block]:
-    ph_by_param = {t.param: t for t in tensors.values() if t.kind == "parameter" and t.storage == t.name}
+    ph_by_name = {t.param: t for t in tensors.values()
+                  if t.kind in ("parameter", "constant") and t.storage == t.name and t.producer is None}
     info = {}
     for b in block_names:
-        ps = sorted(p for p, ob in owner.items() if ob == b)
-        count = sum(_numel(ph_by_param[p].shape) for p in ps)
-        sig = _signature(b, ops, tensors, [ph_by_param[p].name for p in ps])
+        state = sorted(p for p, ob in owner.items() if ob == b)
+        ps = [p for p in state if ph_by_name[p].kind == "parameter"]
+        count = sum(_numel(ph_by_name[p].shape) for p in ps)
+        sig = _signature(b, ops, tensors, [ph_by_name[p].name for p in state])
         kind = "layer" if b.startswith("b") else b
         info[b] = Block(name=b, kind=kind, params=tuple(ps), param_count=count, signature=sig, profile=b)
     if replicate_to is None or replicate_to == n_layers:
@@ -457,7 +624,7 @@ def trace_spec(spec, *, batch: int, seq: int | None = None, precision: str = "fp
         replicate = None if depth == cfg.n_layer else cfg.n_layer
     else:
         with fm:
-            model = spec.build()
+            model = spec.build(weights=False)
         replicate = None
         if seq is None:
             seq = getattr(model, "block_size", None)

@@ -32,10 +32,18 @@ class BlockProfile:
     """Roofline time of the forward on the GPU."""
     bwd_time_s: float
     param_count: int
+    """Trainable parameters."""
+    const_bytes: int
+    """Frozen parameters and buffers the block owns (read-only: C:<b>)."""
+    reads: tuple[str, ...]
+    """Other blocks whose parameters or constants this block's ops read (a tied embedding read
+    by the LM head in `post`): their P:/C: buffers must be on the device when it runs."""
     saved_bytes: int
     """Activations produced in the block and read by its backward (A_i)."""
     input_bytes: int
-    """Activations produced before the block and read by its backward: its checkpoint X_i."""
+    """Values produced by other blocks' forward and read by this block (forward or backward):
+    its checkpoint X_i, from which a recompute can rerun the forward (hidden state, masks,
+    rotary tables)."""
     output_bytes: int
     """Bytes the block's forward hands to the next block."""
     fwd_workspace: int
@@ -44,8 +52,17 @@ class BlockProfile:
     """Peak temporaries of the backward plus the incoming activation gradient."""
     opt_workspace: int
     """Scratch of a GPU Adam step: two fp32 tensors the size of the block's largest parameter."""
+    carried_bytes: int
+    """Values the block's backward makes for a backward other than the next one (a tied
+    weight's partial gradient, summed where the weight is owned): T:<b>."""
+    carried_until: str
+    """The block whose backward reads T:<b> last ("" if nothing is carried)."""
     saved: tuple[tuple[str, int, int], ...]
     """(tensor, bytes, FLOPs of the op that produced it) for each saved storage."""
+    inputs: tuple[str, ...] = ()
+    """Storage roots of X:<b>."""
+    carried: tuple[str, ...] = ()
+    """Storage roots of T:<b>."""
 
 
 def op_time(flops: int, nbytes: int, hw: Hardware, gpu: int = 0) -> float:
@@ -57,6 +74,10 @@ def profiles(graph: Graph, hw: Hardware) -> dict[str, BlockProfile]:
     """One profile per traced block."""
     tensors = {t.name: t for t in graph.tensors}
     ops = graph.ops
+    order = [b.name for b in graph.blocks]
+    readers: dict[str, set[int]] = {}  # storage root -> ops that read it or a view of it
+    for t in tensors.values():
+        readers.setdefault(t.storage, set()).update(t.consumers)
     out: dict[str, BlockProfile] = {}
     for b in {blk.profile for blk in graph.blocks}:
         fwd = [o for o in ops if o.block == b and o.phase == "fwd"]
@@ -65,23 +86,21 @@ def profiles(graph: Graph, hw: Hardware) -> dict[str, BlockProfile]:
         bwd_idx = {o.index for o in bwd}
         saved, inputs = {}, {}
         for t in tensors.values():
-            if t.kind != "saved_activation" or t.storage != t.name:
+            if t.storage != t.name or t.producer is None or ops[t.producer].phase != "fwd":
                 continue
-            readers = set(t.consumers)
-            # a saved storage is read by this block's backward through itself or a view
-            for v in tensors.values():
-                if v.storage == t.name and v.name != t.name:
-                    readers |= set(v.consumers)
-            if not readers & bwd_idx:
-                continue
-            pflops = ops[t.producer].flops if t.producer is not None else 0
-            (saved if t.producer in fwd_idx else inputs)[t.name] = (t.nbytes, pflops)
+            reads = readers[t.name]
+            if t.producer in fwd_idx:
+                if t.kind == "saved_activation" and reads & bwd_idx:
+                    saved[t.name] = (t.nbytes, ops[t.producer].flops)
+            elif reads & (fwd_idx | bwd_idx) and t.kind not in ("gradient",):
+                inputs[t.name] = (t.nbytes, ops[t.producer].flops)
         nxt = set()
         for o in fwd:
             for name in o.outputs:
                 t = tensors[name]
                 if any(c not in fwd_idx and ops[c].phase == "fwd" for c in t.consumers):
                     nxt.add(t.storage)
+        carried, until = _carried(b, bwd, tensors, ops, readers, order)
         largest = max((_numel(t.shape) for t in tensors.values()
                        if t.kind == "parameter" and t.storage == t.name and t.block == b), default=0)
         out[b] = BlockProfile(
@@ -92,6 +111,9 @@ def profiles(graph: Graph, hw: Hardware) -> dict[str, BlockProfile]:
             fwd_time_s=sum(op_time(o.flops, o.bytes_in + o.bytes_out, hw) for o in fwd),
             bwd_time_s=sum(op_time(o.flops, o.bytes_in + o.bytes_out, hw) for o in bwd),
             param_count=next(blk.param_count for blk in graph.blocks if blk.name == b),
+            const_bytes=sum(t.nbytes for t in tensors.values() if t.kind == "constant" and t.block == b
+                            and t.storage == t.name and t.producer is None),
+            reads=_foreign_reads(b, fwd + bwd, tensors),
             saved_bytes=sum(v[0] for v in saved.values()),
             input_bytes=sum(v[0] for v in inputs.values()),
             output_bytes=sum(tensors[n].nbytes for n in sorted(nxt)),
@@ -100,8 +122,44 @@ def profiles(graph: Graph, hw: Hardware) -> dict[str, BlockProfile]:
             fwd_workspace=_workspace(fwd, tensors, ops),
             bwd_workspace=_workspace(bwd, tensors, ops) + sum(tensors[n].nbytes for n in sorted(nxt)),
             opt_workspace=2 * 4 * largest,
-            saved=tuple(sorted((k, v[0], v[1]) for k, v in saved.items())))
+            carried_bytes=sum(tensors[n].nbytes for n in carried), carried_until=until,
+            saved=tuple(sorted((k, v[0], v[1]) for k, v in saved.items())),
+            inputs=tuple(sorted(inputs)), carried=carried)
     return out
+
+
+def _foreign_reads(b: str, seg_ops, tensors) -> tuple[str, ...]:
+    """Blocks other than b that own a parameter or constant b's ops read."""
+    out = set()
+    for o in seg_ops:
+        for a in o.inputs:
+            t = tensors[a]
+            if t.kind in ("parameter", "constant"):
+                root = tensors[t.storage]
+                if root.producer is None and root.block != b:
+                    out.add(root.block)
+    return tuple(sorted(out))
+
+
+def _carried(b, bwd, tensors, ops, readers, order) -> tuple[tuple[str, ...], str]:
+    """Roots made by b's backward and read by a backward other than the next one (the block
+    before b), with the block that reads them last. The activation gradient handed to the
+    next backward is not carried: it is in that block's `bwd_workspace`."""
+    bwd_idx = {o.index for o in bwd}
+    k = order.index(b) if b in order else -1
+    prev = order[k - 1] if k > 0 else None
+    names, until = [], ""
+    for o in bwd:
+        for name in o.outputs:
+            t = tensors[name]
+            if t.storage != name or t.kind == "gradient":
+                continue
+            blocks = {ops[c].block for c in readers[name] if c not in bwd_idx and ops[c].phase == "bwd"}
+            if blocks and blocks != {prev}:
+                names.append(name)
+                last = min(blocks, key=order.index)
+                until = min((until, last), key=order.index) if until else last
+    return tuple(sorted(names)), until
 
 
 def _numel(shape) -> int:

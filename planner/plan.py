@@ -180,7 +180,9 @@ def _r(x: float) -> float:
 
 def _profile_json(p: cost.BlockProfile) -> dict:
     d = dataclasses.asdict(p)
-    d.pop("saved")
+    for names in ("saved", "inputs", "carried"):
+        d.pop(names)
+    d["reads"] = list(p.reads)
     d["fwd_time_s"], d["bwd_time_s"] = _r(p.fwd_time_s), _r(p.bwd_time_s)
     d["fwd_ops"], d["bwd_ops"] = list(p.fwd_ops), list(p.bwd_ops)
     return d

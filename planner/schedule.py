@@ -7,7 +7,9 @@ their plans differ only where their decisions differ and are compared on one yar
 Buffers are per block and per kind (granularity: a block's activations move as one unit):
   P:<b>  parameters in compute precision        G:<b>  their gradient (compute precision)
   M:<b>  fp32 master copy (mixed precision)     OS:<b> Adam exp_avg + exp_avg_sq (fp32)
+  C:<b>  constants: frozen parameters, buffers (read-only: loaded like P, never written back)
   X:<b>  the block's input checkpoint           A:<b>  activations saved inside the block
+  T:<b>  values b's backward carries to a later backward (a tied weight's partial gradient)
   W:<b>  transient workspace of a segment
 """
 from __future__ import annotations
@@ -129,6 +131,10 @@ def buffers_for(order: list[str], prof: dict[str, BlockProfile], profile_of: dic
             if mixed:
                 out[f"M:{b}"] = Buffer(f"M:{b}", 4 * n, "optimizer_state", b, d.states)
             out[f"OS:{b}"] = Buffer(f"OS:{b}", 8 * n, "optimizer_state", b, d.states)
+        if p.const_bytes:
+            out[f"C:{b}"] = Buffer(f"C:{b}", p.const_bytes, "constant", b, d.params)
+        if p.carried_bytes:
+            out[f"T:{b}"] = Buffer(f"T:{b}", p.carried_bytes, "temporary", b)
         if p.input_bytes:
             out[f"X:{b}"] = Buffer(f"X:{b}", p.input_bytes, "saved_activation", b)
         if p.saved_bytes:
@@ -201,9 +207,46 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
     for n, t in home.items():
         e.where[(n, t)] = None
     dec = decisions.blocks
-    streamed = [b for b in order if has(f"P:{b}") and dec[b].params != "gpu"]
+
+    def state(b: str) -> list[str]:
+        """The block's parameter-like buffers: what its segments read of its own state."""
+        return [x for x in (f"P:{b}", f"C:{b}") if has(x)]
+
+    streamed = [b for b in order if state(b) and dec[b].params != "gpu"]
     last_fwd = order[-1]
     mixed = any(n.startswith("M:") for n in buffers)
+
+    def load_state(b: str, gate) -> int | None:
+        last = None
+        for x in state(b):
+            last = e.move(x, home[x], gpu, (gate,))
+        return last
+
+    def free_state(b: str, after: int) -> int | None:
+        last = None
+        for x in state(b):
+            last = e.free(x, gpu, (after,))
+        return last
+
+    def load_foreign(b: str) -> list[int]:
+        """Bring the other blocks' P:/C: buffers that b reads (tied or shared weights); returns
+        the loads, to wait for, and records which copies b must release after it runs."""
+        ready = []
+        for o in prof[profile_of[b]].reads:
+            for x in state(o):
+                if (x, gpu) in e.where:  # resident, or loaded and not yet released by its owner
+                    if e.where[(x, gpu)] is not None:
+                        ready.append(e.where[(x, gpu)])
+                    continue
+                ready.append(e.move(x, home[x], gpu))
+                borrowed.append(x)
+        return ready
+
+    def release_foreign(after: int) -> None:
+        while borrowed:
+            e.free(borrowed.pop(), gpu, (after,))
+
+    borrowed: list[str] = []
 
     # ---- forward ----------------------------------------------------------------------------
     frees_fwd: dict[str, int] = {}
@@ -211,10 +254,11 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
     for b in order:
         d = dec[b]
         p_ready = None
-        if has(f"P:{b}") and d.params != "gpu":
+        if state(b) and d.params != "gpu":
             k = streamed.index(b)
             gate = frees_fwd.get(streamed[k - 1 - decisions.prefetch]) if k - 1 - decisions.prefetch >= 0 else None
-            p_ready = e.move(f"P:{b}", home[f"P:{b}"], gpu, (gate,))
+            p_ready = load_state(b, gate)
+        foreign = load_foreign(b)
         allocs = [x for x in (f"A:{b}",) if has(x) and d.activations != "recompute"]
         nxt = order[order.index(b) + 1] if b != last_fwd else None
         if nxt and has(f"X:{nxt}"):
@@ -222,12 +266,13 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
         # Back-pressure: a forward may run at most prefetch+1 blocks ahead of the swap-outs.
         k_fwd = order.index(b)
         gate_swap = swap_outs.get(order[k_fwd - 2 - decisions.prefetch]) if k_fwd - 2 - decisions.prefetch >= 0 else None
-        c = e.emit("compute", comp, (p_ready, gate_swap), segment=f"fwd:{b}", allocs=tuple(allocs),
+        c = e.emit("compute", comp, (p_ready, gate_swap, *foreign), segment=f"fwd:{b}", allocs=tuple(allocs),
                    workspace=f"W:fwd:{b}" if has(f"W:fwd:{b}") else "")
+        release_foreign(c)
         for a in allocs:
             e.where[(a, gpu)] = c
-        if has(f"P:{b}") and d.params != "gpu" and b != last_fwd:
-            frees_fwd[b] = e.free(f"P:{b}", gpu, (c,))
+        if state(b) and d.params != "gpu" and b != last_fwd:
+            frees_fwd[b] = free_state(b, c)
         if has(f"A:{b}") and d.activations in ("swap_dram", "swap_ssd"):
             s = e.move(f"A:{b}", gpu, "dram" if d.activations == "swap_dram" else "ssd", (c,))
             swap_outs[b] = e.free(f"A:{b}", gpu, (s,))
@@ -277,13 +322,15 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
                 e.free(s, tier, (last,))
         prev_write[0] = last
 
+    carry_until = {b: prof[profile_of[b]].carried_until for b in order if has(f"T:{b}")}
     for b in bwd_order:
         d = dec[b]
         deps = []
-        if has(f"P:{b}") and d.params != "gpu" and b != last_fwd:
+        if state(b) and d.params != "gpu" and b != last_fwd:
             k = bwd_streamed.index(b)
             gate = frees_bwd.get(bwd_streamed[k - 1 - decisions.prefetch]) if k - 1 - decisions.prefetch >= 0 else None
-            deps.append(e.move(f"P:{b}", home[f"P:{b}"], gpu, (gate,)))
+            deps.append(load_state(b, gate))
+        deps += load_foreign(b)
         if has(f"X:{b}") and d.checkpoint != "gpu":
             deps.append(e.move(f"X:{b}", d.checkpoint, gpu))
         if has(f"A:{b}"):
@@ -297,20 +344,23 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
                 deps.append(r)
         if has(f"X:{b}") and d.checkpoint != "gpu":
             e.free(f"X:{b}", d.checkpoint, (deps[-1] if deps else None,))
-        allocs = (f"G:{b}",) if has(f"G:{b}") else ()
+        allocs = tuple(x for x in (f"G:{b}", f"T:{b}") if has(x))
         if decisions.grad_buffers and has(f"G:{b}") and d.optimizer == "cpu":
             if len(cpu_grads) >= decisions.grad_buffers and decisions.overlap_optimizer:
                 deps.append(g_freed[cpu_grads[-decisions.grad_buffers]])
             cpu_grads.append(b)
         c = e.emit("compute", comp, tuple(deps), segment=f"bwd:{b}", allocs=allocs,
                    workspace=f"W:bwd:{b}" if has(f"W:bwd:{b}") else "")
+        release_foreign(c)
         for a in allocs:
             e.where[(a, gpu)] = c
         for x in (f"A:{b}", f"X:{b}"):
             if has(x):
                 e.free(x, gpu, (c,))
-        if has(f"P:{b}") and d.params != "gpu":
-            frees_bwd[b] = e.free(f"P:{b}", gpu, (c,))
+        for t in sorted(t for t, until in carry_until.items() if until == b):
+            e.free(f"T:{t}", gpu, (c,))
+        if state(b) and d.params != "gpu":
+            frees_bwd[b] = free_state(b, c)
         if has(f"G:{b}"):
             if d.optimizer == "cpu":
                 s = e.move(f"G:{b}", gpu, "dram", (c,))
