@@ -177,6 +177,9 @@ def _load_factory(ref: str):
 def resolve_model(name: str) -> ModelSpec:
     if name in PRESETS:
         return ModelSpec(name, PRESETS[name])
+    if name.startswith("<"):
+        raise TensorstowError(f"model '{name}': the plan was made from a Python object with "
+                              f"tensorstow.plan(model); run it from Python: tensorstow.Executor(plan, model)")
     from tensorstow.ir import hf
     if name.startswith(hf.PREFIX):
         hf.check_dir(name)

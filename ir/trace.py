@@ -80,8 +80,10 @@ def trace(model: nn.Module, *, batch: int, seq: int, precision: str = "fp32",
     vocab = getattr(model, "vocab_size", None)
     block_size = getattr(model, "block_size", None)
     if vocab is None or block_size is None:
-        raise TensorstowError(f"model '{model_name}' lacks `vocab_size`/`block_size` attributes "
-                              f"(nanoGPT convention: forward(idx, targets) -> loss)")
+        raise TensorstowError(f"model '{model_name}' ({type(model).__name__}, {forward_site(model)}) lacks "
+                              f"`vocab_size`/`block_size` attributes: set them in __init__ (nanoGPT "
+                              f"convention: forward(idx, targets) -> loss), or use hf:DIR for a Hugging "
+                              f"Face model")
     if seq > block_size:
         raise TensorstowError(f"--seq {seq} exceeds the model's block_size {block_size}")
     dtype = PRECISIONS[precision]
@@ -119,7 +121,7 @@ def trace(model: nn.Module, *, batch: int, seq: int, precision: str = "fp32",
     from torch.func import functional_call
 
     def step(p, b, i, t):
-        return loss_of(functional_call(model, {**p, **b}, (i, t)), model_name)
+        return loss_of(functional_call(model, {**p, **b}, (i, t)), f"{model_name}' ({forward_site(model)})")
 
     try:
         with fm, quiet_tracing(), ShapeConstants():
@@ -145,6 +147,16 @@ def trace(model: nn.Module, *, batch: int, seq: int, precision: str = "fp32",
     return Traced(graph=graph, gm=gm, param_names=state_names, trainable=trainable)
 
 
+def forward_site(model: nn.Module) -> str:
+    """`file:line` of the model's forward, for messages about what it returns."""
+    import inspect
+    fn = type(model).forward
+    try:
+        return f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
+    except (OSError, TypeError):
+        return type(model).__qualname__ + ".forward"
+
+
 def loss_of(out, model_name: str) -> torch.Tensor:
     """The scalar loss of a forward's result: the result itself, or the one 0-dim floating
     tensor of a tuple / dict / ModelOutput (nanoGPT returns `(logits, loss)`)."""
@@ -152,7 +164,7 @@ def loss_of(out, model_name: str) -> torch.Tensor:
         if out.dim() == 0:
             return out
         raise TensorstowError(
-            f"model '{model_name}': forward returned a tensor of shape {tuple(out.shape)}, not a scalar "
+            f"model '{model_name}: forward returned a tensor of shape {tuple(out.shape)}, not a scalar "
             f"loss; return the loss (forward(idx, targets) -> loss), or use hf:DIR, which applies the "
             f"loss contract to a Hugging Face model's logits")
     leaves = pytree.tree_leaves(dict(out) if isinstance(out, dict) else out)
@@ -160,7 +172,7 @@ def loss_of(out, model_name: str) -> torch.Tensor:
     if len(scalars) == 1:
         return scalars[0]
     raise TensorstowError(
-        f"model '{model_name}': forward returned {type(out).__name__} with {len(scalars)} scalar tensors; "
+        f"model '{model_name}: forward returned {type(out).__name__} with {len(scalars)} scalar tensors; "
         f"tensorstow needs one scalar loss: return it alone (forward(idx, targets) -> loss)")
 
 

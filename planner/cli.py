@@ -309,9 +309,13 @@ def cmd_demo() -> int:
 
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tensorstow", description=__doc__.splitlines()[0])
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="on an error, also print the full traceback")
     sub = ap.add_subparsers(dest="cmd")
+    _add = sub.add_parser
+    sub.add_parser = lambda *a, **kw: _add(*a, parents=[common], **kw)  # every command takes --debug
     p = sub.add_parser("plan", help="trace a model and write its static schedule")
-    p.add_argument("model", help="preset (gpt3-13b, gpt-tiny, ...) or pkg.module:factory")
+    p.add_argument("model", help="preset (gpt3-13b, gpt-tiny, ...), hf:DIR or pkg.module:factory")
     p.add_argument("--hw", default="local", help="hardware preset, spec file, or 'local' (probe this machine)")
     p.add_argument("--policy", default="auto", help="all-gpu, zero-infinity, ilp, ... or auto (fastest feasible)")
     p.add_argument("--batch", type=int, default=0, help="micro-batch size (default: preset's, else 1)")
@@ -384,6 +388,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.fn(args)
     except TensorstowError as e:
+        if args.debug:
+            import traceback
+            traceback.print_exception(e)
         print(f"tensorstow: error: {e}", file=sys.stderr)
         return 2
 

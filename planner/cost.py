@@ -56,7 +56,8 @@ class BlockProfile:
     """Values the block's backward makes for a backward other than the next one (a tied
     weight's partial gradient, summed where the weight is owned): T:<b>."""
     carried_until: str
-    """The block whose backward reads T:<b> last ("" if nothing is carried)."""
+    """Profile of the block whose backward reads T:<b> last ("" if nothing is carried): T:<b>
+    is released after the first backward of such a block that follows b's."""
     saved: tuple[tuple[str, int, int], ...]
     """(tensor, bytes, FLOPs of the op that produced it) for each saved storage."""
     inputs: tuple[str, ...] = ()
@@ -74,7 +75,7 @@ def profiles(graph: Graph, hw: Hardware) -> dict[str, BlockProfile]:
     """One profile per traced block."""
     tensors = {t.name: t for t in graph.tensors}
     ops = graph.ops
-    order = [b.name for b in graph.blocks]
+    order = [blk.profile for blk in graph.blocks]  # forward order, as the ops name their blocks
     readers: dict[str, set[int]] = {}  # storage root -> ops that read it or a view of it
     for t in tensors.values():
         readers.setdefault(t.storage, set()).update(t.consumers)
@@ -143,10 +144,11 @@ def _foreign_reads(b: str, seg_ops, tensors) -> tuple[str, ...]:
 
 def _carried(b, bwd, tensors, ops, readers, order) -> tuple[tuple[str, ...], str]:
     """Roots made by b's backward and read by a backward other than the next one (the block
-    before b), with the block that reads them last. The activation gradient handed to the
-    next backward is not carried: it is in that block's `bwd_workspace`."""
+    before b), with the profile of the block that reads them last. The activation gradient
+    handed to the next backward is not carried: it is in that block's `bwd_workspace`.
+    `order`: the profile of every block in forward order (replicas repeat their profile)."""
     bwd_idx = {o.index for o in bwd}
-    k = order.index(b) if b in order else -1
+    k = order.index(b)
     prev = order[k - 1] if k > 0 else None
     names, until = [], ""
     for o in bwd:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from tensorstow import TensorstowError
 from tensorstow.ir.graph import Graph
 from tensorstow.ir.models import DEFAULT_BATCH, resolve_model
-from tensorstow.ir.trace import PRECISIONS, trace_spec
+from tensorstow.ir.trace import PRECISIONS, trace, trace_spec
 from tensorstow.planner import cost
 from tensorstow.planner.hardware import Hardware
 from tensorstow.planner.schedule import Buffer, Decisions, Instr, buffers_for, lower
@@ -25,7 +25,8 @@ TIER_NAMES = ("gpu", "dram", "ssd")
 @dataclass(frozen=True, kw_only=True)
 class Options:
     model: str
-    """Preset name or `pkg.module:factory`."""
+    """Preset name, `hf:DIR`, `pkg.module:factory`, or `<ClassName>` for a module given to the
+    Python API (such a plan is executed from Python: `tensorstow.Executor(plan, model)`)."""
     hardware: str
     """Preset name, spec file, or "local"."""
     policy: str = "auto"
@@ -86,14 +87,19 @@ class Problem:
                 "ssd": self.hw.ssd.count * self.hw.ssd.capacity_bytes}
 
 
-def build_problem(options: Options, hw: Hardware) -> Problem:
+def build_problem(options: Options, hw: Hardware, model=None) -> Problem:
+    """`model`: an nn.Module to trace instead of building `options.model` (the Python API)."""
     if options.optimizer not in ("adam", "adamw"):
         raise TensorstowError(f"unknown optimizer '{options.optimizer}': use adam or adamw")
     if options.precision not in PRECISIONS:
         raise TensorstowError(f"unknown precision '{options.precision}': use one of {sorted(PRECISIONS)}")
-    spec = resolve_model(options.model)
     batch = options.batch or DEFAULT_BATCH.get(options.model, 1)
-    traced = trace_spec(spec, batch=batch, seq=options.seq or None, precision=options.precision)
+    if model is not None:
+        traced = trace(model, batch=batch, seq=options.seq or getattr(model, "block_size", 0) or 1,
+                       precision=options.precision, model_name=options.model)
+    else:
+        traced = trace_spec(resolve_model(options.model), batch=batch, seq=options.seq or None,
+                            precision=options.precision)
     g = traced.graph
     return Problem(graph=g, hw=hw, options=options, profiles=cost.profiles(g, hw),
                    order=[b.name for b in g.blocks], profile_of={b.name: b.profile for b in g.blocks})
@@ -266,8 +272,8 @@ def plan_problem(problem: Problem, policy: str) -> Plan:
     return policy_plan(problem, policy)
 
 
-def make_plan(options: Options, hw: Hardware) -> Plan:
-    plan = plan_problem(build_problem(options, hw), options.policy)
+def make_plan(options: Options, hw: Hardware, model=None) -> Plan:
+    plan = plan_problem(build_problem(options, hw, model), options.policy)
     over = plan.over_capacity()
     if over:
         raise TensorstowError(infeasible_message(plan, over))

@@ -357,8 +357,9 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
         for x in (f"A:{b}", f"X:{b}"):
             if has(x):
                 e.free(x, gpu, (c,))
-        for t in sorted(t for t, until in carry_until.items() if until == b):
+        for t in sorted(t for t, until in carry_until.items() if until == profile_of[b]):
             e.free(f"T:{t}", gpu, (c,))
+            del carry_until[t]
         if state(b) and d.params != "gpu":
             frees_bwd[b] = free_state(b, c)
         if has(f"G:{b}"):

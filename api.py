@@ -1,0 +1,38 @@
+"""The Python API: `tensorstow.plan(...)` and `tensorstow.Executor(plan, model)`.
+
+    plan = tensorstow.plan("hf:./tiny-llama", hw="local", gpu_mem="64MB", batch=4, seq=128)
+    ex = tensorstow.Executor(plan, model)      # the model the plan was made for
+    loss = ex.step(x, y)                       # one training step, as the plan schedules it
+
+`model_or_spec` is what the CLI takes (a preset, `hf:DIR`, `pkg.module:factory`) or an
+`nn.Module` itself; a Hugging Face causal LM (or a PEFT model around one) gets the loss
+contract of `tensorstow.ir.hf`.
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from tensorstow.executor.runtime import Executor
+from tensorstow.planner.plan import Options, Plan, make_plan
+
+__all__ = ["plan", "Executor"]
+
+
+def plan(model_or_spec, *, hw: str = "local", policy: str = "auto", batch: int = 0, seq: int = 0,
+         precision: str | None = None, gpu_mem: int | str | None = None, dram: int | str | None = None,
+         ssds: int | None = None, optimizer: str = "adamw", lr: float = 1e-4,
+         betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0) -> Plan:
+    """Trace the model and plan one training step for the hardware `hw` (a preset, a spec file
+    or "local"); the same options as `tensorstow plan`. Sizes are bytes or strings ("200MB").
+    Returns the plan (`.to_json()`, `.dumps()`, `.sim.step_time_s`); raises TensorstowError
+    with one line naming the problem when it cannot."""
+    from tensorstow.ir.hf import wrap
+    from tensorstow.planner.cli import hardware_for, parse_size
+
+    module = wrap(model_or_spec) if isinstance(model_or_spec, nn.Module) else None
+    name = f"<{type(model_or_spec).__name__}>" if module is not None else str(model_or_spec)
+    size = lambda v: parse_size(v) if isinstance(v, str) else v  # noqa: E731
+    o = Options(model=name, hardware=hw, policy=policy, batch=batch, seq=seq,
+                **({"precision": precision} if precision else {}), gpu_mem=size(gpu_mem), dram=size(dram), ssds=ssds, optimizer=optimizer, lr=lr,
+                betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+    return make_plan(o, hardware_for(o), model=module)
