@@ -28,6 +28,7 @@ executor's step counter (`steps_done`, which `commit` records in the SSD store).
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import defaultdict
@@ -77,7 +78,8 @@ class Executor:
         if mode not in MODES:
             raise TensorstowError(f"unknown executor mode '{mode}': use one of {list(MODES)}")
         from tensorstow.ir.hf import wrap
-        plan = plan.to_json() if hasattr(plan, "to_json") else plan  # a planner Plan or its JSON
+        if hasattr(plan, "dumps"):  # a planner Plan: read it exactly as its JSON file would be
+            plan = json.loads(plan.dumps())
         model = wrap(model)
         self.mode = mode
         self.plan = plan

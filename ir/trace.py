@@ -73,6 +73,8 @@ def trace(model: nn.Module, *, batch: int, seq: int, precision: str = "fp32",
     `replicate_to=L` the model must have been built with 3 layers (first, middle, last);
     the IR then describes L layers, layers 1..L-2 sharing the middle layer's profile.
     """
+    from tensorstow.ir.hf import wrap
+    model = wrap(model)  # a Hugging Face causal LM given as a module gets the loss contract
     if precision not in PRECISIONS:
         raise TensorstowError(f"unknown precision '{precision}': use one of {sorted(PRECISIONS)}")
     if batch < 1 or seq < 1:
@@ -91,7 +93,12 @@ def trace(model: nn.Module, *, batch: int, seq: int, precision: str = "fp32",
     layers_name, layers = find_layers(model)
 
     def fake(t):
-        return fm.from_tensor(t) if not _is_fake(t) else t
+        if _is_fake(t):
+            return t
+        if t.device.type == "meta":  # built without memory: a CPU fake of the same shape and layout
+            with fm:
+                return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+        return fm.from_tensor(t)
 
     with fm:
         # Parameters run in the compute precision; buffers (rotary tables, masks) keep their dtype.
@@ -250,7 +257,9 @@ def quiet_tracing():
 
 _LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
                       for m in (torch, __import__("functorch")))
-_OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_OWN = tuple(os.path.join(_ROOT, d) + os.sep for d in ("ir", "planner", "executor")) + tuple(
+    os.path.join(_ROOT, f) for f in ("api.py", "__init__.py"))
 
 
 def user_frame(exc: BaseException) -> str:
@@ -260,7 +269,7 @@ def user_frame(exc: BaseException) -> str:
     stdlib = os.path.dirname(contextlib.__file__) + os.sep
     for fs in traceback.extract_tb(exc.__traceback__):
         f = os.path.abspath(fs.filename)
-        if f.startswith(_LIBRARY_DIRS) or f.startswith(_OWN_DIR) or (f.startswith(stdlib) and "site-packages" not in f):
+        if f.startswith(_LIBRARY_DIRS) or f.startswith(_OWN) or (f.startswith(stdlib) and "site-packages" not in f):
             continue
         found = f"{fs.filename}:{fs.lineno}"
     return found
@@ -300,7 +309,10 @@ def _pre_hook(bounds, i):
     def hook(mod, args):
         if i == 0:
             bounds.clear()
-        bounds[i] = [_seq(args[0]) if args else None, None]
+        lo = _seq(args[0]) if args else None
+        if lo is None:  # an input that needs no gradient (frozen embeddings): the counter itself,
+            lo = torch.autograd._get_sequence_nr() - 1  # which the tracer stamps on forward ops
+        bounds[i] = [lo, None]
     return hook
 
 
@@ -622,6 +634,26 @@ FULL_TRACE_LAYERS = 8
 """Presets up to this depth are traced layer by layer; deeper ones trace 3 and replicate."""
 
 
+def _build_without_memory(spec, fm: FakeTensorMode) -> nn.Module:
+    """The model for tracing, built on fake tensors; a factory whose code cannot run on them
+    (PEFT moves adapters with swap_tensors) is built on the meta device, and one that fails
+    there too is built for real (its parameters then take host memory while planning)."""
+    try:
+        with fm:
+            return spec.build(weights=False)
+    except TensorstowError:
+        raise
+    except Exception:
+        pass
+    try:
+        with torch.device("meta"):
+            return spec.build(weights=False)
+    except TensorstowError:
+        raise
+    except Exception:
+        return spec.build(weights=False)
+
+
 def trace_spec(spec, *, batch: int, seq: int | None = None, precision: str = "fp32") -> Traced:
     """Trace a ModelSpec. Presets deeper than FULL_TRACE_LAYERS are built with 3 layers (first,
     middle, last) on fake tensors and replicated by similarity: the middle layer's profile
@@ -635,8 +667,7 @@ def trace_spec(spec, *, batch: int, seq: int | None = None, precision: str = "fp
             model = spec.build(n_layer=depth)
         replicate = None if depth == cfg.n_layer else cfg.n_layer
     else:
-        with fm:
-            model = spec.build(weights=False)
+        model = _build_without_memory(spec, fm)
         replicate = None
         if seq is None:
             seq = getattr(model, "block_size", None)

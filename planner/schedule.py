@@ -325,6 +325,8 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
     carry_until = {b: prof[profile_of[b]].carried_until for b in order if has(f"T:{b}")}
     for b in bwd_order:
         d = dec[b]
+        if prof[profile_of[b]].bwd_ops[0] < 0:
+            continue  # nothing below needs a gradient and nothing here trains (frozen embeddings)
         deps = []
         if state(b) and d.params != "gpu" and b != last_fwd:
             k = bwd_streamed.index(b)

@@ -84,10 +84,11 @@ def test_sigkill_then_resume_equals_uninterrupted(ssd_plan, tmp_path):
         p.send_signal(signal.SIGKILL)
         p.wait()
         step, _ = committed_state(ssd_plan, state)
-        assert step is not None and target <= step < STEPS
+        # the child may have run to the end before its output was read (a loaded machine)
+        assert step is not None and target <= step <= STEPS
         r = execute(ssd_plan, state)
         assert r.returncode == 0, r.stderr
-        assert f"resuming from step {step}" in r.stdout
+        assert (f"resuming from step {step}" if step < STEPS else "nothing to do") in r.stdout
         final_step, final = committed_state(ssd_plan, state)
         assert final_step == STEPS
         for name, buf in ref_state.items():
