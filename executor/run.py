@@ -46,7 +46,7 @@ def execute(plan: dict, *, steps: int, data: str = "synthetic", state_dir: str |
     log = open(log_json, "a") if log_json else None
     times, losses = [], []
     try:
-        for k, (x, y) in enumerate(batches(data, m["batch"], m["seq"], model.vocab_size, steps, seed, start), start):
+        for k, (x, y) in enumerate(batches(data, m["batch"], m["seq"], ex.vocab, steps, seed, start), start):
             t0 = time.perf_counter()
             loss = ex.step(x, y)
             dt = time.perf_counter() - t0

@@ -41,7 +41,7 @@ from tensorstow import TensorstowError
 from tensorstow.executor.segments import Joint
 from tensorstow.executor.stores import (DeviceTier, FileStore, HostCopy, HostTier, Layout, SSDTier,
                                         contiguous_stride)
-from tensorstow.ir.trace import Traced, trace
+from tensorstow.ir.trace import Traced, model_dims, trace
 from tensorstow.planner.schedule import Instr
 
 MODES = ("sync", "overlap")
@@ -152,7 +152,7 @@ class Executor:
 
         self.stash, self.drop, self.keep = self._temporaries()
         self.adam = {b: _Adam(plan["options"]) for b in self.block_params if self.block_params[b]}
-        self.vocab = getattr(model, "vocab_size", None)
+        self.vocab = model_dims(model)[0]
         self.steps_done = 0
         self.timeline: list[tuple[int, float, float]] = []
         self.loss: float | None = None
@@ -294,7 +294,8 @@ class Executor:
                 for a in ins.allocs:
                     need |= set(self.members.get(a, ())) - seg.produced
                 for r in sorted(need):
-                    if r in j.inputs or any((h, "gpu0") in present for h in self.holders.get(r, ())):
+                    if r in j.inputs or r in j.constants or any((h, "gpu0") in present
+                                                                 for h in self.holders.get(r, ())):
                         continue
                     made = last_made.get(r)
                     if made is None or (ins.id in backward and made not in backward):
@@ -399,7 +400,8 @@ class Executor:
         tdtype, tshape = j.meta(j.inputs[2])
         vals = (idx.to(self.device, copy=True), targets.to(self.device, copy=True),
                 torch.ones(tshape, dtype=tdtype, device=self.device))
-        for name, v in zip(j.inputs, vals):
+        vals += tuple(c.to(self.device, copy=True) for c in j.constants.values())
+        for name, v in zip((*j.inputs, *j.constants), vals):
             self.dev.hold(v, name)
             self.inputs[name] = v
         self.loss = None

@@ -55,6 +55,11 @@ class Joint:
         """Parameter name -> its placeholder (primals_k)."""
         self.inputs = tuple(n.name for n in ph[len(names):])
         """idx, targets and the loss tangent: given by the caller every step."""
+        self.constants = {n.name: getattr(gm, n.target) for n in nodes if n.op == "get_attr"}
+        """Literals of forward (`torch.tensor([...])`), part of the graph: real tensors."""
+        fake = [k for k, v in self.constants.items() if type(v) is not torch.Tensor]
+        if fake:
+            raise RuntimeError(f"internal: graph constants {fake[:3]} have no real value")
         if len(self.inputs) != 3:
             raise RuntimeError(f"internal: expected placeholders params..., idx, targets, tangent; "
                                f"got {len(self.inputs)} after the parameters")
@@ -77,7 +82,7 @@ class Joint:
                     seen.add(m.name)
                     seg.append(m)
         missing = [n.name for n in nodes if n.op == "call_function" and n.name not in seen]
-        if missing or any(n.op not in ("placeholder", "call_function", "output") for n in nodes):
+        if missing or any(n.op not in ("placeholder", "call_function", "get_attr", "output") for n in nodes):
             raise RuntimeError(f"internal: joint-graph nodes outside every segment: {missing[:5]}")
         self.segments = {k: self._segment(k, sorted(v, key=lambda n: pos[n.name]))
                          for k, v in sorted(members.items())}
@@ -85,7 +90,7 @@ class Joint:
     # ---- structure --------------------------------------------------------------------------
     def is_root(self, name: str) -> bool:
         n = self.node[name]
-        if n.op == "placeholder":
+        if n.op in ("placeholder", "get_attr"):
             return True
         t = self.tensors.get(name)
         return t is not None and t.storage == name

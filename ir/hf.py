@@ -44,12 +44,12 @@ class CausalLM(nn.Module):
 
 
 def _max_positions(cfg) -> int:
+    """The config's sequence limit; 0 when it has none (ALiBi models such as BLOOM: pass --seq)."""
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx"):
         v = getattr(cfg, key, None)
         if isinstance(v, int) and v > 0:
             return v
-    raise TensorstowError(f"the {type(cfg).__name__} has no sequence limit (max_position_embeddings, "
-                          f"n_positions, ...); pass --seq")
+    return 0
 
 
 def _transformers():
@@ -101,10 +101,8 @@ def load(ref: str, *, weights: bool = True) -> CausalLM:
 def wrap(model: nn.Module) -> nn.Module:
     """A Hugging Face causal LM (or a PEFT model around one) gets the loss contract; any other
     module is returned as it is."""
-    if hasattr(model, "vocab_size") and hasattr(model, "block_size"):
-        return model
     tf = sys.modules.get("transformers")
     peft_model = type(model).__module__.startswith("peft.")
     if peft_model or (tf is not None and isinstance(model, tf.PreTrainedModel)):
         return CausalLM(model)
-    return model
+    return model  # already follows the convention (a CausalLM, nanoGPT, a user model)

@@ -79,14 +79,12 @@ def trace(model: nn.Module, *, batch: int, seq: int, precision: str = "fp32",
         raise TensorstowError(f"unknown precision '{precision}': use one of {sorted(PRECISIONS)}")
     if batch < 1 or seq < 1:
         raise TensorstowError(f"batch and seq must be >= 1 (got batch={batch}, seq={seq})")
-    vocab = getattr(model, "vocab_size", None)
-    block_size = getattr(model, "block_size", None)
+    vocab, block_size = model_dims(model)
     if vocab is None or block_size is None:
         raise TensorstowError(f"model '{model_name}' ({type(model).__name__}, {forward_site(model)}) lacks "
-                              f"`vocab_size`/`block_size` attributes: set them in __init__ (nanoGPT "
-                              f"convention: forward(idx, targets) -> loss), or use hf:DIR for a Hugging "
-                              f"Face model")
-    if seq > block_size:
+                              f"`vocab_size`/`block_size` (on the model or its `config`, as nanoGPT keeps "
+                              f"them): set them in __init__, or use hf:DIR for a Hugging Face model")
+    if block_size and seq > block_size:  # 0: no sequence limit (ALiBi)
         raise TensorstowError(f"--seq {seq} exceeds the model's block_size {block_size}")
     dtype = PRECISIONS[precision]
     fm = fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
@@ -152,6 +150,13 @@ def trace(model: nn.Module, *, batch: int, seq: int, precision: str = "fp32",
     graph = _build_ir(gm, captured["bounds"], n_layers, state_names, trainable, model_name, batch, seq,
                       precision, replicate_to)
     return Traced(graph=graph, gm=gm, param_names=state_names, trainable=trainable)
+
+
+def model_dims(model: nn.Module) -> tuple[int | None, int | None]:
+    """(vocab_size, block_size) of a model: its own attributes, else its `config`'s (nanoGPT)."""
+    cfg = getattr(model, "config", None)
+    return tuple(getattr(model, k, None) if getattr(model, k, None) is not None else getattr(cfg, k, None)
+                 for k in ("vocab_size", "block_size"))
 
 
 def forward_site(model: nn.Module) -> str:
@@ -484,10 +489,13 @@ def _build_ir(gm, bounds, n_layers, param_names, trainable, model_name, batch, s
     owner = _owners(ops, param_of_ph, grad_of, root, op_index, n_layers)
     tensors: dict[str, Tensor] = {}
     for n in nodes:
-        v = _val(n)
-        if n.op not in ("placeholder", "call_function") or not isinstance(v, torch.Tensor):
+        v = _val(n) if n.op != "get_attr" else getattr(gm, n.target)
+        if n.op not in ("placeholder", "call_function", "get_attr") or not isinstance(v, torch.Tensor):
             continue
-        if n.op == "placeholder":
+        if n.op == "get_attr":  # a literal of forward (`torch.tensor([...])`): part of the graph
+            kind[n.name] = "input"
+            blk, prod = next((op.block for op in ops if n.name in op.inputs), "pre"), None
+        elif n.op == "placeholder":
             blk = owner.get(param_of_ph.get(n.name, ""), "pre")
             prod = None
         else:
@@ -670,6 +678,8 @@ def trace_spec(spec, *, batch: int, seq: int | None = None, precision: str = "fp
         model = _build_without_memory(spec, fm)
         replicate = None
         if seq is None:
-            seq = getattr(model, "block_size", None)
+            seq = model_dims(model)[1]
+            if seq == 0:
+                raise TensorstowError(f"model '{spec.name}' has no sequence limit: pass --seq")
     return trace(model, batch=batch, seq=seq, precision=precision, model_name=spec.name,
                  replicate_to=replicate, fake_mode=fm)
