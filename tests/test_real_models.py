@@ -125,10 +125,10 @@ def offloaded_plans(ref: str, policies=("lohan", "zero-infinity")) -> dict[str, 
     raise AssertionError(f"{ref}: no offloaded plan fits below the all-resident peak {resident}")
 
 
-def run_executor(plan: dict, build, state_dir) -> tuple[list[float], dict]:
+def run_executor(plan: dict, build, state_dir, mode="sync") -> tuple[list[float], dict]:
     torch.manual_seed(0)
     model = build()
-    ex = Executor(plan, model, state_dir=state_dir, traced=traced(plan["options"]["model"], model))
+    ex = Executor(plan, model, state_dir=state_dir, mode=mode, traced=traced(plan["options"]["model"], model))
     torch.manual_seed(DROPOUT_SEED)
     losses = [ex.step(x, y) for x, y in data()]
     params = ex.parameters()
@@ -335,3 +335,58 @@ def test_hf_dir_without_config_is_one_line(tmp_path, capsys):
     rc = main(["plan", f"hf:{tmp_path}", "--hw", "lohan-rtx4090"])
     err = capsys.readouterr().err
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "config.json" in err
+
+
+@pytest.mark.parametrize("policy", ["all-gpu", "stronghold", "dos", "ilp"])
+def test_every_policy_trains_a_tied_model_with_dropout_exactly(policy, tmp_path):
+    """The tied head and the dropout stream hold under every policy's plan (all-gpu at a budget
+    that holds the whole model; the others offloaded)."""
+    ref = "tests.fixtures.real_models:nano_gpt_dropout"
+    if policy == "all-gpu":
+        o = Options(model=ref, hardware="lohan-rtx4090", policy=policy, batch=B, seq=T, precision="fp32", lr=LR)
+        pj = json.loads(plan_problem(build_problem(o, load_hardware("lohan-rtx4090")), policy).dumps())
+    else:
+        pj = offloaded_plans(ref, policies=(policy,))[policy]
+    torch.manual_seed(0)
+    want = run_eager(real_models.nano_gpt_dropout(), lambda m, x, y: m(x, y)[1])
+    assert_equal(run_executor(pj, real_models.nano_gpt_dropout, tmp_path), want)
+
+
+def test_hf_dir_with_safetensors_weights_starts_from_them(tmp_path):
+    """hf:DIR holding weights: training starts from the checkpoint, not from a fresh init, and
+    equals eager training of `from_pretrained(DIR)`."""
+    cls, kw = FAMILIES["llama"]
+    torch.manual_seed(7)
+    saved = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**kw))
+    saved.save_pretrained(tmp_path / "ckpt")
+    assert list((tmp_path / "ckpt").glob("*.safetensors"))
+    ref = f"hf:{tmp_path / 'ckpt'}"
+    pj = offloaded_plans(ref, policies=("zero-infinity",))["zero-infinity"]
+    torch.manual_seed(0)  # a fresh init would differ from the checkpoint
+    ex = Executor(pj, resolve_model(ref).build(), state_dir=tmp_path / "state")
+    start = ex.parameters()
+    assert all(torch.equal(start["model." + n], p) for n, p in saved.named_parameters())
+    ex.close()
+    eager_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    eager_model.config.use_cache = False
+    eager_model.train()
+    want = run_eager(eager_model, hf_loss)
+    got = run_executor(pj, resolve_model(ref).build, tmp_path / "state2")
+    assert_equal(got, want, prefix="model.")
+
+
+@pytest.mark.parametrize("ref", ["llama-tied", "tests.fixtures.real_models:nano_gpt_dropout"])
+def test_overlap_mode_equals_eager(ref, hf_root, tmp_path):
+    """One worker per stream (each instruction waits only for its plan dependencies): the tied
+    head's loads, the carried partial gradient and the replayed dropout stream hold there too."""
+    ref = hf_ref(ref, hf_root) if ref in FAMILIES else ref
+    plans = offloaded_plans(ref)
+    if ref.startswith("hf:"):
+        want, build = hf_eager(ref), resolve_model(ref).build
+        prefix = "model."
+    else:
+        torch.manual_seed(0)
+        want, build, prefix = run_eager(real_models.nano_gpt_dropout(), lambda m, x, y: m(x, y)[1]), \
+            real_models.nano_gpt_dropout, ""
+    for name, pj in plans.items():
+        assert_equal(run_executor(pj, build, tmp_path / name, mode="overlap"), want, prefix=prefix)

@@ -80,7 +80,9 @@ def coefficients(p: BlockProfile, c: Combo, problem, last: bool) -> dict[str, fl
     hw, g = problem.hw, problem.hw.gpu
     elt, mixed = problem.elt, problem.mixed
     n = p.param_count
-    P, G = n * elt, n * elt
+    # P: what the block's segments read (its constants included: frozen weights, buffers);
+    # Pw: what an update writes back (trainable parameters only)
+    P, Pw, G = n * elt + p.const_bytes, n * elt, n * elt
     S = (12 if mixed else 8) * n
     A, X = p.saved_bytes, p.input_bytes
     rd = 1 / hw.ssd.read_total() if hw.ssd.count else 0.0
@@ -100,12 +102,12 @@ def coefficients(p: BlockProfile, c: Combo, problem, last: bool) -> dict[str, fl
     k["gpu_b"] += n * GPU_ADAM_BYTES_PER_PARAM / g.mem_bw * (c.opt == "gpu")
     states_cross = c.opt == "gpu" and c.sh != "gpu"
     k["h2d_b"] = (P * reload + A * swapped + X * (c.ck != "gpu") + S * states_cross
-                  + P * (c.opt == "cpu" and c.ph == "gpu")) * h2d
-    k["d2h_b"] = (G * (c.opt == "cpu") + S * states_cross + P * (c.opt == "gpu" and streamed)) * d2h
+                  + Pw * (c.opt == "cpu" and c.ph == "gpu")) * h2d
+    k["d2h_b"] = (G * (c.opt == "cpu") + S * states_cross + Pw * (c.opt == "gpu" and streamed)) * d2h
     ssd_r = P * (c.ph == "ssd") * reload + A * (c.act == "swap_ssd") + X * (c.ck == "ssd") + S * (c.sh == "ssd")
-    ssd_w = S * (c.sh == "ssd") + P * (c.ph == "ssd")
+    ssd_w = S * (c.sh == "ssd") + Pw * (c.ph == "ssd")
     if not mixed and c.ph == "ssd" and c.opt == "cpu":
-        ssd_r += P  # fp32: the parameter is the master and is read for its update
+        ssd_r += Pw  # fp32: the parameter is the master and is read for its update
     k["ssd_b"] = ssd_r * rd + ssd_w * wr
     k["cpu_b"] = n / hw.cpu.adam_rate * (c.opt == "cpu")
     # resident bytes per tier
@@ -163,7 +165,7 @@ def transient(problem, prefetch: int = 1) -> dict[str, float]:
     """Working set on top of resident bytes (MiB): what one block in flight needs."""
     profs = [problem.profiles[problem.profile_of[b]] for b in problem.order]
     elt, mixed = problem.elt, problem.mixed
-    pmax = max(p.param_count for p in profs) * elt
+    pmax = max(p.param_count * elt + p.const_bytes for p in profs)
     smax = max(p.param_count for p in profs) * (12 if mixed else 8)
     amax = max(p.saved_bytes for p in profs)
     xmax = max(p.input_bytes + p.output_bytes for p in profs)

@@ -45,7 +45,7 @@ class LayerTimes:
     t_bp: tuple[float, ...]
     """GPU backward time of layer i, recomputation included (footnote 2)."""
     t_c2g: tuple[float, ...]
-    """DRAM -> GPU time of layer i's parameters (fetched in FP and again in BP)."""
+    """DRAM -> GPU time of layer i's parameters and constants (fetched in FP and again in BP)."""
     t_g2c: tuple[float, ...]
     """GPU -> DRAM time of layer i's gradient in BP. In FP nothing goes back: the DRAM copy
     of the fp16 parameters is still valid, so the window just drops them."""
@@ -58,7 +58,7 @@ def layer_times(problem, layers: list[str], activations: str) -> LayerTimes:
     return LayerTimes(
         t_fp=tuple(p.fwd_time_s for p in prof),
         t_bp=tuple(p.bwd_time_s + (p.fwd_time_s if recompute else 0.0) for p in prof),
-        t_c2g=tuple(cost.transfer_time(p.param_count * elt, "dram", "gpu0", hw) for p in prof),
+        t_c2g=tuple(cost.transfer_time(p.param_count * elt + p.const_bytes, "dram", "gpu0", hw) for p in prof),
         t_g2c=tuple(cost.transfer_time(p.param_count * elt, "gpu0", "dram", hw) for p in prof))
 
 
