@@ -16,11 +16,13 @@ runs one worker per stream, each instruction waiting only for the instructions i
 modes compute the same bits.
 
 Buffer contents (see planner/schedule.py for the names):
-  P:<b>  the block's parameter placeholders (compute precision); for fp32 also the master
+  P:<b>  the block's trainable parameter placeholders (compute precision); for fp32 the master
+  C:<b>  its frozen parameters and buffers (read-only: placed from the model, never written)
   G:<b>  storage roots of their gradients (joint-graph outputs after the loss)
   M:<b>  fp32 master copies (mixed precision only)    OS:<b>  exp_avg and exp_avg_sq
   A:<b>  saved storages produced in b (planner.cost BlockProfile.saved)
-  X:<b>  saved storages produced outside b's forward and read by b's backward
+  X:<b>  values other blocks' forward made that b reads (BlockProfile.inputs)
+  T:<b>  values b's backward carries to a later backward (BlockProfile.carried)
 Anything else a segment makes is a temporary: it stays on the device until the last
 instruction that reads it (program order on the compute stream), then it is freed.
 Adam's `step` count is not stored: every subgroup is updated once per step, so it is the
