@@ -86,22 +86,11 @@ class Executor:
         self.mode = mode
         self.plan = plan
         m = plan["model"]
-        if m["traced_layers"] != m["layers"]:
-            raise TensorstowError(
-                f"plan for {m['name']} describes {m['layers']} layers traced as {m['traced_layers']} and "
-                f"replicated by similarity; the executor needs the whole joint graph, so it runs only "
-                f"fully traced models (presets up to 8 layers, or user models)")
         if traced is None:
             traced = trace(model, batch=m["batch"], seq=m["seq"], precision=m["precision"],
                            model_name=m["name"])
         self.traced = traced
-        fp = self.traced.graph.fingerprint()
-        if fp != m["fingerprint"]:
-            raise TensorstowError(
-                f"plan fingerprint mismatch: the plan was made for model graph {m['fingerprint']} but "
-                f"{m['name']} (batch {m['batch']}, seq {m['seq']}, {m['precision']}) traces to {fp} here "
-                f"(the model code, its configuration or the torch version changed); re-plan it with "
-                f"`tensorstow plan {m['name']} ...`")
+        _check_model_graph(m, traced)
         self.graph = self.traced.graph
         self.joint = Joint(self.traced)
         shapes = {n: tuple(p.shape) for n, p in model_state(model).items()}
@@ -712,6 +701,37 @@ class _Adam:
                 p.grad = None
             self.opt.state.clear()
             group["params"] = []
+
+
+def _check_model_graph(m: dict, traced: Traced) -> None:
+    """The traced model is the one the plan was made for. A plan of a deep preset describes L
+    layers traced as 3 (first, middle, last) and replicated by similarity; the executor runs a
+    trace of all L layers (seconds even at 96 layers), so it checks the plan's fingerprint on the
+    replicated trace and each of its own layers' signatures against the layer the plan stands it
+    for."""
+    fp = traced.graph.fingerprint()
+    what = f"{m['name']} (batch {m['batch']}, seq {m['seq']}, {m['precision']})"
+    fix = (f"(the model code, its configuration or the torch version changed); re-plan it with "
+           f"`tensorstow plan {m['name']} ...`")
+    if m["traced_layers"] == m["layers"]:
+        if fp != m["fingerprint"]:
+            raise TensorstowError(f"plan fingerprint mismatch: the plan was made for model graph "
+                                  f"{m['fingerprint']} but {what} traces to {fp} here {fix}")
+        return
+    from tensorstow.ir.models import resolve_model
+    from tensorstow.ir.trace import trace_spec
+    planned = trace_spec(resolve_model(m["name"]), batch=m["batch"], seq=m["seq"], precision=m["precision"]).graph
+    if planned.fingerprint() != m["fingerprint"]:
+        raise TensorstowError(f"plan fingerprint mismatch: the plan was made for model graph {m['fingerprint']} "
+                              f"but {what} traces to {planned.fingerprint()} here {fix}")
+    blocks = traced.graph.blocks
+    if len(blocks) != len(planned.blocks) or traced.graph.traced_layers != m["layers"]:
+        raise TensorstowError(f"the model has {traced.graph.traced_layers} layers but the plan for "
+                              f"{m['name']} describes {m['layers']}; pass the model the plan was made for")
+    for mine, ref in zip(blocks, planned.blocks):
+        if mine.name != ref.name or mine.signature != ref.signature:
+            raise TensorstowError(f"layer {mine.name} of {m['name']} differs from the traced layer "
+                                  f"{ref.profile} the plan replicated for it {fix}")
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -125,9 +125,20 @@ PRESETS: dict[str, GPTConfig] = {
     "dos-10b": GPTConfig(n_layer=50, n_head=32, n_embd=4096, block_size=2048, source="Deep Optimizer States Table 2"),
     "dos-13b": GPTConfig(n_layer=40, n_head=40, n_embd=5120, block_size=2048, source="Deep Optimizer States Table 2"),
     "dos-20b": GPTConfig(n_layer=48, n_head=64, n_embd=6144, block_size=2048, source="Deep Optimizer States Table 2"),
+    # GPT-3 paper (Brown et al. 2020) Table 2.1, the sizes that train on one workstation (n_ctx
+    # 2048, vocab 50257). The table gives 1.3B 24 heads of d_head 128, which does not multiply to
+    # d_model 2048; 16 heads of 128 do (as Megatron's and Pythia's 1.3-1.4B configurations).
+    "gpt3-125m": GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=2048, source="GPT-3 Table 2.1"),
+    "gpt3-350m": GPTConfig(n_layer=24, n_head=16, n_embd=1024, block_size=2048, source="GPT-3 Table 2.1"),
+    "gpt3-760m": GPTConfig(n_layer=24, n_head=16, n_embd=1536, block_size=2048, source="GPT-3 Table 2.1"),
+    "gpt3-1.3b": GPTConfig(n_layer=24, n_head=16, n_embd=2048, block_size=2048,
+                           source="GPT-3 Table 2.1 (16 heads of 128: the table's 24 x 128 != 2048)"),
+    "gpt3-2.7b": GPTConfig(n_layer=32, n_head=32, n_embd=2560, block_size=2048, source="GPT-3 Table 2.1"),
     # Tiny models for tests and CPU-only runs.
     "gpt-tiny": GPTConfig(n_layer=4, n_head=4, n_embd=64, vocab_size=512, block_size=64, source="tensorstow test model"),
     "gpt-small": GPTConfig(n_layer=6, n_head=8, n_embd=256, vocab_size=4096, block_size=128, source="tensorstow CPU demo model"),
+    "gpt-deep": GPTConfig(n_layer=24, n_head=4, n_embd=64, vocab_size=512, block_size=64,
+                          source="tensorstow test model: deep enough to be planned from a replicated trace"),
 }
 
 # Mobius Table 3 micro-batch sizes, used as the default batch of those presets.

@@ -604,7 +604,9 @@ def _signature(block: str, ops: list[Op], tensors: dict[str, Tensor], params: li
     def desc(name):
         t = tensors.get(name)
         return (t.kind, t.dtype, t.shape) if t else name
-    sig = [(op.phase, op.target, tuple(desc(a) for a in op.inputs), tuple(desc(o) for o in op.outputs))
+    # outputs as a sorted multiset: `op.outputs` is in node-name order, which changes with the
+    # node counter (getitem_99 < getitem_100 as strings), not with the computation
+    sig = [(op.phase, op.target, tuple(desc(a) for a in op.inputs), tuple(sorted(desc(o) for o in op.outputs)))
            for op in ops if op.block == block and op.phase != "opt"]
     return stable_hash([sig, sorted(tensors[p].shape for p in params if p in tensors)])
 

@@ -1,0 +1,73 @@
+"""The executor at depth: plans made from a replicated trace (a few traced layers standing for
+many identical ones) train like eager PyTorch."""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from tensorstow import TensorstowError
+from tensorstow.executor.data import batches
+from tensorstow.executor.runtime import Executor
+from tensorstow.ir.models import GPT, GPTConfig, PRESETS
+from tensorstow.planner.hardware import load_hardware
+from tensorstow.planner.plan import Options, build_problem, plan_problem
+
+B, T, STEPS, LR = 2, 32, 3, 1e-3
+
+
+def deep_plans(policies=("zero-infinity", "lohan")) -> dict[str, dict]:
+    """gpt-deep (24 layers, traced as 3 and replicated) at a device budget of half its
+    all-resident peak."""
+    hw = load_hardware("lohan-rtx4090")
+    o = Options(model="gpt-deep", hardware="lohan-rtx4090", policy="all-gpu", batch=B, seq=T,
+                precision="fp32", lr=LR)
+    problem = build_problem(o, hw)
+    gpu = plan_problem(problem, "all-gpu").peak("gpu") // 2
+    p = dataclasses.replace(problem, hw=hw.with_overrides(gpu_mem=gpu), options=dataclasses.replace(o, gpu_mem=gpu))
+    out = {}
+    for name in policies:
+        plan = plan_problem(p, name)
+        assert plan.fits, plan.over_capacity()
+        out[name] = json.loads(plan.dumps())
+    return out
+
+
+def eager():
+    torch.manual_seed(0)
+    model = GPT(PRESETS["gpt-deep"])
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    losses = []
+    for x, y in batches("synthetic", B, T, PRESETS["gpt-deep"].vocab_size, STEPS, seed=0):
+        opt.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_deep_preset_planned_from_a_replicated_trace_trains_like_eager(tmp_path):
+    plans = deep_plans()
+    want_losses, want = eager()
+    for name, pj in plans.items():
+        m = pj["model"]
+        assert (m["layers"], m["traced_layers"]) == (24, 3)
+        assert any(b["home"] == "ssd" for b in pj["buffers"].values()) or name == "lohan"
+        torch.manual_seed(0)
+        ex = Executor(pj, GPT(PRESETS["gpt-deep"]), state_dir=tmp_path / name)
+        losses = [ex.step(x, y) for x, y in batches("synthetic", B, T, PRESETS["gpt-deep"].vocab_size, STEPS, seed=0)]
+        got = ex.parameters()
+        ex.close()
+        assert losses == want_losses
+        bad = [n for n in want if not torch.equal(got[n], want[n])]
+        assert not bad, f"{name}: parameters differ from eager: {bad[:4]}"
+        assert ex.peak_bytes["gpu"] <= pj["predicted"]["capacity_bytes"]["gpu"]
+
+
+def test_deep_plan_refuses_a_model_of_another_depth(tmp_path):
+    pj = deep_plans(("zero-infinity",))["zero-infinity"]
+    c = PRESETS["gpt-deep"]
+    other = GPT(GPTConfig(**{**c.__dict__, "n_layer": 20}))
+    with pytest.raises(TensorstowError, match="layers"):
+        Executor(pj, other, state_dir=tmp_path)
