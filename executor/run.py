@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from tensorstow import TensorstowError
+from tensorstow.executor import state
 from tensorstow.executor.data import batches
 from tensorstow.executor.runtime import Executor, ssd_sizes
 from tensorstow.ir.models import resolve_model
@@ -17,28 +18,31 @@ from tensorstow.ir.models import resolve_model
 
 def execute(plan: dict, *, steps: int, data: str = "synthetic", state_dir: str | None = None,
             mode: str = "sync", seed: int = 0, log_json: str | None = None, trace: str | None = None,
-            out=sys.stdout) -> dict:
-    """Run the plan until `steps` steps are committed; resume from `state_dir` if it holds some."""
+            checkpoint_every: int = 1, out=sys.stdout) -> dict:
+    """Run the plan until `steps` steps are committed; resume from `state_dir` if it holds some.
+    With a state dir every `checkpoint_every` steps (and the last) are a full checkpoint."""
     if steps < 1:
         raise TensorstowError(f"--steps must be >= 1, got {steps}")
     m = plan["model"]
     spec = resolve_model(plan["options"]["model"])
     torch.manual_seed(seed)  # immediately before the factory: same initial weights as eager
     model = spec.build()
-    store, start = None, 0
-    if ssd_sizes(plan):
-        if state_dir is None:
-            raise TensorstowError("this plan keeps training state on the SSD tier: pass --state-dir DIR "
-                                  "(a directory on the SSD; it is created if missing)")
+    store, start, resume = None, 0, False
+    if state_dir is None and ssd_sizes(plan):
+        raise TensorstowError("this plan keeps training state on the SSD tier: pass --state-dir DIR "
+                              "(a directory on the SSD; it is created if missing)")
+    if state_dir is not None:
         from tensorstow.executor.ssd import SSDStore
-        Path(state_dir).mkdir(parents=True, exist_ok=True)
-        store = SSDStore(state_dir, ssd_sizes(plan))
+        d = state.claim(state_dir, plan)
+        store = SSDStore(d, state.store_sizes(plan))
+        resume = store.committed_step() is not None
         start = store.committed_step() or 0
-    elif state_dir is not None:
-        print(f"note: the plan keeps nothing on SSD; --state-dir {state_dir} is not used", file=out)
-    ex = Executor(plan, model, mode=mode, ssd_store=store, resume=start > 0)
+    ex = Executor(plan, model, mode=mode, ssd_store=store, resume=resume, checkpoint_every=checkpoint_every)
+    if store is not None:
+        describe(d, ex, model)
     if start >= steps:
         print(f"state dir {state_dir} already holds step {start} >= --steps {steps}: nothing to do", file=out)
+        ex.close()
         return {"steps": start, "losses": []}
     if start:
         print(f"resuming from step {start} committed in {state_dir}", file=out)
@@ -57,6 +61,7 @@ def execute(plan: dict, *, steps: int, data: str = "synthetic", state_dir: str |
                 log.write(json.dumps({"step": k + 1, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens / dt,
                                       "device_peak_bytes": ex.peak_bytes.get("gpu", 0)}) + "\n")
                 log.flush()
+        ex.checkpoint()  # the last step is always committed
     finally:
         if log:
             log.close()
@@ -75,3 +80,14 @@ def execute(plan: dict, *, steps: int, data: str = "synthetic", state_dir: str |
         print(f"wrote {trace}", file=out)
     ex.close()
     return {"steps": steps, "losses": losses, "median_step_s": med, "peak": ex.peak_bytes}
+
+
+def describe(d: Path, ex: Executor, model) -> None:
+    """layout.json (what each persistent buffer holds, by the model's own names) and, for an
+    `hf:` model, its config.json: what `tensorstow export` needs besides the store."""
+    from tensorstow.ir.hf import CausalLM
+    names = {ph: name for name, ph in ex.joint.placeholder.items()}
+    layouts = {n: ex.layouts[n] for n in state.persistent(ex.plan)}
+    hf = isinstance(model, CausalLM)
+    state.write_description(d, layouts, names, ex.frozen, "model." if hf else "",
+                            model.model.config if hf else None)

@@ -41,6 +41,7 @@ import torch.nn as nn
 
 from tensorstow import TensorstowError
 from tensorstow.executor.segments import Joint
+from tensorstow.executor.state import RNG, persistent, rng_bytes, set_rng
 from tensorstow.executor.stores import (DeviceTier, FileStore, HostCopy, HostTier, Layout, SSDTier,
                                         contiguous_stride)
 from tensorstow.ir.trace import Traced, model_dims, trace
@@ -68,7 +69,7 @@ def ssd_sizes(plan: dict) -> dict[str, int]:
 class Executor:
     def __init__(self, plan, model: nn.Module, *, mode: str = "sync", state_dir=None,
                  ssd_store=None, resume: bool = False, device_budget: int | None = None,
-                 traced: Traced | None = None):
+                 traced: Traced | None = None, checkpoint_every: int = 1):
         """`state_dir`: directory for the fallback `FileStore` when the plan uses the SSD tier and
         no `ssd_store` is given. `resume`: continue from the step the SSD store committed last
         (every P/M/OS buffer must live on SSD; the model's values are then not used); without
@@ -76,7 +77,9 @@ class Executor:
         `device_budget`: bytes the device tier may hold (default: the plan's GPU capacity).
         `traced`: a trace of this very model (`ir.trace.trace` with the plan's batch, seq and
         precision) to skip re-tracing; it is checked against the plan's fingerprint and the
-        model's parameters like a fresh trace."""
+        model's parameters like a fresh trace. A store made with `executor.state.store_sizes`
+        is a full checkpoint: every `checkpoint_every` steps the state that lives off SSD and the
+        random generator are written too, and resuming needs nothing else."""
         if mode not in MODES:
             raise TensorstowError(f"unknown executor mode '{mode}': use one of {list(MODES)}")
         from tensorstow.ir.hf import wrap
@@ -138,7 +141,7 @@ class Executor:
                 raise TensorstowError("the plan keeps buffers on the SSD tier: pass state_dir= "
                                       "(a directory on the SSD) or ssd_store=")
             ssd_store = FileStore(state_dir)
-        self.ssd = SSDTier(ssd_store if uses_ssd else None)
+        self.ssd = SSDTier(ssd_store)  # a checkpoint store also when nothing lives on SSD
         self.tiers = {"gpu0": self.dev, "dram": self.host, "ssd": self.ssd}
 
         self.stash, self.drop, self.keep = self._temporaries()
@@ -149,10 +152,16 @@ class Executor:
         self.loss: float | None = None
         self.temps: dict[str, torch.Tensor] = {}
         self.inputs: dict[str, torch.Tensor] = {}
-        committed = self.ssd.store.committed_step() if self.ssd.store is not None else None
+        if checkpoint_every < 1:
+            raise TensorstowError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+        self.checkpoint_every = checkpoint_every
+        store = self.ssd.store
+        self.full_checkpoint = RNG in (getattr(store, "sizes", None) or {})
+        committed = store.committed_step() if store is not None else None
         if resume:
             self._resume(committed)
-            self._place_homes(model, kinds=("C",), skip_ssd=True)  # never trained: from the model
+            if not self.full_checkpoint:
+                self._place_homes(model, kinds=("C",), skip_ssd=True)  # never trained: from the model
         elif committed is not None:
             raise TensorstowError(
                 f"the SSD store ({state_dir or ssd_store}) holds training state committed at step "
@@ -356,20 +365,55 @@ class Executor:
                     self.host.drop(name)
         self.host.peak = self.host.used
         if self.ssd.store is not None and "OS" in kinds:
+            if self.full_checkpoint:
+                self._write_checkpoint(constants=True)
             self.ssd.store.commit(0)
+
+    def _write_checkpoint(self, constants: bool = False) -> None:
+        """Write the training state that lives off SSD, and the random generator, into the store
+        (SSD-resident buffers are the store's own). Constants never change: written at step 0."""
+        st = self.ssd.store
+        for name in persistent(self.plan):
+            home = _HOME[self.plan["buffers"][name]["home"]]
+            if home == "ssd" or (name.startswith("C:") and not constants):
+                continue
+            if home == "dram":
+                st.write(name, self.host.get(name).blob)
+                continue
+            layout = self.layouts[name]
+            c = HostCopy(layout, torch.empty(layout.nbytes, dtype=torch.uint8))
+            for k, v in self.dev.get(name).items():
+                c.set(k, v)
+            st.write(name, c.blob)
+        st.write(RNG, rng_bytes())
 
     def _resume(self, committed: int | None) -> None:
         if committed is None:
             raise TensorstowError("resume=True but the SSD store holds no committed step "
                                   "(or the plan does not use the SSD tier)")
-        elsewhere = sorted(n for n, b in self.plan["buffers"].items()
-                           if n.split(":")[0] in ("P", "M", "OS") and b.get("home") != "ssd")
-        if elsewhere:
-            raise TensorstowError(f"cannot resume: the plan keeps {', '.join(elsewhere[:4])} outside the "
-                                  f"SSD tier, so the store does not hold the whole training state")
-        for n, b in self.plan["buffers"].items():
-            if b.get("home") == "ssd":
+        if not self.full_checkpoint:
+            elsewhere = sorted(n for n, b in self.plan["buffers"].items()
+                               if n.split(":")[0] in ("P", "M", "OS") and b.get("home") != "ssd")
+            if elsewhere:
+                raise TensorstowError(f"cannot resume: the plan keeps {', '.join(elsewhere[:4])} outside the "
+                                      f"SSD tier and this store is not a full checkpoint (make it with "
+                                      f"executor.state.store_sizes, as `tensorstow execute` does)")
+        for n in persistent(self.plan):
+            home = _HOME[self.plan["buffers"][n]["home"]]
+            if home == "ssd":
                 self.ssd.copies[n] = {}  # written contiguous (from parameters or an update)
+            elif self.full_checkpoint:
+                layout = self.layouts[n]
+                c = self.host.alloc(n, layout)
+                self.ssd.store.read(n, c.blob)
+                if home == "gpu0":
+                    self.dev.put(n, {k: _clone_to(c[k], self.device) for k in layout.keys()})
+                    self.host.drop(n)
+        if self.full_checkpoint:
+            blob = torch.empty(self.ssd.store.sizes[RNG], dtype=torch.uint8)
+            self.ssd.store.read(RNG, blob)
+            set_rng(blob)
+        self.host.peak = self.host.used
         self.steps_done = committed
 
     # ---- the step ---------------------------------------------------------------------------
@@ -405,9 +449,18 @@ class Executor:
             self.inputs.clear()
         self._check_end_state()
         self.steps_done += 1
-        if self.ssd.store is not None:
-            self.ssd.store.commit(self.steps_done)
+        if self.steps_done % self.checkpoint_every == 0:
+            self.checkpoint()
         return self.loss
+
+    def checkpoint(self) -> None:
+        """Commit the current step to the store (a full checkpoint writes the off-SSD state too);
+        `step` does it every `checkpoint_every` steps."""
+        if self.ssd.store is None or self.ssd.store.committed_step() == self.steps_done:
+            return
+        if self.full_checkpoint:
+            self._write_checkpoint()
+        self.ssd.store.commit(self.steps_done)
 
     def lane_busy(self) -> dict[str, float]:
         """Measured seconds each lane spent in the last step (same resource names as the simulator)."""

@@ -45,7 +45,8 @@ CRC_BLOCK = 16 << 20
 """Bytes covered by one CRC-32 in the manifest."""
 
 _crc_pool = ThreadPoolExecutor(max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="tensorstow-crc")
-_OWN_FILE = re.compile(r"(MANIFEST|MANIFEST\.tmp|LOCK|\.direct-probe|.+\.slot[01])")
+_OWN_FILE = re.compile(r"(MANIFEST|MANIFEST\.tmp|LOCK|\.direct-probe|.+\.slot[01]|(plan|layout|config)\.json(\.tmp)?)")
+"""The store's files, and the state dir's description of them (executor/state.py)."""
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -457,8 +458,9 @@ class SSDStore:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise TensorstowError(f"SSD store {self.dir} is in use by another SSDStore (process or object); "
-                                  "close it first or use another directory") from None
+            raise TensorstowError(f"SSD store {self.dir} is locked by another tensorstow process or store object "
+                                  f"(an execute or export still running on it); wait for it to finish, "
+                                  f"or use another directory") from None
         self._lock_fd = fd
 
     def _probe_direct(self, want: bool) -> tuple[bool, str]:

@@ -287,7 +287,16 @@ DEMO = ["plan", "gpt-small", "--hw", "local", "--gpu-mem", "48MB", "--precision"
 def cmd_execute(args) -> int:
     from tensorstow.executor.run import execute
     execute(load_plan_json(args.plan), steps=args.steps, data=args.data, state_dir=args.state_dir,
-            mode=args.mode, seed=args.seed, log_json=args.log_json, trace=args.trace)
+            mode=args.mode, seed=args.seed, log_json=args.log_json, trace=args.trace,
+            checkpoint_every=args.checkpoint_every)
+    return 0
+
+
+def cmd_export(args) -> int:
+    from tensorstow.executor.export import export
+    r = export(args.state_dir, args.output, shard_bytes=parse_size(args.shard_size))
+    print(f"exported step {r['step']}: {r['tensors']} tensors, {_fmt(r['bytes'])} in {r['files']} file(s) "
+          f"to {args.output}")
     return 0
 
 
@@ -358,13 +367,21 @@ def parser() -> argparse.ArgumentParser:
     x.add_argument("plan")
     x.add_argument("--steps", type=int, required=True, help="train until this many steps are committed")
     x.add_argument("--data", default="synthetic", help="uint16 token file (nanoGPT train.bin), .npy, or 'synthetic'")
-    x.add_argument("--state-dir", dest="state_dir", help="directory for SSD-resident state; resumes from it")
+    x.add_argument("--state-dir", dest="state_dir",
+                   help="checkpoint directory (SSD-resident state lives there); resumes from it")
     x.add_argument("--mode", default="sync", choices=["sync", "overlap"],
                    help="sync: one instruction at a time; overlap: one worker per stream")
     x.add_argument("--seed", type=int, default=0, help="torch.manual_seed right before the model factory")
     x.add_argument("--log-json", dest="log_json", help="append one JSON object per step")
     x.add_argument("--trace", help="write the measured timeline of the last step (Perfetto JSON)")
+    x.add_argument("--checkpoint-every", dest="checkpoint_every", type=int, default=1,
+                   help="commit a full checkpoint to the state dir every N steps (and after the last)")
     x.set_defaults(fn=cmd_execute)
+    ex = sub.add_parser("export", help="write a state dir's last committed weights as safetensors")
+    ex.add_argument("state_dir")
+    ex.add_argument("-o", "--output", required=True, help="new directory (from_pretrained-ready for hf: models)")
+    ex.add_argument("--shard-size", dest="shard_size", default="4GB", help="largest safetensors file")
+    ex.set_defaults(fn=cmd_export)
     pr = sub.add_parser("probe", help="measure this machine and write a hardware spec")
     pr.add_argument("-o", "--output")
     pr.add_argument("--disk-dir", dest="disk_dir", help="directory on the SSD to measure")

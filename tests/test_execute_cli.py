@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tensorstow.executor.runtime import ssd_sizes
+from tensorstow.executor.state import store_sizes
 from tensorstow.executor.ssd import SSDStore
 from tensorstow.planner.cli import main
 
@@ -37,7 +37,7 @@ def execute(plan, state, *extra, wait=True):
 
 def committed_state(plan_path, state):
     plan = json.loads(Path(plan_path).read_text())
-    sizes = ssd_sizes(plan)
+    sizes = store_sizes(plan)
     with SSDStore(state, sizes) as store:
         out = {}
         for name, n in sizes.items():

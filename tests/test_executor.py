@@ -203,10 +203,10 @@ def test_fingerprint_mismatch_is_refused(tmp_path):
     assert "0123456789abcdef" in msg and good in msg and "re-plan" in msg
 
 
-def test_replicated_trace_is_refused():
+def test_plan_for_another_depth_is_refused():
     plan = json.loads(json.dumps(get_plan("all-gpu")))
-    plan["model"]["layers"] = 40
-    with pytest.raises(TensorstowError, match="fully traced"):
+    plan["model"]["layers"] = 40  # as if gpt-tiny had been planned as a 40-layer replicated trace
+    with pytest.raises(TensorstowError, match="describes 40"):
         executor(plan)
 
 

@@ -390,3 +390,27 @@ def test_overlap_mode_equals_eager(ref, hf_root, tmp_path):
             real_models.nano_gpt_dropout, ""
     for name, pj in plans.items():
         assert_equal(run_executor(pj, build, tmp_path / name, mode="overlap"), want, prefix=prefix)
+
+
+def test_export_loads_with_from_pretrained_and_equals_eager(tmp_path):
+    """hf:DIR from a safetensors checkpoint -> `tensorstow execute` (SSD state) -> `tensorstow
+    export` -> `AutoModelForCausalLM.from_pretrained` holds what 3 eager steps give."""
+    cls, kw = FAMILIES["llama-tied"]
+    torch.manual_seed(7)
+    transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**kw)).save_pretrained(tmp_path / "ckpt")
+    ref = f"hf:{tmp_path / 'ckpt'}"
+    pj = offloaded_plans(ref, policies=("zero-infinity",))["zero-infinity"]
+    (tmp_path / "plan.json").write_text(json.dumps(pj))
+    assert main(["execute", str(tmp_path / "plan.json"), "--steps", str(STEPS), "--state-dir",
+                 str(tmp_path / "state")]) == 0
+    assert main(["export", str(tmp_path / "state"), "-o", str(tmp_path / "out")]) == 0
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    torch.manual_seed(0)  # as `tensorstow execute --seed 0` before building the model
+    eager_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    eager_model.config.use_cache = False
+    eager_model.train()
+    _, want = run_eager(eager_model, hf_loss)
+    got = dict(loaded.named_parameters())
+    assert got.keys() == want.keys()
+    bad = [n for n in want if not torch.equal(got[n].detach(), want[n])]
+    assert not bad, f"exported weights differ from eager: {bad[:4]}"

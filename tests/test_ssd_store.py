@@ -228,7 +228,7 @@ def test_corrupted_block_is_detected(tmp_path):
 
 def test_mismatched_plan_and_bad_dirs(tmp_path):
     with SSDStore(tmp_path / "s", {"a": 100, "b": 200}):
-        with pytest.raises(TensorstowError, match="in use"):
+        with pytest.raises(TensorstowError, match="is locked by another"):
             SSDStore(tmp_path / "s", {"a": 100, "b": 200})
     with pytest.raises(TensorstowError, match=r"different plan.*sizes differ: 'b' stored 200 B, plan 300 B"):
         SSDStore(tmp_path / "s", {"a": 100, "b": 300})

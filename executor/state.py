@@ -1,0 +1,117 @@
+"""The state dir: a self-describing, crash-consistent checkpoint of one plan's training.
+
+    STATE_DIR/plan.json     the plan it trains (a second plan is refused)
+    STATE_DIR/layout.json   what each persistent buffer holds: tensors, dtypes, offsets, names
+    STATE_DIR/config.json   the Hugging Face config, for `hf:` models (export hands it on)
+    STATE_DIR/MANIFEST, *.slot0|1, LOCK    the SSD store (executor/ssd.py)
+
+The store holds every buffer that lives across steps (P, C, M, OS, wherever their home tier
+is) and every buffer the plan moves to SSD, plus the random-number generator state (`RNG`), so
+resuming from any committed step gives the bits an uninterrupted run gives. SSD-resident
+buffers are the store's own; a DRAM- or GPU-resident buffer is written at each checkpoint.
+Constants (C) are written once, at step 0.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from tensorstow import TensorstowError
+
+PLAN, LAYOUT, CONFIG = "plan.json", "layout.json", "config.json"
+RNG = "RNG"
+"""Store buffer holding the CPU generator state (and CUDA's, with a GPU) at the commit."""
+
+
+def rng_bytes() -> torch.Tensor:
+    states = [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if torch.cuda.is_available() else [])
+    return torch.cat(states)
+
+
+def set_rng(blob: torch.Tensor) -> None:
+    cpu = torch.get_rng_state().numel()
+    torch.set_rng_state(blob[:cpu].clone())
+    if torch.cuda.is_available() and blob.numel() > cpu:
+        torch.cuda.set_rng_state(blob[cpu:].clone())
+
+
+def persistent(plan: dict) -> list[str]:
+    """Buffers that live across steps (have a home tier): the training state."""
+    return sorted(n for n, b in plan["buffers"].items() if b.get("home"))
+
+
+def store_sizes(plan: dict) -> dict[str, int]:
+    """Every buffer the store holds: the training state, what the plan moves to SSD, the RNG."""
+    bufs = plan["buffers"]
+    names = set(persistent(plan))
+    names |= {i["tensor"] for i in plan["instructions"] if i["kind"] in ("load", "store") and i["dst"] == "ssd"}
+    sizes = {n: int(bufs[n]["bytes"]) for n in sorted(names)}
+    sizes[RNG] = rng_bytes().numel()
+    return sizes
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def claim(state_dir, plan: dict) -> Path:
+    """Make `state_dir` the home of `plan`'s training, or check that it already is."""
+    d = Path(state_dir)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise TensorstowError(f"cannot create the state dir {d}: {e.strerror or e}") from None
+    text = json.dumps(plan, indent=1, sort_keys=True) + "\n"
+    held = d / PLAN
+    if held.exists():
+        try:
+            old = json.loads(held.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise TensorstowError(f"state dir {d}: {PLAN} is unreadable ({e}); it is not a tensorstow state "
+                                  f"dir, or it was damaged") from None
+        if old != json.loads(text):
+            raise TensorstowError(
+                f"state dir {d} trains another plan ({old.get('model', {}).get('name')}, policy "
+                f"{old.get('decisions', {}).get('policy')}, fingerprint {old.get('model', {}).get('fingerprint')}); "
+                f"use an empty --state-dir, or execute the plan it holds ({held})")
+        return d
+    _write_atomic(held, text)
+    return d
+
+
+def write_description(d: Path, layouts: dict, names: dict[str, str], frozen: set[str], prefix: str,
+                      hf_config=None) -> None:
+    """layout.json (and config.json for an `hf:` model), unless already there."""
+    if not (d / LAYOUT).exists():
+        desc = {"name_prefix": prefix, "buffers": {}}
+        for buf, layout in sorted(layouts.items()):
+            desc["buffers"][buf] = [
+                {"key": s.key, "name": names.get(s.key, s.key), "dtype": str(s.dtype).replace("torch.", ""),
+                 "shape": list(s.shape), "offset": s.offset, "nbytes": s.nbytes,
+                 "frozen": names.get(s.key, s.key) in frozen}
+                for s in layout.slots.values()]
+        _write_atomic(d / LAYOUT, json.dumps(desc, indent=1, sort_keys=True) + "\n")
+    if hf_config is not None and not (d / CONFIG).exists():
+        _write_atomic(d / CONFIG, hf_config.to_json_string())
+
+
+def read(d) -> tuple[dict, dict]:
+    """(plan, layout) of a state dir, with one clear error if it is not one."""
+    d = Path(d)
+    if not (d / PLAN).is_file() or not (d / LAYOUT).is_file():
+        raise TensorstowError(f"{d} is not a tensorstow state dir (no {PLAN} / {LAYOUT}); pass the --state-dir "
+                              f"of a `tensorstow execute` run")
+    return json.loads((d / PLAN).read_text()), json.loads((d / LAYOUT).read_text())

@@ -1,0 +1,147 @@
+"""The state dir: self-describing, full checkpoints (off-SSD state and the RNG included),
+export to safetensors, one execute at a time, and disk full without losing the last commit.
+
+Runs go through the CLI in-process (`main([...])`), as a user would type them."""
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from tensorstow.executor.ssd import SSDStore
+from tensorstow.executor.state import store_sizes
+from tensorstow.planner.cli import main
+
+MODEL = "tests.fixtures.real_models:nano_gpt_dropout"  # tied head, dropout: the RNG must resume too
+COMMON = ["--hw", "lohan-rtx4090", "--batch", "2", "--seq", "16", "--precision", "fp32", "--lr", "1e-3"]
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory):
+    """Two offloaded plans of one model: stronghold keeps parameters and Adam states in DRAM,
+    zero-infinity on SSD."""
+    d = tmp_path_factory.mktemp("plans")
+    out = {}
+    for policy, gpu in (("stronghold", "400KB"), ("zero-infinity", "400KB")):
+        path = d / f"{policy}.json"
+        assert main(["plan", MODEL, *COMMON, "--policy", policy, "--gpu-mem", gpu, "-o", str(path)]) == 0
+        homes = {b["home"] for b in json.loads(path.read_text())["buffers"].values() if b["home"]}
+        assert homes - {"gpu"}, f"{policy} does not offload"
+        out[policy] = path
+    assert "ssd" not in {b["home"] for b in json.loads(out["stronghold"].read_text())["buffers"].values()}
+    return out
+
+
+def execute(plan, state, steps, *extra):
+    return main(["execute", str(plan), "--steps", str(steps), "--state-dir", str(state), *extra])
+
+
+def exported(state, out) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+    assert main(["export", str(state), "-o", str(out)]) == 0
+    tensors = {}
+    for f in sorted(Path(out).glob("*.safetensors")):
+        tensors.update(load_file(f))
+    return tensors
+
+
+def eager_params(steps: int) -> dict[str, torch.Tensor]:
+    """Eager training of the same model and data as `tensorstow execute --seed 0`."""
+    from tensorstow.executor.data import batches
+    from tests.fixtures import real_models
+    torch.manual_seed(0)
+    m = real_models.nano_gpt_dropout()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0)
+    for x, y in batches("synthetic", 2, 16, 128, steps, seed=0):
+        opt.zero_grad()
+        m(x, y)[1].backward()
+        opt.step()
+    return {n: p.detach() for n, p in m.named_parameters()}
+
+
+@pytest.mark.parametrize("policy", ["stronghold", "zero-infinity"])
+def test_interrupted_and_resumed_equals_uninterrupted_and_eager(policy, plans, tmp_path):
+    """Stop after 2 steps, resume to 4: the exported weights equal 4 uninterrupted steps and 4
+    eager steps (DRAM-resident state and the dropout stream come back from the checkpoint)."""
+    assert execute(plans[policy], tmp_path / "a", 4) == 0
+    assert execute(plans[policy], tmp_path / "b", 2) == 0
+    assert execute(plans[policy], tmp_path / "b", 4) == 0
+    a, b = exported(tmp_path / "a", tmp_path / "ea"), exported(tmp_path / "b", tmp_path / "eb")
+    want = eager_params(4)
+    assert a.keys() == b.keys() == want.keys() - {"lm_head.weight"}  # tied: stored once
+    for n in a:
+        assert torch.equal(a[n], b[n]) and torch.equal(a[n], want[n]), n
+
+
+def test_state_dir_is_self_describing_and_trains_one_plan(plans, tmp_path, capsys):
+    assert execute(plans["stronghold"], tmp_path / "s", 1) == 0
+    held = json.loads((tmp_path / "s" / "plan.json").read_text())
+    assert held == json.loads(plans["stronghold"].read_text())
+    assert (tmp_path / "s" / "layout.json").is_file()
+    capsys.readouterr()
+    assert execute(plans["zero-infinity"], tmp_path / "s", 2) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "trains another plan" in err[0]
+
+
+def test_a_second_execute_on_a_state_dir_is_refused(plans, tmp_path, capsys):
+    assert execute(plans["zero-infinity"], tmp_path / "s", 1) == 0
+    plan = json.loads(plans["zero-infinity"].read_text())
+    with SSDStore(tmp_path / "s", store_sizes(plan)):  # as if another execute held it
+        capsys.readouterr()
+        assert execute(plans["zero-infinity"], tmp_path / "s", 2) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "lock" in err[0].lower(), err
+        assert main(["export", str(tmp_path / "s"), "-o", str(tmp_path / "out")]) == 2
+        assert not (tmp_path / "out").exists()
+    assert execute(plans["zero-infinity"], tmp_path / "s", 2) == 0  # released: it resumes
+
+
+def test_export_shards_and_index(plans, tmp_path):
+    from safetensors.torch import load_file
+    assert execute(plans["zero-infinity"], tmp_path / "s", 1) == 0
+    assert main(["export", str(tmp_path / "s"), "-o", str(tmp_path / "out"), "--shard-size", "20KB"]) == 0
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and all((tmp_path / "out" / f).is_file() for f in files)
+    assert all(name in load_file(tmp_path / "out" / f) for name, f in index["weight_map"].items())
+    one = exported(tmp_path / "s", tmp_path / "one")
+    assert set(one) == set(index["weight_map"])
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A 4 MB tmpfs, so the disk really fills (needs root, as CI has; skipped otherwise)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if shutil.which("mount") is None or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_disk_full_is_one_line_and_keeps_the_last_commit(plans, small_fs, tmp_path, capsys):
+    state = small_fs / "s"
+    assert execute(plans["zero-infinity"], state, 2) == 0
+    filler = small_fs / "filler"
+    with open(filler, "wb") as f:  # take every byte that is left
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    capsys.readouterr()
+    assert execute(plans["zero-infinity"], state, 4) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "No space left" in err[0] and str(small_fs) in err[0], err
+    filler.unlink()
+    assert execute(plans["zero-infinity"], state, 4) == 0  # resumes from the intact step 2
+    assert execute(plans["zero-infinity"], tmp_path / "ref", 4) == 0
+    got, want = exported(state, tmp_path / "e1"), exported(tmp_path / "ref", tmp_path / "e2")
+    assert all(torch.equal(got[n], want[n]) for n in want)
