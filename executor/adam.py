@@ -69,7 +69,7 @@ _status: str | None = None  # why the active engine is the one it is
 
 def cache_dir() -> Path:
     """Where the C++ kernel is built and cached (beside the aio engine's build)."""
-    return aio.cache_dir().with_name(_EXT_NAME)
+    return aio.ext_cache_dir(_EXT_NAME, _CSRC)
 
 
 def _cflags() -> list[str]:

@@ -177,16 +177,24 @@ _default_engine = None
 _default_info: str | None = None
 
 
-def cache_dir() -> Path:
-    """Where the C++ extension is built and cached."""
+def ext_cache_dir(name: str, source: Path) -> Path:
+    """Where a C++ extension is built and cached: keyed by torch, Python and the source's own
+    hash, so checkouts with different sources never rebuild (or load) each other's builds."""
     if os.environ.get("TENSORSTOW_CACHE"):
         root = Path(os.environ["TENSORSTOW_CACHE"])
     elif os.environ.get("TORCH_EXTENSIONS_DIR"):
         root = Path(os.environ["TORCH_EXTENSIONS_DIR"]) / "tensorstow"
     else:
         root = Path.home() / ".cache" / "tensorstow"
+    import hashlib
+    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
     tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info.major}{sys.version_info.minor}"
-    return root / "torch_extensions" / tag / _EXT_NAME
+    return root / "torch_extensions" / tag / f"{name}-{digest}"
+
+
+def cache_dir() -> Path:
+    """Where the I/O engine is built and cached."""
+    return ext_cache_dir(_EXT_NAME, _CSRC)
 
 
 def build_extension():

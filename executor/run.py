@@ -18,15 +18,15 @@ from tensorstow.ir.models import resolve_model
 
 def execute(plan: dict, *, steps: int, data: str = "synthetic", state_dir: str | None = None,
             mode: str = "sync", seed: int = 0, log_json: str | None = None, trace: str | None = None,
-            checkpoint_every: int = 1, out=sys.stdout) -> dict:
+            checkpoint_every: int = 1, out=None) -> dict:
     """Run the plan until `steps` steps are committed; resume from `state_dir` if it holds some.
     With a state dir every `checkpoint_every` steps (and the last) are a full checkpoint."""
+    out = out or sys.stdout  # looked up per call: the stream of the caller (tests swap it)
     if steps < 1:
         raise TensorstowError(f"--steps must be >= 1, got {steps}")
     m = plan["model"]
     spec = resolve_model(plan["options"]["model"])
-    torch.manual_seed(seed)  # immediately before the factory: same initial weights as eager
-    model = spec.build()
+    model, init = build_for_execution(spec, seed)
     store, start, resume = None, 0, False
     if state_dir is None and ssd_sizes(plan):
         raise TensorstowError("this plan keeps training state on the SSD tier: pass --state-dir DIR "
@@ -37,7 +37,8 @@ def execute(plan: dict, *, steps: int, data: str = "synthetic", state_dir: str |
         store = SSDStore(d, state.store_sizes(plan))
         resume = store.committed_step() is not None
         start = store.committed_step() or 0
-    ex = Executor(plan, model, mode=mode, ssd_store=store, resume=resume, checkpoint_every=checkpoint_every)
+    ex = Executor(plan, model, mode=mode, ssd_store=store, resume=resume, checkpoint_every=checkpoint_every,
+                  init_values=init)
     if store is not None:
         describe(d, ex, model)
     if start >= steps:
@@ -80,6 +81,20 @@ def execute(plan: dict, *, steps: int, data: str = "synthetic", state_dir: str |
         print(f"wrote {trace}", file=out)
     ex.close()
     return {"steps": steps, "losses": losses, "median_step_s": med, "peak": ex.peak_bytes}
+
+
+def build_for_execution(spec, seed: int):
+    """(model, initial values) with the weights `torch.manual_seed(seed); factory()` gives.
+    Presets are built on the meta device and their values streamed block by block into their
+    home tiers (never the whole model in host memory); other models are built whole."""
+    from tensorstow.ir.models import gpt_init_stream
+    if spec.config is not None:
+        with torch.device("meta"):
+            model = spec.build()
+        torch.manual_seed(seed)
+        return model, gpt_init_stream(spec.config)
+    torch.manual_seed(seed)  # immediately before the factory: same initial weights as eager
+    return spec.build(), None
 
 
 def describe(d: Path, ex: Executor, model) -> None:

@@ -69,7 +69,7 @@ def ssd_sizes(plan: dict) -> dict[str, int]:
 class Executor:
     def __init__(self, plan, model: nn.Module, *, mode: str = "sync", state_dir=None,
                  ssd_store=None, resume: bool = False, device_budget: int | None = None,
-                 traced: Traced | None = None, checkpoint_every: int = 1):
+                 traced: Traced | None = None, checkpoint_every: int = 1, init_values=None):
         """`state_dir`: directory for the fallback `FileStore` when the plan uses the SSD tier and
         no `ssd_store` is given. `resume`: continue from the step the SSD store committed last
         (every P/M/OS buffer must live on SSD; the model's values are then not used); without
@@ -79,7 +79,9 @@ class Executor:
         precision) to skip re-tracing; it is checked against the plan's fingerprint and the
         model's parameters like a fresh trace. A store made with `executor.state.store_sizes`
         is a full checkpoint: every `checkpoint_every` steps the state that lives off SSD and the
-        random generator are written too, and resuming needs nothing else."""
+        random generator are written too, and resuming needs nothing else. `init_values`: an
+        iterator of (name, value) of the parameters in parameter order, used instead of the
+        model's (which may then live on the meta device: out-of-core initialisation)."""
         if mode not in MODES:
             raise TensorstowError(f"unknown executor mode '{mode}': use one of {list(MODES)}")
         from tensorstow.ir.hf import wrap
@@ -167,7 +169,7 @@ class Executor:
                 f"the SSD store ({state_dir or ssd_store}) holds training state committed at step "
                 f"{committed}: pass resume=True to continue from it, or use an empty state dir")
         else:
-            self._place_homes(model)
+            self._place_homes(model, values=init_values)
 
     # ---- setup ------------------------------------------------------------------------------
     def _read_instructions(self, plan: dict) -> list[Instr]:
@@ -333,36 +335,44 @@ class Executor:
             raise TensorstowError("the plan never computes the segment that produces the loss; re-plan it")
         return dict(stash), dict(drop), keep
 
-    def _place_homes(self, model: nn.Module, kinds=("P", "C", "M", "OS"), skip_ssd: bool = False) -> None:
-        """Every buffer with a home tier gets its initial copy there: P and C from the model's
-        state (cast to the dtype the trace gives them), M the fp32 parameters, OS zeros."""
-        state = model_state(model)
+    def _place_homes(self, model: nn.Module, kinds=("P", "C", "M", "OS"), skip_ssd: bool = False,
+                     values=None) -> None:
+        """Every buffer with a home tier gets its initial copy there, block by block in forward
+        order: P and C from the model's state (cast to the dtype the trace gives them), M the
+        fp32 parameters, OS zeros. `values`: an iterator of (name, parameter value) in parameter
+        order to take the parameters from instead of the model (out-of-core initialisation, e.g.
+        `ir.models.gpt_init_stream`); each block's values are dropped once it is placed."""
+        source = _Source(model, values)
         ph = self.joint.placeholder
-        for name, spec in sorted(self.plan["buffers"].items()):
-            home = _HOME[spec.get("home", "")]
-            kind, b = name.split(":", 1)
-            if not home or kind not in kinds or (skip_ssd and home == "ssd"):
+        for blk in self.graph.blocks:
+            b = blk.name
+            todo = [f"{k}:{b}" for k in ("P", "C", "M", "OS") if k in kinds]
+            todo = [n for n in todo if _HOME[self.plan["buffers"].get(n, {}).get("home", "")]
+                    and not (skip_ssd and self.plan["buffers"][n]["home"] == "ssd")]
+            if not todo:
                 continue
-            if kind not in ("P", "C", "M", "OS"):
-                raise TensorstowError(f"plan buffer {name} has home {home}; only P/C/M/OS live across steps")
-            vals = {}
-            for p in self.block_consts.get(b, ()) if kind == "C" else self.block_params[b]:
-                w = state[p].detach()
-                if kind in ("P", "C"):
-                    vals[ph[p]] = w.to(self.joint.meta(ph[p])[0])
-                elif kind == "M":
-                    vals[p] = w.float()
+            state = source.take(self.block_params[b] + self.block_consts.get(b, []))
+            for name in todo:
+                kind, home = name.split(":")[0], _HOME[self.plan["buffers"][name]["home"]]
+                vals = {}
+                for p in self.block_consts.get(b, ()) if kind == "C" else self.block_params[b]:
+                    w = state[p].detach()
+                    if kind in ("P", "C"):
+                        vals[ph[p]] = w.to(self.joint.meta(ph[p])[0])
+                    elif kind == "M":
+                        vals[p] = w.float()
+                    else:
+                        vals[f"{p}.exp_avg"] = torch.zeros_like(w, dtype=torch.float32)
+                        vals[f"{p}.exp_avg_sq"] = torch.zeros_like(w, dtype=torch.float32)
+                layout = self.layouts[name]
+                if home == "gpu0":
+                    self.dev.put(name, {k: _clone_to(vals[k], self.device) for k in layout.keys()})
                 else:
-                    vals[f"{p}.exp_avg"] = torch.zeros_like(w, dtype=torch.float32)
-                    vals[f"{p}.exp_avg_sq"] = torch.zeros_like(w, dtype=torch.float32)
-            layout = self.layouts[name]
-            if home == "gpu0":
-                self.dev.put(name, {k: _clone_to(vals[k], self.device) for k in layout.keys()})
-            else:
-                self.host.store_from(name, layout, vals)
-                if home == "ssd":
-                    self.ssd.write(name, self.host.get(name))
-                    self.host.drop(name)
+                    self.host.store_from(name, layout, vals)
+                    if home == "ssd":
+                        self.ssd.write(name, self.host.get(name))
+                        self.host.drop(name)
+            del state
         self.host.peak = self.host.used
         if self.ssd.store is not None and "OS" in kinds:
             if self.full_checkpoint:
@@ -754,6 +764,33 @@ class _Adam:
                 p.grad = None
             self.opt.state.clear()
             group["params"] = []
+
+
+class _Source:
+    """Initial values of the model state: the model's own tensors, or (parameters) the next
+    items of a stream in parameter order, each handed out once."""
+
+    def __init__(self, model: nn.Module, stream):
+        self.state = model_state(model)
+        self.buffers = dict(model.named_buffers())
+        self.stream, self.pending = stream, {}
+
+    def take(self, names: list[str]) -> dict[str, torch.Tensor]:
+        if self.stream is None:
+            return {n: self.state[n] for n in names}
+        out = {}
+        for n in names:
+            if n in self.buffers:
+                out[n] = self.buffers[n]
+                continue
+            while n not in self.pending:
+                try:
+                    k, v = next(self.stream)
+                except StopIteration:
+                    raise TensorstowError(f"the initial values end before parameter {n}") from None
+                self.pending[k] = v
+            out[n] = self.pending.pop(n)
+        return out
 
 
 def _check_model_graph(m: dict, traced: Traced) -> None:

@@ -90,6 +90,36 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
 
 
+def gpt_init_stream(c: GPTConfig):
+    """(name, value) of every parameter of `GPT(c)`, in `named_parameters` order, equal to what
+    `GPT(c)` gives after the same `torch.manual_seed`, without ever holding more than one module
+    or parameter. It replays `GPT.__init__`'s random stream: here, at the call, the constructors
+    run one module at a time and are dropped (they draw from the generator); the returned
+    iterator then replays the re-initialisation loop parameter by parameter. Keep it in step
+    with `GPT.__init__` (tests/test_scale.py compares the two)."""
+    with torch.device("meta"):  # shapes only: meta tensors draw nothing
+        shapes = [(n, tuple(p.shape)) for n, p in GPT(c).named_parameters()]
+    nn.Embedding(c.vocab_size, c.n_embd)
+    nn.Embedding(c.block_size, c.n_embd)
+    for _ in range(c.n_layer):
+        Block(c)
+    nn.LayerNorm(c.n_embd)
+    nn.Linear(c.n_embd, c.vocab_size, bias=False)
+    return _gpt_reinit(c, shapes)
+
+
+def _gpt_reinit(c: GPTConfig, shapes):
+    std = 0.02
+    for name, shape in shapes:
+        if len(shape) >= 2:
+            scale = std / math.sqrt(2 * c.n_layer) if name.endswith(("c_proj.weight", "mlp_proj.weight")) else std
+            yield name, torch.empty(shape).normal_(0.0, scale)
+        elif name.endswith(".bias"):
+            yield name, torch.zeros(shape)
+        else:  # LayerNorm weights keep their constructor's ones
+            yield name, torch.ones(shape)
+
+
 def gpt_param_count(c: GPTConfig) -> int:
     L, d, V, T = c.n_layer, c.n_embd, c.vocab_size, c.block_size
     return 12 * L * d * d + 13 * L * d + 2 * V * d + T * d + 2 * d

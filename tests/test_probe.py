@@ -146,3 +146,17 @@ def test_disk_direct_io_where_supported(tmp_path):
     assert r.method == "O_DIRECT" or r.method.startswith("buffered")
     assert r.read_bw > 1e6 and r.write_bw > 1e6
     assert list(tmp_path.iterdir()) == []
+
+
+def test_extension_cache_is_keyed_by_the_source(tmp_path, monkeypatch):
+    """Two checkouts with different C++ sources build into different directories; the same
+    source maps to the same one (so a second checkout reuses the build)."""
+    from tensorstow.executor import aio
+    monkeypatch.setenv("TENSORSTOW_CACHE", str(tmp_path / "cache"))
+    a, b = tmp_path / "a.cpp", tmp_path / "b.cpp"
+    a.write_text("int f() { return 1; }\n")
+    b.write_text("int f() { return 2; }\n")
+    assert aio.ext_cache_dir("x", a) != aio.ext_cache_dir("x", b)
+    b.write_text(a.read_text())
+    assert aio.ext_cache_dir("x", a) == aio.ext_cache_dir("x", b)
+    assert str(aio.cache_dir()).startswith(str(tmp_path / "cache"))

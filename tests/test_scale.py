@@ -71,3 +71,35 @@ def test_deep_plan_refuses_a_model_of_another_depth(tmp_path):
     other = GPT(GPTConfig(**{**c.__dict__, "n_layer": 20}))
     with pytest.raises(TensorstowError, match="layers"):
         Executor(pj, other, state_dir=tmp_path)
+
+
+def test_preset_init_stream_equals_the_model_and_its_random_stream():
+    """Out-of-core initialisation replays GPT.__init__: the same values, in the same order, and
+    the generator left where GPT(c) leaves it."""
+    from tensorstow.ir.models import gpt_init_stream
+    for name in ("gpt-tiny", "gpt-deep"):
+        c = PRESETS[name]
+        torch.manual_seed(3)
+        want = dict(GPT(c).named_parameters())
+        after_want = torch.rand(4)
+        torch.manual_seed(3)
+        got = dict(gpt_init_stream(c))
+        assert list(got) == list(want)
+        assert all(torch.equal(got[n], want[n]) for n in want)
+        assert torch.equal(torch.rand(4), after_want)
+
+
+def test_execute_initialises_a_preset_out_of_core_and_trains_like_eager(tmp_path):
+    """`tensorstow execute` builds gpt-deep on the meta device, streams its initial values into
+    the plan's tiers, trains, and exports what eager training gives."""
+    from safetensors.torch import load_file
+
+    from tensorstow.planner.cli import main
+    pj = deep_plans(("zero-infinity",))["zero-infinity"]
+    (tmp_path / "plan.json").write_text(json.dumps(pj))
+    assert main(["execute", str(tmp_path / "plan.json"), "--steps", str(STEPS), "--state-dir", str(tmp_path / "s")]) == 0
+    assert main(["export", str(tmp_path / "s"), "-o", str(tmp_path / "out")]) == 0
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    want_losses, want = eager()
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[n], want[n]) for n in want)
