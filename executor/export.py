@@ -22,6 +22,7 @@ import torch
 
 from tensorstow import TensorstowError
 from tensorstow.executor import state
+from tensorstow.executor.aio import aligned_empty
 
 SHARD_BYTES = 4 << 30
 
@@ -63,7 +64,7 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES) -> dict:
         shards: list[dict[str, torch.Tensor]] = [{}]
         sizes = [0]
         for buf, slots in _weight_buffers(plan, layout):
-            blob = torch.empty(store.sizes[buf], dtype=torch.uint8)
+            blob = aligned_empty(store.sizes[buf])
             store.read(buf, blob)
             for s in slots:
                 t = blob[s["offset"]:s["offset"] + s["nbytes"]].view(getattr(torch, s["dtype"]))

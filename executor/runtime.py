@@ -40,6 +40,7 @@ import torch
 import torch.nn as nn
 
 from tensorstow import TensorstowError
+from tensorstow.executor.aio import aligned_empty
 from tensorstow.executor.segments import Joint
 from tensorstow.executor.state import RNG, persistent, rng_bytes, set_rng
 from tensorstow.executor.stores import (DeviceTier, FileStore, HostCopy, HostTier, Layout, SSDTier,
@@ -354,6 +355,12 @@ class Executor:
             state = source.take(self.block_params[b] + self.block_consts.get(b, []))
             for name in todo:
                 kind, home = name.split(":")[0], _HOME[self.plan["buffers"][name]["home"]]
+                if kind == "OS" and home != "gpu0":  # zeros, written in place: no temporaries
+                    self.host.alloc(name, self.layouts[name]).blob.zero_()
+                    if home == "ssd":
+                        self.ssd.write(name, self.host.get(name))
+                        self.host.drop(name)
+                    continue
                 vals = {}
                 for p in self.block_consts.get(b, ()) if kind == "C" else self.block_params[b]:
                     w = state[p].detach()
@@ -391,7 +398,7 @@ class Executor:
                 st.write(name, self.host.get(name).blob)
                 continue
             layout = self.layouts[name]
-            c = HostCopy(layout, torch.empty(layout.nbytes, dtype=torch.uint8))
+            c = HostCopy(layout, aligned_empty(layout.nbytes))
             for k, v in self.dev.get(name).items():
                 c.set(k, v)
             st.write(name, c.blob)

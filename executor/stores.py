@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 import torch.utils._pytree as pytree
 
+from tensorstow.executor.aio import aligned_empty
+
 from tensorstow import TensorstowError
 
 
@@ -253,12 +255,28 @@ class HostCopy:
         return self.get(key)
 
 
+def return_large_blocks_to_the_os() -> bool:
+    """Pin glibc's mmap threshold at 1 MiB. By default glibc raises the threshold each time a
+    large block is freed, so later buffer-sized allocations come from the heap and stay in the
+    process after they are freed: the host memory (RSS) grows past what the tiers hold, and step
+    times swing when it is trimmed (DESIGN.md pitfalls). With a fixed threshold every buffer-sized
+    block is its own mapping, returned to the OS when freed. False where there is no glibc."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, 1 << 20))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
 class HostTier:
     """DRAM: one flat (pinned with CUDA) byte tensor per buffer copy; tracks its peak."""
 
     name = "dram"
 
     def __init__(self, pin: bool):
+        return_large_blocks_to_the_os()
         self.pin = pin
         self.copies: dict[str, HostCopy] = {}
         self.used = 0
@@ -284,7 +302,9 @@ class HostTier:
         c = self.copies.get(buf)
         if c is not None:
             return c
-        blob = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        # 4096-aligned, so the SSD store's O_DIRECT I/O moves it in place (no staging copy)
+        blob = (torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=True) if self.pin
+                else aligned_empty(layout.nbytes))
         with self._lock:
             self.used += self.footprint(layout.nbytes)
             self.peak = max(self.peak, self.used)

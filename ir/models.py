@@ -167,6 +167,8 @@ PRESETS: dict[str, GPTConfig] = {
     # Tiny models for tests and CPU-only runs.
     "gpt-tiny": GPTConfig(n_layer=4, n_head=4, n_embd=64, vocab_size=512, block_size=64, source="tensorstow test model"),
     "gpt-small": GPTConfig(n_layer=6, n_head=8, n_embd=256, vocab_size=4096, block_size=128, source="tensorstow CPU demo model"),
+    "gpt-medium": GPTConfig(n_layer=8, n_head=12, n_embd=768, vocab_size=4096, block_size=256,
+                            source="tensorstow CPU model: 60M parameters, 0.7 GB of fp32 training state"),
     "gpt-deep": GPTConfig(n_layer=24, n_head=4, n_embd=64, vocab_size=512, block_size=64,
                           source="tensorstow test model: deep enough to be planned from a replicated trace"),
 }
