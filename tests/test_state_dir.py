@@ -145,3 +145,53 @@ def test_disk_full_is_one_line_and_keeps_the_last_commit(plans, small_fs, tmp_pa
     assert execute(plans["zero-infinity"], tmp_path / "ref", 4) == 0
     got, want = exported(state, tmp_path / "e1"), exported(tmp_path / "ref", tmp_path / "e2")
     assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def _cli(*args) -> subprocess.Popen:
+    import os
+    import sys
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}  # tests.fixtures
+    return subprocess.Popen([sys.executable, "-m", "tensorstow.planner.cli", *map(str, args)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _killed_at_random(args, rng, runtime: float, kills: int) -> int:
+    """Start `tensorstow ARGS` again and again, SIGKILL-ing each run at a random moment of a run's
+    length (import, initialisation, any step, the commit), `kills` times; then let one finish."""
+    import time
+    for _ in range(kills):
+        p = _cli(*args)
+        try:
+            time.sleep(rng.uniform(0, runtime))
+        finally:
+            p.kill()
+            p.wait()
+    p = _cli(*args)
+    return p.wait()
+
+
+def test_twenty_sigkills_then_resume_equal_an_uninterrupted_run(plans, tmp_path):
+    import random
+    import time
+    rng = random.Random(7)
+    args = ["execute", plans["zero-infinity"], "--steps", 6, "--state-dir"]
+    t0 = time.monotonic()
+    p = _cli(*args, tmp_path / "ref")
+    assert p.wait() == 0
+    runtime = time.monotonic() - t0  # this machine's pace, now: kills land all over a run
+    assert _killed_at_random([*args, tmp_path / "killed"], rng, runtime, kills=20) == 0
+    # export killed at random moments: OUT_DIR is never half-written (absent, or complete)
+    from safetensors.torch import load_file
+    out = tmp_path / "out"
+    for _ in range(4):
+        p = _cli("export", tmp_path / "killed", "-o", out)
+        time.sleep(rng.uniform(0, 3.0))
+        p.kill()
+        p.wait()
+        if out.exists():
+            assert (out / "model.safetensors").is_file() and load_file(out / "model.safetensors")
+            shutil.rmtree(out)
+    assert _cli("export", tmp_path / "killed", "-o", out).wait() == 0
+    got = load_file(out / "model.safetensors")
+    want = exported(tmp_path / "ref", tmp_path / "ref-out")
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
