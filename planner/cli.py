@@ -280,8 +280,8 @@ def cmd_probe(args) -> int:
     return 0
 
 
-DEMO = ["plan", "gpt-small", "--hw", "local", "--gpu-mem", "48MB", "--precision", "fp32",
-        "--batch", "4"]
+DEMO = ["plan", "gpt-medium", "--hw", "local", "--gpu-mem", "80MB", "--dram", "200MB", "--ssds", "1",
+        "--precision", "fp32", "--batch", "1", "--seq", "128"]
 
 
 def cmd_execute(args) -> int:
@@ -301,8 +301,9 @@ def cmd_export(args) -> int:
 
 
 def cmd_demo() -> int:
-    """The built-in main job: plan gpt-small for this machine with a device budget too small
-    to hold it, execute a few steps, and compare measured with predicted."""
+    """The built-in main job: plan gpt-medium (60M parameters, 0.72 GB of fp32 training state)
+    for this machine with 80 MB of device and 200 MB of DRAM budget, so its state lives on the
+    SSD; execute a few steps from a state dir and compare measured with predicted."""
     import tempfile
     from tensorstow.executor.run import execute
     with tempfile.TemporaryDirectory(prefix="tensorstow-demo-", dir=".") as tmp:
