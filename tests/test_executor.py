@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tensorstow import TensorstowError
+from tests.oracle import train_eager
 from tensorstow.executor.data import batches
 from tensorstow.executor.runtime import Executor, ssd_sizes
 from tensorstow.executor.stores import DeviceMemoryError, FileStore
@@ -100,17 +101,8 @@ def get_plan(name: str) -> dict:
 @functools.lru_cache(maxsize=None)
 def eager(optimizer="adamw", lr=1e-3, weight_decay=0.1):
     torch.manual_seed(0)
-    model = GPT(PRESETS["gpt-tiny"])
-    cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.Adam
-    opt = cls(model.parameters(), lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay)
-    losses = []
-    for x, y in batches("synthetic", B, T, VOCAB, STEPS, seed=0):
-        opt.zero_grad()
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return train_eager(GPT(PRESETS["gpt-tiny"]), batches("synthetic", B, T, VOCAB, STEPS, seed=0), lr=lr,
+                       weight_decay=weight_decay, optimizer=optimizer)
 
 
 def executor(plan: dict, state_dir=None, mode="sync", **kw) -> Executor:

@@ -32,6 +32,7 @@ from tensorstow.planner.cli import main  # noqa: E402
 from tensorstow.planner.hardware import load_hardware  # noqa: E402
 from tensorstow.planner.plan import Options, build_problem, plan_problem  # noqa: E402
 from tests.fixtures import real_models  # noqa: E402
+from tests.oracle import train_eager  # noqa: E402
 
 B, T, STEPS, LR, VOCAB = 2, 16, 3, 1e-3, 128
 DROPOUT_SEED = 1234
@@ -148,16 +149,8 @@ def traced(ref, model):
 
 
 def run_eager(model, loss_fn) -> tuple[list[float], dict]:
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
     torch.manual_seed(DROPOUT_SEED)
-    losses = []
-    for x, y in data():
-        opt.zero_grad()
-        loss = loss_fn(model, x, y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return train_eager(model, data(), lr=LR, loss=loss_fn)
 
 
 def hf_loss(model, x, y):

@@ -13,6 +13,7 @@ from tensorstow.executor.runtime import Executor
 from tensorstow.ir.models import GPT, GPTConfig, PRESETS
 from tensorstow.planner.hardware import load_hardware
 from tensorstow.planner.plan import Options, build_problem, plan_problem
+from tests.oracle import train_eager
 
 B, T, STEPS, LR = 2, 32, 3, 1e-3
 
@@ -48,16 +49,8 @@ def deep_plans(policies=("zero-infinity", "lohan")) -> dict[str, dict]:
 
 def eager():
     torch.manual_seed(0)
-    model = GPT(PRESETS["gpt-deep"])
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    losses = []
-    for x, y in batches("synthetic", B, T, PRESETS["gpt-deep"].vocab_size, STEPS, seed=0):
-        opt.zero_grad()
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return train_eager(GPT(PRESETS["gpt-deep"]), batches("synthetic", B, T, PRESETS["gpt-deep"].vocab_size, STEPS,
+                                                          seed=0), lr=LR)
 
 
 def test_deep_preset_planned_from_a_replicated_trace_trains_like_eager(tmp_path):
@@ -174,15 +167,7 @@ def test_gpt3_125m_with_parameters_and_adam_state_on_ssd_equals_eager(tmp_path):
     got = ex.parameters()
     ex.close()
     torch.manual_seed(0)
-    model = GPT(c)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    want_losses = []
-    for x, y in data:
-        opt.zero_grad()
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        want_losses.append(loss.item())
+    want_losses, want = train_eager(GPT(c), data, lr=LR)
     assert losses == want_losses
-    bad = [n for n, p in model.named_parameters() if not torch.equal(got[n], p.detach())]
+    bad = [n for n in want if not torch.equal(got[n], want[n])]
     assert not bad, bad[:4]

@@ -51,14 +51,10 @@ def eager_params(steps: int) -> dict[str, torch.Tensor]:
     """Eager training of the same model and data as `tensorstow execute --seed 0`."""
     from tensorstow.executor.data import batches
     from tests.fixtures import real_models
+    from tests.oracle import train_eager
     torch.manual_seed(0)
-    m = real_models.nano_gpt_dropout()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.0)
-    for x, y in batches("synthetic", 2, 16, 128, steps, seed=0):
-        opt.zero_grad()
-        m(x, y)[1].backward()
-        opt.step()
-    return {n: p.detach() for n, p in m.named_parameters()}
+    return train_eager(real_models.nano_gpt_dropout(), batches("synthetic", 2, 16, 128, steps, seed=0), lr=1e-3,
+                       loss=lambda m, x, y: m(x, y)[1])[1]
 
 
 @pytest.mark.parametrize("policy", ["stronghold", "zero-infinity"])
