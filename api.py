@@ -27,7 +27,8 @@ def plan(model_or_spec, *, hw: str = "local", policy: str = "auto", batch: int =
     Returns the plan (`.to_json()`, `.dumps()`, `.sim.step_time_s`); raises TensorstowError
     with one line naming the problem when it cannot."""
     from tensorstow.ir.hf import wrap
-    from tensorstow.planner.cli import hardware_for, parse_size
+    from tensorstow.planner.hardware import parse_size
+    from tensorstow.planner.plan import hardware_for
 
     module = wrap(model_or_spec) if isinstance(model_or_spec, nn.Module) else None
     name = f"<{type(model_or_spec).__name__}>" if module is not None else str(model_or_spec)

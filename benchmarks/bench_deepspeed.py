@@ -165,7 +165,7 @@ def run_tensorstow(a: dict, work: Path) -> dict:
     except Exception as e:  # noqa: BLE001 - report whatever keeps it from importing
         return {"skipped": f"cannot import tensorstow.executor.runtime.Executor ({type(e).__name__}: {e})"}
     plan_path = work / "tensorstow-plan.json"
-    cmd = [sys.executable, "-m", "tensorstow.planner.cli", "plan", a["preset"], "--hw", "lohan-rtx4090",
+    cmd = [sys.executable, "-m", "tensorstow.cli", "plan", a["preset"], "--hw", "lohan-rtx4090",
            "--gpu-mem", a["ts_gpu_mem"], "--precision", "fp32", "--batch", str(a["batch"]),
            "--policy", "zero-infinity", "--lr", str(a["lr"]), "-o", str(plan_path)]
     p = subprocess.run(cmd, capture_output=True, text=True)

@@ -20,7 +20,7 @@ from tensorstow.executor.data import batches
 from tensorstow.executor.runtime import Executor, ssd_sizes
 from tensorstow.executor.ssd import SSDStore
 from tensorstow.ir.models import resolve_model
-from tensorstow.planner.cli import hardware_for
+from tensorstow.planner.plan import hardware_for
 from tensorstow.planner.plan import Options, make_plan
 
 
@@ -70,7 +70,7 @@ def main():
     print(f"eager PyTorch step        {t_eager:.4f} s")
     print(f"executor, all-resident    {t_res:.4f} s   ratio executor/eager = {t_res / t_eager:.2f}x")
 
-    from tensorstow.planner.cli import parse_size
+    from tensorstow.planner.hardware import parse_size
     offl = plan(policy="zero-infinity", gpu_mem=parse_size(a.gpu_mem))
     with tempfile.TemporaryDirectory(dir=".") as d:
         torch.manual_seed(0)

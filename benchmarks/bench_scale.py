@@ -30,7 +30,7 @@ from pathlib import Path
 
 
 def tensorstow(*args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tensorstow.planner.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tensorstow.cli", *args], capture_output=True,
                           text=True, **kw)
 
 
@@ -76,7 +76,7 @@ def main() -> int:
         state = sum(b["bytes"] for n, b in p["buffers"].items() if n.split(":")[0] in ("P", "M", "OS", "G"))
         log = work / "log.jsonl"
         t0 = time.time()
-        child = subprocess.Popen([sys.executable, "-m", "tensorstow.planner.cli", "execute", str(plan), "--steps",
+        child = subprocess.Popen([sys.executable, "-m", "tensorstow.cli", "execute", str(plan), "--steps",
                                   str(a.steps), "--state-dir", str(work / "state"), "--log-json", str(log)],
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         io = [(time.time(), (0, 0))]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -182,3 +183,15 @@ def load_hardware(spec: str) -> Hardware:
         raise TensorstowError(f"hardware spec {path}: not valid JSON ({e}); fix the file or "
                               f"regenerate it with `tensorstow probe -o {path}`") from None
     return Hardware.from_json(d, where=f"hardware spec {path}")
+
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a size written as a user writes it: 200MB, 24GB, 256GiB or a byte count."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise TensorstowError(f"cannot read size '{text}': write e.g. 200MB, 24GB, 256GiB or a byte count")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])

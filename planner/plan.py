@@ -14,7 +14,7 @@ from tensorstow.ir.graph import Graph
 from tensorstow.ir.models import DEFAULT_BATCH, resolve_model
 from tensorstow.ir.trace import PRECISIONS, model_dims, trace, trace_spec
 from tensorstow.planner import cost
-from tensorstow.planner.hardware import Hardware
+from tensorstow.planner.hardware import Hardware, load_hardware
 from tensorstow.planner.schedule import Buffer, Decisions, Instr, buffers_for, lower
 from tensorstow.planner.simulate import SimResult, simulate
 
@@ -299,3 +299,8 @@ def infeasible_message(plan: Plan, over: dict[str, tuple[int, int]]) -> str:
             "ssd": "add SSDs (--ssds N) or use a smaller model"}
     return (f"{o.model} does not fit on {plan.problem.hw.name} with policy {o.policy}: "
             + "; ".join(parts) + "; " + "; ".join(hint[t] for t in over))
+
+
+def hardware_for(o: Options) -> Hardware:
+    """The hardware an Options names (preset, spec file or "local"), with its overrides."""
+    return load_hardware(o.hardware).with_overrides(gpu_mem=o.gpu_mem, dram=o.dram, ssds=o.ssds)

@@ -4,7 +4,7 @@ import json
 import pytest
 
 from tensorstow import TensorstowError
-from tensorstow.planner.cli import main
+from tensorstow.cli import main
 from tensorstow.planner.hardware import load_hardware
 from tensorstow.planner.plan import Options, build_problem, plan_problem, policies
 from tensorstow.planner import report

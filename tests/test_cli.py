@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from tensorstow.planner.cli import main, parse_size
+from tensorstow.cli import main, parse_size
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "tensorstow.planner.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "tensorstow.cli", *args], capture_output=True,
                           text=True, cwd=cwd or ROOT, timeout=300)
 
 

@@ -13,7 +13,7 @@ import torch
 
 from tensorstow.executor.state import store_sizes
 from tensorstow.executor.ssd import SSDStore
-from tensorstow.planner.cli import main
+from tensorstow.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 5
@@ -28,7 +28,7 @@ def ssd_plan(tmp_path_factory):
 
 
 def execute(plan, state, *extra, wait=True):
-    cmd = [sys.executable, "-m", "tensorstow.planner.cli", "execute", str(plan), "--steps", str(STEPS),
+    cmd = [sys.executable, "-m", "tensorstow.cli", "execute", str(plan), "--steps", str(STEPS),
            "--state-dir", str(state), *extra]
     if wait:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)

@@ -28,7 +28,7 @@ from tensorstow.executor.data import batches  # noqa: E402
 from tensorstow.executor.runtime import Executor  # noqa: E402
 from tensorstow.ir.models import resolve_model  # noqa: E402
 from tensorstow.ir.trace import trace  # noqa: E402
-from tensorstow.planner.cli import main  # noqa: E402
+from tensorstow.cli import main  # noqa: E402
 from tensorstow.planner.hardware import load_hardware  # noqa: E402
 from tensorstow.planner.plan import Options, build_problem, plan_problem  # noqa: E402
 from tests.fixtures import real_models  # noqa: E402

@@ -100,7 +100,7 @@ def test_execute_initialises_a_preset_out_of_core_and_trains_like_eager(tmp_path
     the plan's tiers, trains, and exports what eager training gives."""
     from safetensors.torch import load_file
 
-    from tensorstow.planner.cli import main
+    from tensorstow.cli import main
     pj = deep_plans(("zero-infinity",))["zero-infinity"]
     (tmp_path / "plan.json").write_text(json.dumps(pj))
     assert main(["execute", str(tmp_path / "plan.json"), "--steps", str(STEPS), "--state-dir", str(tmp_path / "s")]) == 0
@@ -125,7 +125,7 @@ def test_training_state_three_times_dram_trains_within_the_host_budget(tmp_path)
     import subprocess
     import sys
 
-    from tensorstow.planner.cli import main
+    from tensorstow.cli import main
     dram, gpu = 200, 80
     plan = tmp_path / "plan.json"
     assert main(["plan", "gpt-medium", "--hw", "lohan-rtx4090", "--gpu-mem", f"{gpu}MB", "--dram", f"{dram}MB",
@@ -138,7 +138,7 @@ def test_training_state_three_times_dram_trains_within_the_host_budget(tmp_path)
     # include every earlier test's children)
     code = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)")
-    cmd = [sys.executable, "-m", "tensorstow.planner.cli", "execute", str(plan), "--steps", "2",
+    cmd = [sys.executable, "-m", "tensorstow.cli", "execute", str(plan), "--steps", "2",
            "--state-dir", str(tmp_path / "s")]
     r = subprocess.run([sys.executable, "-c", code, *cmd], capture_output=True, text=True, timeout=1200)
     assert r.returncode == 0, r.stderr[-2000:]

@@ -12,7 +12,7 @@ import torch
 
 from tensorstow.executor.ssd import SSDStore
 from tensorstow.executor.state import store_sizes
-from tensorstow.planner.cli import main
+from tensorstow.cli import main
 
 MODEL = "tests.fixtures.real_models:nano_gpt_dropout"  # tied head, dropout: the RNG must resume too
 COMMON = ["--hw", "lohan-rtx4090", "--batch", "2", "--seq", "16", "--precision", "fp32", "--lr", "1e-3"]
@@ -147,7 +147,7 @@ def _cli(*args) -> subprocess.Popen:
     import os
     import sys
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}  # tests.fixtures
-    return subprocess.Popen([sys.executable, "-m", "tensorstow.planner.cli", *map(str, args)], env=env,
+    return subprocess.Popen([sys.executable, "-m", "tensorstow.cli", *map(str, args)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 

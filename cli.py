@@ -1,4 +1,4 @@
-"""The `tensorstow` command line: plan, show, diff, check, probe (and execute, when built).
+"""The `tensorstow` command line: plan, show, diff, check, fit, probe, execute, export.
 
 User errors print one line `tensorstow: error: ...` naming the problem and the fix, and
 exit with status 2. Run with no arguments for the built-in demo.
@@ -12,19 +12,10 @@ import sys
 from pathlib import Path
 
 from tensorstow import TensorstowError
+from tensorstow.planner.hardware import parse_size
+from tensorstow.planner.plan import hardware_for
 
 TIERS = ("gpu", "dram", "ssd")
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS:
-        raise TensorstowError(f"cannot read size '{text}': write e.g. 200MB, 24GB, 256GiB or a byte count")
-    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
-
-
 def _fmt(n: float) -> str:
     from tensorstow.planner.plan import fmt_bytes
     return fmt_bytes(n)
@@ -162,11 +153,6 @@ def _options(args):
         kw[k] = parse_size(v) if v is not None else None
     kw["ssds"] = args.ssds
     return Options(**kw)
-
-
-def hardware_for(o) -> "Hardware":
-    from tensorstow.planner.hardware import load_hardware
-    return load_hardware(o.hardware).with_overrides(gpu_mem=o.gpu_mem, dram=o.dram, ssds=o.ssds)
 
 
 def cmd_plan(args) -> int:
