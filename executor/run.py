@@ -86,8 +86,13 @@ def execute(plan: dict, *, steps: int, data: str = "synthetic", state_dir: str |
 def build_for_execution(spec, seed: int):
     """(model, initial values) with the weights `torch.manual_seed(seed); factory()` gives.
     Presets are built on the meta device and their values streamed block by block into their
-    home tiers (never the whole model in host memory); other models are built whole."""
+    home tiers (never the whole model in host memory); so are `hf:` models with safetensors
+    weights, read tensor by tensor from the checkpoint; other models are built whole."""
+    from tensorstow.ir import hf
     from tensorstow.ir.models import gpt_init_stream
+    if spec.name.startswith(hf.PREFIX):  # from its safetensors, one tensor at a time, if it has some
+        torch.manual_seed(seed)
+        return hf.load_streaming(spec.name)
     if spec.config is not None:
         with torch.device("meta"):
             model = spec.build()

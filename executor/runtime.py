@@ -81,8 +81,9 @@ class Executor:
         model's parameters like a fresh trace. A store made with `executor.state.store_sizes`
         is a full checkpoint: every `checkpoint_every` steps the state that lives off SSD and the
         random generator are written too, and resuming needs nothing else. `init_values`: an
-        iterator of (name, value) of the parameters in parameter order, used instead of the
-        model's (which may then live on the meta device: out-of-core initialisation)."""
+        iterator of (name, value) of the parameters in parameter order, or a mapping name ->
+        value read on demand, used instead of the model's parameters (which may then live on the
+        meta device: out-of-core initialisation)."""
         if mode not in MODES:
             raise TensorstowError(f"unknown executor mode '{mode}': use one of {list(MODES)}")
         from tensorstow.ir.hf import wrap
@@ -775,7 +776,8 @@ class _Adam:
 
 class _Source:
     """Initial values of the model state: the model's own tensors, or (parameters) the next
-    items of a stream in parameter order, each handed out once."""
+    items of a stream in parameter order, each handed out once, or a mapping read on demand
+    (`ir.hf.Checkpoint`)."""
 
     def __init__(self, model: nn.Module, stream):
         self.state = model_state(model)
@@ -785,6 +787,8 @@ class _Source:
     def take(self, names: list[str]) -> dict[str, torch.Tensor]:
         if self.stream is None:
             return {n: self.state[n] for n in names}
+        if not hasattr(self.stream, "__next__"):  # a mapping read on demand (a checkpoint)
+            return {n: self.buffers[n] if n in self.buffers else self.stream[n] for n in names}
         out = {}
         for n in names:
             if n in self.buffers:

@@ -14,7 +14,9 @@ model shifts nothing). Generation caches are off. `transformers` is the optional
 """
 from __future__ import annotations
 
+import json
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -96,6 +98,62 @@ def load(ref: str, *, weights: bool = True) -> CausalLM:
         tf.logging.set_verbosity(verbosity)
     model.train()
     return CausalLM(model)
+
+
+@contextmanager
+def parameters_on_meta():
+    """Modules built inside get their parameters on the meta device (no memory, no random
+    draws) and their buffers for real: the buffers are computed from the config (rotary tables)
+    and are not in checkpoints."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        if param is not None and param.device.type != "meta":
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+class Checkpoint:
+    """The tensors of a safetensors checkpoint by the wrapped model's parameter names
+    (`model.<name>`), read one at a time when asked for: the executor takes each block's
+    parameters as it places the block, so the whole model is never in memory."""
+
+    def __init__(self, d: Path):
+        index = d / "model.safetensors.index.json"
+        if index.is_file():
+            files = {n: d / f for n, f in json.loads(index.read_text())["weight_map"].items()}
+        else:
+            from safetensors import safe_open
+            files = {}
+            for f in sorted(d.glob("*.safetensors")):
+                with safe_open(str(f), framework="pt") as sf:
+                    files.update({n: f for n in sf.keys()})
+        self.files = files
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+        key = name[len("model."):]
+        if key not in self.files:
+            raise TensorstowError(f"the checkpoint has no tensor {key} (the model's parameter {name})")
+        with safe_open(str(self.files[key]), framework="pt") as sf:
+            return sf.get_tensor(key)
+
+
+def load_streaming(ref: str) -> tuple[CausalLM, "Checkpoint | None"]:
+    """`hf:DIR` for execution: with safetensors weights, the model with its parameters on the
+    meta device and the checkpoint to stream them from; without, as `load` builds it."""
+    d = check_dir(ref)
+    if not has_weights(d):
+        return load(ref), None
+    with parameters_on_meta():
+        model = load(ref, weights=False)
+    return model, Checkpoint(d)
 
 
 def wrap(model: nn.Module) -> nn.Module:

@@ -407,3 +407,32 @@ def test_export_loads_with_from_pretrained_and_equals_eager(tmp_path):
     assert got.keys() == want.keys()
     bad = [n for n in want if not torch.equal(got[n].detach(), want[n])]
     assert not bad, f"exported weights differ from eager: {bad[:4]}"
+
+
+def test_hf_checkpoint_streams_into_the_tiers_and_trains_like_eager(tmp_path):
+    """`tensorstow execute hf:DIR` with safetensors weights builds the model with its parameters
+    on the meta device and reads each block's tensors from the checkpoint as it places the block;
+    GPT-2 (dropout 0.1) then trains like `torch.manual_seed(0); from_pretrained(DIR)` eagerly, so
+    the random stream is where eager leaves it too."""
+    from tensorstow.executor.run import build_for_execution
+    cls, kw = FAMILIES["gpt2"]
+    torch.manual_seed(7)
+    transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**kw)).save_pretrained(tmp_path / "ckpt")
+    ref = f"hf:{tmp_path / 'ckpt'}"
+    model, source = build_for_execution(resolve_model(ref), seed=0)
+    assert {p.device.type for p in model.parameters()} == {"meta"} and source is not None
+    pj = offloaded_plans(ref, policies=("zero-infinity",))["zero-infinity"]
+    (tmp_path / "plan.json").write_text(json.dumps(pj))
+    assert main(["execute", str(tmp_path / "plan.json"), "--steps", str(STEPS), "--state-dir",
+                 str(tmp_path / "state")]) == 0
+    assert main(["export", str(tmp_path / "state"), "-o", str(tmp_path / "out")]) == 0
+    from safetensors.torch import load_file
+    got = load_file(tmp_path / "out" / "model.safetensors")
+    torch.manual_seed(0)
+    eager_model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt")
+    eager_model.config.use_cache = False
+    eager_model.train()
+    _, want = train_eager(eager_model, data(), lr=LR, loss=hf_loss)
+    assert set(got) <= set(want)
+    bad = [n for n in got if not torch.equal(got[n], want[n])]
+    assert not bad, f"differs from eager: {bad[:4]}"
