@@ -228,6 +228,8 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
             last = e.free(x, gpu, (after,))
         return last
 
+    borrowed: list[str] = []  # other blocks' P:/C: copies loaded for the segment being emitted
+
     def load_foreign(b: str) -> list[int]:
         """Bring the other blocks' P:/C: buffers that b reads (tied or shared weights); returns
         the loads, to wait for, and records which copies b must release after it runs."""
@@ -245,8 +247,6 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
     def release_foreign(after: int) -> None:
         while borrowed:
             e.free(borrowed.pop(), gpu, (after,))
-
-    borrowed: list[str] = []
 
     # ---- forward ----------------------------------------------------------------------------
     frees_fwd: dict[str, int] = {}
