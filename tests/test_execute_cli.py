@@ -1,6 +1,5 @@
 """`tensorstow execute` end to end: logs, traces, and SIGKILL + resume == an uninterrupted run."""
 import json
-import os
 import random
 import signal
 import subprocess

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tensorstow import TensorstowError
-from tensorstow.ir.graph import DTYPE_BYTES, Graph
+from tensorstow.ir.graph import Graph
 from tensorstow.ir.models import GPT, PRESETS, gpt_param_count, resolve_model
 from tensorstow.ir.trace import trace, trace_spec
 from tests.conftest import traced_tiny
