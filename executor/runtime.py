@@ -45,7 +45,7 @@ from tensorstow.executor.segments import Joint
 from tensorstow.executor.state import RNG, persistent, rng_bytes, set_rng
 from tensorstow.executor.stores import (DeviceTier, FileStore, HostCopy, HostTier, Layout, SSDTier,
                                         contiguous_stride)
-from tensorstow.ir.trace import Traced, model_dims, trace
+from tensorstow.ir.trace import Traced, model_dims, trace_model
 from tensorstow.planner.schedule import Instr
 
 MODES = ("sync", "overlap")
@@ -93,15 +93,15 @@ class Executor:
         self.mode = mode
         self.plan = plan
         m = plan["model"]
-        if traced is None:
-            traced = trace(model, batch=m["batch"], seq=m["seq"], precision=m["precision"],
-                           model_name=m["name"])
+        if traced is None:  # a replicated plan runs its block templates (ir.template)
+            traced = trace_model(model, batch=m["batch"], seq=m["seq"], precision=m["precision"],
+                                 model_name=m["name"], template=m["traced_layers"] < m["layers"])
         self.traced = traced
         _check_model_graph(m, traced)
         self.graph = self.traced.graph
         self.joint = Joint(self.traced)
         shapes = {n: tuple(p.shape) for n, p in model_state(model).items()}
-        if list(shapes) != traced.param_names or any(
+        if sorted(shapes) != self.joint.param_names or any(
                 shapes[n] != self.joint.meta(self.joint.placeholder[n])[1] for n in shapes):
             raise TensorstowError(f"the model's parameters and buffers do not match the traced graph of "
                                   f"{m['name']}; pass the model the trace was made from")
@@ -109,13 +109,10 @@ class Executor:
         self.mixed = self.precision != "fp32"
         self.compute_dtype = self.joint.meta(self.joint.placeholder[self.joint.param_names[0]])[0]
         self.instrs = self._read_instructions(plan)
-        self.block_params = {b.name: list(b.params) for b in self.graph.blocks}
+        self.block_params = {b: ps for b, (ps, _) in self.joint.block_state.items()}
         """Trainable parameters per block (P, G, M, OS, the optimizer)."""
-        self.block_consts: dict[str, list[str]] = defaultdict(list)
+        self.block_consts = {b: cs for b, (_, cs) in self.joint.block_state.items() if cs}
         """Frozen parameters and buffers per block (C: read, never written)."""
-        for t in self.graph.tensors:
-            if t.kind == "constant" and t.producer is None and t.storage == t.name:
-                self.block_consts[t.block].append(t.param)
         self.frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
         self.layouts, self.members = self._buffers(plan)
         self._check_references()
@@ -251,12 +248,13 @@ class Executor:
                             add(f"G:{b}", r, *j.meta(r))
             for c in self.block_consts.get(b, ()):
                 add(f"C:{b}", j.placeholder[c], *j.meta(j.placeholder[c]))
-            for name, _, _ in prof[b].saved:
-                add(f"A:{b}", name, *j.meta(name))
-            for name in prof[b].inputs:
-                add(f"X:{b}", name, *j.meta(name))
-            for name in prof[b].carried:
-                add(f"T:{b}", name, *j.meta(name))
+            pb = prof[j.inst.profile[b]]
+            for name, _, _ in pb.saved:
+                add(f"A:{b}", j.inst.name(b, name), *j.meta(name))
+            for name in pb.inputs:
+                add(f"X:{b}", j.inst.name(b, name), *j.meta(name))
+            for name in pb.carried:
+                add(f"T:{b}", j.inst.name(b, name), *j.meta(name))
         layouts = {k: Layout(v) for k, v in entries.items()}
         for name, spec in plan["buffers"].items():
             if name.startswith("W:"):
@@ -805,34 +803,20 @@ class _Source:
 
 
 def _check_model_graph(m: dict, traced: Traced) -> None:
-    """The traced model is the one the plan was made for. A plan of a deep preset describes L
-    layers traced as 3 (first, middle, last) and replicated by similarity; the executor runs a
-    trace of all L layers (seconds even at 96 layers), so it checks the plan's fingerprint on the
-    replicated trace and each of its own layers' signatures against the layer the plan stands it
-    for."""
+    """The traced model is the one the plan was made for: same graph, same fingerprint. (A
+    replicated plan's trace is its block template, so the fingerprint covers the traced layers;
+    `trace_model` has checked that the other layers share the middle one's structure.)"""
+    depth = len(traced.graph.layer_blocks())
+    if depth != m["layers"]:
+        raise TensorstowError(f"the model has {depth} layers but the plan for {m['name']} describes "
+                              f"{m['layers']}; pass the model the plan was made for, or re-plan it")
     fp = traced.graph.fingerprint()
-    what = f"{m['name']} (batch {m['batch']}, seq {m['seq']}, {m['precision']})"
-    fix = (f"(the model code, its configuration or the torch version changed); re-plan it with "
-           f"`tensorstow plan {m['name']} ...`")
-    if m["traced_layers"] == m["layers"]:
-        if fp != m["fingerprint"]:
-            raise TensorstowError(f"plan fingerprint mismatch: the plan was made for model graph "
-                                  f"{m['fingerprint']} but {what} traces to {fp} here {fix}")
-        return
-    from tensorstow.ir.models import resolve_model
-    from tensorstow.ir.trace import trace_spec
-    planned = trace_spec(resolve_model(m["name"]), batch=m["batch"], seq=m["seq"], precision=m["precision"]).graph
-    if planned.fingerprint() != m["fingerprint"]:
-        raise TensorstowError(f"plan fingerprint mismatch: the plan was made for model graph {m['fingerprint']} "
-                              f"but {what} traces to {planned.fingerprint()} here {fix}")
-    blocks = traced.graph.blocks
-    if len(blocks) != len(planned.blocks) or traced.graph.traced_layers != m["layers"]:
-        raise TensorstowError(f"the model has {traced.graph.traced_layers} layers but the plan for "
-                              f"{m['name']} describes {m['layers']}; pass the model the plan was made for")
-    for mine, ref in zip(blocks, planned.blocks):
-        if mine.name != ref.name or mine.signature != ref.signature:
-            raise TensorstowError(f"layer {mine.name} of {m['name']} differs from the traced layer "
-                                  f"{ref.profile} the plan replicated for it {fix}")
+    if fp != m["fingerprint"]:
+        raise TensorstowError(
+            f"plan fingerprint mismatch: the plan was made for model graph {m['fingerprint']} but "
+            f"{m['name']} (batch {m['batch']}, seq {m['seq']}, {m['precision']}) traces to {fp} here (the model "
+            f"code, its configuration or the torch version changed); re-plan it with "
+            f"`tensorstow plan {m['name']} ...`")
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -7,6 +7,10 @@ by interpretation: `node.target(*args)` with fx Nodes replaced by values. Interp
 intermediate right after its last use inside the segment, count every allocation on the
 device, and fetch the segment's inputs from whichever buffer copy holds them.
 
+Block templates: a replicated trace (`ir.template`) holds 3 layers for L. Segment `fwd:b<i>` is
+then its template's nodes with a rename map: the roots it reads and makes are called by layer
+i's instance names, and its parameters are layer i's; the nodes themselves are shared.
+
 Storage roots: buffers hold storage roots only (IR `Tensor.storage == name`). A view that a
 later segment or the optimizer reads (a `t` of a weight gradient, the `split` of q/k/v) is
 re-created from its root by replaying its aliasing ops, which moves no data, so a buffer
@@ -16,12 +20,14 @@ they would have seen without the trip.
 from __future__ import annotations
 
 import operator
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 from torch.fx.node import map_arg
 
+from tensorstow.ir.template import Instances, instances
 from tensorstow.ir.trace import Traced
 
 _MISSING = object()
@@ -37,10 +43,27 @@ class Segment:
     """Storage roots the segment creates."""
     release_after: tuple[tuple[str, ...], ...]
     """release_after[i]: local values whose last use in the segment is node i."""
+    rename: dict[str, str] | None = None
+    """Template node -> this block's name, for the roots it reads and makes (None: identity)."""
+    local: dict[str, str] | None = None
+    """This block's name -> template node, for the roots it makes."""
+
+    def outer(self, node: str) -> str:
+        return self.rename.get(node, node) if self.rename else node
+
+    def instantiate(self, name: str, rename: dict[str, str]) -> "Segment":
+        if not rename:
+            return self if name == self.name else Segment(name, self.nodes, self.ext_roots, self.produced,
+                                                          self.release_after)
+        made = {rename.get(r, r): r for r in self.produced}
+        return Segment(name=name, nodes=self.nodes,
+                       ext_roots=frozenset(rename.get(r, r) for r in self.ext_roots),
+                       produced=frozenset(made), release_after=self.release_after, rename=rename, local=made)
 
 
 class Joint:
-    """The joint forward+backward graph of a traced model, split into segments."""
+    """The joint forward+backward graph of a traced model, split into one segment per block and
+    phase (a replicated trace: template segments instantiated for every layer)."""
 
     def __init__(self, traced: Traced):
         gm, g = traced.gm, traced.graph
@@ -50,9 +73,10 @@ class Joint:
         self.tensors = {t.name: t for t in g.tensors}
         ph = [n for n in nodes if n.op == "placeholder"]
         names = traced.param_names
-        self.param_names = list(names)
+        self.inst: Instances = instances(g, traced.layer_path)
         self.placeholder = {p: ph[i].name for i, p in enumerate(names)}
-        """Parameter name -> its placeholder (primals_k)."""
+        """Model-state name -> its placeholder (primals_k; `primals_k@b<i>` for a layer
+        instantiated from a template)."""
         self.inputs = tuple(n.name for n in ph[len(names):])
         """idx, targets and the loss tangent: given by the caller every step."""
         self.constants = {n.name: getattr(gm, n.target) for n in nodes if n.op == "get_attr"}
@@ -69,6 +93,11 @@ class Joint:
                      if i + 1 < len(out) and isinstance(out[1 + i], fx.Node)}
         """Parameter name -> the node holding its gradient (joint-graph outputs after the loss)."""
         self._roots: dict[str, frozenset[str]] = {}
+        self.block_state: dict[str, tuple[list[str], list[str]]] = {}
+        """Block -> (trainable parameters, frozen parameters and buffers) it owns, by the model's
+        own names: its P:/C: buffers."""
+        self._instantiate_state(g, set(traced.trainable))
+        self.param_names = sorted(self.placeholder)
 
         members: dict[str, list[fx.Node]] = {}
         seen = set()
@@ -84,11 +113,36 @@ class Joint:
         missing = [n.name for n in nodes if n.op == "call_function" and n.name not in seen]
         if missing or any(n.op not in ("placeholder", "call_function", "get_attr", "output") for n in nodes):
             raise RuntimeError(f"internal: joint-graph nodes outside every segment: {missing[:5]}")
-        self.segments = {k: self._segment(k, sorted(v, key=lambda n: pos[n.name]))
-                         for k, v in sorted(members.items())}
+        templates = {k: self._segment(k, sorted(v, key=lambda n: pos[n.name])) for k, v in members.items()}
+        self.segments: dict[str, Segment] = {}
+        for blk in g.blocks:
+            for phase in ("fwd", "bwd"):
+                t = templates.get(f"{phase}:{blk.profile}")
+                if t is not None:
+                    name = f"{phase}:{blk.name}"
+                    self.segments[name] = t.instantiate(name, self.inst.rename.get(blk.name, {}))
+        self.segments = dict(sorted(self.segments.items()))
+
+    def _instantiate_state(self, g, trainable: set[str]) -> None:
+        """Placeholders, gradients and owned state of every block, replicas included."""
+        inst, ph, grad = self.inst, dict(self.placeholder), dict(self.grad)
+        owned: dict[str, list] = defaultdict(list)
+        for t in g.tensors:
+            if t.kind in ("parameter", "constant") and t.producer is None and t.storage == t.name and t.param:
+                owned[t.block].append(t.param)
+        for blk in g.blocks:
+            b = blk.name
+            state = [inst.state_name(b, p) for p in sorted(owned.get(blk.profile, ()))]
+            for p, real in zip(sorted(owned.get(blk.profile, ())), state):
+                self.placeholder[real] = inst.name(b, ph[p])
+                if p in grad:
+                    self.grad[real] = inst.name(b, grad[p])
+            self.block_state[b] = ([r for p, r in zip(sorted(owned.get(blk.profile, ())), state) if p in trainable],
+                                   [r for p, r in zip(sorted(owned.get(blk.profile, ())), state) if p not in trainable])
 
     # ---- structure --------------------------------------------------------------------------
     def is_root(self, name: str) -> bool:
+        name = self.inst.template_of(name)[0]
         n = self.node[name]
         if n.op in ("placeholder", "get_attr"):
             return True
@@ -97,6 +151,11 @@ class Joint:
 
     def roots_of(self, name: str) -> frozenset[str]:
         """The storage roots a node's value lives in (itself, for a root)."""
+        t, b = self.inst.template_of(name)
+        return frozenset(self.inst.name(b, r) for r in self._troots(t)) if b else self._troots(name)
+
+    def _troots(self, name: str) -> frozenset[str]:
+        """`roots_of` in the traced graph's own names."""
         r = self._roots.get(name)
         if r is None:
             if self.is_root(name):
@@ -104,12 +163,12 @@ class Joint:
             else:
                 r = frozenset()
                 for a in _arg_nodes(self.node[name]):
-                    r |= self.roots_of(a.name)
+                    r |= self._troots(a.name)
             self._roots[name] = r
         return r
 
     def meta(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
-        v = self.node[name].meta["val"]
+        v = self.node[self.inst.template_of(name)[0]].meta["val"]
         return v.dtype, tuple(int(s) for s in v.shape)
 
     def _segment(self, name: str, nodes: list[fx.Node]) -> Segment:
@@ -120,7 +179,7 @@ class Joint:
             for a in _arg_nodes(n):
                 last[a.name] = i
                 if a.name not in inside:
-                    ext |= self.roots_of(a.name)
+                    ext |= self._troots(a.name)
             if self.is_root(n.name):
                 produced.add(n.name)
         release: list[list[str]] = [[] for _ in nodes]
@@ -144,27 +203,32 @@ class Joint:
     def materialize(self, name: str, fetch_root, cache: dict | None = None):
         """The value of node `name`, fetching roots with `fetch_root` and replaying views."""
         cache = {} if cache is None else cache
+        t, b = self.inst.template_of(name)
         def value(n: fx.Node):
             if n.name in cache:
                 return cache[n.name]
-            v = fetch_root(n.name) if self.is_root(n.name) else self.call(n, value)
+            v = fetch_root(self.inst.name(b, n.name) if b else n.name) if self.is_root(n.name) \
+                else self.call(n, value)
             cache[n.name] = v
             return v
-        return value(self.node[name])
+        return value(self.node[t])
 
     def run(self, seg: Segment, *, fetch, hold, release, keep: frozenset[str], sink,
             device: torch.device | None = None) -> None:
         """Interpret `seg`. Outside roots come from `fetch(name)`; views of them are replayed.
         Every local value is `hold`-ed when made and `release`-d after its last use; the roots
-        in `keep` are handed to `sink(name, value)` at the end (before the release)."""
+        in `keep` are handed to `sink(name, value)` at the end (before the release). Outside
+        names (fetch, keep, sink) are the block's own (`Segment.rename`)."""
         env: dict = {}
+        if seg.local:
+            keep = frozenset(seg.local[k] for k in keep)
 
         def value(n: fx.Node):
             v = env.get(n.name, _MISSING)
             if v is not _MISSING:
                 return v
             if self.is_root(n.name):
-                return fetch(n.name)
+                return fetch(seg.outer(n.name))
             v = self.call(n, value, device)  # a view of an outside root: replay it
             hold(v, n.name)
             env[n.name] = v
@@ -179,7 +243,7 @@ class Joint:
                     if name not in keep and name in env:
                         release(env.pop(name))
             for name in sorted(keep):
-                sink(name, env[name])
+                sink(seg.outer(name), env[name])
         finally:
             for v in env.values():
                 release(v)

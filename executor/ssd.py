@@ -478,6 +478,8 @@ class SSDStore:
                 os.close(fd)
                 path.unlink()
         except OSError as e:
+            if e.errno in (errno.ENOSPC, errno.EDQUOT):  # a full disk says nothing of O_DIRECT: the
+                return False, f"buffered I/O + fsync: {self.dir} is full"  # first write reports it
             reason = (f"buffered I/O + fsync: the filesystem of {self.dir} refuses O_DIRECT "
                       f"({e.strerror})")
             log.warning("SSD store: %s", reason)

@@ -50,6 +50,8 @@ class Traced:
     frozen), then buffers. All of them are inputs of the joint graph."""
     trainable: frozenset[str] = frozenset()
     """The parameters that require grad (the others, and buffers, are read-only constants)."""
+    layer_path: str = ""
+    """Qualified name of the list of repeated layers ("" if none)."""
 
 
 class _Captured(Exception):
@@ -149,7 +151,7 @@ def trace(model: nn.Module, *, batch: int, seq: int, precision: str = "fp32",
     trainable = frozenset(n for n, p in params.items() if p.requires_grad)
     graph = _build_ir(gm, captured["bounds"], n_layers, state_names, trainable, model_name, batch, seq,
                       precision, replicate_to)
-    return Traced(graph=graph, gm=gm, param_names=state_names, trainable=trainable)
+    return Traced(graph=graph, gm=gm, param_names=state_names, trainable=trainable, layer_path=layers_name)
 
 
 def model_dims(model: nn.Module) -> tuple[int | None, int | None]:
@@ -664,6 +666,64 @@ def _build_without_memory(spec, fm: FakeTensorMode) -> nn.Module:
         return spec.build(weights=False)
 
 
+@contextmanager
+def _template_view(model: nn.Module):
+    """`model` with its list of layers cut to (first, middle, last) while a trace runs."""
+    name, layers = find_layers(model)
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, attr, nn.ModuleList([layers[0], layers[1], layers[len(layers) - 1]]))
+    try:
+        yield
+    finally:
+        setattr(parent, attr, layers)
+
+
+def odd_layer(layers) -> int | None:
+    """Index of the first of layers 2..L-2 whose structure differs from layer 1's (None: the
+    middle layers are one similarity class, `ir.template.layer_structure`)."""
+    from tensorstow.ir.template import layer_structure
+    ref = layer_structure(layers[1])
+    return next((i for i in range(2, len(layers) - 1) if layer_structure(layers[i]) != ref), None)
+
+
+def trace_model(model: nn.Module, *, batch: int, seq: int, precision: str = "fp32", model_name: str = "model",
+                template: bool | None = None, fake_mode: FakeTensorMode | None = None) -> Traced:
+    """Trace `model`, a deep one as a block template: its first, middle and last layers are
+    traced and the IR describes all L of them (`ir.template`). `template=None` decides: models
+    deeper than FULL_TRACE_LAYERS whose middle layers share one structure and whose traced
+    layers hand values on only to their neighbours; True insists (the executor, running a
+    replicated plan), False traces every layer."""
+    from tensorstow.ir.hf import wrap
+    from tensorstow.ir.template import NotReplicable, instances
+    model = wrap(model)
+    _, layers = find_layers(model)
+    depth = len(layers) if layers is not None else 0
+    kw = dict(batch=batch, seq=seq, precision=precision, model_name=model_name, fake_mode=fake_mode)
+    if template is None:
+        template = depth > FULL_TRACE_LAYERS and odd_layer(layers) is None
+        auto = True
+    else:
+        auto = False
+    if not template:
+        return trace(model, **kw)
+    odd = odd_layer(layers) if depth > 3 else 0
+    if odd is not None:
+        raise TensorstowError(f"model '{model_name}': layer {odd} differs from layer 1 (module classes, "
+                              f"attributes or parameter shapes), so one traced layer cannot stand for both; "
+                              f"re-plan the model")
+    with _template_view(model):
+        traced = trace(model, replicate_to=depth, **kw)
+    try:
+        instances(traced.graph, traced.layer_path)
+    except NotReplicable as e:
+        if auto:
+            return trace(model, **kw)
+        raise TensorstowError(f"model '{model_name}': its traced layers cannot stand for the others ({e}); "
+                              f"re-plan the model") from None
+    return traced
+
+
 def trace_spec(spec, *, batch: int, seq: int | None = None, precision: str = "fp32") -> Traced:
     """Trace a ModelSpec. Presets deeper than FULL_TRACE_LAYERS are built with 3 layers (first,
     middle, last) on fake tensors and replicated by similarity: the middle layer's profile
@@ -683,5 +743,7 @@ def trace_spec(spec, *, batch: int, seq: int | None = None, precision: str = "fp
             seq = model_dims(model)[1]
             if seq == 0:
                 raise TensorstowError(f"model '{spec.name}' has no sequence limit: pass --seq")
+    if replicate is None and cfg is None:
+        return trace_model(model, batch=batch, seq=seq, precision=precision, model_name=spec.name, fake_mode=fm)
     return trace(model, batch=batch, seq=seq, precision=precision, model_name=spec.name,
                  replicate_to=replicate, fake_mode=fm)

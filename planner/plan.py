@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from tensorstow import TensorstowError
 from tensorstow.ir.graph import Graph
 from tensorstow.ir.models import DEFAULT_BATCH, resolve_model
-from tensorstow.ir.trace import PRECISIONS, model_dims, trace, trace_spec
+from tensorstow.ir.trace import PRECISIONS, model_dims, trace_model, trace_spec
 from tensorstow.planner import cost
 from tensorstow.planner.hardware import Hardware, load_hardware
 from tensorstow.planner.schedule import Buffer, Decisions, Instr, buffers_for, lower
@@ -95,8 +95,8 @@ def build_problem(options: Options, hw: Hardware, model=None) -> Problem:
         raise TensorstowError(f"unknown precision '{options.precision}': use one of {sorted(PRECISIONS)}")
     batch = options.batch or DEFAULT_BATCH.get(options.model, 1)
     if model is not None:
-        traced = trace(model, batch=batch, seq=options.seq or model_dims(model)[1] or 1,
-                       precision=options.precision, model_name=options.model)
+        traced = trace_model(model, batch=batch, seq=options.seq or model_dims(model)[1] or 1,
+                             precision=options.precision, model_name=options.model)
     else:
         traced = trace_spec(resolve_model(options.model), batch=batch, seq=options.seq or None,
                             precision=options.precision)

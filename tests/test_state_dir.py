@@ -135,7 +135,7 @@ def test_disk_full_is_one_line_and_keeps_the_last_commit(plans, small_fs, tmp_pa
     capsys.readouterr()
     assert execute(plans["zero-infinity"], state, 4) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "No space left" in err[0] and str(small_fs) in err[0], err
+    assert len(err) == 1 and "No space left" in err[0] and str(small_fs) in err[0], "\n".join(err)
     filler.unlink()
     assert execute(plans["zero-infinity"], state, 4) == 0  # resumes from the intact step 2
     assert execute(plans["zero-infinity"], tmp_path / "ref", 4) == 0
