@@ -11,8 +11,8 @@ from tensorstow.ir.models import resolve_model
 from tensorstow.ir.template import NotReplicable, instances
 from tensorstow.ir.trace import trace, trace_spec
 from tests.fixtures import real_models
-from tests.test_real_models import (B, DROPOUT_SEED, T, assert_equal, assert_recomputes, data, hf_eager, hf_loss,
-                                    hf_ref, offloaded_plans, run_eager)
+from tests.test_real_models import (DROPOUT_SEED, assert_equal, assert_recomputes, data, hf_eager, hf_loss,
+                                    offloaded_plans, run_eager)
 
 transformers = pytest.importorskip("transformers", reason="the 'hf' extra (transformers) is not installed")
 
@@ -62,7 +62,7 @@ def test_24_layer_user_model_trains_from_its_template_like_eager(tmp_path):
 
 
 def test_deep_hf_model_trains_from_its_template_like_eager(hf_root, tmp_path):
-    cls, kw = real_models_llama = ("LlamaConfig", dict(vocab_size=128, max_position_embeddings=64, hidden_size=32,
+    cls, kw = ("LlamaConfig", dict(vocab_size=128, max_position_embeddings=64, hidden_size=32,
                                                        intermediate_size=64, num_hidden_layers=10,
                                                        num_attention_heads=4, num_key_value_heads=2))
     d = f"{hf_root}/deep-llama"
