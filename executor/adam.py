@@ -48,7 +48,6 @@ which engine is active and why. `TENSORSTOW_ADAM=torch` forces the fallback,
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from pathlib import Path
 
@@ -89,7 +88,7 @@ def load_kernel() -> None:
 
     Raises RuntimeError (with the compiler's message) when it cannot be built; a failed build
     is not retried in the same process. Thread-safe; concurrent processes are serialized by
-    torch's lock file in the build directory.
+    `aio.compile_extension`'s lock.
     """
     global _loaded, _load_error, _kernel_status
     with _lock:
@@ -97,27 +96,14 @@ def load_kernel() -> None:
             return
         if _load_error is not None:
             raise _load_error
-        from torch.utils import cpp_extension
-
-        build_dir = cache_dir()
-        bin_dir = os.path.dirname(sys.executable)  # pip's ninja lands next to the interpreter
-        old_path = os.environ.get("PATH", "")
-        if bin_dir not in old_path.split(os.pathsep):
-            os.environ["PATH"] = bin_dir + os.pathsep + old_path
         try:
-            build_dir.mkdir(parents=True, exist_ok=True)
             # is_python_module=False: the library registers its ops (TORCH_LIBRARY) on load.
-            cpp_extension.load(name=_EXT_NAME, sources=[str(_CSRC)], extra_cflags=_cflags(),
-                               extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
-                               is_python_module=False, verbose=False)
+            _, build_dir = aio.compile_extension(_EXT_NAME, _CSRC, extra_cflags=_cflags(),
+                                                 extra_ldflags=["-fopenmp"], is_python_module=False)
         except Exception as e:  # the compiler, ninja, the loader or the disk: all mean "no C++ kernel"
-            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-            first_error = next((ln for ln in lines if "error" in ln.lower()), lines[-1] if lines else repr(e))
-            _load_error = RuntimeError(f"building the C++ Adam kernel from {_CSRC} in {build_dir} failed: "
-                                       f"{first_error}")
+            _load_error = RuntimeError(f"building the C++ Adam kernel from {_CSRC} in {cache_dir()} failed: "
+                                       f"{aio.first_error_line(e)}")
             raise _load_error from e
-        finally:
-            os.environ["PATH"] = old_path
 
         @torch.library.register_fake("tensorstow::adam_step_")
         def _(param, grad, exp_avg, exp_avg_sq, param16, step, lr, beta1, beta2, eps, weight_decay,

@@ -197,36 +197,57 @@ def cache_dir() -> Path:
     return ext_cache_dir(_EXT_NAME, _CSRC)
 
 
+def compile_extension(name: str, source: Path, **load_kwargs):
+    """`cpp_extension.load` of `source` into `ext_cache_dir(name, source)`: built once, then loaded.
+
+    torch serializes builders with a lock *file* in the build directory that only a builder
+    which finishes removes: one killed mid-build (Ctrl-C twice, SIGKILL, an OOM kill) leaves it
+    behind, and every later load waits on it forever. Builders here first take an flock on a
+    sidecar file, which the kernel releases when its holder dies; holding it, a torch lock file
+    can only be a dead builder's, so it is removed. Returns (whatever load returns, build_dir).
+    """
+    from torch.utils import cpp_extension
+
+    build_dir = ext_cache_dir(name, source)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    bin_dir = os.path.dirname(sys.executable)  # pip's ninja lands next to the interpreter
+    old_path = os.environ.get("PATH", "")
+    if bin_dir not in old_path.split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + old_path
+    try:
+        with open(build_dir / "build.flock", "a") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)  # released on close, or by the kernel if we die
+            (build_dir / "lock").unlink(missing_ok=True)  # torch's baton, left by a killed builder
+            module = cpp_extension.load(name=name, sources=[str(source)], build_directory=str(build_dir),
+                                        verbose=False, **load_kwargs)
+    finally:
+        os.environ["PATH"] = old_path
+    return module, build_dir
+
+
 def build_extension():
     """The compiled `tensorstow_aio` module (built on first use, ~20 s; then loaded from cache).
 
     Raises RuntimeError (with the compiler's message) when it cannot be built. Thread-safe;
-    concurrent processes are serialized by torch's lock file in the build directory.
+    concurrent processes are serialized by `compile_extension`'s lock.
     """
     global _module, _status
     with _load_lock:
         if _module is not None:
             return _module
-        from torch.utils import cpp_extension
-
-        build_dir = cache_dir()
-        build_dir.mkdir(parents=True, exist_ok=True)
-        bin_dir = os.path.dirname(sys.executable)  # pip's ninja lands next to the interpreter
-        old_path = os.environ.get("PATH", "")
-        if bin_dir not in old_path.split(os.pathsep):
-            os.environ["PATH"] = bin_dir + os.pathsep + old_path
         try:
-            _module = cpp_extension.load(name=_EXT_NAME, sources=[str(_CSRC)], extra_cflags=["-O3"],
-                                         build_directory=str(build_dir), verbose=False)
+            _module, build_dir = compile_extension(_EXT_NAME, _CSRC, extra_cflags=["-O3"])
         except Exception as e:  # the compiler, ninja or the loader: all mean "no C++ engine"
-            lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-            first_error = next((ln for ln in lines if "error" in ln.lower()), lines[-1] if lines else repr(e))
-            raise RuntimeError(f"building the C++ aio engine from {_CSRC} in {build_dir} failed: "
-                               f"{first_error}") from e
-        finally:
-            os.environ["PATH"] = old_path
+            raise RuntimeError(f"building the C++ aio engine from {_CSRC} in {cache_dir()} failed: "
+                               f"{first_error_line(e)}") from e
         _status = f"C++ thread-pool engine (tensorstow_aio: pread/pwrite, io_uring not used), built/cached in {build_dir}"
         return _module
+
+
+def first_error_line(e: BaseException) -> str:
+    """The line of a failed build's message that says what failed (compilers print walls)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    return next((ln for ln in lines if "error" in ln.lower()), lines[-1] if lines else repr(e))
 
 
 def load_engine(num_threads: int = DEFAULT_THREADS, block_size: int = DEFAULT_BLOCK_SIZE,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import sys
 import time
 
 import pytest
@@ -160,3 +161,29 @@ def test_extension_cache_is_keyed_by_the_source(tmp_path, monkeypatch):
     b.write_text(a.read_text())
     assert aio.ext_cache_dir("x", a) == aio.ext_cache_dir("x", b)
     assert str(aio.cache_dir()).startswith(str(tmp_path / "cache"))
+
+
+def test_a_builder_killed_mid_build_does_not_wedge_later_builds():
+    """Regression: torch's build lock is a file only a finishing builder removes, so one killed
+    mid-build made every later `load_engine` wait forever (it hung CI). A builder that dies
+    holding the lock now leaves nothing the next one waits on."""
+    import signal
+    import subprocess
+    from tensorstow.executor import aio
+    build_dir = aio.cache_dir()
+    dead_builder = ("import os, signal; from torch.utils.file_baton import FileBaton; "
+                    f"assert FileBaton({str(build_dir / 'lock')!r}).try_acquire(); "
+                    "os.kill(os.getpid(), signal.SIGKILL)")
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        killed = subprocess.run([sys.executable, "-c", dead_builder], capture_output=True)
+        assert killed.returncode == -signal.SIGKILL and (build_dir / "lock").exists()
+        # the timeout only guards against the old hang; a cold build takes ~1 min
+        after = subprocess.run([sys.executable, "-c", "from tensorstow.executor import aio; "
+                                "aio.load_engine(); print(aio.engine_info())"],
+                               capture_output=True, text=True, timeout=900)
+        assert after.returncode == 0, after.stderr[-2000:]
+        assert "C++" in after.stdout or "building the C++ aio engine" in after.stdout
+        assert not (build_dir / "lock").exists()
+    finally:
+        (build_dir / "lock").unlink(missing_ok=True)
