@@ -123,6 +123,14 @@ def diff_text(a: dict, b: dict) -> tuple[str, bool]:
                 changes.setdefault(f"{f}: {x.get(f)} -> {y.get(f)}", []).append(blk)
     for what, blks in changes.items():
         out.append(f"blocks {_ranges(blks)}: {what}")
+    ba, bb = a["buffers"], b["buffers"]
+    for what, names in (("added", sorted(set(bb) - set(ba))), ("removed", sorted(set(ba) - set(bb))),
+                        ("changed", sorted(n for n in set(ba) & set(bb) if ba[n] != bb[n]))):
+        if names:
+            fields = sorted({f for n in names for f in set(ba.get(n, {})) | set(bb.get(n, {}))
+                             if ba.get(n, {}).get(f) != bb.get(n, {}).get(f)}) if what == "changed" else []
+            out.append(f"buffers {what}: {len(names)} ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
+                       + (f"; fields {', '.join(fields)}" if fields else ""))
     ia, ib = a["instructions"], b["instructions"]
     if ia != ib:
         out.append(f"instructions: {len(ia)} -> {len(ib)}"

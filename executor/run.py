@@ -71,7 +71,9 @@ def execute(plan: dict, *, steps: int, data: str = "synthetic", state_dir: str |
     med = statistics.median(steady)
     print(f"measured step {med:.4g} s (median of {len(steady)}) vs predicted {pred['step_time_s']:.4g} s "
           f"(x{med / pred['step_time_s']:.3g}); device peak {ex.peak_bytes.get('gpu', 0) / 1e6:.1f} MB of "
-          f"{pred['capacity_bytes']['gpu'] / 1e6:.1f} MB budget", file=out)
+          f"{pred['capacity_bytes']['gpu'] / 1e6:.1f} MB budget; dram pool {ex.pool.size / 1e6:.1f} MB "
+          f"(plan peak {pred['peak_bytes']['dram'] / 1e6:.1f} MB)"
+          + (f", {ex.pool.overflow_bytes / 1e6:.1f} MB outside it" if ex.pool.overflow_bytes else ""), file=out)
     busy = ex.lane_busy()
     print("lane busy, measured (predicted): " + ", ".join(
         f"{r} {v:.3g} s ({pred['busy_s'].get(r, 0):.3g} s)" for r, v in busy.items()), file=out)

@@ -43,7 +43,7 @@ from tensorstow import TensorstowError
 from tensorstow.executor.aio import aligned_empty
 from tensorstow.executor.segments import Joint
 from tensorstow.executor.state import RNG, persistent, rng_bytes, set_rng
-from tensorstow.executor.stores import (DeviceTier, FileStore, HostCopy, HostTier, Layout, SSDTier,
+from tensorstow.executor.stores import (DeviceTier, FileStore, HostCopy, HostPool, HostTier, Layout, SSDTier,
                                         contiguous_stride)
 from tensorstow.ir.trace import Traced, model_dims, trace_model
 from tensorstow.planner.schedule import Instr
@@ -135,7 +135,8 @@ class Executor:
         self.device = torch.device("cuda", 0) if cuda else torch.device("cpu")
         self.dev = DeviceTier(pred["capacity_bytes"]["gpu"] if device_budget is None else device_budget,
                               self.device)
-        self.host = HostTier(pin=cuda)
+        self.pool = HostPool(HostPool.needed(self._dram_events(resume)), pin=cuda)
+        self.host = HostTier(pin=cuda, pool=self.pool)
         uses_ssd = bool(ssd_sizes(plan))
         if ssd_store is None and uses_ssd:
             if state_dir is None:
@@ -199,6 +200,38 @@ class Executor:
             instrs.append(ins)
         return instrs
 
+    def _dram_events(self, resume: bool) -> list[tuple]:
+        """The DRAM tier's allocations and frees in program order: placing the homes (block by
+        block; an SSD home passes through DRAM), then two steps, the second the steady state the
+        pool must hold (`HostPool.needed` sizes the arena from them)."""
+        bufs, events, here = self.plan["buffers"], [], set()
+
+        def alloc(n):
+            if n not in here:
+                here.add(n)
+                events.append(("alloc", n, self.layouts[n].nbytes))
+
+        def free(n):
+            here.discard(n)
+            events.append(("free", n))
+        for blk in self.graph.blocks:
+            for n in (f"{k}:{blk.name}" for k in ("P", "C", "M", "OS")):
+                home = bufs.get(n, {}).get("home")
+                if home == "dram" or home == "ssd" and not resume or home == "gpu" and resume:
+                    alloc(n)
+                    if home != "dram":  # staged through DRAM on its way home
+                        free(n)
+        for _ in range(2):
+            for ins in self.instrs:
+                if ins.kind in ("load", "store") and ins.dst == "dram":
+                    alloc(ins.tensor)
+                elif ins.kind == "free" and ins.dst == "dram" and ins.tensor in here:
+                    free(ins.tensor)
+                elif ins.kind == "optimizer_step" and ins.dst == "cpu":
+                    for a in ins.allocs:
+                        alloc(a)
+        return events
+
     def _check_references(self) -> None:
         """Every buffer an instruction names exists, and each kind creates what it can."""
         for ins in self.instrs:
@@ -219,55 +252,62 @@ class Executor:
                 raise TensorstowError(f"plan instruction {ins.id} ({ins.kind}) cannot create {bad}")
 
     def _buffers(self, plan: dict):
-        """Layout (named tensors) of every data buffer, checked against the plan's bytes."""
-        from tensorstow.planner.cost import profiles
-        from tensorstow.planner.hardware import Hardware
-
-        j = self.joint
-        prof = profiles(self.graph, Hardware.from_json(plan["hardware"]["spec"], where="plan hardware"))
-        entries: dict[str, list] = {}
+        """Layout (named tensors) of every data buffer, read from the plan's `members` (by the
+        profile's names; a replicated layer's are its own instances), checked against the traced
+        model and the plan's bytes."""
+        j, inst = self.joint, self.joint.inst
+        layouts: dict[str, Layout] = {}
         members: dict[str, list[str]] = {}
-
-        def add(buf, key, dtype, shape, root=True):
-            entries.setdefault(buf, []).append((key, dtype, shape))
-            if root:
-                members.setdefault(buf, []).append(key)
-
-        for b, params in self.block_params.items():
-            for p in params:
-                ph = j.placeholder[p]
-                dt, shape = j.meta(ph)
-                add(f"P:{b}", ph, dt, shape)
-                if self.mixed:
-                    add(f"M:{b}", p, torch.float32, shape, root=False)
-                add(f"OS:{b}", f"{p}.exp_avg", torch.float32, shape, root=False)
-                add(f"OS:{b}", f"{p}.exp_avg_sq", torch.float32, shape, root=False)
-                if p in j.grad:
-                    for r in sorted(j.roots_of(j.grad[p])):
-                        if r not in members.get(f"G:{b}", []):
-                            add(f"G:{b}", r, *j.meta(r))
-            for c in self.block_consts.get(b, ()):
-                add(f"C:{b}", j.placeholder[c], *j.meta(j.placeholder[c]))
-            pb = prof[j.inst.profile[b]]
-            for name, _, _ in pb.saved:
-                add(f"A:{b}", j.inst.name(b, name), *j.meta(name))
-            for name in pb.inputs:
-                add(f"X:{b}", j.inst.name(b, name), *j.meta(name))
-            for name in pb.carried:
-                add(f"T:{b}", j.inst.name(b, name), *j.meta(name))
-        layouts = {k: Layout(v) for k, v in entries.items()}
-        for name, spec in plan["buffers"].items():
-            if name.startswith("W:"):
+        for name, spec in sorted(plan["buffers"].items()):
+            kind, b = name.split(":")[0], name.split(":")[-1]
+            if kind == "W":
                 continue  # a workspace: the segment's real temporaries, counted as they are made
-            if name not in layouts:
+            if kind not in ("P", "C", "G", "M", "OS", "A", "X", "T") or b not in inst.profile:
                 raise TensorstowError(f"plan buffer {name} names nothing in the traced model; re-plan it")
+            if "members" not in spec:
+                raise TensorstowError(f"plan buffer {name} does not list its members (a plan of an older "
+                                      f"tensorstow); re-plan it")
+            entries, roots = [], []
+            for m in spec["members"]:
+                try:
+                    key, meta = self._member(kind, b, m)
+                    dtype, shape = j.meta(meta)
+                except KeyError:
+                    raise TensorstowError(f"plan buffer {name} holds {m}, which the traced model does not "
+                                          f"have; re-plan it") from None
+                entries.append((key, torch.float32 if kind in ("M", "OS") else dtype, shape))
+                if kind not in ("M", "OS"):
+                    roots.append(key)
+            layouts[name] = Layout(entries)
+            if roots:
+                members[name] = roots
             if layouts[name].nbytes != spec["bytes"]:
                 raise TensorstowError(f"plan buffer {name}: {spec['bytes']} bytes in the plan, "
                                       f"{layouts[name].nbytes} in the traced model; re-plan it")
-        extra = sorted(set(layouts) - set(plan["buffers"]))
-        if extra:
-            raise TensorstowError(f"the plan lacks buffers {extra[:5]} of the traced model; re-plan it")
+        for b, params in self.block_params.items():
+            want = {"P": [j.placeholder[p] for p in params], "C": [j.placeholder[c] for c in self.block_consts.get(b, ())],
+                    "G": sorted({r for p in params if p in j.grad for r in j.roots_of(j.grad[p])})}
+            for kind, names in want.items():
+                if sorted(members.get(f"{kind}:{b}", [])) != sorted(names):
+                    raise TensorstowError(f"plan buffer {kind}:{b} does not hold what block {b} of the traced "
+                                          f"model has for it; re-plan it")
         return layouts, members
+
+    def _member(self, kind: str, b: str, m: str) -> tuple[str, str]:
+        """(layout key, traced node giving its dtype and shape) of a plan member of buffer kind:b."""
+        j, inst = self.joint, self.joint.inst
+        if kind in ("P", "C"):
+            ph = j.placeholder[inst.state_name(b, m)]
+            return ph, ph
+        if kind in ("M", "OS"):
+            q, _, suffix = m.rpartition(".")
+            if kind == "M" and suffix != "master" or kind == "OS" and suffix not in ("exp_avg", "exp_avg_sq"):
+                raise KeyError(m)
+            real = inst.state_name(b, q)
+            return (real if kind == "M" else f"{real}.{suffix}"), j.placeholder[real]
+        name = inst.name(b, m)
+        j.node[inst.template_of(name)[0]]  # KeyError: not in the trace
+        return name, name
 
     def _temporaries(self):
         """Which storage roots the device keeps between compute instructions, and until when.

@@ -270,15 +270,78 @@ def return_large_blocks_to_the_os() -> bool:
         return False
 
 
+class HostPool:
+    """The DRAM tier's memory: one arena allocated up front (pinned with CUDA), carved into
+    4096-aligned ranges best-fit and given back on free, so every step reuses the same bytes
+    and no copy allocates (STRONGHOLD §3.4 buffer pools). A request that fragmentation leaves
+    no room for is served from a fresh allocation and counted in `overflow_bytes`."""
+
+    def __init__(self, nbytes: int, pin: bool = False, virtual: bool = False):
+        self.size = _page(nbytes)
+        self.arena = None if virtual else (
+            torch.empty(self.size, dtype=torch.uint8, pin_memory=True) if pin else aligned_empty(self.size))
+        self.free: list[list[int]] = [[0, self.size]] if self.size else []
+        """Free ranges [offset, length], by offset, coalesced."""
+        self.high_water = 0
+        self.overflow_bytes = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> tuple[int, torch.Tensor | None] | None:
+        """(offset, bytes) of a range of at least `nbytes`, or None if no free range is long enough."""
+        n = _page(nbytes)
+        with self._lock:
+            fits = [r for r in self.free if r[1] >= n]
+            if not fits:
+                return None
+            r = min(fits, key=lambda r: (r[1], r[0]))
+            off = r[0]
+            r[0], r[1] = r[0] + n, r[1] - n
+            if not r[1]:
+                self.free.remove(r)
+            self.high_water = max(self.high_water, off + n)
+        return off, (None if self.arena is None else self.arena[off:off + nbytes])
+
+    def give(self, off: int, nbytes: int) -> None:
+        n = _page(nbytes)
+        with self._lock:
+            k = next((i for i, r in enumerate(self.free) if r[0] > off), len(self.free))
+            self.free.insert(k, [off, n])
+            if k + 1 < len(self.free) and off + n == self.free[k + 1][0]:  # merge with the next
+                self.free[k][1] += self.free.pop(k + 1)[1]
+            if k and self.free[k - 1][0] + self.free[k - 1][1] == off:  # and with the previous
+                self.free[k - 1][1] += self.free.pop(k)[1]
+
+    @staticmethod
+    def needed(events) -> int:
+        """Arena bytes for a sequence of ("alloc", name, nbytes) / ("free", name) events replayed
+        best-fit in this order: the DRAM peak plus what fragmentation adds."""
+        pool = HostPool(sum(_page(e[2]) for e in events if e[0] == "alloc"), virtual=True)
+        held = {}
+        for e in events:
+            if e[0] == "alloc":
+                held[e[1]] = (pool.take(e[2])[0], e[2])
+            else:
+                pool.give(*held.pop(e[1]))
+        return pool.high_water
+
+
+def _page(n: int) -> int:
+    from tensorstow.executor.aio import ALIGN
+    return -(-n // ALIGN) * ALIGN
+
+
 class HostTier:
-    """DRAM: one flat (pinned with CUDA) byte tensor per buffer copy; tracks its peak."""
+    """DRAM: a flat byte range per buffer copy, carved from the preallocated pool (or, without
+    one, allocated per copy: pinned with CUDA); tracks its peak."""
 
     name = "dram"
 
-    def __init__(self, pin: bool):
+    def __init__(self, pin: bool, pool: HostPool | None = None):
         return_large_blocks_to_the_os()
         self.pin = pin
+        self.pool = pool
         self.copies: dict[str, HostCopy] = {}
+        self.ranges: dict[str, tuple[int, int]] = {}
         self.used = 0
         self.peak = 0
         self._lock = threading.Lock()
@@ -294,8 +357,8 @@ class HostTier:
 
     def footprint(self, nbytes: int) -> int:
         """Bytes a copy really takes: CUDA's caching host allocator rounds pinned blocks up to a
-        power of two, so a pinned copy is accounted at that size (unpinned: as asked)."""
-        return 1 << max(nbytes - 1, 0).bit_length() if self.pin and nbytes else nbytes
+        power of two, so a pinned copy outside a pool is accounted at that size (else as asked)."""
+        return 1 << max(nbytes - 1, 0).bit_length() if self.pin and nbytes and self.pool is None else nbytes
 
     def alloc(self, buf: str, layout: Layout) -> HostCopy:
         """The copy of `buf` to write into: the existing one (overwritten in place) or a new one."""
@@ -303,8 +366,15 @@ class HostTier:
         if c is not None:
             return c
         # 4096-aligned, so the SSD store's O_DIRECT I/O moves it in place (no staging copy)
-        blob = (torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=True) if self.pin
-                else aligned_empty(layout.nbytes))
+        got = self.pool.take(layout.nbytes) if self.pool is not None and layout.nbytes else None
+        if got is not None:
+            self.ranges[buf] = (got[0], layout.nbytes)
+            blob = got[1]
+        else:
+            if self.pool is not None:
+                self.pool.overflow_bytes += layout.nbytes
+            blob = (torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=True) if self.pin
+                    else aligned_empty(layout.nbytes))
         with self._lock:
             self.used += self.footprint(layout.nbytes)
             self.peak = max(self.peak, self.used)
@@ -320,6 +390,9 @@ class HostTier:
         c = self.copies.pop(buf, None)
         if c is None:
             raise TensorstowError(f"free of {buf} in dram, which does not hold it")
+        r = self.ranges.pop(buf, None)
+        if r is not None:
+            self.pool.give(*r)
         with self._lock:
             self.used -= self.footprint(c.layout.nbytes)
 

@@ -64,6 +64,12 @@ class BlockProfile:
     """Storage roots of X:<b>."""
     carried: tuple[str, ...] = ()
     """Storage roots of T:<b>."""
+    params: tuple[str, ...] = ()
+    """Model-state names of the trainable parameters it owns (P:<b>, and M:/OS: by parameter)."""
+    consts: tuple[str, ...] = ()
+    """Model-state names of the frozen parameters and buffers it owns (C:<b>)."""
+    grads: tuple[str, ...] = ()
+    """Storage roots of its parameters' gradients (G:<b>), in parameter order."""
 
 
 def op_time(flops: int, nbytes: int, hw: Hardware, gpu: int = 0) -> float:
@@ -125,8 +131,24 @@ def profiles(graph: Graph, hw: Hardware) -> dict[str, BlockProfile]:
             opt_workspace=2 * 4 * largest,
             carried_bytes=sum(tensors[n].nbytes for n in carried), carried_until=until,
             saved=tuple(sorted((k, v[0], v[1]) for k, v in saved.items())),
-            inputs=tuple(sorted(inputs)), carried=carried)
+            inputs=tuple(sorted(inputs)), carried=carried, **_state(b, tensors))
     return out
+
+
+def _state(b: str, tensors: dict) -> dict:
+    """The model state block b owns, and its gradients' storage roots."""
+    own = sorted((t.param, t.kind) for t in tensors.values() if t.block == b and t.producer is None
+                 and t.kind in ("parameter", "constant") and t.storage == t.name and t.param)
+    params = tuple(p for p, k in own if k == "parameter")
+    grads: dict[str, None] = {}
+    by_param: dict[str, list[str]] = {}
+    for t in tensors.values():
+        if t.kind == "gradient" and t.param:
+            by_param.setdefault(t.param, []).append(t.storage)
+    for p in params:
+        for r in sorted(set(by_param.get(p, ()))):
+            grads.setdefault(r)
+    return dict(params=params, consts=tuple(p for p, k in own if k == "constant"), grads=tuple(grads))
 
 
 def _foreign_reads(b: str, seg_ops, tensors) -> tuple[str, ...]:

@@ -156,7 +156,8 @@ class Plan:
             "hardware": {"name": p.hw.name, "fingerprint": p.hw.fingerprint(), "spec": p.hw.to_json()},
             "options": p.options.to_json(),
             "decisions": self.decisions.to_json(),
-            "buffers": {k: {"bytes": b.bytes, "kind": b.kind, "block": b.block, "home": b.home}
+            "buffers": {k: {"bytes": b.bytes, "kind": b.kind, "block": b.block, "home": b.home,
+                            **({"members": list(b.members)} if b.members else {})}
                         for k, b in sorted(self.buffers.items())},
             "instructions": [i.to_json() | {"est_s": _r(self.durations[i.id])} for i in self.instructions],
             "pools": {t: self.peak(t) for t in TIER_NAMES},
@@ -186,7 +187,7 @@ def _r(x: float) -> float:
 
 def _profile_json(p: cost.BlockProfile) -> dict:
     d = dataclasses.asdict(p)
-    for names in ("saved", "inputs", "carried"):
+    for names in ("saved", "inputs", "carried", "params", "consts", "grads"):
         d.pop(names)
     d["reads"] = list(p.reads)
     d["fwd_time_s"], d["bwd_time_s"] = _r(p.fwd_time_s), _r(p.bwd_time_s)

@@ -116,6 +116,11 @@ class Buffer:
     block: str
     home: str = ""
     """Tier holding it at the start and end of every step ("" = created and freed within the step)."""
+    members: tuple[str, ...] = ()
+    """What it holds, in layout order, by the names of the block's profile (a replica holds its
+    own layer's tensors of those names): model-state names for P/C, `<param>.master` for M,
+    `<param>.exp_avg`/`.exp_avg_sq` for OS, joint-graph storage roots for G/A/X/T. Workspaces
+    (W) list none: their bytes are the segment's peak of short-lived temporaries."""
 
 
 def buffers_for(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str, str],
@@ -126,19 +131,22 @@ def buffers_for(order: list[str], prof: dict[str, BlockProfile], profile_of: dic
         p, d = prof[profile_of[b]], decisions.blocks[b]
         n = p.param_count
         if n:
-            out[f"P:{b}"] = Buffer(f"P:{b}", n * elt, "parameter", b, d.params)
-            out[f"G:{b}"] = Buffer(f"G:{b}", n * elt, "gradient", b)
+            out[f"P:{b}"] = Buffer(f"P:{b}", n * elt, "parameter", b, d.params, p.params)
+            out[f"G:{b}"] = Buffer(f"G:{b}", n * elt, "gradient", b, members=p.grads)
             if mixed:
-                out[f"M:{b}"] = Buffer(f"M:{b}", 4 * n, "optimizer_state", b, d.states)
-            out[f"OS:{b}"] = Buffer(f"OS:{b}", 8 * n, "optimizer_state", b, d.states)
+                out[f"M:{b}"] = Buffer(f"M:{b}", 4 * n, "optimizer_state", b, d.states,
+                                       tuple(f"{q}.master" for q in p.params))
+            out[f"OS:{b}"] = Buffer(f"OS:{b}", 8 * n, "optimizer_state", b, d.states,
+                                    tuple(f"{q}{s}" for q in p.params for s in (".exp_avg", ".exp_avg_sq")))
         if p.const_bytes:
-            out[f"C:{b}"] = Buffer(f"C:{b}", p.const_bytes, "constant", b, d.params)
+            out[f"C:{b}"] = Buffer(f"C:{b}", p.const_bytes, "constant", b, d.params, p.consts)
         if p.carried_bytes:
-            out[f"T:{b}"] = Buffer(f"T:{b}", p.carried_bytes, "temporary", b)
+            out[f"T:{b}"] = Buffer(f"T:{b}", p.carried_bytes, "temporary", b, members=p.carried)
         if p.input_bytes:
-            out[f"X:{b}"] = Buffer(f"X:{b}", p.input_bytes, "saved_activation", b)
+            out[f"X:{b}"] = Buffer(f"X:{b}", p.input_bytes, "saved_activation", b, members=p.inputs)
         if p.saved_bytes:
-            out[f"A:{b}"] = Buffer(f"A:{b}", p.saved_bytes, "saved_activation", b)
+            out[f"A:{b}"] = Buffer(f"A:{b}", p.saved_bytes, "saved_activation", b,
+                                   members=tuple(n for n, _, _ in p.saved))
         ws_opt = p.opt_workspace if d.optimizer == "gpu" else 0
         for ph, ws in (("fwd", p.fwd_workspace), ("bwd", p.bwd_workspace), ("opt", ws_opt)):
             if ws:

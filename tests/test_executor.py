@@ -319,3 +319,25 @@ def test_pinned_host_copies_are_accounted_at_the_caching_allocators_size():
     pinned, plain = HostTier(pin=True), HostTier(pin=False)
     assert [pinned.footprint(n) for n in (0, 1, 4096, 4097, 3 * 2**20)] == [0, 1, 4096, 8192, 4 * 2**20]
     assert plain.footprint(4097) == 4097
+
+
+@pytest.mark.parametrize("name", ["zero-infinity", "swap-gpuopt", "interleaved"])
+def test_dram_tier_is_one_preallocated_pool_reused_every_step(name, tmp_path):
+    """Every DRAM copy is a range of one arena sized from the plan before the first step; a
+    further step takes and gives back the same ranges and allocates nothing."""
+    from tensorstow.executor.aio import ALIGN
+    ex, _, _ = run(get_plan(name), "sync", tmp_path)
+    pool, plan = ex.pool, ex.plan
+    dram = {i["tensor"] for i in plan["instructions"] if i.get("dst") == "dram"} | {
+        n for n, b in plan["buffers"].items() if b["home"] == "dram"}
+    assert 0 < pool.size <= plan["pools"]["dram"] + ALIGN * len(dram)  # the plan's peak, page-rounded
+    lo = pool.arena.data_ptr()
+    held = {n: c.blob.data_ptr() for n, c in ex.host.copies.items()}  # DRAM homes (none if all on SSD)
+    assert all(lo <= p < lo + pool.size for p in held.values())
+    assert pool.high_water > 0 and pool.overflow_bytes == 0  # every copy of the steps came from the arena
+    free = [list(r) for r in pool.free]
+    x, y = next(iter(batches("synthetic", B, T, VOCAB, 1, seed=5)))
+    ex.step(x, y)
+    assert pool.overflow_bytes == 0
+    assert [list(r) for r in pool.free] == free
+    assert {n: c.blob.data_ptr() for n, c in ex.host.copies.items()} == held
