@@ -13,16 +13,9 @@ from tensorstow.ir.trace import trace, trace_spec
 from tests.fixtures import real_models
 from tests.test_real_models import (DROPOUT_SEED, assert_equal, assert_recomputes, data, hf_eager, hf_loss,
                                     offloaded_plans, run_eager)
+from tests.test_real_models import one_thread  # noqa: F401  (autouse: one torch thread here too)
 
 transformers = pytest.importorskip("transformers", reason="the 'hf' extra (transformers) is not installed")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
