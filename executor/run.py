@@ -1,6 +1,7 @@
 """`tensorstow execute`: replay a plan for N steps with progress, logs, resume and a trace."""
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import sys
@@ -31,58 +32,57 @@ def execute(plan: dict, *, steps: int, data: str = "synthetic", state_dir: str |
     if state_dir is None and ssd_sizes(plan):
         raise TensorstowError("this plan keeps training state on the SSD tier: pass --state-dir DIR "
                               "(a directory on the SSD; it is created if missing)")
-    if state_dir is not None:
-        from tensorstow.executor.ssd import SSDStore
-        d = state.claim(state_dir, plan)
-        store = SSDStore(d, state.store_sizes(plan))
-        resume = store.committed_step() is not None
-        start = store.committed_step() or 0
-    ex = Executor(plan, model, mode=mode, ssd_store=store, resume=resume, checkpoint_every=checkpoint_every,
-                  init_values=init)
-    if store is not None:
-        describe(d, ex, model)
-    if start >= steps:
-        print(f"state dir {state_dir} already holds step {start} >= --steps {steps}: nothing to do", file=out)
-        ex.close()
-        return {"steps": start, "losses": []}
-    if start:
-        print(f"resuming from step {start} committed in {state_dir}", file=out)
-    tokens = m["batch"] * m["seq"]
-    log = open(log_json, "a") if log_json else None
-    times, losses = [], []
-    try:
-        for k, (x, y) in enumerate(batches(data, m["batch"], m["seq"], ex.vocab, steps, seed, start), start):
-            t0 = time.perf_counter()
-            loss = ex.step(x, y)
-            dt = time.perf_counter() - t0
-            times.append(dt)
-            losses.append(loss)
-            print(f"step {k + 1}/{steps}  loss {loss:.4f}  {dt:.3f} s  {tokens / dt:.4g} tokens/s", file=out, flush=True)
+    with contextlib.ExitStack() as closing:  # the store's directory lock is released however we leave
+        if state_dir is not None:
+            from tensorstow.executor.ssd import SSDStore
+            d = state.claim(state_dir, plan)
+            store = closing.enter_context(SSDStore(d, state.store_sizes(plan)))
+            resume = store.committed_step() is not None
+            start = store.committed_step() or 0
+        ex = Executor(plan, model, mode=mode, ssd_store=store, resume=resume, checkpoint_every=checkpoint_every,
+                      init_values=init)
+        if store is not None:
+            describe(d, ex, model)
+        if start >= steps:
+            print(f"state dir {state_dir} already holds step {start} >= --steps {steps}: nothing to do", file=out)
+            return {"steps": start, "losses": []}
+        if start:
+            print(f"resuming from step {start} committed in {state_dir}", file=out)
+        tokens = m["batch"] * m["seq"]
+        log = open(log_json, "a") if log_json else None
+        times, losses = [], []
+        try:
+            for k, (x, y) in enumerate(batches(data, m["batch"], m["seq"], ex.vocab, steps, seed, start), start):
+                t0 = time.perf_counter()
+                loss = ex.step(x, y)
+                dt = time.perf_counter() - t0
+                times.append(dt)
+                losses.append(loss)
+                print(f"step {k + 1}/{steps}  loss {loss:.4f}  {dt:.3f} s  {tokens / dt:.4g} tokens/s", file=out, flush=True)
+                if log:
+                    log.write(json.dumps({"step": k + 1, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens / dt,
+                                          "device_peak_bytes": ex.peak_bytes.get("gpu", 0)}) + "\n")
+                    log.flush()
+            ex.checkpoint()  # the last step is always committed
+        finally:
             if log:
-                log.write(json.dumps({"step": k + 1, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens / dt,
-                                      "device_peak_bytes": ex.peak_bytes.get("gpu", 0)}) + "\n")
-                log.flush()
-        ex.checkpoint()  # the last step is always committed
-    finally:
-        if log:
-            log.close()
-    pred = plan["predicted"]
-    steady = times[1:] or times  # the first step warms caches and allocators
-    med = statistics.median(steady)
-    print(f"measured step {med:.4g} s (median of {len(steady)}) vs predicted {pred['step_time_s']:.4g} s "
-          f"(x{med / pred['step_time_s']:.3g}); device peak {ex.peak_bytes.get('gpu', 0) / 1e6:.1f} MB of "
-          f"{pred['capacity_bytes']['gpu'] / 1e6:.1f} MB budget; dram pool {ex.pool.size / 1e6:.1f} MB "
-          f"(plan peak {pred['peak_bytes']['dram'] / 1e6:.1f} MB)"
-          + (f", {ex.pool.overflow_bytes / 1e6:.1f} MB outside it" if ex.pool.overflow_bytes else ""), file=out)
-    busy = ex.lane_busy()
-    print("lane busy, measured (predicted): " + ", ".join(
-        f"{r} {v:.3g} s ({pred['busy_s'].get(r, 0):.3g} s)" for r, v in busy.items()), file=out)
-    if trace:
-        with open(trace, "w") as f:
-            json.dump(ex.measured_trace(), f)
-        print(f"wrote {trace}", file=out)
-    ex.close()
-    return {"steps": steps, "losses": losses, "median_step_s": med, "peak": ex.peak_bytes}
+                log.close()
+        pred = plan["predicted"]
+        steady = times[1:] or times  # the first step warms caches and allocators
+        med = statistics.median(steady)
+        print(f"measured step {med:.4g} s (median of {len(steady)}) vs predicted {pred['step_time_s']:.4g} s "
+              f"(x{med / pred['step_time_s']:.3g}); device peak {ex.peak_bytes.get('gpu', 0) / 1e6:.1f} MB of "
+              f"{pred['capacity_bytes']['gpu'] / 1e6:.1f} MB budget; dram pool {ex.pool.size / 1e6:.1f} MB "
+              f"(plan peak {pred['peak_bytes']['dram'] / 1e6:.1f} MB)"
+              + (f", {ex.pool.overflow_bytes / 1e6:.1f} MB outside it" if ex.pool.overflow_bytes else ""), file=out)
+        busy = ex.lane_busy()
+        print("lane busy, measured (predicted): " + ", ".join(
+            f"{r} {v:.3g} s ({pred['busy_s'].get(r, 0):.3g} s)" for r, v in busy.items()), file=out)
+        if trace:
+            with open(trace, "w") as f:
+                json.dump(ex.measured_trace(), f)
+            print(f"wrote {trace}", file=out)
+        return {"steps": steps, "losses": losses, "median_step_s": med, "peak": ex.peak_bytes}
 
 
 def build_for_execution(spec, seed: int):
