@@ -1,8 +1,9 @@
-"""The Python API: `tensorstow.plan(...)` and `tensorstow.Executor(plan, model)`.
+"""The Python API: `tensorstow.plan(...)`, `tensorstow.Plan` and `tensorstow.Executor(plan, model)`.
 
     plan = tensorstow.plan("hf:./tiny-llama", hw="local", gpu_mem="64MB", batch=4, seq=128)
     ex = tensorstow.Executor(plan, model)      # the model the plan was made for
     loss = ex.step(x, y)                       # one training step, as the plan schedules it
+    tensorstow.Plan.load("p.json")             # a plan file, typed and immutable (what `Executor` also takes)
 
 `model_or_spec` is what the CLI takes (a preset, `hf:DIR`, `pkg.module:factory`) or an
 `nn.Module` itself; a Hugging Face causal LM (or a PEFT model around one) gets the loss
@@ -13,18 +14,20 @@ from __future__ import annotations
 import torch.nn as nn
 
 from tensorstow.executor.runtime import Executor
-from tensorstow.planner.plan import Options, Plan, make_plan
+from tensorstow.planner.plan import Options, PlanResult, make_plan
+from tensorstow.planner.schema import Plan
 
-__all__ = ["plan", "Executor"]
+__all__ = ["plan", "Plan", "Executor"]
 
 
 def plan(model_or_spec, *, hw: str = "local", policy: str = "auto", batch: int = 0, seq: int = 0,
          precision: str | None = None, gpu_mem: int | str | None = None, dram: int | str | None = None,
          ssds: int | None = None, optimizer: str = "adamw", lr: float = 1e-4,
-         betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0) -> Plan:
+         betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0) -> PlanResult:
     """Trace the model and plan one training step for the hardware `hw` (a preset, a spec file
     or "local"); the same options as `tensorstow plan`. Sizes are bytes or strings ("200MB").
-    Returns the plan (`.to_json()`, `.dumps()`, `.sim.step_time_s`); raises TensorstowError
+    Returns the planning result: `.to_plan()` is the typed `Plan` (what the file holds),
+    `.dumps()` its text, `.fits`, `.sim.step_time_s` the simulation; raises TensorstowError
     with one line naming the problem when it cannot."""
     from tensorstow.ir.hf import wrap
     from tensorstow.planner.hardware import parse_size

@@ -22,99 +22,85 @@ def _fmt(n: float) -> str:
 
 # ---- plan files ----------------------------------------------------------------------------
 
-REQUIRED = ("schema_version", "model", "hardware", "options", "decisions", "instructions", "predicted")
+def load_plan(path: str):
+    """The typed plan in a file (`planner.schema.Plan`); one clear error for anything malformed."""
+    from tensorstow.planner.schema import Plan
+    return Plan.load(path)
 
 
-def load_plan_json(path: str) -> dict:
-    """Read and validate a plan file's shape; one clear error for anything malformed."""
-    from tensorstow.planner.plan import SCHEMA_VERSION
-    p = Path(path)
-    if not p.is_file():
-        raise TensorstowError(f"plan file {path} does not exist; create one with `tensorstow plan MODEL -o {path}`")
-    try:
-        d = json.loads(p.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise TensorstowError(f"plan file {path} is not valid JSON ({e}); re-create it with `tensorstow plan`") from None
-    if not isinstance(d, dict):
-        raise TensorstowError(f"plan file {path}: expected a JSON object at the top level")
-    missing = [k for k in REQUIRED if k not in d]
-    if missing:
-        raise TensorstowError(f"plan file {path} lacks {missing}; it is not a tensorstow plan or is truncated")
-    if d["schema_version"] != SCHEMA_VERSION:
-        raise TensorstowError(f"plan file {path} has schema_version {d['schema_version']!r}, this tensorstow "
-                              f"reads {SCHEMA_VERSION}; re-plan it")
-    pred = d["predicted"]
-    if not isinstance(pred, dict) or not {"step_time_s", "peak_bytes", "bottleneck"} <= set(pred):
-        raise TensorstowError(f"plan file {path}: 'predicted' lacks step_time_s/peak_bytes/bottleneck")
-    if not isinstance(d["instructions"], list):
-        raise TensorstowError(f"plan file {path}: 'instructions' must be a list")
-    return d
-
-
-def summary(d: dict) -> str:
-    m, pred, dec = d["model"], d["predicted"], d["decisions"]
-    step = pred["step_time_s"]
-    bn = pred["bottleneck"]
-    busy = pred.get("busy_s", {})
+def summary(plan) -> str:
+    m, pred, dec = plan.model, plan.predicted, plan.decisions
+    step, bn, busy = pred.step_time_s, pred.bottleneck, pred.busy_s
     lines = [
-        f"plan: {m['name']} on {d['hardware']['name']}, policy {dec['policy']}"
-        + (" (chosen by auto)" if d["options"].get("policy") == "auto" else "") + " "
-        f"({m['precision']}, batch {m['batch']}, seq {m['seq']})",
-        f"model: {m['params'] / 1e9:.3g}B parameters, {m['layers']} layers"
-        + (f" (traced {m['traced_layers']}, the rest replicated by similarity)" if m['traced_layers'] < m['layers'] else ""),
-        f"predicted step: {step:.4g} s, {pred.get('tokens_per_s', 0):.4g} tokens/s, "
-        f"{pred.get('model_tflops', 0):.3g} model TFLOPS",
+        f"plan: {m.name} on {plan.hardware.name}, policy {dec.policy}"
+        + (" (chosen by auto)" if plan.options.policy == "auto" else "") + " "
+        f"({m.precision}, batch {m.batch}, seq {m.seq})",
+        f"model: {m.params / 1e9:.3g}B parameters, {m.layers} layers"
+        + (f" (traced {m.traced_layers}, the rest replicated by similarity)" if plan.replicated else ""),
+        f"predicted step: {step:.4g} s, {pred.tokens_per_s:.4g} tokens/s, {pred.model_tflops:.3g} model TFLOPS",
         f"bottleneck: {bn}" + (f" (busy {busy[bn]:.4g} s = {100 * busy[bn] / step:.0f}% of the step)" if bn in busy and step else ""),
         "memory peak / capacity: " + "   ".join(
-            f"{t} {_fmt(pred['peak_bytes'].get(t, 0))} / {_fmt(pred.get('capacity_bytes', {}).get(t, 0))}" for t in TIERS),
+            f"{t} {_fmt(pred.peak_bytes.get(t, 0))} / {_fmt(pred.capacity_bytes.get(t, 0))}" for t in TIERS),
         "busy: " + ", ".join(f"{k} {v:.4g} s" for k, v in sorted(busy.items(), key=lambda kv: -kv[1])),
-        "traffic: " + (", ".join(f"{k} {_fmt(v)}" for k, v in pred.get("traffic_bytes", {}).items()) or "none"),
+        "traffic: " + (", ".join(f"{k} {_fmt(v)}" for k, v in pred.traffic_bytes.items()) or "none"),
         "placement: " + _placement(dec),
     ]
     kinds: dict[str, int] = {}
-    for ins in d["instructions"]:
-        kinds[ins["kind"]] = kinds.get(ins["kind"], 0) + 1
-    lines.append(f"instructions: {len(d['instructions'])} (" + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) + ")")
-    lines += [f"note: {n}" for n in dec.get("notes", [])]
+    for ins in plan.instructions:
+        kinds[ins.kind] = kinds.get(ins.kind, 0) + 1
+    lines.append(f"instructions: {len(plan.instructions)} (" + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) + ")")
+    lines += [f"note: {n}" for n in dec.notes]
     return "\n".join(lines)
 
 
-def _placement(dec: dict) -> str:
+def replay_line(plan) -> str:
+    """What the simulator makes of the file as it stands (a hand-edited plan shows here)."""
+    from tensorstow.planner.simulate import simulate_plan
+    sim = simulate_plan(plan)
+    same = abs(sim.step_time_s - plan.predicted.step_time_s) <= 1e-5 * max(plan.predicted.step_time_s, 1e-9)
+    return (f"replay of this file: step {sim.step_time_s:.4g} s, bottleneck {sim.bottleneck}"
+            + (" (as predicted)" if same else f" (the file predicts {plan.predicted.step_time_s:.4g} s: "
+               "it was edited or comes from another tensorstow; re-plan it)"))
+
+
+def _placement(dec) -> str:
     counts: dict[str, dict[str, int]] = {}
-    for bd in dec["blocks"].values():
-        for k, v in bd.items():
+    for bd in dec.blocks.values():
+        for k, v in vars(bd).items():
             counts.setdefault(k, {})
             counts[k][v] = counts[k].get(v, 0) + 1
     return "; ".join(f"{k}: " + ", ".join(f"{v} x{n}" for v, n in sorted(c.items())) for k, c in counts.items())
 
 
-def diff_text(a: dict, b: dict) -> tuple[str, bool]:
+def diff_text(a, b) -> tuple[str, bool]:
     """What changed between two plans and why it matters; (text, identical)."""
     out = []
     for key in ("model", "hardware"):
-        if a[key].get("fingerprint") != b[key].get("fingerprint"):
-            out.append(f"{key}: {a[key]['name']} ({a[key]['fingerprint']}) -> {b[key]['name']} ({b[key]['fingerprint']})"
+        x, y = getattr(a, key), getattr(b, key)
+        if x.fingerprint != y.fingerprint:
+            out.append(f"{key}: {x.name} ({x.fingerprint}) -> {y.name} ({y.fingerprint})"
                        + ("; same model and options, so the traced graph itself changed (torch or model code)"
-                          if key == "model" and a[key]["name"] == b[key]["name"] and a["options"] == b["options"] else ""))
-    for k in sorted(set(a["options"]) | set(b["options"])):
-        if a["options"].get(k) != b["options"].get(k):
-            out.append(f"option {k}: {a['options'].get(k)} -> {b['options'].get(k)}")
-    pa, pb = a["predicted"], b["predicted"]
-    if pa["step_time_s"] != pb["step_time_s"]:
-        ch = (pb["step_time_s"] - pa["step_time_s"]) / pa["step_time_s"] * 100 if pa["step_time_s"] else float("inf")
-        out.append(f"predicted step time: {pa['step_time_s']:.6g} s -> {pb['step_time_s']:.6g} s ({ch:+.1f}%"
+                          if key == "model" and x.name == y.name and a.options == b.options else ""))
+    oa, ob = a.options.to_json(), b.options.to_json()
+    for k in sorted(oa):
+        if oa[k] != ob[k]:
+            out.append(f"option {k}: {oa[k]} -> {ob[k]}")
+    pa, pb = a.predicted, b.predicted
+    if pa.step_time_s != pb.step_time_s:
+        ch = (pb.step_time_s - pa.step_time_s) / pa.step_time_s * 100 if pa.step_time_s else float("inf")
+        out.append(f"predicted step time: {pa.step_time_s:.6g} s -> {pb.step_time_s:.6g} s ({ch:+.1f}%"
                    + (", faster)" if ch < 0 else ", slower)"))
-    if pa["bottleneck"] != pb["bottleneck"]:
-        out.append(f"bottleneck: {pa['bottleneck']} -> {pb['bottleneck']}")
+    if pa.bottleneck != pb.bottleneck:
+        out.append(f"bottleneck: {pa.bottleneck} -> {pb.bottleneck}")
     for t in TIERS:
-        x, y = pa["peak_bytes"].get(t, 0), pb["peak_bytes"].get(t, 0)
+        x, y = pa.peak_bytes.get(t, 0), pb.peak_bytes.get(t, 0)
         if x != y:
-            cap = pb.get("capacity_bytes", {}).get(t, 0)
+            cap = pb.capacity_bytes.get(t, 0)
             out.append(f"peak {t}: {_fmt(x)} -> {_fmt(y)}" + (f" ({100 * y / cap:.0f}% of capacity)" if cap else ""))
-    da, db = a["decisions"], b["decisions"]
-    for k in sorted((set(da) | set(db)) - {"blocks"}):
-        if da.get(k) != db.get(k):
-            out.append(f"decision {k}: {da.get(k)} -> {db.get(k)}")
+    da, db = a.decisions.to_json(), b.decisions.to_json()
+    for k in sorted(set(da) - {"blocks"}):
+        if da[k] != db[k]:
+            out.append(f"decision {k}: {da[k]} -> {db[k]}")
     changes: dict[str, list[str]] = {}
     for blk in sorted(set(da["blocks"]) | set(db["blocks"]), key=_block_key):
         x, y = da["blocks"].get(blk, {}), db["blocks"].get(blk, {})
@@ -123,15 +109,15 @@ def diff_text(a: dict, b: dict) -> tuple[str, bool]:
                 changes.setdefault(f"{f}: {x.get(f)} -> {y.get(f)}", []).append(blk)
     for what, blks in changes.items():
         out.append(f"blocks {_ranges(blks)}: {what}")
-    ba, bb = a["buffers"], b["buffers"]
+    ba, bb = a.buffers, b.buffers
     for what, names in (("added", sorted(set(bb) - set(ba))), ("removed", sorted(set(ba) - set(bb))),
                         ("changed", sorted(n for n in set(ba) & set(bb) if ba[n] != bb[n]))):
         if names:
-            fields = sorted({f for n in names for f in set(ba.get(n, {})) | set(bb.get(n, {}))
-                             if ba.get(n, {}).get(f) != bb.get(n, {}).get(f)}) if what == "changed" else []
+            fields = sorted({f for n in names for f in ("bytes", "kind", "block", "home", "members")
+                             if getattr(ba[n], f) != getattr(bb[n], f)}) if what == "changed" else []
             out.append(f"buffers {what}: {len(names)} ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
                        + (f"; fields {', '.join(fields)}" if fields else ""))
-    ia, ib = a["instructions"], b["instructions"]
+    ia, ib = a.instructions, b.instructions
     if ia != ib:
         out.append(f"instructions: {len(ia)} -> {len(ib)}"
                    + ("" if len(ia) != len(ib) else f" ({sum(x != y for x, y in zip(ia, ib))} differ)"))
@@ -169,12 +155,12 @@ def cmd_plan(args) -> int:
     if args.sweep:
         return _sweep(args, o)
     plan = make_plan(o, hardware_for(o))
-    text = plan.dumps()
+    typed = plan.to_plan()
     if args.output:
-        Path(args.output).write_text(text)
+        Path(args.output).write_text(typed.dumps())
     if args.trace:
         write_trace(args.trace, perfetto_trace(plan.instructions, plan.sim, f"{o.model} {o.policy}"))
-    print(summary(json.loads(text)))
+    print(summary(typed))
     if args.output:
         print(f"wrote {args.output}")
     return 0
@@ -218,27 +204,35 @@ def cmd_fit(args) -> int:
 
 
 def cmd_show(args) -> int:
-    print(summary(load_plan_json(args.plan)))
+    from tensorstow.planner.simulate import perfetto_trace, simulate_plan, write_trace
+    plan = load_plan(args.plan)
+    print(summary(plan))
+    print(replay_line(plan))
+    if args.trace:
+        write_trace(args.trace, perfetto_trace(plan.instructions, simulate_plan(plan),
+                                               f"{plan.model.name} {plan.decisions.policy}"))
+        print(f"wrote {args.trace}")
     return 0
 
 
 def cmd_diff(args) -> int:
-    text, same = diff_text(load_plan_json(args.a), load_plan_json(args.b))
+    text, same = diff_text(load_plan(args.a), load_plan(args.b))
     print(text)
     return 0 if same else 1
 
 
 def cmd_check(args) -> int:
     """Re-plan every golden plan from its own options; fail on any drift."""
-    from tensorstow.planner.plan import Options, make_plan
+    from tensorstow.planner.plan import make_plan
     files = sorted(Path(args.dir).glob("*.json")) if Path(args.dir).is_dir() else []
     if not files:
         raise TensorstowError(f"no golden plans (*.json) in {args.dir}")
     drift = 0
     for f in files:
-        old = load_plan_json(str(f))
-        o = Options.from_json(old["options"])
-        new_text = make_plan(o, hardware_for(o)).dumps()
+        old = load_plan(str(f))
+        o = old.options
+        new = make_plan(o, hardware_for(o)).to_plan()
+        new_text = new.dumps()
         if new_text == f.read_text():
             print(f"ok     {f.name}")
             continue
@@ -247,7 +241,7 @@ def cmd_check(args) -> int:
             print(f"update {f.name}")
             continue
         drift += 1
-        text, _ = diff_text(old, json.loads(new_text))
+        text, _ = diff_text(old, new)
         print(f"DRIFT  {f.name}\n" + "\n".join("       " + line for line in text.splitlines()))
     if drift:
         print(f"{drift} golden plan(s) drifted; if the change is intended run "
@@ -279,7 +273,7 @@ DEMO = ["plan", "gpt-medium", "--hw", "local", "--gpu-mem", "80MB", "--dram", "2
 
 def cmd_execute(args) -> int:
     from tensorstow.executor.run import execute
-    execute(load_plan_json(args.plan), steps=args.steps, data=args.data, state_dir=args.state_dir,
+    execute(load_plan(args.plan), steps=args.steps, data=args.data, state_dir=args.state_dir,
             mode=args.mode, seed=args.seed, log_json=args.log_json, trace=args.trace,
             checkpoint_every=args.checkpoint_every)
     return 0
@@ -306,7 +300,7 @@ def cmd_demo() -> int:
         if rc:
             return rc
         print(f"\ntensorstow demo: tensorstow execute {plan_path} --steps 4 --state-dir {tmp}/state", flush=True)
-        execute(load_plan_json(plan_path), steps=4, state_dir=str(Path(tmp) / "state"))
+        execute(load_plan(plan_path), steps=4, state_dir=str(Path(tmp) / "state"))
     return 0
 
 
@@ -346,8 +340,9 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("--dram")
     f.add_argument("--ssds", type=int)
     f.set_defaults(fn=cmd_fit)
-    s = sub.add_parser("show", help="summarize a plan")
+    s = sub.add_parser("show", help="summarize a plan, and replay it in the simulator")
     s.add_argument("plan")
+    s.add_argument("--trace", help="write the replay as a Perfetto/Chrome trace JSON")
     s.set_defaults(fn=cmd_show)
     d = sub.add_parser("diff", help="what changed between two plans and why it matters")
     d.add_argument("a")

@@ -161,7 +161,8 @@ def run_eager(a: dict) -> dict:
 # ---- tensorstow SSD plan (tensorstow's venv) ------------------------------------------------------
 def run_tensorstow(a: dict, work: Path) -> dict:
     try:
-        from tensorstow.executor.runtime import Executor, ssd_sizes
+        from tensorstow.executor.runtime import Executor
+        from tensorstow.planner.schema import Plan
     except Exception as e:  # noqa: BLE001 - report whatever keeps it from importing
         return {"skipped": f"cannot import tensorstow.executor.runtime.Executor ({type(e).__name__}: {e})"}
     plan_path = work / "tensorstow-plan.json"
@@ -172,11 +173,11 @@ def run_tensorstow(a: dict, work: Path) -> dict:
     if p.returncode != 0 or not plan_path.exists():
         return {"skipped": f"`{' '.join(cmd[3:])}` failed (rc {p.returncode}): "
                            f"{(p.stderr or p.stdout).strip()[-800:]}"}
-    plan = json.loads(plan_path.read_text())
-    sizes = ssd_sizes(plan)
+    plan = Plan.load(plan_path)
+    sizes = plan.ssd_sizes()
     homes = {}
-    for n, b in plan["buffers"].items():
-        homes.setdefault(n.split(":")[0], set()).add(b.get("home") or "-")
+    for n, b in plan.buffers.items():
+        homes.setdefault(n.split(":")[0], set()).add(b.home or "-")
     model, data = _setup(a)
     state = work / "tensorstow-state"
     try:
@@ -197,7 +198,7 @@ def run_tensorstow(a: dict, work: Path) -> dict:
 
         return {"skipped": f"Executor failed: {type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"}
     return {**r, "offload": f"P/OS on SSD ({a['ts_store']} store, {a['ts_mode']})",
-            "plan_predicted_step_s": plan["predicted"]["step_time_s"],
+            "plan_predicted_step_s": plan.predicted.step_time_s,
             "ssd_bytes": sum(sizes.values()),
             "homes": {k: sorted(v) for k, v in sorted(homes.items())}}
 

@@ -27,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tensorstow.planner.schema import Plan
+
 
 def tensorstow(*args: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tensorstow.cli", *args], capture_output=True,
@@ -71,8 +73,8 @@ def main() -> int:
         if r.returncode:
             print(r.stderr, file=sys.stderr)
             return 1
-        p = json.loads(plan.read_text())
-        state = sum(b["bytes"] for n, b in p["buffers"].items() if n.split(":")[0] in ("P", "M", "OS", "G"))
+        p = Plan.load(plan)
+        state = sum(b.bytes for n, b in p.buffers.items() if n.split(":")[0] in ("P", "M", "OS", "G"))
         log = work / "log.jsonl"
         t0 = time.time()
         child = subprocess.Popen([sys.executable, "-m", "tensorstow.cli", "execute", str(plan), "--steps",
@@ -98,17 +100,17 @@ def main() -> int:
         rows = [json.loads(line) for line in log.read_text().splitlines()]
         steady = rows[1:] or rows
         step_s = sum(r["step_time_s"] for r in steady) / len(steady)
-        pred = p["predicted"]["step_time_s"]
+        pred = p.predicted.step_time_s
         first, last = min(marks), max(marks)
         per_step_r = (marks[last][0] - marks[first][0]) / max(last - first, 1)
         per_step_w = (marks[last][1] - marks[first][1]) / max(last - first, 1)
-        plan_r = p["predicted"]["traffic_bytes"].get("ssd->dram", 0)
-        plan_w = p["predicted"]["traffic_bytes"].get("dram->ssd", 0)
+        plan_r = p.predicted.traffic_bytes.get("ssd->dram", 0)
+        plan_w = p.predicted.traffic_bytes.get("dram->ssd", 0)
         achieved = (per_step_r + per_step_w) / step_s
-        budget_mb = (p["predicted"]["capacity_bytes"]["dram"] + p["predicted"]["capacity_bytes"]["gpu"]) / 2**20
+        budget_mb = (p.predicted.capacity_bytes["dram"] + p.predicted.capacity_bytes["gpu"]) / 2**20
         fit = tensorstow("fit", "--hw", "local", "--policy", a.policy)
-        print(f"\n{a.model}: {p['model']['params'] / 1e9:.2f}B parameters, fp32 training state (P+G+OS) "
-              f"{state / 1e9:.1f} GB = {state / p['predicted']['capacity_bytes']['dram']:.1f}x --dram {a.dram}")
+        print(f"\n{a.model}: {p.model.params / 1e9:.2f}B parameters, fp32 training state (P+G+OS) "
+              f"{state / 1e9:.1f} GB = {state / p.predicted.capacity_bytes['dram']:.1f}x --dram {a.dram}")
         print(f"step time (mean of steps 2..{a.steps}): {step_s:.1f} s; predicted {pred:.1f} s; "
               f"measured/predicted {step_s / pred:.2f}")
         print(f"SSD bytes per step: read {per_step_r / 1e9:.1f} GB (plan {plan_r / 1e9:.1f} GB), written "

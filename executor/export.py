@@ -27,11 +27,11 @@ from tensorstow.executor.aio import aligned_empty
 SHARD_BYTES = 4 << 30
 
 
-def _weight_buffers(plan: dict, layout: dict) -> list[tuple[str, list[dict]]]:
+def _weight_buffers(plan, layout: dict) -> list[tuple[str, list[dict]]]:
     """(buffer, its slots to export) in block order: masters of trainable parameters, then
     the frozen ones; buffers (non-parameters) are not weights."""
-    mixed = plan["model"]["precision"] != "fp32"
-    order = [b["name"] for b in plan["model"]["blocks"]]
+    mixed = plan.model.precision != "fp32"
+    order = [b.name for b in plan.model.blocks]
     out = []
     for b in order:
         for kind in ("M", "C") if mixed else ("P", "C"):

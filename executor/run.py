@@ -13,11 +13,12 @@ import torch
 from tensorstow import TensorstowError
 from tensorstow.executor import state
 from tensorstow.executor.data import batches
-from tensorstow.executor.runtime import Executor, ssd_sizes
+from tensorstow.executor.runtime import Executor
 from tensorstow.ir.models import resolve_model
+from tensorstow.planner.schema import Plan
 
 
-def execute(plan: dict, *, steps: int, data: str = "synthetic", state_dir: str | None = None,
+def execute(plan: Plan, *, steps: int, data: str = "synthetic", state_dir: str | None = None,
             mode: str = "sync", seed: int = 0, log_json: str | None = None, trace: str | None = None,
             checkpoint_every: int = 1, out=None) -> dict:
     """Run the plan until `steps` steps are committed; resume from `state_dir` if it holds some.
@@ -25,11 +26,11 @@ def execute(plan: dict, *, steps: int, data: str = "synthetic", state_dir: str |
     out = out or sys.stdout  # looked up per call: the stream of the caller (tests swap it)
     if steps < 1:
         raise TensorstowError(f"--steps must be >= 1, got {steps}")
-    m = plan["model"]
-    spec = resolve_model(plan["options"]["model"])
+    m = plan.model
+    spec = resolve_model(plan.options.model)
     model, init = build_for_execution(spec, seed)
     store, start, resume = None, 0, False
-    if state_dir is None and ssd_sizes(plan):
+    if state_dir is None and plan.ssd_sizes():
         raise TensorstowError("this plan keeps training state on the SSD tier: pass --state-dir DIR "
                               "(a directory on the SSD; it is created if missing)")
     with contextlib.ExitStack() as closing:  # the store's directory lock is released however we leave
@@ -48,11 +49,11 @@ def execute(plan: dict, *, steps: int, data: str = "synthetic", state_dir: str |
             return {"steps": start, "losses": []}
         if start:
             print(f"resuming from step {start} committed in {state_dir}", file=out)
-        tokens = m["batch"] * m["seq"]
+        tokens = m.batch * m.seq
         log = open(log_json, "a") if log_json else None
         times, losses = [], []
         try:
-            for k, (x, y) in enumerate(batches(data, m["batch"], m["seq"], ex.vocab, steps, seed, start), start):
+            for k, (x, y) in enumerate(batches(data, m.batch, m.seq, ex.vocab, steps, seed, start), start):
                 t0 = time.perf_counter()
                 loss = ex.step(x, y)
                 dt = time.perf_counter() - t0
@@ -67,17 +68,17 @@ def execute(plan: dict, *, steps: int, data: str = "synthetic", state_dir: str |
         finally:
             if log:
                 log.close()
-        pred = plan["predicted"]
+        pred = plan.predicted
         steady = times[1:] or times  # the first step warms caches and allocators
         med = statistics.median(steady)
-        print(f"measured step {med:.4g} s (median of {len(steady)}) vs predicted {pred['step_time_s']:.4g} s "
-              f"(x{med / pred['step_time_s']:.3g}); device peak {ex.peak_bytes.get('gpu', 0) / 1e6:.1f} MB of "
-              f"{pred['capacity_bytes']['gpu'] / 1e6:.1f} MB budget; dram pool {ex.pool.size / 1e6:.1f} MB "
-              f"(plan peak {pred['peak_bytes']['dram'] / 1e6:.1f} MB)"
+        print(f"measured step {med:.4g} s (median of {len(steady)}) vs predicted {pred.step_time_s:.4g} s "
+              f"(x{med / pred.step_time_s:.3g}); device peak {ex.peak_bytes.get('gpu', 0) / 1e6:.1f} MB of "
+              f"{pred.capacity_bytes['gpu'] / 1e6:.1f} MB budget; dram pool {ex.pool.size / 1e6:.1f} MB "
+              f"(plan peak {pred.peak_bytes['dram'] / 1e6:.1f} MB)"
               + (f", {ex.pool.overflow_bytes / 1e6:.1f} MB outside it" if ex.pool.overflow_bytes else ""), file=out)
         busy = ex.lane_busy()
         print("lane busy, measured (predicted): " + ", ".join(
-            f"{r} {v:.3g} s ({pred['busy_s'].get(r, 0):.3g} s)" for r, v in busy.items()), file=out)
+            f"{r} {v:.3g} s ({pred.busy_s.get(r, 0):.3g} s)" for r, v in busy.items()), file=out)
         if trace:
             with open(trace, "w") as f:
                 json.dump(ex.measured_trace(), f)
@@ -109,7 +110,7 @@ def describe(d: Path, ex: Executor, model) -> None:
     `hf:` model, its config.json: what `tensorstow export` needs besides the store."""
     from tensorstow.ir.hf import CausalLM
     names = {ph: name for name, ph in ex.joint.placeholder.items()}
-    layouts = {n: ex.layouts[n] for n in state.persistent(ex.plan)}
+    layouts = {n: ex.layouts[n] for n in ex.plan.persistent()}
     hf = isinstance(model, CausalLM)
     state.write_description(d, layouts, names, ex.frozen, "model." if hf else "",
                             model.model.config if hf else None)

@@ -30,7 +30,6 @@ executor's step counter (`steps_done`, which `commit` records in the SSD store).
 """
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections import defaultdict
@@ -42,11 +41,12 @@ import torch.nn as nn
 from tensorstow import TensorstowError
 from tensorstow.executor.aio import aligned_empty
 from tensorstow.executor.segments import Joint
-from tensorstow.executor.state import RNG, persistent, rng_bytes, set_rng
+from tensorstow.executor.state import RNG, rng_bytes, set_rng
 from tensorstow.executor.stores import (DeviceTier, FileStore, HostCopy, HostPool, HostTier, Layout, SSDTier,
                                         contiguous_stride)
 from tensorstow.ir.trace import Traced, model_dims, trace_model
 from tensorstow.planner.schedule import Instr
+from tensorstow.planner.schema import as_plan
 
 MODES = ("sync", "overlap")
 KINDS = ("compute", "recompute", "load", "store", "free", "optimizer_step")
@@ -58,13 +58,10 @@ class ExecutionError(TensorstowError):
     """An instruction could not run as the plan says (names the instruction)."""
 
 
-def ssd_sizes(plan: dict) -> dict[str, int]:
+def ssd_sizes(plan) -> dict[str, int]:
     """Buffer name -> bytes for every buffer the plan ever keeps on the SSD tier (what an
     SSD store must be created with)."""
-    bufs = plan["buffers"]
-    names = {n for n, b in bufs.items() if b.get("home") == "ssd"}
-    names |= {i["tensor"] for i in plan["instructions"] if i["kind"] in ("load", "store") and i["dst"] == "ssd"}
-    return {n: int(bufs[n]["bytes"]) for n in sorted(names)}
+    return as_plan(plan).ssd_sizes()
 
 
 class Executor:
@@ -87,15 +84,14 @@ class Executor:
         if mode not in MODES:
             raise TensorstowError(f"unknown executor mode '{mode}': use one of {list(MODES)}")
         from tensorstow.ir.hf import wrap
-        if hasattr(plan, "dumps"):  # a planner Plan: read it exactly as its JSON file would be
-            plan = json.loads(plan.dumps())
+        plan = as_plan(plan)  # the typed plan, as its file would read (a dict is validated)
         model = wrap(model)
         self.mode = mode
         self.plan = plan
-        m = plan["model"]
+        m = plan.model
         if traced is None:  # a replicated plan runs its block templates (ir.template)
-            traced = trace_model(model, batch=m["batch"], seq=m["seq"], precision=m["precision"],
-                                 model_name=m["name"], template=m["traced_layers"] < m["layers"])
+            traced = trace_model(model, batch=m.batch, seq=m.seq, precision=m.precision,
+                                 model_name=m.name, template=plan.replicated)
         self.traced = traced
         _check_model_graph(m, traced)
         self.graph = self.traced.graph
@@ -104,8 +100,8 @@ class Executor:
         if sorted(shapes) != self.joint.param_names or any(
                 shapes[n] != self.joint.meta(self.joint.placeholder[n])[1] for n in shapes):
             raise TensorstowError(f"the model's parameters and buffers do not match the traced graph of "
-                                  f"{m['name']}; pass the model the trace was made from")
-        self.precision = m["precision"]
+                                  f"{m.name}; pass the model the trace was made from")
+        self.precision = m.precision
         self.mixed = self.precision != "fp32"
         self.compute_dtype = self.joint.meta(self.joint.placeholder[self.joint.param_names[0]])[0]
         self.instrs = self._read_instructions(plan)
@@ -127,17 +123,17 @@ class Executor:
         """Recomputed segments that draw random numbers (dropout): their recompute replays the
         generator state their first run started from, so masks equal the original forward's."""
 
-        pred = plan["predicted"]
-        if pred["peak_bytes"]["gpu"] > pred["capacity_bytes"]["gpu"]:
-            raise TensorstowError(f"the plan does not fit its GPU ({pred['peak_bytes']['gpu']} bytes at peak > "
-                                  f"{pred['capacity_bytes']['gpu']} capacity); re-plan it")
+        pred = plan.predicted
+        if pred.peak_bytes["gpu"] > pred.capacity_bytes["gpu"]:
+            raise TensorstowError(f"the plan does not fit its GPU ({pred.peak_bytes['gpu']} bytes at peak > "
+                                  f"{pred.capacity_bytes['gpu']} capacity); re-plan it")
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-        self.dev = DeviceTier(pred["capacity_bytes"]["gpu"] if device_budget is None else device_budget,
+        self.dev = DeviceTier(pred.capacity_bytes["gpu"] if device_budget is None else device_budget,
                               self.device)
         self.pool = HostPool(HostPool.needed(self._dram_events(resume)), pin=cuda)
         self.host = HostTier(pin=cuda, pool=self.pool)
-        uses_ssd = bool(ssd_sizes(plan))
+        uses_ssd = bool(plan.ssd_sizes())
         if ssd_store is None and uses_ssd:
             if state_dir is None:
                 raise TensorstowError("the plan keeps buffers on the SSD tier: pass state_dir= "
@@ -147,7 +143,7 @@ class Executor:
         self.tiers = {"gpu0": self.dev, "dram": self.host, "ssd": self.ssd}
 
         self.stash, self.drop, self.keep = self._temporaries()
-        self.adam = {b: _Adam(plan["options"]) for b in self.block_params if self.block_params[b]}
+        self.adam = {b: _Adam(plan.options) for b in self.block_params if self.block_params[b]}
         self.vocab = model_dims(model)[0]
         self.steps_done = 0
         self.timeline: list[tuple[int, float, float]] = []
@@ -172,16 +168,11 @@ class Executor:
             self._place_homes(model, values=init_values)
 
     # ---- setup ------------------------------------------------------------------------------
-    def _read_instructions(self, plan: dict) -> list[Instr]:
+    def _read_instructions(self, plan) -> list[Instr]:
+        """The plan's instructions, checked against what this executor drives (the plan's own
+        consistency, ids, deps and buffer names, `Plan.from_json` has checked)."""
         instrs = []
-        for k, d in enumerate(plan["instructions"]):
-            try:
-                ins = Instr.from_json(d)
-            except (KeyError, TypeError) as e:
-                raise TensorstowError(f"plan instruction {k} is malformed ({e!r}); re-plan it") from None
-            if ins.id != k or any(not 0 <= x < k for x in ins.deps):
-                raise TensorstowError(f"plan instruction {k}: id {ins.id} / deps {list(ins.deps)} must be "
-                                      f"the index and smaller ids; re-plan it")
+        for k, ins in enumerate(plan.instructions):
             if ins.kind not in KINDS:
                 raise TensorstowError(f"plan instruction {k}: unknown kind '{ins.kind}' (this executor "
                                       f"runs {', '.join(KINDS)})")
@@ -204,7 +195,7 @@ class Executor:
         """The DRAM tier's allocations and frees in program order: placing the homes (block by
         block; an SSD home passes through DRAM), then two steps, the second the steady state the
         pool must hold (`HostPool.needed` sizes the arena from them)."""
-        bufs, events, here = self.plan["buffers"], [], set()
+        bufs, events, here = self.plan.buffers, [], set()
 
         def alloc(n):
             if n not in here:
@@ -216,7 +207,7 @@ class Executor:
             events.append(("free", n))
         for blk in self.graph.blocks:
             for n in (f"{k}:{blk.name}" for k in ("P", "C", "M", "OS")):
-                home = bufs.get(n, {}).get("home")
+                home = bufs[n].home if n in bufs else None
                 if home == "dram" or home == "ssd" and not resume or home == "gpu" and resume:
                     alloc(n)
                     if home != "dram":  # staged through DRAM on its way home
@@ -251,24 +242,24 @@ class Executor:
             if bad:
                 raise TensorstowError(f"plan instruction {ins.id} ({ins.kind}) cannot create {bad}")
 
-    def _buffers(self, plan: dict):
+    def _buffers(self, plan):
         """Layout (named tensors) of every data buffer, read from the plan's `members` (by the
         profile's names; a replicated layer's are its own instances), checked against the traced
         model and the plan's bytes."""
         j, inst = self.joint, self.joint.inst
         layouts: dict[str, Layout] = {}
         members: dict[str, list[str]] = {}
-        for name, spec in sorted(plan["buffers"].items()):
+        for name, spec in sorted(plan.buffers.items()):
             kind, b = name.split(":")[0], name.split(":")[-1]
             if kind == "W":
                 continue  # a workspace: the segment's real temporaries, counted as they are made
             if kind not in ("P", "C", "G", "M", "OS", "A", "X", "T") or b not in inst.profile:
                 raise TensorstowError(f"plan buffer {name} names nothing in the traced model; re-plan it")
-            if "members" not in spec:
+            if not spec.members:
                 raise TensorstowError(f"plan buffer {name} does not list its members (a plan of an older "
                                       f"tensorstow); re-plan it")
             entries, roots = [], []
-            for m in spec["members"]:
+            for m in spec.members:
                 try:
                     key, meta = self._member(kind, b, m)
                     dtype, shape = j.meta(meta)
@@ -281,8 +272,8 @@ class Executor:
             layouts[name] = Layout(entries)
             if roots:
                 members[name] = roots
-            if layouts[name].nbytes != spec["bytes"]:
-                raise TensorstowError(f"plan buffer {name}: {spec['bytes']} bytes in the plan, "
+            if layouts[name].nbytes != spec.bytes:
+                raise TensorstowError(f"plan buffer {name}: {spec.bytes} bytes in the plan, "
                                       f"{layouts[name].nbytes} in the traced model; re-plan it")
         for b, params in self.block_params.items():
             want = {"P": [j.placeholder[p] for p in params], "C": [j.placeholder[c] for c in self.block_consts.get(b, ())],
@@ -318,7 +309,7 @@ class Executor:
         Compute instructions all run on the compute stream, so program order is their order.
         """
         j = self.joint
-        present = {(n, _HOME[b["home"]]) for n, b in self.plan["buffers"].items() if b.get("home")}
+        present = {(n, _HOME[b.home]) for n, b in self.plan.buffers.items() if b.home}
         last_made: dict[str, int] = {}
         last_read: dict[tuple[int, str], int] = {}
         backward = {i.id for i in self.instrs if i.kind == "recompute" or i.segment.startswith("bwd:")}
@@ -387,13 +378,13 @@ class Executor:
         for blk in self.graph.blocks:
             b = blk.name
             todo = [f"{k}:{b}" for k in ("P", "C", "M", "OS") if k in kinds]
-            todo = [n for n in todo if _HOME[self.plan["buffers"].get(n, {}).get("home", "")]
-                    and not (skip_ssd and self.plan["buffers"][n]["home"] == "ssd")]
+            bufs = self.plan.buffers
+            todo = [n for n in todo if n in bufs and bufs[n].home and not (skip_ssd and bufs[n].home == "ssd")]
             if not todo:
                 continue
             state = source.take(self.block_params[b] + self.block_consts.get(b, []))
             for name in todo:
-                kind, home = name.split(":")[0], _HOME[self.plan["buffers"][name]["home"]]
+                kind, home = name.split(":")[0], _HOME[self.plan.buffers[name].home]
                 if kind == "OS" and home != "gpu0":  # zeros, written in place: no temporaries
                     self.host.alloc(name, self.layouts[name]).blob.zero_()
                     if home == "ssd":
@@ -429,8 +420,8 @@ class Executor:
         """Write the training state that lives off SSD, and the random generator, into the store
         (SSD-resident buffers are the store's own). Constants never change: written at step 0."""
         st = self.ssd.store
-        for name in persistent(self.plan):
-            home = _HOME[self.plan["buffers"][name]["home"]]
+        for name in self.plan.persistent():
+            home = _HOME[self.plan.buffers[name].home]
             if home == "ssd" or (name.startswith("C:") and not constants):
                 continue
             if home == "dram":
@@ -448,14 +439,14 @@ class Executor:
             raise TensorstowError("resume=True but the SSD store holds no committed step "
                                   "(or the plan does not use the SSD tier)")
         if not self.full_checkpoint:
-            elsewhere = sorted(n for n, b in self.plan["buffers"].items()
-                               if n.split(":")[0] in ("P", "M", "OS") and b.get("home") != "ssd")
+            elsewhere = sorted(n for n, b in self.plan.buffers.items()
+                               if n.split(":")[0] in ("P", "M", "OS") and b.home != "ssd")
             if elsewhere:
                 raise TensorstowError(f"cannot resume: the plan keeps {', '.join(elsewhere[:4])} outside the "
                                       f"SSD tier and this store is not a full checkpoint (make it with "
                                       f"executor.state.store_sizes, as `tensorstow execute` does)")
-        for n in persistent(self.plan):
-            home = _HOME[self.plan["buffers"][n]["home"]]
+        for n in self.plan.persistent():
+            home = _HOME[self.plan.buffers[n].home]
             if home == "ssd":
                 self.ssd.copies[n] = {}  # written contiguous (from parameters or an update)
             elif self.full_checkpoint:
@@ -476,11 +467,11 @@ class Executor:
     def step(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
         """One training step (forward, backward, optimizer) exactly as the plan schedules it."""
         j = self.joint
-        m = self.plan["model"]
+        m = self.plan.model
         for what, t in (("idx", idx), ("targets", targets)):
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (m["batch"], m["seq"]) \
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (m.batch, m.seq) \
                     or t.dtype != torch.long:
-                raise TensorstowError(f"{what} must be an int64 tensor of shape ({m['batch']}, {m['seq']}) "
+                raise TensorstowError(f"{what} must be an int64 tensor of shape ({m.batch}, {m.seq}) "
                                       f"as planned, got {getattr(t, 'dtype', type(t))} "
                                       f"{tuple(getattr(t, 'shape', ()))}")
         if self.vocab is not None:
@@ -537,7 +528,7 @@ class Executor:
             start[i], end[i] = t0 - base, t1 - base
         sim = SimResult(step_time_s=max(end, default=0.0), start=start, end=end, busy_s=self.lane_busy(),
                         traffic_bytes={}, peak_bytes={}, timeline={})
-        return perfetto_trace(self.instrs, sim, f"{self.plan['model']['name']} measured")
+        return perfetto_trace(self.instrs, sim, f"{self.plan.model.name} measured")
 
     def _run_sync(self) -> None:
         for ins in self.instrs:
@@ -593,7 +584,7 @@ class Executor:
             raise type(e)(f"instruction {ins.id} ({_describe(ins)}): {e}") from None
 
     def _check_end_state(self) -> None:
-        want = {(n, _HOME[b["home"]]) for n, b in self.plan["buffers"].items() if b.get("home")}
+        want = {(n, _HOME[b.home]) for n, b in self.plan.buffers.items() if b.home}
         have = {(n, t) for t, tier in self.tiers.items() for n in tier.copies}
         if have != want or self.temps:
             raise ExecutionError(
@@ -747,7 +738,7 @@ class Executor:
                 p.copy_(params[n])
 
     def _home_copy(self, buf: str):
-        home = _HOME[self.plan["buffers"][buf]["home"]]
+        home = _HOME[self.plan.buffers[buf].home]
         if home == "gpu0":
             return self.dev.get(buf)
         if home == "dram":
@@ -785,13 +776,13 @@ class _Upstream(Exception):
 class _Adam:
     """One torch.optim.Adam/AdamW per subgroup, pointed at the tier copies every step."""
 
-    def __init__(self, options: dict):
-        kind = options["optimizer"]
+    def __init__(self, options):
+        kind = options.optimizer
         if kind not in ("adam", "adamw"):
             raise TensorstowError(f"plan options: unknown optimizer '{kind}' (adam or adamw)")
         cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
-        self.opt = cls([torch.zeros(1)], lr=options["lr"], betas=tuple(options["betas"]),
-                       eps=options["eps"], weight_decay=options["weight_decay"], foreach=False)
+        self.opt = cls([torch.zeros(1)], lr=options.lr, betas=tuple(options.betas),
+                       eps=options.eps, weight_decay=options.weight_decay, foreach=False)
 
     def step(self, params, grads, moments, steps_done: int) -> None:
         from torch.optim.optimizer import _get_scalar_dtype
@@ -842,21 +833,21 @@ class _Source:
         return out
 
 
-def _check_model_graph(m: dict, traced: Traced) -> None:
+def _check_model_graph(m, traced: Traced) -> None:
     """The traced model is the one the plan was made for: same graph, same fingerprint. (A
     replicated plan's trace is its block template, so the fingerprint covers the traced layers;
     `trace_model` has checked that the other layers share the middle one's structure.)"""
     depth = len(traced.graph.layer_blocks())
-    if depth != m["layers"]:
-        raise TensorstowError(f"the model has {depth} layers but the plan for {m['name']} describes "
-                              f"{m['layers']}; pass the model the plan was made for, or re-plan it")
+    if depth != m.layers:
+        raise TensorstowError(f"the model has {depth} layers but the plan for {m.name} describes "
+                              f"{m.layers}; pass the model the plan was made for, or re-plan it")
     fp = traced.graph.fingerprint()
-    if fp != m["fingerprint"]:
+    if fp != m.fingerprint:
         raise TensorstowError(
-            f"plan fingerprint mismatch: the plan was made for model graph {m['fingerprint']} but "
-            f"{m['name']} (batch {m['batch']}, seq {m['seq']}, {m['precision']}) traces to {fp} here (the model "
+            f"plan fingerprint mismatch: the plan was made for model graph {m.fingerprint} but "
+            f"{m.name} (batch {m.batch}, seq {m.seq}, {m.precision}) traces to {fp} here (the model "
             f"code, its configuration or the torch version changed); re-plan it with "
-            f"`tensorstow plan {m['name']} ...`")
+            f"`tensorstow plan {m.name} ...`")
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:

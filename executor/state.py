@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from tensorstow import TensorstowError
+from tensorstow.planner.schema import Plan, as_plan
 
 PLAN, LAYOUT, CONFIG = "plan.json", "layout.json", "config.json"
 RNG = "RNG"
@@ -38,17 +39,11 @@ def set_rng(blob: torch.Tensor) -> None:
         torch.cuda.set_rng_state(blob[cpu:].clone())
 
 
-def persistent(plan: dict) -> list[str]:
-    """Buffers that live across steps (have a home tier): the training state."""
-    return sorted(n for n, b in plan["buffers"].items() if b.get("home"))
-
-
-def store_sizes(plan: dict) -> dict[str, int]:
-    """Every buffer the store holds: the training state, what the plan moves to SSD, the RNG."""
-    bufs = plan["buffers"]
-    names = set(persistent(plan))
-    names |= {i["tensor"] for i in plan["instructions"] if i["kind"] in ("load", "store") and i["dst"] == "ssd"}
-    sizes = {n: int(bufs[n]["bytes"]) for n in sorted(names)}
+def store_sizes(plan: Plan) -> dict[str, int]:
+    """Every buffer the store holds: the training state (`plan.persistent()`), what the plan
+    moves to SSD, the RNG."""
+    plan = as_plan(plan)
+    sizes = {n: plan.buffers[n].bytes for n in sorted(set(plan.persistent()) | set(plan.ssd_sizes()))}
     sizes[RNG] = rng_bytes().numel()
     return sizes
 
@@ -67,14 +62,14 @@ def _write_atomic(path: Path, text: str) -> None:
         os.close(fd)
 
 
-def claim(state_dir, plan: dict) -> Path:
+def claim(state_dir, plan: Plan) -> Path:
     """Make `state_dir` the home of `plan`'s training, or check that it already is."""
     d = Path(state_dir)
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise TensorstowError(f"cannot create the state dir {d}: {e.strerror or e}") from None
-    text = json.dumps(plan, indent=1, sort_keys=True) + "\n"
+    text = plan.dumps()
     held = d / PLAN
     if held.exists():
         try:
@@ -108,10 +103,14 @@ def write_description(d: Path, layouts: dict, names: dict[str, str], frozen: set
         _write_atomic(d / CONFIG, hf_config.to_json_string())
 
 
-def read(d) -> tuple[dict, dict]:
+def read(d) -> tuple[Plan, dict]:
     """(plan, layout) of a state dir, with one clear error if it is not one."""
     d = Path(d)
     if not (d / PLAN).is_file() or not (d / LAYOUT).is_file():
         raise TensorstowError(f"{d} is not a tensorstow state dir (no {PLAN} / {LAYOUT}); pass the --state-dir "
                               f"of a `tensorstow execute` run")
-    return json.loads((d / PLAN).read_text()), json.loads((d / LAYOUT).read_text())
+    try:
+        layout = json.loads((d / LAYOUT).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise TensorstowError(f"state dir {d}: {LAYOUT} is unreadable ({e}); it was damaged") from None
+    return Plan.load(d / PLAN), layout

@@ -93,11 +93,17 @@ class Hardware:
         return self.gpus[0]
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        d["gpus"] = list(d["gpus"])  # JSON's own form, so a spec read back compares equal
+        return d
 
     @staticmethod
     def from_json(d: dict, where: str = "hardware spec") -> "Hardware":
-        return _build(Hardware, d, where)
+        """Strict: unknown or missing keys, wrong types and negative numbers name the field."""
+        from tensorstow.planner.typed import decode
+        if isinstance(d, dict) and d.get("gpus") == []:
+            raise TensorstowError(f"{where}: field 'gpus': expected a non-empty list of GPU objects")
+        return decode(Hardware, d, where, nonneg=True)
 
     def fingerprint(self) -> str:
         from tensorstow.ir.graph import stable_hash
@@ -116,45 +122,6 @@ class Hardware:
                 raise TensorstowError(f"--ssds must be >= 0, got {ssds}")
             hw = dataclasses.replace(hw, ssd=dataclasses.replace(hw.ssd, count=ssds))
         return hw
-
-
-_NESTED = {"gpus": GPU, "dram": DRAM, "ssd": SSD, "cpu": CPU}
-
-
-def _build(cls, d, where, path=""):
-    """Strict construction: unknown or missing keys and wrong types are errors naming the field."""
-    at = f"{where}: field '{path}'" if path else where
-    if not isinstance(d, dict):
-        raise TensorstowError(f"{at}: expected a JSON object, got {type(d).__name__}")
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - set(fields))
-    if unknown:
-        raise TensorstowError(f"{at}: unknown key(s) {unknown}; allowed: {sorted(fields)}")
-    kwargs = {}
-    for name, f in fields.items():
-        if name not in d:
-            if f.default is dataclasses.MISSING:
-                raise TensorstowError(f"{at}: missing required key '{name}'")
-            continue
-        v = d[name]
-        sub_path = f"{path}.{name}" if path else name
-        sub = f"{where}: field '{sub_path}'"
-        if name == "gpus" and cls is Hardware:
-            if not isinstance(v, list) or not v:
-                raise TensorstowError(f"{sub}: expected a non-empty list of GPU objects")
-            v = tuple(_build(GPU, g, where, f"{sub_path}[{i}]") for i, g in enumerate(v))
-        elif name in _NESTED and cls is Hardware:
-            v = _build(_NESTED[name], v, where, sub_path)
-        elif f.type in ("int", "float"):
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                raise TensorstowError(f"{sub}: expected a number, got {v!r}")
-            if v < 0:
-                raise TensorstowError(f"{sub}: must be >= 0, got {v}")
-            v = int(v) if f.type == "int" else float(v)
-        elif f.type == "str" and not isinstance(v, str):
-            raise TensorstowError(f"{sub}: expected a string, got {v!r}")
-        kwargs[name] = v
-    return cls(**kwargs)
 
 
 PRESET_DIR = Path(__file__).parent / "hardware_presets"

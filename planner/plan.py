@@ -1,12 +1,12 @@
-"""Plan = model + hardware + options + decisions + static schedule + predictions, as JSON.
+"""Planning: model + hardware + options -> decisions -> static schedule -> predictions.
 
 `make_plan()` is the whole `plan` pipeline: trace -> profiles -> policy decisions ->
-lowering -> simulation -> memory check -> Plan. Same inputs give byte-identical JSON.
+lowering -> simulation -> memory check -> PlanResult, whose `to_plan()` is the typed plan file
+(`planner.schema.Plan`). Same inputs give byte-identical JSON.
 """
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 
 from tensorstow import TensorstowError
@@ -16,51 +16,9 @@ from tensorstow.ir.trace import PRECISIONS, model_dims, trace_model, trace_spec
 from tensorstow.planner import cost
 from tensorstow.planner.hardware import Hardware, load_hardware
 from tensorstow.planner.schedule import Buffer, Decisions, Instr, buffers_for, lower
+from tensorstow.planner.schema import (SCHEMA_VERSION, TIER_NAMES, BlockInfo, HardwareInfo, ModelInfo,
+                                       Options, Plan, Predicted, ProfileInfo)
 from tensorstow.planner.simulate import SimResult, simulate
-
-SCHEMA_VERSION = 1
-TIER_NAMES = ("gpu", "dram", "ssd")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Options:
-    model: str
-    """Preset name, `hf:DIR`, `pkg.module:factory`, or `<ClassName>` for a module given to the
-    Python API (such a plan is executed from Python: `tensorstow.Executor(plan, model)`)."""
-    hardware: str
-    """Preset name, spec file, or "local"."""
-    policy: str = "auto"
-    batch: int = 0
-    """Micro-batch size (0: the preset's default, else 1)."""
-    seq: int = 0
-    """Sequence length (0: the model's block_size)."""
-    precision: str = "fp16-mixed"
-    gpu_mem: int | None = None
-    dram: int | None = None
-    ssds: int | None = None
-    optimizer: str = "adamw"
-    """Optimizer semantics of torch.optim.Adam / AdamW."""
-    lr: float = 1e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-
-    def to_json(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["betas"] = list(self.betas)
-        return d
-
-    @staticmethod
-    def from_json(d: dict) -> "Options":
-        fields = {f.name for f in dataclasses.fields(Options)}
-        unknown = sorted(set(d) - fields)
-        if unknown:
-            raise TensorstowError(f"plan options: unknown key(s) {unknown}")
-        d = dict(d)
-        if "betas" in d:
-            d["betas"] = tuple(d["betas"])
-        return Options(**d)
-
 
 @dataclass
 class Problem:
@@ -106,7 +64,9 @@ def build_problem(options: Options, hw: Hardware, model=None) -> Problem:
 
 
 @dataclass
-class Plan:
+class PlanResult:
+    """What planning found: the problem, the decisions, their schedule and its simulation.
+    `to_plan()` is the plan file's typed content; `dumps()` its text."""
     problem: Problem
     decisions: Decisions
     buffers: dict[str, Buffer]
@@ -136,7 +96,7 @@ class Plan:
             out[buf.kind] = out.get(buf.kind, 0) + buf.bytes
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
-    def to_json(self) -> dict:
+    def to_plan(self) -> PlanResult:
         p, g = self.problem, self.problem.graph
         tokens = g.batch * g.seq
         flops = 0
@@ -144,37 +104,35 @@ class Plan:
             prof = p.profiles[p.profile_of[b]]
             flops += prof.fwd_flops + prof.bwd_flops
         sim = self.sim
-        return {
-            "schema_version": SCHEMA_VERSION,
-            "model": {
-                "name": g.model, "fingerprint": g.fingerprint(), "params": g.param_count(),
-                "layers": len(g.layer_blocks()), "traced_layers": g.traced_layers,
-                "batch": g.batch, "seq": g.seq, "precision": g.precision,
-                "blocks": [{"name": b.name, "profile": b.profile, "params": b.param_count} for b in g.blocks],
-                "profiles": {k: _profile_json(v) for k, v in sorted(p.profiles.items())},
-            },
-            "hardware": {"name": p.hw.name, "fingerprint": p.hw.fingerprint(), "spec": p.hw.to_json()},
-            "options": p.options.to_json(),
-            "decisions": self.decisions.to_json(),
-            "buffers": {k: {"bytes": b.bytes, "kind": b.kind, "block": b.block, "home": b.home,
-                            **({"members": list(b.members)} if b.members else {})}
-                        for k, b in sorted(self.buffers.items())},
-            "instructions": [i.to_json() | {"est_s": _r(self.durations[i.id])} for i in self.instructions],
-            "pools": {t: self.peak(t) for t in TIER_NAMES},
-            "predicted": {
-                "step_time_s": _r(sim.step_time_s),
-                "tokens_per_s": _r(tokens / sim.step_time_s) if sim.step_time_s else 0.0,
-                "model_tflops": _r(flops / sim.step_time_s / 1e12) if sim.step_time_s else 0.0,
-                "peak_bytes": {t: self.peak(t) for t in TIER_NAMES},
-                "capacity_bytes": p.capacity(),
-                "bottleneck": sim.bottleneck,
-                "busy_s": {k: _r(v) for k, v in sorted(sim.busy_s.items())},
-                "traffic_bytes": dict(sorted(sim.traffic_bytes.items())),
-            },
-        }
+        return Plan(
+            schema_version=SCHEMA_VERSION,
+            model=ModelInfo(
+                name=g.model, fingerprint=g.fingerprint(), params=g.param_count(),
+                layers=len(g.layer_blocks()), traced_layers=g.traced_layers,
+                batch=g.batch, seq=g.seq, precision=g.precision,
+                blocks=tuple(BlockInfo(name=b.name, profile=b.profile, params=b.param_count) for b in g.blocks),
+                profiles={k: _profile_info(v) for k, v in sorted(p.profiles.items())}),
+            hardware=HardwareInfo(name=p.hw.name, fingerprint=p.hw.fingerprint(), spec=p.hw),
+            options=p.options,
+            decisions=self.decisions,
+            buffers=dict(sorted(self.buffers.items())),
+            instructions=tuple(dataclasses.replace(i, est_s=_r(self.durations[i.id])) for i in self.instructions),
+            pools={t: self.peak(t) for t in TIER_NAMES},
+            predicted=Predicted(
+                step_time_s=_r(sim.step_time_s),
+                tokens_per_s=_r(tokens / sim.step_time_s) if sim.step_time_s else 0.0,
+                model_tflops=_r(flops / sim.step_time_s / 1e12) if sim.step_time_s else 0.0,
+                peak_bytes={t: self.peak(t) for t in TIER_NAMES},
+                capacity_bytes=p.capacity(),
+                bottleneck=sim.bottleneck,
+                busy_s={k: _r(v) for k, v in sorted(sim.busy_s.items())},
+                traffic_bytes=dict(sorted(sim.traffic_bytes.items()))))
+
+    def to_json(self) -> dict:
+        return self.to_plan().to_json()
 
     def dumps(self) -> str:
-        return json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n"
+        return self.to_plan().dumps()
 
 
 def _sim_tier(t: str) -> str:
@@ -185,14 +143,12 @@ def _r(x: float) -> float:
     return float(f"{x:.6g}")
 
 
-def _profile_json(p: cost.BlockProfile) -> dict:
-    d = dataclasses.asdict(p)
-    for names in ("saved", "inputs", "carried", "params", "consts", "grads"):
-        d.pop(names)
-    d["reads"] = list(p.reads)
+def _profile_info(p: cost.BlockProfile) -> ProfileInfo:
+    """The profile as the plan records it: its costs, not its member lists (buffers carry those)."""
+    kept = {f.name for f in dataclasses.fields(ProfileInfo)}
+    d = {k: v for k, v in vars(p).items() if k in kept}
     d["fwd_time_s"], d["bwd_time_s"] = _r(p.fwd_time_s), _r(p.bwd_time_s)
-    d["fwd_ops"], d["bwd_ops"] = list(p.fwd_ops), list(p.bwd_ops)
-    return d
+    return ProfileInfo(**d)
 
 
 def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer]) -> list[float]:
@@ -212,7 +168,7 @@ def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer])
     return out
 
 
-def schedule(problem: Problem, decisions: Decisions) -> Plan:
+def schedule(problem: Problem, decisions: Decisions) -> PlanResult:
     """Lower decisions and simulate them: the one yardstick every policy is measured with."""
     bufs = buffers_for(problem.order, problem.profiles, problem.profile_of, decisions,
                        problem.elt, problem.mixed)
@@ -227,7 +183,7 @@ def schedule(problem: Problem, decisions: Decisions) -> Plan:
               for i in instrs]
     fenced = simulate(instrs, dur, sizes, initial)
     assert fenced.step_time_s == sim.step_time_s, "memory fences must not change the replay"
-    return Plan(problem, decisions, bufs, instrs, fenced, dur)
+    return PlanResult(problem, decisions, bufs, instrs, fenced, dur)
 
 
 HEURISTICS = ("all-gpu", "zero-infinity", "lohan", "stronghold", "dos")
@@ -240,7 +196,7 @@ def policies() -> dict:
             "dos": dos.plan, "ilp": ilp.plan}
 
 
-def policy_plan(problem: Problem, name: str) -> Plan:
+def policy_plan(problem: Problem, name: str) -> PlanResult:
     """One policy's plan for `problem`, computed once per problem (`auto` and the ILP's
     incumbent search both need every heuristic's plan)."""
     cache = problem.__dict__.setdefault("_plans", {})
@@ -249,12 +205,12 @@ def policy_plan(problem: Problem, name: str) -> Plan:
     return cache[name]
 
 
-def heuristic_plans(problem: Problem) -> dict[str, Plan]:
+def heuristic_plans(problem: Problem) -> dict[str, PlanResult]:
     """Every heuristic policy's plan for `problem` (feasible or not), by policy name."""
     return {name: policy_plan(problem, name) for name in HEURISTICS if name in policies()}
 
 
-def plan_problem(problem: Problem, policy: str) -> Plan:
+def plan_problem(problem: Problem, policy: str) -> PlanResult:
     """Plan with one policy, or with `auto`: every policy, keeping the fastest feasible."""
     table = policies()
     if policy == "auto":
@@ -273,7 +229,7 @@ def plan_problem(problem: Problem, policy: str) -> Plan:
     return policy_plan(problem, policy)
 
 
-def make_plan(options: Options, hw: Hardware, model=None) -> Plan:
+def make_plan(options: Options, hw: Hardware, model=None) -> PlanResult:
     plan = plan_problem(build_problem(options, hw, model), options.policy)
     over = plan.over_capacity()
     if over:
@@ -288,7 +244,7 @@ def fmt_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
-def infeasible_message(plan: Plan, over: dict[str, tuple[int, int]]) -> str:
+def infeasible_message(plan: PlanResult, over: dict[str, tuple[int, int]]) -> str:
     o = plan.problem.options
     parts = []
     for tier, (need, cap) in over.items():

@@ -39,11 +39,11 @@ def sweep(options: Options, hw, key: str, values: list[int]) -> list[dict]:
         o = dataclasses.replace(options, **{field: val})
         h = hw.with_overrides(ssds=o.ssds, dram=o.dram)
         plan = plan_problem(build_problem(o, h), o.policy)
-        pred = plan.to_json()["predicted"]
-        rows.append({"value": v, "fits": plan.fits, "step_time_s": pred["step_time_s"],
-                     "tokens_per_s": pred["tokens_per_s"] if plan.fits else 0.0,
-                     "model_tflops": pred["model_tflops"] if plan.fits else 0.0,
-                     "bottleneck": pred["bottleneck"], "policy": plan.decisions.policy})
+        pred = plan.to_plan().predicted
+        rows.append({"value": v, "fits": plan.fits, "step_time_s": pred.step_time_s,
+                     "tokens_per_s": pred.tokens_per_s if plan.fits else 0.0,
+                     "model_tflops": pred.model_tflops if plan.fits else 0.0,
+                     "bottleneck": pred.bottleneck, "policy": plan.decisions.policy})
     return rows
 
 
@@ -70,7 +70,7 @@ def largest_fitting(options: Options, hw, *, batches=(1, 2, 4, 8, 16, 32, 64)) -
         p = fits(best, b)
         if p is None:
             break
-        rows.append((p.to_json()["predicted"]["tokens_per_s"], b, p))
+        rows.append((p.to_plan().predicted.tokens_per_s, b, p))
     tps, batch, plan = max(rows, key=lambda r: (r[0], -r[1]))
     return {"policy": options.policy, "model": best, "params": gpt_param_count(PRESETS[best]), "batch": batch,
             "tokens_per_s": tps, "step_time_s": plan.sim.step_time_s, "chosen": plan.decisions.policy}

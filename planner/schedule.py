@@ -17,8 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tensorstow.planner.cost import BlockProfile
+from tensorstow.planner.typed import freeze
 
 TIERS = ("gpu", "dram", "ssd")
+
+
 ACTIVATION_CHOICES = ("keep", "swap_dram", "swap_ssd", "recompute")
 
 
@@ -57,18 +60,14 @@ class Decisions:
     notes: tuple[str, ...] = ()
     """Human-readable reasons the policy gives for its choices."""
 
+    def __post_init__(self):
+        freeze(self)
+
     def to_json(self) -> dict:
         return {"policy": self.policy, "prefetch": self.prefetch, "grad_buffers": self.grad_buffers,
                 "overlap_optimizer": self.overlap_optimizer,
                 "serialize_optimizer": self.serialize_optimizer, "notes": list(self.notes),
                 "blocks": {b: vars(d).copy() for b, d in self.blocks.items()}}
-
-    @staticmethod
-    def from_json(d: dict) -> "Decisions":
-        return Decisions(policy=d["policy"], prefetch=d["prefetch"], grad_buffers=d.get("grad_buffers", 0),
-                         overlap_optimizer=d["overlap_optimizer"],
-                         serialize_optimizer=d["serialize_optimizer"], notes=tuple(d["notes"]),
-                         blocks={b: BlockDecision(**v) for b, v in d["blocks"].items()})
 
 
 @dataclass(frozen=True)
@@ -90,22 +89,18 @@ class Instr:
     """Buffers this instruction creates on the compute device (compute/recompute)."""
     workspace: str = ""
     """Transient buffer held only while the instruction runs."""
+    est_s: float = 0.0
+    """Modeled duration (set when the plan is written; 0 straight out of the lowering)."""
 
     def to_json(self) -> dict:
-        d = {"id": self.id, "kind": self.kind, "stream": self.stream, "deps": list(self.deps)}
+        d = {"id": self.id, "kind": self.kind, "stream": self.stream, "deps": list(self.deps),
+             "est_s": self.est_s}
         for k in ("segment", "tensor", "src", "dst", "workspace"):
             if getattr(self, k):
                 d[k] = getattr(self, k)
         if self.allocs:
             d["allocs"] = list(self.allocs)
         return d
-
-    @staticmethod
-    def from_json(d: dict) -> "Instr":
-        return Instr(id=d["id"], kind=d["kind"], stream=d["stream"], deps=tuple(d["deps"]),
-                     segment=d.get("segment", ""), tensor=d.get("tensor", ""), src=d.get("src", ""),
-                     dst=d.get("dst", ""), allocs=tuple(d.get("allocs", ())),
-                     workspace=d.get("workspace", ""))
 
 
 @dataclass(frozen=True)

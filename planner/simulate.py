@@ -167,6 +167,14 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
                      fences={i: tuple(sorted(f)) for i, f in sorted(fences.items()) if f})
 
 
+def simulate_plan(plan) -> SimResult:
+    """Replay a plan file (`planner.schema.Plan`) as written: its instructions with their
+    `est_s`, its buffers' bytes, the homes as the initial placement."""
+    initial = {(n, "gpu0" if b.home == "gpu" else b.home) for n, b in plan.buffers.items() if b.home}
+    return simulate(list(plan.instructions), [i.est_s for i in plan.instructions],
+                    {n: b.bytes for n, b in plan.buffers.items()}, initial)
+
+
 def _device_tier(ins: Instr) -> str:
     """Compute and optimizer instructions allocate on the device their stream belongs to."""
     if ins.stream == "cpu.opt":

@@ -43,6 +43,24 @@ def test_plan_show_diff(tmp_path, capsys):
     assert "compute fwd:b0" in names and "mem gpu0" in names
 
 
+def test_show_replays_the_file_as_written(tmp_path, capsys):
+    """`show` re-simulates the plan file: a file whose instructions were edited after planning
+    no longer gives its own predicted step time, and says so."""
+    a, edited = tmp_path / "a.json", tmp_path / "edited.json"
+    assert main(["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--policy", "zero-infinity", "-o", str(a)]) == 0
+    capsys.readouterr()
+    assert main(["show", str(a), "--trace", str(tmp_path / "t.json")]) == 0
+    assert "(as predicted)" in capsys.readouterr().out
+    assert "compute fwd:b0" in {e["name"] for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]}
+    d = json.loads(a.read_text())
+    slowest = max(d["instructions"], key=lambda i: i["est_s"])
+    slowest["est_s"] *= 10
+    edited.write_text(json.dumps(d))
+    assert main(["show", str(edited)]) == 0
+    out = capsys.readouterr().out
+    assert f"the file predicts {d['predicted']['step_time_s']:.4g} s" in out and "re-plan it" in out
+
+
 @pytest.mark.parametrize("args,needle", [
     (["plan", "gpt-nope"], "unknown model 'gpt-nope'"),
     (["plan", "gpt-tiny", "--hw", "no-such-hw"], "unknown hardware 'no-such-hw'"),

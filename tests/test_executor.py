@@ -139,7 +139,7 @@ def test_plan_trains_exactly_like_eager_pytorch(name, tmp_path_factory):
     ex, losses, params = sync_run(name, tmp_path_factory)
     assert_same((losses, params), eager())
     # the executor's own accounting of the device tier stays within the plan's GPU
-    assert 0 < ex.peak_bytes["gpu"] <= ex.plan["predicted"]["capacity_bytes"]["gpu"]
+    assert 0 < ex.peak_bytes["gpu"] <= ex.plan.predicted.capacity_bytes["gpu"]
     if name != "all-gpu":  # the SSD tier really held state: the fallback store wrote its files
         sizes = ssd_sizes(ex.plan)
         assert sizes and all(ex.ssd.store._path(n).stat().st_size == n_ for n, n_ in sizes.items())
@@ -171,7 +171,7 @@ def test_adam_with_l2_weight_decay(tmp_path):
 
 def test_device_budget_is_enforced(tmp_path, tmp_path_factory):
     ex, _, _ = sync_run("zero-infinity", tmp_path_factory)
-    tight = json.loads(json.dumps(ex.plan))
+    tight = ex.plan.to_json()
     pred = tight["predicted"]
     with pytest.raises(TensorstowError, match="does not fit"):  # a plan over its own capacity
         pred["capacity_bytes"]["gpu"] = pred["peak_bytes"]["gpu"] - 1
@@ -328,9 +328,9 @@ def test_dram_tier_is_one_preallocated_pool_reused_every_step(name, tmp_path):
     from tensorstow.executor.aio import ALIGN
     ex, _, _ = run(get_plan(name), "sync", tmp_path)
     pool, plan = ex.pool, ex.plan
-    dram = {i["tensor"] for i in plan["instructions"] if i.get("dst") == "dram"} | {
-        n for n, b in plan["buffers"].items() if b["home"] == "dram"}
-    assert 0 < pool.size <= plan["pools"]["dram"] + ALIGN * len(dram)  # the plan's peak, page-rounded
+    dram = {i.tensor for i in plan.instructions if i.dst == "dram"} | {
+        n for n, b in plan.buffers.items() if b.home == "dram"}
+    assert 0 < pool.size <= plan.pools["dram"] + ALIGN * len(dram)  # the plan's peak, page-rounded
     lo = pool.arena.data_ptr()
     held = {n: c.blob.data_ptr() for n, c in ex.host.copies.items()}  # DRAM homes (none if all on SSD)
     assert all(lo <= p < lo + pool.size for p in held.values())

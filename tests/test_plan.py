@@ -1,4 +1,5 @@
 """Plans: determinism, round trips, capacity, baseline behaviour on the papers' presets."""
+import dataclasses
 import json
 
 import pytest
@@ -7,7 +8,8 @@ from tensorstow import TensorstowError
 from tensorstow.planner.hardware import load_hardware
 from tensorstow.planner.plan import Options, build_problem, make_plan, schedule
 from tensorstow.planner.policies import all_gpu, zero_infinity
-from tensorstow.planner.schedule import Decisions, Instr
+from tensorstow.planner.schedule import Instr
+from tensorstow.planner.schema import Plan
 
 
 def tiny_options(**kw):
@@ -25,12 +27,60 @@ def test_plan_is_deterministic_and_round_trips(policy):
         assert key in d
     assert set(d["predicted"]["peak_bytes"]) == {"gpu", "dram", "ssd"}
     assert isinstance(d["predicted"]["step_time_s"], float) and d["predicted"]["step_time_s"] > 0
-    assert Options.from_json(d["options"]) == tiny_options(policy=policy)
-    dec = Decisions.from_json(d["decisions"])
-    assert dec.to_json() == d["decisions"]
-    for raw in d["instructions"]:
-        raw = {k: v for k, v in raw.items() if k != "est_s"}
-        assert Instr.from_json(raw).to_json() == raw
+    typed = Plan.from_json(d)
+    assert typed.options == tiny_options(policy=policy)
+    assert typed.to_json() == d and typed.dumps() == a  # byte for byte
+    assert all(isinstance(i, Instr) for i in typed.instructions)
+
+
+def test_plan_is_immutable():
+    typed = make_plan(tiny_options(policy="zero-infinity"), load_hardware("lohan-rtx4090")).to_plan()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        typed.model.batch = 2
+    with pytest.raises(TypeError):
+        typed.buffers["P:b0"] = typed.buffers["P:b1"]
+    with pytest.raises(TypeError):
+        typed.decisions.blocks["b0"] = typed.decisions.blocks["b1"]
+    with pytest.raises(AttributeError):
+        typed.instructions.append(typed.instructions[0])
+
+
+def _edit(d, path, value):
+    d = json.loads(json.dumps(d))
+    *keys, last = path
+    node = d
+    for k in keys:
+        node = node[k]
+    if value is KeyError:
+        del node[last]
+    else:
+        node[last] = value
+    return d
+
+
+@pytest.mark.parametrize("path, value, message", [
+    (("buffers", "P:b0", "bytes"), "12", "field 'buffers.P:b0.bytes': expected an integer, got '12'"),
+    (("buffers", "P:b0", "colour"), "red", "field 'buffers.P:b0': unknown key(s) ['colour']"),
+    (("model", "seq"), KeyError, "field 'model': missing required key 'seq'"),
+    (("decisions", "overlap_optimizer"), 1, "field 'decisions.overlap_optimizer': expected true or false"),
+    (("instructions", 3, "deps"), [7], "instruction 3: id 3 / deps [7] must be the index and smaller ids"),
+    (("instructions", 0, "est_s"), None, "field 'instructions[0].est_s': expected a number, got None"),
+    (("options", "betas"), [0.9], "field 'options.betas': expected a list of 2, got 1 items"),
+    (("predicted", "peak_bytes"), [1], "field 'predicted.peak_bytes': expected a JSON object, got list"),
+    (("schema_version",), 7, "has schema_version 7, this tensorstow reads 1; re-plan it"),
+])
+def test_malformed_plans_name_the_field(path, value, message):
+    d = make_plan(tiny_options(policy="zero-infinity"), load_hardware("lohan-rtx4090")).to_json()
+    with pytest.raises(TensorstowError) as e:
+        Plan.from_json(_edit(d, path, value), where="plan file p.json")
+    assert message in str(e.value) and str(e.value).startswith("plan file p.json"), str(e.value)
+
+
+def test_a_plan_naming_an_undeclared_buffer_is_refused():
+    d = make_plan(tiny_options(policy="zero-infinity"), load_hardware("lohan-rtx4090")).to_json()
+    k = next(i for i, ins in enumerate(d["instructions"]) if ins["kind"] == "load")
+    with pytest.raises(TensorstowError, match=f"instruction {k} uses buffer 'P:b99', which the plan does not declare"):
+        Plan.from_json(_edit(d, ("instructions", k, "tensor"), "P:b99"))
 
 
 def test_instructions_reference_known_buffers_and_segments():

@@ -1,0 +1,242 @@
+"""The plan file as one typed, immutable `Plan`: what the planner writes, and what the
+executor, the simulator and `tensorstow show/diff/check` read (docs/plan-format.md).
+
+`Plan.from_json` is strict: an unknown or missing key, a value of the wrong type, an
+instruction whose id or dependencies are out of order, or a reference to a buffer the plan
+does not declare is one `TensorstowError` naming the field (`plan file p.json: field
+'buffers.P:b0.bytes': expected an integer, got 'x'`). `Plan.to_json()` gives back the same
+dict, so a plan round-trips byte for byte. Containers are tuples and read-only mappings.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from tensorstow import TensorstowError
+from tensorstow.planner.hardware import Hardware
+from tensorstow.planner.schedule import Buffer, Decisions, Instr
+from tensorstow.planner.typed import decode, encode, freeze
+
+SCHEMA_VERSION = 1
+TIER_NAMES = ("gpu", "dram", "ssd")
+
+
+# ---- the plan ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    model: str
+    """Preset name, `hf:DIR`, `pkg.module:factory`, or `<ClassName>` for a module given to the
+    Python API (such a plan is executed from Python: `tensorstow.Executor(plan, model)`)."""
+    hardware: str
+    """Preset name, spec file, or "local"."""
+    policy: str = "auto"
+    batch: int = 0
+    """Micro-batch size (0: the preset's default, else 1)."""
+    seq: int = 0
+    """Sequence length (0: the model's block_size)."""
+    precision: str = "fp16-mixed"
+    gpu_mem: int | None = None
+    dram: int | None = None
+    ssds: int | None = None
+    optimizer: str = "adamw"
+    """Optimizer semantics of torch.optim.Adam / AdamW."""
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["betas"] = list(self.betas)
+        return d
+
+    @staticmethod
+    def from_json(d: dict, where: str = "plan options") -> "Options":
+        return decode(Options, d, where)
+
+
+@dataclass(frozen=True, kw_only=True)
+class BlockInfo:
+    name: str
+    profile: str
+    """The traced block whose profile (and template) it shares."""
+    params: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileInfo:
+    """A traced block's costs as the plan records them (`planner.cost.BlockProfile` without the
+    member lists, which the buffers carry)."""
+    name: str
+    fwd_ops: tuple[int, int]
+    bwd_ops: tuple[int, int]
+    fwd_flops: int
+    bwd_flops: int
+    fwd_time_s: float
+    bwd_time_s: float
+    param_count: int
+    const_bytes: int
+    reads: tuple[str, ...]
+    saved_bytes: int
+    input_bytes: int
+    output_bytes: int
+    fwd_workspace: int
+    bwd_workspace: int
+    opt_workspace: int
+    carried_bytes: int
+    carried_until: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelInfo:
+    name: str
+    fingerprint: str
+    """Hash of the traced IR: the executor refuses a model whose trace differs."""
+    params: int
+    layers: int
+    traced_layers: int
+    """< layers: traced as a block template (first, middle, last layer; ir.template)."""
+    batch: int
+    seq: int
+    precision: str
+    blocks: tuple[BlockInfo, ...]
+    """In forward order."""
+    profiles: Mapping[str, ProfileInfo]
+
+    def __post_init__(self):
+        freeze(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareInfo:
+    name: str
+    fingerprint: str
+    spec: Hardware
+
+
+@dataclass(frozen=True, kw_only=True)
+class Predicted:
+    step_time_s: float
+    tokens_per_s: float
+    model_tflops: float
+    peak_bytes: Mapping[str, int]
+    capacity_bytes: Mapping[str, int]
+    bottleneck: str
+    busy_s: Mapping[str, float]
+    traffic_bytes: Mapping[str, int]
+
+    def __post_init__(self):
+        freeze(self)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """One training step's static schedule for one model x hardware x options."""
+    schema_version: int
+    model: ModelInfo
+    hardware: HardwareInfo
+    options: Options
+    decisions: Decisions
+    buffers: Mapping[str, Buffer]
+    instructions: tuple[Instr, ...]
+    """In program order; `est_s` is each one's modeled duration."""
+    pools: Mapping[str, int]
+    """Per tier: bytes to preallocate (the simulated peak)."""
+    predicted: Predicted
+
+    def __post_init__(self):
+        freeze(self)
+
+    @staticmethod
+    def from_json(d, where: str = "plan") -> "Plan":
+        if isinstance(d, dict) and "schema_version" in d and d["schema_version"] != SCHEMA_VERSION:
+            raise TensorstowError(f"{where} has schema_version {d['schema_version']!r}, this tensorstow "
+                                  f"reads {SCHEMA_VERSION}; re-plan it")
+        if isinstance(d, dict) and isinstance(d.get("buffers"), dict):  # the key is the buffer's name
+            d = d | {"buffers": {k: v | {"name": k} if isinstance(v, dict) else v
+                                 for k, v in d["buffers"].items()}}
+        plan = decode(Plan, d, where)
+        plan._check(where)
+        return plan
+
+    def _check(self, where: str) -> None:
+        """What types cannot say: program order and references."""
+        for k, ins in enumerate(self.instructions):
+            at = f"{where}: instruction {k}"
+            if ins.id != k or any(not 0 <= x < k for x in ins.deps):
+                raise TensorstowError(f"{at}: id {ins.id} / deps {list(ins.deps)} must be the index "
+                                      f"and smaller ids; re-plan it")
+            for name in (ins.tensor, ins.workspace, *ins.allocs):
+                if name and name not in self.buffers:
+                    raise TensorstowError(f"{at} uses buffer '{name}', which the plan does not declare")
+        names = {b.name for b in self.model.blocks}
+        for b in self.model.blocks:
+            if b.profile not in self.model.profiles:
+                raise TensorstowError(f"{where}: block {b.name} has profile '{b.profile}', which "
+                                      f"model.profiles lacks")
+        if set(self.decisions.blocks) != names:
+            raise TensorstowError(f"{where}: decisions.blocks must name exactly the model's blocks")
+
+    def to_json(self) -> dict:
+        d = {f.name: encode(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        d["buffers"] = {k: {"bytes": b.bytes, "kind": b.kind, "block": b.block, "home": b.home,
+                            **({"members": list(b.members)} if b.members else {})}
+                        for k, b in sorted(self.buffers.items())}
+        return d
+
+    def dumps(self) -> str:
+        """The plan file's text: keys sorted, so the same plan is the same bytes."""
+        return json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n"
+
+    @staticmethod
+    def load(path) -> "Plan":
+        """Read a plan file; one clear error for anything missing or malformed."""
+        p = Path(path)
+        if not p.is_file():
+            raise TensorstowError(f"plan file {path} does not exist; create one with "
+                                  f"`tensorstow plan MODEL -o {path}`")
+        try:
+            d = json.loads(p.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise TensorstowError(f"plan file {path} is not valid JSON ({e}); re-create it with "
+                                  f"`tensorstow plan`") from None
+        if not isinstance(d, dict):
+            raise TensorstowError(f"plan file {path}: expected a JSON object at the top level")
+        missing = [f.name for f in dataclasses.fields(Plan) if f.name not in d]
+        if missing:
+            raise TensorstowError(f"plan file {path} lacks {missing}; it is not a tensorstow plan or "
+                                  f"is truncated")
+        return Plan.from_json(d, where=f"plan file {path}")
+
+    # ---- what readers ask of a plan -------------------------------------------------------
+    @property
+    def replicated(self) -> bool:
+        """Traced as a block template: fewer layers traced than the model has."""
+        return self.model.traced_layers < self.model.layers
+
+    def ssd_sizes(self) -> dict[str, int]:
+        """Buffer -> bytes for every buffer the plan ever keeps on the SSD tier (what an SSD
+        store must be created with)."""
+        names = {n for n, b in self.buffers.items() if b.home == "ssd"}
+        names |= {i.tensor for i in self.instructions if i.kind in ("load", "store") and i.dst == "ssd"}
+        return {n: self.buffers[n].bytes for n in sorted(names)}
+
+    def persistent(self) -> list[str]:
+        """Buffers with a home tier: the training state a checkpoint holds."""
+        return sorted(n for n, b in self.buffers.items() if b.home)
+
+
+def as_plan(plan) -> Plan:
+    """A `Plan` from what callers hand the executor: a Plan, the planner's result, or a dict."""
+    if isinstance(plan, Plan):
+        return plan
+    if hasattr(plan, "to_plan"):
+        return plan.to_plan()
+    if isinstance(plan, dict):
+        return Plan.from_json(plan)
+    raise TensorstowError(f"expected a plan (tensorstow.plan(...), Plan.load(path) or its JSON dict), "
+                          f"got {type(plan).__name__}")
