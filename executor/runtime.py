@@ -23,6 +23,7 @@ Buffer contents (see planner/schedule.py for the names):
   A:<b>  saved storages produced in b (planner.cost BlockProfile.saved)
   X:<b>  values other blocks' forward made that b reads (BlockProfile.inputs)
   T:<b>  values b's backward carries to a later backward (BlockProfile.carried)
+  H:<b>  values b's backward hands to the next backward, the activation gradient (BlockProfile.handed)
 Anything else a segment makes is a temporary: it stays on the device until the last
 instruction that reads it (program order on the compute stream), then it is freed.
 Adam's `step` count is not stored: every subgroup is updated once per step, so it is the
@@ -114,7 +115,7 @@ class Executor:
         self._check_references()
         self.holders: dict[str, list[str]] = defaultdict(list)
         for buf, roots in self.members.items():
-            if buf.split(":")[0] in ("P", "C", "G", "A", "X", "T"):
+            if buf.split(":")[0] in ("P", "C", "G", "A", "X", "T", "H"):
                 for r in roots:
                     self.holders[r].append(buf)
         self.rng_states: dict[str, torch.Tensor] = {}
@@ -142,13 +143,12 @@ class Executor:
         self.ssd = SSDTier(ssd_store)  # a checkpoint store also when nothing lives on SSD
         self.tiers = {"gpu0": self.dev, "dram": self.host, "ssd": self.ssd}
 
-        self.stash, self.drop, self.keep = self._temporaries()
+        self.keep = self._kept_values()
         self.adam = {b: _Adam(plan.options) for b in self.block_params if self.block_params[b]}
         self.vocab = model_dims(model)[0]
         self.steps_done = 0
         self.timeline: list[tuple[int, float, float]] = []
         self.loss: float | None = None
-        self.temps: dict[str, torch.Tensor] = {}
         self.inputs: dict[str, torch.Tensor] = {}
         if checkpoint_every < 1:
             raise TensorstowError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
@@ -231,7 +231,7 @@ class Executor:
                 if n not in self.layouts:
                     raise TensorstowError(f"plan instruction {ins.id}: unknown buffer '{n}'; re-plan it")
             if ins.kind in ("compute", "recompute"):
-                bad = [a for a in ins.allocs if a.split(":")[0] not in ("A", "X", "G", "T")]
+                bad = [a for a in ins.allocs if a.split(":")[0] not in ("A", "X", "G", "T", "H")]
             elif ins.kind == "optimizer_step":
                 if not self.block_params.get(ins.segment):
                     raise TensorstowError(f"plan instruction {ins.id}: '{ins.segment}' is not a block "
@@ -253,7 +253,7 @@ class Executor:
             kind, b = name.split(":")[0], name.split(":")[-1]
             if kind == "W":
                 continue  # a workspace: the segment's real temporaries, counted as they are made
-            if kind not in ("P", "C", "G", "M", "OS", "A", "X", "T") or b not in inst.profile:
+            if kind not in ("P", "C", "G", "M", "OS", "A", "X", "T", "H") or b not in inst.profile:
                 raise TensorstowError(f"plan buffer {name} names nothing in the traced model; re-plan it")
             if not spec.members:
                 raise TensorstowError(f"plan buffer {name} does not list its members (a plan of an older "
@@ -300,19 +300,16 @@ class Executor:
         j.node[inst.template_of(name)[0]]  # KeyError: not in the trace
         return name, name
 
-    def _temporaries(self):
-        """Which storage roots the device keeps between compute instructions, and until when.
-
-        Walks the instructions in program order tracking which buffers are on gpu0. A root a
-        segment reads (or an `allocs` buffer gathers) that no present buffer holds must be a
-        temporary left by the last segment that made it: keep it from there to its last reader.
-        Compute instructions all run on the compute stream, so program order is their order.
+    def _kept_values(self) -> dict[int, frozenset]:
+        """Per compute instruction, the values its segment leaves on the device: what its
+        `allocs` buffers hold (and the loss). Nothing else outlives a segment: every value read
+        across segments is in a planned buffer (X, A, G, T, H), and this walk over the
+        instructions in program order, tracking which buffers are on gpu0, refuses a plan under
+        which a segment would read one that is not there.
         """
         j = self.joint
         present = {(n, _HOME[b.home]) for n, b in self.plan.buffers.items() if b.home}
         last_made: dict[str, int] = {}
-        last_read: dict[tuple[int, str], int] = {}
-        backward = {i.id for i in self.instrs if i.kind == "recompute" or i.segment.startswith("bwd:")}
         for ins in self.instrs:
             if ins.kind in ("load", "store"):
                 present.add((ins.tensor, ins.dst))
@@ -330,32 +327,29 @@ class Executor:
                     if r in j.inputs or r in j.constants or any((h, "gpu0") in present
                                                                  for h in self.holders.get(r, ())):
                         continue
-                    made = last_made.get(r)
-                    if made is None or (ins.id in backward and made not in backward):
-                        # a forward value read in backward must come from a buffer the plan moves
-                        where = self.holders.get(r)
-                        raise TensorstowError(
-                            f"plan instruction {ins.id} ({ins.kind} {ins.segment}) reads {r}, which is "
-                            + (f"in {', '.join(where)} but none of them is on gpu0 at that point of the "
-                               "schedule: the plan is missing a load; re-plan it" if where else
-                               "in no buffer of the plan (X:<b> holds only tensors the block's backward "
-                               "reads, not every input of its forward), so a recompute cannot get it"))
-                    last_read[(made, r)] = ins.id
+                    where = self.holders.get(r)
+                    if where:
+                        why = (f"in {', '.join(where)} but none of them is on gpu0 at that point of the "
+                               f"schedule: the plan is missing a load")
+                    elif r in last_made:
+                        why = (f"made by instruction {last_made[r]} but held by no buffer of the plan in "
+                               f"between (every value that crosses segments is planned: X, A, G, T or H)")
+                    else:
+                        why = ("in no buffer of the plan (X:<b> holds only what the block and the blocks "
+                               "after it read), so a recompute cannot get it")
+                    raise TensorstowError(f"plan instruction {ins.id} ({ins.kind} {ins.segment}) reads {r}, "
+                                          f"which is {why}; re-plan it")
                 for r in seg.produced:
                     last_made[r] = ins.id
                 for a in ins.allocs:
                     present.add((a, "gpu0"))
-        stash, drop = defaultdict(set), defaultdict(set)
-        for (made, r), last in last_read.items():
-            stash[made].add(r)
-            drop[last].add(r)
         keep = {}
         loss_done = False
         for ins in self.instrs:
             if ins.kind not in ("compute", "recompute"):
                 continue
             seg = j.segments[ins.segment]
-            k = set(stash[ins.id])
+            k = set()
             for a in ins.allocs:
                 k |= set(self.members.get(a, ())) & seg.produced
             if j.loss in seg.produced and ins.kind == "compute" and not loss_done:
@@ -364,7 +358,7 @@ class Executor:
             keep[ins.id] = frozenset(k)
         if not loss_done:
             raise TensorstowError("the plan never computes the segment that produces the loss; re-plan it")
-        return dict(stash), dict(drop), keep
+        return keep
 
     def _place_homes(self, model: nn.Module, kinds=("P", "C", "M", "OS"), skip_ssd: bool = False,
                      values=None) -> None:
@@ -586,10 +580,10 @@ class Executor:
     def _check_end_state(self) -> None:
         want = {(n, _HOME[b.home]) for n, b in self.plan.buffers.items() if b.home}
         have = {(n, t) for t, tier in self.tiers.items() for n in tier.copies}
-        if have != want or self.temps:
+        if have != want:
             raise ExecutionError(
                 f"the step did not return to its initial state: left {sorted(have - want)[:5]}, "
-                f"lost {sorted(want - have)[:5]}, temporaries {sorted(self.temps)[:5]}; re-plan it")
+                f"lost {sorted(want - have)[:5]}; re-plan it")
 
     # ---- handlers ---------------------------------------------------------------------------
     def _compute(self, ins: Instr) -> None:
@@ -624,23 +618,14 @@ class Executor:
                   keep=self.keep[ins.id], sink=sink, device=self.device)
             for a in ins.allocs:
                 self.dev.put(a, {r: kept[r] if r in kept else self._fetch(r) for r in self.members[a]})
-            for r in self.stash.get(ins.id, ()):
-                if r in self.temps:
-                    self.dev.release(self.temps.pop(r))
-                self.dev.hold(kept[r], r)
-                self.temps[r] = kept[r]
             if j.loss in kept:
                 self.loss = float(kept[j.loss])
         finally:
             for v in kept.values():
                 self.dev.release(v)
-        for r in self.drop.get(ins.id, ()):
-            self.dev.release(self.temps.pop(r))
 
     def _fetch(self, root: str) -> torch.Tensor:
-        v = self.temps.get(root)
-        if v is None:
-            v = self.inputs.get(root)
+        v = self.inputs.get(root)
         if v is None:
             for h in self.holders.get(root, ()):
                 c = self.dev.copies.get(h)

@@ -49,7 +49,8 @@ class BlockProfile:
     fwd_workspace: int
     """Peak bytes of temporaries while the forward runs."""
     bwd_workspace: int
-    """Peak temporaries of the backward plus the incoming activation gradient."""
+    """Peak temporaries of the backward (the gradient it receives is the next block's H, the
+    one it hands on its own H)."""
     opt_workspace: int
     """Scratch of a GPU Adam step: two fp32 tensors the size of the block's largest parameter."""
     carried_bytes: int
@@ -58,12 +59,17 @@ class BlockProfile:
     carried_until: str
     """Profile of the block whose backward reads T:<b> last ("" if nothing is carried): T:<b>
     is released after the first backward of such a block that follows b's."""
+    handed_bytes: int
+    """Values the block's backward hands to the next backward (the block before it in forward
+    order): the activation gradient, H:<b>, held from b's backward to the end of that one."""
     saved: tuple[tuple[str, int, int], ...]
     """(tensor, bytes, FLOPs of the op that produced it) for each saved storage."""
     inputs: tuple[str, ...] = ()
     """Storage roots of X:<b>."""
     carried: tuple[str, ...] = ()
     """Storage roots of T:<b>."""
+    handed: tuple[str, ...] = ()
+    """Storage roots of H:<b>."""
     params: tuple[str, ...] = ()
     """Model-state names of the trainable parameters it owns (P:<b>, and M:/OS: by parameter)."""
     consts: tuple[str, ...] = ()
@@ -85,12 +91,12 @@ def profiles(graph: Graph, hw: Hardware) -> dict[str, BlockProfile]:
     readers: dict[str, set[int]] = {}  # storage root -> ops that read it or a view of it
     for t in tensors.values():
         readers.setdefault(t.storage, set()).update(t.consumers)
-    out: dict[str, BlockProfile] = {}
-    for b in {blk.profile for blk in graph.blocks}:
-        fwd = [o for o in ops if o.block == b and o.phase == "fwd"]
-        bwd = [o for o in ops if o.block == b and o.phase == "bwd"]
-        fwd_idx = {o.index for o in fwd}
-        bwd_idx = {o.index for o in bwd}
+    traced = list(dict.fromkeys(order))  # each traced block once, in forward order
+    phase_ops = {(b, ph): [o for o in ops if o.block == b and o.phase == ph] for b in traced for ph in ("fwd", "bwd")}
+    saved_of, inputs_of = {}, {}
+    for b in traced:
+        fwd_idx = {o.index for o in phase_ops[b, "fwd"]}
+        bwd_idx = {o.index for o in phase_ops[b, "bwd"]}
         saved, inputs = {}, {}
         for t in tensors.values():
             if t.storage != t.name or t.producer is None or ops[t.producer].phase != "fwd":
@@ -101,13 +107,26 @@ def profiles(graph: Graph, hw: Hardware) -> dict[str, BlockProfile]:
                     saved[t.name] = (t.nbytes, ops[t.producer].flops)
             elif reads & (fwd_idx | bwd_idx) and t.kind not in ("gradient",):
                 inputs[t.name] = (t.nbytes, ops[t.producer].flops)
+        saved_of[b], inputs_of[b] = saved, inputs
+    # A value made before b and in X of the block after b passes through b's forward: the
+    # forward of b makes that X, so b's own X holds it too (a mask only every other layer reads).
+    pos = {b: k for k, b in enumerate(traced)}
+    for k in range(len(traced) - 2, -1, -1):
+        for name, v in inputs_of[traced[k + 1]].items():
+            if pos.get(ops[tensors[name].producer].block, k) < k:
+                inputs_of[traced[k]].setdefault(name, v)
+    out: dict[str, BlockProfile] = {}
+    for b in traced:
+        fwd, bwd = phase_ops[b, "fwd"], phase_ops[b, "bwd"]
+        fwd_idx = {o.index for o in fwd}
+        saved, inputs = saved_of[b], inputs_of[b]
         nxt = set()
         for o in fwd:
             for name in o.outputs:
                 t = tensors[name]
                 if any(c not in fwd_idx and ops[c].phase == "fwd" for c in t.consumers):
                     nxt.add(t.storage)
-        carried, until = _carried(b, bwd, tensors, ops, readers, order)
+        carried, until, handed = _carried(b, bwd, tensors, ops, readers, order)
         largest = max((_numel(t.shape) for t in tensors.values()
                        if t.kind == "parameter" and t.storage == t.name and t.block == b), default=0)
         out[b] = BlockProfile(
@@ -124,14 +143,13 @@ def profiles(graph: Graph, hw: Hardware) -> dict[str, BlockProfile]:
             saved_bytes=sum(v[0] for v in saved.values()),
             input_bytes=sum(v[0] for v in inputs.values()),
             output_bytes=sum(tensors[n].nbytes for n in sorted(nxt)),
-            # backward also holds the gradient flowing in from the next block (the size of the
-            # block's output) while it runs
             fwd_workspace=_workspace(fwd, tensors, ops),
-            bwd_workspace=_workspace(bwd, tensors, ops) + sum(tensors[n].nbytes for n in sorted(nxt)),
+            bwd_workspace=_workspace(bwd, tensors, ops, planned=set(handed)),
             opt_workspace=2 * 4 * largest,
             carried_bytes=sum(tensors[n].nbytes for n in carried), carried_until=until,
+            handed_bytes=sum(tensors[n].nbytes for n in handed),
             saved=tuple(sorted((k, v[0], v[1]) for k, v in saved.items())),
-            inputs=tuple(sorted(inputs)), carried=carried, **_state(b, tensors))
+            inputs=tuple(sorted(inputs)), carried=carried, handed=handed, **_state(b, tensors))
     return out
 
 
@@ -164,15 +182,15 @@ def _foreign_reads(b: str, seg_ops, tensors) -> tuple[str, ...]:
     return tuple(sorted(out))
 
 
-def _carried(b, bwd, tensors, ops, readers, order) -> tuple[tuple[str, ...], str]:
-    """Roots made by b's backward and read by a backward other than the next one (the block
-    before b), with the profile of the block that reads them last. The activation gradient
-    handed to the next backward is not carried: it is in that block's `bwd_workspace`.
+def _carried(b, bwd, tensors, ops, readers, order) -> tuple[tuple[str, ...], str, tuple[str, ...]]:
+    """(carried, until, handed): roots made by b's backward and read by a backward other than
+    the next one (the block before b), with the profile of the block that reads them last; and
+    the roots only the next backward reads (the activation gradient it receives).
     `order`: the profile of every block in forward order (replicas repeat their profile)."""
     bwd_idx = {o.index for o in bwd}
     k = order.index(b)
     prev = order[k - 1] if k > 0 else None
-    names, until = [], ""
+    names, until, handed = [], "", []
     for o in bwd:
         for name in o.outputs:
             t = tensors[name]
@@ -183,7 +201,9 @@ def _carried(b, bwd, tensors, ops, readers, order) -> tuple[tuple[str, ...], str
                 names.append(name)
                 last = min(blocks, key=order.index)
                 until = min((until, last), key=order.index) if until else last
-    return tuple(sorted(names)), until
+            elif blocks:
+                handed.append(name)
+    return tuple(sorted(names)), until, tuple(sorted(handed))
 
 
 def _numel(shape) -> int:
@@ -193,8 +213,9 @@ def _numel(shape) -> int:
     return n
 
 
-def _workspace(seg, tensors, ops) -> int:
-    """Peak live bytes of temporaries (not saved, not parameters/gradients) inside a segment."""
+def _workspace(seg, tensors, ops, planned=frozenset()) -> int:
+    """Peak live bytes of temporaries (not saved, not parameters/gradients) inside a segment;
+    `planned` roots are not counted (a buffer of their own holds them: H)."""
     if not seg:
         return 0
     idx = {o.index for o in seg}
@@ -204,7 +225,7 @@ def _workspace(seg, tensors, ops) -> int:
     for o in seg:
         for name in o.outputs:
             t = tensors[name]
-            if t.kind == "temporary" and t.storage == t.name:
+            if t.kind == "temporary" and t.storage == t.name and name not in planned:
                 live[name] = t.nbytes
                 inside = [c for c in t.consumers if c in idx]
                 last_use[name] = max(inside) if inside else o.index

@@ -10,6 +10,7 @@ Buffers are per block and per kind (granularity: a block's activations move as o
   C:<b>  constants: frozen parameters, buffers (read-only: loaded like P, never written back)
   X:<b>  the block's input checkpoint           A:<b>  activations saved inside the block
   T:<b>  values b's backward carries to a later backward (a tied weight's partial gradient)
+  H:<b>  what b's backward hands to the next backward (the activation gradient)
   W:<b>  transient workspace of a segment
 """
 from __future__ import annotations
@@ -137,6 +138,8 @@ def buffers_for(order: list[str], prof: dict[str, BlockProfile], profile_of: dic
             out[f"C:{b}"] = Buffer(f"C:{b}", p.const_bytes, "constant", b, d.params, p.consts)
         if p.carried_bytes:
             out[f"T:{b}"] = Buffer(f"T:{b}", p.carried_bytes, "temporary", b, members=p.carried)
+        if p.handed_bytes:
+            out[f"H:{b}"] = Buffer(f"H:{b}", p.handed_bytes, "temporary", b, members=p.handed)
         if p.input_bytes:
             out[f"X:{b}"] = Buffer(f"X:{b}", p.input_bytes, "saved_activation", b, members=p.inputs)
         if p.saved_bytes:
@@ -326,6 +329,7 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
         prev_write[0] = last
 
     carry_until = {b: prof[profile_of[b]].carried_until for b in order if has(f"T:{b}")}
+    handed_to = {order[order.index(b) - 1]: f"H:{b}" for b in order[1:] if has(f"H:{b}")}
     for b in bwd_order:
         d = dec[b]
         if prof[profile_of[b]].bwd_ops[0] < 0:
@@ -349,7 +353,7 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
                 deps.append(r)
         if has(f"X:{b}") and d.checkpoint != "gpu":
             e.free(f"X:{b}", d.checkpoint, (deps[-1] if deps else None,))
-        allocs = tuple(x for x in (f"G:{b}", f"T:{b}") if has(x))
+        allocs = tuple(x for x in (f"G:{b}", f"T:{b}", f"H:{b}") if has(x))
         if decisions.grad_buffers and has(f"G:{b}") and d.optimizer == "cpu":
             if len(cpu_grads) >= decisions.grad_buffers and decisions.overlap_optimizer:
                 deps.append(g_freed[cpu_grads[-decisions.grad_buffers]])
@@ -365,6 +369,8 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
         for t in sorted(t for t, until in carry_until.items() if until == profile_of[b]):
             e.free(f"T:{t}", gpu, (c,))
             del carry_until[t]
+        if b in handed_to:  # the gradient the next block's backward handed to this one
+            e.free(handed_to.pop(b), gpu, (c,))
         if state(b) and d.params != "gpu":
             frees_bwd[b] = free_state(b, c)
         if has(f"G:{b}"):

@@ -20,7 +20,8 @@ from tensorstow.planner.hardware import Hardware
 from tensorstow.planner.schedule import Buffer, Decisions, Instr
 from tensorstow.planner.typed import decode, encode, freeze
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: H buffers and profiles' `handed_bytes` (2026-11-22); 1: before."""
 TIER_NAMES = ("gpu", "dram", "ssd")
 
 
@@ -89,6 +90,7 @@ class ProfileInfo:
     opt_workspace: int
     carried_bytes: int
     carried_until: str
+    handed_bytes: int
 
 
 @dataclass(frozen=True, kw_only=True)

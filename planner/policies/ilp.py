@@ -169,7 +169,8 @@ def transient(problem, prefetch: int = 1) -> dict[str, float]:
     smax = max(p.param_count for p in profs) * (12 if mixed else 8)
     amax = max(p.saved_bytes for p in profs)
     xmax = max(p.input_bytes + p.output_bytes for p in profs)
-    wmax = max(max(p.fwd_workspace, p.bwd_workspace) for p in profs)
+    hmax = max(p.handed_bytes for p in profs)  # a backward holds the H it got and the H it makes
+    wmax = max(max(p.fwd_workspace, p.bwd_workspace + 2 * hmax) for p in profs)
     return {"gpu": (amax + xmax + wmax + pmax) / MiB, "gpu_stream": pmax * (prefetch + 1) / MiB,
             "gpu_states": smax / MiB, "dram": (2 * pmax + 2 * smax + 2 * amax + 2 * xmax) / MiB}
 
