@@ -108,6 +108,7 @@ def main() -> int:
         plan_w = p.predicted.traffic_bytes.get("dram->ssd", 0)
         achieved = (per_step_r + per_step_w) / step_s
         budget_mb = (p.predicted.capacity_bytes["dram"] + p.predicted.capacity_bytes["gpu"]) / 2**20
+        shutil.rmtree(work / "state", ignore_errors=True)  # fit probes the disk's free space
         fit = tensorstow("fit", "--hw", "local", "--policy", a.policy)
         print(f"\n{a.model}: {p.model.params / 1e9:.2f}B parameters, fp32 training state (P+G+OS) "
               f"{state / 1e9:.1f} GB = {state / p.predicted.capacity_bytes['dram']:.1f}x --dram {a.dram}")
