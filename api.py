@@ -23,7 +23,8 @@ __all__ = ["plan", "Plan", "Executor"]
 def plan(model_or_spec, *, hw: str = "local", policy: str = "auto", batch: int = 0, seq: int = 0,
          precision: str | None = None, gpu_mem: int | str | None = None, dram: int | str | None = None,
          ssds: int | None = None, optimizer: str = "adamw", lr: float = 1e-4,
-         betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0) -> PlanResult:
+         betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+         exact_optimizer: bool = False) -> PlanResult:
     """Trace the model and plan one training step for the hardware `hw` (a preset, a spec file
     or "local"); the same options as `tensorstow plan`. Sizes are bytes or strings ("200MB").
     Returns the planning result: `.to_plan()` is the typed `Plan` (what the file holds),
@@ -38,5 +39,5 @@ def plan(model_or_spec, *, hw: str = "local", policy: str = "auto", batch: int =
     size = lambda v: parse_size(v) if isinstance(v, str) else v  # noqa: E731
     o = Options(model=name, hardware=hw, policy=policy, batch=batch, seq=seq,
                 **({"precision": precision} if precision else {}), gpu_mem=size(gpu_mem), dram=size(dram), ssds=ssds, optimizer=optimizer, lr=lr,
-                betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+                betas=tuple(betas), eps=eps, weight_decay=weight_decay, exact_optimizer=exact_optimizer)
     return make_plan(o, hardware_for(o), model=module)

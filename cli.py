@@ -140,7 +140,8 @@ def _options(args):
     from tensorstow.planner.plan import Options
     kw = dict(model=args.model, hardware=args.hw, policy=args.policy, batch=args.batch, seq=args.seq,
               precision=args.precision, optimizer=args.optimizer, lr=args.lr, betas=tuple(args.betas),
-              eps=args.eps, weight_decay=args.weight_decay)
+              eps=args.eps, weight_decay=args.weight_decay,
+              exact_optimizer=args.exact_optimizer)
     for k in ("gpu_mem", "dram"):
         v = getattr(args, k)
         kw[k] = parse_size(v) if v is not None else None
@@ -339,6 +340,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--betas", type=float, nargs=2, default=[0.9, 0.999])
     p.add_argument("--eps", type=float, default=1e-8)
     p.add_argument("--weight-decay", dest="weight_decay", type=float, default=0.0)
+    p.add_argument("--exact-optimizer", dest="exact_optimizer", action="store_true",
+                   help="torch.optim's single-tensor Adam/AdamW, bit-identical with eager (slower); "
+                        "default: the fused kernel, within a few ulps")
     p.add_argument("-o", "--output", help="write the plan JSON here")
     p.add_argument("--trace", help="write the simulated timeline as Perfetto/Chrome trace JSON")
     p.add_argument("--sweep", help="KEY=A..B or KEY=a,b,c over ssd_count, dram (GB) or batch: "

@@ -31,6 +31,7 @@ executor's step counter (`steps_done`, which `commit` records in the SSD store).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import defaultdict
@@ -673,17 +674,25 @@ class Executor:
                 params.append(master[p if self.mixed else j.placeholder[p]])
                 grads.append(g)
                 moments.append((states[f"{p}.exp_avg"], states[f"{p}.exp_avg_sq"]))
+            # LoHan Table II: a mixed-precision update also produces the compute copy P from M;
+            # on the CPU the fast kernel writes it in the same pass (`out16`)
+            out16 = None
+            if self.mixed and not on_dev and not self.adam[b].exact:
+                fresh_p = (self.host.alloc(f"P:{b}", self.layouts[f"P:{b}"]) if f"P:{b}" in ins.allocs
+                           else tier.get(f"P:{b}"))
+                out16 = [fresh_p[j.placeholder[p]] for p in self.block_params[b] if p in j.grad]
             # torch's single-tensor Adam allocates two parameter-sized temporaries (sqrt, denom)
-            scratch = 2 * max((t.numel() * 4 for t in params), default=0) if on_dev else 0
-            if on_dev:
-                with self.dev.reserve(scratch, f"Adam scratch of {b}"):
-                    self.adam[b].step(params, grads, moments, self.steps_done)
-            else:
-                self.adam[b].step(params, grads, moments, self.steps_done)
+            scratch = 2 * max((t.numel() * 4 for t in params), default=0) if on_dev and self.adam[b].exact else 0
+            with self.dev.reserve(scratch, f"Adam scratch of {b}") if scratch else contextlib.nullcontext():
+                self.adam[b].step(params, grads, moments, self.steps_done, out16)
         finally:
             for g in held:
                 self.dev.release(g)
-        if self.mixed:  # LoHan Table II: the update produces the compute-precision copy P from M
+        if out16 is not None:  # the kernel wrote P for the updated parameters; the rest are cast
+            for p in self.block_params[b]:
+                if p not in j.grad:
+                    fresh_p[j.placeholder[p]].copy_(master[p])
+        elif self.mixed:
             fresh = {j.placeholder[p]: master[p].to(self.compute_dtype) for p in self.block_params[b]}
             if f"P:{b}" in ins.allocs:
                 if on_dev:
@@ -759,17 +768,49 @@ class _Upstream(Exception):
 
 
 class _Adam:
-    """One torch.optim.Adam/AdamW per subgroup, pointed at the tier copies every step."""
+    """Adam/AdamW of one subgroup, on the tier copies of its tensors.
+
+    exact (plan option `exact_optimizer`): one torch.optim.Adam/AdamW(foreach=False), pointed at
+    the tier copies every step: bit-identical with eager's default CPU path. Otherwise the fast
+    update: CPU tensors go through `executor.adam.adamw_step_` (csrc/adam.cpp: one pass over
+    memory, the fresh 16-bit compute copy written in it; torch's fused kernel if the C++ build
+    is unavailable), device tensors through torch's fused multi-tensor kernel. Both differ from
+    torch's single-tensor step only in the rounding of sqrt (a correctly rounded one instead
+    of MKL's, 1 ulp off for some inputs), see `executor/adam.py`.
+    """
 
     def __init__(self, options):
         kind = options.optimizer
         if kind not in ("adam", "adamw"):
             raise TensorstowError(f"plan options: unknown optimizer '{kind}' (adam or adamw)")
-        cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
-        self.opt = cls([torch.zeros(1)], lr=options.lr, betas=tuple(options.betas),
-                       eps=options.eps, weight_decay=options.weight_decay, foreach=False)
+        self.exact = options.exact_optimizer
+        self.decoupled = kind == "adamw"
+        self.lr, self.betas, self.eps, self.wd = options.lr, tuple(options.betas), options.eps, options.weight_decay
+        if self.exact:
+            cls = torch.optim.AdamW if self.decoupled else torch.optim.Adam
+            self.opt = cls([torch.zeros(1)], lr=self.lr, betas=self.betas, eps=self.eps,
+                           weight_decay=self.wd, foreach=False)
 
-    def step(self, params, grads, moments, steps_done: int) -> None:
+    def step(self, params, grads, moments, steps_done: int, out16=None) -> None:
+        """One update of `params` (fp32) from `grads`; `steps_done` updates came before it.
+        `out16`: per parameter, a 16-bit tensor to receive its updated value (fast CPU path)."""
+        if not params:
+            return
+        if self.exact:
+            return self._torch_step(params, grads, moments, steps_done)
+        if params[0].device.type == "cpu":
+            from tensorstow.executor.adam import adamw_step_
+            for k, (p, g, (m, v)) in enumerate(zip(params, grads, moments)):
+                adamw_step_(p, g.contiguous(), m, v, steps_done + 1, self.lr, self.betas, self.eps, self.wd,
+                            out16[k] if out16 is not None else None, decoupled=self.decoupled)
+            return
+        fused = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
+        steps = [torch.tensor(float(steps_done + 1), device=params[0].device) for _ in params]
+        fused(params, [g.contiguous() for g in grads], [m for m, _ in moments], [v for _, v in moments], [], steps,
+              lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], weight_decay=self.wd, eps=self.eps,
+              amsgrad=False, maximize=False)
+
+    def _torch_step(self, params, grads, moments, steps_done: int) -> None:
         from torch.optim.optimizer import _get_scalar_dtype
 
         group = self.opt.param_groups[0]

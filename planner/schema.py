@@ -49,6 +49,10 @@ class Options:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    exact_optimizer: bool = False
+    """False (default): the fast update (csrc/adam.cpp on the CPU, with the fused downcast of the
+    fresh compute copy; torch's fused kernel on a GPU), within a few ulps of torch's. True:
+    torch.optim.Adam/AdamW(foreach=False), bit-identical with eager's default CPU path."""
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)

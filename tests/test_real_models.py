@@ -109,7 +109,8 @@ def offloaded_plans(ref: str, policies=("lohan", "zero-infinity")) -> dict[str, 
     """The named policies' plans for a device budget below the model's all-resident peak: the
     largest of a few fractions of that peak for which every policy's plan fits."""
     hw = load_hardware("lohan-rtx4090")
-    o = Options(model=ref, hardware="lohan-rtx4090", policy="all-gpu", batch=B, seq=T, precision="fp32", lr=LR)
+    o = Options(model=ref, hardware="lohan-rtx4090", policy="all-gpu", batch=B, seq=T, precision="fp32", lr=LR,
+                exact_optimizer=True)  # bit-identical with eager's default AdamW
     problem = build_problem(o, hw)
     resident = plan_problem(problem, "all-gpu").peak("gpu")
     for frac in (0.5, 0.65, 0.8, 0.95):
@@ -282,7 +283,7 @@ def test_python_api_with_an_hf_module(hf_root, tmp_path):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     plan = tensorstow.plan(model, hw="lohan-rtx4090", policy="zero-infinity", batch=B, seq=T,
-                           precision="fp32", gpu_mem=300_000, lr=LR)
+                           precision="fp32", gpu_mem=300_000, lr=LR, exact_optimizer=True)
     assert plan.fits
     ex = tensorstow.Executor(plan, model, state_dir=tmp_path)
     torch.manual_seed(DROPOUT_SEED)
@@ -336,7 +337,8 @@ def test_every_policy_trains_a_tied_model_with_dropout_exactly(policy, tmp_path)
     that holds the whole model; the others offloaded)."""
     ref = "tests.fixtures.real_models:nano_gpt_dropout"
     if policy == "all-gpu":
-        o = Options(model=ref, hardware="lohan-rtx4090", policy=policy, batch=B, seq=T, precision="fp32", lr=LR)
+        o = Options(model=ref, hardware="lohan-rtx4090", policy=policy, batch=B, seq=T, precision="fp32", lr=LR,
+                exact_optimizer=True)  # bit-identical with eager's default AdamW
         pj = json.loads(plan_problem(build_problem(o, load_hardware("lohan-rtx4090")), policy).dumps())
     else:
         pj = offloaded_plans(ref, policies=(policy,))[policy]

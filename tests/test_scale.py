@@ -35,7 +35,7 @@ def deep_plans(policies=("zero-infinity", "lohan")) -> dict[str, dict]:
     all-resident peak."""
     hw = load_hardware("lohan-rtx4090")
     o = Options(model="gpt-deep", hardware="lohan-rtx4090", policy="all-gpu", batch=B, seq=T,
-                precision="fp32", lr=LR)
+                precision="fp32", lr=LR, exact_optimizer=True)
     problem = build_problem(o, hw)
     gpu = plan_problem(problem, "all-gpu").peak("gpu") // 2
     p = dataclasses.replace(problem, hw=hw.with_overrides(gpu_mem=gpu), options=dataclasses.replace(o, gpu_mem=gpu))
@@ -154,7 +154,7 @@ def test_gpt3_125m_with_parameters_and_adam_state_on_ssd_equals_eager(tmp_path):
     from tensorstow.planner.plan import make_plan
     c = PRESETS["gpt3-125m"]
     o = Options(model="gpt3-125m", hardware="lohan-rtx4090", policy="zero-infinity", batch=1, seq=32,
-                precision="fp32", gpu_mem=700_000_000, lr=LR)
+                precision="fp32", gpu_mem=700_000_000, lr=LR, exact_optimizer=True)
     pj = json.loads(make_plan(o, load_hardware(o.hardware).with_overrides(gpu_mem=o.gpu_mem)).dumps())
     homes = {n.split(":")[0]: b["home"] for n, b in pj["buffers"].items() if b["home"]}
     assert homes["P"] == homes["OS"] == "ssd" and pj["model"]["traced_layers"] == 3

@@ -16,7 +16,8 @@ from tensorstow.executor.state import store_sizes
 from tensorstow.cli import main
 
 MODEL = "tests.fixtures.real_models:nano_gpt_dropout"  # tied head, dropout: the RNG must resume too
-COMMON = ["--hw", "lohan-rtx4090", "--batch", "2", "--seq", "16", "--precision", "fp32", "--lr", "1e-3"]
+COMMON = ["--hw", "lohan-rtx4090", "--batch", "2", "--seq", "16", "--precision", "fp32", "--lr", "1e-3",
+          "--exact-optimizer"]  # compared with eager bit for bit
 
 
 @pytest.fixture(scope="module")
