@@ -16,6 +16,14 @@ the best and the median over rounds (params/s), and the ratios the issue's decis
 kernel+16 over fused+16 (>= 1.1x on every size keeps the kernel).
 
     python benchmarks/bench_adam.py [--sizes-m 16 64] [--rounds 25] [--allocators default jemalloc]
+    python benchmarks/bench_adam.py --lane [--model gpt-medium] [--precision fp32] [--steps 4]
+
+`--lane` measures what the executor really runs: a plan whose every subgroup is updated on
+the CPU (zero-infinity: states on SSD, in a temporary state dir), executed a few steps in sync mode;
+the cpu.opt lane's busy time per step (every optimizer_step instruction: gradient views, the
+update, the 16-bit copy) against torch.optim.AdamW(fused=True) on tensors of the same shapes,
+in the same process: rate ratio = lane params/s over fused params/s (the issue's bar: >= 0.9).
+Both the default fused path and --exact-optimizer's torch single-tensor path are run.
 
 Each allocator runs in its own child process; jemalloc is LD_PRELOADed with
 MALLOC_CONF=dirty_decay_ms:-1,muzzy_decay_ms:-1,retain:true (DESIGN.md, Pitfalls) and is
@@ -124,14 +132,73 @@ def child(args) -> None:
         bench_size(int(size_m * 2**20), args.rounds, kernel)
 
 
+def bench_lane(args) -> None:
+    import tempfile
+
+    import tensorstow
+    from tensorstow.executor.data import batches
+    from tensorstow.ir.models import resolve_model
+
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    print(f"== executor cpu.opt lane: {args.model}, {args.precision}, zero-infinity on lohan-rtx4090 with "
+          f"--gpu-mem {args.gpu_mem}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"   {adam.kernel_info()}")
+    spec = resolve_model(args.model)
+    rows = {}
+    for exact in (False, True):
+        plan = tensorstow.plan(args.model, hw="lohan-rtx4090", policy="zero-infinity", batch=1, seq=args.seq,
+                               precision=args.precision, gpu_mem=args.gpu_mem, exact_optimizer=exact).to_plan()
+        cpu_blocks = {b for b, d in plan.decisions.blocks.items() if d.optimizer == "cpu"}
+        torch.manual_seed(0)
+        model = spec.build()
+        n = sum(q.numel() for q in model.parameters())
+        with tempfile.TemporaryDirectory() as d:
+            ex = tensorstow.Executor(plan, model, state_dir=d)
+            busy = []
+            for x, y in batches("synthetic", 1, plan.model.seq, ex.vocab, args.steps, 0):
+                ex.step(x, y)
+                busy.append(ex.lane_busy().get("cpu.opt", 0.0))
+            ex.close()
+        steady = busy[1:] or busy
+        rows["exact" if exact else "fused (default)"] = (n, min(steady), statistics.median(steady), len(cpu_blocks))
+    # the baseline: torch's fused AdamW over tensors of the model's shapes, same process
+    torch.manual_seed(0)
+    params = [q.detach().clone() for q in spec.build().parameters()]
+    for q in params:
+        q.grad = torch.randn_like(q) * 1e-3
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    opt.step()  # state allocated, untimed
+    ts = []
+    for _ in range(max(args.steps, 5)):
+        t0 = time.perf_counter()
+        opt.step()
+        ts.append(time.perf_counter() - t0)
+    fused_best, fused_med = min(ts), statistics.median(ts)
+    n = sum(q.numel() for q in params)
+    print(f"  {'path':<18}{'best Mparam/s':>14}{'median':>10}{'vs fused AdamW (best, median)':>32}")
+    print(f"  {'torch fused AdamW':<18}{n / fused_best / 1e6:>14.0f}{n / fused_med / 1e6:>10.0f}")
+    for name, (n_, best, med, k) in rows.items():
+        print(f"  {'lane, ' + name:<18}{n_ / best / 1e6:>14.0f}{n_ / med / 1e6:>10.0f}"
+              f"{fused_best / best:>20.2f}x{fused_med / med:>10.2f}x   ({k} CPU subgroups)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--lane", action="store_true", help="time the executor's cpu.opt lane on a plan")
+    ap.add_argument("--model", default="gpt-medium")
+    ap.add_argument("--precision", default="fp32")
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--gpu-mem", dest="gpu_mem", default="200MB")
+    ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--sizes-m", type=float, nargs="+", default=[16, 64], help="params per tensor, in Mi")
     ap.add_argument("--rounds", type=int, default=25)
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--allocators", nargs="+", default=["default", "jemalloc"], choices=["default", "jemalloc"])
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.lane:
+        bench_lane(args)
+        return
     if args.child:
         child(args)
         return

@@ -799,10 +799,9 @@ class _Adam:
         if self.exact:
             return self._torch_step(params, grads, moments, steps_done)
         if params[0].device.type == "cpu":
-            from tensorstow.executor.adam import adamw_step_
-            for k, (p, g, (m, v)) in enumerate(zip(params, grads, moments)):
-                adamw_step_(p, g.contiguous(), m, v, steps_done + 1, self.lr, self.betas, self.eps, self.wd,
-                            out16[k] if out16 is not None else None, decoupled=self.decoupled)
+            from tensorstow.executor.adam import adamw_steps_
+            adamw_steps_(params, grads, [m for m, _ in moments], [v for _, v in moments], steps_done + 1,
+                         self.lr, self.betas, self.eps, self.wd, out16, decoupled=self.decoupled)
             return
         fused = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
         steps = [torch.tensor(float(steps_done + 1), device=params[0].device) for _ in params]

@@ -241,14 +241,19 @@ class HostCopy:
     def __init__(self, layout: Layout, blob: torch.Tensor, strides: dict[str, tuple] | None = None):
         self.layout, self.blob = layout, blob
         self.strides = dict(strides or {})
+        self._views: dict[str, torch.Tensor] = {}  # the blob never moves: views are made once
 
     def get(self, key: str) -> torch.Tensor:
-        s = self.layout.slots[key]
-        flat = self.blob[s.offset:s.offset + s.nbytes].view(s.dtype)
-        return flat.as_strided(s.shape, self.strides.get(key) or contiguous_stride(s.shape))
+        v = self._views.get(key)
+        if v is None:
+            s = self.layout.slots[key]
+            flat = self.blob[s.offset:s.offset + s.nbytes].view(s.dtype)
+            v = self._views[key] = flat.as_strided(s.shape, self.strides.get(key) or contiguous_stride(s.shape))
+        return v
 
     def set(self, key: str, t: torch.Tensor) -> None:
         self.strides[key] = kept_stride(t)
+        self._views.pop(key, None)
         self.get(key).copy_(t)
 
     def __getitem__(self, key: str) -> torch.Tensor:

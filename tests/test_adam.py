@@ -218,3 +218,32 @@ def test_bad_engine_choice(monkeypatch):
     monkeypatch.setenv("TENSORSTOW_ADAM", "fortran")
     with pytest.raises(ValueError, match="TENSORSTOW_ADAM='fortran': use auto, cpp or torch"):
         adam.kernel_info()
+
+
+def test_a_subgroup_step_equals_tensor_by_tensor_and_takes_strided_tensors():
+    """`adamw_steps_` (the executor's loop) gives exactly `adamw_step_` per tensor; a tensor
+    stored with a kept (non-contiguous) stride takes torch's fused kernel instead of failing."""
+    torch.manual_seed(0)
+    shapes = [(3, 5), (17,), (64, 33)]
+    make = lambda: [torch.randn(s) for s in shapes]  # noqa: E731
+    p, g = make(), [t * 1e-2 for t in make()]
+    m, v = [torch.zeros(s) for s in shapes], [torch.zeros(s) for s in shapes]
+    out = [torch.empty(s, dtype=torch.bfloat16) for s in shapes]
+    p2, m2, v2 = [t.clone() for t in p], [t.clone() for t in m], [t.clone() for t in v]
+    out2 = [t.clone() for t in out]
+    for step in (1, 2, 3):
+        adam.adamw_steps_(p, g, m, v, step, 1e-3, (0.9, 0.999), 1e-8, 0.01, out)
+        for k in range(len(shapes)):
+            adam.adamw_step_(p2[k], g[k], m2[k], v2[k], step, 1e-3, (0.9, 0.999), 1e-8, 0.01, out2[k])
+    assert all(torch.equal(a, b) for a, b in zip(p + m + v + out, p2 + m2 + v2 + out2))
+
+    base = torch.randn(33, 64)
+    strided = base.t()  # a (64, 33) view with a kept stride
+    pf, gf = strided.clone(), torch.randn(64, 33) * 1e-2
+    mf, vf = torch.zeros(64, 33), torch.zeros(64, 33)
+    o16 = torch.empty(64, 33, dtype=torch.bfloat16)
+    adam.adamw_steps_([strided], [gf], [torch.zeros(64, 33)], [torch.zeros(64, 33)], 1, 1e-3, (0.9, 0.999),
+                      1e-8, 0.01, [o16])
+    torch._fused_adamw_([pf], [gf], [mf], [vf], [], [torch.tensor(1.0)], lr=1e-3, beta1=0.9, beta2=0.999,
+                        weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
+    assert torch.equal(strided, pf) and torch.equal(o16, pf.to(torch.bfloat16))
