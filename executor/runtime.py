@@ -130,6 +130,8 @@ class Executor:
             raise TensorstowError(f"the plan does not fit its GPU ({pred.peak_bytes['gpu']} bytes at peak > "
                                   f"{pred.capacity_bytes['gpu']} capacity); re-plan it")
         cuda = torch.cuda.is_available()
+        if cuda:
+            check_device(plan)
         self.device = torch.device("cuda", 0) if cuda else torch.device("cpu")
         self.dev = DeviceTier(pred.capacity_bytes["gpu"] if device_budget is None else device_budget,
                               self.device)
@@ -856,6 +858,25 @@ class _Source:
                 self.pending[k] = v
             out[n] = self.pending.pop(n)
         return out
+
+
+def check_device(plan) -> None:
+    """On CUDA, the machine has what the plan was made for: as many GPUs as its instructions
+    use, and at least the plan's device capacity on gpu0. (Without CUDA the device tier is
+    budgeted CPU memory, which any plan may use.)"""
+    used = sorted({i.stream.split(".")[0] for i in plan.instructions if i.stream.startswith("gpu")})
+    have = torch.cuda.device_count()
+    spec = plan.hardware.spec
+    if len(used) > have:
+        raise TensorstowError(f"the plan runs on {len(used)} GPU(s) ({', '.join(used)} of {plan.hardware.name}: "
+                              f"{', '.join(g.name for g in spec.gpus[:len(used)])}) but this machine has {have}; "
+                              f"re-plan it for this machine (--hw local)")
+    cap = plan.predicted.capacity_bytes["gpu"]
+    total = torch.cuda.get_device_properties(0).total_memory
+    if cap > total:
+        raise TensorstowError(f"the plan gives gpu0 {cap / 1e9:.2f} GB ({plan.hardware.name}: {spec.gpus[0].name}) "
+                              f"but gpu0 here ({torch.cuda.get_device_name(0)}) has {total / 1e9:.2f} GB; re-plan "
+                              f"it with --hw local, or with --gpu-mem at most that")
 
 
 def _check_model_graph(m, traced: Traced) -> None:

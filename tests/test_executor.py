@@ -391,3 +391,24 @@ def test_dram_tier_is_one_preallocated_pool_reused_every_step(name, tmp_path):
     assert pool.overflow_bytes == 0
     assert [list(r) for r in pool.free] == free
     assert {n: c.blob.data_ptr() for n, c in ex.host.copies.items()} == held
+
+
+def test_a_gpu_smaller_than_the_plans_is_refused_with_both_named(monkeypatch):
+    """On CUDA the executor checks the machine against the plan before placing anything: GPU
+    count and gpu0's memory. (Checked here with torch.cuda's answers replaced: no GPU needed.)"""
+    from types import SimpleNamespace
+
+    from tensorstow.executor.runtime import check_device
+    from tensorstow.planner.schema import Plan
+    plan = Plan.from_json(get_plan("zero-infinity"))
+    cap = plan.predicted.capacity_bytes["gpu"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Tiny GPU")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: SimpleNamespace(total_memory=cap))
+    check_device(plan)  # exactly the plan's capacity: fine
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: SimpleNamespace(total_memory=cap - 1))
+    with pytest.raises(TensorstowError, match=r"lohan-rtx4090: RTX 4090\) but gpu0 here \(Tiny GPU\)"):
+        check_device(plan)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(TensorstowError, match=r"runs on 1 GPU\(s\) .* but this machine has 0"):
+        check_device(plan)
