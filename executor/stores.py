@@ -275,6 +275,18 @@ def return_large_blocks_to_the_os() -> bool:
         return False
 
 
+def _huge_pages(t: torch.Tensor) -> None:
+    """Ask for transparent huge pages over a large host buffer (where THP is in `madvise` mode):
+    the optimizer and the copies stream through it, and 2 MiB pages cut their TLB misses."""
+    import ctypes
+    import mmap
+    huge = 2 << 20
+    start, end = -(-t.data_ptr() // huge) * huge, (t.data_ptr() + t.numel() * t.element_size()) // huge * huge
+    if end > start and hasattr(mmap, "MADV_HUGEPAGE"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_HUGEPAGE)  # advice only
+
+
 class HostPool:
     """The DRAM tier's memory: one arena allocated up front (pinned with CUDA), carved into
     4096-aligned ranges best-fit and given back on free, so every step reuses the same bytes
@@ -285,6 +297,8 @@ class HostPool:
         self.size = _page(nbytes)
         self.arena = None if virtual else (
             torch.empty(self.size, dtype=torch.uint8, pin_memory=True) if pin else aligned_empty(self.size))
+        if self.arena is not None and not pin:
+            _huge_pages(self.arena)
         self.free: list[list[int]] = [[0, self.size]] if self.size else []
         """Free ranges [offset, length], by offset, coalesced."""
         self.high_water = 0
