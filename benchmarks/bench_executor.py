@@ -17,7 +17,8 @@ import time
 import torch
 
 from tensorstow.executor.data import batches
-from tensorstow.executor.runtime import Executor, ssd_sizes
+from tensorstow.executor.runtime import Executor
+from tensorstow.planner.schema import as_plan
 from tensorstow.executor.ssd import SSDStore
 from tensorstow.ir.models import resolve_model
 from tensorstow.planner.plan import hardware_for
@@ -74,7 +75,7 @@ def main():
     offl = plan(policy="zero-infinity", gpu_mem=parse_size(a.gpu_mem))
     with tempfile.TemporaryDirectory(dir=".") as d:
         torch.manual_seed(0)
-        ex = Executor(offl, spec.build(), mode=a.mode, ssd_store=SSDStore(d, ssd_sizes(offl)))
+        ex = Executor(offl, spec.build(), mode=a.mode, ssd_store=SSDStore(d, as_plan(offl).ssd_sizes()))
         t_off = median_step(ex.step, data)
         busy = ex.lane_busy()
         ex.close()

@@ -60,12 +60,6 @@ class ExecutionError(TensorstowError):
     """An instruction could not run as the plan says (names the instruction)."""
 
 
-def ssd_sizes(plan) -> dict[str, int]:
-    """Buffer name -> bytes for every buffer the plan ever keeps on the SSD tier (what an
-    SSD store must be created with)."""
-    return as_plan(plan).ssd_sizes()
-
-
 class Executor:
     def __init__(self, plan, model: nn.Module, *, mode: str = "sync", state_dir=None,
                  ssd_store=None, resume: bool = False, device_budget: int | None = None,

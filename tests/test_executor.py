@@ -18,7 +18,7 @@ import torch
 from tensorstow import TensorstowError
 from tests.oracle import train_eager
 from tensorstow.executor.data import batches
-from tensorstow.executor.runtime import Executor, ssd_sizes
+from tensorstow.executor.runtime import Executor
 from tensorstow.executor.stores import DeviceMemoryError, FileStore
 from tensorstow.ir.models import GPT, PRESETS
 from tensorstow.ir.trace import trace
@@ -143,7 +143,7 @@ def test_plan_trains_exactly_like_eager_pytorch(name, tmp_path_factory):
     # to the next is H:<b>), the rest is inside the segments' workspaces
     assert 0 < ex.peak_bytes["gpu"] <= ex.plan.predicted.peak_bytes["gpu"]
     if name != "all-gpu":  # the SSD tier really held state: the fallback store wrote its files
-        sizes = ssd_sizes(ex.plan)
+        sizes = ex.plan.ssd_sizes()
         assert sizes and all(ex.ssd.store._path(n).stat().st_size == n_ for n, n_ in sizes.items())
         assert ex.ssd.store.committed_step() == STEPS
 
