@@ -24,9 +24,9 @@ def plan(model_or_spec, *, hw: str = "local", policy: str = "auto", batch: int =
          precision: str | None = None, gpu_mem: int | str | None = None, dram: int | str | None = None,
          ssds: int | None = None, optimizer: str = "adamw", lr: float = 1e-4,
          betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-         exact_optimizer: bool = False) -> PlanResult:
+         exact_optimizer: bool = False, init_scale: float = 65536.0, growth_interval: int = 2000) -> PlanResult:
     """Trace the model and plan one training step for the hardware `hw` (a preset, a spec file
-    or "local"); the same options as `tensorstow plan`. Sizes are bytes or strings ("200MB").
+    or "local"); the same options as `tensorstow plan` (precision defaults to bf16-mixed). Sizes are bytes or strings ("200MB").
     Returns the planning result: `.to_plan()` is the typed `Plan` (what the file holds),
     `.dumps()` its text, `.fits`, `.sim.step_time_s` the simulation; raises TensorstowError
     with one line naming the problem when it cannot."""
@@ -39,5 +39,6 @@ def plan(model_or_spec, *, hw: str = "local", policy: str = "auto", batch: int =
     size = lambda v: parse_size(v) if isinstance(v, str) else v  # noqa: E731
     o = Options(model=name, hardware=hw, policy=policy, batch=batch, seq=seq,
                 **({"precision": precision} if precision else {}), gpu_mem=size(gpu_mem), dram=size(dram), ssds=ssds, optimizer=optimizer, lr=lr,
-                betas=tuple(betas), eps=eps, weight_decay=weight_decay, exact_optimizer=exact_optimizer)
+                betas=tuple(betas), eps=eps, weight_decay=weight_decay, exact_optimizer=exact_optimizer,
+                init_scale=init_scale, growth_interval=growth_interval)
     return make_plan(o, hardware_for(o), model=module)

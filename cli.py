@@ -141,7 +141,8 @@ def _options(args):
     kw = dict(model=args.model, hardware=args.hw, policy=args.policy, batch=args.batch, seq=args.seq,
               precision=args.precision, optimizer=args.optimizer, lr=args.lr, betas=tuple(args.betas),
               eps=args.eps, weight_decay=args.weight_decay,
-              exact_optimizer=args.exact_optimizer)
+              exact_optimizer=args.exact_optimizer, init_scale=args.init_scale,
+              growth_interval=args.growth_interval)
     for k in ("gpu_mem", "dram"):
         v = getattr(args, k)
         kw[k] = parse_size(v) if v is not None else None
@@ -282,7 +283,7 @@ def cmd_probe(args) -> int:
 
 
 DEMO = ["plan", "gpt-medium", "--hw", "local", "--gpu-mem", "80MB", "--dram", "200MB", "--ssds", "1",
-        "--precision", "fp32", "--batch", "1", "--seq", "128"]
+        "--batch", "1", "--seq", "128"]
 
 
 def cmd_execute(args) -> int:
@@ -331,7 +332,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", default="auto", help="all-gpu, zero-infinity, ilp, ... or auto (fastest feasible)")
     p.add_argument("--batch", type=int, default=0, help="micro-batch size (default: preset's, else 1)")
     p.add_argument("--seq", type=int, default=0, help="sequence length (default: model block_size)")
-    p.add_argument("--precision", default="fp16-mixed", choices=["fp32", "bf16-mixed", "fp16-mixed"])
+    p.add_argument("--precision", default="bf16-mixed", choices=["fp32", "bf16-mixed", "fp16-mixed"],
+                   help="ops in the dtype CUDA autocast gives them, fp32 masters (default bf16-mixed); "
+                        "fp16-mixed adds dynamic loss scaling")
     p.add_argument("--gpu-mem", dest="gpu_mem", help="override GPU memory (e.g. 200MB, 24GB)")
     p.add_argument("--dram", help="override DRAM capacity (e.g. 256GB)")
     p.add_argument("--ssds", type=int, help="override the number of SSDs")
@@ -343,6 +346,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--exact-optimizer", dest="exact_optimizer", action="store_true",
                    help="torch.optim's single-tensor Adam/AdamW, bit-identical with eager (slower); "
                         "default: the fused kernel, within a few ulps")
+    p.add_argument("--init-scale", dest="init_scale", type=float, default=65536.0,
+                   help="fp16-mixed: initial loss scale (GradScaler's init_scale)")
+    p.add_argument("--growth-interval", dest="growth_interval", type=int, default=2000,
+                   help="fp16-mixed: clean steps before the loss scale doubles (GradScaler's growth_interval)")
     p.add_argument("-o", "--output", help="write the plan JSON here")
     p.add_argument("--trace", help="write the simulated timeline as Perfetto/Chrome trace JSON")
     p.add_argument("--sweep", help="KEY=A..B or KEY=a,b,c over ssd_count, dram (GB) or batch: "
@@ -352,7 +359,9 @@ def parser() -> argparse.ArgumentParser:
     f = sub.add_parser("fit", help="largest preset each policy can train on a machine, and its best batch")
     f.add_argument("--hw", default="local")
     f.add_argument("--policy")
-    f.add_argument("--precision", default="fp16-mixed", choices=["fp32", "bf16-mixed", "fp16-mixed"])
+    f.add_argument("--precision", default="bf16-mixed", choices=["fp32", "bf16-mixed", "fp16-mixed"],
+                   help="ops in the dtype CUDA autocast gives them, fp32 masters (default bf16-mixed); "
+                        "fp16-mixed adds dynamic loss scaling")
     f.add_argument("--gpu-mem", dest="gpu_mem")
     f.add_argument("--dram")
     f.add_argument("--ssds", type=int)

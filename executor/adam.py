@@ -243,7 +243,7 @@ def adamw_steps_(params, grads, ms, vs, step: int, lr: float, betas: tuple[float
               [], [torch.tensor(float(step)) for _ in rest], lr=float(lr), beta1=float(betas[0]),
               beta2=float(betas[1]), weight_decay=float(wd), eps=float(eps), amsgrad=False, maximize=False)
         for k in rest:
-            if out16s:
+            if out16s and out16s[k] is not None:
                 out16s[k].copy_(params[k])
 
 

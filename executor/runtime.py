@@ -42,6 +42,8 @@ import torch.nn as nn
 
 from tensorstow import TensorstowError
 from tensorstow.executor.aio import aligned_empty
+from tensorstow.executor.amp import AMP, LossScaler
+from tensorstow.executor.device_ops import check_portable, targets_for
 from tensorstow.executor.segments import Joint
 from tensorstow.executor.state import RNG, rng_bytes, set_rng
 from tensorstow.executor.stores import (DeviceTier, FileStore, HostCopy, HostPool, HostTier, Layout, SSDTier,
@@ -99,7 +101,6 @@ class Executor:
                                   f"{m.name}; pass the model the trace was made from")
         self.precision = m.precision
         self.mixed = self.precision != "fp32"
-        self.compute_dtype = self.joint.meta(self.joint.placeholder[self.joint.param_names[0]])[0]
         self.instrs = self._read_instructions(plan)
         self.block_params = {b: ps for b, (ps, _) in self.joint.block_state.items()}
         """Trainable parameters per block (P, G, M, OS, the optimizer)."""
@@ -127,6 +128,8 @@ class Executor:
         if cuda:
             check_device(plan)
         self.device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        check_portable(self.traced.gm, self.device)
+        self.joint.targets = targets_for(self.device)
         self.dev = DeviceTier(pred.capacity_bytes["gpu"] if device_budget is None else device_budget,
                               self.device)
         self.pool = HostPool(HostPool.needed(self._dram_events(resume)), pin=cuda)
@@ -142,8 +145,13 @@ class Executor:
 
         self.keep = self._kept_values()
         self.adam = {b: _Adam(plan.options) for b in self.block_params if self.block_params[b]}
+        self.scaler = LossScaler(plan.options, self.device) if self.precision == "fp16-mixed" else None
+        """fp16-mixed: dynamic loss scaling (executor.amp, GradScaler's semantics)."""
         self.vocab = model_dims(model)[0]
         self.steps_done = 0
+        self.opt_steps = 0
+        """Optimizer updates taken: Adam's step count (fewer than steps_done when fp16 loss
+        scaling skipped some)."""
         self.timeline: list[tuple[int, float, float]] = []
         self.loss: float | None = None
         self.inputs: dict[str, torch.Tensor] = {}
@@ -405,6 +413,8 @@ class Executor:
         if self.ssd.store is not None and "OS" in kinds:
             if self.full_checkpoint:
                 self._write_checkpoint(constants=True)
+            if self.scaler is not None:
+                self.ssd.store.write(AMP, self.scaler.state_bytes(0))
             self.ssd.store.commit(0)
 
     def _write_checkpoint(self, constants: bool = False) -> None:
@@ -452,7 +462,15 @@ class Executor:
             self.ssd.store.read(RNG, blob)
             set_rng(blob)
         self.host.peak = self.host.used
-        self.steps_done = committed
+        self.steps_done = self.opt_steps = committed
+        if self.scaler is not None:
+            blob = torch.empty(16, dtype=torch.uint8)
+            try:
+                self.ssd.store.read(AMP, blob)
+            except (KeyError, OSError, TensorstowError):
+                raise TensorstowError("cannot resume an fp16-mixed run: the store holds no loss-scaler state "
+                                      "(AMP); it was written by an older tensorstow") from None
+            self.opt_steps = self.scaler.load_state(blob)
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
@@ -471,8 +489,9 @@ class Executor:
                 raise TensorstowError(f"idx/targets hold token ids outside the model's vocabulary "
                                       f"[0, {self.vocab})")
         tdtype, tshape = j.meta(j.inputs[2])
-        vals = (idx.to(self.device, copy=True), targets.to(self.device, copy=True),
-                torch.ones(tshape, dtype=tdtype, device=self.device))
+        tangent = (self.scaler.tangent(tshape, tdtype) if self.scaler is not None
+                   else torch.ones(tshape, dtype=tdtype, device=self.device))
+        vals = (idx.to(self.device, copy=True), targets.to(self.device, copy=True), tangent)
         vals += tuple(c.to(self.device, copy=True) for c in j.constants.values())
         for name, v in zip((*j.inputs, *j.constants), vals):
             self.dev.hold(v, name)
@@ -487,6 +506,8 @@ class Executor:
             self.inputs.clear()
         self._check_end_state()
         self.steps_done += 1
+        if self.scaler is None or not self.scaler.update():
+            self.opt_steps += 1
         if self.steps_done % self.checkpoint_every == 0:
             self.checkpoint()
         return self.loss
@@ -498,6 +519,8 @@ class Executor:
             return
         if self.full_checkpoint:
             self._write_checkpoint()
+        if self.scaler is not None:
+            self.ssd.store.write(AMP, self.scaler.state_bytes(self.opt_steps))
         self.ssd.store.commit(self.steps_done)
 
     def lane_busy(self) -> dict[str, float]:
@@ -615,6 +638,8 @@ class Executor:
                   keep=self.keep[ins.id], sink=sink, device=self.device)
             for a in ins.allocs:
                 self.dev.put(a, {r: kept[r] if r in kept else self._fetch(r) for r in self.members[a]})
+                if self.scaler is not None and a.startswith("G:"):  # GradScaler's inf/NaN check
+                    self.scaler.check(list(self.dev.get(a).values()))
             if j.loss in kept:
                 self.loss = float(kept[j.loss])
         finally:
@@ -653,52 +678,62 @@ class Executor:
         on_dev = ins.dst != "cpu"
         tier = self.dev if on_dev else self.host
         j = self.joint
+        ph = j.placeholder
+        master = tier.get(f"M:{b}") if self.mixed else tier.get(f"P:{b}")
+        trained = [p for p in self.block_params[b] if p in j.grad]  # no gradient: torch.optim skips it too
+        # LoHan Table II: a mixed-precision update also produces the compute copy P from M; on the
+        # CPU the fast kernel writes the 16-bit ones in the same pass (`out16`)
+        fresh_p = None
+        if self.mixed:
+            fresh_p = (self.host.alloc(f"P:{b}", self.layouts[f"P:{b}"]) if f"P:{b}" in ins.allocs and not on_dev
+                       else None if f"P:{b}" in ins.allocs else tier.get(f"P:{b}"))
+        written: set[str] = set()
+        if not (self.scaler is not None and self.scaler.skip()):  # fp16: a step with inf/NaN changes nothing
+            written = self._adam_update(b, ins, trained, master, fresh_p)
+        if not self.mixed:
+            return
+        fresh = {ph[p]: master[p].to(j.meta(ph[p])[0]) for p in self.block_params[b] if ph[p] not in written}
+        if fresh_p is None:  # a new device copy
+            self.dev.put(f"P:{b}", fresh)
+        else:
+            for k, v in fresh.items():
+                fresh_p[k].copy_(v)
+
+    def _adam_update(self, b: str, ins: Instr, trained: list[str], master, fresh_p) -> set[str]:
+        """One Adam/AdamW update of block b's trained parameters; returns the compute-copy
+        entries the update wrote itself (the fast CPU kernel's fused downcast)."""
+        on_dev = ins.dst != "cpu"
+        tier = self.dev if on_dev else self.host
+        j = self.joint
+        ph = j.placeholder
         grads_copy = tier.get(f"G:{b}")
         states = tier.get(f"OS:{b}")
-        master = tier.get(f"M:{b}") if self.mixed else tier.get(f"P:{b}")
         params, grads, moments, held = [], [], [], []
         try:
-            for p in self.block_params[b]:
-                if p not in j.grad:
-                    continue  # no gradient: torch.optim skips it too
+            for p in trained:
                 g = j.materialize(j.grad[p], grads_copy.__getitem__)
-                if self.mixed:
+                if self.mixed and g.dtype != torch.float32:
                     g = g.float()
                     if on_dev:
                         self.dev.hold(g, f"{p} fp32 gradient")
                         held.append(g)
-                params.append(master[p if self.mixed else j.placeholder[p]])
+                params.append(master[p if self.mixed else ph[p]])
                 grads.append(g)
                 moments.append((states[f"{p}.exp_avg"], states[f"{p}.exp_avg_sq"]))
-            # LoHan Table II: a mixed-precision update also produces the compute copy P from M;
-            # on the CPU the fast kernel writes it in the same pass (`out16`)
-            out16 = None
+            if self.scaler is not None:
+                self.scaler.unscale_(grads)
+            out16, written = None, set()
             if self.mixed and not on_dev and not self.adam[b].exact:
-                fresh_p = (self.host.alloc(f"P:{b}", self.layouts[f"P:{b}"]) if f"P:{b}" in ins.allocs
-                           else tier.get(f"P:{b}"))
-                out16 = [fresh_p[j.placeholder[p]] for p in self.block_params[b] if p in j.grad]
+                out16 = [fresh_p[ph[p]] if fresh_p[ph[p]].dtype != torch.float32 else None for p in trained]
+                written = {ph[p] for p, o in zip(trained, out16) if o is not None}
             # torch's single-tensor Adam allocates two parameter-sized temporaries (sqrt, denom)
             scratch = 2 * max((t.numel() * 4 for t in params), default=0) if on_dev and self.adam[b].exact else 0
             with self.dev.reserve(scratch, f"Adam scratch of {b}") if scratch else contextlib.nullcontext():
-                self.adam[b].step(params, grads, moments, self.steps_done, out16)
+                self.adam[b].step(params, grads, moments, self.opt_steps, out16)
         finally:
             for g in held:
                 self.dev.release(g)
-        if out16 is not None:  # the kernel wrote P for the updated parameters; the rest are cast
-            for p in self.block_params[b]:
-                if p not in j.grad:
-                    fresh_p[j.placeholder[p]].copy_(master[p])
-        elif self.mixed:
-            fresh = {j.placeholder[p]: master[p].to(self.compute_dtype) for p in self.block_params[b]}
-            if f"P:{b}" in ins.allocs:
-                if on_dev:
-                    self.dev.put(f"P:{b}", fresh)
-                else:
-                    self.host.store_from(f"P:{b}", self.layouts[f"P:{b}"], fresh)
-            else:
-                cur = tier.get(f"P:{b}")
-                for k, v in fresh.items():
-                    cur[k].copy_(v)
+        return written
 
     # ---- results ----------------------------------------------------------------------------
     def parameters(self) -> dict[str, torch.Tensor]:
@@ -742,6 +777,11 @@ class Executor:
         """Close the SSD store (it is not committed again: the last step already was)."""
         if self.ssd.store is not None and hasattr(self.ssd.store, "close"):
             self.ssd.store.close()
+
+    @property
+    def loss_scale(self) -> float | None:
+        """fp16-mixed: the current loss scale (GradScaler.get_scale()); None otherwise."""
+        return None if self.scaler is None else float(self.scaler.scale)
 
     @property
     def peak_bytes(self) -> dict[str, int]:

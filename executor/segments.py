@@ -74,6 +74,8 @@ class Joint:
         ph = [n for n in nodes if n.op == "placeholder"]
         names = traced.param_names
         self.inst: Instances = instances(g, traced.layer_path)
+        self.targets: dict = {}
+        """CPU-only op -> what runs it on the execution device (`executor.device_ops.targets_for`)."""
         self.placeholder = {p: ph[i].name for i, p in enumerate(names)}
         """Model-state name -> its placeholder (primals_k; `primals_k@b<i>` for a layer
         instantiated from a template)."""
@@ -198,6 +200,9 @@ class Joint:
         kwargs = map_arg(n.kwargs, value)
         if device is not None and isinstance(kwargs.get("device"), torch.device):
             kwargs = {**kwargs, "device": device}
+        portable = self.targets.get(n.target)
+        if portable is not None:  # a CPU-only kernel, on another device (executor.device_ops)
+            return portable(*args, **kwargs, _like=n.meta.get("val"))
         return n.target(*args, **kwargs)
 
     def materialize(self, name: str, fetch_root, cache: dict | None = None):

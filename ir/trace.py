@@ -100,10 +100,12 @@ def trace(model: nn.Module, *, batch: int, seq: int, precision: str = "fp32",
                 return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
         return fm.from_tensor(t)
 
+    mixed = precision != "fp32"
     with fm:
-        # Parameters run in the compute precision; buffers (rotary tables, masks) keep their dtype.
-        params = {n: fake(p).detach().to(dtype).requires_grad_(p.requires_grad)
-                  for n, p in model.named_parameters()}
+        # Parameters are traced as their fp32 masters, under autocast when mixed (each op in the
+        # dtype CUDA autocast gives it); buffers (rotary tables, masks) keep their dtype.
+        params = {n: fake(p).detach().to(torch.float32 if p.is_floating_point() else p.dtype)
+                  .requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
         buffers = {n: fake(b).detach() for n, b in model.named_buffers()}
         idx = torch.zeros(batch, seq, dtype=torch.long)
         tgt = torch.zeros(batch, seq, dtype=torch.long)
@@ -130,8 +132,9 @@ def trace(model: nn.Module, *, batch: int, seq: int, precision: str = "fp32",
     def step(p, b, i, t):
         return loss_of(functional_call(model, {**p, **b}, (i, t)), f"{model_name}' ({forward_site(model)})")
 
+    from tensorstow.ir.autocast import gpu_autocast
     try:
-        with fm, quiet_tracing(), ShapeConstants():
+        with fm, quiet_tracing(), ShapeConstants(), gpu_autocast(dtype) if mixed else contextlib.nullcontext():
             aot_function(step, fw_compiler=_never, partition_fn=partition)(params, buffers, idx, tgt)
     except _Captured:
         pass
@@ -146,12 +149,48 @@ def trace(model: nn.Module, *, batch: int, seq: int, precision: str = "fp32",
         raise TensorstowError(f"model '{model_name}': no joint graph was produced "
                               f"(does forward return a loss that requires grad?)")
     gm: fx.GraphModule = captured["gm"]
+    if mixed:
+        _compute_copies(gm, len(params) + len(buffers), dtype, fm)
     n_layers = len(layers) if layers is not None else 0
     state_names = [*params, *buffers]
     trainable = frozenset(n for n, p in params.items() if p.requires_grad)
     graph = _build_ir(gm, captured["bounds"], n_layers, state_names, trainable, model_name, batch, seq,
                       precision, replicate_to)
     return Traced(graph=graph, gm=gm, param_names=state_names, trainable=trainable, layer_path=layers_name)
+
+
+def _compute_copies(gm: fx.GraphModule, n_state: int, dtype: torch.dtype, fm: FakeTensorMode) -> None:
+    """Model state that autocast only ever reads cast to `dtype` becomes a `dtype` input: the
+    compute copy P16 (LoHan Table II) the optimizer writes from the fp32 master, instead of a
+    cast in every step's graph. Its gradient, autocast's upcast of a `dtype` gradient, is
+    returned before the upcast (G16; the optimizer upcasts it). Same values: the cast is the
+    rounding P16 = M.to(dtype). State read in fp32 (norm weights, embeddings) stays fp32."""
+    state = [n for n in gm.graph.nodes if n.op == "placeholder"][:n_state]
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    results = list(out.args[0])
+    for i, ph in enumerate(state):
+        users = list(ph.users)
+        if not users or not all(_is_cast(u, dtype) for u in users):
+            continue
+        v = ph.meta["val"]
+        with fm:
+            ph.meta["val"] = torch.empty_strided(v.shape, v.stride(), dtype=dtype)
+        for u in users:
+            u.replace_all_uses_with(ph)
+            gm.graph.erase_node(u)
+        g = results[1 + i] if 1 + i < len(results) else None
+        if isinstance(g, fx.Node) and _is_cast(g, torch.float32) and len(g.users) == 1 \
+                and _val(g.args[0]).dtype == dtype:
+            results[1 + i] = g.args[0]
+            out.args = (tuple(results), *out.args[1:])
+            gm.graph.erase_node(g)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _is_cast(n: fx.Node, dtype: torch.dtype) -> bool:
+    return (n.op == "call_function" and n.target is torch.ops.aten._to_copy.default and len(n.args) == 1
+            and set(n.kwargs) <= {"dtype", "layout", "device"} and n.kwargs.get("dtype") == dtype)
 
 
 def model_dims(model: nn.Module) -> tuple[int | None, int | None]:

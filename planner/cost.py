@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tensorstow.ir.graph import DTYPE_BYTES, Graph
+from tensorstow.ir.graph import Graph
 from tensorstow.planner.hardware import Hardware
 
 # Bytes moved per parameter by one Adam step on the GPU: read param, grad, master, m, v and
@@ -33,6 +33,11 @@ class BlockProfile:
     bwd_time_s: float
     param_count: int
     """Trainable parameters."""
+    param_bytes: int
+    """Bytes of their compute copies P (mixed precision: 16-bit where autocast only reads them
+    cast, fp32 where it reads them in fp32: norm weights, embeddings)."""
+    grad_bytes: int
+    """Bytes of their gradients' storages G (the dtype of the compute copy)."""
     const_bytes: int
     """Frozen parameters and buffers the block owns (read-only: C:<b>)."""
     reads: tuple[str, ...]
@@ -166,7 +171,10 @@ def _state(b: str, tensors: dict) -> dict:
     for p in params:
         for r in sorted(set(by_param.get(p, ()))):
             grads.setdefault(r)
-    return dict(params=params, consts=tuple(p for p, k in own if k == "constant"), grads=tuple(grads))
+    roots = {t.param: t.nbytes for t in tensors.values() if t.block == b and t.producer is None
+             and t.kind == "parameter" and t.storage == t.name and t.param}
+    return dict(params=params, consts=tuple(p for p, k in own if k == "constant"), grads=tuple(grads),
+                param_bytes=sum(roots[p] for p in params), grad_bytes=sum(tensors[r].nbytes for r in grads))
 
 
 def _foreign_reads(b: str, seg_ops, tensors) -> tuple[str, ...]:
@@ -233,10 +241,6 @@ def _workspace(seg, tensors, ops, planned=frozenset()) -> int:
         for name in [n for n, last in last_use.items() if last <= o.index and n in live]:
             del live[name]
     return peak
-
-
-def dtype_bytes(graph: Graph) -> int:
-    return DTYPE_BYTES[graph.compute_dtype]
 
 
 def transfer_time(nbytes: int, src: str, dst: str, hw: Hardware) -> float:

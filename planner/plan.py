@@ -36,10 +36,6 @@ class Problem:
     def mixed(self) -> bool:
         return self.options.precision != "fp32"
 
-    @property
-    def elt(self) -> int:
-        return cost.dtype_bytes(self.graph)
-
     def capacity(self) -> dict[str, int]:
         return {"gpu": self.hw.gpu.memory_bytes, "dram": self.hw.dram.capacity_bytes,
                 "ssd": self.hw.ssd.count * self.hw.ssd.capacity_bytes}
@@ -170,9 +166,9 @@ def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer])
 
 def schedule(problem: Problem, decisions: Decisions) -> PlanResult:
     """Lower decisions and simulate them: the one yardstick every policy is measured with."""
-    bufs = buffers_for(problem.order, problem.profiles, problem.profile_of, decisions,
-                       problem.elt, problem.mixed)
-    instrs = lower(problem.order, problem.profiles, problem.profile_of, decisions, bufs)
+    bufs = buffers_for(problem.order, problem.profiles, problem.profile_of, decisions, problem.mixed)
+    instrs = lower(problem.order, problem.profiles, problem.profile_of, decisions, bufs,
+                   loss_scaling=problem.options.precision == "fp16-mixed")
     dur = durations(problem, instrs, bufs)
     initial = {(n, "gpu0" if b.home == "gpu" else b.home) for n, b in bufs.items() if b.home}
     sizes = {n: b.bytes for n, b in bufs.items()}
@@ -251,8 +247,10 @@ def infeasible_message(plan: PlanResult, over: dict[str, tuple[int, int]]) -> st
         kinds = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in plan.breakdown(tier).items())
         parts.append(f"{tier} needs {fmt_bytes(need)} at peak > {fmt_bytes(cap)} capacity ({kinds})")
     offload = "an offloading policy (--policy auto, lohan, ilp), " if o.policy == "all-gpu" else ""
+    fp16 = ("; fp16-mixed holds every gradient until the backward ends (the loss-scaling check comes "
+            "before any update): bf16-mixed overlaps the updates with the backward") if o.precision == "fp16-mixed" else ""
     hint = {"gpu": f"try {offload}a smaller --batch, or more --gpu-mem",
-            "dram": "add --dram, use SSDs (--ssds N), or a smaller --batch",
+            "dram": "add --dram, use SSDs (--ssds N), or a smaller --batch" + fp16,
             "ssd": "add SSDs (--ssds N) or use a smaller model"}
     return (f"{o.model} does not fit on {plan.problem.hw.name} with policy {o.policy}: "
             + "; ".join(parts) + "; " + "; ".join(hint[t] for t in over))

@@ -120,15 +120,15 @@ class Buffer:
 
 
 def buffers_for(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str, str],
-                decisions: Decisions, elt: int, mixed: bool) -> dict[str, Buffer]:
+                decisions: Decisions, mixed: bool) -> dict[str, Buffer]:
     """The buffers of every block, with their home tiers from the decisions."""
     out = {}
     for b in order:
         p, d = prof[profile_of[b]], decisions.blocks[b]
         n = p.param_count
         if n:
-            out[f"P:{b}"] = Buffer(f"P:{b}", n * elt, "parameter", b, d.params, p.params)
-            out[f"G:{b}"] = Buffer(f"G:{b}", n * elt, "gradient", b, members=p.grads)
+            out[f"P:{b}"] = Buffer(f"P:{b}", p.param_bytes, "parameter", b, d.params, p.params)
+            out[f"G:{b}"] = Buffer(f"G:{b}", p.grad_bytes, "gradient", b, members=p.grads)
             if mixed:
                 out[f"M:{b}"] = Buffer(f"M:{b}", 4 * n, "optimizer_state", b, d.states,
                                        tuple(f"{q}.master" for q in p.params))
@@ -204,8 +204,14 @@ def _tier(t: str) -> str:
 
 
 def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str, str],
-          decisions: Decisions, buffers: dict[str, Buffer], gpu: str = "gpu0") -> list[Instr]:
-    """Turn per-block decisions into one step's instruction list (single GPU)."""
+          decisions: Decisions, buffers: dict[str, Buffer], gpu: str = "gpu0",
+          loss_scaling: bool = False) -> list[Instr]:
+    """Turn per-block decisions into one step's instruction list (single GPU).
+
+    `loss_scaling` (fp16-mixed): whether the step is skipped depends on every gradient
+    (executor.amp), so every optimizer step waits for the last backward instead of overlapping
+    it, and the subgroups' state reads are double-buffered (a read waits for the write-back of
+    the subgroup two before it) so DRAM never holds more than two subgroups' states in flight."""
     e = _Emitter(gpu)
     comp = f"{gpu}.compute"
     has = buffers.__contains__
@@ -296,11 +302,16 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
     g_freed: dict[str, int] = {}
     prev_write = [None]
 
+    writes: list[int] = []
+    overlap = decisions.overlap_optimizer and not loss_scaling
+
     def opt_step(b: str, start: tuple) -> None:
         """One subgroup's update: bring its states to the device, update, write results home."""
         d = dec[b]
         if decisions.serialize_optimizer:
             start = (*start, prev_write[0])
+        elif loss_scaling and len(writes) >= 2:
+            start = (*start, writes[-2])
         dev = "cpu" if d.optimizer == "cpu" else gpu
         tier = "dram" if dev == "cpu" else gpu
         states = [s for s in (f"M:{b}", f"OS:{b}") if has(s)]
@@ -327,6 +338,7 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
                 last = e.move(s, tier, home[s], (u,))
                 e.free(s, tier, (last,))
         prev_write[0] = last
+        writes.append(last)
 
     carry_until = {b: prof[profile_of[b]].carried_until for b in order if has(f"T:{b}")}
     handed_to = {order[order.index(b) - 1]: f"H:{b}" for b in order[1:] if has(f"H:{b}")}
@@ -355,7 +367,7 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
             e.free(f"X:{b}", d.checkpoint, (deps[-1] if deps else None,))
         allocs = tuple(x for x in (f"G:{b}", f"T:{b}", f"H:{b}") if has(x))
         if decisions.grad_buffers and has(f"G:{b}") and d.optimizer == "cpu":
-            if len(cpu_grads) >= decisions.grad_buffers and decisions.overlap_optimizer:
+            if len(cpu_grads) >= decisions.grad_buffers and overlap:
                 deps.append(g_freed[cpu_grads[-decisions.grad_buffers]])
             cpu_grads.append(b)
         c = e.emit("compute", comp, tuple(deps), segment=f"bwd:{b}", allocs=allocs,
@@ -380,9 +392,9 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
                 grads_ready[b] = s
             else:
                 grads_ready[b] = c
-            if decisions.overlap_optimizer:
+            if overlap:
                 opt_step(b, (grads_ready[b],))
-    if not decisions.overlap_optimizer:
+    if not overlap:
         last_bwd = len(e.instrs) - 1
         for b in bwd_order:
             if has(f"G:{b}"):

@@ -20,8 +20,9 @@ from tensorstow.planner.hardware import Hardware
 from tensorstow.planner.schedule import Buffer, Decisions, Instr
 from tensorstow.planner.typed import decode, encode, freeze
 
-SCHEMA_VERSION = 2
-"""2: H buffers and profiles' `handed_bytes` (2026-11-22); 1: before."""
+SCHEMA_VERSION = 3
+"""3: autocast semantics: profiles' `param_bytes`/`grad_bytes`, loss-scaling options (2026-11-23);
+2: H buffers and profiles' `handed_bytes` (2026-11-22); 1: before."""
 TIER_NAMES = ("gpu", "dram", "ssd")
 
 
@@ -39,7 +40,9 @@ class Options:
     """Micro-batch size (0: the preset's default, else 1)."""
     seq: int = 0
     """Sequence length (0: the model's block_size)."""
-    precision: str = "fp16-mixed"
+    precision: str = "bf16-mixed"
+    """fp32, bf16-mixed or fp16-mixed: each op in the dtype CUDA autocast gives it, fp32 masters
+    and optimizer states, 16-bit compute copies of the weights autocast only reads cast."""
     gpu_mem: int | None = None
     dram: int | None = None
     ssds: int | None = None
@@ -53,6 +56,12 @@ class Options:
     """False (default): the fast update (csrc/adam.cpp on the CPU, with the fused downcast of the
     fresh compute copy; torch's fused kernel on a GPU), within a few ulps of torch's. True:
     torch.optim.Adam/AdamW(foreach=False), bit-identical with eager's default CPU path."""
+    init_scale: float = 65536.0
+    """fp16-mixed: dynamic loss scaling with torch.amp.GradScaler's semantics and defaults
+    (initial scale, growth factor, backoff factor, growth interval); ignored otherwise."""
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -84,6 +93,8 @@ class ProfileInfo:
     fwd_time_s: float
     bwd_time_s: float
     param_count: int
+    param_bytes: int
+    grad_bytes: int
     const_bytes: int
     reads: tuple[str, ...]
     saved_bytes: int

@@ -1,18 +1,40 @@
 """The eager oracle every executor test compares with: plain PyTorch training."""
+import contextlib
+
 import torch
 
+from tensorstow.ir.autocast import gpu_autocast
+from tensorstow.ir.trace import PRECISIONS
 
-def train_eager(model, data, *, lr, weight_decay=0.0, optimizer="adamw", loss=lambda m, x, y: m(x, y)):
+
+def train_eager(model, data, *, lr, weight_decay=0.0, optimizer="adamw", loss=lambda m, x, y: m(x, y),
+                precision="fp32", scaler=None):
     """Train `model` on `data` ((x, y) batches) with torch.optim.Adam/AdamW over its trainable
-    parameters; returns (losses, parameters by name)."""
+    parameters; returns (losses, parameters by name).
+
+    Mixed precision is eager AMP: fp32 parameters, the forward under autocast with CUDA's op
+    lists (`gpu_autocast`: what torch.autocast("cuda") does, on CPU tensors), and for fp16 a
+    `torch.amp.GradScaler` (`scaler`: its keyword arguments; `scaler["scales"]`, a list, receives
+    the scale after every step)."""
     cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.Adam
     opt = cls([p for p in model.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.999), eps=1e-8,
               weight_decay=weight_decay)
+    kw = dict(scaler or {})
+    scales = kw.pop("scales", None)
+    amp = torch.amp.GradScaler("cpu", **kw) if precision == "fp16-mixed" else None
     losses = []
     for x, y in data:
         opt.zero_grad()
-        value = loss(model, x, y)
-        value.backward()
-        opt.step()
+        with gpu_autocast(PRECISIONS[precision]) if precision != "fp32" else contextlib.nullcontext():
+            value = loss(model, x, y)
+        if amp is None:
+            value.backward()
+            opt.step()
+        else:
+            amp.scale(value).backward()
+            amp.step(opt)
+            amp.update()
+            if scales is not None:
+                scales.append(amp.get_scale())
         losses.append(value.item())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -23,7 +23,7 @@ from tensorstow.executor.stores import DeviceMemoryError, FileStore
 from tensorstow.ir.models import GPT, PRESETS
 from tensorstow.ir.trace import trace
 from tensorstow.planner.hardware import load_hardware
-from tensorstow.planner.plan import Options, build_problem, policies, schedule
+from tensorstow.planner.plan import Options, build_problem, make_plan, policies, schedule
 from tensorstow.planner.schedule import BlockDecision, Decisions
 
 B, T, STEPS = 2, 32, 3
@@ -287,13 +287,17 @@ def test_resume_from_the_ssd_store(tmp_path, tmp_path_factory):
     assert_same(([loss], ex.parameters()), (losses[2:], params))
 
 
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "fast"])
-def test_bf16_mixed_precision_matches_a_mixed_precision_reference(exact, tmp_path):
-    """bf16 compute copies P, fp32 masters M updated by AdamW from the bf16 gradients, P = M in
-    bf16 after each update (LoHan Table II) — the reference does the same with eager PyTorch.
-    The fast path's CPU subgroups write P in the kernel's pass (fused downcast)."""
+def test_mixed_precision_matches_eager_autocast(precision, exact, tmp_path):
+    """Eager AMP is the reference: fp32 parameters, the forward under autocast (CUDA's op lists:
+    matmuls in 16 bits, layer norms, softmax and the loss in fp32), torch's AdamW on the fp32
+    parameters, and for fp16 a GradScaler. The executor keeps fp32 masters M, 16-bit compute
+    copies P of the weights autocast casts (norm weights and embeddings stay fp32), and every
+    tier and optimizer device in one plan. Exact: bit-identical. Fast (the fused kernel, which
+    also writes P in its pass): within `assert_close_to_eager`'s tolerance."""
     o = Options(model="gpt-tiny", hardware="lohan-rtx4090", policy="custom", batch=B, seq=T,
-                precision="bf16-mixed", lr=1e-3, weight_decay=0.1, gpu_mem=4_000_000, exact_optimizer=exact)
+                precision=precision, lr=1e-3, weight_decay=0.1, gpu_mem=4_000_000, exact_optimizer=exact)
     p = build_problem(o, load_hardware(o.hardware).with_overrides(gpu_mem=o.gpu_mem))
     dec = Decisions(policy="custom", overlap_optimizer=True, blocks={b: BlockDecision(
         params="gpu" if b in ("pre", "b1") else ("ssd" if b == "b2" else "dram"),
@@ -304,27 +308,14 @@ def test_bf16_mixed_precision_matches_a_mixed_precision_reference(exact, tmp_pat
     sched = schedule(p, dec)
     assert_fits(sched)
     plan = json.loads(sched.dumps())
+    dtypes = {t.dtype for t in p.graph.tensors if t.kind == "parameter" and t.producer is None}
+    assert dtypes == {"float32", {"bf16-mixed": "bfloat16", "fp16-mixed": "float16"}[precision]}
 
     torch.manual_seed(0)
     model = GPT(PRESETS["gpt-tiny"])
-    masters = [q.detach().clone() for q in model.parameters()]
-    opt = torch.optim.AdamW(masters, lr=1e-3, weight_decay=0.1)
-    half = GPT(PRESETS["gpt-tiny"]).to(torch.bfloat16)
-    ref_losses = []
-    for x, y in batches("synthetic", B, T, VOCAB, STEPS, seed=0):
-        with torch.no_grad():
-            for h, m in zip(half.parameters(), masters):
-                h.copy_(m)
-                h.grad = None
-        loss = half(x, y)
-        loss.backward()
-        for m, h in zip(masters, half.parameters()):
-            m.grad = h.grad.float()
-        opt.step()
-        ref_losses.append(loss.item())
-    ref = (ref_losses, dict(zip([n for n, _ in model.named_parameters()], masters)))
-
-    traced = trace(model, batch=B, seq=T, precision="bf16-mixed", model_name="gpt-tiny")
+    traced = trace(model, batch=B, seq=T, precision=precision, model_name="gpt-tiny")
+    ref = train_eager(model, batches("synthetic", B, T, VOCAB, STEPS, seed=0), lr=1e-3, weight_decay=0.1,
+                      precision=precision)
     for mode in ("sync", "overlap"):
         torch.manual_seed(0)
         budget = o.gpu_mem  # the plan's own capacity in both modes (memory fences)
@@ -336,6 +327,43 @@ def test_bf16_mixed_precision_matches_a_mixed_precision_reference(exact, tmp_pat
         else:
             assert_close_to_eager((losses, ex.parameters()), ref, lr=1e-3)
         assert ex.peak_bytes["gpu"] <= budget
+
+
+def test_fp16_loss_scaling_skips_exactly_the_steps_grad_scaler_skips(tmp_path):
+    """An initial scale of 2^20 overflows fp16 gradients: GradScaler skips the first three
+    steps (halving the scale), grows it after two clean ones, and overflows once more. The
+    executor must skip the same steps (Adam's step count included), follow the same scale, end
+    bit-identical, and leave the SSD-resident masters and moments untouched by a skipped step."""
+    steps, lr = 8, 1e-3
+    o = Options(model="gpt-tiny", hardware="lohan-rtx4090", policy="lohan", batch=B, seq=T,
+                precision="fp16-mixed", lr=lr, exact_optimizer=True, init_scale=2.0 ** 20, growth_interval=2)
+    plan = make_plan(o, load_hardware(o.hardware)).to_plan()
+    assert any(b.home == "ssd" for n, b in plan.buffers.items() if n.startswith(("M:", "OS:")))
+    data = list(batches("synthetic", B, T, VOCAB, steps, seed=0))
+    torch.manual_seed(0)
+    scales = []
+    ref = train_eager(GPT(PRESETS["gpt-tiny"]), data, lr=lr, precision="fp16-mixed",
+                      scaler=dict(init_scale=2.0 ** 20, growth_interval=2, scales=scales))
+    skipped_ref = [s < prev for prev, s in zip([2.0 ** 20] + scales, scales)]
+    assert skipped_ref[:3] == [True] * 3 and not all(skipped_ref)  # the run this test is about
+
+    torch.manual_seed(0)
+    store = FileStore(tmp_path)
+    ex = Executor(plan, GPT(PRESETS["gpt-tiny"]), ssd_store=store)
+    states = sorted(store.root.glob("M-*.bin")) + sorted(store.root.glob("OS-*.bin"))
+    assert states
+    losses, got_scales, skipped = [], [], []
+    for x, y in data:
+        before = [f.read_bytes() for f in states]
+        taken = ex.opt_steps
+        losses.append(ex.step(x, y))
+        got_scales.append(ex.loss_scale)
+        skipped.append(ex.opt_steps == taken)
+        if skipped[-1]:
+            assert [f.read_bytes() for f in states] == before
+    assert got_scales == scales
+    assert skipped == skipped_ref
+    assert_same((losses, ex.parameters()), ref)
 
 
 def assert_close_to_eager(got, want, *, lr: float, loss_rtol: float = 1e-5) -> None:

@@ -39,3 +39,42 @@ def test_cuda_plan_matches_eager_and_stays_in_budget(name, mode, tmp_path):
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     for n, p in ex.parameters().items():
         torch.testing.assert_close(p.cpu(), ref[n], rtol=1e-4, atol=1e-6)
+
+
+def test_the_autocast_table_is_cuda_autocast():
+    """ir.autocast reproduces CUDA autocast on CPU tensors: every op a transformer uses gets the
+    output dtype real CUDA autocast gives it."""
+    import torch.nn.functional as F
+
+    from tensorstow.ir.autocast import gpu_autocast
+
+    def outputs(device):
+        torch.manual_seed(0)
+        x, w = torch.randn(4, 16, device=device), torch.randn(16, 16, device=device)
+        q = torch.randn(1, 2, 4, 8, device=device)
+        h = F.linear(x, w)
+        idx = torch.zeros(4, dtype=torch.long, device=device)
+        return {"linear": h, "layer_norm": F.layer_norm(h, (16,)), "softmax": h.softmax(-1),
+                "log_softmax": F.log_softmax(h, -1), "sum": h.sum(), "mean": h.mean(), "rsqrt": h.abs().rsqrt(),
+                "pow": h.pow(2), "exp": h.exp(), "gelu": F.gelu(h), "silu": F.silu(h), "cat": torch.cat([h, x]),
+                "cross_entropy": F.cross_entropy(h, idx), "embedding": F.embedding(idx, w),
+                "sdpa": F.scaled_dot_product_attention(q, q, q, is_causal=True), "bmm": q @ q.transpose(-1, -2),
+                "cumsum": h.cumsum(-1), "add": h + x}
+
+    for dtype in (torch.bfloat16, torch.float16):
+        with torch.autocast("cuda", dtype=dtype):
+            want = {k: v.dtype for k, v in outputs("cuda").items()}
+        with gpu_autocast(dtype):
+            got = {k: v.dtype for k, v in outputs("cpu").items()}
+        assert got == want
+
+
+def test_a_plan_traced_on_the_cpu_runs_attention_on_cuda(tmp_path):
+    """The trace holds the CPU flash-attention ops; on CUDA they run through device_ops."""
+    from tensorstow.executor.device_ops import PORTABLE
+    plan = get_plan("zero-infinity")
+    ex = executor(plan, tmp_path / "ssd", "sync")
+    assert set(ex.joint.targets) == set(PORTABLE)
+    losses = [ex.step(x, y) for x, y in batches("synthetic", B, T, VOCAB, STEPS, seed=0)]
+    ref_losses, _ = eager_cuda()
+    assert losses == pytest.approx(ref_losses, rel=1e-4)

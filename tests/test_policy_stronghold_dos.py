@@ -171,9 +171,8 @@ def test_stronghold_window_meets_p1_p2_and_is_the_smallest():
     prof = p.profiles[p.profile_of[layers[0]]]  # identical layers
     t_fp = prof.fwd_time_s
     t_bp = prof.bwd_time_s + (prof.fwd_time_s if acts == "recompute" else 0.0)
-    nbytes = prof.param_count * p.elt
-    t_c2g = cost.transfer_time(nbytes, "dram", "gpu0", p.hw)
-    t_g2c = cost.transfer_time(nbytes, "gpu0", "dram", p.hw)
+    t_c2g = cost.transfer_time(prof.param_bytes + prof.const_bytes, "dram", "gpu0", p.hw)
+    t_g2c = cost.transfer_time(prof.grad_bytes, "gpu0", "dram", p.hw)
 
     def p1(m):  # STRONGHOLD Eq. 1b
         return m * t_fp >= t_c2g
@@ -219,10 +218,12 @@ def test_prefetch_m_hides_the_fetch_that_p1_promises():
 
 # ---- (4) interleaving pays ------------------------------------------------------------------
 
+# gpt-tiny is not a case: DOS Eq. 1 assumes equal subgroups of 2-byte compute copies, and
+# under autocast gpt-tiny's embeddings (fp32, read in fp32) are 40% of its parameters in one
+# subgroup; at its 0.1 ms step the interleaving then loses 3% to all-CPU updates (2026-11-23).
 @pytest.mark.parametrize("model,hardware,gpu_mem", [
     ("dos-7b", "dos-jlse-4xh100", None),
     ("dos-13b", "dos-jlse-4xh100", None),
-    ("gpt-tiny", "lohan-rtx4090", TINY_GPU),
 ])
 def test_dos_beats_the_same_plan_with_every_subgroup_on_the_cpu(model, hardware, gpu_mem):
     p = problem(model, hardware, gpu_mem)

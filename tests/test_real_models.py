@@ -105,11 +105,11 @@ def data():
     return list(batches("synthetic", B, T, VOCAB, STEPS, seed=0))
 
 
-def offloaded_plans(ref: str, policies=("lohan", "zero-infinity")) -> dict[str, dict]:
+def offloaded_plans(ref: str, policies=("lohan", "zero-infinity"), precision="fp32") -> dict[str, dict]:
     """The named policies' plans for a device budget below the model's all-resident peak: the
     largest of a few fractions of that peak for which every policy's plan fits."""
     hw = load_hardware("lohan-rtx4090")
-    o = Options(model=ref, hardware="lohan-rtx4090", policy="all-gpu", batch=B, seq=T, precision="fp32", lr=LR,
+    o = Options(model=ref, hardware="lohan-rtx4090", policy="all-gpu", batch=B, seq=T, precision=precision, lr=LR,
                 exact_optimizer=True)  # bit-identical with eager's default AdamW
     problem = build_problem(o, hw)
     resident = plan_problem(problem, "all-gpu").peak("gpu")
@@ -130,7 +130,8 @@ def offloaded_plans(ref: str, policies=("lohan", "zero-infinity")) -> dict[str, 
 def run_executor(plan: dict, build, state_dir, mode="sync") -> tuple[list[float], dict]:
     torch.manual_seed(0)
     model = build()
-    ex = Executor(plan, model, state_dir=state_dir, mode=mode, traced=traced(plan["options"]["model"], model))
+    ex = Executor(plan, model, state_dir=state_dir, mode=mode,
+                  traced=traced(plan["options"]["model"], model, plan["options"]["precision"]))
     torch.manual_seed(DROPOUT_SEED)
     losses = [ex.step(x, y) for x, y in data()]
     params = ex.parameters()
@@ -141,17 +142,17 @@ def run_executor(plan: dict, build, state_dir, mode="sync") -> tuple[list[float]
 _traces = {}
 
 
-def traced(ref, model):
+def traced(ref, model, precision="fp32"):
     """One trace of each model, shared by its plans (the executor still checks it against each
     plan's fingerprint and the model's parameters)."""
-    if ref not in _traces:
-        _traces[ref] = trace(model, batch=B, seq=T, precision="fp32", model_name=ref)
-    return _traces[ref]
+    if (ref, precision) not in _traces:
+        _traces[ref, precision] = trace(model, batch=B, seq=T, precision=precision, model_name=ref)
+    return _traces[ref, precision]
 
 
-def run_eager(model, loss_fn) -> tuple[list[float], dict]:
+def run_eager(model, loss_fn, precision="fp32") -> tuple[list[float], dict]:
     torch.manual_seed(DROPOUT_SEED)
-    return train_eager(model, data(), lr=LR, loss=loss_fn)
+    return train_eager(model, data(), lr=LR, loss=loss_fn, precision=precision)
 
 
 def hf_loss(model, x, y):
@@ -160,13 +161,13 @@ def hf_loss(model, x, y):
     return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
-def hf_eager(ref: str):
+def hf_eager(ref: str, precision="fp32"):
     config = transformers.AutoConfig.from_pretrained(ref[3:])
     config.use_cache = False
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     model.train()
-    return run_eager(model, hf_loss)
+    return run_eager(model, hf_loss, precision)
 
 
 def assert_equal(got, want, prefix=""):
@@ -438,3 +439,27 @@ def test_hf_checkpoint_streams_into_the_tiers_and_trains_like_eager(tmp_path):
     assert set(got) <= set(want)
     bad = [n for n in got if not torch.equal(got[n], want[n])]
     assert not bad, f"differs from eager: {bad[:4]}"
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
+@pytest.mark.parametrize("model", ["llama-like", "hf-llama", "nano-gpt"])
+def test_mixed_precision_trains_exactly_like_eager_autocast(model, precision, hf_root, tmp_path):
+    """Eager AMP is the reference (tests/oracle.py: fp32 parameters, the forward under autocast
+    with CUDA's op lists, torch's AdamW on the fp32 parameters, a GradScaler for fp16). The
+    models: one written here that computes its rotary angles in fp32 with autocast off and its
+    RMSNorm in fp32 (a whole-model 16-bit cast cannot even trace it); Hugging Face's LLaMA; a
+    nanoGPT with a tied head (the embedding, read in fp32, is also cast for the head). Offloaded
+    plans (lohan and zero-infinity: SSD state, recompute, CPU AdamW), bit-identical: the executor
+    runs the casts autocast made, and a compute copy P16 = M.to(bf16) is the cast's value."""
+    ref = {"llama-like": "tests.fixtures.real_models:llama_like", "nano-gpt": "tests.fixtures.real_models:nano_gpt",
+           "hf-llama": None}[model] or hf_ref("llama", hf_root)
+    plans = offloaded_plans(ref, precision=precision)
+    if model == "hf-llama":
+        want = hf_eager(ref, precision)
+    else:
+        torch.manual_seed(0)
+        loss = (lambda m, x, y: m(x, y)[1]) if model == "nano-gpt" else (lambda m, x, y: m(x, y))
+        want = run_eager(resolve_model(ref).build(), loss, precision)
+    for name, pj in plans.items():
+        got = run_executor(pj, resolve_model(ref).build, tmp_path / name)
+        assert_equal(got, want, prefix="model." if model == "hf-llama" else "")

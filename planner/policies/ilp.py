@@ -78,11 +78,11 @@ def combos(hw, *, choices: dict[str, tuple[str, ...]] | None = None) -> list[Com
 def coefficients(p: BlockProfile, c: Combo, problem, last: bool) -> dict[str, float]:
     """Seconds per resource and phase, and bytes per tier, for one block taking combo c."""
     hw, g = problem.hw, problem.hw.gpu
-    elt, mixed = problem.elt, problem.mixed
+    mixed = problem.mixed
     n = p.param_count
     # P: what the block's segments read (its constants included: frozen weights, buffers);
     # Pw: what an update writes back (trainable parameters only)
-    P, Pw, G = n * elt + p.const_bytes, n * elt, n * elt
+    P, Pw, G = p.param_bytes + p.const_bytes, p.param_bytes, p.grad_bytes
     S = (12 if mixed else 8) * n
     A, X = p.saved_bytes, p.input_bytes
     rd = 1 / hw.ssd.read_total() if hw.ssd.count else 0.0
@@ -164,8 +164,8 @@ def groups(problem, cs: list[Combo]) -> Groups:
 def transient(problem, prefetch: int = 1) -> dict[str, float]:
     """Working set on top of resident bytes (MiB): what one block in flight needs."""
     profs = [problem.profiles[problem.profile_of[b]] for b in problem.order]
-    elt, mixed = problem.elt, problem.mixed
-    pmax = max(p.param_count * elt + p.const_bytes for p in profs)
+    mixed = problem.mixed
+    pmax = max(p.param_bytes + p.const_bytes for p in profs)
     smax = max(p.param_count for p in profs) * (12 if mixed else 8)
     amax = max(p.saved_bytes for p in profs)
     xmax = max(p.input_bytes + p.output_bytes for p in profs)

@@ -52,14 +52,14 @@ class LayerTimes:
 
 
 def layer_times(problem, layers: list[str], activations: str) -> LayerTimes:
-    hw, elt = problem.hw, problem.elt
+    hw = problem.hw
     prof = [problem.profiles[problem.profile_of[b]] for b in layers]
     recompute = activations == "recompute"
     return LayerTimes(
         t_fp=tuple(p.fwd_time_s for p in prof),
         t_bp=tuple(p.bwd_time_s + (p.fwd_time_s if recompute else 0.0) for p in prof),
-        t_c2g=tuple(cost.transfer_time(p.param_count * elt + p.const_bytes, "dram", "gpu0", hw) for p in prof),
-        t_g2c=tuple(cost.transfer_time(p.param_count * elt, "gpu0", "dram", hw) for p in prof))
+        t_c2g=tuple(cost.transfer_time(p.param_bytes + p.const_bytes, "dram", "gpu0", hw) for p in prof),
+        t_g2c=tuple(cost.transfer_time(p.grad_bytes, "gpu0", "dram", hw) for p in prof))
 
 
 def p1_holds(t: LayerTimes, m: int) -> bool:

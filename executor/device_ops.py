@@ -1,0 +1,104 @@
+"""Ops a CPU trace holds that only the CPU implements, and what runs them on another device.
+
+Every plan's joint graph is traced on CPU fake tensors (the planner's machine may have no GPU,
+and one trace everywhere keeps the fingerprint independent of the backend). PyTorch decomposes
+`F.scaled_dot_product_attention` there into `aten._scaled_dot_product_flash_attention_for_cpu`
+and its backward: kernels only the CPU registers. On CUDA the executor runs them through
+`PORTABLE`, functions with the CPU ops' signatures and results:
+
+- forward: `F.scaled_dot_product_attention` (on CUDA: flash, memory-efficient, cuDNN or math,
+  whichever PyTorch picks for the inputs), its output given the strides the trace recorded; the
+  log-sum-exp output, which only the backward below would read, is left uninitialised.
+- backward: the attention recomputed under autograd and differentiated (flash/efficient
+  backward kernels): one extra attention forward per backward, in exchange for not depending
+  on a kernel's private saved state (philox offsets, padded log-sum-exp).
+
+Saved-activation sizes follow the trace (the CPU op's output and log-sum-exp, the same shapes
+CUDA's flash kernel saves). Attention dropout is refused off the CPU: its mask could not be
+reproduced by the recompute. `tests/test_device_ops.py` checks the functions against the CPU
+ops and checks that the traces of the tested model families hold no other CPU-only op.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tensorstow import TensorstowError
+
+aten = torch.ops.aten
+
+
+def _restride(t: torch.Tensor, like) -> torch.Tensor:
+    """`t` with the strides the trace recorded for this output (downstream views rely on them)."""
+    if like is None or t.stride() == tuple(like.stride()):
+        return t
+    out = torch.empty_strided(tuple(like.shape), tuple(like.stride()), dtype=t.dtype, device=t.device)
+    return out.copy_(t)
+
+
+def sdpa_forward(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None, _like=None):
+    """`_scaled_dot_product_flash_attention_for_cpu` on any device: (output, logsumexp)."""
+    _no_dropout(dropout_p)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=0.0,
+                                         is_causal=is_causal, scale=scale)
+    like_out, like_lse = _like if _like is not None else (None, None)
+    B, H, T = query.shape[0], query.shape[1], query.shape[2]
+    lse_shape = tuple(like_lse.shape) if like_lse is not None else (B, H, T)
+    lse = torch.empty(lse_shape, dtype=torch.float32, device=query.device)
+    return _restride(out, like_out), lse
+
+
+def sdpa_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None,
+                  scale=None, _like=None):
+    """`_scaled_dot_product_flash_attention_for_cpu_backward` on any device: the gradients of
+    query, key and value, by recomputing the attention under autograd."""
+    _no_dropout(dropout_p)
+    with torch.enable_grad():
+        q, k, v = (t.detach().requires_grad_(True) for t in (query, key, value))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal,
+                                           scale=scale)
+        grads = torch.autograd.grad(o, (q, k, v), grad_out)
+    likes = _like if _like is not None else (None, None, None)
+    return tuple(_restride(g, like) for g, like in zip(grads, likes))
+
+
+def _no_dropout(p: float) -> None:
+    if p:
+        raise TensorstowError(f"attention dropout ({p}) runs only on the CPU in this version: a plan traced on "
+                              f"the CPU recomputes attention on other devices, which cannot replay the "
+                              f"CPU kernel's mask; set the model's attention dropout to 0")
+
+
+PORTABLE = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default: sdpa_forward,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: sdpa_backward,
+}
+"""CPU-only op of a trace -> a function with its signature that runs on any device. A function
+takes `_like`: the trace's fake values of the op's outputs (shapes and strides to match)."""
+
+
+def cpu_only(op) -> bool:
+    """Whether an aten op is one only the CPU backend implements (by PyTorch's naming of such
+    kernels: `..._for_cpu`, `..._cpu_fallback`, mkldnn)."""
+    name = getattr(op, "_name", "") or str(op)
+    return "_for_cpu" in name or "cpu_fallback" in name or "mkldnn" in name
+
+
+def check_portable(gm, device: torch.device) -> None:
+    """Refuse, before the first step, a graph that holds an op `device` cannot run."""
+    if device.type == "cpu":
+        return
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not cpu_only(n.target):
+            continue
+        if n.target not in PORTABLE:
+            raise TensorstowError(f"the traced graph holds {n.target}, which only the CPU implements and "
+                                  f"tensorstow cannot run on {device.type}; please report the model")
+        dropout = n.args[3] if len(n.args) > 3 else n.kwargs.get("dropout_p", 0.0)
+        if n.target is aten._scaled_dot_product_flash_attention_for_cpu.default and dropout:
+            _no_dropout(dropout)
+
+
+def targets_for(device: torch.device) -> dict:
+    """The replacement of each CPU-only op when running on `device` (none on the CPU)."""
+    return {} if device.type == "cpu" else dict(PORTABLE)
