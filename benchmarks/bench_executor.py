@@ -4,6 +4,9 @@ Prints ratios measured in the same run (the machines are shared and noisy):
   1. all-resident plan through the executor / eager PyTorch (same model, batch, optimizer)
   2. SSD-offloaded plan (probed spec of this machine, small device budget): measured / predicted
 Usage: python benchmarks/bench_executor.py [--model gpt-small] [--batch 4] [--steps 4] [--mode sync]
+                                          [--precision fp32|bf16-mixed|fp16-mixed]
+Mixed precision: eager is PyTorch AMP (the forward under autocast with CUDA's op lists, AdamW on
+fp32 parameters, a GradScaler for fp16), the executor runs the plan's autocast graph.
 Run under jemalloc as well:
   LD_PRELOAD=libjemalloc.so.2 MALLOC_CONF=dirty_decay_ms:-1,muzzy_decay_ms:-1,retain:true python ...
 """
@@ -41,14 +44,15 @@ def main():
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--mode", default="sync", choices=["sync", "overlap"])
     ap.add_argument("--gpu-mem", default="48MB")
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16-mixed", "fp16-mixed"])
     a = ap.parse_args()
     spec = resolve_model(a.model)
     allocator = "jemalloc" if "jemalloc" in os.environ.get("LD_PRELOAD", "") else "glibc malloc"
-    print(f"# {a.model}, batch {a.batch}, fp32, {a.steps} steps (median of the last {a.steps - 1}), "
+    print(f"# {a.model}, batch {a.batch}, {a.precision}, {a.steps} steps (median of the last {a.steps - 1}), "
           f"executor mode {a.mode}, allocator {allocator}, torch threads {torch.get_num_threads()}")
 
     def plan(**kw):
-        o = Options(model=a.model, hardware="local", batch=a.batch, precision="fp32", **kw)
+        o = Options(model=a.model, hardware="local", batch=a.batch, precision=a.precision, **kw)
         return json.loads(make_plan(o, hardware_for(o)).dumps())
 
     resident = plan(policy="all-gpu")
@@ -59,10 +63,23 @@ def main():
     model = spec.build()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
 
+    import contextlib
+
+    from tensorstow.ir.autocast import gpu_autocast
+    from tensorstow.ir.trace import PRECISIONS
+    amp = torch.amp.GradScaler("cpu") if a.precision == "fp16-mixed" else None
+
     def eager(x, y):
         opt.zero_grad(set_to_none=True)
-        model(x, y).backward()
-        opt.step()
+        with gpu_autocast(PRECISIONS[a.precision]) if a.precision != "fp32" else contextlib.nullcontext():
+            loss = model(x, y)
+        if amp is None:
+            loss.backward()
+            opt.step()
+        else:
+            amp.scale(loss).backward()
+            amp.step(opt)
+            amp.update()
 
     t_eager = median_step(eager, data)
     torch.manual_seed(0)

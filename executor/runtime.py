@@ -413,9 +413,16 @@ class Executor:
         if self.ssd.store is not None and "OS" in kinds:
             if self.full_checkpoint:
                 self._write_checkpoint(constants=True)
-            if self.scaler is not None:
-                self.ssd.store.write(AMP, self.scaler.state_bytes(0))
+            self._write_scaler(0)
             self.ssd.store.commit(0)
+
+    def _write_scaler(self, opt_steps: int) -> None:
+        """fp16: the loss scaler's state goes with every commit, when the store has room for it
+        (a store sized with `executor.state.store_sizes`, or a FileStore); without it the run
+        trains but cannot be resumed (`_resume` says so)."""
+        sizes = getattr(self.ssd.store, "sizes", None)
+        if self.scaler is not None and (sizes is None or AMP in sizes):
+            self.ssd.store.write(AMP, self.scaler.state_bytes(opt_steps))
 
     def _write_checkpoint(self, constants: bool = False) -> None:
         """Write the training state that lives off SSD, and the random generator, into the store
@@ -465,11 +472,15 @@ class Executor:
         self.steps_done = self.opt_steps = committed
         if self.scaler is not None:
             blob = torch.empty(16, dtype=torch.uint8)
+            sizes = getattr(self.ssd.store, "sizes", None)
             try:
+                if sizes is not None and AMP not in sizes:
+                    raise KeyError(AMP)
                 self.ssd.store.read(AMP, blob)
             except (KeyError, OSError, TensorstowError):
                 raise TensorstowError("cannot resume an fp16-mixed run: the store holds no loss-scaler state "
-                                      "(AMP); it was written by an older tensorstow") from None
+                                      "(AMP); size it with executor.state.store_sizes(plan), as "
+                                      "`tensorstow execute` does") from None
             self.opt_steps = self.scaler.load_state(blob)
 
     # ---- the step ---------------------------------------------------------------------------
@@ -519,8 +530,7 @@ class Executor:
             return
         if self.full_checkpoint:
             self._write_checkpoint()
-        if self.scaler is not None:
-            self.ssd.store.write(AMP, self.scaler.state_bytes(self.opt_steps))
+        self._write_scaler(self.opt_steps)
         self.ssd.store.commit(self.steps_done)
 
     def lane_busy(self) -> dict[str, float]:

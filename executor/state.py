@@ -41,10 +41,13 @@ def set_rng(blob: torch.Tensor) -> None:
 
 def store_sizes(plan: Plan) -> dict[str, int]:
     """Every buffer the store holds: the training state (`plan.persistent()`), what the plan
-    moves to SSD, the RNG."""
+    moves to SSD, the RNG, and for fp16-mixed the loss scaler's state."""
     plan = as_plan(plan)
     sizes = {n: plan.buffers[n].bytes for n in sorted(set(plan.persistent()) | set(plan.ssd_sizes()))}
     sizes[RNG] = rng_bytes().numel()
+    if plan.model.precision == "fp16-mixed":
+        from tensorstow.executor.amp import AMP
+        sizes[AMP] = 16  # the loss scaler (executor.amp)
     return sizes
 
 

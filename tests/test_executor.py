@@ -366,6 +366,36 @@ def test_fp16_loss_scaling_skips_exactly_the_steps_grad_scaler_skips(tmp_path):
     assert_same((losses, ex.parameters()), ref)
 
 
+def test_fp16_loss_scaler_state_is_checkpointed_and_resumed(tmp_path):
+    """A checkpointed fp16 run resumed after 3 of 6 steps (overflowing, skipping and growing
+    steps on both sides) ends bit-identical to the uninterrupted run, loss scale included; a
+    store with no room for the scaler trains, and refuses to resume with the fix named."""
+    from tensorstow.executor.ssd import SSDStore
+    from tensorstow.executor.state import store_sizes
+    o = Options(model="gpt-tiny", hardware="lohan-rtx4090", policy="lohan", batch=B, seq=T, precision="fp16-mixed",
+                lr=1e-3, exact_optimizer=True, init_scale=2.0 ** 20, growth_interval=2)
+    plan = make_plan(o, load_hardware(o.hardware)).to_plan()
+    data = list(batches("synthetic", B, T, VOCAB, 6, seed=0))
+
+    def run(d, steps, resume=False, sizes=None):
+        torch.manual_seed(0)
+        store = SSDStore(d, sizes or store_sizes(plan))
+        ex = Executor(plan, GPT(PRESETS["gpt-tiny"]), ssd_store=store, resume=resume)
+        out = [ex.step(x, y) for x, y in data[ex.steps_done:steps]], ex.loss_scale, ex.opt_steps, ex.parameters()
+        ex.close()
+        return out
+
+    losses, scale, taken, params = run(tmp_path / "whole", 6)
+    first, _, _, _ = run(tmp_path / "cut", 3)
+    rest, scale2, taken2, params2 = run(tmp_path / "cut", 6, resume=True)
+    assert first + rest == losses and (scale2, taken2) == (scale, taken) and 0 < taken < 6
+    assert all(torch.equal(params2[n], params[n]) for n in params)
+
+    run(tmp_path / "small", 2, sizes=plan.ssd_sizes())  # no AMP (nor RNG) in this store: trains
+    with pytest.raises(TensorstowError, match="store_sizes|full checkpoint"):
+        run(tmp_path / "small", 4, resume=True, sizes=plan.ssd_sizes())
+
+
 def assert_close_to_eager(got, want, *, lr: float, loss_rtol: float = 1e-5) -> None:
     """The fast optimizer's tolerance. It differs from torch's single-tensor AdamW only in the
     rounding of sqrt (correctly rounded vs MKL's, 1 ulp apart for some inputs), so the first
