@@ -145,6 +145,8 @@ class Executor:
 
         self.keep = self._kept_values()
         self.adam = {b: _Adam(plan.options) for b in self.block_params if self.block_params[b]}
+        self._lane_streams: dict[str, torch.cuda.Stream] = {}
+        """One CUDA stream per lane, made on the first step and kept (overlap mode)."""
         self.scaler = LossScaler(plan.options, self.device) if self.precision == "fp16-mixed" else None
         """fp16-mixed: dynamic loss scaling (executor.amp, GradScaler's semantics)."""
         self.vocab = model_dims(model)[0]
@@ -507,6 +509,8 @@ class Executor:
         for name, v in zip((*j.inputs, *j.constants), vals):
             self.dev.hold(v, name)
             self.inputs[name] = v
+        if self.device.type == "cuda":  # made on this thread's stream, read on the lanes' streams
+            torch.cuda.current_stream(self.device).synchronize()
         self.loss = None
         self.timeline = []
         try:
@@ -570,7 +574,11 @@ class Executor:
 
         def lane(instrs: list[Instr]) -> None:
             torch.set_num_threads(nthreads)  # same intra-op split (and reduction order) as sync
-            stream = torch.cuda.Stream() if cuda else None
+            stream = None
+            if cuda:  # each lane its own key: no two threads touch one entry
+                stream = self._lane_streams.get(instrs[0].stream)
+                if stream is None:
+                    stream = self._lane_streams[instrs[0].stream] = torch.cuda.Stream(self.device)
             for k, ins in enumerate(instrs):
                 try:
                     for d in ins.deps:
