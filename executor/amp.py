@@ -52,10 +52,26 @@ class LossScaler:
             self._skip = bool(self.found_inf.item())
         return self._skip
 
+    def begin_step(self) -> None:
+        """Forget a failed step's check: every step starts with no inf/NaN seen."""
+        self.found_inf.zero_()
+        self._skip = None
+
     def unscale_(self, grads32: list[torch.Tensor]) -> None:
-        """GradScaler.unscale_: fp32 gradients times 1/scale, as its fused kernel computes it."""
-        inv = self.scale.double().reciprocal().float()
-        torch._amp_foreach_non_finite_check_and_unscale_(grads32, torch.zeros_like(self.found_inf), inv)
+        """GradScaler.unscale_: fp32 gradients times 1/scale, as its fused kernel computes it, on
+        the gradients' own device (a CPU optimizer step's are host copies). Two parameters whose
+        gradient is the same memory are unscaled once."""
+        if not grads32:
+            return
+        seen, unique = set(), []
+        for g in grads32:
+            key = (g.untyped_storage().data_ptr(), g.storage_offset(), tuple(g.shape), g.stride())
+            if key not in seen:
+                seen.add(key)
+                unique.append(g)
+        dev = grads32[0].device
+        inv = self.scale.double().reciprocal().float().to(dev)
+        torch._amp_foreach_non_finite_check_and_unscale_(unique, torch.zeros(1, device=dev), inv)
 
     def update(self) -> bool:
         """GradScaler.update at the end of a step; returns whether the step was skipped."""

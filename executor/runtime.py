@@ -513,6 +513,8 @@ class Executor:
             torch.cuda.current_stream(self.device).synchronize()
         self.loss = None
         self.timeline = []
+        if self.scaler is not None:
+            self.scaler.begin_step()
         try:
             (self._run_sync if self.mode == "sync" else self._run_overlap)()
         finally:
@@ -710,7 +712,8 @@ class Executor:
             written = self._adam_update(b, ins, trained, master, fresh_p)
         if not self.mixed:
             return
-        fresh = {ph[p]: master[p].to(j.meta(ph[p])[0]) for p in self.block_params[b] if ph[p] not in written}
+        fresh = {ph[p]: master[p].to(j.meta(ph[p])[0], copy=True) for p in self.block_params[b]
+                 if ph[p] not in written}  # a copy also for fp32 ones: P never aliases M
         if fresh_p is None:  # a new device copy
             self.dev.put(f"P:{b}", fresh)
         else:

@@ -86,7 +86,7 @@ class _Policy:
             return x
         if x.dtype == to:
             return x
-        if to == self.dtype and x.is_leaf and x.requires_grad and x.dtype == torch.float32:
+        if to == self.dtype and x.is_leaf and x.requires_grad and x.dtype == torch.float32:  # C++: lower precision only
             hit = self.cache.get(id(x))
             if hit is not None and hit[0]() is x:
                 return hit[1]
@@ -105,8 +105,8 @@ class _Policy:
             else:
                 if policy == "promote":
                     to = _widest(args, kwargs)
-                else:
-                    to = self.dtype if policy == "lower" else torch.float32
+                else:  # the innermost autocast region's dtype (model code may nest one)
+                    to = torch.get_autocast_dtype("cpu") if policy == "lower" else torch.float32
                 if to is not None:
                     args = tuple(self._cast_tree(a, to) for a in args)
                     kwargs = {k: self._cast_tree(v, to) for k, v in kwargs.items()}
@@ -144,7 +144,8 @@ def _overload(name: str):
 @contextlib.contextmanager
 def gpu_autocast(dtype: torch.dtype):
     """`torch.autocast` with CUDA's op lists, on CPU tensors (see the module doc). One region at
-    a time per process: the kernels are registered globally while it is open."""
+    a time per process: the kernels are registered globally while it is open, so another thread
+    that enables CPU autocast meanwhile gets CUDA's lists too (tensorstow traces on one thread)."""
     with _LOCK:
         if _ACTIVE:  # nested: the kernels are in place; only the dtype may differ
             if _ACTIVE[-1].dtype != dtype:

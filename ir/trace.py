@@ -104,7 +104,9 @@ def trace(model: nn.Module, *, batch: int, seq: int, precision: str = "fp32",
     with fm:
         # Parameters are traced as their fp32 masters, under autocast when mixed (each op in the
         # dtype CUDA autocast gives it); buffers (rotary tables, masks) keep their dtype.
-        params = {n: fake(p).detach().to(torch.float32 if p.is_floating_point() else p.dtype)
+        # Frozen parameters keep the model's dtype under mixed precision, as in eager AMP.
+        params = {n: fake(p).detach().to(torch.float32 if p.is_floating_point() and (p.requires_grad or not mixed)
+                                          else p.dtype)
                   .requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
         buffers = {n: fake(b).detach() for n, b in model.named_buffers()}
         idx = torch.zeros(batch, seq, dtype=torch.long)
@@ -134,7 +136,11 @@ def trace(model: nn.Module, *, batch: int, seq: int, precision: str = "fp32",
 
     from tensorstow.ir.autocast import gpu_autocast
     try:
-        with fm, quiet_tracing(), ShapeConstants(), gpu_autocast(dtype) if mixed else contextlib.nullcontext():
+        # The backward is traced outside autocast, as eager AMP runs `loss.backward()` after the
+        # autocast region (torch's default would trace it under the forward's autocast state).
+        from torch._functorch import config as functorch_config
+        with fm, quiet_tracing(), ShapeConstants(), gpu_autocast(dtype) if mixed else contextlib.nullcontext(), \
+                functorch_config.patch(backward_pass_autocast="off"):
             aot_function(step, fw_compiler=_never, partition_fn=partition)(params, buffers, idx, tgt)
     except _Captured:
         pass
@@ -150,7 +156,7 @@ def trace(model: nn.Module, *, batch: int, seq: int, precision: str = "fp32",
                               f"(does forward return a loss that requires grad?)")
     gm: fx.GraphModule = captured["gm"]
     if mixed:
-        _compute_copies(gm, len(params) + len(buffers), dtype, fm)
+        _compute_copies(gm, [p.requires_grad for p in params.values()], dtype, fm)
     n_layers = len(layers) if layers is not None else 0
     state_names = [*params, *buffers]
     trainable = frozenset(n for n, p in params.items() if p.requires_grad)
@@ -159,16 +165,19 @@ def trace(model: nn.Module, *, batch: int, seq: int, precision: str = "fp32",
     return Traced(graph=graph, gm=gm, param_names=state_names, trainable=trainable, layer_path=layers_name)
 
 
-def _compute_copies(gm: fx.GraphModule, n_state: int, dtype: torch.dtype, fm: FakeTensorMode) -> None:
-    """Model state that autocast only ever reads cast to `dtype` becomes a `dtype` input: the
-    compute copy P16 (LoHan Table II) the optimizer writes from the fp32 master, instead of a
-    cast in every step's graph. Its gradient, autocast's upcast of a `dtype` gradient, is
+def _compute_copies(gm: fx.GraphModule, trainable: list[bool], dtype: torch.dtype, fm: FakeTensorMode) -> None:
+    """A trainable parameter autocast only ever reads cast to `dtype` becomes a `dtype` input:
+    the compute copy P16 (LoHan Table II) the optimizer writes from the fp32 master, instead of
+    a cast in every step's graph. Its gradient, autocast's upcast of a `dtype` gradient, is
     returned before the upcast (G16; the optimizer upcasts it). Same values: the cast is the
-    rounding P16 = M.to(dtype). State read in fp32 (norm weights, embeddings) stays fp32."""
-    state = [n for n in gm.graph.nodes if n.op == "placeholder"][:n_state]
+    rounding P16 = M.to(dtype). Parameters read in fp32 (norm weights, embeddings) stay fp32;
+    frozen parameters and buffers (no master to round from) keep their dtype and their casts."""
+    state = [n for n in gm.graph.nodes if n.op == "placeholder"][:len(trainable)]
     out = next(n for n in gm.graph.nodes if n.op == "output")
     results = list(out.args[0])
     for i, ph in enumerate(state):
+        if not trainable[i]:
+            continue
         users = list(ph.users)
         if not users or not all(_is_cast(u, dtype) for u in users):
             continue

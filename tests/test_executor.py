@@ -396,6 +396,21 @@ def test_fp16_loss_scaler_state_is_checkpointed_and_resumed(tmp_path):
         run(tmp_path / "small", 4, resume=True, sizes=plan.ssd_sizes())
 
 
+def test_a_failed_fp16_step_does_not_make_the_next_one_skip(tmp_path):
+    """The scaler's inf/NaN flag of a step that raised half-way is not carried into the next."""
+    o = Options(model="gpt-tiny", hardware="lohan-rtx4090", policy="all-gpu", batch=B, seq=T, precision="fp16-mixed")
+    plan = make_plan(o, load_hardware(o.hardware)).to_plan()
+    torch.manual_seed(0)
+    ex = Executor(plan, GPT(PRESETS["gpt-tiny"]))
+    x, y = next(iter(batches("synthetic", B, T, VOCAB, 1, seed=0)))
+    ex.step(x, y)
+    assert ex.opt_steps == 1
+    ex.scaler.found_inf.fill_(1.0)  # what a step that failed after an overflowing backward leaves
+    ex.scaler.skip()
+    ex.step(x, y)
+    assert ex.opt_steps == 2 and ex.loss_scale == 65536.0
+
+
 def assert_close_to_eager(got, want, *, lr: float, loss_rtol: float = 1e-5) -> None:
     """The fast optimizer's tolerance. It differs from torch's single-tensor AdamW only in the
     rounding of sqrt (correctly rounded vs MKL's, 1 ulp apart for some inputs), so the first

@@ -78,3 +78,19 @@ def test_a_plan_traced_on_the_cpu_runs_attention_on_cuda(tmp_path):
     losses = [ex.step(x, y) for x, y in batches("synthetic", B, T, VOCAB, STEPS, seed=0)]
     ref_losses, _ = eager_cuda()
     assert losses == pytest.approx(ref_losses, rel=1e-4)
+
+
+def test_fp16_loss_scaling_with_cpu_optimizer_steps_on_cuda(tmp_path):
+    """fp16-mixed with subgroups updated on the CPU: the scaler lives on the GPU, the unscale
+    runs on the host gradients (a regression: it once mixed devices)."""
+    from tensorstow.executor.runtime import Executor
+    from tensorstow.planner.hardware import load_hardware
+    from tensorstow.planner.plan import Options, make_plan
+    o = Options(model="gpt-tiny", hardware="lohan-rtx4090", policy="lohan", batch=B, seq=T, precision="fp16-mixed",
+                lr=1e-3, init_scale=2.0 ** 20, growth_interval=2)
+    plan = make_plan(o, load_hardware(o.hardware)).to_plan()
+    assert any(i.kind == "optimizer_step" and i.dst == "cpu" for i in plan.instructions)
+    torch.manual_seed(0)
+    ex = Executor(plan, GPT(PRESETS["gpt-tiny"]), state_dir=tmp_path)
+    losses = [ex.step(x, y) for x, y in batches("synthetic", B, T, VOCAB, 6, seed=0)]
+    assert all(l == l for l in losses) and 0 < ex.opt_steps < 6 and ex.loss_scale < 2.0 ** 20

@@ -463,3 +463,21 @@ def test_mixed_precision_trains_exactly_like_eager_autocast(model, precision, hf
     for name, pj in plans.items():
         got = run_executor(pj, resolve_model(ref).build, tmp_path / name)
         assert_equal(got, want, prefix="model." if model == "hf-llama" else "")
+
+
+def test_frozen_weights_keep_their_fp32_values_under_mixed_precision(tmp_path):
+    """A LoRA base is frozen and read through autocast's casts: it has no fp32 master, so it is
+    stored as the model holds it (fp32) and cast in the graph, as eager AMP does; the trained
+    model's frozen weights are the original values, bit for bit, and training equals eager AMP."""
+    pytest.importorskip("peft", reason="peft is not installed")
+    ref = "tests.fixtures.real_models:lora_llama"
+    pj = offloaded_plans(ref, policies=("lohan",), precision="bf16-mixed")["lohan"]
+    const = {n: b for n, b in pj["buffers"].items() if n.startswith("C:")}
+    assert const
+    torch.manual_seed(0)
+    frozen = {n: p.detach().clone() for n, p in real_models.lora_llama().named_parameters() if not p.requires_grad}
+    torch.manual_seed(0)
+    want = run_eager(real_models.lora_llama(), hf_loss, "bf16-mixed")
+    got = run_executor(pj, real_models.lora_llama, tmp_path)
+    assert_equal(got, want, prefix="model.")
+    assert all(torch.equal(got[1]["model." + n], frozen[n]) for n in frozen)
