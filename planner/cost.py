@@ -140,7 +140,8 @@ def profiles(graph: Graph, hw: Hardware) -> dict[str, BlockProfile]:
             bwd_ops=(bwd[0].index, bwd[-1].index) if bwd else (-1, -1),
             fwd_flops=sum(o.flops for o in fwd), bwd_flops=sum(o.flops for o in bwd),
             fwd_time_s=sum(op_time(o.flops, o.bytes_in + o.bytes_out, hw) for o in fwd),
-            bwd_time_s=sum(op_time(o.flops, o.bytes_in + o.bytes_out, hw) for o in bwd),
+            bwd_time_s=sum(op_time(o.flops, o.bytes_in + o.bytes_out, hw) for o in bwd)
+            + sum(_attention_recompute_time(o, tensors, hw) for o in bwd),
             param_count=next(blk.param_count for blk in graph.blocks if blk.name == b),
             const_bytes=sum(t.nbytes for t in tensors.values() if t.kind == "constant" and t.block == b
                             and t.storage == t.name and t.producer is None),
@@ -156,6 +157,21 @@ def profiles(graph: Graph, hw: Hardware) -> dict[str, BlockProfile]:
             saved=tuple(sorted((k, v[0], v[1]) for k, v in saved.items())),
             inputs=tuple(sorted(inputs)), carried=carried, handed=handed, **_state(b, tensors))
     return out
+
+
+_CPU_FLASH_BWD = "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"
+
+
+def _attention_recompute_time(o, tensors, hw: Hardware) -> float:
+    """On a GPU the CPU trace's attention backward runs as a recompute of the attention forward
+    plus its backward (executor.device_ops): the forward's roofline time, on top of the op's."""
+    from tensorstow.planner.probe import CPU_GPU_NAME
+    if o.target != _CPU_FLASH_BWD or len(o.inputs) < 4 or hw.gpus[0].name == CPU_GPU_NAME:
+        return 0.0  # (a probed CPU-only machine runs the CPU kernel itself)
+    from torch.utils.flop_counter import sdpa_flop_count
+    q, k, v = (tensors[n] for n in o.inputs[1:4])
+    flops = int(sdpa_flop_count(q.shape, k.shape, v.shape))
+    return op_time(flops, q.nbytes + k.nbytes + v.nbytes + tensors[o.inputs[0]].nbytes, hw)
 
 
 def _state(b: str, tensors: dict) -> dict:

@@ -102,3 +102,24 @@ def test_attention_dropout_traces_to_portable_ops_and_the_guard_refuses_the_cpu_
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(TensorstowError, match="attention dropout"):
         sdpa_forward(q, q, q, 0.1, True)
+
+
+def test_the_planner_counts_the_attention_recompute_of_a_gpu_backward():
+    """device_ops' backward recomputes the attention forward on a GPU: the block's backward time
+    includes that forward's roofline time; a probed CPU-only machine runs the CPU kernel and
+    pays nothing extra."""
+    import dataclasses
+
+    from tensorstow.planner import cost
+    from tensorstow.planner.plan import build_problem
+    from tensorstow.planner.probe import CPU_GPU_NAME
+    hw = load_hardware("lohan-rtx4090")
+    p = build_problem(Options(model="gpt-tiny", hardware="lohan-rtx4090", batch=2, seq=32), hw)
+    bwd = [o for o in p.graph.ops if o.block == "b0" and o.phase == "bwd"]
+    attn = next(o for o in p.graph.ops if o.block == "b0" and o.target == str(aten._scaled_dot_product_flash_attention_for_cpu.default))
+    plain = sum(cost.op_time(o.flops, o.bytes_in + o.bytes_out, hw) for o in bwd)
+    extra = p.profiles["b0"].bwd_time_s - plain
+    assert extra >= attn.flops / hw.gpu.flops * (1 - 1e-9) and extra > 0
+    cpu = dataclasses.replace(hw, gpus=(dataclasses.replace(hw.gpu, name=CPU_GPU_NAME),))
+    assert cost.profiles(p.graph, cpu)["b0"].bwd_time_s == pytest.approx(
+        sum(cost.op_time(o.flops, o.bytes_in + o.bytes_out, cpu) for o in bwd), rel=1e-12)
