@@ -54,15 +54,21 @@ def execute(plan: Plan, *, steps: int, data: str = "synthetic", state_dir: str |
         times, losses = [], []
         try:
             for k, (x, y) in enumerate(batches(data, m.batch, m.seq, ex.vocab, steps, seed, start), start):
+                taken = ex.opt_steps
                 t0 = time.perf_counter()
                 loss = ex.step(x, y)
                 dt = time.perf_counter() - t0
                 times.append(dt)
                 losses.append(loss)
-                print(f"step {k + 1}/{steps}  loss {loss:.4f}  {dt:.3f} s  {tokens / dt:.4g} tokens/s", file=out, flush=True)
+                # fp16-mixed: the loss scale after the step, and whether overflow skipped its update
+                amp = {} if ex.loss_scale is None else {"loss_scale": ex.loss_scale, "skipped": ex.opt_steps == taken}
+                scale = (f"  scale {amp['loss_scale']:g}" + ("  (inf/NaN: update skipped)" if amp["skipped"] else "")
+                         if amp else "")
+                print(f"step {k + 1}/{steps}  loss {loss:.4f}  {dt:.3f} s  {tokens / dt:.4g} tokens/s{scale}",
+                      file=out, flush=True)
                 if log:
                     log.write(json.dumps({"step": k + 1, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens / dt,
-                                          "device_peak_bytes": ex.peak_bytes.get("gpu", 0)}) + "\n")
+                                          "device_peak_bytes": ex.peak_bytes.get("gpu", 0), **amp}) + "\n")
                     log.flush()
             ex.checkpoint()  # the last step is always committed
         finally:

@@ -100,3 +100,18 @@ def test_execute_errors(ssd_plan, tmp_path, capsys):
     assert main(["execute", str(ssd_plan), "--steps", "2", "--state-dir", str(tmp_path / "s"),
                  "--data", str(tmp_path / "nope.bin")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_fp16_execute_logs_the_loss_scale_and_skipped_updates(tmp_path, capsys):
+    """fp16-mixed runs say which steps overflow skipped, with the scale (text and JSON log)."""
+    plan = tmp_path / "p.json"
+    assert main(["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--policy", "lohan", "--precision", "fp16-mixed",
+                 "--init-scale", str(2 ** 20), "--growth-interval", "2", "--batch", "2", "--seq", "32",
+                 "-o", str(plan)]) == 0
+    assert main(["execute", str(plan), "--steps", "4", "--state-dir", str(tmp_path / "st"),
+                 "--log-json", str(tmp_path / "log.jsonl")]) == 0
+    lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("step ")]
+    records = [json.loads(l) for l in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [r["skipped"] for r in records] == [True, True, True, False]  # as GradScaler (test_executor)
+    assert [r["loss_scale"] for r in records] == [2.0 ** 19, 2.0 ** 18, 2.0 ** 17, 2.0 ** 17]
+    assert ["update skipped" in l for l in lines] == [True, True, True, False]
