@@ -422,9 +422,14 @@ class Executor:
         """fp16: the loss scaler's state goes with every commit, when the store has room for it
         (a store sized with `executor.state.store_sizes`, or a FileStore); without it the run
         trains but cannot be resumed (`_resume` says so)."""
-        sizes = getattr(self.ssd.store, "sizes", None)
-        if self.scaler is not None and (sizes is None or AMP in sizes):
+        if self.scaler is not None and self._store_takes(AMP):
             self.ssd.store.write(AMP, self.scaler.state_bytes(opt_steps))
+
+    def _store_takes(self, name: str) -> bool:
+        """Whether the SSD store has room for `name` (a sized store only for what it was made
+        with; a FileStore for anything)."""
+        sizes = getattr(self.ssd.store, "sizes", None)
+        return sizes is None or name in sizes
 
     def _write_checkpoint(self, constants: bool = False) -> None:
         """Write the training state that lives off SSD, and the random generator, into the store
@@ -474,9 +479,8 @@ class Executor:
         self.steps_done = self.opt_steps = committed
         if self.scaler is not None:
             blob = torch.empty(16, dtype=torch.uint8)
-            sizes = getattr(self.ssd.store, "sizes", None)
             try:
-                if sizes is not None and AMP not in sizes:
+                if not self._store_takes(AMP):
                     raise KeyError(AMP)
                 self.ssd.store.read(AMP, blob)
             except (KeyError, OSError, TensorstowError):
@@ -703,10 +707,11 @@ class Executor:
         trained = [p for p in self.block_params[b] if p in j.grad]  # no gradient: torch.optim skips it too
         # LoHan Table II: a mixed-precision update also produces the compute copy P from M; on the
         # CPU the fast kernel writes the 16-bit ones in the same pass (`out16`)
-        fresh_p = None
-        if self.mixed:
-            fresh_p = (self.host.alloc(f"P:{b}", self.layouts[f"P:{b}"]) if f"P:{b}" in ins.allocs and not on_dev
-                       else None if f"P:{b}" in ins.allocs else tier.get(f"P:{b}"))
+        fresh_p = None  # the copy P is written into; None: a new device copy, put below
+        if self.mixed and f"P:{b}" not in ins.allocs:
+            fresh_p = tier.get(f"P:{b}")
+        elif self.mixed and not on_dev:
+            fresh_p = self.host.alloc(f"P:{b}", self.layouts[f"P:{b}"])
         written: set[str] = set()
         if not (self.scaler is not None and self.scaler.skip()):  # fp16: a step with inf/NaN changes nothing
             written = self._adam_update(b, ins, trained, master, fresh_p)
@@ -714,7 +719,7 @@ class Executor:
             return
         fresh = {ph[p]: master[p].to(j.meta(ph[p])[0], copy=True) for p in self.block_params[b]
                  if ph[p] not in written}  # a copy also for fp32 ones: P never aliases M
-        if fresh_p is None:  # a new device copy
+        if fresh_p is None:
             self.dev.put(f"P:{b}", fresh)
         else:
             for k, v in fresh.items():

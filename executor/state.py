@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from tensorstow import TensorstowError
+from tensorstow.executor.amp import AMP
 from tensorstow.planner.schema import Plan, as_plan
 
 PLAN, LAYOUT, CONFIG = "plan.json", "layout.json", "config.json"
@@ -46,7 +47,6 @@ def store_sizes(plan: Plan) -> dict[str, int]:
     sizes = {n: plan.buffers[n].bytes for n in sorted(set(plan.persistent()) | set(plan.ssd_sizes()))}
     sizes[RNG] = rng_bytes().numel()
     if plan.model.precision == "fp16-mixed":
-        from tensorstow.executor.amp import AMP
         sizes[AMP] = 16  # the loss scaler (executor.amp)
     return sizes
 

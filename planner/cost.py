@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.utils.flop_counter as flop_counter
+
 from tensorstow.ir.graph import Graph
-from tensorstow.planner.hardware import Hardware
+from tensorstow.planner.hardware import CPU_GPU_NAME, Hardware
 
 # Bytes moved per parameter by one Adam step on the GPU: read param, grad, master, m, v and
 # write master, m, v, param (mixed precision: 2+2+4+4+4 read, 4+4+4+2 written).
@@ -165,12 +167,10 @@ _CPU_FLASH_BWD = "aten._scaled_dot_product_flash_attention_for_cpu_backward.defa
 def _attention_recompute_time(o, tensors, hw: Hardware) -> float:
     """On a GPU the CPU trace's attention backward runs as a recompute of the attention forward
     plus its backward (executor.device_ops): the forward's roofline time, on top of the op's."""
-    from tensorstow.planner.probe import CPU_GPU_NAME
     if o.target != _CPU_FLASH_BWD or len(o.inputs) < 4 or hw.gpus[0].name == CPU_GPU_NAME:
         return 0.0  # (a probed CPU-only machine runs the CPU kernel itself)
-    from torch.utils.flop_counter import sdpa_flop_count
     q, k, v = (tensors[n] for n in o.inputs[1:4])
-    flops = int(sdpa_flop_count(q.shape, k.shape, v.shape))
+    flops = int(flop_counter.sdpa_flop_count(q.shape, k.shape, v.shape))
     return op_time(flops, q.nbytes + k.nbytes + v.nbytes + tensors[o.inputs[0]].nbytes, hw)
 
 

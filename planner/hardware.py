@@ -17,6 +17,11 @@ GB = 10**9
 GiB = 2**30
 
 
+CPU_GPU_NAME = "cpu (no CUDA)"
+"""Name of the pseudo-GPU that stands for budgeted CPU memory on a machine without CUDA
+(`tensorstow probe` there): the device tier the executor emulates on the CPU."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class GPU:
     name: str

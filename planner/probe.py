@@ -42,12 +42,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tensorstow import TensorstowError
-from tensorstow.planner.hardware import CPU, DRAM, GPU, SSD, GiB, Hardware
+from tensorstow.planner.hardware import CPU, CPU_GPU_NAME, DRAM, GPU, SSD, GiB, Hardware
 
 MiB = 2**20
 
-CPU_GPU_NAME = "cpu (no CUDA)"
-"""Name of the pseudo-GPU that stands for budgeted CPU memory on a machine without CUDA."""
 
 CPU_GPU_FRACTION = 4
 """Without CUDA the pseudo-GPU gets 1/CPU_GPU_FRACTION of total RAM."""

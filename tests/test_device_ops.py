@@ -112,7 +112,7 @@ def test_the_planner_counts_the_attention_recompute_of_a_gpu_backward():
 
     from tensorstow.planner import cost
     from tensorstow.planner.plan import build_problem
-    from tensorstow.planner.probe import CPU_GPU_NAME
+    from tensorstow.planner.hardware import CPU_GPU_NAME
     hw = load_hardware("lohan-rtx4090")
     p = build_problem(Options(model="gpt-tiny", hardware="lohan-rtx4090", batch=2, seq=32), hw)
     bwd = [o for o in p.graph.ops if o.block == "b0" and o.phase == "bwd"]
