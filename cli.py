@@ -335,7 +335,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", default="bf16-mixed", choices=["fp32", "bf16-mixed", "fp16-mixed"],
                    help="ops in the dtype CUDA autocast gives them, fp32 masters (default bf16-mixed); "
                         "fp16-mixed adds dynamic loss scaling")
-    p.add_argument("--gpu-mem", dest="gpu_mem", help="override GPU memory (e.g. 200MB, 24GB)")
+    p.add_argument("--gpu-mem", dest="gpu_mem", help="GPU memory the plan's tensors may fill (e.g. 200MB, "
+                   "24GB); the GPU's reserve for the CUDA context and workspaces comes on top")
     p.add_argument("--dram", help="override DRAM capacity (e.g. 256GB)")
     p.add_argument("--ssds", type=int, help="override the number of SSDs")
     p.add_argument("--optimizer", default="adamw", choices=["adam", "adamw"])

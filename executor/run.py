@@ -82,6 +82,10 @@ def execute(plan: Plan, *, steps: int, data: str = "synthetic", state_dir: str |
               f"{pred.capacity_bytes['gpu'] / 1e6:.1f} MB budget; dram pool {ex.pool.size / 1e6:.1f} MB "
               f"(plan peak {pred.peak_bytes['dram'] / 1e6:.1f} MB)"
               + (f", {ex.pool.overflow_bytes / 1e6:.1f} MB outside it" if ex.pool.overflow_bytes else ""), file=out)
+        if "gpu_reserved" in ex.peak_bytes:  # CUDA: what the caching allocator really held
+            print(f"CUDA allocator peak: {ex.peak_bytes['gpu_allocated'] / 1e6:.1f} MB allocated, "
+                  f"{ex.peak_bytes['gpu_reserved'] / 1e6:.1f} MB reserved (held to {ex.alloc_limit / 1e6:.1f} MB: "
+                  f"the budget + workspaces)", file=out)
         busy = ex.lane_busy()
         print("lane busy, measured (predicted): " + ", ".join(
             f"{r} {v:.3g} s ({pred.busy_s.get(r, 0):.3g} s)" for r, v in busy.items()), file=out)

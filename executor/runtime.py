@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections import defaultdict
 from concurrent.futures import Future
 
@@ -43,10 +42,11 @@ import torch.nn as nn
 from tensorstow import TensorstowError
 from tensorstow.executor.aio import aligned_empty
 from tensorstow.executor.amp import AMP, LossScaler
+from tensorstow.executor.cuda import cap_allocator, check_device, lanes_for, out_of_memory
 from tensorstow.executor.device_ops import check_portable, targets_for
 from tensorstow.executor.segments import Joint
 from tensorstow.executor.state import RNG, rng_bytes, set_rng
-from tensorstow.executor.stores import (DeviceTier, FileStore, HostCopy, HostPool, HostTier, Layout, SSDTier,
+from tensorstow.executor.stores import (DeviceMemoryError, DeviceTier, FileStore, HostCopy, HostPool, HostTier, Layout, SSDTier,
                                         contiguous_stride)
 from tensorstow.ir.trace import Traced, model_dims, trace_model
 from tensorstow.planner.schedule import Instr
@@ -132,6 +132,11 @@ class Executor:
         self.joint.targets = targets_for(self.device)
         self.dev = DeviceTier(pred.capacity_bytes["gpu"] if device_budget is None else device_budget,
                               self.device)
+        self.lanes = lanes_for(self.instrs, self.device, overlap=mode == "overlap")
+        """Orders the instructions: host time on the CPU, streams and events on CUDA (executor.cuda)."""
+        self.alloc_limit = cap_allocator(self.device, self.dev.budget) if cuda else None
+        """CUDA: the bytes the caching allocator may reserve (the plan's budget + workspaces)."""
+        self._base = (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)) if cuda else None
         self.pool = HostPool(HostPool.needed(self._dram_events(resume)), pin=cuda)
         self.host = HostTier(pin=cuda, pool=self.pool)
         uses_ssd = bool(plan.ssd_sizes())
@@ -145,8 +150,6 @@ class Executor:
 
         self.keep = self._kept_values()
         self.adam = {b: _Adam(plan.options) for b in self.block_params if self.block_params[b]}
-        self._lane_streams: dict[str, torch.cuda.Stream] = {}
-        """One CUDA stream per lane, made on the first step and kept (overlap mode)."""
         self.scaler = LossScaler(plan.options, self.device) if self.precision == "fp16-mixed" else None
         """fp16-mixed: dynamic loss scaling (executor.amp, GradScaler's semantics)."""
         self.vocab = model_dims(model)[0]
@@ -156,6 +159,7 @@ class Executor:
         scaling skipped some)."""
         self.timeline: list[tuple[int, float, float]] = []
         self.loss: float | None = None
+        self._loss: torch.Tensor | None = None
         self.inputs: dict[str, torch.Tensor] = {}
         if checkpoint_every < 1:
             raise TensorstowError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
@@ -513,18 +517,18 @@ class Executor:
         for name, v in zip((*j.inputs, *j.constants), vals):
             self.dev.hold(v, name)
             self.inputs[name] = v
-        if self.device.type == "cuda":  # made on this thread's stream, read on the lanes' streams
-            torch.cuda.current_stream(self.device).synchronize()
-        self.loss = None
-        self.timeline = []
+        self.loss = self._loss = None
         if self.scaler is not None:
             self.scaler.begin_step()
+        self.lanes.begin()  # after the inputs: the lanes start from here
         try:
             (self._run_sync if self.mode == "sync" else self._run_overlap)()
         finally:
+            self.timeline = self.lanes.end()  # every lane's work is done (CUDA: their last events)
             for v in self.inputs.values():
                 self.dev.release(v)
             self.inputs.clear()
+        self.loss = float(self._loss)
         self._check_end_state()
         self.steps_done += 1
         if self.scaler is None or not self.scaler.update():
@@ -576,33 +580,23 @@ class Executor:
             lanes.setdefault(ins.stream, []).append(ins)
         failures: list[tuple[int, BaseException]] = []
         nthreads = torch.get_num_threads()
-        cuda = self.device.type == "cuda"
 
         def lane(instrs: list[Instr]) -> None:
             torch.set_num_threads(nthreads)  # same intra-op split (and reduction order) as sync
-            stream = None
-            if cuda:  # each lane its own key: no two threads touch one entry
-                stream = self._lane_streams.get(instrs[0].stream)
-                if stream is None:
-                    stream = self._lane_streams[instrs[0].stream] = torch.cuda.Stream(self.device)
-            for k, ins in enumerate(instrs):
-                try:
-                    for d in ins.deps:
-                        if futures[d].exception() is not None:
-                            raise _Upstream()
-                    if stream is not None:
-                        with torch.cuda.stream(stream):
-                            self._dispatch(ins)
-                        stream.synchronize()
-                    else:
+            with self.lanes.lane(instrs[0].stream):  # CUDA: the lane's stream
+                for k, ins in enumerate(instrs):
+                    try:
+                        for d in ins.deps:  # enqueued (device work) or done (host work)
+                            if futures[d].exception() is not None:
+                                raise _Upstream()
                         self._dispatch(ins)
-                except BaseException as e:  # this and every later instruction of the lane fail
-                    if not isinstance(e, _Upstream):
-                        failures.append((ins.id, e))
-                    for rest in instrs[k:]:
-                        futures[rest.id].set_exception(_Upstream())
-                    return
-                futures[ins.id].set_result(None)
+                    except BaseException as e:  # this and every later instruction of the lane fail
+                        if not isinstance(e, _Upstream):
+                            failures.append((ins.id, e))
+                        for rest in instrs[k:]:
+                            futures[rest.id].set_exception(_Upstream())
+                        return
+                    futures[ins.id].set_result(None)
 
         threads = [threading.Thread(target=lane, args=(v,), name=f"tensorstow-{s}", daemon=True)
                    for s, v in sorted(lanes.items())]
@@ -614,12 +608,15 @@ class Executor:
             raise min(failures, key=lambda f: f[0])[1]
 
     def _dispatch(self, ins: Instr) -> None:
-        t0 = time.perf_counter()
+        self.lanes.before(ins)  # CUDA: waits for its dependencies' events
         try:
             HANDLERS[ins.kind](self, ins)
-            self.timeline.append((ins.id, t0, time.perf_counter()))
         except TensorstowError as e:
             raise type(e)(f"instruction {ins.id} ({_describe(ins)}): {e}") from None
+        except torch.cuda.OutOfMemoryError:
+            raise DeviceMemoryError(f"instruction {ins.id} ({_describe(ins)}): "
+                                    f"{out_of_memory(self.alloc_limit, self.device)}") from None
+        self.lanes.after(ins)
 
     def _check_end_state(self) -> None:
         want = {(n, _HOME[b.home]) for n, b in self.plan.buffers.items() if b.home}
@@ -665,7 +662,7 @@ class Executor:
                 if self.scaler is not None and a.startswith("G:"):  # GradScaler's inf/NaN check
                     self.scaler.check(list(self.dev.get(a).values()))
             if j.loss in kept:
-                self.loss = float(kept[j.loss])
+                self._loss = kept[j.loss]  # read when the step ends: no host wait here
         finally:
             for v in kept.values():
                 self.dev.release(v)
@@ -695,6 +692,8 @@ class Executor:
             self.ssd.read(buf, self.host, layout)
 
     def _free(self, ins: Instr) -> None:
+        if ins.dst == "gpu0" and ins.tensor in self.dev.copies:
+            self.lanes.retire(self.dev.copies[ins.tensor].values())  # CUDA: other streams may still read it
         self.tiers[ins.dst].drop(ins.tensor)
 
     def _optimizer_step(self, ins: Instr) -> None:
@@ -800,9 +799,12 @@ class Executor:
         return c
 
     def close(self) -> None:
-        """Close the SSD store (it is not committed again: the last step already was)."""
+        """Close the SSD store (it is not committed again: the last step already was) and lift the
+        CUDA allocator's cap."""
         if self.ssd.store is not None and hasattr(self.ssd.store, "close"):
             self.ssd.store.close()
+        if self.alloc_limit is not None:  # the allocator is the process's again
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
 
     @property
     def loss_scale(self) -> float | None:
@@ -811,8 +813,15 @@ class Executor:
 
     @property
     def peak_bytes(self) -> dict[str, int]:
-        """High-water marks the executor measured: device tier and DRAM."""
-        return {"gpu": self.dev.peak, "dram": self.host.peak}
+        """High-water marks the executor measured: device tier and DRAM; on CUDA also the caching
+        allocator's since the executor was made (`gpu_allocated`: max_memory_allocated,
+        `gpu_reserved`: max_memory_reserved, both less what was there before; they include
+        library workspaces)."""
+        out = {"gpu": self.dev.peak, "dram": self.host.peak}
+        if self._base is not None:
+            out["gpu_allocated"] = torch.cuda.max_memory_allocated(self.device) - self._base[0]
+            out["gpu_reserved"] = torch.cuda.max_memory_reserved(self.device) - self._base[1]
+        return out
 
 
 HANDLERS = {
@@ -866,7 +875,8 @@ class _Adam:
                          self.lr, self.betas, self.eps, self.wd, out16, decoupled=self.decoupled)
             return
         fused = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
-        steps = [torch.tensor(float(steps_done + 1), device=params[0].device) for _ in params]
+        step = torch.full((), float(steps_done + 1), device=params[0].device)  # a fill kernel: no host copy
+        steps = [step] * len(params)  # read, not written, by the fused kernel
         fused(params, [g.contiguous() for g in grads], [m for m, _ in moments], [v for _, v in moments], [], steps,
               lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], weight_decay=self.wd, eps=self.eps,
               amsgrad=False, maximize=False)
@@ -918,25 +928,6 @@ class _Source:
                 self.pending[k] = v
             out[n] = self.pending.pop(n)
         return out
-
-
-def check_device(plan) -> None:
-    """On CUDA, the machine has what the plan was made for: as many GPUs as its instructions
-    use, and at least the plan's device capacity on gpu0. (Without CUDA the device tier is
-    budgeted CPU memory, which any plan may use.)"""
-    used = sorted({i.stream.split(".")[0] for i in plan.instructions if i.stream.startswith("gpu")})
-    have = torch.cuda.device_count()
-    spec = plan.hardware.spec
-    if len(used) > have:
-        raise TensorstowError(f"the plan runs on {len(used)} GPU(s) ({', '.join(used)} of {plan.hardware.name}: "
-                              f"{', '.join(g.name for g in spec.gpus[:len(used)])}) but this machine has {have}; "
-                              f"re-plan it for this machine (--hw local)")
-    cap = plan.predicted.capacity_bytes["gpu"]
-    total = torch.cuda.get_device_properties(0).total_memory
-    if cap > total:
-        raise TensorstowError(f"the plan gives gpu0 {cap / 1e9:.2f} GB ({plan.hardware.name}: {spec.gpus[0].name}) "
-                              f"but gpu0 here ({torch.cuda.get_device_name(0)}) has {total / 1e9:.2f} GB; re-plan "
-                              f"it with --hw local, or with --gpu-mem at most that")
 
 
 def _check_model_graph(m, traced: Traced) -> None:

@@ -238,9 +238,12 @@ class DeviceTier:
 class HostCopy:
     """One buffer in DRAM: a flat byte tensor plus the stride each tensor was stored with."""
 
-    def __init__(self, layout: Layout, blob: torch.Tensor, strides: dict[str, tuple] | None = None):
+    def __init__(self, layout: Layout, blob: torch.Tensor, strides: dict[str, tuple] | None = None,
+                 pinned: bool = False):
         self.layout, self.blob = layout, blob
         self.strides = dict(strides or {})
+        self.pinned = pinned
+        """Page-locked: a copy from the GPU into it is asynchronous (executor.cuda orders its readers)."""
         self._views: dict[str, torch.Tensor] = {}  # the blob never moves: views are made once
 
     def get(self, key: str) -> torch.Tensor:
@@ -254,7 +257,7 @@ class HostCopy:
     def set(self, key: str, t: torch.Tensor) -> None:
         self.strides[key] = kept_stride(t)
         self._views.pop(key, None)
-        self.get(key).copy_(t)
+        self.get(key).copy_(t, non_blocking=self.pinned and t.is_cuda)
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.get(key)
@@ -397,7 +400,7 @@ class HostTier:
         with self._lock:
             self.used += self.footprint(layout.nbytes)
             self.peak = max(self.peak, self.used)
-        c = self.copies[buf] = HostCopy(layout, blob)
+        c = self.copies[buf] = HostCopy(layout, blob, pinned=self.pin)
         return c
 
     def store_from(self, buf: str, layout: Layout, values: dict[str, torch.Tensor]) -> None:

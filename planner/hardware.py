@@ -15,6 +15,18 @@ from tensorstow import TensorstowError
 
 GB = 10**9
 GiB = 2**30
+MiB = 2**20
+
+CUDA_CONTEXT_BYTES = 512 * MiB
+"""GPU memory a CUDA process holds outside PyTorch's caching allocator: the context and the
+kernel images it loads (CUDA 12 loads them lazily). `tensorstow probe` measures it; presets
+state this value."""
+CUDA_WORKSPACE_BYTES = 256 * MiB
+"""Memory library code takes inside the caching allocator, outside the plan's tensors: the
+cuBLAS/cuBLASLt workspaces (32 MiB per stream that runs matmuls on Hopper, 4-8 MiB before),
+SDPA scratch, and the allocator's rounding of blocks. The executor lets the allocator reserve
+the plan's device budget plus this much (executor.cuda.cap_allocator)."""
+CUDA_RESERVED_BYTES = CUDA_CONTEXT_BYTES + CUDA_WORKSPACE_BYTES
 
 
 CPU_GPU_NAME = "cpu (no CUDA)"
@@ -27,7 +39,7 @@ class GPU:
     name: str
     """Human name, e.g. "RTX 4090"."""
     memory_bytes: int
-    """Device memory usable for training state."""
+    """The GPU's memory (`total_memory`)."""
     flops: float
     """Measured peak FLOP/s at the compute precision (LoHan THP_G)."""
     mem_bw: float
@@ -38,6 +50,15 @@ class GPU:
     """Device -> host bandwidth, bytes/s. The host link is duplex: h2d and d2h overlap."""
     root_complex: int = 0
     """Which CPU root complex the GPU hangs off (Mobius: GPUs on one complex share its bandwidth)."""
+    reserved_bytes: int = 0
+    """Memory a plan leaves to the CUDA context and library workspaces (CUDA_RESERVED_BYTES in
+    the presets; measured by `tensorstow probe`; 0 for the CPU device tier). The plan's tensors
+    get `plan_bytes`."""
+
+    @property
+    def plan_bytes(self) -> int:
+        """What the plan's tensors may fill: the device tier's budget."""
+        return max(0, self.memory_bytes - self.reserved_bytes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,8 +139,9 @@ class Hardware:
     def with_overrides(self, *, gpu_mem: int | None = None, dram: int | None = None,
                        ssds: int | None = None) -> "Hardware":
         hw = self
-        if gpu_mem is not None:
-            hw = dataclasses.replace(hw, gpus=tuple(dataclasses.replace(g, memory_bytes=gpu_mem) for g in hw.gpus))
+        if gpu_mem is not None:  # the plan's budget; the context and workspaces come on top
+            hw = dataclasses.replace(hw, gpus=tuple(dataclasses.replace(g, memory_bytes=gpu_mem + g.reserved_bytes)
+                                                    for g in hw.gpus))
         if dram is not None:
             hw = dataclasses.replace(hw, dram=dataclasses.replace(hw.dram, capacity_bytes=dram))
         if ssds is not None:

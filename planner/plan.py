@@ -37,7 +37,7 @@ class Problem:
         return self.options.precision != "fp32"
 
     def capacity(self) -> dict[str, int]:
-        return {"gpu": self.hw.gpu.memory_bytes, "dram": self.hw.dram.capacity_bytes,
+        return {"gpu": self.hw.gpu.plan_bytes, "dram": self.hw.dram.capacity_bytes,
                 "ssd": self.hw.ssd.count * self.hw.ssd.capacity_bytes}
 
 

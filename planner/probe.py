@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tensorstow import TensorstowError
-from tensorstow.planner.hardware import CPU, CPU_GPU_NAME, DRAM, GPU, SSD, GiB, Hardware
+from tensorstow.planner.hardware import CPU, CPU_GPU_NAME, CUDA_WORKSPACE_BYTES, DRAM, GPU, SSD, GiB, Hardware
 
 MiB = 2**20
 
@@ -476,10 +476,14 @@ def _probe_one_cuda(dev: int, p: _Params) -> tuple[GPU, str]:
         del d_src, h
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
+        # what this process cannot use: the context and kernel images (and other processes' memory)
+        free, total = torch.cuda.mem_get_info(dev)
+        context = max(0, total - free - torch.cuda.memory_reserved(dev))
     note = (f"cuda:{dev} {props.name}: {str(dtype).removeprefix('torch.')} mm {n}^2, "
-            f"copies {nbytes // MiB} MiB (pinned host)")
-    return GPU(name=props.name, memory_bytes=int(props.total_memory), flops=flops,
-               mem_bw=mem_bw, h2d_bw=h2d, d2h_bw=d2h), note
+            f"copies {nbytes // MiB} MiB (pinned host); context and other processes {context / MiB:.0f} MiB "
+            f"+ {CUDA_WORKSPACE_BYTES // MiB} MiB workspaces reserved")
+    return GPU(name=props.name, memory_bytes=int(props.total_memory), flops=flops, mem_bw=mem_bw, h2d_bw=h2d,
+               d2h_bw=d2h, reserved_bytes=context + CUDA_WORKSPACE_BYTES), note
 
 
 def _probe_p2p(p: _Params) -> float:

@@ -471,15 +471,17 @@ def test_a_gpu_smaller_than_the_plans_is_refused_with_both_named(monkeypatch):
     count and gpu0's memory. (Checked here with torch.cuda's answers replaced: no GPU needed.)"""
     from types import SimpleNamespace
 
-    from tensorstow.executor.runtime import check_device
+    from tensorstow.executor.cuda import check_device
     from tensorstow.planner.schema import Plan
     plan = Plan.from_json(get_plan("zero-infinity"))
     cap = plan.predicted.capacity_bytes["gpu"]
+    need = cap + plan.hardware.spec.gpu.reserved_bytes  # the CUDA context and workspaces on top
+    assert plan.hardware.spec.gpu.reserved_bytes > 0
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "Tiny GPU")
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: SimpleNamespace(total_memory=cap))
-    check_device(plan)  # exactly the plan's capacity: fine
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: SimpleNamespace(total_memory=cap - 1))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: SimpleNamespace(total_memory=need))
+    check_device(plan)  # exactly the plan's budget and the reserve: fine
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: SimpleNamespace(total_memory=need - 1))
     with pytest.raises(TensorstowError, match=r"lohan-rtx4090: RTX 4090\) but gpu0 here \(Tiny GPU\)"):
         check_device(plan)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)

@@ -3,10 +3,19 @@ Runs only where CUDA exists (a lent GPU machine); skips with the reason everywhe
 import pytest
 import torch
 
+from tensorstow.planner.hardware import CUDA_WORKSPACE_BYTES
 from tests.test_executor import B, PRESETS, STEPS, T, VOCAB, GPT, batches, get_plan, executor
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="no CUDA device on this machine (CPU-only CI); run on a lent GPU")
+
+
+@pytest.fixture(autouse=True)
+def lift_the_allocator_cap():
+    """An executor holds the caching allocator to its plan's budget; later tests get all of it."""
+    torch.cuda.empty_cache()
+    yield
+    torch.cuda.set_per_process_memory_fraction(1.0)
 
 
 def eager_cuda():
@@ -32,7 +41,16 @@ def test_cuda_plan_matches_eager_and_stays_in_budget(name, mode, tmp_path):
     base = torch.cuda.memory_allocated()
     ex = executor(plan, tmp_path / "ssd", mode)
     losses = [ex.step(x, y) for x, y in batches("synthetic", B, T, VOCAB, STEPS, seed=0)]
-    assert torch.cuda.max_memory_allocated() - base <= budget
+    # what the allocator really held: the plan's tensors within the budget, library workspaces
+    # (cuBLAS) within CUDA_WORKSPACE_BYTES, and reserved memory within the cap the executor set
+    assert torch.cuda.max_memory_allocated() - base <= budget + CUDA_WORKSPACE_BYTES
+    assert ex.peak_bytes["gpu_allocated"] <= budget + CUDA_WORKSPACE_BYTES
+    assert torch.cuda.max_memory_reserved() <= ex.alloc_limit
+    # the lanes' device work is timed by CUDA events: every instruction has its interval
+    assert sorted(i for i, _, _ in ex.timeline) == [i.id for i in ex.instrs]
+    if mode == "overlap":
+        assert len(ex.lanes.streams) == len({i.stream for i in ex.instrs})
+    ex.close()
     ref_losses, ref = eager_cuda()
     # GPU kernels may pick different reduction orders for differently laid-out inputs: tolerance
     # of a few fp32 ulps per step rather than bit identity
@@ -94,3 +112,20 @@ def test_fp16_loss_scaling_with_cpu_optimizer_steps_on_cuda(tmp_path):
     ex = Executor(plan, GPT(PRESETS["gpt-tiny"]), state_dir=tmp_path)
     losses = [ex.step(x, y) for x, y in batches("synthetic", B, T, VOCAB, 6, seed=0)]
     assert all(l == l for l in losses) and 0 < ex.opt_steps < 6 and ex.loss_scale < 2.0 ** 20
+
+
+def test_a_step_over_the_allocator_cap_is_one_clear_error(tmp_path, monkeypatch):
+    """The caching allocator is held to the plan's budget: an allocation past it fails with
+    DeviceMemoryError naming the instruction and the cap, not a CUDA traceback."""
+    from tensorstow.executor.runtime import Executor
+    from tensorstow.executor.stores import DeviceMemoryError
+    ex = executor(get_plan("zero-infinity"), tmp_path / "ssd", "sync")
+    run_segment = Executor._run_segment
+
+    def greedy(self, ins):  # a segment that allocates more than the cap allows
+        torch.empty(ex.alloc_limit, dtype=torch.uint8, device=self.device)
+        return run_segment(self, ins)
+    monkeypatch.setattr(Executor, "_run_segment", greedy)
+    with pytest.raises(DeviceMemoryError, match=r"instruction \d+ \(compute fwd:.*CUDA out of memory: the caching "
+                                                r"allocator is held to"):
+        ex.step(*next(iter(batches("synthetic", B, T, VOCAB, 1, seed=0))))

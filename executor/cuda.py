@@ -1,0 +1,219 @@
+"""How the executor orders a step's instructions: host time on the CPU, CUDA streams and events
+on a GPU, the caching allocator held to the plan's budget, and the machine checked against the plan.
+
+An instruction is *device work*, enqueued on its lane's CUDA stream (compute, recompute, the GPU
+optimizer, copies to and from gpu0, frees on gpu0), or *host work* that its lane's thread does
+itself (SSD reads and writes, the CPU optimizer, frees in DRAM and on SSD). In overlap mode
+every lane (plan stream) has one CUDA stream for the executor's lifetime, and a dependency
+becomes:
+
+  device -> device  the consumer's stream waits on the producer's end event (no host wait)
+  device -> host    the lane thread waits for that event (an SSD write of a buffer the GPU
+                    copied into pinned DRAM with a non-blocking D2H copy, a DRAM free after
+                    the H2D copy that read it)
+  host -> anything  nothing: host work is done when its thread moves on
+
+Host work also waits for its own lane's earlier device work (program order within a lane). A
+step starts with every lane stream waiting on the event recorded after its inputs, and ends
+with the caller's stream waiting on each lane's last event and the host waiting for those
+events: no instruction is followed by a synchronize, and nothing waits for the whole device.
+In sync mode all device work goes on the caller's stream, in program order, and host work
+waits for that stream's pending work.
+
+A gpu0 tensor freed while other lanes' streams may still read it is `record_stream`-ed on
+every lane stream, so the caching allocator reuses its memory only after the work enqueued on
+them so far has finished. Timings: device work between two CUDA events, host work in host
+time, both relative to the step's start.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from tensorstow import TensorstowError
+from tensorstow.planner.hardware import CUDA_WORKSPACE_BYTES
+
+
+def on_host(ins) -> bool:
+    """Whether the instruction is host work (its lane's thread does it) rather than device work."""
+    if ins.kind == "optimizer_step":
+        return ins.dst == "cpu"
+    if ins.kind in ("load", "store"):
+        return "gpu0" not in (ins.src, ins.dst)
+    if ins.kind == "free":
+        return ins.dst != "gpu0"
+    return False
+
+
+class HostLanes:
+    """The CPU: an instruction is done when its handler returns; timings are host time."""
+
+    def __init__(self):
+        self._times: dict[int, list[float]] = {}
+
+    def begin(self) -> None:
+        self._times = {}
+
+    def lane(self, name: str):
+        return contextlib.nullcontext()
+
+    def before(self, ins) -> None:
+        self._times[ins.id] = [time.perf_counter(), 0.0]
+
+    def after(self, ins) -> None:
+        self._times[ins.id][1] = time.perf_counter()
+
+    def retire(self, tensors) -> None:
+        """A device copy is dropped (nothing to do: CPU memory is freed with its last reference)."""
+
+    def end(self) -> list[tuple[int, float, float]]:
+        """The step's (instruction, start, end) in seconds, for those that finished."""
+        return sorted((i, t0, t1) for i, (t0, t1) in self._times.items() if t1)
+
+
+class CudaLanes:
+    """Streams and events for one executor's instructions (`cuda`: the torch.cuda module; tests
+    pass a recording stand-in)."""
+
+    def __init__(self, instrs, device, *, overlap: bool, cuda=torch.cuda):
+        self.cuda, self.device = cuda, device
+        self._record_stream = getattr(cuda, "record_stream", torch.Tensor.record_stream)
+        self.host = [on_host(i) for i in instrs]
+        self.key = [i.stream if overlap else "" for i in instrs]
+        """The stream each instruction's device work goes on: its lane's, or "" (the caller's)."""
+        self.streams: dict[str, object] = {}
+        """One CUDA stream per lane, made on the first step and kept (overlap mode)."""
+        self.overlap = overlap
+        self._events: list[tuple | None] = [None] * len(instrs)  # (start, end) per instruction, made once
+        self._start = None
+        self._t0 = 0.0
+        self._done: dict[int, object] = {}   # this step's device work: instruction -> its end event
+        self._pending: dict[str, object] = {}  # stream key -> its last end event the host has not waited for
+        self._last: dict[str, object] = {}   # stream key -> its last end event this step
+        self._host: dict[int, list[float]] = {}
+
+    def _stream(self, key: str):
+        return self.streams[key] if key else self.cuda.current_stream(self.device)
+
+    def begin(self) -> None:
+        """The step's inputs are enqueued on the caller's stream: mark the point lanes start from."""
+        if self.overlap and not self.streams:
+            self.streams = {k: self.cuda.Stream(self.device) for k in sorted(set(self.key))}
+        if self._start is None:
+            self._start = self.cuda.Event(enable_timing=True)
+        self._start.record(self.cuda.current_stream(self.device))
+        self._t0 = time.perf_counter()
+        self._done, self._pending, self._last, self._host = {}, {}, {}, {}
+
+    @contextlib.contextmanager
+    def lane(self, name: str):
+        """Run a lane's instructions on its stream, which first waits for the step's inputs."""
+        s = self.streams[name]
+        s.wait_event(self._start)
+        with self.cuda.stream(s):
+            yield
+
+    def before(self, ins) -> None:
+        i, key = ins.id, self.key[ins.id]
+        if self.host[i]:
+            last = self._pending.pop(key, None)  # the lane's own earlier device work
+            if last is not None:
+                last.synchronize()
+            for d in ins.deps:
+                ev = self._done.get(d)
+                if ev is not None and self.key[d] != key:
+                    ev.synchronize()
+            self._host[i] = [time.perf_counter(), 0.0]
+            return
+        s = self._stream(key)
+        for d in ins.deps:
+            ev = self._done.get(d)
+            if ev is not None and self.key[d] != key:
+                s.wait_event(ev)
+        if self._events[i] is None:
+            self._events[i] = (self.cuda.Event(enable_timing=True), self.cuda.Event(enable_timing=True))
+        self._events[i][0].record(s)
+
+    def after(self, ins) -> None:
+        i, key = ins.id, self.key[ins.id]
+        if self.host[i]:
+            self._host[i][1] = time.perf_counter()
+            return
+        end = self._events[i][1]
+        end.record(self._stream(key))
+        self._done[i] = self._pending[key] = self._last[key] = end
+
+    def retire(self, tensors) -> None:
+        """Device tensors are about to be dropped: keep their memory from the allocator until every
+        lane stream has done the work enqueued on it so far (one stream: its order suffices)."""
+        if not self.streams:
+            return
+        seen = set()
+        for t in tensors:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in seen:
+                continue
+            seen.add(ptr)
+            for s in self.streams.values():
+                self._record_stream(t, s)
+
+    def end(self) -> list[tuple[int, float, float]]:
+        """Join the lanes: the caller's stream waits on each lane's last event and the host waits
+        for them (the step's results are read next); returns the step's timings."""
+        main = self.cuda.current_stream(self.device)
+        for ev in self._last.values():
+            main.wait_event(ev)
+            ev.synchronize()
+        out = [(i, t0, t1) for i, (t0, t1) in self._host.items() if t1]
+        for i in self._done:
+            start, end = self._events[i]
+            out.append((i, self._t0 + self._start.elapsed_time(start) / 1e3,
+                        self._t0 + self._start.elapsed_time(end) / 1e3))
+        return sorted(out)
+
+
+def lanes_for(instrs, device: torch.device, overlap: bool):
+    return CudaLanes(instrs, device, overlap=overlap) if device.type == "cuda" else HostLanes()
+
+
+def cap_allocator(device: torch.device, budget: int) -> int:
+    """Hold PyTorch's caching allocator to what the plan allows: what it had reserved before, the
+    plan's device budget, and CUDA_WORKSPACE_BYTES for library workspaces and block rounding.
+    At that limit the allocator waits for other streams' pending frees and returns its cached
+    blocks before it reports out of memory. Returns the limit in bytes."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    limit = min(total, torch.cuda.memory_reserved(device) + budget + CUDA_WORKSPACE_BYTES)
+    torch.cuda.set_per_process_memory_fraction(limit / total, device)
+    return limit
+
+
+def out_of_memory(limit: int, device: torch.device) -> str:
+    """Why a CUDA allocation failed under `cap_allocator`'s limit, and what to do."""
+    return (f"CUDA out of memory: the caching allocator is held to {limit / 1e6:.1f} MB (the plan's gpu0 budget "
+            f"+ {CUDA_WORKSPACE_BYTES >> 20} MiB for workspaces) and has {torch.cuda.memory_reserved(device) / 1e6:.1f} MB "
+            f"reserved, {torch.cuda.memory_allocated(device) / 1e6:.1f} MB allocated; re-plan with a smaller "
+            f"--gpu-mem to leave headroom, or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to cut "
+            f"fragmentation")
+
+
+def check_device(plan) -> None:
+    """On CUDA, the machine has what the plan was made for: as many GPUs as its instructions
+    use, and on gpu0 at least the plan's device budget plus the memory the plan leaves to the
+    CUDA context and workspaces (`GPU.reserved_bytes`). (Without CUDA the device tier is
+    budgeted CPU memory, which any plan may use.)"""
+    used = sorted({i.stream.split(".")[0] for i in plan.instructions if i.stream.startswith("gpu")})
+    have = torch.cuda.device_count()
+    spec = plan.hardware.spec
+    if len(used) > have:
+        raise TensorstowError(f"the plan runs on {len(used)} GPU(s) ({', '.join(used)} of {plan.hardware.name}: "
+                              f"{', '.join(g.name for g in spec.gpus[:len(used)])}) but this machine has {have}; "
+                              f"re-plan it for this machine (--hw local)")
+    cap, reserved = plan.predicted.capacity_bytes["gpu"], spec.gpus[0].reserved_bytes
+    total = torch.cuda.get_device_properties(0).total_memory
+    if cap + reserved > total:
+        raise TensorstowError(f"the plan gives gpu0 {cap / 1e9:.2f} GB + {reserved / 1e9:.2f} GB for the CUDA "
+                              f"context and workspaces ({plan.hardware.name}: {spec.gpus[0].name}) but gpu0 here "
+                              f"({torch.cuda.get_device_name(0)}) has {total / 1e9:.2f} GB; re-plan it with "
+                              f"--hw local, or with --gpu-mem at most {max(total - reserved, 0) / 1e9:.2f} GB")
