@@ -226,6 +226,46 @@ def test_corrupted_block_is_detected(tmp_path):
             store.read("w", torch.empty(3 << 20, dtype=torch.uint8))
 
 
+def test_manifest_checksums_are_xxh3_and_stores_of_version_1_resume_with_crc32(tmp_path, monkeypatch):
+    """New stores record XXH3-64 per 16 MiB block; a store made before (manifest version 1, CRC-32)
+    resumes, is still verified with CRC-32 and stays version 1."""
+    import zlib
+
+    import xxhash
+
+    from tensorstow.executor import ssd
+    data = _random_bytes((16 << 20) + 5, 3)
+    blocks = [data[:16 << 20].numpy().tobytes(), data[16 << 20:].numpy().tobytes()]
+    with SSDStore(tmp_path / "new", {"w": data.numel()}) as store:
+        store.write("w", data)
+        store.commit(1)
+    m = json.loads((tmp_path / "new" / "MANIFEST").read_text())
+    assert (m["version"], m["checksum"]) == (2, "xxh3_64")
+    assert m["buffers"]["w"]["checksums"] == [xxhash.xxh3_64_intdigest(b) for b in blocks]
+
+    with monkeypatch.context() as old:  # what tensorstow wrote before 2026-11-23
+        old.setattr(ssd, "VERSION", 1)
+        with SSDStore(tmp_path / "old", {"w": data.numel()}) as store:
+            store.write("w", data)
+            store.commit(1)
+    m = json.loads((tmp_path / "old" / "MANIFEST").read_text())
+    assert m["version"] == 1 and "checksum" not in m
+    assert m["buffers"]["w"]["crc32"] == [zlib.crc32(b) for b in blocks]
+    with SSDStore(tmp_path / "old", {"w": data.numel()}) as store:
+        out = torch.empty_like(data)
+        store.read("w", out)
+        assert torch.equal(out, data)
+        store.write("w", data.flip(0))
+        store.commit(2)
+        path = store.committed_path("w")
+    assert json.loads((tmp_path / "old" / "MANIFEST").read_text())["version"] == 1
+    with open(path, "r+b") as f:
+        f.write(b"\x00\x01")
+    with SSDStore(tmp_path / "old", {"w": data.numel()}) as store:
+        with pytest.raises(TensorstowError, match=r"corrupted .*committed step 2; crc32 0x"):
+            store.read("w", torch.empty_like(data))
+
+
 def test_mismatched_plan_and_bad_dirs(tmp_path):
     with SSDStore(tmp_path / "s", {"a": 100, "b": 200}):
         with pytest.raises(TensorstowError, match="is locked by another"):
