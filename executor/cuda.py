@@ -15,8 +15,10 @@ becomes:
 
 Host work also waits for its own lane's earlier device work (program order within a lane). A
 step starts with every lane stream waiting on the event recorded after its inputs, and ends
-with the caller's stream waiting on each lane's last event and the host waiting for those
-events: no instruction is followed by a synchronize, and nothing waits for the whole device.
+with the caller's stream waiting for the lanes' streams and the host for one event after that:
+no instruction is followed by a synchronize, and nothing waits for the whole device. A lane
+keeps at most DEPTH device instructions queued ahead of the GPU (it waits for the one DEPTH
+back before enqueuing another), so memory freed in host time is soon free on the GPU.
 In sync mode all device work goes on the caller's stream, in program order, and host work
 waits for that stream's pending work.
 
@@ -27,6 +29,7 @@ time, both relative to the step's start.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 
@@ -77,6 +80,12 @@ class CudaLanes:
     """Streams and events for one executor's instructions (`cuda`: the torch.cuda module; tests
     pass a recording stand-in)."""
 
+    DEPTH = 2
+    """Device instructions a lane may have queued ahead of the GPU: before enqueuing one more, the
+    lane's thread waits for the one DEPTH back. The GPU always has work queued, and memory the
+    host frees is free on the GPU soon after, so the device tier's count (host time) stays close
+    to what the allocator holds (GPU time)."""
+
     def __init__(self, instrs, device, *, overlap: bool, cuda=torch.cuda):
         self.cuda, self.device = cuda, device
         self._record_stream = getattr(cuda, "record_stream", torch.Tensor.record_stream)
@@ -91,7 +100,8 @@ class CudaLanes:
         self._t0 = 0.0
         self._done: dict[int, object] = {}   # this step's device work: instruction -> its end event
         self._pending: dict[str, object] = {}  # stream key -> its last end event the host has not waited for
-        self._last: dict[str, object] = {}   # stream key -> its last end event this step
+        self._joined = None  # recorded on the caller's stream when the step ends
+        self._queued: dict[str, collections.deque] = {}  # stream key -> its last DEPTH end events
         self._host: dict[int, list[float]] = {}
 
     def _stream(self, key: str):
@@ -105,7 +115,8 @@ class CudaLanes:
             self._start = self.cuda.Event(enable_timing=True)
         self._start.record(self.cuda.current_stream(self.device))
         self._t0 = time.perf_counter()
-        self._done, self._pending, self._last, self._host = {}, {}, {}, {}
+        self._done, self._pending, self._host = {}, {}, {}
+        self._queued = {k: collections.deque() for k in set(self.key)}
 
     @contextlib.contextmanager
     def lane(self, name: str):
@@ -128,6 +139,9 @@ class CudaLanes:
             self._host[i] = [time.perf_counter(), 0.0]
             return
         s = self._stream(key)
+        queued = self._queued[key]
+        if len(queued) >= self.DEPTH:
+            queued.popleft().synchronize()
         for d in ins.deps:
             ev = self._done.get(d)
             if ev is not None and self.key[d] != key:
@@ -143,7 +157,8 @@ class CudaLanes:
             return
         end = self._events[i][1]
         end.record(self._stream(key))
-        self._done[i] = self._pending[key] = self._last[key] = end
+        self._done[i] = self._pending[key] = end
+        self._queued[key].append(end)
 
     def retire(self, tensors) -> None:
         """Device tensors are about to be dropped: keep their memory from the allocator until every
@@ -160,12 +175,16 @@ class CudaLanes:
                 self._record_stream(t, s)
 
     def end(self) -> list[tuple[int, float, float]]:
-        """Join the lanes: the caller's stream waits on each lane's last event and the host waits
-        for them (the step's results are read next); returns the step's timings."""
+        """Join the lanes: the caller's stream waits for everything enqueued on theirs (also the
+        work of an instruction that failed half-way), and the host for the caller's stream at
+        that point (the step's results are read next); returns the step's timings."""
         main = self.cuda.current_stream(self.device)
-        for ev in self._last.values():
-            main.wait_event(ev)
-            ev.synchronize()
+        for s in self.streams.values():
+            main.wait_stream(s)
+        if self._joined is None:
+            self._joined = self.cuda.Event()
+        self._joined.record(main)
+        self._joined.synchronize()
         out = [(i, t0, t1) for i, (t0, t1) in self._host.items() if t1]
         for i in self._done:
             start, end = self._events[i]
@@ -178,15 +197,18 @@ def lanes_for(instrs, device: torch.device, overlap: bool):
     return CudaLanes(instrs, device, overlap=overlap) if device.type == "cuda" else HostLanes()
 
 
-def cap_allocator(device: torch.device, budget: int) -> int:
-    """Hold PyTorch's caching allocator to what the plan allows: what it had reserved before, the
-    plan's device budget, and CUDA_WORKSPACE_BYTES for library workspaces and block rounding.
-    At that limit the allocator waits for other streams' pending frees and returns its cached
-    blocks before it reports out of memory. Returns the limit in bytes."""
+def cap_allocator(device: torch.device, budget: int, base: int) -> tuple[float, int]:
+    """Hold PyTorch's caching allocator to what the plan allows: `base` (what it had reserved
+    before the executor), the plan's device budget, and CUDA_WORKSPACE_BYTES for library
+    workspaces and block rounding. At that limit the allocator waits for other streams' pending
+    frees and returns its cached blocks before it reports out of memory. Returns the cap it had
+    before (a fraction, for `Executor.close` to put back) and the limit in bytes."""
     total = torch.cuda.get_device_properties(device).total_memory
-    limit = min(total, torch.cuda.memory_reserved(device) + budget + CUDA_WORKSPACE_BYTES)
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    before = float(getter(device)) if getter is not None else 1.0
+    limit = min(total, base + budget + CUDA_WORKSPACE_BYTES)
     torch.cuda.set_per_process_memory_fraction(limit / total, device)
-    return limit
+    return before, limit
 
 
 def out_of_memory(limit: int, device: torch.device) -> str:

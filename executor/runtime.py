@@ -65,7 +65,8 @@ class ExecutionError(TensorstowError):
 class Executor:
     def __init__(self, plan, model: nn.Module, *, mode: str = "sync", state_dir=None,
                  ssd_store=None, resume: bool = False, device_budget: int | None = None,
-                 traced: Traced | None = None, checkpoint_every: int = 1, init_values=None):
+                 traced: Traced | None = None, checkpoint_every: int = 1, init_values=None,
+                 device: str | torch.device | None = None):
         """`state_dir`: directory for the fallback `FileStore` when the plan uses the SSD tier and
         no `ssd_store` is given. `resume`: continue from the step the SSD store committed last
         (every P/M/OS buffer must live on SSD; the model's values are then not used); without
@@ -78,7 +79,9 @@ class Executor:
         random generator are written too, and resuming needs nothing else. `init_values`: an
         iterator of (name, value) of the parameters in parameter order, or a mapping name ->
         value read on demand, used instead of the model's parameters (which may then live on the
-        meta device: out-of-core initialisation)."""
+        meta device: out-of-core initialisation). `device`: where the device tier lives, "cuda"
+        or "cpu" (budgeted host memory); default the environment's TENSORSTOW_DEVICE, else CUDA
+        when there is one."""
         if mode not in MODES:
             raise TensorstowError(f"unknown executor mode '{mode}': use one of {list(MODES)}")
         from tensorstow.ir.hf import wrap
@@ -124,19 +127,23 @@ class Executor:
         if pred.peak_bytes["gpu"] > pred.capacity_bytes["gpu"]:
             raise TensorstowError(f"the plan does not fit its GPU ({pred.peak_bytes['gpu']} bytes at peak > "
                                   f"{pred.capacity_bytes['gpu']} capacity); re-plan it")
-        cuda = torch.cuda.is_available()
+        self.device = _device(device)
+        cuda = self.device.type == "cuda"
         if cuda:
             check_device(plan)
-        self.device = torch.device("cuda", 0) if cuda else torch.device("cpu")
         check_portable(self.traced.gm, self.device)
         self.joint.targets = targets_for(self.device)
         self.dev = DeviceTier(pred.capacity_bytes["gpu"] if device_budget is None else device_budget,
                               self.device)
         self.lanes = lanes_for(self.instrs, self.device, overlap=mode == "overlap")
         """Orders the instructions: host time on the CPU, streams and events on CUDA (executor.cuda)."""
-        self.alloc_limit = cap_allocator(self.device, self.dev.budget) if cuda else None
+        self.alloc_limit: int | None = None
         """CUDA: the bytes the caching allocator may reserve (the plan's budget + workspaces)."""
-        self._base = (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)) if cuda else None
+        self._fraction: float | None = None  # CUDA: the allocator's cap before this executor's
+        self._base = None
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._base = (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device))
         self.pool = HostPool(HostPool.needed(self._dram_events(resume)), pin=cuda)
         self.host = HostTier(pin=cuda, pool=self.pool)
         uses_ssd = bool(plan.ssd_sizes())
@@ -177,6 +184,8 @@ class Executor:
                 f"{committed}: pass resume=True to continue from it, or use an empty state dir")
         else:
             self._place_homes(model, values=init_values)
+        if cuda:  # last: a refused executor leaves the allocator as it was
+            self._fraction, self.alloc_limit = cap_allocator(self.device, self.dev.budget, self._base[1])
 
     # ---- setup ------------------------------------------------------------------------------
     def _read_instructions(self, plan) -> list[Instr]:
@@ -521,13 +530,20 @@ class Executor:
         if self.scaler is not None:
             self.scaler.begin_step()
         self.lanes.begin()  # after the inputs: the lanes start from here
+        ok = False
         try:
             (self._run_sync if self.mode == "sync" else self._run_overlap)()
+            ok = True
         finally:
-            self.timeline = self.lanes.end()  # every lane's work is done (CUDA: their last events)
-            for v in self.inputs.values():
-                self.dev.release(v)
-            self.inputs.clear()
+            try:
+                self.timeline = self.lanes.end()  # every lane's work is done (CUDA: joined)
+            except Exception:
+                if ok:
+                    raise  # else the step's own error is the one to report
+            finally:
+                for v in self.inputs.values():
+                    self.dev.release(v)
+                self.inputs.clear()
         self.loss = float(self._loss)
         self._check_end_state()
         self.steps_done += 1
@@ -582,21 +598,22 @@ class Executor:
         nthreads = torch.get_num_threads()
 
         def lane(instrs: list[Instr]) -> None:
-            torch.set_num_threads(nthreads)  # same intra-op split (and reduction order) as sync
-            with self.lanes.lane(instrs[0].stream):  # CUDA: the lane's stream
-                for k, ins in enumerate(instrs):
-                    try:
+            k = 0
+            try:
+                torch.set_num_threads(nthreads)  # same intra-op split (and reduction order) as sync
+                with self.lanes.lane(instrs[0].stream):  # CUDA: the lane's stream
+                    for k, ins in enumerate(instrs):
                         for d in ins.deps:  # enqueued (device work) or done (host work)
                             if futures[d].exception() is not None:
                                 raise _Upstream()
                         self._dispatch(ins)
-                    except BaseException as e:  # this and every later instruction of the lane fail
-                        if not isinstance(e, _Upstream):
-                            failures.append((ins.id, e))
-                        for rest in instrs[k:]:
-                            futures[rest.id].set_exception(_Upstream())
-                        return
-                    futures[ins.id].set_result(None)
+                        futures[ins.id].set_result(None)
+            except BaseException as e:  # this and every later instruction of the lane fail
+                if not isinstance(e, _Upstream):
+                    failures.append((instrs[k].id, e))
+                for rest in instrs[k:]:
+                    if not futures[rest.id].done():
+                        futures[rest.id].set_exception(_Upstream())
 
         threads = [threading.Thread(target=lane, args=(v,), name=f"tensorstow-{s}", daemon=True)
                    for s, v in sorted(lanes.items())]
@@ -682,8 +699,8 @@ class Executor:
     def _copy(self, ins: Instr) -> None:
         buf, src, dst = ins.tensor, ins.src, ins.dst
         layout = self.layouts[buf]
-        if (src, dst) == ("gpu0", "dram"):
-            self.host.store_from(buf, layout, self.dev.get(buf))
+        if (src, dst) == ("gpu0", "dram"):  # CUDA: asynchronous, its readers wait for its event
+            self.host.store_from(buf, layout, self.dev.get(buf), non_blocking=True)
         elif (src, dst) == ("dram", "gpu0"):
             self.dev.load_from(buf, self.host.get(buf))
         elif (src, dst) == ("dram", "ssd"):
@@ -803,8 +820,9 @@ class Executor:
         CUDA allocator's cap."""
         if self.ssd.store is not None and hasattr(self.ssd.store, "close"):
             self.ssd.store.close()
-        if self.alloc_limit is not None:  # the allocator is the process's again
-            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+        if self._fraction is not None:  # the allocator's cap is what it was before
+            torch.cuda.set_per_process_memory_fraction(self._fraction, self.device)
+            self._fraction = None
 
     @property
     def loss_scale(self) -> float | None:
@@ -875,9 +893,10 @@ class _Adam:
                          self.lr, self.betas, self.eps, self.wd, out16, decoupled=self.decoupled)
             return
         fused = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
-        step = torch.full((), float(steps_done + 1), device=params[0].device)  # a fill kernel: no host copy
+        step = torch.full((), float(steps_done + 1), dtype=torch.float32, device=params[0].device)  # no host copy
         steps = [step] * len(params)  # read, not written, by the fused kernel
-        fused(params, [g.contiguous() for g in grads], [m for m, _ in moments], [v for _, v in moments], [], steps,
+        grads = [g if g.stride() == p.stride() else torch.empty_like(p).copy_(g) for p, g in zip(params, grads)]
+        fused(params, grads, [m for m, _ in moments], [v for _, v in moments], [], steps,
               lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], weight_decay=self.wd, eps=self.eps,
               amsgrad=False, maximize=False)
 
@@ -928,6 +947,21 @@ class _Source:
                 self.pending[k] = v
             out[n] = self.pending.pop(n)
         return out
+
+
+def _device(device) -> torch.device:
+    """The device tier's device: the argument, else TENSORSTOW_DEVICE, else CUDA when there is one."""
+    import os
+    name = device if device is not None else os.environ.get("TENSORSTOW_DEVICE") or (
+        "cuda" if torch.cuda.is_available() else "cpu")
+    d = torch.device(name)
+    if d.type not in ("cpu", "cuda"):
+        raise TensorstowError(f"executor device '{name}': use cuda or cpu")
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise TensorstowError(f"executor device '{name}': this machine has no CUDA device; use cpu")
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
 
 
 def _check_model_graph(m, traced: Traced) -> None:

@@ -254,10 +254,12 @@ class HostCopy:
             v = self._views[key] = flat.as_strided(s.shape, self.strides.get(key) or contiguous_stride(s.shape))
         return v
 
-    def set(self, key: str, t: torch.Tensor) -> None:
+    def set(self, key: str, t: torch.Tensor, non_blocking: bool = False) -> None:
+        """Copy `t` in. `non_blocking` from a GPU into pinned memory returns before the copy is
+        done: only for copies the executor's lanes order (executor.cuda)."""
         self.strides[key] = kept_stride(t)
         self._views.pop(key, None)
-        self.get(key).copy_(t, non_blocking=self.pinned and t.is_cuda)
+        self.get(key).copy_(t, non_blocking=non_blocking and self.pinned and t.is_cuda)
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return self.get(key)
@@ -290,6 +292,26 @@ def _huge_pages(t: torch.Tensor) -> None:
         libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_HUGEPAGE)  # advice only
 
 
+def pinned_empty(nbytes: int) -> torch.Tensor:
+    """Page-locked host memory of exactly `nbytes`, 4096-aligned: allocated here and registered
+    with CUDA (cudaHostRegister), because torch's pinned allocator rounds every block up to a power
+    of two (a 33 GB arena would lock 64 GB). Unregistered when the tensor is collected; torch's
+    pinned allocator if registering fails."""
+    import weakref
+    t = aligned_empty(nbytes)
+    if not nbytes:
+        return t
+    try:
+        cudart = torch.cuda.cudart()
+        ok = int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)) == 0
+    except (RuntimeError, AttributeError, TypeError):
+        ok = False
+    if not ok:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    weakref.finalize(t, cudart.cudaHostUnregister, t.data_ptr())
+    return t
+
+
 class HostPool:
     """The DRAM tier's memory: one arena allocated up front (pinned with CUDA), carved into
     4096-aligned ranges best-fit and given back on free, so every step reuses the same bytes
@@ -298,8 +320,7 @@ class HostPool:
 
     def __init__(self, nbytes: int, pin: bool = False, virtual: bool = False):
         self.size = _page(nbytes)
-        self.arena = None if virtual else (
-            torch.empty(self.size, dtype=torch.uint8, pin_memory=True) if pin else aligned_empty(self.size))
+        self.arena = None if virtual else (pinned_empty(self.size) if pin else aligned_empty(self.size))
         if self.arena is not None and not pin:
             _huge_pages(self.arena)
         self.free: list[list[int]] = [[0, self.size]] if self.size else []
@@ -403,10 +424,11 @@ class HostTier:
         c = self.copies[buf] = HostCopy(layout, blob, pinned=self.pin)
         return c
 
-    def store_from(self, buf: str, layout: Layout, values: dict[str, torch.Tensor]) -> None:
+    def store_from(self, buf: str, layout: Layout, values: dict[str, torch.Tensor],
+                   non_blocking: bool = False) -> None:
         c = self.alloc(buf, layout)
         for k in layout.keys():
-            c.set(k, values[k])
+            c.set(k, values[k], non_blocking)
 
     def drop(self, buf: str) -> None:
         c = self.copies.pop(buf, None)

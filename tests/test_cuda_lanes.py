@@ -23,8 +23,11 @@ class FakeStream:
     def __init__(self, cuda, name):
         self.cuda, self.name = cuda, name
 
-    def wait_event(self, ev):
-        self.cuda.log.append(("wait", next(_tick), self, ev))
+    def wait_event(self, ev):  # what the event marks at the time of the wait
+        self.cuda.log.append(("wait", next(_tick), self, ev.stream, ev.at))
+
+    def wait_stream(self, other):
+        self.cuda.log.append(("wait_stream", next(_tick), self, other))
 
     def synchronize(self):
         self.cuda.log.append(("stream_sync", next(_tick), self))
@@ -49,7 +52,7 @@ class FakeCuda:
     """torch.cuda's stream and event API, logging what is asked of it."""
 
     def __init__(self):
-        self.log, self.main, self._local = [], None, threading.local()
+        self.log, self._local = [], threading.local()
         self.main = FakeStream(self, "main")
         self.streams = []
 
@@ -81,52 +84,74 @@ class FakeCuda:
 
 
 class Logged(CudaLanes):
-    """Marks where each instruction's handler runs: its thread, and (device work) its stream."""
+    """Marks where each instruction's handler starts and ends: its thread and current stream."""
 
     def before(self, ins):
         super().before(ins)
         self.cuda.log.append(("run", next(_tick), ins.id, threading.get_ident(), self.cuda.current_stream(None)))
 
+    def after(self, ins):
+        self.cuda.log.append(("done", next(_tick), ins.id))
+        super().after(ins)
 
-def check_protocol(cuda: FakeCuda, instrs, steps: int) -> None:
+
+def check_protocol(cuda: FakeCuda, instrs, steps: int, depth: int = CudaLanes.DEPTH) -> None:
+    """CUDA's rules replayed on the log: every dependency of the plan is ordered (device work by
+    a stream wait on the producer's event, host work by a host wait), lanes start after the
+    step's inputs and the step joins them, and the host never waits where the GPU would idle."""
     log = sorted(cuda.log, key=lambda e: e[1])
     runs = [e for e in log if e[0] == "run"]
     assert len(runs) == steps * len(instrs)
-    per_step = len(instrs)
+    starts = [e for e in log if e[0] == "record" and e[2] is cuda.main][::2]  # begin(), then end()'s join
     for k in range(steps):
-        step = runs[k * per_step:(k + 1) * per_step]
+        step = runs[k * len(instrs):(k + 1) * len(instrs)]
         lo, hi = step[0][1], step[-1][1]
         at = {e[2]: e for e in step}
         assert sorted(at) == [i.id for i in instrs]
+        done = {}  # each instruction's end in this step: its first "done" after it runs
+        for e in log:
+            if e[0] == "done" and e[1] > at[e[2]][1]:
+                done.setdefault(e[2], e[1])
         # each device instruction's end event: its stream's first record after it runs
         end = {}
         for i in instrs:
             if not on_host(i):
                 _, t, _, _, s = at[i.id]
                 end[i.id] = next(e for e in log if e[0] == "record" and e[1] > t and e[2] is s)
-        waits = [e for e in log if e[0] == "wait" and e[1] <= hi + 1]
-        host_waits = [e for e in log if e[0] == "host_wait" and e[1] <= hi + 1]
+        waits = [e for e in log if e[0] == "wait"]
+        host_waits = [e for e in log if e[0] == "host_wait"]
+        start = starts[k]
+        for s in {e[4] for e in step} - {cuda.main}:  # a lane's stream starts from the inputs
+            first = min(e[1] for e in step if e[4] is s)
+            assert any(w[2] is s and w[3] is cuda.main and w[4] == start[1] and w[1] < first for w in waits)
         for i in instrs:
             _, t, _, thread, s = at[i.id]
             for d in i.deps:
-                if on_host(instrs[d]):  # host work is complete when its future is
-                    assert at[d][1] < t
+                if on_host(instrs[d]):  # host work has finished before anything that needs it starts
+                    assert done[d] < t
                     continue
                 ev = end[d]
                 if not on_host(i):
                     if ev[2] is s:
                         continue  # one stream runs its work in order
-                    # the stream of i waits on d's end event (or a later one of d's stream) before i
-                    assert any(w[2] is s and w[3].stream is ev[2] and w[3].at >= ev[1] and ev[1] < w[1] < t
+                    assert any(w[2] is s and w[3] is ev[2] and w[4] >= ev[1] and ev[1] < w[1] < t
                                for w in waits), f"step {k}: device {i.id} does not wait for {d} on the GPU"
                 else:
                     assert any(h[2] == thread and h[3] is ev[2] and h[4] >= ev[1] and h[1] < t
                                for h in host_waits), f"step {k}: host {i.id} does not wait for device {d}"
-        # no synchronize per instruction: the host waits only where host work needs device
-        # results, plus once per lane when the step ends
-        n_host_waits = sum(1 for h in host_waits if lo <= h[1] <= hi)
-        budget = sum(1 + sum(not on_host(instrs[d]) for d in i.deps) for i in instrs if on_host(i))
-        assert n_host_waits <= budget
+        # host waits: for the device work a host instruction reads, or (before enqueuing device
+        # work) for an event with at least depth-1 more device instructions queued behind it
+        for h in (h for h in host_waits if lo <= h[1] <= hi):
+            nxt = min((e for e in step if e[3] == h[2] and e[1] > h[1]), key=lambda e: e[1])
+            if on_host(instrs[nxt[2]]):
+                continue
+            behind = [e for e in log if e[0] == "record" and e[2] is h[3] and h[4] < e[1] < h[1]]
+            assert len(behind) >= 2 * (depth - 1), f"step {k}: the GPU idles while instruction {nxt[2]} waits"
+        # the join: the caller's stream waits for every lane stream, then the host for it
+        joins = [e for e in log if e[0] == "wait_stream" and hi < e[1] < (runs[(k + 1) * len(instrs)][1]
+                                                                           if k + 1 < steps else float("inf"))]
+        assert {e[3] for e in joins} == set(cuda.streams) and all(e[2] is cuda.main for e in joins)
+        assert any(h[3] is cuda.main and h[1] > max((e[1] for e in joins), default=hi) for h in host_waits)
     assert not any(e[0] in ("stream_sync", "device_sync") for e in log)
 
 
