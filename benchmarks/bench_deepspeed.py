@@ -21,7 +21,9 @@ Equal first-step losses show the three start from the same model and batch.
                --ds-offload cpu switches both offloads to device "cpu" (ZeRO-Offload) for
                comparison.
   tensorstow   `tensorstow plan PRESET --hw lohan-rtx4090 --gpu-mem 40MB --precision fp32
-               --batch B --policy zero-infinity` (parameters and Adam states homed on SSD,
+               --batch B --policy zero-infinity` (--ts-policy, --ts-hw, --ts-gpu-mem and --ts-dram
+               change it; e.g. `--ts-policy auto --ts-hw local --ts-gpu-mem 90MB --ts-dram 40MB`
+               plans for this machine with too little DRAM for the training state) (parameters and Adam states homed on SSD,
                inter-block checkpoints in DRAM, intra-block activations recomputed, CPU Adam),
                replayed by `tensorstow.executor.runtime.Executor` on this CPU (the "gpu0" tier
                is host memory here) with the crash-consistent SSDStore (--ts-store file: the
@@ -166,9 +168,11 @@ def run_tensorstow(a: dict, work: Path) -> dict:
     except Exception as e:  # noqa: BLE001 - report whatever keeps it from importing
         return {"skipped": f"cannot import tensorstow.executor.runtime.Executor ({type(e).__name__}: {e})"}
     plan_path = work / "tensorstow-plan.json"
-    cmd = [sys.executable, "-m", "tensorstow.cli", "plan", a["preset"], "--hw", "lohan-rtx4090",
+    cmd = [sys.executable, "-m", "tensorstow.cli", "plan", a["preset"], "--hw", a["ts_hw"],
            "--gpu-mem", a["ts_gpu_mem"], "--precision", "fp32", "--batch", str(a["batch"]),
-           "--policy", "zero-infinity", "--lr", str(a["lr"]), "-o", str(plan_path)]
+           "--policy", a["ts_policy"], "--lr", str(a["lr"]), "-o", str(plan_path)]
+    if a["ts_dram"]:
+        cmd += ["--dram", a["ts_dram"]]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0 or not plan_path.exists():
         return {"skipped": f"`{' '.join(cmd[3:])}` failed (rc {p.returncode}): "
@@ -197,7 +201,7 @@ def run_tensorstow(a: dict, work: Path) -> dict:
         import traceback
 
         return {"skipped": f"Executor failed: {type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"}
-    return {**r, "offload": f"P/OS on SSD ({a['ts_store']} store, {a['ts_mode']})",
+    return {**r, "offload": f"P/OS on SSD ({a['ts_policy']}, {a['ts_store']} store, {a['ts_mode']})",
             "plan_predicted_step_s": plan.predicted.step_time_s,
             "ssd_bytes": sum(sizes.values()),
             "homes": {k: sorted(v) for k, v in sorted(homes.items())}}
@@ -332,6 +336,9 @@ def main() -> None:
     ap.add_argument("--ds-activation-checkpointing", action="store_true")
     ap.add_argument("--ds-timeout", type=int, default=1800, help="seconds (a first run JIT-builds DeepSpeed ops)")
     ap.add_argument("--ts-gpu-mem", default="40MB")
+    ap.add_argument("--ts-policy", default="zero-infinity", help="the tensorstow plan's policy")
+    ap.add_argument("--ts-hw", default="lohan-rtx4090", help="hardware the plan is made for (local: probe)")
+    ap.add_argument("--ts-dram", default="", help="DRAM budget of the plan (e.g. 40MB: state must go to SSD)")
     ap.add_argument("--ts-store", choices=["ssd", "file"], default="ssd")
     ap.add_argument("--ts-mode", choices=["sync", "overlap"], default="sync")
     ap.add_argument("--only", default="eager,deepspeed,tensorstow", help="comma-separated engines to run")
@@ -351,6 +358,8 @@ def main() -> None:
     a = {k: v for k, v in vars(args).items() if k not in ("json", "only", "keep", "dir")}
     a["threads"] = args.threads or torch.get_num_threads()
     a["seq"] = PRESETS[args.preset].block_size
+    if args.dir:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="tensorstow-bench-ds-", dir=args.dir))
     only = set(args.only.split(","))
     c = PRESETS[args.preset]
