@@ -385,8 +385,9 @@ def parser() -> argparse.ArgumentParser:
     x.add_argument("--data", default="synthetic", help="uint16 token file (nanoGPT train.bin), .npy, or 'synthetic'")
     x.add_argument("--state-dir", dest="state_dir",
                    help="checkpoint directory (SSD-resident state lives there); resumes from it")
-    x.add_argument("--mode", default="sync", choices=["sync", "overlap"],
-                   help="sync: one instruction at a time; overlap: one worker per stream")
+    x.add_argument("--mode", default="overlap", choices=["sync", "overlap"],
+                   help="overlap (default): one worker per stream; sync: one instruction at a time "
+                        "in program order (the reference)")
     x.add_argument("--seed", type=int, default=0, help="torch.manual_seed right before the model factory")
     x.add_argument("--log-json", dest="log_json", help="append one JSON object per step")
     x.add_argument("--trace", help="write the measured timeline of the last step (Perfetto JSON)")

@@ -19,7 +19,7 @@ from tensorstow.planner.schema import Plan
 
 
 def execute(plan: Plan, *, steps: int, data: str = "synthetic", state_dir: str | None = None,
-            mode: str = "sync", seed: int = 0, log_json: str | None = None, trace: str | None = None,
+            mode: str = "overlap", seed: int = 0, log_json: str | None = None, trace: str | None = None,
             checkpoint_every: int = 1, out=None) -> dict:
     """Run the plan until `steps` steps are committed; resume from `state_dir` if it holds some.
     With a state dir every `checkpoint_every` steps (and the last) are a full checkpoint."""
@@ -81,7 +81,7 @@ def execute(plan: Plan, *, steps: int, data: str = "synthetic", state_dir: str |
               f"(x{med / pred.step_time_s:.3g}); device peak {ex.peak_bytes.get('gpu', 0) / 1e6:.1f} MB of "
               f"{pred.capacity_bytes['gpu'] / 1e6:.1f} MB budget; dram pool {ex.pool.size / 1e6:.1f} MB "
               f"(plan peak {pred.peak_bytes['dram'] / 1e6:.1f} MB)"
-              + (f", {ex.pool.overflow_bytes / 1e6:.1f} MB outside it" if ex.pool.overflow_bytes else ""), file=out)
+              + (f", {ex.pool.overflow_bytes / 1e6:.1f} MB allocated outside it over the run (fragmentation)" if ex.pool.overflow_bytes else ""), file=out)
         if "gpu_reserved" in ex.peak_bytes:  # CUDA: what the caching allocator really held
             print(f"CUDA allocator peak: {ex.peak_bytes['gpu_allocated'] / 1e6:.1f} MB allocated, "
                   f"{ex.peak_bytes['gpu_reserved'] / 1e6:.1f} MB reserved (held to {ex.alloc_limit / 1e6:.1f} MB: "

@@ -144,7 +144,8 @@ class Executor:
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device))
-        self.pool = HostPool(HostPool.needed(self._dram_events(resume)), pin=cuda)
+        self.pool = HostPool(max(HostPool.needed(self._dram_events(resume, order))
+                                 for order in self._orders()), pin=cuda)
         self.host = HostTier(pin=cuda, pool=self.pool)
         uses_ssd = bool(plan.ssd_sizes())
         if ssd_store is None and uses_ssd:
@@ -211,10 +212,20 @@ class Executor:
             instrs.append(ins)
         return instrs
 
-    def _dram_events(self, resume: bool) -> list[tuple]:
-        """The DRAM tier's allocations and frees in program order: placing the homes (block by
-        block; an SSD home passes through DRAM), then two steps, the second the steady state the
-        pool must hold (`HostPool.needed` sizes the arena from them)."""
+    def _orders(self) -> list[list[Instr]]:
+        """The orders the instructions may run in: program order (sync mode), and in overlap mode
+        also the order of their simulated start times (the plan's own timing: lanes run ahead of
+        program order, so DRAM holds what the simulated replay holds at its peak)."""
+        if self.mode == "sync":
+            return [self.instrs]
+        from tensorstow.planner.simulate import simulate_plan
+        start = simulate_plan(self.plan).start
+        return [self.instrs, sorted(self.instrs, key=lambda i: (start[i.id], i.id))]
+
+    def _dram_events(self, resume: bool, order: list[Instr]) -> list[tuple]:
+        """The DRAM tier's allocations and frees with the instructions in `order`: placing the
+        homes (block by block; an SSD home passes through DRAM), then two steps, the second the
+        steady state the pool must hold (`HostPool.needed` sizes the arena from them)."""
         bufs, events, here = self.plan.buffers, [], set()
 
         def alloc(n):
@@ -233,7 +244,7 @@ class Executor:
                     if home != "dram":  # staged through DRAM on its way home
                         free(n)
         for _ in range(2):
-            for ins in self.instrs:
+            for ins in order:
                 if ins.kind in ("load", "store") and ins.dst == "dram":
                     alloc(ins.tensor)
                 elif ins.kind == "free" and ins.dst == "dram" and ins.tensor in here:
