@@ -1,0 +1,111 @@
+"""The simulator on the papers' own configurations: predicted vs reported throughput.
+
+Every row is a configuration a paper ran and reports a measured throughput for (its own
+system or the ZeRO baseline it compares with), planned here with the policy that implements
+that system on the paper's hardware preset, with the paper's batch, sequence length, SSD count
+and DRAM. The table prints reported, predicted and their ratio (predicted / reported: above 1
+the simulator is optimistic); a configuration that does not plan prints the planner's reason.
+Papers count model FLOPs without recomputation, as `predicted.model_tflops` does.
+
+    .venv/bin/python benchmarks/bench_papers.py [--only SUBSTRING]
+
+Sources of each row: docs/paper-equations.md and the papers' sections named in `where`.
+Rows whose setting a paper does not state say which value was assumed (`assumed`).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    paper: str
+    where: str
+    system: str
+    model: str
+    hw: str
+    batch: int
+    reported_tflops: float
+    policy: str
+    ssds: int | None = None
+    dram: str | None = None
+    seq: int = 0
+    precision: str = "bf16-mixed"
+    assumed: str = ""
+
+
+ROWS: list[Row] = [
+    # LoHan §V-F / Fig. 10b: "requires 12 SSDs to achieve 135 TFLOPS with a batch size of 32"
+    Row("LoHan", "§V-F Fig.10b", "LoHan", "gpt3-13b", "lohan-rtx4090", 32, 135.0, "lohan", ssds=12),
+    Row("LoHan", "§V-F Fig.10b", "LoHan", "gpt3-13b", "lohan-rtx4090", 48, 135.0, "lohan", ssds=6,
+        assumed="135 TFLOPS also at batch 48 with 6 SSDs (the text names the SSDs needed, not the value)"),
+    Row("LoHan", "§V-F Fig.10b", "LoHan", "gpt3-13b", "lohan-rtx4090", 64, 135.0, "lohan", ssds=3,
+        assumed="135 TFLOPS also at batch 64 with 3 SSDs"),
+    # Fuyou §5.3: best of its batch sweep (8/16/32/64, §5.4); the batch is not stated
+    Row("Fuyou", "§5.3 Fig.5c", "Fuyou", "gpt3-13b", "lohan-rtx4090", 64, 156.0, "lohan", assumed="batch 64"),
+    Row("Fuyou", "§5.3 Fig.5b", "Fuyou", "gpt3-13b", "fuyou-a100-80g", 64, 202.0, "lohan", assumed="batch 64"),
+    Row("Fuyou", "§5.3 Fig.5a", "Fuyou", "gpt3-175b", "lohan-rtx4090", 16, 86.0, "lohan",
+        assumed="batch 16 (Fig.7 runs 175B at 8 and 16)"),
+    Row("Fuyou", "§5.3 Fig.5a", "Fuyou", "gpt3-175b", "fuyou-a100-80g", 16, 173.0, "lohan", assumed="batch 16"),
+    Row("Fuyou", "§5.3 Fig.6", "Fuyou", "gpt3-276b", "fuyou-a100-80g", 64, 168.0, "lohan"),
+    Row("Fuyou", "§5.3 Fig.6", "Fuyou", "gpt3-412b", "fuyou-a100-80g", 64, 163.0, "lohan"),
+    Row("Fuyou", "§5.3", "ZeRO-Infinity", "gpt3-13b", "lohan-rtx4090", 32, 45.0, "zero-infinity",
+        assumed="batch 32 ('at their highest throughput')"),
+    # STRONGHOLD §VI-B: "6~9 TFlops" (42-57% of the V100), fp32 (docs/hardware-presets.md)
+    Row("STRONGHOLD", "§VI-B Fig.7a", "STRONGHOLD", "gpt3-6b", "stronghold-v100-32g", 4, 7.5, "stronghold",
+        precision="fp32", assumed="the middle of 6-9 TFLOPS, gpt3-6b at batch 4 (model and batch not stated)"),
+    # Deep Optimizer States §5.4 / Fig.15: 20B, micro-batch 1, seq 2048, 4x H100 data parallel
+    Row("DOS", "§5.4 Fig.15", "DOS (50% GPU)", "dos-20b", "dos-jlse-4xh100", 1, 75.0, "dos",
+        assumed="TFLOPS per GPU"),
+    Row("DOS", "§5.4 Fig.15", "ZeRO-3", "dos-20b", "dos-jlse-4xh100", 1, 30.0, "zero-infinity",
+        assumed="TFLOPS per GPU; ZeRO-3 offload planned as zero-infinity"),
+]
+
+
+def run(rows: list[Row]) -> list[dict]:
+    from tensorstow import TensorstowError
+    from tensorstow.api import plan
+
+    out = []
+    for r in rows:
+        t0 = time.perf_counter()
+        try:
+            res = plan(r.model, hw=r.hw, policy=r.policy, batch=r.batch, seq=r.seq, precision=r.precision,
+                       ssds=r.ssds, dram=r.dram)
+            p = res.to_plan()
+            pred = p.predicted.model_tflops if res.fits else None
+            why = "" if res.fits else "does not fit"
+        except TensorstowError as e:
+            pred, why = None, str(e)
+        out.append({"row": r, "predicted": pred, "why": why, "plan_s": time.perf_counter() - t0})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="", help="rows whose paper, system or model contains this")
+    a = ap.parse_args()
+    rows = [r for r in ROWS if not a.only or any(a.only in x for x in (r.paper, r.system, r.model))]
+    results = run(rows)
+    print(f"{'paper':10s} {'where':14s} {'system':14s} {'model':10s} {'hw':22s} {'batch':>5s} {'ssds':>4s} "
+          f"{'reported':>9s} {'predicted':>9s} {'ratio':>6s}  note")
+    ratios = []
+    for res in results:
+        r = res["row"]
+        pred = res["predicted"]
+        ratio = pred / r.reported_tflops if pred else None
+        if ratio:
+            ratios.append(ratio)
+        note = "; ".join(x for x in (res["why"][:120], f"assumed {r.assumed}" if r.assumed else "") if x)
+        print(f"{r.paper:10s} {r.where:14s} {r.system:14s} {r.model:10s} {r.hw:22s} {r.batch:5d} "
+              f"{'' if r.ssds is None else r.ssds:>4} {r.reported_tflops:9.1f} "
+              f"{'-' if pred is None else f'{pred:9.1f}':>9s} {'-' if ratio is None else f'{ratio:6.2f}':>6s}  {note}")
+    within = sum(0.85 <= x <= 1.15 for x in ratios)
+    print(f"\n{len(results)} configurations, {len(ratios)} planned; predicted/reported within ±15%: {within} of "
+          f"{len(ratios)}" + (f"; range {min(ratios):.2f}-{max(ratios):.2f}" if ratios else ""))
+
+
+if __name__ == "__main__":
+    main()
