@@ -115,3 +115,16 @@ def test_fp16_execute_logs_the_loss_scale_and_skipped_updates(tmp_path, capsys):
     assert [r["skipped"] for r in records] == [True, True, True, False]  # as GradScaler (test_executor)
     assert [r["loss_scale"] for r in records] == [2.0 ** 19, 2.0 ** 18, 2.0 ** 17, 2.0 ** 17]
     assert ["update skipped" in l for l in lines] == [True, True, True, False]
+
+
+def test_auto_mode_is_sync_where_the_device_tier_is_the_cpu(monkeypatch):
+    """`--mode auto` (the default): overlap on CUDA, sync where the lanes would share the CPU's
+    cores with the compute; an explicit mode is kept."""
+    from tensorstow.executor.run import pick_mode
+    monkeypatch.setenv("TENSORSTOW_DEVICE", "cpu")
+    assert pick_mode("auto") == "sync"
+    assert pick_mode("overlap") == "overlap" and pick_mode("sync") == "sync"
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("TENSORSTOW_DEVICE", "cuda")
+    assert pick_mode("auto") == "overlap"
