@@ -2,8 +2,11 @@
 
 Prints ratios measured in the same run (the machines are shared and noisy):
   1. all-resident plan through the executor / eager PyTorch (same model, batch, optimizer)
-  2. SSD-offloaded plan (probed spec of this machine, small device budget): measured / predicted
-Usage: python benchmarks/bench_executor.py [--model gpt-small] [--batch 4] [--steps 4] [--mode sync]
+  2. the zero-infinity plan with its state on SSD and (no SSD) in DRAM, for a probed spec of this
+     machine with a small device budget: measured / predicted step time in sync mode (predicted:
+     the instructions' modeled durations one after another) and overlap mode (the simulated
+     schedule)
+Usage: python benchmarks/bench_executor.py [--model gpt-small] [--batch 4] [--steps 4] [--mode both]
                                           [--precision fp32|bf16-mixed|fp16-mixed]
 Mixed precision: eager is PyTorch AMP (the forward under autocast with CUDA's op lists, AdamW on
 fp32 parameters, a GradScaler for fp16), the executor runs the plan's autocast graph.
@@ -42,7 +45,7 @@ def main():
     ap.add_argument("--model", default="gpt-small")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--mode", default="sync", choices=["sync", "overlap"])
+    ap.add_argument("--mode", default="both", choices=["sync", "overlap", "both"])
     ap.add_argument("--gpu-mem", default="48MB")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16-mixed", "fp16-mixed"])
     a = ap.parse_args()
@@ -83,27 +86,31 @@ def main():
 
     t_eager = median_step(eager, data)
     torch.manual_seed(0)
-    ex = Executor(resident, spec.build(), mode=a.mode)
+    ex = Executor(resident, spec.build(), mode="sync")
     t_res = median_step(ex.step, data)
     print(f"eager PyTorch step        {t_eager:.4f} s")
     print(f"executor, all-resident    {t_res:.4f} s   ratio executor/eager = {t_res / t_eager:.2f}x")
 
+    from tensorstow.executor.run import predicted_step
     from tensorstow.planner.hardware import parse_size
-    offl = plan(policy="zero-infinity", gpu_mem=parse_size(a.gpu_mem))
-    with tempfile.TemporaryDirectory(dir=".") as d:
-        torch.manual_seed(0)
-        ex = Executor(offl, spec.build(), mode=a.mode, ssd_store=SSDStore(d, as_plan(offl).ssd_sizes()))
-        t_off = median_step(ex.step, data)
-        busy = ex.lane_busy()
-        ex.close()
-    pred = offl["predicted"]
-    print(f"executor, SSD-offloaded   {t_off:.4f} s   (zero-infinity, device budget {a.gpu_mem}, "
-          f"probed spec of this machine)")
-    print(f"  predicted {pred['step_time_s']:.4f} s   ratio measured/predicted = {t_off / pred['step_time_s']:.2f}x")
-    print("  lane busy measured/predicted: " + ", ".join(
-        f"{r} {v / pred['busy_s'][r]:.2f}x" for r, v in busy.items() if pred["busy_s"].get(r)))
-    print(f"  offloaded/eager = {t_off / t_eager:.2f}x")
-
+    # the same policy with the state homed on the SSD, and (no SSD) in DRAM
+    for label, kw in (("SSD-offloaded", {}), ("DRAM-offloaded", {"ssds": 0})):
+        offl = plan(policy="zero-infinity", gpu_mem=parse_size(a.gpu_mem), **kw)
+        p = as_plan(offl)
+        for mode in ("sync", "overlap") if a.mode == "both" else (a.mode,):
+            with tempfile.TemporaryDirectory(dir=".") as d:
+                torch.manual_seed(0)
+                store = SSDStore(d, p.ssd_sizes()) if p.ssd_sizes() else None
+                ex = Executor(offl, spec.build(), mode=mode, ssd_store=store)
+                t_off = median_step(ex.step, data)
+                busy = ex.lane_busy()
+                ex.close()
+            expect = predicted_step(p, mode)
+            print(f"executor, {label:15s} {mode:8s} {t_off:.4f} s   predicted {expect:.4f} s   "
+                  f"measured/predicted = {t_off / expect:.2f}x   (zero-infinity, device budget {a.gpu_mem}, "
+                  f"offloaded/eager {t_off / t_eager:.2f}x)")
+            print("  lane busy measured/predicted: " + ", ".join(
+                f"{r} {v / p.predicted.busy_s[r]:.2f}x" for r, v in busy.items() if p.predicted.busy_s.get(r)))
 
 if __name__ == "__main__":
     main()
