@@ -259,7 +259,10 @@ def ds_worker(a: dict) -> None:
         if fs:
             files[os.path.relpath(root, a["nvme_dir"])] = [len(fs), sum(os.path.getsize(os.path.join(root, f)) for f in fs)]
     opt = engine.optimizer
+    import resource
     r.update({
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
+        "params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),
         "init_s": init_s,
         "deepspeed_version": deepspeed.__version__,
         "torch_version": torch.__version__,
@@ -409,6 +412,8 @@ def main() -> None:
               f"activation checkpointing {'on' if ds['activation_checkpointing'] else 'off'}, init {ds['init_s']:.1f} s")
         print(f"  aio {ds['aio']}")
         print("  swap files: " + ", ".join(f"{k}: {n} files {b / 2**20:.1f} MiB" for k, (n, b) in ds["swap_files"].items()))
+        if "peak_rss_bytes" in ds:  # host memory of the DeepSpeed process (its own, not this one's)
+            print(f"  peak RSS {ds['peak_rss_bytes'] / 2**20:.0f} MiB for {ds['params'] / 1e6:.2f}M parameters")
     ts = res.get("tensorstow", {})
     if "median_s" in ts:
         print(f"tensorstow: plan predicts {ts['plan_predicted_step_s']:.4g} s/step on lohan-rtx4090; "
