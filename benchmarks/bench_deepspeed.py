@@ -169,7 +169,7 @@ def run_tensorstow(a: dict, work: Path) -> dict:
         return {"skipped": f"cannot import tensorstow.executor.runtime.Executor ({type(e).__name__}: {e})"}
     plan_path = work / "tensorstow-plan.json"
     cmd = [sys.executable, "-m", "tensorstow.cli", "plan", a["preset"], "--hw", a["ts_hw"],
-           "--gpu-mem", a["ts_gpu_mem"], "--precision", "fp32", "--batch", str(a["batch"]),
+           "--gpu-mem", a["ts_gpu_mem"], "--precision", "fp32", "--batch", str(a["batch"]), "--seq", str(a["seq"]),
            "--policy", a["ts_policy"], "--lr", str(a["lr"]), "-o", str(plan_path)]
     if a["ts_dram"]:
         cmd += ["--dram", a["ts_dram"]]
@@ -328,6 +328,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="gpt-small")
     ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=0, help="sequence length (default: the preset's block size)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--lr", type=float, default=1e-4)
@@ -360,7 +361,7 @@ def main() -> None:
         ap.error(f"unknown preset {args.preset}")
     a = {k: v for k, v in vars(args).items() if k not in ("json", "only", "keep", "dir")}
     a["threads"] = args.threads or torch.get_num_threads()
-    a["seq"] = PRESETS[args.preset].block_size
+    a["seq"] = args.seq or PRESETS[args.preset].block_size
     if args.dir:
         Path(args.dir).mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="tensorstow-bench-ds-", dir=args.dir))
@@ -416,7 +417,7 @@ def main() -> None:
             print(f"  peak RSS {ds['peak_rss_bytes'] / 2**20:.0f} MiB for {ds['params'] / 1e6:.2f}M parameters")
     ts = res.get("tensorstow", {})
     if "median_s" in ts:
-        print(f"tensorstow: plan predicts {ts['plan_predicted_step_s']:.4g} s/step on lohan-rtx4090; "
+        print(f"tensorstow: plan predicts {ts['plan_predicted_step_s']:.4g} s/step for {args.ts_hw}; "
               f"{ts['ssd_bytes'] / 2**20:.1f} MiB on the SSD tier; buffer homes {ts['homes']}")
 
     def ratio(num, den):
