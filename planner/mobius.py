@@ -1,0 +1,216 @@
+"""Mobius (Feng et al., ASPLOS'23): pipeline stages over heterogeneous memory, the solvers.
+
+Stages are runs of consecutive layers whose parameters live in DRAM and are copied to a GPU
+before they run; stage j shares GPU ((j-1) mod N) with stages j±N, so while stage j-N runs, stage
+j's copy is prefetched into the memory j-N leaves free (Mobius §3.1). This module holds the two
+decisions of Mobius §3.2-3.3 as pure functions of per-layer numbers (docs/paper-equations.md §5):
+
+- `partition`: the number of stages and their layers, by the paper's mixed-integer program
+  (Eq. 3-11, PuLP + HiGHS), one MIP per stage count K (an outer loop instead of "empty stages",
+  which the paper leaves undefined under the j±N relation);
+- `makespan`: the same timing model evaluated for one given partition by earliest start times
+  (the yardstick the MIP is checked against);
+- `cross_mapping`: stage -> GPU from the root-complex topology (Eq. 12-13, exhaustive).
+
+Readings of the garbled equations (paper-equations.md §5.2): precedence constraints are >=, the
+objective is the end of the first stage's backward on the last microbatch, Eq. 9 holds for j > N
+(forward) and j + N <= K (backward), Eq. 11 starts the last stage's backward after its forward.
+The first N stages are loaded before they start (nothing runs before them to hide the copy).
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pulp
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StageProblem:
+    """Mobius Table 2's constants; per layer i (in model order) and pass e in (f, b)."""
+    t_f: tuple[float, ...]
+    """Seconds of layer i's forward on one microbatch."""
+    t_b: tuple[float, ...]
+    """Seconds of layer i's backward on one microbatch."""
+    s_f: tuple[float, ...]
+    """GPU bytes layer i needs in the forward (parameters, saved activations of all microbatches)."""
+    s_b: tuple[float, ...]
+    """GPU bytes layer i needs in the backward (parameters, gradients, activations)."""
+    a: tuple[float, ...]
+    """Bytes of layer i's output activation for one microbatch (sent to the next stage)."""
+    g: tuple[float, ...]
+    """Bytes of the activation gradient layer i hands back to the previous layer, one microbatch."""
+    gpus: int
+    """N."""
+    microbatches: int
+    """M."""
+    capacity: float
+    """G: GPU memory per GPU, bytes."""
+    bandwidth: float
+    """B: GPU <-> DRAM (and stage-to-stage) bandwidth, bytes/s."""
+
+    @property
+    def layers(self) -> int:
+        return len(self.t_f)
+
+
+@dataclasses.dataclass(frozen=True)
+class Partition:
+    stages: tuple[tuple[int, int], ...]
+    """Per stage, its layers [first, last) in model order."""
+    time_s: float
+    """The objective: end of the first stage's backward on the last microbatch."""
+    feasible: bool = True
+    message: str = ""
+
+
+def _stage_sums(sp: StageProblem, stages) -> dict[str, list[float]]:
+    return {k: [sum(getattr(sp, k)[lo:hi]) for lo, hi in stages] for k in ("t_f", "t_b", "s_f", "s_b")}
+
+
+def makespan(sp: StageProblem, stages: tuple[tuple[int, int], ...]) -> float | None:
+    """Eq. 4-11 for a fixed partition: every start time as early as its constraints allow, every
+    prefetch as large as Eq. 5-6 allow; None when a stage does not fit its GPU (Eq. 4)."""
+    K, N, M, B, G = len(stages), sp.gpus, sp.microbatches, sp.bandwidth, sp.capacity
+    c = _stage_sums(sp, stages)
+    if max(c["s_f"] + c["s_b"]) > G:
+        return None
+    a = [sp.a[hi - 1] for _, hi in stages]          # a_j: the stage's last layer's output
+    g = [sp.g[lo] for lo, _ in stages]              # g_j: the gradient its first layer hands back
+    tf = [[0.0] * M for _ in range(K)]
+    for j in range(K):
+        if j >= N:  # Eq. 5, 6, 9: what was not prefetched while stage j-N ran is loaded after it
+            d = c["t_f"][j - N] + tf[j - N][M - 1] - tf[j - N][0]                    # Eq. 7
+            pre = max(0.0, min(G - c["s_f"][j - N], B * d, c["s_f"][j]))
+            ready = tf[j - N][M - 1] + c["t_f"][j - N] + (c["s_f"][j] - pre) / B
+        else:
+            ready = c["s_f"][j] / B
+        for m in range(M):
+            t = ready
+            if m:
+                t = max(t, tf[j][m - 1] + c["t_f"][j])                                  # Eq. 10
+            if j:
+                t = max(t, tf[j - 1][m] + c["t_f"][j - 1] + a[j - 1] / B)            # Eq. 8
+            tf[j][m] = t
+    tb = [[0.0] * M for _ in range(K)]
+    for j in reversed(range(K)):
+        ready = tf[K - 1][M - 1] + c["t_f"][K - 1] if j == K - 1 else 0.0            # Eq. 11
+        if j + N < K:
+            d = c["t_b"][j + N] + tb[j + N][M - 1] - tb[j + N][0]
+            pre = max(0.0, min(G - c["s_b"][j + N], B * d, c["s_b"][j]))
+            ready = max(ready, tb[j + N][M - 1] + c["t_b"][j + N] + (c["s_b"][j] - pre) / B)
+        for m in range(M):
+            t = ready
+            if m:
+                t = max(t, tb[j][m - 1] + c["t_b"][j])
+            if j < K - 1:
+                t = max(t, tb[j + 1][m] + c["t_b"][j + 1] + g[j + 1] / B)
+            tb[j][m] = t
+    return tb[0][M - 1] + c["t_b"][0]                                                   # Eq. 3
+
+
+def partition(sp: StageProblem, *, max_stages: int | None = None, time_limit_s: float = 30.0) -> Partition:
+    """The Mobius MIP (Eq. 3-11), one per stage count K in [1, max_stages]; the best K wins."""
+    L = sp.layers
+    best: Partition | None = None
+    notes = []
+    for K in range(1, min(L, max_stages or L) + 1):
+        r = _solve_k(sp, K, time_limit_s)
+        notes.append(f"K={K}: {r.message}")
+        if r.feasible and (best is None or r.time_s < best.time_s - 1e-12):
+            best = r
+    if best is None:
+        return Partition((), 0.0, False, "no partition fits: " + "; ".join(notes))
+    return dataclasses.replace(best, message="; ".join(notes))
+
+
+def _solve_k(sp: StageProblem, K: int, time_limit_s: float) -> Partition:
+    L, N, M, G = sp.layers, sp.gpus, sp.microbatches, sp.capacity
+    # Normalise units (STYLE: well-conditioned solver input): time in ms, bytes in MiB
+    ms, mib = 1e3, 1 / 2**20
+    B = sp.bandwidth * mib / ms            # MiB per ms
+    G = G * mib
+    tf_, tb_ = [x * ms for x in sp.t_f], [x * ms for x in sp.t_b]
+    sf_, sb_ = [x * mib for x in sp.s_f], [x * mib for x in sp.s_b]
+    a_, g_ = [x * mib for x in sp.a], [x * mib for x in sp.g]
+    Ls, Ks, Ms = range(L), range(K), range(M)
+    m = pulp.LpProblem(f"mobius_K{K}", pulp.LpMinimize)
+    Bij = pulp.LpVariable.dicts("B", (Ls, Ks), cat="Binary")            # layer i in stage j
+    last = pulp.LpVariable.dicts("last", (Ls, Ks), lowBound=0)        # i is stage j's last layer
+    first = pulp.LpVariable.dicts("first", (Ls, Ks), lowBound=0)      # i is stage j's first layer
+    t = {e: pulp.LpVariable.dicts(f"t{e}", (Ks, Ms), lowBound=0) for e in "fb"}
+    P = {e: pulp.LpVariable.dicts(f"P{e}", Ks, lowBound=0) for e in "fb"}
+    T = {"f": {j: pulp.lpSum(tf_[i] * Bij[i][j] for i in Ls) for j in Ks},
+         "b": {j: pulp.lpSum(tb_[i] * Bij[i][j] for i in Ls) for j in Ks}}
+    S = {"f": {j: pulp.lpSum(sf_[i] * Bij[i][j] for i in Ls) for j in Ks},
+         "b": {j: pulp.lpSum(sb_[i] * Bij[i][j] for i in Ls) for j in Ks}}
+    D = {e: {j: T[e][j] + t[e][j][M - 1] - t[e][j][0] for j in Ks} for e in "fb"}      # Eq. 7
+    a_j = {j: pulp.lpSum(a_[i] * last[i][j] for i in Ls) for j in Ks}
+    g_j = {j: pulp.lpSum(g_[i] * first[i][j] for i in Ls) for j in Ks}
+    m += t["b"][0][M - 1] + T["b"][0]                                                   # Eq. 3
+    # every layer in one stage; stages non-empty, contiguous, in order (left implicit by the paper)
+    for i in Ls:
+        m += pulp.lpSum(Bij[i][j] for j in Ks) == 1
+    for j in Ks:
+        m += pulp.lpSum(Bij[i][j] for i in Ls) >= 1
+    m += Bij[0][0] == 1
+    m += Bij[L - 1][K - 1] == 1
+    for i in range(L - 1):
+        for j in Ks:
+            m += Bij[i + 1][j] <= Bij[i][j] + (Bij[i][j - 1] if j else 0)
+    for i in Ls:  # last/first indicators; the objective pushes them down to exactly 0/1
+        for j in Ks:
+            m += last[i][j] >= Bij[i][j] - (Bij[i + 1][j] if i + 1 < L else 0)
+            m += first[i][j] >= Bij[i][j] - (Bij[i - 1][j] if i else 0)
+    for j in Ks:
+        for e in "fb":
+            m += S[e][j] <= G                                                           # Eq. 4
+            m += P[e][j] <= S[e][j]                                                     # Eq. 6
+        if j >= N:
+            m += P["f"][j] <= G - S["f"][j - N]                                         # Eq. 5
+            m += P["f"][j] <= B * D["f"][j - N]                                         # Eq. 6
+            m += t["f"][j][0] >= t["f"][j - N][M - 1] + T["f"][j - N] + (S["f"][j] - P["f"][j]) * (1 / B)  # Eq. 9
+        else:
+            m += t["f"][j][0] >= S["f"][j] * (1 / B)  # the first stage on each GPU: loaded up front
+        if j + N < K:
+            m += P["b"][j] <= G - S["b"][j + N]
+            m += P["b"][j] <= B * D["b"][j + N]
+            m += t["b"][j][0] >= t["b"][j + N][M - 1] + T["b"][j + N] + (S["b"][j] - P["b"][j]) * (1 / B)
+        for mb in Ms:
+            if mb:                                                                      # Eq. 10
+                m += t["f"][j][mb] >= t["f"][j][mb - 1] + T["f"][j]
+                m += t["b"][j][mb] >= t["b"][j][mb - 1] + T["b"][j]
+            if j:                                                                       # Eq. 8
+                m += t["f"][j][mb] >= t["f"][j - 1][mb] + T["f"][j - 1] + a_j[j - 1] * (1 / B)
+            if j + 1 < K:
+                m += t["b"][j][mb] >= t["b"][j + 1][mb] + T["b"][j + 1] + g_j[j + 1] * (1 / B)
+    m += t["b"][K - 1][0] >= t["f"][K - 1][M - 1] + T["f"][K - 1]                        # Eq. 11
+    status = m.solve(pulp.HiGHS(msg=False, timeLimit=time_limit_s))
+    name = pulp.LpStatus[status]
+    if name != "Optimal":
+        return Partition((), 0.0, False, name)
+    owner = [max(Ks, key=lambda j: Bij[i][j].value() or 0) for i in Ls]
+    stages = tuple((min(i for i in Ls if owner[i] == j), max(i for i in Ls if owner[i] == j) + 1) for j in Ks)
+    return Partition(stages, pulp.value(m.objective) / ms, True, "optimal")
+
+
+def cross_mapping(stages: int, root_complex: tuple[int, ...]) -> tuple[int, ...]:
+    """Stage -> GPU (Mobius §3.3, Eq. 12-13). Stages j and j+N share a GPU, so a mapping is a
+    permutation of the GPUs over the first N stages; the one with the least total contention
+    Σ_{i<j} shared(i, j) / |i - j| wins (exhaustive, ties to the lexicographically first), where
+    shared(i, j) is the number of GPUs under the root complex both stages' GPUs hang off (0 if
+    different). Two stages on one GPU count that complex's GPU count (docs: [OURS])."""
+    N = len(root_complex)
+    size = {rc: root_complex.count(rc) for rc in set(root_complex)}
+
+    def cost(perm) -> float:
+        gpu = [perm[j % N] for j in range(stages)]
+        return sum((size[root_complex[gpu[i]]] if root_complex[gpu[i]] == root_complex[gpu[j]] else 0) / (j - i)
+                   for i in range(stages) for j in range(i + 1, stages))
+    best = min(itertools.permutations(range(N)), key=lambda p: (cost(p), p))
+    return tuple(best[j % N] for j in range(stages))
+
+
+def sequential_mapping(stages: int, gpus: int) -> tuple[int, ...]:
+    """Stage j on GPU j mod N (Mobius' baseline)."""
+    return tuple(j % gpus for j in range(stages))
