@@ -85,9 +85,21 @@ class BlockProfile:
     """Storage roots of its parameters' gradients (G:<b>), in parameter order."""
 
 
-def op_time(flops: int, nbytes: int, hw: Hardware, gpu: int = 0) -> float:
+def op_time(flops: int, nbytes: int, hw: Hardware, gpu: int = 0, fp32: bool = False) -> float:
+    """Roofline time of one op; `fp32`: its math runs in fp32 (at `flops_fp32` where the GPU has one)."""
     g = hw.gpus[gpu]
-    return max(flops / g.flops, nbytes / g.mem_bw)
+    peak = g.flops_fp32 if fp32 and g.flops_fp32 else g.flops
+    return max(flops / peak, nbytes / g.mem_bw)
+
+
+def _in_fp32(o, tensors) -> bool:
+    """Whether an op computes in fp32: its first floating-point input is fp32 (autocast has cast
+    the inputs of the ops it runs in 16 bits)."""
+    for name in o.inputs:
+        dt = tensors[name].dtype
+        if dt.startswith(("float", "bfloat")):
+            return dt == "float32"
+    return False
 
 
 def profiles(graph: Graph, hw: Hardware) -> dict[str, BlockProfile]:
@@ -141,8 +153,8 @@ def profiles(graph: Graph, hw: Hardware) -> dict[str, BlockProfile]:
             fwd_ops=(fwd[0].index, fwd[-1].index) if fwd else (-1, -1),
             bwd_ops=(bwd[0].index, bwd[-1].index) if bwd else (-1, -1),
             fwd_flops=sum(o.flops for o in fwd), bwd_flops=sum(o.flops for o in bwd),
-            fwd_time_s=sum(op_time(o.flops, o.bytes_in + o.bytes_out, hw) for o in fwd),
-            bwd_time_s=sum(op_time(o.flops, o.bytes_in + o.bytes_out, hw) for o in bwd)
+            fwd_time_s=sum(op_time(o.flops, o.bytes_in + o.bytes_out, hw, fp32=_in_fp32(o, tensors)) for o in fwd),
+            bwd_time_s=sum(op_time(o.flops, o.bytes_in + o.bytes_out, hw, fp32=_in_fp32(o, tensors)) for o in bwd)
             + sum(_attention_recompute_time(o, tensors, hw) for o in bwd),
             param_count=next(blk.param_count for blk in graph.blocks if blk.name == b),
             const_bytes=sum(t.nbytes for t in tensors.values() if t.kind == "constant" and t.block == b
@@ -171,7 +183,7 @@ def _attention_recompute_time(o, tensors, hw: Hardware) -> float:
         return 0.0  # (a probed CPU-only machine runs the CPU kernel itself)
     q, k, v = (tensors[n] for n in o.inputs[1:4])
     flops = int(flop_counter.sdpa_flop_count(q.shape, k.shape, v.shape))
-    return op_time(flops, q.nbytes + k.nbytes + v.nbytes + tensors[o.inputs[0]].nbytes, hw)
+    return op_time(flops, q.nbytes + k.nbytes + v.nbytes + tensors[o.inputs[0]].nbytes, hw, fp32=q.dtype == "float32")
 
 
 def _state(b: str, tensors: dict) -> dict:

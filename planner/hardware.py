@@ -42,6 +42,9 @@ class GPU:
     """The GPU's memory (`total_memory`)."""
     flops: float
     """Measured peak FLOP/s at the compute precision (LoHan THP_G)."""
+    flops_fp32: float = 0.0
+    """Peak FLOP/s of fp32 matmuls (PyTorch's default: no TF32), for the ops a plan runs in fp32
+    (an fp32 plan, or ops autocast keeps in fp32); 0: `flops` (the CPU device tier, measured in fp32)."""
     mem_bw: float
     """Device memory bandwidth, bytes/s (roofline for memory-bound ops)."""
     h2d_bw: float
