@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import os
 import time
 
 import torch
@@ -191,6 +192,24 @@ class CudaLanes:
             out.append((i, self._t0 + self._start.elapsed_time(start) / 1e3,
                         self._t0 + self._start.elapsed_time(end) / 1e3))
         return sorted(out)
+
+
+def resolve_device(device) -> torch.device:
+    """The device tier's device: the argument, else TENSORSTOW_DEVICE, else CUDA when there is one."""
+    name = device if device is not None else os.environ.get("TENSORSTOW_DEVICE") or (
+        "cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        d = torch.device(name)
+    except (RuntimeError, TypeError):
+        d = None
+    if d is None or d.type not in ("cpu", "cuda"):
+        raise TensorstowError(f"executor device '{name}' (the device= argument or TENSORSTOW_DEVICE): "
+                              f"use cuda or cpu")
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise TensorstowError(f"executor device '{name}': this machine has no CUDA device; use cpu")
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
 
 
 def lanes_for(instrs, device: torch.device, overlap: bool):

@@ -111,8 +111,8 @@ def pick_mode(mode: str) -> str:
     with a core to spare gains from overlap: the demo 1.40 -> 1.17 s; benchmarks/RESULTS.md)."""
     if mode != "auto":
         return mode
-    from tensorstow.executor.runtime import _device
-    return "overlap" if _device(None).type == "cuda" else "sync"
+    from tensorstow.executor.cuda import resolve_device
+    return "overlap" if resolve_device(None).type == "cuda" else "sync"
 
 
 def build_for_execution(spec, seed: int):

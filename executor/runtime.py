@@ -42,7 +42,7 @@ import torch.nn as nn
 from tensorstow import TensorstowError
 from tensorstow.executor.aio import aligned_empty
 from tensorstow.executor.amp import AMP, LossScaler
-from tensorstow.executor.cuda import cap_allocator, check_device, lanes_for, out_of_memory
+from tensorstow.executor.cuda import cap_allocator, check_device, lanes_for, out_of_memory, resolve_device
 from tensorstow.executor.device_ops import check_portable, targets_for
 from tensorstow.executor.segments import Joint
 from tensorstow.executor.state import RNG, rng_bytes, set_rng
@@ -127,7 +127,7 @@ class Executor:
         if pred.peak_bytes["gpu"] > pred.capacity_bytes["gpu"]:
             raise TensorstowError(f"the plan does not fit its GPU ({pred.peak_bytes['gpu']} bytes at peak > "
                                   f"{pred.capacity_bytes['gpu']} capacity); re-plan it")
-        self.device = _device(device)
+        self.device = resolve_device(device)
         cuda = self.device.type == "cuda"
         if cuda:
             check_device(plan)
@@ -958,21 +958,6 @@ class _Source:
                 self.pending[k] = v
             out[n] = self.pending.pop(n)
         return out
-
-
-def _device(device) -> torch.device:
-    """The device tier's device: the argument, else TENSORSTOW_DEVICE, else CUDA when there is one."""
-    import os
-    name = device if device is not None else os.environ.get("TENSORSTOW_DEVICE") or (
-        "cuda" if torch.cuda.is_available() else "cpu")
-    d = torch.device(name)
-    if d.type not in ("cpu", "cuda"):
-        raise TensorstowError(f"executor device '{name}': use cuda or cpu")
-    if d.type == "cuda":
-        if not torch.cuda.is_available():
-            raise TensorstowError(f"executor device '{name}': this machine has no CUDA device; use cpu")
-        return torch.device("cuda", 0)
-    return torch.device("cpu")
 
 
 def _check_model_graph(m, traced: Traced) -> None:

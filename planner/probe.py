@@ -56,7 +56,7 @@ CPU_GPU_FRACTION = 4
 class _Params:
     """Sizes and repetition counts for one probe mode."""
 
-    cpu_mm_reps: int
+    cpu_block_reps: int
     memcpy_bytes: int
     memcpy_reps: int
     disk_bytes: int
@@ -72,12 +72,12 @@ class _Params:
     gpu_copy_reps: int
 
 
-_QUICK = _Params(cpu_mm_reps=6, memcpy_bytes=128 * MiB, memcpy_reps=6,
+_QUICK = _Params(cpu_block_reps=6, memcpy_bytes=128 * MiB, memcpy_reps=6,
                  disk_bytes=64 * MiB, disk_chunk=16 * MiB, disk_threads=4, disk_reps=5,
                  adam_numel=8 * MiB, adam_reps=6,
                  gpu_mm_n=4096, gpu_mm_iters=5, gpu_mm_reps=3,
                  gpu_copy_bytes=256 * MiB, gpu_copy_reps=3)
-_FULL = _Params(cpu_mm_reps=6, memcpy_bytes=256 * MiB, memcpy_reps=10,
+_FULL = _Params(cpu_block_reps=6, memcpy_bytes=256 * MiB, memcpy_reps=10,
                 disk_bytes=512 * MiB, disk_chunk=16 * MiB, disk_threads=4, disk_reps=4,
                 adam_numel=16 * MiB, adam_reps=10,
                 gpu_mm_n=8192, gpu_mm_iters=10, gpu_mm_reps=5,
@@ -149,7 +149,7 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
         gpus, p2p_bw, gpu_notes = gpu_result
         notes += gpu_notes
     else:
-        flops = _cpu_block_flops(p.cpu_mm_reps)
+        flops = _cpu_block_flops(p.cpu_block_reps)
         budget = total_ram // CPU_GPU_FRACTION
         gpus = (GPU(name=CPU_GPU_NAME, memory_bytes=budget, flops=flops, mem_bw=2 * copy_bw,
                     h2d_bw=copy_bw, d2h_bw=copy_bw),)

@@ -128,3 +128,16 @@ def test_auto_mode_is_sync_where_the_device_tier_is_the_cpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("TENSORSTOW_DEVICE", "cuda")
     assert pick_mode("auto") == "overlap"
+
+
+@pytest.mark.parametrize("name", ["gpu", "mps", "cuda:x"])
+def test_an_unknown_device_is_one_clear_error(name, monkeypatch):
+    """A device the executor cannot use, named by the argument or TENSORSTOW_DEVICE, is refused
+    with one line naming it (torch's parser raised a bare RuntimeError for some)."""
+    from tensorstow import TensorstowError
+    from tensorstow.executor.cuda import resolve_device
+    with pytest.raises(TensorstowError, match=rf"executor device '{name}'.*use cuda or cpu"):
+        resolve_device(name)
+    monkeypatch.setenv("TENSORSTOW_DEVICE", name)
+    with pytest.raises(TensorstowError, match="TENSORSTOW_DEVICE"):
+        resolve_device(None)
