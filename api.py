@@ -24,7 +24,8 @@ def plan(model_or_spec, *, hw: str = "local", policy: str = "auto", batch: int =
          precision: str | None = None, gpu_mem: int | str | None = None, dram: int | str | None = None,
          ssds: int | None = None, optimizer: str = "adamw", lr: float = 1e-4,
          betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-         exact_optimizer: bool = False, init_scale: float = 65536.0, growth_interval: int = 2000) -> PlanResult:
+         exact_optimizer: bool = False, init_scale: float = 65536.0, growth_interval: int = 2000,
+         gpus: int | None = None, microbatches: int = 0, mapping: str = "cross") -> PlanResult:
     """Trace the model and plan one training step for the hardware `hw` (a preset, a spec file
     or "local"); the same options as `tensorstow plan` (precision defaults to bf16-mixed). Sizes are bytes or strings ("200MB").
     Returns the planning result: `.to_plan()` is the typed `Plan` (what the file holds),
@@ -40,5 +41,6 @@ def plan(model_or_spec, *, hw: str = "local", policy: str = "auto", batch: int =
     o = Options(model=name, hardware=hw, policy=policy, batch=batch, seq=seq,
                 **({"precision": precision} if precision else {}), gpu_mem=size(gpu_mem), dram=size(dram), ssds=ssds, optimizer=optimizer, lr=lr,
                 betas=tuple(betas), eps=eps, weight_decay=weight_decay, exact_optimizer=exact_optimizer,
-                init_scale=init_scale, growth_interval=growth_interval)
+                init_scale=init_scale, growth_interval=growth_interval, gpus=gpus, microbatches=microbatches,
+                mapping=mapping)
     return make_plan(o, hardware_for(o), model=module)

@@ -49,8 +49,27 @@ def summary(plan) -> str:
     for ins in plan.instructions:
         kinds[ins.kind] = kinds.get(ins.kind, 0) + 1
     lines.append(f"instructions: {len(plan.instructions)} (" + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) + ")")
+    lines += _pipeline_lines(plan)
     lines += [f"note: {n}" for n in dec.notes]
     return "\n".join(lines)
+
+
+def _pipeline_lines(plan) -> list[str]:
+    """Stages, their GPUs and root complexes, and each GPU's simulated peak (multi-GPU plans)."""
+    pl = plan.decisions.pipeline
+    if pl is None:
+        return []
+    from tensorstow.planner.simulate import simulate_plan
+    names = [b.name for b in plan.model.blocks]
+    gpus = plan.hardware.spec.gpus
+    out = [f"pipeline: {pl.kind}, {len(pl.stages)} stage(s) on {len(set(pl.gpus))} GPU(s) ({pl.mapping} mapping), "
+           f"{pl.microbatches} microbatches of batch {plan.model.batch}"]
+    if pl.kind != "data-parallel":
+        out += [f"  stage {j}: {_ranges(names[lo:hi])} on gpu{k} (root complex {gpus[k].root_complex})"
+                for j, ((lo, hi), k) in enumerate(zip(pl.stages, pl.gpus))]
+    peaks = simulate_plan(plan).peak_bytes
+    out.append("gpu peaks: " + ", ".join(f"gpu{k} {_fmt(peaks.get(f'gpu{k}', 0))}" for k in range(len(gpus))))
+    return out
 
 
 def replay_line(plan) -> str:
@@ -147,6 +166,7 @@ def _options(args):
         v = getattr(args, k)
         kw[k] = parse_size(v) if v is not None else None
     kw["ssds"] = args.ssds
+    kw.update(gpus=args.gpus, microbatches=args.microbatches, mapping=args.mapping)
     return Options(**kw)
 
 
@@ -340,6 +360,11 @@ def parser() -> argparse.ArgumentParser:
                    "24GB); the GPU's reserve for the CUDA context and workspaces comes on top")
     p.add_argument("--dram", help="override DRAM capacity (e.g. 256GB)")
     p.add_argument("--ssds", type=int, help="override the number of SSDs")
+    p.add_argument("--gpus", type=int, help="override the number of GPUs (the first N; more repeat the last)")
+    p.add_argument("--microbatches", type=int, default=0,
+                   help="pipelines (mobius, gpipe): microbatches per step (default: one per GPU)")
+    p.add_argument("--mapping", default="cross", choices=["cross", "sequential"],
+                   help="mobius: stage -> GPU mapping (cross: from the root complexes, Mobius §3.3)")
     p.add_argument("--optimizer", default="adamw", choices=["adam", "adamw"])
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--betas", type=float, nargs=2, default=[0.9, 0.999])

@@ -275,13 +275,14 @@ def transfer_time(nbytes: int, src: str, dst: str, hw: Hardware) -> float:
     """Seconds to move `nbytes` between tiers ("gpuK", "dram", "ssd")."""
     if nbytes == 0:
         return 0.0
+    rc = hw.root_complex_bw or float("inf")  # Mobius: a root complex's uplink bounds its GPUs' links
     if src.startswith("gpu") and dst.startswith("gpu"):
-        bw = hw.gpu_p2p_bw or min(hw.gpus[int(src[3:])].d2h_bw, hw.gpus[int(dst[3:])].h2d_bw)
+        bw = hw.gpu_p2p_bw or min(hw.gpus[int(src[3:])].d2h_bw, hw.gpus[int(dst[3:])].h2d_bw, rc)
         return nbytes / bw
     if src == "dram" and dst.startswith("gpu"):
-        return nbytes / hw.gpus[int(dst[3:])].h2d_bw
+        return nbytes / min(hw.gpus[int(dst[3:])].h2d_bw, rc)
     if src.startswith("gpu") and dst == "dram":
-        return nbytes / hw.gpus[int(src[3:])].d2h_bw
+        return nbytes / min(hw.gpus[int(src[3:])].d2h_bw, rc)
     if src == "ssd" and dst == "dram":
         return nbytes / _nonzero(hw.ssd.read_total(), "SSD read bandwidth")
     if src == "dram" and dst == "ssd":

@@ -140,8 +140,12 @@ class Hardware:
         return stable_hash(self.to_json())
 
     def with_overrides(self, *, gpu_mem: int | None = None, dram: int | None = None,
-                       ssds: int | None = None) -> "Hardware":
+                       ssds: int | None = None, gpus: int | None = None) -> "Hardware":
         hw = self
+        if gpus is not None:  # the first N GPUs; more than the spec has repeat its last one
+            if gpus < 1:
+                raise TensorstowError(f"--gpus must be >= 1, got {gpus}")
+            hw = dataclasses.replace(hw, gpus=tuple(hw.gpus[min(k, len(hw.gpus) - 1)] for k in range(gpus)))
         if gpu_mem is not None:  # the plan's budget; the context and workspaces come on top
             hw = dataclasses.replace(hw, gpus=tuple(dataclasses.replace(g, memory_bytes=gpu_mem + g.reserved_bytes)
                                                     for g in hw.gpus))

@@ -18,7 +18,8 @@ from tensorstow.planner.hardware import Hardware, load_hardware
 from tensorstow.planner.schedule import Buffer, Decisions, Instr, buffers_for, lower
 from tensorstow.planner.schema import (SCHEMA_VERSION, TIER_NAMES, BlockInfo, HardwareInfo, ModelInfo,
                                        Options, Plan, Predicted, ProfileInfo)
-from tensorstow.planner.simulate import SimResult, simulate
+from tensorstow.planner.pipeline import home_tiers, lower_pipeline, pipeline_buffers
+from tensorstow.planner.simulate import SimResult, contention, simulate
 
 @dataclass
 class Problem:
@@ -37,8 +38,12 @@ class Problem:
         return self.options.precision != "fp32"
 
     def capacity(self) -> dict[str, int]:
-        return {"gpu": self.hw.gpu.plan_bytes, "dram": self.hw.dram.capacity_bytes,
+        """Per tier; "gpu" is the smallest GPU's (each GPU's own is `gpu_capacity`)."""
+        return {"gpu": min(g.plan_bytes for g in self.hw.gpus), "dram": self.hw.dram.capacity_bytes,
                 "ssd": self.hw.ssd.count * self.hw.ssd.capacity_bytes}
+
+    def gpu_capacity(self) -> dict[str, int]:
+        return {f"gpu{k}": g.plan_bytes for k, g in enumerate(self.hw.gpus)}
 
 
 def build_problem(options: Options, hw: Hardware, model=None) -> Problem:
@@ -71,12 +76,26 @@ class PlanResult:
     durations: list[float]
 
     @property
+    def samples(self) -> int:
+        """Microbatches of `model.batch` one step trains on."""
+        return self.decisions.pipeline.microbatches if self.decisions.pipeline else 1
+
+    @property
+    def time_per_sample(self) -> float:
+        return self.sim.step_time_s / self.samples
+
+    @property
     def fits(self) -> bool:
         return not self.over_capacity()
 
     def over_capacity(self) -> dict[str, tuple[int, int]]:
         cap = self.problem.capacity()
-        return {t: (self.peak(t), cap[t]) for t in TIER_NAMES if self.peak(t) > cap[t]}
+        over = {t: (self.peak(t), cap[t]) for t in TIER_NAMES[1:] if self.peak(t) > cap[t]}
+        gpus = self.problem.gpu_capacity()
+        worst = max(gpus, key=lambda g: (self.sim.peak_bytes.get(g, 0) - gpus[g], g))
+        if self.sim.peak_bytes.get(worst, 0) > gpus[worst]:
+            over = {"gpu": (self.sim.peak_bytes[worst], gpus[worst]), **over}
+        return over
 
     def peak(self, tier: str) -> int:
         if tier == "gpu":
@@ -84,8 +103,11 @@ class PlanResult:
         return self.sim.peak_bytes.get(tier, 0)
 
     def breakdown(self, tier: str) -> dict[str, int]:
-        """Bytes by kind live on `tier` at its peak."""
-        snap = self.sim.peak_live.get(_sim_tier(tier), [])
+        """Bytes by kind live on `tier` at its peak (the GPU: the fullest one)."""
+        if tier == "gpu":
+            tier = max(sorted(k for k in self.sim.peak_bytes if k.startswith("gpu")) or ["gpu0"],
+                       key=lambda k: self.sim.peak_bytes[k] if k in self.sim.peak_bytes else 0)
+        snap = self.sim.peak_live.get(tier, [])
         out: dict[str, int] = {}
         for b in snap:
             buf = self.buffers[b]
@@ -94,11 +116,12 @@ class PlanResult:
 
     def to_plan(self) -> PlanResult:
         p, g = self.problem, self.problem.graph
-        tokens = g.batch * g.seq
+        tokens = g.batch * g.seq * self.samples
         flops = 0
         for b in p.order:
             prof = p.profiles[p.profile_of[b]]
             flops += prof.fwd_flops + prof.bwd_flops
+        flops *= self.samples
         sim = self.sim
         return Plan(
             schema_version=SCHEMA_VERSION,
@@ -131,10 +154,6 @@ class PlanResult:
         return self.to_plan().dumps()
 
 
-def _sim_tier(t: str) -> str:
-    return "gpu0" if t == "gpu" else t
-
-
 def _r(x: float) -> float:
     return float(f"{x:.6g}")
 
@@ -154,7 +173,7 @@ def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer])
             phase, b = ins.segment.split(":", 1)
             prof = problem.profiles[problem.profile_of[b]]
             out.append(prof.fwd_time_s if phase == "fwd" else prof.bwd_time_s)
-        elif ins.kind in ("load", "store"):
+        elif ins.kind in ("load", "store", "send"):
             out.append(cost.transfer_time(buffers[ins.tensor].bytes, ins.src, ins.dst, hw))
         elif ins.kind == "optimizer_step":
             n = problem.profiles[problem.profile_of[ins.segment]].param_count
@@ -166,18 +185,23 @@ def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer])
 
 def schedule(problem: Problem, decisions: Decisions) -> PlanResult:
     """Lower decisions and simulate them: the one yardstick every policy is measured with."""
-    bufs = buffers_for(problem.order, problem.profiles, problem.profile_of, decisions, problem.mixed)
-    instrs = lower(problem.order, problem.profiles, problem.profile_of, decisions, bufs,
-                   loss_scaling=problem.options.precision == "fp16-mixed")
+    if decisions.pipeline is None:
+        bufs = buffers_for(problem.order, problem.profiles, problem.profile_of, decisions, problem.mixed)
+        instrs = lower(problem.order, problem.profiles, problem.profile_of, decisions, bufs,
+                       loss_scaling=problem.options.precision == "fp16-mixed")
+    else:
+        bufs = pipeline_buffers(problem.order, problem.profiles, problem.profile_of, decisions, problem.mixed)
+        instrs = lower_pipeline(problem.order, problem.profiles, problem.profile_of, decisions, bufs,
+                                problem.gpu_capacity())
     dur = durations(problem, instrs, bufs)
-    initial = {(n, "gpu0" if b.home == "gpu" else b.home) for n, b in bufs.items() if b.home}
+    initial = set(home_tiers(bufs, decisions, problem.order).items())
     sizes = {n: b.bytes for n, b in bufs.items()}
-    sim = simulate(instrs, dur, sizes, initial)
+    sim = simulate(instrs, dur, sizes, initial, links=contention(instrs, problem.hw))
     # Memory fences: an allocation waits for the releases that preceded it in the replay, so an
     # executor whose real timing differs (overlap mode) never holds more than the simulated peak.
     instrs = [dataclasses.replace(i, deps=tuple(sorted(set(i.deps) | set(sim.fences.get(i.id, ())))))
               for i in instrs]
-    fenced = simulate(instrs, dur, sizes, initial)
+    fenced = simulate(instrs, dur, sizes, initial, links=contention(instrs, problem.hw))
     assert fenced.step_time_s == sim.step_time_s, "memory fences must not change the replay"
     return PlanResult(problem, decisions, bufs, instrs, fenced, dur)
 
@@ -186,10 +210,15 @@ HEURISTICS = ("all-gpu", "zero-infinity", "lohan", "stronghold", "dos")
 
 
 def policies() -> dict:
-    from tensorstow.planner.policies import all_gpu, dos, ilp, lohan, stronghold, zero_infinity
+    from tensorstow.planner.policies import all_gpu, dos, ilp, lohan, mobius, stronghold, zero_infinity
     return {"all-gpu": all_gpu.plan, "zero-infinity": zero_infinity.plan, "lohan": lohan.plan,
             "stronghold": stronghold.plan,
-            "dos": dos.plan, "ilp": ilp.plan}
+            "dos": dos.plan, "ilp": ilp.plan, "mobius": mobius.plan, "gpipe": mobius.gpipe,
+            "zero3-dp": mobius.zero3_dp}
+
+
+BASELINES = ("gpipe", "zero3-dp")
+"""Multi-GPU baselines for comparison (Mobius §4): planned when named, never chosen by `auto`."""
 
 
 def policy_plan(problem: Problem, name: str) -> PlanResult:
@@ -209,14 +238,15 @@ def heuristic_plans(problem: Problem) -> dict[str, PlanResult]:
 def plan_problem(problem: Problem, policy: str) -> PlanResult:
     """Plan with one policy, or with `auto`: every policy, keeping the fastest feasible."""
     table = policies()
-    if policy == "auto":
-        plans = {name: policy_plan(problem, name) for name in sorted(table)}
+    if policy == "auto":  # Mobius only where there are several GPUs; baselines never
+        names = [n for n in sorted(table) if n not in BASELINES and (n != "mobius" or len(problem.hw.gpus) > 1)]
+        plans = {name: policy_plan(problem, name) for name in names}
         feasible = {n: p for n, p in plans.items() if p.fits}
         if not feasible:
             return min(plans.values(), key=lambda p: sum(n for n, _ in p.over_capacity().values()))
-        name = min(sorted(feasible), key=lambda n: feasible[n].sim.step_time_s)
-        times = ", ".join(f"{n} {p.sim.step_time_s:.4g} s" + ("" if p.fits else " (does not fit)")
-                          for n, p in sorted(plans.items()))
+        name = min(sorted(feasible), key=lambda n: feasible[n].time_per_sample)  # a pipeline's step has M microbatches
+        times = ", ".join(f"{n} {p.sim.step_time_s:.4g} s" + (f"/{p.samples} samples" if p.samples > 1 else "")
+                          + ("" if p.fits else " (does not fit)") for n, p in sorted(plans.items()))
         best = feasible[name]
         return dataclasses.replace(best, decisions=dataclasses.replace(
             best.decisions, notes=(*best.decisions.notes, f"auto chose {name}: {times}")))
@@ -258,4 +288,4 @@ def infeasible_message(plan: PlanResult, over: dict[str, tuple[int, int]]) -> st
 
 def hardware_for(o: Options) -> Hardware:
     """The hardware an Options names (preset, spec file or "local"), with its overrides."""
-    return load_hardware(o.hardware).with_overrides(gpu_mem=o.gpu_mem, dram=o.dram, ssds=o.ssds)
+    return load_hardware(o.hardware).with_overrides(gpu_mem=o.gpu_mem, dram=o.dram, ssds=o.ssds, gpus=o.gpus)

@@ -41,6 +41,31 @@ class BlockDecision:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Pipeline:
+    """A multi-GPU plan's structure (Mobius §3): runs of consecutive blocks (stages), the GPU each
+    runs on, and the microbatches one step is cut into. A block's "gpu" tier is its stage's GPU."""
+    kind: str
+    """mobius (stages swapped in from DRAM), gpipe (every stage resident) or data-parallel
+    (every GPU runs every block on its own microbatch: ZeRO-3-like, `stages` is one stage)."""
+    stages: tuple[tuple[int, int], ...]
+    """Per stage, its blocks [first, last) in forward order."""
+    gpus: tuple[int, ...]
+    """Per stage, the index of its GPU (data-parallel: every GPU)."""
+    microbatches: int
+    """M: the step's batch is M microbatches of `model.batch` samples."""
+    mapping: str = "cross"
+    """How `gpus` was chosen: cross (Mobius §3.3, from the root complexes) or sequential."""
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "stages": [list(s) for s in self.stages], "gpus": list(self.gpus),
+                "microbatches": self.microbatches, "mapping": self.mapping}
+
+    def stage_of(self, order: list[str]) -> dict[str, int]:
+        """Block name -> its stage."""
+        return {order[i]: j for j, (lo, hi) in enumerate(self.stages) for i in range(lo, hi)}
+
+
+@dataclass(frozen=True, kw_only=True)
 class Decisions:
     policy: str
     blocks: dict[str, BlockDecision]
@@ -60,24 +85,29 @@ class Decisions:
     overlap_optimizer (otherwise every gradient waits for the end of backward anyway)."""
     notes: tuple[str, ...] = ()
     """Human-readable reasons the policy gives for its choices."""
+    pipeline: Pipeline | None = None
+    """Several GPUs: the stages, their GPUs and the microbatches (planner.pipeline); None: one GPU."""
 
     def __post_init__(self):
         freeze(self)
 
     def to_json(self) -> dict:
-        return {"policy": self.policy, "prefetch": self.prefetch, "grad_buffers": self.grad_buffers,
-                "overlap_optimizer": self.overlap_optimizer,
-                "serialize_optimizer": self.serialize_optimizer, "notes": list(self.notes),
-                "blocks": {b: vars(d).copy() for b, d in self.blocks.items()}}
+        d = {"policy": self.policy, "prefetch": self.prefetch, "grad_buffers": self.grad_buffers,
+             "overlap_optimizer": self.overlap_optimizer,
+             "serialize_optimizer": self.serialize_optimizer, "notes": list(self.notes),
+             "blocks": {b: vars(d).copy() for b, d in self.blocks.items()}}
+        if self.pipeline is not None:
+            d["pipeline"] = self.pipeline.to_json()
+        return d
 
 
 @dataclass(frozen=True)
 class Instr:
     id: int
     kind: str
-    """compute | recompute | load | store | free | optimizer_step"""
+    """compute | recompute | load | store | free | optimizer_step | send"""
     stream: str
-    """gpuK.compute, gpuK.h2d, gpuK.d2h, ssd.read, ssd.write, cpu.opt"""
+    """gpuK.compute, gpuK.h2d, gpuK.d2h, gpuK.send, ssd.read, ssd.write, cpu.opt"""
     deps: tuple[int, ...]
     segment: str = ""
     """compute/recompute: "fwd:<b>" or "bwd:<b>"; optimizer_step: the subgroup (block)."""
@@ -92,15 +122,20 @@ class Instr:
     """Transient buffer held only while the instruction runs."""
     est_s: float = 0.0
     """Modeled duration (set when the plan is written; 0 straight out of the lowering)."""
+    micro: int = 0
+    """compute/recompute: the microbatch the segment runs on (pipelines; 0 otherwise)."""
+    accum: tuple[str, ...] = ()
+    """compute: gradient buffers the segment adds its results into (a later microbatch)."""
 
     def to_json(self) -> dict:
         d = {"id": self.id, "kind": self.kind, "stream": self.stream, "deps": list(self.deps),
              "est_s": self.est_s}
-        for k in ("segment", "tensor", "src", "dst", "workspace"):
+        for k in ("segment", "tensor", "src", "dst", "workspace", "micro"):
             if getattr(self, k):
                 d[k] = getattr(self, k)
-        if self.allocs:
-            d["allocs"] = list(self.allocs)
+        for k in ("allocs", "accum"):
+            if getattr(self, k):
+                d[k] = list(getattr(self, k))
         return d
 
 
@@ -162,7 +197,7 @@ class _Emitter:
     def emit(self, kind, stream, deps=(), **kw) -> int:
         # A copy may only appear where the previous copy of the same buffer is gone.
         made = [(a, stream.split(".")[0] if stream != "cpu.opt" else "dram") for a in kw.get("allocs", ())]
-        if kind in ("load", "store"):
+        if kind in ("load", "store", "send"):
             made.append((kw["tensor"], kw["dst"]))
         deps = (*deps, *(self.freed.get(m) for m in made))
         i = len(self.instrs)

@@ -62,15 +62,28 @@ class Options:
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
     growth_interval: int = 2000
+    gpus: int | None = None
+    """Override the hardware's GPU count (the first N GPUs; more repeat the last one)."""
+    microbatches: int = 0
+    """Pipelines: microbatches per step (0: as many as GPUs, Mobius §3.1); the step's batch is
+    microbatches x batch."""
+    mapping: str = "cross"
+    """Pipelines: stage -> GPU mapping, cross (Mobius §3.3) or sequential."""
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["betas"] = list(self.betas)
+        for k, default in _LATER_OPTIONS.items():  # keys added later appear once set, so older
+            if d[k] == default:                    # plans keep their bytes
+                del d[k]
         return d
 
     @staticmethod
     def from_json(d: dict, where: str = "plan options") -> "Options":
         return decode(Options, d, where)
+
+
+_LATER_OPTIONS = {"gpus": None, "microbatches": 0, "mapping": "cross"}
 
 
 @dataclass(frozen=True, kw_only=True)

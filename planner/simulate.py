@@ -3,8 +3,12 @@
 The executor and the simulator interpret the very same instructions: here each one takes
 its modeled duration (planner/cost.py). Streams are FIFO in program order (like CUDA
 streams); an instruction starts when its stream is free, every instruction it depends on
-has finished, and its resource is free. Resources: each GPU's compute, H2D and D2H engines,
-the SSDs (one simplex resource shared by reads and writes), the CPU optimizer.
+has finished, and each of its resources has a free slot. Resources: each GPU's compute, H2D
+and D2H engines, the SSDs (one simplex resource shared by reads and writes), the CPU
+optimizer; and shared links (`contention`): the uplink of each CPU root complex, per direction,
+whose GPUs share its bandwidth (Mobius §3.3), and DRAM, which every host transfer crosses. A
+shared link has as many slots as full-rate transfers fit in its bandwidth, so the transfers
+running on it never add up to more than its bandwidth.
 
 Memory: every (buffer, tier) pair is either present or not. Compute allocates its outputs
 when it starts and its workspace while it runs; a load/store allocates the destination
@@ -51,11 +55,47 @@ class SimResult:
         return max(sorted(self.busy_s), key=lambda r: self.busy_s[r])
 
 
+def contention(instrs: list[Instr], hw) -> tuple[list[tuple[str, ...]], dict[str, int]]:
+    """Per instruction, the shared links it occupies besides its stream's engine, and each shared
+    link's slots. A GPU <-> DRAM copy crosses its root complex's uplink (when the spec bounds it:
+    `root_complex_bw`) and DRAM; a GPU -> GPU send without P2P goes through DRAM, so it takes the
+    sender's D2H engine and uplink and the receiver's H2D engine and uplink; SSD I/O crosses DRAM."""
+    rc_bw, gpus = hw.root_complex_bw, hw.gpus
+    slots: dict[str, int] = {}
+    if rc_bw:
+        for rc in sorted({g.root_complex for g in gpus}):
+            rate = min(rc_bw, max(max(g.h2d_bw, g.d2h_bw) for g in gpus if g.root_complex == rc))
+            slots[f"rc{rc}.h2d"] = slots[f"rc{rc}.d2h"] = max(1, int(rc_bw / rate + 1e-9))
+    rates = [r for g in gpus for r in (g.h2d_bw, g.d2h_bw)] + [hw.ssd.read_total(), hw.ssd.write_total()]
+    if hw.dram.bandwidth:
+        slots["dram"] = max(1, int(hw.dram.bandwidth / max(rates) + 1e-9))
+    dram = ("dram",) if "dram" in slots else ()
+
+    def up(k: int, way: str) -> tuple[str, ...]:
+        return (f"rc{gpus[k].root_complex}.{way}",) if rc_bw else ()
+
+    extra = []
+    for ins in instrs:
+        x: tuple[str, ...] = ()
+        if ins.kind == "send" and not hw.gpu_p2p_bw:
+            a, b = int(ins.src[3:]), int(ins.dst[3:])
+            x = (f"{ins.src}.d2h", f"{ins.dst}.h2d", *up(a, "d2h"), *up(b, "h2d"), *dram)
+        elif ins.kind in ("load", "store") and "ssd" in (ins.src, ins.dst):
+            x = dram
+        elif ins.kind in ("load", "store"):
+            g, way = (ins.dst, "h2d") if ins.dst.startswith("gpu") else (ins.src, "d2h")
+            x = (*up(int(g[3:]), way), *dram)
+        extra.append(x)
+    return extra, slots
+
+
 def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
-             initial: dict[tuple[str, str], None] | set, tier_of_device=lambda t: t) -> SimResult:
+             initial: dict[tuple[str, str], None] | set, tier_of_device=lambda t: t,
+             links: tuple[list[tuple[str, ...]], dict[str, int]] | None = None) -> SimResult:
     """Replay `instrs` with `duration[i]` seconds each.
 
-    nbytes: buffer -> bytes. initial: the (buffer, tier) pairs present at the start.
+    nbytes: buffer -> bytes. initial: the (buffer, tier) pairs present at the start. links:
+    `contention()`'s shared links per instruction and their slots (default: none).
     """
     n = len(instrs)
     streams: dict[str, list[int]] = {}
@@ -66,7 +106,11 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
         streams.setdefault(ins.stream, []).append(ins.id)
     head = {s: 0 for s in streams}
     stream_free = {s: 0.0 for s in streams}
-    res_free: dict[str, float] = {}
+    extra, slots = links or ([()] * n, {})
+    res_free: dict[str, list[float]] = {r: [0.0] * k for r, k in slots.items()}
+
+    def uses(i: int) -> tuple[str, ...]:
+        return (resource_of(instrs[i].stream), *extra[i])
     end = [None] * n
     start = [None] * n
     order = []
@@ -79,8 +123,8 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
             i = streams[s][head[s]]
             if any(end[d] is None for d in instrs[i].deps):
                 continue
-            r = resource_of(s)
-            t = max([stream_free[s], res_free.get(r, 0.0)] + [end[d] for d in instrs[i].deps])
+            t = max([stream_free[s]] + [min(res_free.get(r, (0.0,))) for r in uses(i)]
+                     + [end[d] for d in instrs[i].deps])
             if best is None or (t, i) < best[:2]:
                 best = (t, i, s)
         if best is None:
@@ -89,7 +133,9 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
         t, i, s = best
         start[i], end[i] = t, t + duration[i]
         stream_free[s] = end[i]
-        res_free[resource_of(s)] = end[i]
+        for r in uses(i):
+            free = res_free.setdefault(r, [0.0])
+            free[free.index(min(free))] = end[i]
         head[s] += 1
         order.append(i)
         done += 1
@@ -97,11 +143,12 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
     busy: dict[str, float] = {}
     traffic: dict[str, int] = {}
     for ins in instrs:
-        r = resource_of(ins.stream)
-        busy[r] = busy.get(r, 0.0) + duration[ins.id]
-        if ins.kind in ("load", "store"):
-            key = f"{ins.src}->{ins.dst}"
-            traffic[key] = traffic.get(key, 0) + nbytes[ins.tensor]
+        for r in uses(ins.id):  # a shared link's busy time is per slot; DRAM's is not reported
+            if r != "dram":
+                busy[r] = busy.get(r, 0.0) + duration[ins.id] / slots.get(r, 1)
+        if ins.kind in ("load", "store", "send"):
+            for key in (f"{ins.src}->{ins.dst}", *(r for r in extra[ins.id] if r.startswith("rc"))):
+                traffic[key] = traffic.get(key, 0) + nbytes[ins.tensor]
 
     # Memory events in causal order: at one instant, workspaces of instructions that ended
     # are released first, then instructions start in dispatch order (a dependent instruction
@@ -115,7 +162,7 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
             events.append(((start[i], k, 0), "free", ins.tensor, ins.dst, None, i))
         for a in ins.allocs:
             events.append(((start[i], k, 0), "alloc", a, dev, None, i))
-        if ins.kind in ("load", "store"):
+        if ins.kind in ("load", "store", "send"):
             events.append(((start[i], k, 0), "copy", ins.tensor, ins.dst, ins.src, i))
         if ins.workspace:
             events.append(((start[i], k, 0), "alloc", ins.workspace, dev, None, i))
@@ -169,10 +216,13 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
 
 def simulate_plan(plan) -> SimResult:
     """Replay a plan file (`planner.schema.Plan`) as written: its instructions with their
-    `est_s`, its buffers' bytes, the homes as the initial placement."""
-    initial = {(n, "gpu0" if b.home == "gpu" else b.home) for n, b in plan.buffers.items() if b.home}
-    return simulate(list(plan.instructions), [i.est_s for i in plan.instructions],
-                    {n: b.bytes for n, b in plan.buffers.items()}, initial)
+    `est_s`, its buffers' bytes, the homes as the initial placement, its hardware's links."""
+    from tensorstow.planner.pipeline import home_tiers
+    order = [b.name for b in plan.model.blocks]
+    initial = set(home_tiers(dict(plan.buffers), plan.decisions, order).items())
+    instrs = list(plan.instructions)
+    return simulate(instrs, [i.est_s for i in instrs], {n: b.bytes for n, b in plan.buffers.items()}, initial,
+                    links=contention(instrs, plan.hardware.spec))
 
 
 def _device_tier(ins: Instr) -> str:

@@ -1,0 +1,431 @@
+"""Lowering a multi-GPU pipeline into the static schedule (Mobius §3.1; GPipe as the baseline).
+
+A pipeline plan cuts the blocks into stages of consecutive blocks, runs stage j on GPU
+`pipeline.gpus[j]`, and cuts the step's batch into M microbatches. Per GPU, the stages it runs
+form one sequence of *visits*: its forward stages in order, then its backward stages in reverse
+(the last stage's forward and backward are one visit: its parameters stay). A visit loads its
+stage's parameters (Mobius: from DRAM; GPipe: resident, nothing to load), runs every microbatch
+through every block, and releases them. What the next visit on the same GPU can take while this
+one runs is prefetched into the memory this one leaves free (Mobius Eq. 5-6); the rest is loaded
+once this visit's parameters are released.
+
+Per microbatch m the activations are their own buffers, `A:<b>@m`, `X:<b>@m`, `H:<b>@m`,
+`T:<b>@m` (planner.schedule names the kinds): a forward offloads its block's saved activations
+and input checkpoint to DRAM (Mobius §3.1, A_Mobius) and the backward brings them back; at a
+stage boundary the output activation (`X` of the next stage's first block) and the activation
+gradient (`H` of a stage's first block) go GPU to GPU as `send` instructions (through DRAM
+without P2P: both GPUs' host links carry them). Gradients accumulate over the microbatches in
+`G:<b>` (the later microbatches' backward lists it in `accum`); after the last one the block's
+update runs (the CPU optimizer for DRAM-homed state, overlapped with the rest of the backward,
+as LoHan's active gradient offloading; GPipe: on its GPU).
+
+The data-parallel baseline (DeepSpeed ZeRO-3 with offload, the paper's comparison) runs every
+block on every GPU, GPU k on microbatch k: each GPU streams every block's parameters from DRAM
+(ZeRO-3's all-gather has no P2P on these machines: it goes through the host links, so the
+traffic is the same), and each GPU's gradient goes to DRAM, where the CPU sums them and updates.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from tensorstow.planner.cost import BlockProfile
+from tensorstow.planner.schedule import Buffer, Decisions, Instr, _Emitter, _write_new, buffers_for
+
+PER_MICRO = ("A", "X", "H", "T")
+"""Buffer kinds with one copy per microbatch."""
+
+
+def split_micro(name: str) -> tuple[str, int | None]:
+    """`A:b@2` -> ("A:b", 2); a name without a microbatch -> (name, None)."""
+    base, at, m = name.rpartition("@")
+    return (base, int(m)) if at and m.isdigit() else (name, None)
+
+
+def block_of(name: str) -> str:
+    """The block a buffer name belongs to: `A:h.3@1` -> `h.3`."""
+    return split_micro(name)[0].split(":")[-1]
+
+
+def pipeline_buffers(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str, str],
+                     decisions: Decisions, mixed: bool) -> dict[str, Buffer]:
+    """The single-GPU buffers, with the per-microbatch kinds (and, data-parallel, each GPU's
+    gradient) copied per microbatch."""
+    pl = decisions.pipeline
+    per = PER_MICRO + (("G",) if pl.kind == "data-parallel" else ())
+    out = {}
+    for n, b in buffers_for(order, prof, profile_of, decisions, mixed).items():
+        if n.split(":")[0] in per:
+            for m in range(pl.microbatches):
+                out[f"{n}@{m}"] = dataclasses.replace(b, name=f"{n}@{m}")
+        else:
+            out[n] = b
+    return out
+
+
+def home_tiers(buffers: dict[str, Buffer], decisions: Decisions, order: list[str]) -> dict[str, str]:
+    """Buffer -> the tier it lives on between steps: a "gpu" home is its stage's GPU."""
+    pl = decisions.pipeline
+    if pl is None or pl.kind == "data-parallel":
+        gpu_of = {b: "gpu0" for b in order}
+    else:
+        stage = pl.stage_of(order)
+        gpu_of = {b: f"gpu{pl.gpus[stage[b]]}" for b in order}
+    return {n: (gpu_of[b.block] if b.home == "gpu" else b.home) for n, b in buffers.items() if b.home}
+
+
+def lower_pipeline(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str, str],
+                   decisions: Decisions, buffers: dict[str, Buffer], capacity: dict[str, int]) -> list[Instr]:
+    """One step's instruction list for a pipeline (`decisions.pipeline`); `capacity`: bytes the
+    plan's tensors may fill on each GPU ("gpuK"), for the prefetch split."""
+    if decisions.pipeline.kind == "data-parallel":
+        return _lower_data_parallel(order, prof, profile_of, decisions, buffers)
+    return _Pipeline(order, prof, profile_of, decisions, buffers, capacity).lower()
+
+
+class _Pipeline:
+    def __init__(self, order, prof, profile_of, decisions, buffers, capacity):
+        pl = decisions.pipeline
+        self.order, self.prof, self.profile_of, self.dec = order, prof, profile_of, decisions.blocks
+        self.buffers, self.capacity, self.prefetch = buffers, capacity, decisions.prefetch
+        self.M = pl.microbatches
+        self.stages = [order[lo:hi] for lo, hi in pl.stages]
+        self.gpu = [f"gpu{k}" for k in pl.gpus]
+        self.gpu_of = {b: self.gpu[j] for j, bl in enumerate(self.stages) for b in bl}
+        self.e = _Emitter(self.gpu[0])
+        self.home = home_tiers(buffers, decisions, order)
+        for n, t in self.home.items():
+            self.e.where[(n, t)] = None
+        self.mixed = any(n.startswith("M:") for n in buffers)
+        self.nxt = {b: order[k + 1] for k, b in enumerate(order[:-1])}
+        self.prev = {b: order[k - 1] for k, b in enumerate(order) if k}
+        self.borrowed: list[str] = []
+        self.ring: dict[str, list[int]] = {}  # gpu -> back-pressure points, one per microbatch x block
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def has(self, n: str) -> bool:
+        return n in self.buffers
+
+    def state(self, b: str) -> list[str]:
+        return [x for x in (f"P:{b}", f"C:{b}") if self.has(x)]
+
+    def streamed(self, b: str) -> list[str]:
+        """b's parameter-like buffers that live off its GPU (loaded per visit)."""
+        return [x for x in self.state(b) if self.home[x] != self.gpu_of[b]]
+
+    def nbytes(self, names) -> int:
+        return sum(self.buffers[n].bytes for n in names if self.has(n))
+
+    def footprint(self, phase: str, j: int) -> int:
+        """GPU bytes a visit holds besides the next visit's prefetch: its parameters (and, in the
+        backward, its gradients), plus two blocks' activations and the largest workspace."""
+        blocks = self.stages[j]
+        fixed = self.nbytes(x for b in blocks for x in self.state(b))
+        if phase == "bwd":
+            fixed += self.nbytes(f"G:{b}" for b in blocks)
+        act = max(self.nbytes([f"A:{b}@0", f"X:{b}@0", f"H:{b}@0", f"T:{b}@0"]) for b in blocks)
+        ws = max(self.nbytes([f"W:{phase}:{b}"]) for b in blocks)
+        return fixed + 3 * act + ws
+
+    def gate_ring(self, g: str, depth: int = 2):
+        q = self.ring.get(g, [])
+        return q[-depth] if len(q) >= depth else None
+
+    def load_foreign(self, b: str, g: str) -> list[int]:
+        """Other blocks' P/C that b reads (tied weights): on b's GPU (the policy puts a tie on one GPU)."""
+        ready = []
+        for o in self.prof[self.profile_of[b]].reads:
+            for x in self.state(o):
+                if (x, g) in self.e.where:
+                    if self.e.where[(x, g)] is not None:
+                        ready.append(self.e.where[(x, g)])
+                    continue
+                ready.append(self.e.move(x, self.home[x], g))
+                self.borrowed.append(x)
+        return ready
+
+    def release_foreign(self, g: str, after: int) -> None:
+        while self.borrowed:
+            self.e.free(self.borrowed.pop(), g, (after,))
+
+    # ---- the schedule -------------------------------------------------------------------------
+    def lower(self) -> list[Instr]:
+        K = len(self.stages)
+        visits = [("fwd", j) for j in range(K)] + [("bwd", j) for j in reversed(range(K - 1))]
+        per_gpu: dict[str, list[tuple[str, int]]] = {}
+        for v in visits:
+            per_gpu.setdefault(self.gpu[v[1]], []).append(v)
+        nxt_visit = {v: vs[k + 1] for vs in per_gpu.values() for k, v in enumerate(vs[:-1])}
+        early = {v: self.early_blocks(v, nxt_visit.get(v)) for v in visits}
+        prev_visit = {w: v for v, w in nxt_visit.items()}
+        loads: dict[tuple[str, int], dict[str, int]] = {}
+        released: dict[tuple[str, int], list[int]] = {}
+        for v in visits:
+            phase, j = v
+            g = self.gpu[j]
+            self.e.gpu = g
+            mine = loads.setdefault(v, {})
+            pv = prev_visit.get(v)
+            gate = max(released[pv]) if pv and released.get(pv) else None
+            for b in self.stages[j]:
+                if b not in mine and self.streamed(b) and self.runs(phase, b):
+                    mine[b] = self.load(b, g, gate)
+            w = nxt_visit.get(v)  # prefetch: the next visit's blocks that fit next to this one
+            stay = w is not None and w[1] == j  # the GPU's only stage: its parameters stay for the backward
+            if w and not stay:
+                ahead = loads.setdefault(w, {})
+                for b in early[v]:
+                    ahead[b] = self.load(b, g, None)
+            last = self.run_forward(j, mine) if phase == "fwd" else {}
+            if phase == "bwd" or j == K - 1:  # the last stage's backward follows its forward
+                last |= self.run_backward(j, mine)
+            if stay:
+                loads[w] = mine
+                continue
+            released[v] = [self.e.free(x, g, (last[b],)) for b in self.stages[j] if b in last
+                           for x in self.streamed(b)]
+        return self.e.instrs
+
+    def runs(self, phase: str, b: str) -> bool:
+        """Whether b has work in this phase (a block nothing below needs a gradient of has no backward)."""
+        return phase == "fwd" or self.prof[self.profile_of[b]].bwd_ops[0] >= 0
+
+    def early_blocks(self, v, w) -> list[str]:
+        """Mobius Eq. 5-6: the blocks of visit w loaded while visit v runs, in w's order, as many
+        as fit in what v leaves free."""
+        if w is None or w[1] == v[1] or not self.prefetch:
+            return []
+        left = self.capacity[self.gpu[v[1]]] - self.footprint(*v)
+        if v[0] == "fwd" and v[1] == len(self.stages) - 1:
+            left = min(left, self.capacity[self.gpu[v[1]]] - self.footprint("bwd", v[1]))
+        out = []
+        blocks = self.stages[w[1]] if w[0] == "fwd" else list(reversed(self.stages[w[1]]))
+        for b in blocks:
+            if not self.runs(w[0], b) or not self.streamed(b):
+                continue
+            need = self.nbytes(self.streamed(b))
+            if need > left:
+                break
+            left -= need
+            out.append(b)
+        return out
+
+    def load(self, b: str, g: str, gate) -> int | None:
+        last = None
+        for x in self.streamed(b):
+            last = self.e.move(x, self.home[x], g, (gate,))
+        return last
+
+    def run_forward(self, j: int, loaded: dict[str, int]) -> dict[str, int]:
+        """Every microbatch through stage j's forward; returns each block's last compute."""
+        e, g = self.e, self.gpu[j]
+        last = {}
+        ring = self.ring.setdefault(g, [])
+        for m in range(self.M):
+            for b in self.stages[j]:
+                d = self.dec[b]
+                x_in = f"X:{b}@{m}"
+                deps = [loaded.get(b), self.gate_ring(g), *self.load_foreign(b, g)]
+                if self.has(x_in):
+                    deps.append(e.where.get((x_in, g)))
+                allocs = [f"A:{b}@{m}"] if self.has(f"A:{b}@{m}") and d.activations != "recompute" else []
+                nb = self.nxt.get(b)
+                if nb and self.has(f"X:{nb}@{m}"):
+                    allocs.append(f"X:{nb}@{m}")
+                c = e.emit("compute", f"{g}.compute", deps, segment=f"fwd:{b}", micro=m, allocs=tuple(allocs),
+                           workspace=f"W:fwd:{b}" if self.has(f"W:fwd:{b}") else "")
+                self.release_foreign(g, c)
+                for a in allocs:
+                    e.where[(a, g)] = c
+                last[b] = c
+                done = [c]
+                if self.has(f"A:{b}@{m}") and d.activations in ("swap_dram", "swap_ssd"):
+                    s = e.move(f"A:{b}@{m}", g, "dram", (c,))
+                    done.append(e.free(f"A:{b}@{m}", g, (s,)))
+                if self.has(x_in) and d.checkpoint != "gpu":
+                    s = e.move(x_in, g, "dram", (c,))
+                    done.append(e.free(x_in, g, (s, c)))
+                if nb and self.has(f"X:{nb}@{m}") and self.gpu_of[nb] != g:  # Mobius Eq. 8: to the next stage
+                    s = self.send(f"X:{nb}@{m}", g, self.gpu_of[nb], c)
+                    done.append(e.free(f"X:{nb}@{m}", g, (s,)))
+                ring.append(max(done))
+        return last
+
+    def send(self, buf: str, src: str, dst: str, after: int) -> int:
+        s = self.e.emit("send", f"{src}.send", (after,), tensor=buf, src=src, dst=dst)
+        self.e.where[(buf, dst)] = s
+        return s
+
+    def run_backward(self, j: int, loaded: dict[str, int]) -> dict[str, int]:
+        """Every microbatch through stage j's backward, then each block's update; returns each
+        block's last backward compute."""
+        e, g, M = self.e, self.gpu[j], self.M
+        last: dict[str, int] = {}
+        ring = self.ring.setdefault(g, [])
+        carry_until = {b: self.prof[self.profile_of[b]].carried_until for b in self.order
+                       if self.has(f"T:{b}@0")}
+        for m in range(M):
+            for b in reversed(self.stages[j]):
+                d = self.dec[b]
+                if self.prof[self.profile_of[b]].bwd_ops[0] < 0:
+                    continue  # nothing below needs a gradient and nothing here trains
+                deps = [loaded.get(b), *self.load_foreign(b, g)]
+                for x, tier in ((f"X:{b}@{m}", d.checkpoint), (f"A:{b}@{m}", d.activations)):
+                    if not self.has(x) or (x, g) in e.where:
+                        deps.append(e.where.get((x, g)))
+                        continue
+                    if tier == "recompute" or (x, "dram") not in e.where:
+                        continue
+                    deps.append(e.move(x, "dram", g, (self.gate_ring(g),)))
+                    e.free(x, "dram", (deps[-1],))
+                if self.has(f"A:{b}@{m}") and d.activations == "recompute":
+                    r = e.emit("recompute", f"{g}.compute", tuple(deps), segment=f"fwd:{b}", micro=m,
+                               allocs=(f"A:{b}@{m}",),
+                               workspace=f"W:fwd:{b}" if self.has(f"W:fwd:{b}") else "")
+                    deps.append(r)
+                nb = self.nxt.get(b)
+                if nb and self.has(f"H:{nb}@{m}"):
+                    deps.append(e.where.get((f"H:{nb}@{m}", g)))
+                allocs = [x for x in (f"T:{b}@{m}", f"H:{b}@{m}") if self.has(x)]
+                accum = ()
+                if self.has(f"G:{b}"):
+                    if m == 0:
+                        allocs.insert(0, f"G:{b}")
+                    else:
+                        accum = (f"G:{b}",)
+                        deps.append(last.get(b))
+                c = e.emit("compute", f"{g}.compute", tuple(deps), segment=f"bwd:{b}", micro=m,
+                           allocs=tuple(allocs), accum=accum,
+                           workspace=f"W:bwd:{b}" if self.has(f"W:bwd:{b}") else "")
+                self.release_foreign(g, c)
+                for a in allocs:
+                    e.where[(a, g)] = c
+                last[b] = c
+                done = [c]
+                for x in (f"A:{b}@{m}", f"X:{b}@{m}"):
+                    if self.has(x):
+                        done.append(e.free(x, g, (c,)))
+                if nb and self.has(f"H:{nb}@{m}"):  # the gradient the next block handed to b
+                    done.append(e.free(f"H:{nb}@{m}", g, (c,)))
+                for t in sorted(t for t, until in carry_until.items() if until == self.profile_of[b]):
+                    if (f"T:{t}@{m}", g) in e.where:
+                        done.append(e.free(f"T:{t}@{m}", g, (c,)))
+                pb = self.prev.get(b)
+                if pb and self.has(f"H:{b}@{m}") and self.gpu_of[pb] != g:  # Mobius Eq. 8, backward
+                    s = self.send(f"H:{b}@{m}", g, self.gpu_of[pb], c)
+                    done.append(e.free(f"H:{b}@{m}", g, (s,)))
+                ring.append(max(done))
+        for b in reversed(self.stages[j]):
+            if b in last and self.has(f"G:{b}"):
+                self.update(b, g, last[b])
+        return last
+
+    def update(self, b: str, g: str, after: int) -> None:
+        """Block b's optimizer step once its gradient has every microbatch (Mobius: in DRAM, by
+        the CPU; GPipe: on its GPU)."""
+        e, d = self.e, self.dec[b]
+        states = [s for s in (f"M:{b}", f"OS:{b}") if self.has(s)]
+        if d.optimizer != "cpu":
+            u = e.emit("optimizer_step", f"{g}.compute", (after,), segment=b, dst=g,
+                       workspace=f"W:opt:{b}" if self.has(f"W:opt:{b}") else "")
+            e.free(f"G:{b}", g, (u,))
+            return
+        s = e.move(f"G:{b}", g, "dram", (after,))
+        e.free(f"G:{b}", g, (s,))
+        ready = [s]
+        for x in states + [f"P:{b}"]:
+            if self.home[x] != "dram" and (x, "dram") not in e.where:
+                ready.append(e.move(x, self.home[x], "dram", (after,)))
+        fresh = (f"P:{b}",) if self.mixed and self.home[f"P:{b}"] != "dram" else ()
+        u = e.emit("optimizer_step", "cpu.opt", tuple(ready), segment=b, dst="cpu", allocs=fresh)
+        e.free(f"G:{b}", "dram", (u,))
+        for x in states + [f"P:{b}"]:
+            if self.home[x] == "dram":
+                continue
+            if x == f"P:{b}" and self.mixed:
+                _write_new(e, x, "dram", self.home[x], u, g)
+            else:
+                w = e.move(x, "dram", self.home[x], (u,))
+                e.free(x, "dram", (w,))
+
+
+def _lower_data_parallel(order, prof, profile_of, decisions, buffers) -> list[Instr]:
+    """ZeRO-3 with offload, DeepSpeed's data parallelism on these machines: GPU k runs the whole
+    model on microbatch k, streaming each block's parameters from DRAM for its forward and again
+    for its backward (ZeRO-3 frees gathered parameters after use), recomputing each block from its
+    input checkpoint (kept in DRAM), and sending each gradient to DRAM, where the CPU sums the GPUs'
+    gradients and updates (ZeRO-Offload)."""
+    pl = decisions.pipeline
+    e = _Emitter("gpu0")
+    has = buffers.__contains__
+    home = home_tiers(buffers, decisions, order)
+    for n, t in home.items():
+        e.where[(n, t)] = None
+    gpus = [f"gpu{k}" for k in pl.gpus]
+    mixed = any(n.startswith("M:") for n in buffers)
+    state = {b: [x for x in (f"P:{b}", f"C:{b}") if has(x)] for b in order}
+    arrived: dict[str, list[int]] = {}
+    for k, g in enumerate(gpus):
+        e.gpu = g
+        ring: list[int] = []
+        frees: list[int] = []
+        for b in order:  # forward: stream the parameters in, keep only the input checkpoint
+            gate = frees[-1 - decisions.prefetch] if len(frees) > decisions.prefetch else None
+            deps = [e.move(x, home[x], g, (gate,)) for x in state[b]]
+            deps.append(ring[-2] if len(ring) >= 2 else None)
+            x_in = f"X:{b}@{k}"
+            if has(x_in):
+                deps.append(e.where.get((x_in, g)))
+            nb = order[order.index(b) + 1] if b != order[-1] else None
+            allocs = tuple(x for x in (f"X:{nb}@{k}",) if nb and has(x))
+            c = e.emit("compute", f"{g}.compute", tuple(deps), segment=f"fwd:{b}", micro=k, allocs=allocs,
+                       workspace=f"W:fwd:{b}" if has(f"W:fwd:{b}") else "")
+            for a in allocs:
+                e.where[(a, g)] = c
+            done = [c]
+            if has(x_in):
+                s = e.move(x_in, g, "dram", (c,))
+                done.append(e.free(x_in, g, (s, c)))
+            ring.append(max(done))
+            frees.append(max([e.free(x, g, (c,)) for x in state[b]] or [c]))
+        for b in reversed(order):
+            if prof[profile_of[b]].bwd_ops[0] < 0:
+                continue
+            gate = frees[-1 - decisions.prefetch] if len(frees) > decisions.prefetch else None
+            deps = [e.move(x, home[x], g, (gate,)) for x in state[b]]
+            x_in = f"X:{b}@{k}"
+            if has(x_in):
+                deps.append(e.move(x_in, "dram", g, (ring[-2] if len(ring) >= 2 else None,)))
+                e.free(x_in, "dram", (deps[-1],))
+            if has(f"A:{b}@{k}"):
+                deps.append(e.emit("recompute", f"{g}.compute", tuple(deps), segment=f"fwd:{b}", micro=k,
+                                   allocs=(f"A:{b}@{k}",),
+                                   workspace=f"W:fwd:{b}" if has(f"W:fwd:{b}") else ""))
+            nb = order[order.index(b) + 1] if b != order[-1] else None
+            if nb and has(f"H:{nb}@{k}"):
+                deps.append(e.where.get((f"H:{nb}@{k}", g)))
+            allocs = tuple(x for x in (f"G:{b}@{k}", f"T:{b}@{k}", f"H:{b}@{k}") if has(x))
+            c = e.emit("compute", f"{g}.compute", tuple(deps), segment=f"bwd:{b}", micro=k, allocs=allocs,
+                       workspace=f"W:bwd:{b}" if has(f"W:bwd:{b}") else "")
+            for a in allocs:
+                e.where[(a, g)] = c
+            done = [c]
+            for x in (f"A:{b}@{k}", f"X:{b}@{k}") + ((f"H:{nb}@{k}",) if nb and has(f"H:{nb}@{k}") else ()):
+                if has(x):
+                    done.append(e.free(x, g, (c,)))
+            until = {t for t in order if has(f"T:{t}@{k}") and prof[profile_of[t]].carried_until == profile_of[b]}
+            for t in sorted(until):
+                done.append(e.free(f"T:{t}@{k}", g, (c,)))
+            frees.append(max([e.free(x, g, (c,)) for x in state[b]] or [c]))
+            if has(f"G:{b}@{k}"):
+                s = e.move(f"G:{b}@{k}", g, "dram", (c,))
+                done.append(e.free(f"G:{b}@{k}", g, (s,)))
+                arrived.setdefault(b, []).append(s)
+            ring.append(max(done))
+    for b in reversed(order):  # the CPU sums the GPUs' gradients and updates (ZeRO-Offload)
+        if b not in arrived:
+            continue
+        fresh = (f"P:{b}",) if mixed and home[f"P:{b}"] != "dram" else ()
+        u = e.emit("optimizer_step", "cpu.opt", tuple(arrived[b]), segment=b, dst="cpu", allocs=fresh)
+        for k in range(len(gpus)):
+            e.free(f"G:{b}@{k}", "dram", (u,))
+    return e.instrs
