@@ -310,7 +310,7 @@ def cmd_execute(args) -> int:
     from tensorstow.executor.run import execute
     execute(load_plan(args.plan), steps=args.steps, data=args.data, state_dir=args.state_dir,
             mode=args.mode, seed=args.seed, log_json=args.log_json, trace=args.trace,
-            checkpoint_every=args.checkpoint_every)
+            checkpoint_every=args.checkpoint_every, nproc=args.nproc)
     return 0
 
 
@@ -415,6 +415,8 @@ def parser() -> argparse.ArgumentParser:
                    help="overlap: one worker per stream; sync: one instruction at a time in program "
                         "order (the reference); auto (default): overlap on CUDA, sync on a CPU-only machine")
     x.add_argument("--seed", type=int, default=0, help="torch.manual_seed right before the model factory")
+    x.add_argument("--nproc", type=int, default=1,
+                   help="processes, one per GPU: a multi-GPU plan (mobius, gpipe) needs one per GPU of its hardware")
     x.add_argument("--log-json", dest="log_json", help="append one JSON object per step")
     x.add_argument("--trace", help="write the measured timeline of the last step (Perfetto JSON)")
     x.add_argument("--checkpoint-every", dest="checkpoint_every", type=int, default=1,

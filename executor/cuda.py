@@ -45,10 +45,10 @@ def on_host(ins) -> bool:
     if ins.kind == "optimizer_step":
         return ins.dst == "cpu"
     if ins.kind in ("load", "store"):
-        return "gpu0" not in (ins.src, ins.dst)
+        return not (ins.src.startswith("gpu") or ins.dst.startswith("gpu"))
     if ins.kind == "free":
-        return ins.dst != "gpu0"
-    return False
+        return not ins.dst.startswith("gpu")
+    return ins.kind == "send"  # the process group's transfer: the lane's thread waits for it
 
 
 class HostLanes:

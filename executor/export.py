@@ -43,45 +43,58 @@ def _weight_buffers(plan, layout: dict) -> list[tuple[str, list[dict]]]:
 
 
 def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES) -> dict:
-    """Write the committed weights of `state_dir` to `out_dir`; returns a summary."""
+    """Write the committed weights of `state_dir` to `out_dir`; returns a summary. The state dir
+    of a multi-process run (`rank<K>/` per GPU) exports as one model at the last step every rank
+    committed (a rank one commit ahead is rolled back to it, as a resumed run would)."""
     from safetensors.torch import save_file
 
     from tensorstow.executor.ssd import SSDStore
 
     d, out = Path(state_dir), Path(out_dir)
-    plan, layout = state.read(d)
+    ranks = sorted((p for p in d.glob("rank*") if p.is_dir() and p.name[4:].isdigit()), key=lambda p: int(p.name[4:]))
+    dirs = ranks if ranks and not (d / state.PLAN).exists() else [d]
+    described = [state.read(x) for x in dirs]
     if out.exists() and any(out.iterdir()):
         raise TensorstowError(f"export: {out} exists and is not empty; choose a new directory")
-    store = SSDStore(d, state.store_sizes(plan))
+    stores = []
     try:
-        step = store.committed_step()
-        if step is None:
-            raise TensorstowError(f"export: {d} holds no committed step yet")
+        for x, (plan, _) in zip(dirs, described):
+            gpu = f"gpu{x.name[4:]}" if x is not d else None
+            stores.append(SSDStore(x, state.store_sizes(plan, gpu)))
+        steps = [s.committed_step() for s in stores]
+        if any(st is None for st in steps):
+            raise TensorstowError(f"export: {dirs[steps.index(None)]} holds no committed step yet")
+        step = min(steps)
+        for st in stores:
+            if st.committed_step() > step:
+                st.rollback()  # committed a step another rank did not: not a step of the run
         tmp = out.with_name(out.name + ".tmp-export")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        prefix = layout["name_prefix"]
+        prefix = described[0][1]["name_prefix"]
         shards: list[dict[str, torch.Tensor]] = [{}]
         sizes = [0]
-        for buf, slots in _weight_buffers(plan, layout):
-            blob = aligned_empty(store.sizes[buf])
-            store.read(buf, blob)
-            for s in slots:
-                t = blob[s["offset"]:s["offset"] + s["nbytes"]].view(getattr(torch, s["dtype"]))
-                name = s["name"][len(prefix):] if prefix and s["name"].startswith(prefix) else s["name"]
-                if sizes[-1] and sizes[-1] + s["nbytes"] > shard_bytes:
-                    _flush(shards, tmp, save_file)
-                    sizes.append(0)
-                shards[-1][name] = t.reshape(s["shape"]).clone()
-                sizes[-1] += s["nbytes"]
+        for (plan, layout), store in zip(described, stores):
+            for buf, slots in _weight_buffers(plan, layout):
+                blob = aligned_empty(store.sizes[buf])
+                store.read(buf, blob)
+                for s in slots:
+                    t = blob[s["offset"]:s["offset"] + s["nbytes"]].view(getattr(torch, s["dtype"]))
+                    name = s["name"][len(prefix):] if prefix and s["name"].startswith(prefix) else s["name"]
+                    if sizes[-1] and sizes[-1] + s["nbytes"] > shard_bytes:
+                        _flush(shards, tmp, save_file)
+                        sizes.append(0)
+                    shards[-1][name] = t.reshape(s["shape"]).clone()
+                    sizes[-1] += s["nbytes"]
         total = _finish(shards, sizes, tmp, save_file)
-        if (d / state.CONFIG).exists():
-            shutil.copyfile(d / state.CONFIG, tmp / "config.json")
+        if (dirs[0] / state.CONFIG).exists():
+            shutil.copyfile(dirs[0] / state.CONFIG, tmp / "config.json")
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
     finally:
-        store.close()
+        for st in stores:
+            st.close()
     return {"step": step, "tensors": total, "bytes": sum(sizes), "files": len(sizes)}
 
 

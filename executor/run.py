@@ -13,6 +13,7 @@ import torch
 from tensorstow import TensorstowError
 from tensorstow.executor import state
 from tensorstow.executor.data import batches
+from tensorstow.executor.distributed import agree_on_step, rank_dir
 from tensorstow.executor.runtime import Executor
 from tensorstow.ir.models import resolve_model
 from tensorstow.planner.schema import Plan
@@ -20,10 +21,15 @@ from tensorstow.planner.schema import Plan
 
 def execute(plan: Plan, *, steps: int, data: str = "synthetic", state_dir: str | None = None,
             mode: str = "auto", seed: int = 0, log_json: str | None = None, trace: str | None = None,
-            checkpoint_every: int = 1, out=None) -> dict:
+            checkpoint_every: int = 1, out=None, nproc: int = 1, rank: int | None = None, comm=None) -> dict:
     """Run the plan until `steps` steps are committed; resume from `state_dir` if it holds some.
-    With a state dir every `checkpoint_every` steps (and the last) are a full checkpoint."""
+    With a state dir every `checkpoint_every` steps (and the last) are a full checkpoint.
+    `nproc` > 1: one process per GPU (executor.distributed.launch runs this in each, with its
+    `rank` and `comm`; each keeps its state in `state_dir/rank<K>`)."""
     out = out or sys.stdout  # looked up per call: the stream of the caller (tests swap it)
+    if nproc > 1 or (nproc == 1 and rank is None and _gpus_of(plan) > 1):
+        return _launch(plan, nproc, dict(steps=steps, data=data, state_dir=state_dir, mode=mode, seed=seed,
+                                         log_json=log_json, trace=trace, checkpoint_every=checkpoint_every), out)
     mode = pick_mode(mode)
     if steps < 1:
         raise TensorstowError(f"--steps must be >= 1, got {steps}")
@@ -37,12 +43,14 @@ def execute(plan: Plan, *, steps: int, data: str = "synthetic", state_dir: str |
     with contextlib.ExitStack() as closing:  # the store's directory lock is released however we leave
         if state_dir is not None:
             from tensorstow.executor.ssd import SSDStore
-            d = state.claim(state_dir, plan)
-            store = closing.enter_context(SSDStore(d, state.store_sizes(plan)))
+            d = state.claim(state_dir if comm is None else rank_dir(state_dir, rank), plan)
+            store = closing.enter_context(SSDStore(d, state.store_sizes(plan, None if comm is None else f"gpu{rank}")))
+            if comm is not None:
+                agree_on_step(store, comm)
             resume = store.committed_step() is not None
             start = store.committed_step() or 0
         ex = Executor(plan, model, mode=mode, ssd_store=store, resume=resume, checkpoint_every=checkpoint_every,
-                      init_values=init)
+                      init_values=init, rank=rank, comm=comm)
         if store is not None:
             describe(d, ex, model)
         if start >= steps:
@@ -50,11 +58,11 @@ def execute(plan: Plan, *, steps: int, data: str = "synthetic", state_dir: str |
             return {"steps": start, "losses": []}
         if start:
             print(f"resuming from step {start} committed in {state_dir}", file=out)
-        tokens = m.batch * m.seq
+        tokens = m.batch * ex.M * m.seq
         log = open(log_json, "a") if log_json else None
         times, losses = [], []
         try:
-            for k, (x, y) in enumerate(batches(data, m.batch, m.seq, ex.vocab, steps, seed, start), start):
+            for k, (x, y) in enumerate(batches(data, m.batch * ex.M, m.seq, ex.vocab, steps, seed, start), start):
                 taken = ex.opt_steps
                 t0 = time.perf_counter()
                 loss = ex.step(x, y)
@@ -98,6 +106,27 @@ def execute(plan: Plan, *, steps: int, data: str = "synthetic", state_dir: str |
         return {"steps": steps, "losses": losses, "median_step_s": med, "peak": ex.peak_bytes}
 
 
+def _gpus_of(plan: Plan) -> int:
+    """How many processes the plan needs: one per GPU of its hardware when it spans several."""
+    from tensorstow.planner.pipeline import block_gpus
+    used = set(block_gpus(plan).values())
+    return len(plan.hardware.spec.gpus) if used != {"gpu0"} else 1
+
+
+def _launch(plan: Plan, nproc: int, kw: dict, out) -> dict:
+    from tensorstow.executor.distributed import launch
+    need = _gpus_of(plan)
+    if nproc != need:
+        raise TensorstowError(f"this plan runs on {need} GPU(s) ({plan.hardware.name}): execute it with "
+                              f"--nproc {need}, one process per GPU")
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="tensorstow-plan-") as tmp:
+        path = Path(tmp) / "plan.json"
+        path.write_text(plan.dumps())
+        launch(nproc, dict(kw, plan=str(path)), out)
+    return {"steps": kw["steps"], "losses": []}
+
+
 def predicted_step(plan: Plan, mode: str) -> float:
     """The step time the plan predicts for a mode: overlap runs its simulated schedule, sync one
     instruction after another (the sum of their modeled durations)."""
@@ -139,7 +168,7 @@ def describe(d: Path, ex: Executor, model) -> None:
     `hf:` model, its config.json: what `tensorstow export` needs besides the store."""
     from tensorstow.ir.hf import CausalLM
     names = {ph: name for name, ph in ex.joint.placeholder.items()}
-    layouts = {n: ex.layouts[n] for n in ex.plan.persistent()}
+    layouts = {n: ex.layouts[n] for n in sorted(ex.homes)}
     hf = isinstance(model, CausalLM)
     state.write_description(d, layouts, names, ex.frozen, "model." if hf else "",
                             model.model.config if hf else None)

@@ -5,7 +5,8 @@ model fingerprint differs, places every buffer on its home tier (parameters from
 model, Adam states zero) and then, per `step(idx, targets)`, runs the plan's instructions:
 
   compute / recompute   interpret a segment of the joint graph on the device tier
-  load / store          copy a buffer between tiers (gpu0 <-> dram <-> ssd), never aliasing
+  load / store          copy a buffer between tiers (gpuK <-> dram <-> ssd), never aliasing
+  send                  a stage boundary to or from another rank's GPU (multi-GPU plans)
   free                  drop a tier's copy
   optimizer_step        torch.optim.Adam/AdamW (foreach=False) on one block's fp32 masters
 
@@ -32,6 +33,7 @@ executor's step counter (`steps_done`, which `commit` records in the SSD store).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections import defaultdict
 from concurrent.futures import Future
@@ -49,13 +51,12 @@ from tensorstow.executor.state import RNG, rng_bytes, set_rng
 from tensorstow.executor.stores import (DeviceMemoryError, DeviceTier, FileStore, HostCopy, HostPool, HostTier, Layout, SSDTier,
                                         contiguous_stride)
 from tensorstow.ir.trace import Traced, model_dims, trace_model
+from tensorstow.planner.pipeline import block_gpus, block_of, home_tiers, split_micro
 from tensorstow.planner.schedule import Instr
 from tensorstow.planner.schema import as_plan
 
 MODES = ("sync", "overlap")
-KINDS = ("compute", "recompute", "load", "store", "free", "optimizer_step")
-_HOME = {"gpu": "gpu0", "gpu0": "gpu0", "dram": "dram", "ssd": "ssd", "": ""}
-_LINKS = {("gpu0", "dram"), ("dram", "gpu0"), ("dram", "ssd"), ("ssd", "dram")}
+KINDS = ("compute", "recompute", "load", "store", "free", "optimizer_step", "send")
 
 
 class ExecutionError(TensorstowError):
@@ -66,7 +67,7 @@ class Executor:
     def __init__(self, plan, model: nn.Module, *, mode: str = "sync", state_dir=None,
                  ssd_store=None, resume: bool = False, device_budget: int | None = None,
                  traced: Traced | None = None, checkpoint_every: int = 1, init_values=None,
-                 device: str | torch.device | None = None):
+                 device: str | torch.device | None = None, rank: int | None = None, comm=None):
         """`state_dir`: directory for the fallback `FileStore` when the plan uses the SSD tier and
         no `ssd_store` is given. `resume`: continue from the step the SSD store committed last
         (every P/M/OS buffer must live on SSD; the model's values are then not used); without
@@ -81,12 +82,35 @@ class Executor:
         value read on demand, used instead of the model's parameters (which may then live on the
         meta device: out-of-core initialisation). `device`: where the device tier lives, "cuda"
         or "cpu" (budgeted host memory); default the environment's TENSORSTOW_DEVICE, else CUDA
-        when there is one."""
+        when there is one. `rank`, `comm`: a multi-GPU plan runs one executor per GPU: this one
+        replays GPU `rank`'s share of the plan (its stages' instructions, their DRAM and SSD work,
+        both ends of its `send`s) and moves stage boundaries through `comm`
+        (executor.distributed.Comm)."""
         if mode not in MODES:
             raise TensorstowError(f"unknown executor mode '{mode}': use one of {list(MODES)}")
         from tensorstow.ir.hf import wrap
         plan = as_plan(plan)  # the typed plan, as its file would read (a dict is validated)
         model = wrap(model)
+        pl = plan.decisions.pipeline
+        if pl is not None and pl.kind == "data-parallel":
+            raise TensorstowError("a zero3-dp plan is a simulated baseline (the Mobius comparison), not "
+                                  "executable: execute a mobius, gpipe or single-GPU plan")
+        self.M = pl.microbatches if pl else 1
+        """Microbatches per step: `step` takes M x the plan's batch."""
+        self.block_gpu = block_gpus(plan)
+        gpus = sorted({int(g[3:]) for g in self.block_gpu.values()})
+        if rank is None:
+            if gpus != [0]:
+                n = len(plan.hardware.spec.gpus)
+                raise TensorstowError(f"this plan runs on {n} GPUs: execute it with one process per GPU "
+                                      f"(`tensorstow execute PLAN --nproc {n}`)")
+            rank = 0
+        self.rank, self.gpu, self.comm = rank, f"gpu{rank}", comm
+        """The GPU this executor drives: the plan's tier "gpuK"."""
+        order = [b.name for b in plan.model.blocks]
+        self.homes = {n: t for n, t in home_tiers(dict(plan.buffers), plan.decisions, order).items()
+                      if self.block_gpu[plan.buffers[n].block] == self.gpu}
+        """This executor's buffers with a home tier -> that tier: the training state it holds."""
         self.mode = mode
         self.plan = plan
         m = plan.model
@@ -104,6 +128,9 @@ class Executor:
                                   f"{m.name}; pass the model the trace was made from")
         self.precision = m.precision
         self.mixed = self.precision != "fp32"
+        self.fp32_grads = self.mixed and self.M > 1
+        """Gradients accumulate over microbatches in fp32, as eager's fp32 `.grad` does (the planner
+        sizes G so: planner.pipeline)."""
         self.instrs = self._read_instructions(plan)
         self.block_params = {b: ps for b, (ps, _) in self.joint.block_state.items()}
         """Trainable parameters per block (P, G, M, OS, the optimizer)."""
@@ -133,8 +160,8 @@ class Executor:
             check_device(plan)
         check_portable(self.traced.gm, self.device)
         self.joint.targets = targets_for(self.device)
-        self.dev = DeviceTier(pred.capacity_bytes["gpu"] if device_budget is None else device_budget,
-                              self.device)
+        self.dev = DeviceTier(plan.hardware.spec.gpus[rank].plan_bytes if device_budget is None else device_budget,
+                              self.device, self.gpu)
         self.lanes = lanes_for(self.instrs, self.device, overlap=mode == "overlap")
         """Orders the instructions: host time on the CPU, streams and events on CUDA (executor.cuda)."""
         self.alloc_limit: int | None = None
@@ -154,7 +181,7 @@ class Executor:
                                       "(a directory on the SSD) or ssd_store=")
             ssd_store = FileStore(state_dir)
         self.ssd = SSDTier(ssd_store)  # a checkpoint store also when nothing lives on SSD
-        self.tiers = {"gpu0": self.dev, "dram": self.host, "ssd": self.ssd}
+        self.tiers = {self.gpu: self.dev, "dram": self.host, "ssd": self.ssd}
 
         self.keep = self._kept_values()
         self.adam = {b: _Adam(plan.options) for b in self.block_params if self.block_params[b]}
@@ -167,8 +194,10 @@ class Executor:
         scaling skipped some)."""
         self.timeline: list[tuple[int, float, float]] = []
         self.loss: float | None = None
-        self._loss: torch.Tensor | None = None
-        self.inputs: dict[str, torch.Tensor] = {}
+        self._loss: list[torch.Tensor] = []
+        self.inputs: dict[str, list[torch.Tensor]] = {}
+        """Per graph input, its value for each microbatch."""
+        self._sends: list = []  # this step's transfers in flight to other ranks
         if checkpoint_every < 1:
             raise TensorstowError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
         self.checkpoint_every = checkpoint_every
@@ -190,27 +219,52 @@ class Executor:
 
     # ---- setup ------------------------------------------------------------------------------
     def _read_instructions(self, plan) -> list[Instr]:
-        """The plan's instructions, checked against what this executor drives (the plan's own
-        consistency, ids, deps and buffer names, `Plan.from_json` has checked)."""
-        instrs = []
+        """This executor's share of the plan's instructions, checked against what it drives (the
+        plan's own consistency, ids, deps and buffer names, `Plan.from_json` has checked), numbered
+        0.. in program order (`plan_id` maps back); dependencies on other ranks' instructions are
+        dropped: what crosses ranks is a `send`, which both ends replay."""
+        g = self.gpu
+        links = {(g, "dram"), ("dram", g), ("dram", "ssd"), ("ssd", "dram")}
+        mine: list[Instr] = []
+        local: dict[int, int] = {}
+        self.plan_id: list[int] = []
         for k, ins in enumerate(plan.instructions):
             if ins.kind not in KINDS:
                 raise TensorstowError(f"plan instruction {k}: unknown kind '{ins.kind}' (this executor "
                                       f"runs {', '.join(KINDS)})")
+            if not self._mine(ins):
+                continue
             if ins.kind in ("compute", "recompute") and ins.segment not in self.joint.segments:
                 raise TensorstowError(f"plan instruction {k}: unknown segment '{ins.segment}'")
-            if ins.kind in ("compute", "recompute") and ins.stream != "gpu0.compute":
-                raise TensorstowError(f"plan instruction {k}: segments run on gpu0.compute, not "
+            if ins.kind in ("compute", "recompute") and ins.stream != f"{g}.compute":
+                raise TensorstowError(f"plan instruction {k}: segments run on {g}.compute, not "
                                       f"'{ins.stream}' (one device, one compute stream)")
-            if ins.kind in ("load", "store") and (ins.src, ins.dst) not in _LINKS:
+            if ins.kind in ("load", "store") and (ins.src, ins.dst) not in links:
                 raise TensorstowError(f"plan instruction {k}: no copy {ins.src} -> {ins.dst} (this executor "
-                                      f"drives one device, gpu0, with dram and ssd)")
-            if ins.kind == "free" and ins.dst not in ("gpu0", "dram", "ssd"):
+                                      f"drives {g}, with dram and ssd)")
+            if ins.kind == "send" and (self.comm is None or not (ins.src.startswith("gpu") and ins.dst.startswith("gpu"))):
+                raise TensorstowError(f"plan instruction {k}: a send {ins.src} -> {ins.dst} needs one process "
+                                      f"per GPU (`tensorstow execute PLAN --nproc N`)")
+            if ins.kind == "free" and ins.dst not in (g, "dram", "ssd"):
                 raise TensorstowError(f"plan instruction {k}: unknown tier '{ins.dst}'")
-            if ins.kind == "optimizer_step" and ins.dst not in ("cpu", "gpu0"):
-                raise TensorstowError(f"plan instruction {k}: optimizer device '{ins.dst}' is not cpu or gpu0")
-            instrs.append(ins)
-        return instrs
+            if ins.kind == "optimizer_step" and ins.dst not in ("cpu", g):
+                raise TensorstowError(f"plan instruction {k}: optimizer device '{ins.dst}' is not cpu or {g}")
+            if ins.micro >= self.M:
+                raise TensorstowError(f"plan instruction {k}: microbatch {ins.micro} of {self.M}")
+            local[k] = len(mine)
+            self.plan_id.append(k)
+            mine.append(dataclasses.replace(ins, id=local[k], deps=tuple(local[d] for d in ins.deps if d in local)))
+        return mine
+
+    def _mine(self, ins: Instr) -> bool:
+        """Whether this executor replays `ins`: its GPU's streams, both ends of a send touching it,
+        and the host work (DRAM, SSD, CPU optimizer) of its blocks."""
+        if ins.kind == "send":
+            return self.gpu in (ins.src, ins.dst)
+        dev = ins.stream.split(".")[0]
+        if dev.startswith("gpu"):
+            return dev == self.gpu
+        return self.block_gpu[ins.segment if ins.kind == "optimizer_step" else self.plan.buffers[ins.tensor].block] == self.gpu
 
     def _orders(self) -> list[list[Instr]]:
         """The orders the instructions may run in: program order (sync mode), and in overlap mode
@@ -220,7 +274,7 @@ class Executor:
             return [self.instrs]
         from tensorstow.planner.simulate import simulate_plan
         start = simulate_plan(self.plan).start
-        return [self.instrs, sorted(self.instrs, key=lambda i: (start[i.id], i.id))]
+        return [self.instrs, sorted(self.instrs, key=lambda i: (start[self.plan_id[i.id]], i.id))]
 
     def _dram_events(self, resume: bool, order: list[Instr]) -> list[tuple]:
         """The DRAM tier's allocations and frees with the instructions in `order`: placing the
@@ -238,7 +292,7 @@ class Executor:
             events.append(("free", n))
         for blk in self.graph.blocks:
             for n in (f"{k}:{blk.name}" for k in ("P", "C", "M", "OS")):
-                home = bufs[n].home if n in bufs else None
+                home = bufs[n].home if n in self.homes else None
                 if home == "dram" or home == "ssd" and not resume or home == "gpu" and resume:
                     alloc(n)
                     if home != "dram":  # staged through DRAM on its way home
@@ -281,7 +335,7 @@ class Executor:
         layouts: dict[str, Layout] = {}
         members: dict[str, list[str]] = {}
         for name, spec in sorted(plan.buffers.items()):
-            kind, b = name.split(":")[0], name.split(":")[-1]
+            kind, b = name.split(":")[0], block_of(name)
             if kind == "W":
                 continue  # a workspace: the segment's real temporaries, counted as they are made
             if kind not in ("P", "C", "G", "M", "OS", "A", "X", "T", "H") or b not in inst.profile:
@@ -297,7 +351,8 @@ class Executor:
                 except KeyError:
                     raise TensorstowError(f"plan buffer {name} holds {m}, which the traced model does not "
                                           f"have; re-plan it") from None
-                entries.append((key, torch.float32 if kind in ("M", "OS") else dtype, shape))
+                fp32 = kind in ("M", "OS") or kind == "G" and self.fp32_grads
+                entries.append((key, torch.float32 if fp32 else dtype, shape))
                 if kind not in ("M", "OS"):
                     roots.append(key)
             layouts[name] = Layout(entries)
@@ -309,6 +364,8 @@ class Executor:
         for b, params in self.block_params.items():
             want = {"P": [j.placeholder[p] for p in params], "C": [j.placeholder[c] for c in self.block_consts.get(b, ())],
                     "G": sorted({r for p in params if p in j.grad for r in j.roots_of(j.grad[p])})}
+            if self.block_gpu[b] != self.gpu:
+                continue
             for kind, names in want.items():
                 if sorted(members.get(f"{kind}:{b}", [])) != sorted(names):
                     raise TensorstowError(f"plan buffer {kind}:{b} does not hold what block {b} of the traced "
@@ -335,14 +392,14 @@ class Executor:
         """Per compute instruction, the values its segment leaves on the device: what its
         `allocs` buffers hold (and the loss). Nothing else outlives a segment: every value read
         across segments is in a planned buffer (X, A, G, T, H), and this walk over the
-        instructions in program order, tracking which buffers are on gpu0, refuses a plan under
+        instructions in program order, tracking which buffers are on the device, refuses a plan under
         which a segment would read one that is not there.
         """
-        j = self.joint
-        present = {(n, _HOME[b.home]) for n, b in self.plan.buffers.items() if b.home}
+        j, g = self.joint, self.gpu
+        present = set(self.homes.items())
         last_made: dict[str, int] = {}
         for ins in self.instrs:
-            if ins.kind in ("load", "store"):
+            if ins.kind in ("load", "store", "send"):
                 present.add((ins.tensor, ins.dst))
             elif ins.kind == "free":
                 present.discard((ins.tensor, ins.dst))
@@ -352,44 +409,56 @@ class Executor:
             elif ins.kind in ("compute", "recompute"):
                 seg = j.segments[ins.segment]
                 need = set(seg.ext_roots)
-                for a in ins.allocs:
+                for a in ins.allocs + ins.accum:
                     need |= set(self.members.get(a, ())) - seg.produced
                 for r in sorted(need):
-                    if r in j.inputs or r in j.constants or any((h, "gpu0") in present
-                                                                 for h in self.holders.get(r, ())):
+                    if r in j.inputs or r in j.constants or any((h, g) in present
+                                                                 for h in self._holders(r, ins.micro)):
                         continue
                     where = self.holders.get(r)
                     if where:
-                        why = (f"in {', '.join(where)} but none of them is on gpu0 at that point of the "
-                               f"schedule: the plan is missing a load")
+                        why = (f"in {', '.join(where)} but none of them (for microbatch {ins.micro}) is on {g} "
+                               f"at that point of the schedule: the plan is missing a load")
                     elif r in last_made:
                         why = (f"made by instruction {last_made[r]} but held by no buffer of the plan in "
                                f"between (every value that crosses segments is planned: X, A, G, T or H)")
                     else:
                         why = ("in no buffer of the plan (X:<b> holds only what the block and the blocks "
                                "after it read), so a recompute cannot get it")
-                    raise TensorstowError(f"plan instruction {ins.id} ({ins.kind} {ins.segment}) reads {r}, "
+                    raise TensorstowError(f"plan instruction {self.plan_id[ins.id]} ({ins.kind} {ins.segment}) reads {r}, "
                                           f"which is {why}; re-plan it")
                 for r in seg.produced:
                     last_made[r] = ins.id
                 for a in ins.allocs:
-                    present.add((a, "gpu0"))
+                    present.add((a, g))
         keep = {}
-        loss_done = False
+        loss_done: dict[int, bool] = {}
         for ins in self.instrs:
             if ins.kind not in ("compute", "recompute"):
                 continue
             seg = j.segments[ins.segment]
             k = set()
-            for a in ins.allocs:
+            for a in ins.allocs + ins.accum:
                 k |= set(self.members.get(a, ())) & seg.produced
-            if j.loss in seg.produced and ins.kind == "compute" and not loss_done:
+            if j.loss in seg.produced and ins.kind == "compute" and not loss_done.get(ins.micro):
                 k.add(j.loss)
-                loss_done = True
+                loss_done[ins.micro] = True
             keep[ins.id] = frozenset(k)
-        if not loss_done:
+        if len(loss_done) < self.M and self.block_gpu[self._loss_block()] == self.gpu:
             raise TensorstowError("the plan never computes the segment that produces the loss; re-plan it")
         return keep
+
+    def _loss_block(self) -> str:
+        """The block whose forward computes the loss."""
+        for name, seg in self.joint.segments.items():
+            if name.startswith("fwd:") and self.joint.loss in seg.produced:
+                return name[4:]
+        raise TensorstowError("the traced model has no segment that produces the loss")
+
+    def _holders(self, root: str, micro: int) -> list[str]:
+        """The buffers that may hold `root` for microbatch `micro` (per-microbatch copies of the
+        others' microbatches excluded)."""
+        return [h for h in self.holders.get(root, ()) if split_micro(h)[1] in (None, micro)]
 
     def _place_homes(self, model: nn.Module, kinds=("P", "C", "M", "OS"), skip_ssd: bool = False,
                      values=None) -> None:
@@ -403,14 +472,15 @@ class Executor:
         for blk in self.graph.blocks:
             b = blk.name
             todo = [f"{k}:{b}" for k in ("P", "C", "M", "OS") if k in kinds]
-            bufs = self.plan.buffers
-            todo = [n for n in todo if n in bufs and bufs[n].home and not (skip_ssd and bufs[n].home == "ssd")]
+            todo = [n for n in todo if n in self.homes and not (skip_ssd and self.homes[n] == "ssd")]
             if not todo:
+                if self.block_gpu[b] != self.gpu:  # another rank's block: an init stream is sequential
+                    source.take(self.block_params[b] + self.block_consts.get(b, []))
                 continue
             state = source.take(self.block_params[b] + self.block_consts.get(b, []))
             for name in todo:
-                kind, home = name.split(":")[0], _HOME[self.plan.buffers[name].home]
-                if kind == "OS" and home != "gpu0":  # zeros, written in place: no temporaries
+                kind, home = name.split(":")[0], self.homes[name]
+                if kind == "OS" and home != self.gpu:  # zeros, written in place: no temporaries
                     self.host.alloc(name, self.layouts[name]).blob.zero_()
                     if home == "ssd":
                         self.ssd.write(name, self.host.get(name))
@@ -427,7 +497,7 @@ class Executor:
                         vals[f"{p}.exp_avg"] = torch.zeros_like(w, dtype=torch.float32)
                         vals[f"{p}.exp_avg_sq"] = torch.zeros_like(w, dtype=torch.float32)
                 layout = self.layouts[name]
-                if home == "gpu0":
+                if home == self.gpu:
                     self.dev.put(name, {k: _clone_to(vals[k], self.device) for k in layout.keys()})
                 else:
                     self.host.store_from(name, layout, vals)
@@ -459,8 +529,8 @@ class Executor:
         """Write the training state that lives off SSD, and the random generator, into the store
         (SSD-resident buffers are the store's own). Constants never change: written at step 0."""
         st = self.ssd.store
-        for name in self.plan.persistent():
-            home = _HOME[self.plan.buffers[name].home]
+        for name in sorted(self.homes):
+            home = self.homes[name]
             if home == "ssd" or (name.startswith("C:") and not constants):
                 continue
             if home == "dram":
@@ -478,21 +548,20 @@ class Executor:
             raise TensorstowError("resume=True but the SSD store holds no committed step "
                                   "(or the plan does not use the SSD tier)")
         if not self.full_checkpoint:
-            elsewhere = sorted(n for n, b in self.plan.buffers.items()
-                               if n.split(":")[0] in ("P", "M", "OS") and b.home != "ssd")
+            elsewhere = sorted(n for n, t in self.homes.items() if n.split(":")[0] in ("P", "M", "OS") and t != "ssd")
             if elsewhere:
                 raise TensorstowError(f"cannot resume: the plan keeps {', '.join(elsewhere[:4])} outside the "
                                       f"SSD tier and this store is not a full checkpoint (make it with "
                                       f"executor.state.store_sizes, as `tensorstow execute` does)")
-        for n in self.plan.persistent():
-            home = _HOME[self.plan.buffers[n].home]
+        for n in sorted(self.homes):
+            home = self.homes[n]
             if home == "ssd":
                 self.ssd.copies[n] = {}  # written contiguous (from parameters or an update)
             elif self.full_checkpoint:
                 layout = self.layouts[n]
                 c = self.host.alloc(n, layout)
                 self.ssd.store.read(n, c.blob)
-                if home == "gpu0":
+                if home == self.gpu:
                     self.dev.put(n, {k: _clone_to(c[k], self.device) for k in layout.keys()})
                     self.host.drop(n)
         if self.full_checkpoint:
@@ -515,14 +584,19 @@ class Executor:
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
-        """One training step (forward, backward, optimizer) exactly as the plan schedules it."""
+        """One training step (forward, backward, optimizer) exactly as the plan schedules it. A
+        pipeline's step takes M microbatches of the plan's batch (rows [k*batch, (k+1)*batch) are
+        microbatch k) and trains as eager gradient accumulation does: each microbatch's loss / M
+        back-propagated, the gradients summed, one update; it returns the mean loss."""
         j = self.joint
         m = self.plan.model
+        rows = m.batch * self.M
         for what, t in (("idx", idx), ("targets", targets)):
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (m.batch, m.seq) \
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (rows, m.seq) \
                     or t.dtype != torch.long:
-                raise TensorstowError(f"{what} must be an int64 tensor of shape ({m.batch}, {m.seq}) "
-                                      f"as planned, got {getattr(t, 'dtype', type(t))} "
+                raise TensorstowError(f"{what} must be an int64 tensor of shape ({rows}, {m.seq}) "
+                                      + (f"({self.M} microbatches of {m.batch}) " if self.M > 1 else "")
+                                      + f"as planned, got {getattr(t, 'dtype', type(t))} "
                                       f"{tuple(getattr(t, 'shape', ()))}")
         if self.vocab is not None:
             ok = (idx >= 0) & (idx < self.vocab)
@@ -532,12 +606,16 @@ class Executor:
         tdtype, tshape = j.meta(j.inputs[2])
         tangent = (self.scaler.tangent(tshape, tdtype) if self.scaler is not None
                    else torch.ones(tshape, dtype=tdtype, device=self.device))
-        vals = (idx.to(self.device, copy=True), targets.to(self.device, copy=True), tangent)
-        vals += tuple(c.to(self.device, copy=True) for c in j.constants.values())
-        for name, v in zip((*j.inputs, *j.constants), vals):
-            self.dev.hold(v, name)
-            self.inputs[name] = v
-        self.loss = self._loss = None
+        if self.M > 1:
+            tangent = tangent / self.M  # eager's (loss / M).backward(): DivBackward hands 1 / M on
+        consts = tuple(c.to(self.device, copy=True) for c in j.constants.values())
+        for k in range(self.M):
+            rows_k = slice(k * m.batch, (k + 1) * m.batch)
+            vals = (idx[rows_k].to(self.device, copy=True), targets[rows_k].to(self.device, copy=True), tangent)
+            for name, v in zip((*j.inputs, *j.constants), vals + consts):
+                self.dev.hold(v, name)
+                self.inputs.setdefault(name, []).append(v)
+        self.loss, self._loss = None, [None] * self.M
         if self.scaler is not None:
             self.scaler.begin_step()
         self.lanes.begin()  # after the inputs: the lanes start from here
@@ -548,14 +626,18 @@ class Executor:
         finally:
             try:
                 self.timeline = self.lanes.end()  # every lane's work is done (CUDA: joined)
+                for w in self._sends:  # transfers to other ranks complete before their copies go
+                    w.wait()
             except Exception:
                 if ok:
                     raise  # else the step's own error is the one to report
             finally:
-                for v in self.inputs.values():
-                    self.dev.release(v)
+                self._sends.clear()
+                for vs in self.inputs.values():
+                    for v in vs:
+                        self.dev.release(v)
                 self.inputs.clear()
-        self.loss = float(self._loss)
+        self.loss = self._mean_loss()
         self._check_end_state()
         self.steps_done += 1
         if self.scaler is None or not self.scaler.update():
@@ -563,6 +645,16 @@ class Executor:
         if self.steps_done % self.checkpoint_every == 0:
             self.checkpoint()
         return self.loss
+
+    def _mean_loss(self) -> float:
+        """The step's loss: the microbatches' mean (eager's sum of loss / M, in microbatch order);
+        on a rank without the loss, the one the loss's rank sends."""
+        here = None
+        if all(v is not None for v in self._loss):
+            here = float(self._loss[0]) if self.M == 1 else sum(float(v / self.M) for v in self._loss)
+        if self.comm is not None:
+            return self.comm.share(here, int(self.block_gpu[self._loss_block()][3:]))
+        return here
 
     def checkpoint(self) -> None:
         """Commit the current step to the store (a full checkpoint writes the off-SSD state too);
@@ -573,6 +665,8 @@ class Executor:
             self._write_checkpoint()
         self._write_scaler(self.opt_steps)
         self.ssd.store.commit(self.steps_done)
+        if self.comm is not None:  # no rank writes the next step before every rank committed this one
+            self.comm.barrier()
 
     def lane_busy(self) -> dict[str, float]:
         """Measured seconds each lane spent in the last step (same resource names as the simulator)."""
@@ -640,14 +734,14 @@ class Executor:
         try:
             HANDLERS[ins.kind](self, ins)
         except TensorstowError as e:
-            raise type(e)(f"instruction {ins.id} ({_describe(ins)}): {e}") from None
+            raise type(e)(f"instruction {self.plan_id[ins.id]} ({_describe(ins)}): {e}") from None
         except torch.cuda.OutOfMemoryError:
-            raise DeviceMemoryError(f"instruction {ins.id} ({_describe(ins)}): "
+            raise DeviceMemoryError(f"instruction {self.plan_id[ins.id]} ({_describe(ins)}): "
                                     f"{out_of_memory(self.alloc_limit, self.device)}") from None
         self.lanes.after(ins)
 
     def _check_end_state(self) -> None:
-        want = {(n, _HOME[b.home]) for n, b in self.plan.buffers.items() if b.home}
+        want = set(self.homes.items())
         have = {(n, t) for t, tier in self.tiers.items() for n in tier.copies}
         if have != want:
             raise ExecutionError(
@@ -682,45 +776,77 @@ class Executor:
             self.dev.hold(v, name)
             kept[name] = v
 
+        def fetch(root):
+            return self._fetch(root, ins.micro)
+
         try:
-            j.run(seg, fetch=self._fetch, hold=self.dev.hold, release=self.dev.release,
+            j.run(seg, fetch=fetch, hold=self.dev.hold, release=self.dev.release,
                   keep=self.keep[ins.id], sink=sink, device=self.device)
             for a in ins.allocs:
-                self.dev.put(a, {r: kept[r] if r in kept else self._fetch(r) for r in self.members[a]})
+                vals = {r: kept[r] if r in kept else fetch(r) for r in self.members[a]}
+                if self.fp32_grads and a.startswith("G:"):  # accumulated in fp32 (eager's .grad)
+                    vals = {r: v.float() for r, v in vals.items()}
+                self.dev.put(a, vals)
                 if self.scaler is not None and a.startswith("G:"):  # GradScaler's inf/NaN check
                     self.scaler.check(list(self.dev.get(a).values()))
+            for a in ins.accum:  # a later microbatch: eager's AccumulateGrad, .grad += this one's
+                into = self.dev.get(a)
+                for r in self.members[a]:
+                    into[r].add_(kept[r])
             if j.loss in kept:
-                self._loss = kept[j.loss]  # read when the step ends: no host wait here
+                self._loss[ins.micro] = kept[j.loss]  # read when the step ends: no host wait here
         finally:
             for v in kept.values():
                 self.dev.release(v)
 
-    def _fetch(self, root: str) -> torch.Tensor:
+    def _fetch(self, root: str, micro: int = 0) -> torch.Tensor:
         v = self.inputs.get(root)
         if v is None:
-            for h in self.holders.get(root, ()):
+            for h in self._holders(root, micro):
                 c = self.dev.copies.get(h)
                 if c is not None:
                     return c[root]
             raise ExecutionError(
-                f"{root} (in {', '.join(self.holders.get(root, ['no buffer']))}) is not on gpu0; "
+                f"{root} (in {', '.join(self._holders(root, micro) or ['no buffer'])}) is not on {self.gpu}; "
                 f"the plan does not make it wait for the load that brings it")
-        return v
+        return v[micro]
 
     def _copy(self, ins: Instr) -> None:
         buf, src, dst = ins.tensor, ins.src, ins.dst
         layout = self.layouts[buf]
-        if (src, dst) == ("gpu0", "dram"):  # CUDA: asynchronous, its readers wait for its event
+        if (src, dst) == (self.gpu, "dram"):  # CUDA: asynchronous, its readers wait for its event
             self.host.store_from(buf, layout, self.dev.get(buf), non_blocking=True)
-        elif (src, dst) == ("dram", "gpu0"):
+        elif (src, dst) == ("dram", self.gpu):
             self.dev.load_from(buf, self.host.get(buf))
         elif (src, dst) == ("dram", "ssd"):
             self.ssd.write(buf, self.host.get(buf))
         else:
             self.ssd.read(buf, self.host, layout)
 
+    def _send(self, ins: Instr) -> None:
+        """A stage boundary: the sender stages the buffer in host memory and sends it with its
+        strides; the receiver puts it on its device as it was (same strides, same bits)."""
+        buf, layout = ins.tensor, self.layouts[ins.tensor]
+        tag = 2 * self.plan_id[ins.id]  # the plan's id: the same on both ends
+        if ins.src == self.gpu:
+            c = HostCopy(layout, torch.empty(layout.nbytes, dtype=torch.uint8))
+            for k, v in self.dev.get(buf).items():
+                c.set(k, v)
+            strides = torch.tensor([x for k in layout.keys() for x in c.strides[k]] or [0], dtype=torch.long)
+            self._sends += self.comm.send([c.blob, strides], int(ins.dst[3:]), tag)
+            return
+        blob = torch.empty(layout.nbytes, dtype=torch.uint8)
+        dims = [len(layout.slots[k].shape) for k in layout.keys()]
+        strides = torch.empty(max(1, sum(dims)), dtype=torch.long)
+        self.comm.recv([blob, strides], int(ins.src[3:]), tag)
+        at, got = 0, {}
+        for k, n in zip(layout.keys(), dims):
+            got[k] = tuple(strides[at:at + n].tolist())
+            at += n
+        self.dev.load_from(buf, HostCopy(layout, blob, got))
+
     def _free(self, ins: Instr) -> None:
-        if ins.dst == "gpu0" and ins.tensor in self.dev.copies:
+        if ins.dst == self.gpu and ins.tensor in self.dev.copies:
             self.lanes.retire(self.dev.copies[ins.tensor].values())  # CUDA: other streams may still read it
         self.tiers[ins.dst].drop(ins.tensor)
 
@@ -794,14 +920,14 @@ class Executor:
         masters, frozen ones from their constants (buffers are not parameters)."""
         out = {}
         for b, params in self.block_params.items():
-            if not params:
+            if not params or self.block_gpu[b] != self.gpu:  # another rank's stage
                 continue
             buf = f"M:{b}" if self.mixed else f"P:{b}"
             copy = self._home_copy(buf)
             for p in params:
                 out[p] = copy[p if self.mixed else self.joint.placeholder[p]].detach().float().cpu().clone()
         for b, consts in self.block_consts.items():
-            frozen = [c for c in consts if c in self.frozen]
+            frozen = [c for c in consts if c in self.frozen and self.block_gpu[b] == self.gpu]
             if frozen:
                 copy = self._home_copy(f"C:{b}")
                 for c in frozen:
@@ -816,8 +942,8 @@ class Executor:
                 p.copy_(params[n])
 
     def _home_copy(self, buf: str):
-        home = _HOME[self.plan.buffers[buf].home]
-        if home == "gpu0":
+        home = self.homes[buf]
+        if home == self.gpu:
             return self.dev.get(buf)
         if home == "dram":
             return self.host.get(buf)
@@ -860,6 +986,7 @@ HANDLERS = {
     "store": Executor._copy,
     "free": Executor._free,
     "optimizer_step": Executor._optimizer_step,
+    "send": Executor._send,
 }
 
 
@@ -1000,4 +1127,6 @@ def _describe(ins: Instr) -> str:
         return f"optimizer_step {ins.segment} on {ins.dst}"
     if ins.kind == "free":
         return f"free {ins.tensor} on {ins.dst}"
+    if ins.kind == "send":
+        return f"send {ins.tensor} {ins.src}->{ins.dst}"
     return f"{ins.kind} {ins.tensor} {ins.src}->{ins.dst}"

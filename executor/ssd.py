@@ -41,6 +41,10 @@ from tensorstow.executor import aio
 log = logging.getLogger(__name__)
 
 MANIFEST = "MANIFEST"
+PREVIOUS = "MANIFEST.prev"
+"""The manifest of the commit before the last: `rollback()` returns to it (a multi-process run
+whose other ranks did not commit the last step). A commit renames MANIFEST to it just before it
+renames the new one in; a crash between the two leaves it alone, and it is the last commit."""
 FORMAT = "tensorstow-ssd-store"
 VERSION = 2
 CHECKSUMS = {1: ("crc32", zlib.crc32), 2: ("xxh3_64", xxhash.xxh3_64_intdigest)}
@@ -51,7 +55,7 @@ CRC_BLOCK = 16 << 20
 """Bytes covered by one checksum in the manifest."""
 
 _crc_pool = ThreadPoolExecutor(max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="tensorstow-crc")
-_OWN_FILE = re.compile(r"(MANIFEST|MANIFEST\.tmp|LOCK|\.direct-probe|.+\.slot[01]|(plan|layout|config)\.json(\.tmp)?)")
+_OWN_FILE = re.compile(r"(MANIFEST|MANIFEST\.tmp|MANIFEST\.prev|LOCK|\.direct-probe|.+\.slot[01]|(plan|layout|config)\.json(\.tmp)?)")
 """The store's files, and the state dir's description of them (executor/state.py)."""
 
 
@@ -322,6 +326,36 @@ class SSDStore:
     def committed_step(self) -> int | None:
         return self._step
 
+    def previous_step(self) -> int | None:
+        """The step of the commit before the last (None: there is none)."""
+        d = self._load_manifest(self.dir / PREVIOUS)
+        return None if d is None else d["step"]
+
+    def rollback(self) -> int:
+        """Make the commit before the last the committed state again; returns its step. Only
+        before anything is written after the last commit (its shadow slots still hold that
+        commit's bytes): a multi-process run commits, then waits for every rank, then writes."""
+        self._check_open()
+        with self._commit_lock:
+            if any(b.last_write is not None or b.pending for b in self._bufs.values()):
+                raise TensorstowError(f"SSD store {self.dir}: cannot roll back: buffers were written "
+                                      f"after the last commit")
+            d = self._load_manifest(self.dir / PREVIOUS)
+            if d is None:
+                raise TensorstowError(f"SSD store {self.dir}: cannot roll back step {self._step}: no "
+                                      f"earlier commit is kept")
+            if d.get("version") != self.version:
+                raise TensorstowError(f"SSD store {self.dir}: the earlier commit has another version")
+            os.replace(self.dir / PREVIOUS, self.dir / MANIFEST)
+            self._fsync_dir()
+            for b in self._bufs.values():
+                for fd in b.fds:
+                    os.close(fd)
+                b.fds = []
+            self._resume(d, self.sizes)
+            self._open_files()
+            return self._step
+
     def committed_path(self, name: str) -> Path:
         """The file holding `name`'s committed version."""
         buf = self._bufs[name]
@@ -441,6 +475,8 @@ class SSDStore:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+            if final.exists():  # kept for rollback(); a crash before the next rename leaves it as the last commit
+                os.replace(final, self.dir / PREVIOUS)
             os.replace(tmp, final)
         except OSError as e:
             try:
@@ -502,8 +538,11 @@ class SSDStore:
             return False, reason
         return True, "O_DIRECT"
 
-    def _load_manifest(self) -> dict | None:
-        path = self.dir / MANIFEST
+    def _load_manifest(self, path: Path | None = None) -> dict | None:
+        if path is None:
+            path = self.dir / MANIFEST
+            if not path.exists() and (self.dir / PREVIOUS).exists():
+                os.replace(self.dir / PREVIOUS, path)  # a crash inside a commit: the last commit stands
         try:
             raw = path.read_bytes()
         except FileNotFoundError:

@@ -40,11 +40,17 @@ def set_rng(blob: torch.Tensor) -> None:
         torch.cuda.set_rng_state(blob[cpu:].clone())
 
 
-def store_sizes(plan: Plan) -> dict[str, int]:
+def store_sizes(plan: Plan, gpu: str | None = None) -> dict[str, int]:
     """Every buffer the store holds: the training state (`plan.persistent()`), what the plan
-    moves to SSD, the RNG, and for fp16-mixed the loss scaler's state."""
+    moves to SSD, the RNG, and for fp16-mixed the loss scaler's state. `gpu`: of a multi-GPU
+    plan, only the buffers of the blocks that GPU's process runs (its rank's store)."""
+    from tensorstow.planner.pipeline import block_gpus
     plan = as_plan(plan)
-    sizes = {n: plan.buffers[n].bytes for n in sorted(set(plan.persistent()) | set(plan.ssd_sizes()))}
+    names = set(plan.persistent()) | set(plan.ssd_sizes())
+    if gpu is not None:
+        own = block_gpus(plan)
+        names = {n for n in names if own[plan.buffers[n].block] == gpu}
+    sizes = {n: plan.buffers[n].bytes for n in sorted(names)}
     sizes[RNG] = rng_bytes().numel()
     if plan.model.precision == "fp16-mixed":
         sizes[AMP] = 16  # the loss scaler (executor.amp)

@@ -110,9 +110,9 @@ def _tensors(value):
 class DeviceTier:
     """The compute device's memory under a byte budget; counts each storage once."""
 
-    name = "gpu0"
-
-    def __init__(self, budget: int, device: torch.device):
+    def __init__(self, budget: int, device: torch.device, name: str = "gpu0"):
+        self.name = name
+        """The plan's tier this process drives ("gpuK")."""
         self.budget = int(budget)
         self.device = device
         self.copies: dict[str, dict[str, torch.Tensor]] = {}
@@ -181,7 +181,7 @@ class DeviceTier:
             bufs = {b: sum(t.untyped_storage().nbytes() for t in c.values()) for b, c in list(self.copies.items())}
             top = ", ".join(f"{b} {v}" for b, v in sorted(bufs.items(), key=lambda kv: -kv[1])[:6])
             raise DeviceMemoryError(
-                f"device tier gpu0 would hold {used} bytes > its budget of {self.budget} bytes "
+                f"device tier {self.name} would hold {used} bytes > its budget of {self.budget} bytes "
                 f"(allocating {what or 'a tensor'} of {n} bytes; buffers {top or 'none'}; temporaries "
                 f"and inputs {max(used - n - sum(bufs.values()), 0)}): the plan under-estimates device "
                 f"memory; re-plan with a smaller --gpu-mem so it leaves headroom (mode='sync', which "
@@ -194,12 +194,12 @@ class DeviceTier:
     def get(self, buf: str) -> dict[str, torch.Tensor]:
         c = self.copies.get(buf)
         if c is None:
-            raise TensorstowError(f"buffer {buf} is not on gpu0")
+            raise TensorstowError(f"buffer {buf} is not on {self.name}")
         return c
 
     def put(self, buf: str, values: dict[str, torch.Tensor]) -> None:
         if buf in self.copies:
-            raise TensorstowError(f"buffer {buf} is allocated twice on gpu0 (the plan must free it first)")
+            raise TensorstowError(f"buffer {buf} is allocated twice on {self.name} (the plan must free it first)")
         for k, v in values.items():
             self.hold(v, f"{buf}[{k}]")
         self.copies[buf] = values
@@ -228,7 +228,7 @@ class DeviceTier:
     def drop(self, buf: str) -> None:
         c = self.copies.pop(buf, None)
         if c is None:
-            raise TensorstowError(f"free of {buf} on gpu0, which does not hold it")
+            raise TensorstowError(f"free of {buf} on {self.name}, which does not hold it")
         for v in c.values():
             self.release(v)
 

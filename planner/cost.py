@@ -39,6 +39,9 @@ class BlockProfile:
     """Bytes of their compute copies P (mixed precision: 16-bit where autocast only reads them
     cast, fp32 where it reads them in fp32: norm weights, embeddings)."""
     grad_bytes: int
+    grad_fp32_bytes: int
+    """Bytes of the gradients' storages in fp32: what eager's fp32 `.grad` accumulates in (a
+    mixed-precision pipeline's G over several microbatches)."""
     """Bytes of their gradients' storages G (the dtype of the compute copy)."""
     const_bytes: int
     """Frozen parameters and buffers the block owns (read-only: C:<b>)."""
@@ -202,7 +205,11 @@ def _state(b: str, tensors: dict) -> dict:
     roots = {t.param: t.nbytes for t in tensors.values() if t.block == b and t.producer is None
              and t.kind == "parameter" and t.storage == t.name and t.param}
     return dict(params=params, consts=tuple(p for p, k in own if k == "constant"), grads=tuple(grads),
-                param_bytes=sum(roots[p] for p in params), grad_bytes=sum(tensors[r].nbytes for r in grads))
+                param_bytes=sum(roots[p] for p in params), grad_bytes=sum(tensors[r].nbytes for r in grads),
+                grad_fp32_bytes=sum(tensors[r].nbytes * 4 // _ITEMSIZE[tensors[r].dtype] for r in grads))
+
+
+_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def _foreign_reads(b: str, seg_ops, tensors) -> tuple[str, ...]:

@@ -54,11 +54,21 @@ def pipeline_buffers(order: list[str], prof: dict[str, BlockProfile], profile_of
     per = PER_MICRO + (("G",) if pl.kind == "data-parallel" else ())
     out = {}
     for n, b in buffers_for(order, prof, profile_of, decisions, mixed).items():
+        if n.startswith("G:") and mixed and pl.microbatches > 1 and pl.kind != "data-parallel":
+            b = dataclasses.replace(b, bytes=prof[profile_of[b.block]].grad_fp32_bytes)  # accumulated in fp32
         if n.split(":")[0] in per:
             for m in range(pl.microbatches):
                 out[f"{n}@{m}"] = dataclasses.replace(b, name=f"{n}@{m}")
         else:
             out[n] = b
+    if pl.microbatches > 1 and pl.kind != "data-parallel":
+        # A backward whose gradient accumulates makes the microbatch's gradient (compute dtype)
+        # before it is added in (mixed: before its fp32 copy is made): one more G in its workspace.
+        for n, g in list(out.items()):
+            if n.startswith("G:"):
+                ws = out.get(f"W:bwd:{g.block}")
+                out[f"W:acc:{g.block}"] = Buffer(f"W:acc:{g.block}", (ws.bytes if ws else 0)
+                                                 + prof[profile_of[g.block]].grad_bytes, "temporary", g.block)
     return out
 
 
@@ -71,6 +81,14 @@ def home_tiers(buffers: dict[str, Buffer], decisions: Decisions, order: list[str
         stage = pl.stage_of(order)
         gpu_of = {b: f"gpu{pl.gpus[stage[b]]}" for b in order}
     return {n: (gpu_of[b.block] if b.home == "gpu" else b.home) for n, b in buffers.items() if b.home}
+
+
+def block_gpus(plan) -> dict[str, str]:
+    """Block -> the GPU tier ("gpuK") that runs it, for a plan file (`planner.schema.Plan`)."""
+    pl, order = plan.decisions.pipeline, [b.name for b in plan.model.blocks]
+    if pl is None or pl.kind == "data-parallel":
+        return {b: "gpu0" for b in order}
+    return {b: f"gpu{pl.gpus[j]}" for b, j in pl.stage_of(order).items()}
 
 
 def lower_pipeline(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str, str],
@@ -293,9 +311,9 @@ class _Pipeline:
                     else:
                         accum = (f"G:{b}",)
                         deps.append(last.get(b))
+                ws = next((w for w in (f"W:acc:{b}", f"W:bwd:{b}") if self.has(w)), "")
                 c = e.emit("compute", f"{g}.compute", tuple(deps), segment=f"bwd:{b}", micro=m,
-                           allocs=tuple(allocs), accum=accum,
-                           workspace=f"W:bwd:{b}" if self.has(f"W:bwd:{b}") else "")
+                           allocs=tuple(allocs), accum=accum, workspace=ws)
                 self.release_foreign(g, c)
                 for a in allocs:
                     e.where[(a, g)] = c

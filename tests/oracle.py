@@ -8,14 +8,15 @@ from tensorstow.ir.trace import PRECISIONS
 
 
 def train_eager(model, data, *, lr, weight_decay=0.0, optimizer="adamw", loss=lambda m, x, y: m(x, y),
-                precision="fp32", scaler=None):
+                precision="fp32", scaler=None, microbatches=1):
     """Train `model` on `data` ((x, y) batches) with torch.optim.Adam/AdamW over its trainable
     parameters; returns (losses, parameters by name).
 
     Mixed precision is eager AMP: fp32 parameters, the forward under autocast with CUDA's op
     lists (`gpu_autocast`: what torch.autocast("cuda") does, on CPU tensors), and for fp16 a
     `torch.amp.GradScaler` (`scaler`: its keyword arguments; `scaler["scales"]`, a list, receives
-    the scale after every step)."""
+    the scale after every step). `microbatches` M > 1: gradient accumulation, each batch cut into
+    M equal microbatches in order, each one's loss / M back-propagated, one update per batch."""
     cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.Adam
     opt = cls([p for p in model.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.999), eps=1e-8,
               weight_decay=weight_decay)
@@ -25,6 +26,16 @@ def train_eager(model, data, *, lr, weight_decay=0.0, optimizer="adamw", loss=la
     losses = []
     for x, y in data:
         opt.zero_grad()
+        if microbatches > 1:
+            total = 0.0
+            for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches)):
+                with gpu_autocast(PRECISIONS[precision]) if precision != "fp32" else contextlib.nullcontext():
+                    value = loss(model, xm, ym) / microbatches
+                value.backward()
+                total += value.item()
+            opt.step()
+            losses.append(total)
+            continue
         with gpu_autocast(PRECISIONS[precision]) if precision != "fp32" else contextlib.nullcontext():
             value = loss(model, x, y)
         if amp is None:

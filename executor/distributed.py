@@ -1,0 +1,192 @@
+"""One process per GPU: `tensorstow execute PLAN --nproc N` (or N processes under torchrun).
+
+Each process (rank K) replays GPU K's share of a multi-GPU plan (executor.runtime: its stages'
+instructions, their DRAM, SSD and CPU-optimizer work, both ends of its `send`s). Stage
+boundaries go through torch.distributed's gloo backend: the sender stages the buffer in host
+memory and sends it, the receiver copies it onto its device. That is the path the plan models on
+GPUs without P2P (through DRAM, over both GPUs' host links), and on a machine without CUDA each
+process's device tier is CPU memory under its own budget.
+
+Crash-safety across processes: every rank keeps its training state in its own store,
+`STATE_DIR/rank<K>`; a step is committed when every rank has committed it. After its commit a
+rank waits for all the others before it writes anything for the next step, so when a rank dies
+the others are at most one commit ahead, and their store still holds the commit before
+(ssd.SSDStore.rollback). On start the ranks agree on the last step they all committed and the
+ones ahead roll back to it. If one rank dies, `launch` stops the others and says which rank died
+and that the same command resumes.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from tensorstow import TensorstowError
+
+LOST = "lost its peers"
+TIMEOUT_S = 600
+"""How long a rank waits for its peers in one exchange before it gives up (a hung peer)."""
+
+
+class Comm:
+    """Stage boundaries and step agreement between the ranks (torch.distributed, gloo)."""
+
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world = rank, world
+
+    def send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> list:
+        """Start sending `tensors` (CPU, contiguous) to `peer`; returns the requests to wait for."""
+        import torch.distributed as dist
+        return [dist.isend(t, peer, tag=tag + k) for k, t in enumerate(tensors)]
+
+    def recv(self, tensors: list[torch.Tensor], peer: int, tag: int) -> None:
+        import torch.distributed as dist
+        for k, t in enumerate(tensors):
+            dist.recv(t, peer, tag=tag + k)
+
+    def share(self, value: float | None, src: int) -> float:
+        """`src`'s value on every rank."""
+        import torch.distributed as dist
+        t = torch.tensor([0.0 if value is None else value], dtype=torch.float64)
+        dist.broadcast(t, src)
+        return float(t[0])
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+        dist.barrier()
+
+    def gather(self, value: int) -> list[int]:
+        """Every rank's `value`, by rank."""
+        import torch.distributed as dist
+        out = [torch.zeros(1, dtype=torch.long) for _ in range(self.world)]
+        dist.all_gather(out, torch.tensor([value], dtype=torch.long))
+        return [int(t[0]) for t in out]
+
+
+def rank_dir(state_dir, rank: int) -> Path:
+    return Path(state_dir) / f"rank{rank}"
+
+
+def agree_on_step(store, comm: Comm) -> int | None:
+    """The last step every rank committed; a rank one commit ahead rolls back to it."""
+    mine = store.committed_step()
+    steps = comm.gather(-1 if mine is None else mine)
+    low = min(steps)
+    if low < 0 and max(steps) >= 0:
+        raise TensorstowError(f"ranks {[k for k, s in enumerate(steps) if s < 0]} have no committed step while "
+                              f"others have step {max(steps)}: the state dir is not one run's (use a fresh one)")
+    if max(steps) > low + 1:
+        raise TensorstowError(f"the ranks' committed steps {steps} are more than one commit apart: the state dir "
+                              f"was not written by one run")
+    if mine is not None and mine > low:
+        store.rollback()  # this rank committed a step another rank did not
+    return None if low < 0 else low
+
+
+def worker(kw: dict) -> int:
+    """A rank's main: join the group, execute, leave; one error line on failure."""
+    import torch.distributed as dist
+
+    from tensorstow.executor.run import execute
+    from tensorstow.planner.schema import Plan
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    except Exception as e:  # noqa: BLE001 - the rendezvous failed: one line, not a traceback
+        print(f"tensorstow: error: rank {rank} could not join the process group: {e}", file=sys.stderr)
+        return 1
+    try:
+        plan = Plan.load(kw.pop("plan"))
+        out = sys.stdout if rank == 0 else open(os.devnull, "w")
+        execute(plan, **kw, rank=rank, comm=Comm(rank, world), out=out)
+        return 0
+    except TensorstowError as e:
+        print(f"tensorstow: error: {e}", file=sys.stderr)
+        return 1
+    except RuntimeError as e:  # gloo: a peer went away
+        print(f"tensorstow: error: {LOST} ({str(e).splitlines()[0]})", file=sys.stderr)
+        return 1
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a dead peer may leave the group unusable
+            pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(nproc: int, kw: dict, out=None) -> None:
+    """Run `execute(**kw)` in `nproc` processes, rank K on GPU K; rank 0's output is ours. If a
+    rank fails or dies, stop the others and raise one error naming it."""
+    out = out or sys.stdout
+    env = dict(os.environ, WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc))))
+    with tempfile.TemporaryDirectory(prefix="tensorstow-ranks-") as tmp:
+        errs = [Path(tmp) / f"rank{k}.err" for k in range(nproc)]
+        procs = []
+        try:
+            for k in range(nproc):
+                with open(errs[k], "w") as err:
+                    procs.append(subprocess.Popen(
+                        [sys.executable, "-m", "tensorstow.executor.distributed", json.dumps(kw)],
+                        env=dict(env, RANK=str(k)), stdout=None if k == 0 else subprocess.DEVNULL, stderr=err,
+                        start_new_session=True))
+            while any(p.poll() is None for p in procs) and all(p.poll() in (None, 0) for p in procs):
+                time.sleep(0.05)
+            if any(p.poll() not in (None, 0) for p in procs):  # let the others notice, then find the cause
+                deadline = time.monotonic() + 2
+                while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+        finally:
+            _stop(procs)
+        why = {}
+        for k, p in enumerate(procs):
+            if p.returncode == 0:
+                continue
+            lines = [ln for ln in errs[k].read_text().splitlines() if ln.strip()]
+            why[k] = (f"was killed by signal {signal.Signals(-p.returncode).name}" if p.returncode < 0
+                      else "failed: " + (lines[-1].removeprefix("tensorstow: error: ") if lines
+                                         else f"exit status {p.returncode}"))
+        if not why:
+            return
+        # the cause: a rank that died, else one that failed by itself, else the first
+        cause = min(why, key=lambda k: ("killed" not in why[k], LOST in why[k], k))
+        state = kw.get("state_dir")
+        resume = (f"; every rank stopped, and {state} keeps the last step all ranks committed: run the same "
+                  f"command to resume") if state else "; every rank stopped"
+        raise TensorstowError(f"rank {cause} of {nproc} {why[cause]}{resume}")
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    """Terminate the ranks still running (their process groups), then reap them."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 10
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(worker(json.loads(sys.argv[1])))
