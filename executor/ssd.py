@@ -337,7 +337,7 @@ class SSDStore:
         commit's bytes): a multi-process run commits, then waits for every rank, then writes."""
         self._check_open()
         with self._commit_lock:
-            if any(b.last_write is not None or b.pending for b in self._bufs.values()):
+            if any(b.last_write is not None for b in self._bufs.values()):
                 raise TensorstowError(f"SSD store {self.dir}: cannot roll back: buffers were written "
                                       f"after the last commit")
             d = self._load_manifest(self.dir / PREVIOUS)
@@ -349,6 +349,8 @@ class SSDStore:
             os.replace(self.dir / PREVIOUS, self.dir / MANIFEST)
             self._fsync_dir()
             for b in self._bufs.values():
+                for op in b.pending:  # reads in flight finish before their files close
+                    op._complete()
                 for fd in b.fds:
                     os.close(fd)
                 b.fds = []

@@ -18,7 +18,7 @@ from tensorstow import TensorstowError
 from tensorstow.planner.mobius import StageProblem, _solve_k, cross_mapping, sequential_mapping
 from tensorstow.planner.schedule import BlockDecision, Decisions, Pipeline
 
-MAX_CANDIDATES = 4
+MAX_CANDIDATES = 8
 """Partitions (best MIP objective first) lowered and simulated before giving up on fitting."""
 
 
@@ -30,6 +30,8 @@ def stage_problem(problem, M: int) -> StageProblem:
     """Mobius Table 2's constants from the blocks' profiles (one microbatch: the traced batch)."""
     profs = [problem.profiles[problem.profile_of[b]] for b in problem.order]
     act = [p.saved_bytes + p.input_bytes for p in profs]
+    mixed_acc = problem.mixed and M > 1  # gradients accumulate in fp32 (planner.pipeline)
+    grads = [p.grad_fp32_bytes if mixed_acc else p.grad_bytes for p in profs]
     hw = problem.hw
     bw = min(g.h2d_bw for g in hw.gpus)
     if hw.root_complex_bw:
@@ -38,8 +40,9 @@ def stage_problem(problem, M: int) -> StageProblem:
         t_f=tuple(p.fwd_time_s for p in profs),
         t_b=tuple(p.bwd_time_s if p.bwd_ops[0] >= 0 else 0.0 for p in profs),
         s_f=tuple(p.param_bytes + p.const_bytes + p.fwd_workspace + a for p, a in zip(profs, act)),
-        s_b=tuple(p.param_bytes + p.const_bytes + p.grad_bytes + p.bwd_workspace + a + p.handed_bytes
-                  for p, a in zip(profs, act)),
+        s_b=tuple(p.param_bytes + p.const_bytes + g + p.bwd_workspace + a + p.handed_bytes
+                  + (p.grad_bytes if M > 1 else 0)  # a later microbatch's gradient before it is added in
+                  for p, a, g in zip(profs, act, grads)),
         a=tuple(profs[i + 1].input_bytes if i + 1 < len(profs) else 0 for i in range(len(profs))),
         g=tuple(p.handed_bytes for p in profs),
         gpus=len(hw.gpus), microbatches=M, capacity=min(g.plan_bytes for g in hw.gpus), bandwidth=bw)

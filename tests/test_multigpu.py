@@ -1,0 +1,188 @@
+"""Multi-GPU plans executed: one process per GPU (gloo; each process's device tier is CPU memory
+under its own budget), trained bit for bit like single-process eager PyTorch with gradient
+accumulation over the same microbatches; a rank killed mid-step stops every rank and the
+committed state resumes; the pipeline path on one GPU in one process.
+
+Eager runs here use 1 torch thread, as every rank does (`launch` gives each rank cpu_count /
+nproc threads: 1 on a 2-core machine; the comparison pins it so that it holds anywhere)."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tensorstow import TensorstowError
+from tensorstow.executor.data import batches
+from tensorstow.executor.distributed import agree_on_step
+from tensorstow.executor.runtime import Executor
+from tensorstow.executor.ssd import SSDStore
+from tensorstow.ir.models import GPT, PRESETS
+from tensorstow.planner.plan import Options, hardware_for, make_plan
+from tests.oracle import train_eager
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = "gpt-small"  # 6 layers (8 blocks)
+B, T = 2, 32
+
+
+def mobius_plan(gpus: int, microbatches: int = 0, precision: str = "fp32", gpu_mem: int = 24_000_000,
+                model: str = MODEL):
+    o = Options(model=model, hardware="lohan-rtx4090", policy="mobius", batch=B, seq=T, precision=precision,
+                lr=1e-3, weight_decay=0.1, exact_optimizer=True, gpus=gpus, gpu_mem=gpu_mem,
+                microbatches=microbatches)
+    return make_plan(o, hardware_for(o))
+
+
+def eager(steps: int, microbatches: int, precision: str = "fp32", model: str = MODEL):
+    c = PRESETS[model]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        return train_eager(GPT(c), batches("synthetic", B * microbatches, T, c.vocab_size, steps, seed=0), lr=1e-3,
+                           weight_decay=0.1, microbatches=microbatches, precision=precision)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def cli(*args, **kw) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "tensorstow.cli", *map(str, args)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
+
+
+def finish(p: subprocess.Popen) -> tuple[int, str, str]:
+    try:
+        out, err = p.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+    return p.returncode, out, err
+
+
+def exported(state: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
+    out = tmp_path / "export"
+    rc, _, err = finish(cli("export", state, "-o", out))
+    assert rc == 0, err
+    return load_file(str(out / "model.safetensors"))
+
+
+def assert_bit_identical(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    bad = [n for n in want if not torch.equal(got[n], want[n])]
+    assert not bad, f"parameters differ: {bad[:5]}"
+
+
+@pytest.mark.parametrize("gpus", [2, 3])
+def test_mobius_on_n_processes_trains_bit_identically_to_eager(gpus, tmp_path):
+    plan = mobius_plan(gpus)
+    pl = plan.decisions.pipeline
+    assert len(set(pl.gpus)) == gpus and len(pl.stages) > gpus  # stages swapped in and out of every GPU
+    assert any(i.kind == "send" for i in plan.instructions)
+    path = tmp_path / "plan.json"
+    path.write_text(plan.dumps())
+    rc, out, err = finish(cli("execute", path, "--nproc", gpus, "--steps", 3, "--state-dir", tmp_path / "state"))
+    assert rc == 0, err
+    losses, params = eager(3, pl.microbatches)
+    printed = [float(ln.split("loss ")[1].split()[0]) for ln in out.splitlines() if ln.startswith("step ")]
+    assert printed == pytest.approx(losses, abs=1e-4)  # rank 0 prints the loss the last stage's rank computed
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == [f"rank{k}" for k in range(gpus)]
+    assert_bit_identical(exported(tmp_path / "state", tmp_path), params)
+
+
+def test_a_rank_killed_mid_step_stops_every_rank_and_the_committed_step_resumes(tmp_path):
+    plan = mobius_plan(2)
+    path = tmp_path / "plan.json"
+    path.write_text(plan.dumps())
+    args = ("execute", path, "--nproc", 2, "--steps", 5, "--state-dir", tmp_path / "state")
+    p = cli(*args)
+    for line in p.stdout:
+        if line.startswith("step 2/5"):
+            time.sleep(0.05)  # inside step 3
+            ranks = Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()
+            os.kill(int(ranks[1]), signal.SIGKILL)
+            break
+    rc, _, err = finish(p)
+    lines = err.strip().splitlines()
+    assert rc != 0 and len(lines) == 1, err
+    assert "rank 1 of 2 was killed by signal SIGKILL" in lines[0] and "run the same command to resume" in lines[0]
+    assert not Path(f"/proc/{p.pid}").exists() or p.poll() is not None
+    rc, out, err = finish(cli(*args))
+    assert rc == 0, err
+    assert "resuming from step 2" in out or "resuming from step 3" in out
+    assert_bit_identical(exported(tmp_path / "state", tmp_path), eager(5, plan.decisions.pipeline.microbatches)[1])
+
+
+class _Comm:
+    """Two ranks in one process: `gather` sees both stores' steps."""
+
+    def __init__(self, stores):
+        self.stores = stores
+
+    def gather(self, value):
+        return [-1 if s.committed_step() is None else s.committed_step() for s in self.stores]
+
+
+def test_a_rank_one_commit_ahead_rolls_back_to_the_step_every_rank_committed(tmp_path):
+    """A rank dies after another committed step n+1 but before it did: the survivor's store
+    still holds step n (nothing is written before every rank committed) and rolls back to it."""
+    sizes = {"w": 4096}
+    a, b = SSDStore(tmp_path / "a", sizes), SSDStore(tmp_path / "b", sizes)
+    for s, steps in ((a, (1, 2)), (b, (1,))):
+        for n in steps:
+            s.write("w", torch.full((4096,), n, dtype=torch.uint8))
+            s.commit(n)
+    comm = _Comm([a, b])
+    assert agree_on_step(b, comm) == 1 and b.committed_step() == 1
+    assert agree_on_step(a, comm) == 1 and a.committed_step() == 1
+    out = torch.empty(4096, dtype=torch.uint8)
+    a.read("w", out)
+    assert bool((out == 1).all())  # step 1's bytes
+    a.close()
+    a = SSDStore(tmp_path / "a", sizes)  # and it stays rolled back
+    assert a.committed_step() == 1
+    a.close()
+    b.close()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_the_pipeline_on_one_gpu_accumulates_microbatches_like_eager(precision):
+    """--gpus 1: the Mobius stages take turns on one GPU, in one process (no sends); the step is
+    3 microbatches, and the gradients accumulate (in fp32 for bf16-mixed, as eager's .grad)."""
+    plan = mobius_plan(1, microbatches=3, precision=precision, gpu_mem=20_000_000)
+    assert len(plan.decisions.pipeline.stages) > 1
+    c = PRESETS[MODEL]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        ex = Executor(plan, GPT(c), mode="overlap")
+        losses = [ex.step(x, y) for x, y in batches("synthetic", 3 * B, T, c.vocab_size, 2, seed=0)]
+        assert ex.peak_bytes["gpu"] <= plan.to_plan().predicted.capacity_bytes["gpu"]
+    finally:
+        torch.set_num_threads(threads)
+    want_losses, want = eager(2, 3, precision)
+    assert losses == want_losses
+    assert_bit_identical(ex.parameters(), want)
+
+
+def test_a_multi_gpu_plan_needs_one_process_per_gpu(tmp_path):
+    plan = mobius_plan(2)
+    with pytest.raises(TensorstowError, match="--nproc 2"):
+        Executor(plan, GPT(PRESETS[MODEL]))
+    path = tmp_path / "plan.json"
+    path.write_text(plan.dumps())
+    rc, _, err = finish(cli("execute", path, "--nproc", 3, "--steps", 1))
+    assert rc != 0 and "--nproc 2, one process per GPU" in err and "Traceback" not in err
+
+
+def test_the_data_parallel_baseline_is_simulation_only():
+    o = Options(model=MODEL, hardware="lohan-rtx4090", policy="zero3-dp", batch=B, seq=T, precision="fp32", gpus=2)
+    plan = make_plan(o, hardware_for(o))
+    with pytest.raises(TensorstowError, match="simulated baseline"):
+        Executor(plan, GPT(PRESETS[MODEL]))
