@@ -148,7 +148,8 @@ PRESETS: dict[str, GPTConfig] = {
     "mobius-3b": GPTConfig(n_layer=64, n_head=32, n_embd=2048, block_size=512, source="Mobius Table 3"),
     "mobius-8b": GPTConfig(n_layer=40, n_head=32, n_embd=4096, block_size=512, source="Mobius Table 3"),
     "mobius-15b": GPTConfig(n_layer=40, n_head=64, n_embd=5120, block_size=512, source="Mobius Table 3"),
-    "mobius-51b": GPTConfig(n_layer=50, n_head=80, n_embd=9216, block_size=512, source="Mobius Table 3"),
+    "mobius-51b": GPTConfig(n_layer=50, n_head=72, n_embd=9216, block_size=512,
+                            source="Mobius Table 3 ([OURS] 72 heads of 128: its 80 do not divide 9216)"),
     # Deep Optimizer States Table 2 (seq 2048).
     "dos-7b": GPTConfig(n_layer=32, n_head=32, n_embd=4096, block_size=2048, source="Deep Optimizer States Table 2"),
     "dos-8.3b": GPTConfig(n_layer=72, n_head=24, n_embd=3072, block_size=2048, source="Deep Optimizer States Table 2"),

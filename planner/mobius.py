@@ -48,6 +48,11 @@ class StageProblem:
     """G: GPU memory per GPU, bytes."""
     bandwidth: float
     """B: GPU <-> DRAM (and stage-to-stage) bandwidth, bytes/s."""
+    u: tuple[float, ...] = ()
+    """[OURS] Seconds of layer i's CPU optimizer update (empty: the paper's model, which leaves the
+    update out). With it, a stage's update starts once its backward has every microbatch and the
+    CPU has updated the stages after it (one CPU, stages in backward order), and the objective is
+    the end of the last update: the partition sees the optimizer that bounds offloaded training."""
 
     @property
     def layers(self) -> int:
@@ -106,7 +111,12 @@ def makespan(sp: StageProblem, stages: tuple[tuple[int, int], ...]) -> float | N
             if j < K - 1:
                 t = max(t, tb[j + 1][m] + c["t_b"][j + 1] + g[j + 1] / B)
             tb[j][m] = t
-    return tb[0][M - 1] + c["t_b"][0]                                                   # Eq. 3
+    done = tb[0][M - 1] + c["t_b"][0]                                                   # Eq. 3
+    if sp.u:
+        upd, done = [sum(sp.u[lo:hi]) for lo, hi in stages], 0.0
+        for j in reversed(range(K)):  # [OURS] the CPU updates stage by stage in backward order
+            done = max(done, tb[j][M - 1] + c["t_b"][j]) + upd[j]
+    return done
 
 
 def partition(sp: StageProblem, *, max_stages: int | None = None, time_limit_s: float = 30.0) -> Partition:
@@ -124,7 +134,9 @@ def partition(sp: StageProblem, *, max_stages: int | None = None, time_limit_s: 
     return dataclasses.replace(best, message="; ".join(notes))
 
 
-def _solve_k(sp: StageProblem, K: int, time_limit_s: float) -> Partition:
+def _solve_k(sp: StageProblem, K: int, time_limit_s: float, gap: float = 0.0) -> Partition:
+    """The MIP for exactly K stages; `gap`: stop within this relative gap of the optimum (0: exact).
+    A solve cut by the time limit returns its best integer solution, if it has one."""
     L, N, M, G = sp.layers, sp.gpus, sp.microbatches, sp.capacity
     # Normalise units (STYLE: well-conditioned solver input): time in ms, bytes in MiB
     ms, mib = 1e3, 1 / 2**20
@@ -147,7 +159,17 @@ def _solve_k(sp: StageProblem, K: int, time_limit_s: float) -> Partition:
     D = {e: {j: T[e][j] + t[e][j][M - 1] - t[e][j][0] for j in Ks} for e in "fb"}      # Eq. 7
     a_j = {j: pulp.lpSum(a_[i] * last[i][j] for i in Ls) for j in Ks}
     g_j = {j: pulp.lpSum(g_[i] * first[i][j] for i in Ls) for j in Ks}
-    m += t["b"][0][M - 1] + T["b"][0]                                                   # Eq. 3
+    if sp.u:  # [OURS] the CPU's updates, stage by stage in backward order; the objective is the last
+        u_ = [x * ms for x in sp.u]
+        U = {j: pulp.lpSum(u_[i] * Bij[i][j] for i in Ls) for j in Ks}
+        c = pulp.LpVariable.dicts("c", Ks, lowBound=0)
+        for j in Ks:
+            m += c[j] >= t["b"][j][M - 1] + T["b"][j] + U[j]
+            if j + 1 < K:
+                m += c[j] >= c[j + 1] + U[j]
+        m += c[0]
+    else:
+        m += t["b"][0][M - 1] + T["b"][0]                                               # Eq. 3
     # every layer in one stage; stages non-empty, contiguous, in order (left implicit by the paper)
     for i in Ls:
         m += pulp.lpSum(Bij[i][j] for j in Ks) == 1
@@ -185,13 +207,15 @@ def _solve_k(sp: StageProblem, K: int, time_limit_s: float) -> Partition:
             if j + 1 < K:
                 m += t["b"][j][mb] >= t["b"][j + 1][mb] + T["b"][j + 1] + g_j[j + 1] * (1 / B)
     m += t["b"][K - 1][0] >= t["f"][K - 1][M - 1] + T["f"][K - 1]                        # Eq. 11
-    status = m.solve(pulp.HiGHS(msg=False, timeLimit=time_limit_s))
-    name = pulp.LpStatus[status]
-    if name != "Optimal":
-        return Partition((), 0.0, False, name)
+    m.solve(pulp.HiGHS(msg=False, timeLimit=time_limit_s, **({"gapRel": gap} if gap else {})))
+    found = pulp.LpSolution[m.sol_status]  # LpStatus reads "Optimal" after a time limit too (DESIGN.md)
+    if m.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        return Partition((), 0.0, False, pulp.LpStatus[m.status] if m.status != 1 else found)
     owner = [max(Ks, key=lambda j: Bij[i][j].value() or 0) for i in Ls]
     stages = tuple((min(i for i in Ls if owner[i] == j), max(i for i in Ls if owner[i] == j) + 1) for j in Ks)
-    return Partition(stages, pulp.value(m.objective) / ms, True, "optimal")
+    how = "optimal" if m.sol_status == pulp.LpSolutionOptimal and not gap else (
+        f"within {gap:.1%} of optimal" if m.sol_status == pulp.LpSolutionOptimal else f"time limit ({found})")
+    return Partition(stages, pulp.value(m.objective) / ms, True, how)
 
 
 def cross_mapping(stages: int, root_complex: tuple[int, ...]) -> tuple[int, ...]:
@@ -200,6 +224,13 @@ def cross_mapping(stages: int, root_complex: tuple[int, ...]) -> tuple[int, ...]
     Σ_{i<j} shared(i, j) / |i - j| wins (exhaustive, ties to the lexicographically first), where
     shared(i, j) is the number of GPUs under the root complex both stages' GPUs hang off (0 if
     different). Two stages on one GPU count that complex's GPU count (docs: [OURS])."""
+    return cross_mappings(stages, root_complex)[0]
+
+
+def cross_mappings(stages: int, root_complex: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Every mapping with the least Eq. 12-13 contention, one per pattern of root complexes
+    (GPUs under one complex are interchangeable to the equation), lexicographically first first.
+    The equation ties often (topo 1+3: 8 of 24 permutations); the planner breaks ties by simulation."""
     N = len(root_complex)
     size = {rc: root_complex.count(rc) for rc in set(root_complex)}
 
@@ -207,8 +238,16 @@ def cross_mapping(stages: int, root_complex: tuple[int, ...]) -> tuple[int, ...]
         gpu = [perm[j % N] for j in range(stages)]
         return sum((size[root_complex[gpu[i]]] if root_complex[gpu[i]] == root_complex[gpu[j]] else 0) / (j - i)
                    for i in range(stages) for j in range(i + 1, stages))
-    best = min(itertools.permutations(range(N)), key=lambda p: (cost(p), p))
-    return tuple(best[j % N] for j in range(stages))
+    perms = sorted(itertools.permutations(range(N)), key=lambda p: (cost(p), p))
+    best, seen, out = cost(perms[0]), set(), []
+    for p in perms:
+        pattern = tuple(root_complex[g] for g in p)
+        if cost(p) > best + 1e-12:
+            break
+        if pattern not in seen:
+            seen.add(pattern)
+            out.append(tuple(p[j % N] for j in range(stages)))
+    return out
 
 
 def sequential_mapping(stages: int, gpus: int) -> tuple[int, ...]:

@@ -1,5 +1,6 @@
 """Mobius' solvers (planner/mobius.py): the MIP partition against exhaustive enumeration of every
 partition under the same timing model, and the cross mapping on the paper's topologies."""
+import dataclasses
 import itertools
 import random
 
@@ -23,9 +24,12 @@ def all_partitions(layers: int):
         yield tuple(zip(bounds, bounds[1:]))
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_the_mip_partition_is_the_best_of_every_partition(seed):
+@pytest.mark.parametrize("seed,update", [(s, False) for s in range(4)] + [(s, True) for s in range(4, 7)])
+def test_the_mip_partition_is_the_best_of_every_partition(seed, update):
+    """The paper's MIP, and with the CPU optimizer's updates (the [OURS] term)."""
     sp = instance(seed)
+    if update:
+        sp = dataclasses.replace(sp, u=tuple(random.Random(seed).uniform(0.05, 0.5) for _ in range(sp.layers)))
     times = {st: makespan(sp, st) for st in all_partitions(sp.layers)}
     feasible = {st: t for st, t in times.items() if t is not None}
     assert feasible and len(feasible) < len(times)  # the capacity rules some out

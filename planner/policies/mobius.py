@@ -14,12 +14,20 @@
 """
 from __future__ import annotations
 
+import dataclasses
+
 from tensorstow import TensorstowError
-from tensorstow.planner.mobius import StageProblem, _solve_k, cross_mapping, sequential_mapping
+from tensorstow.planner import cost
+from tensorstow.planner.mobius import StageProblem, _solve_k, cross_mappings, sequential_mapping
 from tensorstow.planner.schedule import BlockDecision, Decisions, Pipeline
 
 MAX_CANDIDATES = 8
 """Partitions (best MIP objective first) lowered and simulated before giving up on fitting."""
+MAX_STAGES_PER_GPU = 2
+"""Stage counts tried: up to 2 per GPU (as in Mobius Fig. 4); the search also stops
+once two more stages in a row improve the objective by less than 1%."""
+MIP_GAP = 0.005
+MIP_TIME_LIMIT_S = 5.0
 
 
 def microbatches(problem) -> int:
@@ -27,7 +35,8 @@ def microbatches(problem) -> int:
 
 
 def stage_problem(problem, M: int) -> StageProblem:
-    """Mobius Table 2's constants from the blocks' profiles (one microbatch: the traced batch)."""
+    """Mobius Table 2's constants from the blocks' profiles (one microbatch: the traced batch), and
+    each block's CPU update (the [OURS] term of planner.mobius: the updates bound these plans)."""
     profs = [problem.profiles[problem.profile_of[b]] for b in problem.order]
     act = [p.saved_bytes + p.input_bytes for p in profs]
     mixed_acc = problem.mixed and M > 1  # gradients accumulate in fp32 (planner.pipeline)
@@ -45,7 +54,8 @@ def stage_problem(problem, M: int) -> StageProblem:
                   for p, a, g in zip(profs, act, grads)),
         a=tuple(profs[i + 1].input_bytes if i + 1 < len(profs) else 0 for i in range(len(profs))),
         g=tuple(p.handed_bytes for p in profs),
-        gpus=len(hw.gpus), microbatches=M, capacity=min(g.plan_bytes for g in hw.gpus), bandwidth=bw)
+        gpus=len(hw.gpus), microbatches=M, capacity=min(g.plan_bytes for g in hw.gpus), bandwidth=bw,
+        u=tuple(cost.optimizer_time(p.param_count, "cpu", hw) for p in profs))
 
 
 def ties(problem) -> list[tuple[str, str]]:
@@ -86,38 +96,59 @@ def plan(problem) -> Decisions:
     tied = ties(problem)
     index = {b: i for i, b in enumerate(problem.order)}
     found, notes = [], []
-    for K in range(1, sp.layers + 1):
-        r = _solve_k(sp, K, time_limit_s=30.0)
+    stale = 0  # stage counts since the objective last improved by more than 1%
+    for K in range(1, min(sp.layers, MAX_STAGES_PER_GPU * N) + 1):
+        r = _solve_k(sp, K, time_limit_s=MIP_TIME_LIMIT_S, gap=MIP_GAP)
         if not r.feasible:
             notes.append(f"K={K}: {r.message}")
             continue
-        gpus = cross_mapping(K, rcs) if problem.options.mapping == "cross" else sequential_mapping(K, N)
+        best = min((t for t, *_ in found), default=None)
+        stale = 0 if best is None or r.time_s < best * 0.99 else stale + 1
+        maps = cross_mappings(K, rcs) if problem.options.mapping == "cross" else [sequential_mapping(K, N)]
         stage = [j for j, (lo, hi) in enumerate(r.stages) for _ in range(lo, hi)]
-        split = [(a, b) for a, b in tied if gpus[stage[index[a]]] != gpus[stage[index[b]]]]
-        if split:
-            notes.append(f"K={K}: {split[0][0]} and {split[0][1]} share weights but land on different GPUs")
-            continue
-        found.append((r.time_s, K, r.stages, gpus))
-        if len(found) >= MAX_CANDIDATES and K >= N + MAX_CANDIDATES:
+        ok = [g for g in maps if all(g[stage[index[a]]] == g[stage[index[b]]] for a, b in tied)]
+        if not ok:
+            a, b = next((a, b) for a, b in tied if maps[0][stage[index[a]]] != maps[0][stage[index[b]]])
+            notes.append(f"K={K}: {a} and {b} share weights but land on different GPUs")
+        else:
+            found.append((r.time_s, K, r.stages, tuple(ok)))
+        if stale >= 2 and found:
             break
     if not found:
         raise TensorstowError(f"{problem.options.model}: no Mobius partition fits {N} GPU(s) of "
                               f"{min(g.plan_bytes for g in hw.gpus) / 1e9:.3g} GB ({'; '.join(notes[:3])}); "
                               f"use a smaller --batch, more --gpu-mem or another policy")
-    last = None
-    for t, K, stages, gpus in sorted(found)[:MAX_CANDIDATES]:
-        why = [f"Mobius MIP (Eq. 3-11): {K} stages {[hi - lo for lo, hi in stages]} blocks, objective {t:.4g} s",
-               f"{problem.options.mapping} mapping (Eq. 12-13): stage -> GPU {list(gpus)}",
-               f"{M} microbatches; parameters and optimizer states in DRAM, activations swapped to DRAM, "
-               f"CPU Adam per block once its gradient has every microbatch"]
+    last = swapped = None
+    for t, K, stages, maps in sorted(found)[:MAX_CANDIDATES]:
         for prefetch in (1, 0):
-            d = _decisions(problem, "mobius", stages, gpus, M, problem.options.mapping, MOBIUS_BLOCK,
-                           why + ([] if prefetch else ["no prefetch: the next stage does not fit beside this one"]),
-                           prefetch)
-            last = d
-            if schedule(problem, d).fits:
-                return d
-    return last  # does not fit: make_plan names the tier
+            fit = []
+            for gpus in maps:  # Eq. 12-13's ties, by simulated step time
+                why = [f"Mobius MIP (Eq. 3-11, with the CPU updates): {K} stages {[hi - lo for lo, hi in stages]} blocks, objective {t:.4g} s",
+                       f"{problem.options.mapping} mapping (Eq. 12-13): stage -> GPU {list(gpus)}"
+                       + (f" (the fastest of {len(maps)} mappings the equation ties)" if len(maps) > 1 else ""),
+                       f"{M} microbatches; parameters and optimizer states in DRAM, activations swapped to DRAM, "
+                       f"CPU Adam per block once its gradient has every microbatch"]
+                d = _decisions(problem, "mobius", stages, gpus, M, problem.options.mapping, MOBIUS_BLOCK,
+                               why + ([] if prefetch else ["no prefetch: the next stage does not fit beside this one"]),
+                               prefetch)
+                last = d
+                r = schedule(problem, d)
+                if r.fits:
+                    fit.append((r.sim.step_time_s, gpus, d))
+            if fit:
+                swapped = min(fit, key=lambda f: f[:2])[2]
+                break
+        if swapped:
+            break
+    # Where every stage fits its GPU with its optimizer state, there is nothing to swap: one resident
+    # stage per GPU (Mobius with S = N and the DRAM tier unused) wins whenever it is faster.
+    resident = dataclasses.replace(gpipe(problem), policy="mobius")
+    r = schedule(problem, resident)
+    if r.fits and (swapped is None or r.sim.step_time_s < schedule(problem, swapped).sim.step_time_s):
+        return dataclasses.replace(resident, notes=(
+            *resident.notes, "every stage fits its GPU with its optimizer state: nothing is swapped, faster than "
+            f"the swapped pipeline ({'does not fit' if swapped is None else 'simulated'})"))
+    return swapped or last  # does not fit: make_plan names the tier
 
 
 def gpipe(problem) -> Decisions:
