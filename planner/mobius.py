@@ -134,9 +134,10 @@ def partition(sp: StageProblem, *, max_stages: int | None = None, time_limit_s: 
     return dataclasses.replace(best, message="; ".join(notes))
 
 
-def _solve_k(sp: StageProblem, K: int, time_limit_s: float, gap: float = 0.0) -> Partition:
-    """The MIP for exactly K stages; `gap`: stop within this relative gap of the optimum (0: exact).
-    A solve cut by the time limit returns its best integer solution, if it has one."""
+def _solve_k(sp: StageProblem, K: int, time_limit_s: float, gap: float = 0.0, max_nodes: int = 0) -> Partition:
+    """The MIP for exactly K stages; `gap`: stop within this relative gap of the optimum (0: exact);
+    `max_nodes`: a branch-and-bound node limit (deterministic, unlike the time limit). A solve cut
+    by a limit returns its best integer solution, if it has one."""
     L, N, M, G = sp.layers, sp.gpus, sp.microbatches, sp.capacity
     # Normalise units (STYLE: well-conditioned solver input): time in ms, bytes in MiB
     ms, mib = 1e3, 1 / 2**20
@@ -207,7 +208,8 @@ def _solve_k(sp: StageProblem, K: int, time_limit_s: float, gap: float = 0.0) ->
             if j + 1 < K:
                 m += t["b"][j][mb] >= t["b"][j + 1][mb] + T["b"][j + 1] + g_j[j + 1] * (1 / B)
     m += t["b"][K - 1][0] >= t["f"][K - 1][M - 1] + T["f"][K - 1]                        # Eq. 11
-    m.solve(pulp.HiGHS(msg=False, timeLimit=time_limit_s, **({"gapRel": gap} if gap else {})))
+    m.solve(pulp.HiGHS(msg=False, timeLimit=time_limit_s, **({"gapRel": gap} if gap else {}),
+                       **({"mip_max_nodes": max_nodes} if max_nodes else {})))
     found = pulp.LpSolution[m.sol_status]  # LpStatus reads "Optimal" after a time limit too (DESIGN.md)
     if m.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         return Partition((), 0.0, False, pulp.LpStatus[m.status] if m.status != 1 else found)

@@ -15,6 +15,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
+import math
 
 from tensorstow import TensorstowError
 from tensorstow.planner import cost
@@ -23,11 +26,10 @@ from tensorstow.planner.schedule import BlockDecision, Decisions, Pipeline
 
 MAX_CANDIDATES = 8
 """Partitions (best MIP objective first) lowered and simulated before giving up on fitting."""
-MAX_STAGES_PER_GPU = 2
-"""Stage counts tried: up to 2 per GPU (as in Mobius Fig. 4); the search also stops
-once two more stages in a row improve the objective by less than 1%."""
-MIP_GAP = 0.005
-MIP_TIME_LIMIT_S = 5.0
+MIP_GAP = 0.01
+"""Each MIP stops within 1% of its optimum: deterministic, unlike a time limit, which is only a
+safety net (MIP_TIME_LIMIT_S) so that a plan is the same on a slow machine."""
+MIP_TIME_LIMIT_S = 120.0
 
 
 def microbatches(problem) -> int:
@@ -70,6 +72,13 @@ def ties(problem) -> list[tuple[str, str]]:
     return out
 
 
+@functools.lru_cache(maxsize=256)
+def solve_k(sp: StageProblem, K: int):
+    """One stage count's MIP, cached: the topology and the mapping do not enter it, so the plans of
+    one model on several topologies (or both mappings) share their solves."""
+    return _solve_k(sp, K, time_limit_s=MIP_TIME_LIMIT_S, gap=MIP_GAP)
+
+
 def _decisions(problem, kind, stages, gpus, M, mapping, block, notes, prefetch=1) -> Decisions:
     return Decisions(policy={"mobius": "mobius", "gpipe": "gpipe", "data-parallel": "zero3-dp"}[kind],
                      blocks={b: block for b in problem.order}, prefetch=prefetch,
@@ -80,6 +89,9 @@ def _decisions(problem, kind, stages, gpus, M, mapping, block, notes, prefetch=1
 
 MOBIUS_BLOCK = BlockDecision(params="dram", states="dram", optimizer="cpu", activations="swap_dram",
                              checkpoint="dram")
+MOBIUS_RECOMPUTE = dataclasses.replace(MOBIUS_BLOCK, activations="recompute")
+"""Mobius §3.1: with checkpointing and recomputation the activation traffic is negligible; the
+policy takes whichever of swapping and recomputing simulates faster."""
 
 
 def plan(problem) -> Decisions:
@@ -97,8 +109,12 @@ def plan(problem) -> Decisions:
     index = {b: i for i, b in enumerate(problem.order)}
     found, notes = [], []
     stale = 0  # stage counts since the objective last improved by more than 1%
-    for K in range(1, min(sp.layers, MAX_STAGES_PER_GPU * N) + 1):
-        r = _solve_k(sp, K, time_limit_s=MIP_TIME_LIMIT_S, gap=MIP_GAP)
+    # Stage counts from the fewest whose stages can fit (total bytes / GPU memory) to two per GPU
+    # (Mobius Fig. 4), or N more than the fewest; the search stops early once two more stages in a
+    # row improve the objective by less than 1%.
+    fewest = max(1, math.ceil(max(sum(sp.s_f), sum(sp.s_b)) / sp.capacity))
+    for K in range(min(fewest, sp.layers), min(sp.layers, max(2 * N, fewest + N)) + 1):
+        r = solve_k(sp, K)
         if not r.feasible:
             notes.append(f"K={K}: {r.message}")
             continue
@@ -122,21 +138,23 @@ def plan(problem) -> Decisions:
     for t, K, stages, maps in sorted(found)[:MAX_CANDIDATES]:
         for prefetch in (1, 0):
             fit = []
-            for gpus in maps:  # Eq. 12-13's ties, by simulated step time
-                why = [f"Mobius MIP (Eq. 3-11, with the CPU updates): {K} stages {[hi - lo for lo, hi in stages]} blocks, objective {t:.4g} s",
+            for gpus, block in itertools.product(maps, (MOBIUS_BLOCK, MOBIUS_RECOMPUTE)):  # by simulated time
+                why = [f"Mobius MIP (Eq. 3-11, with the CPU updates): {K} stages {[hi - lo for lo, hi in stages]} "
+                       f"blocks, objective {t:.4g} s",
                        f"{problem.options.mapping} mapping (Eq. 12-13): stage -> GPU {list(gpus)}"
                        + (f" (the fastest of {len(maps)} mappings the equation ties)" if len(maps) > 1 else ""),
-                       f"{M} microbatches; parameters and optimizer states in DRAM, activations swapped to DRAM, "
-                       f"CPU Adam per block once its gradient has every microbatch"]
-                d = _decisions(problem, "mobius", stages, gpus, M, problem.options.mapping, MOBIUS_BLOCK,
+                       f"{M} microbatches; parameters and optimizer states in DRAM, activations "
+                       + ("swapped to DRAM" if block is MOBIUS_BLOCK else "recomputed from DRAM checkpoints")
+                       + " (the faster), CPU Adam per block once its gradient has every microbatch"]
+                d = _decisions(problem, "mobius", stages, gpus, M, problem.options.mapping, block,
                                why + ([] if prefetch else ["no prefetch: the next stage does not fit beside this one"]),
                                prefetch)
                 last = d
                 r = schedule(problem, d)
                 if r.fits:
-                    fit.append((r.sim.step_time_s, gpus, d))
+                    fit.append((r.sim.step_time_s, gpus, block is MOBIUS_RECOMPUTE, d))
             if fit:
-                swapped = min(fit, key=lambda f: f[:2])[2]
+                swapped = min(fit, key=lambda f: f[:3])[3]
                 break
         if swapped:
             break
