@@ -160,8 +160,8 @@ class Executor:
             check_device(plan)
         check_portable(self.traced.gm, self.device)
         self.joint.targets = targets_for(self.device)
-        self.dev = DeviceTier(plan.hardware.spec.gpus[rank].plan_bytes if device_budget is None else device_budget,
-                              self.device, self.gpu)
+        budget = min(pred.capacity_bytes["gpu"], plan.hardware.spec.gpus[rank].plan_bytes)  # this GPU's
+        self.dev = DeviceTier(budget if device_budget is None else device_budget, self.device, self.gpu)
         self.lanes = lanes_for(self.instrs, self.device, overlap=mode == "overlap")
         """Orders the instructions: host time on the CPU, streams and events on CUDA (executor.cuda)."""
         self.alloc_limit: int | None = None

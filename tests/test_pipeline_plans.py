@@ -215,3 +215,20 @@ def test_auto_considers_mobius_on_several_gpus_and_compares_time_per_sample():
     note = plan.decisions.notes[-1]
     assert note.startswith("auto chose mobius") and "samples" in note
     assert isinstance(plan.decisions.pipeline, Pipeline)
+
+
+def test_show_and_trace_cover_every_gpu(tmp_path):
+    from tensorstow.cli import summary
+    from tensorstow.planner.simulate import perfetto_trace, simulate_plan
+    o = Options(model="gpt-tiny", hardware="mobius-3090ti-topo2+2", policy="mobius", batch=2, seq=32,
+                gpu_mem=3_000_000)
+    plan = make_plan(o, hardware_for(o)).to_plan()
+    text = summary(plan)
+    used = sorted(set(plan.decisions.pipeline.gpus))
+    assert len(used) > 1
+    for k in used:
+        assert f"on gpu{k} (root complex {plan.hardware.spec.gpus[k].root_complex})" in text
+    assert "gpu peaks: gpu0" in text and "rc0.h2d" in text and any(f"gpu{a}->gpu{b}" in text for a in used for b in used)
+    names = {e["args"]["name"] for e in perfetto_trace(plan.instructions, simulate_plan(plan))["traceEvents"]
+             if e.get("name") == "thread_name"}
+    assert all(f"gpu{k}.compute" in names and f"gpu{k}.h2d" in names for k in used)

@@ -109,15 +109,19 @@ def plan(problem) -> Decisions:
     index = {b: i for i, b in enumerate(problem.order)}
     found, notes = [], []
     stale = 0  # stage counts since the objective last improved by more than 1%
-    # Stage counts from the fewest whose stages can fit (total bytes / GPU memory) to two per GPU
-    # (Mobius Fig. 4), or N more than the fewest; the search stops early once two more stages in a
-    # row improve the objective by less than 1%.
+    # Stage counts from the fewest whose stages can fit (total bytes / GPU memory) upwards; from the
+    # first that fits, up to two per GPU (Mobius Fig. 4) or N more; the search stops early once two
+    # more stages in a row improve the objective by less than 1%.
     fewest = max(1, math.ceil(max(sum(sp.s_f), sum(sp.s_b)) / sp.capacity))
-    for K in range(min(fewest, sp.layers), min(sp.layers, max(2 * N, fewest + N)) + 1):
+    first = None
+    for K in range(min(fewest, sp.layers), sp.layers + 1):
+        if first is not None and K > max(2 * N, first + N):
+            break
         r = solve_k(sp, K)
         if not r.feasible:
             notes.append(f"K={K}: {r.message}")
             continue
+        first = K if first is None else first
         best = min((t for t, *_ in found), default=None)
         stale = 0 if best is None or r.time_s < best * 0.99 else stale + 1
         maps = cross_mappings(K, rcs) if problem.options.mapping == "cross" else [sequential_mapping(K, N)]
