@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -308,6 +309,11 @@ DEMO = ["plan", "gpt-medium", "--hw", "local", "--gpu-mem", "80MB", "--dram", "2
 
 def cmd_execute(args) -> int:
     from tensorstow.executor.run import execute
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:  # one rank under torchrun
+        from tensorstow.executor.distributed import worker
+        return worker(dict(plan=args.plan, steps=args.steps, data=args.data, state_dir=args.state_dir,
+                           mode=args.mode, seed=args.seed, log_json=args.log_json, trace=args.trace,
+                           checkpoint_every=args.checkpoint_every))
     execute(load_plan(args.plan), steps=args.steps, data=args.data, state_dir=args.state_dir,
             mode=args.mode, seed=args.seed, log_json=args.log_json, trace=args.trace,
             checkpoint_every=args.checkpoint_every, nproc=args.nproc)

@@ -186,3 +186,19 @@ def test_the_data_parallel_baseline_is_simulation_only():
     plan = make_plan(o, hardware_for(o))
     with pytest.raises(TensorstowError, match="simulated baseline"):
         Executor(plan, GPT(PRESETS[MODEL]))
+
+
+def test_torchrun_launches_the_same_ranks(tmp_path):
+    """`torchrun --nproc-per-node 2 -m tensorstow.cli execute PLAN`: each process is one rank."""
+    plan = mobius_plan(2)
+    path = tmp_path / "plan.json"
+    path.write_text(plan.dumps())
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    torchrun = Path(sys.executable).with_name("torchrun")
+    p = subprocess.Popen([str(torchrun), "--nproc-per-node", "2", "-m", "tensorstow.cli", "execute", str(path),
+                          "--steps", "2", "--state-dir", str(tmp_path / "state")], env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    rc, out, err = finish(p)
+    assert rc == 0, err
+    assert out.count("step 1/2") == 1  # rank 0 reports, the other rank is quiet
+    assert_bit_identical(exported(tmp_path / "state", tmp_path), eager(2, plan.decisions.pipeline.microbatches)[1])

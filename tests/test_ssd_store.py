@@ -366,9 +366,12 @@ CHILD = textwrap.dedent(
         while True:
             if step == crash_step and crash_point == "before_replace":
                 os.replace = lambda *a: die()
-            if step == crash_step and crash_point == "after_replace":
+            if step == crash_step and crash_point == "after_replace":  # the new manifest is in place
                 real = os.replace
-                os.replace = lambda *a: (real(*a), die())
+                os.replace = lambda a, b: (real(a, b), die() if str(b).endswith("MANIFEST") else None)
+            if step == crash_step and crash_point == "between_renames":  # MANIFEST went to MANIFEST.prev
+                real = os.replace
+                os.replace = lambda a, b: (real(a, b), die() if str(b).endswith("MANIFEST.prev") else None)
             for i, name in enumerate(SIZES):
                 if writes(step, i):
                     store.write_async(name, data(step, i))
@@ -452,7 +455,9 @@ def test_sigkill_at_random_points_keeps_last_commit(tmp_path, child):
 
 
 def test_sigkill_inside_commit_protocol(tmp_path, child):
-    points = {"mid_step": 2, "before_replace": 2, "after_replace": 3}  # crash point -> step that survives
+    # crash point -> step that survives (a commit renames MANIFEST to MANIFEST.prev, for rollback,
+    # then the new manifest over MANIFEST; between the two the previous manifest stands)
+    points = {"mid_step": 2, "before_replace": 2, "between_renames": 2, "after_replace": 3}
     procs = {p: _start(child, tmp_path / p, crash_step=3, crash_point=p) for p in points}
     try:
         for proc, _ in procs.values():
