@@ -194,8 +194,9 @@ class CudaLanes:
         return sorted(out)
 
 
-def resolve_device(device) -> torch.device:
-    """The device tier's device: the argument, else TENSORSTOW_DEVICE, else CUDA when there is one."""
+def resolve_device(device, index: int = 0) -> torch.device:
+    """The device tier's device: the argument, else TENSORSTOW_DEVICE, else CUDA when there is one.
+    `index`: of several processes, this one's GPU (rank K takes GPU K mod the GPUs there are)."""
     name = device if device is not None else os.environ.get("TENSORSTOW_DEVICE") or (
         "cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -208,7 +209,7 @@ def resolve_device(device) -> torch.device:
     if d.type == "cuda":
         if not torch.cuda.is_available():
             raise TensorstowError(f"executor device '{name}': this machine has no CUDA device; use cpu")
-        return torch.device("cuda", 0)
+        return torch.device("cuda", index % torch.cuda.device_count())
     return torch.device("cpu")
 
 

@@ -1,11 +1,12 @@
 """One process per GPU: `tensorstow execute PLAN --nproc N` (or N processes under torchrun).
 
 Each process (rank K) replays GPU K's share of a multi-GPU plan (executor.runtime: its stages'
-instructions, their DRAM, SSD and CPU-optimizer work, both ends of its `send`s). Stage
-boundaries go through torch.distributed's gloo backend: the sender stages the buffer in host
-memory and sends it, the receiver copies it onto its device. That is the path the plan models on
-GPUs without P2P (through DRAM, over both GPUs' host links), and on a machine without CUDA each
-process's device tier is CPU memory under its own budget.
+instructions, their DRAM, SSD and CPU-optimizer work, both ends of its `send`s) on GPU K. Stage
+boundaries go through torch.distributed: NCCL where every rank has a GPU of its own (device
+memory to device memory; without P2P NCCL itself goes through host memory, the path the plan
+models), else gloo, the sender staging the buffer in host memory and the receiver copying it
+onto its device: on a machine without CUDA each process's device tier is CPU memory under its
+own budget. Only the gloo path has run (no machine with several GPUs was available).
 
 Crash-safety across processes: every rank keeps its training state in its own store,
 `STATE_DIR/rank<K>`; a step is committed when every rank has committed it. After its commit a
@@ -40,8 +41,10 @@ TIMEOUT_S = 600
 class Comm:
     """Stage boundaries and step agreement between the ranks (torch.distributed, gloo)."""
 
-    def __init__(self, rank: int, world: int):
+    def __init__(self, rank: int, world: int, on_device: bool = False):
         self.rank, self.world = rank, world
+        self.on_device = on_device
+        """NCCL: boundaries move GPU to GPU in device memory; gloo: staged in host memory."""
 
     def send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> list:
         """Start sending `tensors` (CPU, contiguous) to `peer`; returns the requests to wait for."""
@@ -98,17 +101,27 @@ def worker(kw: dict) -> int:
 
     from tensorstow.executor.run import execute
     from tensorstow.planner.schema import Plan
+    from tensorstow.executor.cuda import resolve_device
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
+        device = resolve_device(None, rank)
+        # NCCL where every rank has a GPU of its own; else gloo (CPU device tiers, or several
+        # ranks sharing one GPU), staging the boundaries through host memory
+        nccl = device.type == "cuda" and torch.cuda.device_count() >= world and dist.is_nccl_available()
+        if nccl:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if nccl else "gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    except TensorstowError as e:
+        print(f"tensorstow: error: {e}", file=sys.stderr)
+        return 1
     except Exception as e:  # noqa: BLE001 - the rendezvous failed: one line, not a traceback
         print(f"tensorstow: error: rank {rank} could not join the process group: {e}", file=sys.stderr)
         return 1
     try:
         plan = Plan.load(kw.pop("plan"))
         out = sys.stdout if rank == 0 else open(os.devnull, "w")
-        execute(plan, **kw, rank=rank, comm=Comm(rank, world), out=out)
+        execute(plan, **kw, rank=rank, comm=Comm(rank, world, on_device=nccl), out=out)
         return 0
     except TensorstowError as e:
         print(f"tensorstow: error: {e}", file=sys.stderr)

@@ -154,7 +154,7 @@ class Executor:
         if pred.peak_bytes["gpu"] > pred.capacity_bytes["gpu"]:
             raise TensorstowError(f"the plan does not fit its GPU ({pred.peak_bytes['gpu']} bytes at peak > "
                                   f"{pred.capacity_bytes['gpu']} capacity); re-plan it")
-        self.device = resolve_device(device)
+        self.device = resolve_device(device, rank)
         cuda = self.device.type == "cuda"
         if cuda:
             check_device(plan)
@@ -828,16 +828,18 @@ class Executor:
         strides; the receiver puts it on its device as it was (same strides, same bits)."""
         buf, layout = ins.tensor, self.layouts[ins.tensor]
         tag = 2 * self.plan_id[ins.id]  # the plan's id: the same on both ends
+        at = self.device if self.comm.on_device else "cpu"  # NCCL sends device memory, gloo host memory
         if ins.src == self.gpu:
-            c = HostCopy(layout, torch.empty(layout.nbytes, dtype=torch.uint8))
+            c = HostCopy(layout, torch.empty(layout.nbytes, dtype=torch.uint8, device=at))
             for k, v in self.dev.get(buf).items():
                 c.set(k, v)
-            strides = torch.tensor([x for k in layout.keys() for x in c.strides[k]] or [0], dtype=torch.long)
+            strides = torch.tensor([x for k in layout.keys() for x in c.strides[k]] or [0], dtype=torch.long,
+                                   device=at)
             self._sends += self.comm.send([c.blob, strides], int(ins.dst[3:]), tag)
             return
-        blob = torch.empty(layout.nbytes, dtype=torch.uint8)
+        blob = torch.empty(layout.nbytes, dtype=torch.uint8, device=at)
         dims = [len(layout.slots[k].shape) for k in layout.keys()]
-        strides = torch.empty(max(1, sum(dims)), dtype=torch.long)
+        strides = torch.empty(max(1, sum(dims)), dtype=torch.long, device=at)
         self.comm.recv([blob, strides], int(ins.src[3:]), tag)
         at, got = 0, {}
         for k, n in zip(layout.keys(), dims):
