@@ -209,7 +209,7 @@ def resolve_device(device, index: int = 0) -> torch.device:
     if d.type == "cuda":
         if not torch.cuda.is_available():
             raise TensorstowError(f"executor device '{name}': this machine has no CUDA device; use cpu")
-        return torch.device("cuda", index % torch.cuda.device_count())
+        return torch.device("cuda", index % max(1, torch.cuda.device_count()))
     return torch.device("cpu")
 
 
