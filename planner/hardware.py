@@ -145,7 +145,13 @@ class Hardware:
         if gpus is not None:  # the first N GPUs; more than the spec has repeat its last one
             if gpus < 1:
                 raise TensorstowError(f"--gpus must be >= 1, got {gpus}")
-            hw = dataclasses.replace(hw, gpus=tuple(hw.gpus[min(k, len(hw.gpus) - 1)] for k in range(gpus)))
+            picked = [hw.gpus[min(k, len(hw.gpus) - 1)] for k in range(gpus)]
+            cpu = sum(g.name == CPU_GPU_NAME for g in picked)
+            if cpu > 1:  # CPU "devices" (one process each) share the cores and memory the probe measured
+                picked = [dataclasses.replace(g, flops=g.flops / cpu, flops_fp32=g.flops_fp32 / cpu,
+                                              mem_bw=g.mem_bw / cpu) if g.name == CPU_GPU_NAME else g
+                          for g in picked]
+            hw = dataclasses.replace(hw, gpus=tuple(picked))
         if gpu_mem is not None:  # the plan's budget; the context and workspaces come on top
             hw = dataclasses.replace(hw, gpus=tuple(dataclasses.replace(g, memory_bytes=gpu_mem + g.reserved_bytes)
                                                     for g in hw.gpus))

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tensorstow import TensorstowError
 from tensorstow.planner import cost
-from tensorstow.planner.hardware import GPU, load_hardware
+from tensorstow.planner.hardware import CPU_GPU_NAME, GPU, load_hardware
 from tensorstow.planner.plan import Options, build_problem, hardware_for, make_plan, policy_plan, schedule
 from tensorstow.planner.policies import mobius
 from tensorstow.planner.schedule import Pipeline
@@ -201,6 +201,10 @@ def test_tied_weights_stay_on_one_gpu():
 def test_gpus_override_and_clear_errors():
     hw = load_hardware("lohan-rtx4090").with_overrides(gpus=3)
     assert len(hw.gpus) == 3 and all(isinstance(g, GPU) for g in hw.gpus)
+    cpu = dataclasses.replace(hw, gpus=(dataclasses.replace(hw.gpus[0], name=CPU_GPU_NAME),))
+    two = cpu.with_overrides(gpus=2)  # CPU "devices", one process each, share the probed cores
+    assert [g.flops for g in two.gpus] == [cpu.gpus[0].flops / 2] * 2
+    assert [g.mem_bw for g in two.gpus] == [cpu.gpus[0].mem_bw / 2] * 2
     with pytest.raises(TensorstowError, match="--gpus must be >= 1"):
         load_hardware("lohan-rtx4090").with_overrides(gpus=0)
     o = Options(model="gpt-tiny", hardware="lohan-rtx4090", policy="mobius", batch=2, seq=32, mapping="diagonal")
