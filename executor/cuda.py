@@ -240,22 +240,25 @@ def out_of_memory(limit: int, device: torch.device) -> str:
             f"fragmentation")
 
 
-def check_device(plan) -> None:
+def check_device(plan, device: torch.device | None = None, rank: int = 0) -> None:
     """On CUDA, the machine has what the plan was made for: as many GPUs as its instructions
-    use, and on gpu0 at least the plan's device budget plus the memory the plan leaves to the
-    CUDA context and workspaces (`GPU.reserved_bytes`). (Without CUDA the device tier is
-    budgeted CPU memory, which any plan may use.)"""
+    use (a multi-GPU plan's processes may share GPUs: rank K runs on GPU K mod the GPUs there
+    are), and on this process's GPU at least the plan's device budget for GPU `rank` plus the
+    memory the plan leaves to the CUDA context and workspaces (`GPU.reserved_bytes`). (Without
+    CUDA the device tier is budgeted CPU memory, which any plan may use.)"""
     used = sorted({i.stream.split(".")[0] for i in plan.instructions if i.stream.startswith("gpu")})
     have = torch.cuda.device_count()
     spec = plan.hardware.spec
-    if len(used) > have:
+    if len(used) > have and plan.decisions.pipeline is None:
         raise TensorstowError(f"the plan runs on {len(used)} GPU(s) ({', '.join(used)} of {plan.hardware.name}: "
                               f"{', '.join(g.name for g in spec.gpus[:len(used)])}) but this machine has {have}; "
                               f"re-plan it for this machine (--hw local)")
-    cap, reserved = plan.predicted.capacity_bytes["gpu"], spec.gpus[0].reserved_bytes
-    total = torch.cuda.get_device_properties(0).total_memory
+    index = 0 if device is None or device.index is None else device.index
+    g = spec.gpus[rank]
+    cap, reserved = min(plan.predicted.capacity_bytes["gpu"], g.plan_bytes), g.reserved_bytes
+    total = torch.cuda.get_device_properties(index).total_memory
     if cap + reserved > total:
-        raise TensorstowError(f"the plan gives gpu0 {cap / 1e9:.2f} GB + {reserved / 1e9:.2f} GB for the CUDA "
-                              f"context and workspaces ({plan.hardware.name}: {spec.gpus[0].name}) but gpu0 here "
-                              f"({torch.cuda.get_device_name(0)}) has {total / 1e9:.2f} GB; re-plan it with "
+        raise TensorstowError(f"the plan gives gpu{rank} {cap / 1e9:.2f} GB + {reserved / 1e9:.2f} GB for the CUDA "
+                              f"context and workspaces ({plan.hardware.name}: {g.name}) but cuda:{index} here "
+                              f"({torch.cuda.get_device_name(index)}) has {total / 1e9:.2f} GB; re-plan it with "
                               f"--hw local, or with --gpu-mem at most {max(total - reserved, 0) / 1e9:.2f} GB")

@@ -84,7 +84,9 @@ def agree_on_step(store, comm: Comm) -> int | None:
     mine = store.committed_step()
     steps = comm.gather(-1 if mine is None else mine)
     low = min(steps)
-    if low < 0 and max(steps) >= 0:
+    if low < 0 and max(steps) == 0:  # stopped inside the first commit: step 0 is the initial state,
+        return None                  # which a rank without it makes afresh and one with it resumes
+    if low < 0 and max(steps) > 0:
         raise TensorstowError(f"ranks {[k for k, s in enumerate(steps) if s < 0]} have no committed step while "
                               f"others have step {max(steps)}: the state dir is not one run's (use a fresh one)")
     if max(steps) > low + 1:
@@ -99,18 +101,23 @@ def worker(kw: dict) -> int:
     """A rank's main: join the group, execute, leave; one error line on failure."""
     import torch.distributed as dist
 
-    from tensorstow.executor.run import execute
-    from tensorstow.planner.schema import Plan
     from tensorstow.executor.cuda import resolve_device
+    from tensorstow.executor.run import _gpus_of, execute
+    from tensorstow.planner.schema import Plan
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
+        plan = Plan.load(kw.pop("plan"))
+        if world != _gpus_of(plan):
+            raise TensorstowError(f"this plan runs on {_gpus_of(plan)} GPU(s) ({plan.hardware.name}) but {world} "
+                                  f"processes were started: start one per GPU")
         device = resolve_device(None, rank)
         # NCCL where every rank has a GPU of its own; else gloo (CPU device tiers, or several
         # ranks sharing one GPU), staging the boundaries through host memory
         nccl = device.type == "cuda" and torch.cuda.device_count() >= world and dist.is_nccl_available()
         if nccl:
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if nccl else "gloo", rank=rank, world_size=world,
+        # NCCL moves device tensors; the step's agreement (losses, committed steps) is CPU tensors
+        dist.init_process_group("cpu:gloo,cuda:nccl" if nccl else "gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=TIMEOUT_S))
     except TensorstowError as e:
         print(f"tensorstow: error: {e}", file=sys.stderr)
@@ -119,21 +126,31 @@ def worker(kw: dict) -> int:
         print(f"tensorstow: error: rank {rank} could not join the process group: {e}", file=sys.stderr)
         return 1
     try:
-        plan = Plan.load(kw.pop("plan"))
         out = sys.stdout if rank == 0 else open(os.devnull, "w")
+        if rank:  # one log and one trace, rank 0's
+            kw = dict(kw, log_json=None, trace=None)
         execute(plan, **kw, rank=rank, comm=Comm(rank, world, on_device=nccl), out=out)
         return 0
     except TensorstowError as e:
         print(f"tensorstow: error: {e}", file=sys.stderr)
         return 1
-    except RuntimeError as e:  # gloo: a peer went away
-        print(f"tensorstow: error: {LOST} ({str(e).splitlines()[0]})", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - one line for the launcher, not a traceback
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"tensorstow: error: {LOST} ({first})" if _peer_lost(e) else f"tensorstow: error: {type(e).__name__}: {first}",
+              file=sys.stderr)
         return 1
     finally:
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - a dead peer may leave the group unusable
             pass
+
+
+def _peer_lost(e: Exception) -> bool:
+    """A transport error: another rank went away (gloo raises plain RuntimeErrors naming itself)."""
+    import torch.distributed as dist
+    return isinstance(e, (dist.DistError, ConnectionError, TimeoutError)) or (
+        isinstance(e, RuntimeError) and any(w in str(e) for w in ("gloo", "NCCL", "Connection", "timed out")))
 
 
 def _free_port() -> int:

@@ -54,6 +54,11 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES) -> dict:
     ranks = sorted((p for p in d.glob("rank*") if p.is_dir() and p.name[4:].isdigit()), key=lambda p: int(p.name[4:]))
     dirs = ranks if ranks and not (d / state.PLAN).exists() else [d]
     described = [state.read(x) for x in dirs]
+    if dirs is ranks:
+        n = len(described[0][0].hardware.spec.gpus)
+        if [x.name for x in ranks] != [f"rank{k}" for k in range(n)]:
+            raise TensorstowError(f"export: {d} holds {', '.join(x.name for x in ranks)} but its plan runs on {n} "
+                                  f"GPUs (rank0..rank{n - 1}): a rank's state is missing; restore it")
     if out.exists() and any(out.iterdir()):
         raise TensorstowError(f"export: {out} exists and is not empty; choose a new directory")
     stores = []
@@ -65,6 +70,9 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES) -> dict:
         if any(st is None for st in steps):
             raise TensorstowError(f"export: {dirs[steps.index(None)]} holds no committed step yet")
         step = min(steps)
+        if max(steps) > step + 1:
+            raise TensorstowError(f"export: the ranks' committed steps {steps} are more than one commit apart: "
+                                  f"{d} was not written by one run")
         for st in stores:
             if st.committed_step() > step:
                 st.rollback()  # committed a step another rank did not: not a step of the run

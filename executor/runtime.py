@@ -157,7 +157,7 @@ class Executor:
         self.device = resolve_device(device, rank)
         cuda = self.device.type == "cuda"
         if cuda:
-            check_device(plan)
+            check_device(plan, self.device, rank)
         check_portable(self.traced.gm, self.device)
         self.joint.targets = targets_for(self.device)
         budget = min(pred.capacity_bytes["gpu"], plan.hardware.spec.gpus[rank].plan_bytes)  # this GPU's
@@ -846,6 +846,8 @@ class Executor:
             got[k] = tuple(strides[at:at + n].tolist())
             at += n
         self.dev.load_from(buf, HostCopy(layout, blob, got))
+        if self.device.type == "cuda":  # host work records no event: its readers find the copy done
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _free(self, ins: Instr) -> None:
         if ins.dst == self.gpu and ins.tensor in self.dev.copies:

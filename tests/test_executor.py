@@ -482,7 +482,7 @@ def test_a_gpu_smaller_than_the_plans_is_refused_with_both_named(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: SimpleNamespace(total_memory=need))
     check_device(plan)  # exactly the plan's budget and the reserve: fine
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i=0: SimpleNamespace(total_memory=need - 1))
-    with pytest.raises(TensorstowError, match=r"lohan-rtx4090: RTX 4090\) but gpu0 here \(Tiny GPU\)"):
+    with pytest.raises(TensorstowError, match=r"lohan-rtx4090: RTX 4090\) but cuda:0 here \(Tiny GPU\)"):
         check_device(plan)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(TensorstowError, match=r"runs on 1 GPU\(s\) .* but this machine has 0"):

@@ -88,8 +88,10 @@ def test_pipelines_on_n_processes_train_bit_identically_to_eager(gpus, policy, t
     assert any(i.kind == "send" for i in plan.instructions)
     path = tmp_path / "plan.json"
     path.write_text(plan.dumps())
-    rc, out, err = finish(cli("execute", path, "--nproc", gpus, "--steps", 3, "--state-dir", tmp_path / "state"))
+    rc, out, err = finish(cli("execute", path, "--nproc", gpus, "--steps", 3, "--state-dir", tmp_path / "state",
+                              "--log-json", tmp_path / "log.jsonl"))
     assert rc == 0, err
+    assert len((tmp_path / "log.jsonl").read_text().splitlines()) == 3  # one log: rank 0's
     losses, params = eager(3, pl.microbatches)
     printed = [float(ln.split("loss ")[1].split()[0]) for ln in out.splitlines() if ln.startswith("step ")]
     assert printed == pytest.approx(losses, abs=1e-4)  # rank 0 prints the loss the last stage's rank computed
@@ -118,6 +120,11 @@ def test_a_rank_killed_mid_step_stops_every_rank_and_the_committed_step_resumes(
     assert rc == 0, err
     assert "resuming from step 2" in out or "resuming from step 3" in out
     assert_bit_identical(exported(tmp_path / "state", tmp_path), eager(5, plan.decisions.pipeline.microbatches)[1])
+    # a rank's state gone: export refuses rather than write part of the model
+    import shutil
+    shutil.rmtree(tmp_path / "state" / "rank1")
+    rc, _, err = finish(cli("export", tmp_path / "state", "-o", tmp_path / "partial"))
+    assert rc != 0 and "a rank's state is missing" in err and not (tmp_path / "partial").exists()
 
 
 class _Comm:
@@ -150,6 +157,39 @@ def test_a_rank_one_commit_ahead_rolls_back_to_the_step_every_rank_committed(tmp
     assert a.committed_step() == 1
     a.close()
     b.close()
+
+
+def test_a_run_stopped_inside_its_first_commit_starts_again(tmp_path):
+    """One rank committed step 0 (the initial state), the other was stopped before it did: the
+    first resumes step 0, the second makes it afresh; no rollback, nothing refused."""
+    sizes = {"w": 4096}
+    a, b = SSDStore(tmp_path / "a", sizes), SSDStore(tmp_path / "b", sizes)
+    a.write("w", torch.zeros(4096, dtype=torch.uint8))
+    a.commit(0)
+    comm = _Comm([a, b])
+    assert agree_on_step(a, comm) is None and agree_on_step(b, comm) is None
+    assert a.committed_step() == 0 and b.committed_step() is None
+    a.close()
+    b.close()
+
+
+def test_transport_errors_name_a_lost_peer_and_others_their_own_cause():
+    from tensorstow.executor.distributed import _peer_lost
+    assert _peer_lost(RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error: "
+                                   "Connection reset by peer"))
+    assert _peer_lost(ConnectionResetError())
+    assert not _peer_lost(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def test_torchrun_with_the_wrong_number_of_processes_is_one_line(tmp_path):
+    plan = mobius_plan(2)
+    path = tmp_path / "plan.json"
+    path.write_text(plan.dumps())
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "WORLD_SIZE": "3"}
+    p = subprocess.run([sys.executable, "-m", "tensorstow.cli", "execute", str(path), "--steps", "1"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "runs on 2 GPU(s)" in p.stderr and "3 processes were started" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
@@ -204,3 +244,29 @@ def test_torchrun_launches_the_same_ranks(tmp_path):
     assert rc == 0, err
     assert out.count("step 1/2") == 1  # rank 0 reports, the other rank is quiet
     assert_bit_identical(exported(tmp_path / "state", tmp_path), eager(2, plan.decisions.pipeline.microbatches)[1])
+
+
+def test_a_tied_model_on_two_processes_trains_bit_identically_to_eager(tmp_path):
+    """nanoGPT's head shares the embedding's weight: both blocks run on one rank (the planner keeps
+    ties on one GPU), whose backward carries the head's partial gradient to the embedding's."""
+    from tests.fixtures.real_models import nano_gpt
+    o = Options(model="tests.fixtures.real_models:nano_gpt", hardware="lohan-rtx4090", policy="mobius", batch=B,
+                seq=16, precision="fp32", lr=1e-3, weight_decay=0.1, exact_optimizer=True, gpus=2, gpu_mem=1_000_000)
+    plan = make_plan(o, hardware_for(o))
+    pl = plan.decisions.pipeline
+    assert len(set(pl.gpus)) == 2 and any(i.kind == "send" for i in plan.instructions)
+    path = tmp_path / "plan.json"
+    path.write_text(plan.dumps())
+    rc, _, err = finish(cli("execute", path, "--nproc", 2, "--steps", 3, "--state-dir", tmp_path / "state"))
+    assert rc == 0, err
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        model = nano_gpt()
+        vocab = model.wte.num_embeddings
+        _, want = train_eager(model, batches("synthetic", B * pl.microbatches, 16, vocab, 3, seed=0), lr=1e-3,
+                              weight_decay=0.1, microbatches=pl.microbatches, loss=lambda m, x, y: m(x, y)[1])
+    finally:
+        torch.set_num_threads(threads)
+    assert_bit_identical(exported(tmp_path / "state", tmp_path), want)

@@ -164,27 +164,43 @@ def plan(problem) -> Decisions:
             break
     # Where every stage fits its GPU with its optimizer state, there is nothing to swap: one resident
     # stage per GPU (Mobius with S = N and the DRAM tier unused) wins whenever it is faster.
-    resident = dataclasses.replace(gpipe(problem), policy="mobius")
-    r = schedule(problem, resident)
-    if r.fits and (swapped is None or r.sim.step_time_s < schedule(problem, swapped).sim.step_time_s):
+    resident = dataclasses.replace(gpipe(problem, strict=False), policy="mobius")
+    r = schedule(problem, resident) if not _split(problem, resident.pipeline) else None
+    if r is not None and r.fits and (swapped is None or r.sim.step_time_s < schedule(problem, swapped).sim.step_time_s):
         return dataclasses.replace(resident, notes=(
             *resident.notes, "every stage fits its GPU with its optimizer state: nothing is swapped, faster than "
             f"the swapped pipeline ({'does not fit' if swapped is None else 'simulated'})"))
     return swapped or last  # does not fit: make_plan names the tier
 
 
-def gpipe(problem) -> Decisions:
+def _split(problem, pl) -> list[tuple[str, str]]:
+    """The tied block pairs (`ties`) a pipeline puts on different GPUs."""
+    gpu = {problem.order[i]: pl.gpus[j] for j, (lo, hi) in enumerate(pl.stages) for i in range(lo, hi)}
+    return [(a, b) for a, b in ties(problem) if gpu[a] != gpu[b]]
+
+
+def gpipe(problem, strict: bool = True) -> Decisions:
     """One stage per GPU, contiguous, balanced by forward + backward time (the classic linear
-    partition, by dynamic programming); sequential mapping; everything resident."""
+    partition, by dynamic programming); sequential mapping; everything resident. `strict`: refuse
+    what the executor cannot run (fp16 loss scaling over microbatches, tied weights on two GPUs)."""
+    if strict and problem.options.precision == "fp16-mixed":
+        raise TensorstowError("the gpipe policy does not do fp16 loss scaling over microbatches: "
+                              "use --precision bf16-mixed or fp32")
     hw, M = problem.hw, microbatches(problem)
     N = min(len(hw.gpus), len(problem.order))
     t = [problem.profiles[problem.profile_of[b]].fwd_time_s + problem.profiles[problem.profile_of[b]].bwd_time_s
          for b in problem.order]
     stages = balanced(t, N)
     block = BlockDecision(params="gpu", states="gpu", optimizer="gpu", activations="keep", checkpoint="gpu")
-    return _decisions(problem, "gpipe", stages, range(N), M, "sequential", block,
-                      [f"GPipe: {N} stages {[hi - lo for lo, hi in stages]} blocks balanced by compute time, "
-                       f"every stage resident on its GPU, {M} microbatches"])
+    d = _decisions(problem, "gpipe", stages, range(N), M, "sequential", block,
+                   [f"GPipe: {N} stages {[hi - lo for lo, hi in stages]} blocks balanced by compute time, "
+                    f"every stage resident on its GPU, {M} microbatches"])
+    split = _split(problem, d.pipeline)
+    if strict and split:
+        raise TensorstowError(f"{problem.options.model}: GPipe's one stage per GPU puts {split[0][0]} and "
+                              f"{split[0][1]}, which share weights, on different GPUs; use --policy mobius "
+                              f"(it keeps them on one GPU)")
+    return d
 
 
 def zero3_dp(problem) -> Decisions:
