@@ -506,6 +506,10 @@ class Executor:
                         self.host.drop(name)
             del state
         self.host.peak = self.host.used
+        if self.comm is not None and "P" in kinds:
+            # Every rank drew the same initial values; from here each draws its own random numbers
+            # (dropout), not the same masks in every stage: a seed from the shared stream, plus the rank.
+            torch.manual_seed(int(torch.randint(2**62, (1,))) + self.rank)
         if self.ssd.store is not None and "OS" in kinds:
             if self.full_checkpoint:
                 self._write_checkpoint(constants=True)

@@ -121,17 +121,17 @@ def plan(problem) -> Decisions:
         if not r.feasible:
             notes.append(f"K={K}: {r.message}")
             continue
-        first = K if first is None else first
-        best = min((t for t, *_ in found), default=None)
-        stale = 0 if best is None or r.time_s < best * 0.99 else stale + 1
         maps = cross_mappings(K, rcs) if problem.options.mapping == "cross" else [sequential_mapping(K, N)]
         stage = [j for j, (lo, hi) in enumerate(r.stages) for _ in range(lo, hi)]
         ok = [g for g in maps if all(g[stage[index[a]]] == g[stage[index[b]]] for a, b in tied)]
-        if not ok:
+        if not ok:  # the count range starts at the first K that gives a plan, ties included
             a, b = next((a, b) for a, b in tied if maps[0][stage[index[a]]] != maps[0][stage[index[b]]])
             notes.append(f"K={K}: {a} and {b} share weights but land on different GPUs")
-        else:
-            found.append((r.time_s, K, r.stages, tuple(ok)))
+            continue
+        first = K if first is None else first
+        best = min((t for t, *_ in found), default=None)
+        stale = 0 if best is None or r.time_s < best * 0.99 else stale + 1
+        found.append((r.time_s, K, r.stages, tuple(ok)))
         if stale >= 2 and found:
             break
     if not found:
