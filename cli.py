@@ -29,7 +29,8 @@ def load_plan(path: str):
     return Plan.load(path)
 
 
-def summary(plan) -> str:
+def summary(plan, sim=None) -> str:
+    """The plan's summary; `sim`: its simulation, when the caller has one (else it is replayed)."""
     m, pred, dec = plan.model, plan.predicted, plan.decisions
     step, bn, busy = pred.step_time_s, pred.bottleneck, pred.busy_s
     lines = [
@@ -50,12 +51,12 @@ def summary(plan) -> str:
     for ins in plan.instructions:
         kinds[ins.kind] = kinds.get(ins.kind, 0) + 1
     lines.append(f"instructions: {len(plan.instructions)} (" + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) + ")")
-    lines += _pipeline_lines(plan)
+    lines += _pipeline_lines(plan, sim)
     lines += [f"note: {n}" for n in dec.notes]
     return "\n".join(lines)
 
 
-def _pipeline_lines(plan) -> list[str]:
+def _pipeline_lines(plan, sim=None) -> list[str]:
     """Stages, their GPUs and root complexes, and each GPU's simulated peak (multi-GPU plans)."""
     pl = plan.decisions.pipeline
     if pl is None:
@@ -68,15 +69,16 @@ def _pipeline_lines(plan) -> list[str]:
     if pl.kind != "data-parallel":
         out += [f"  stage {j}: {_ranges(names[lo:hi])} on gpu{k} (root complex {gpus[k].root_complex})"
                 for j, ((lo, hi), k) in enumerate(zip(pl.stages, pl.gpus))]
-    peaks = simulate_plan(plan).peak_bytes
+    peaks = (sim or simulate_plan(plan)).peak_bytes
     out.append("gpu peaks: " + ", ".join(f"gpu{k} {_fmt(peaks.get(f'gpu{k}', 0))}" for k in range(len(gpus))))
     return out
 
 
-def replay_line(plan) -> str:
-    """What the simulator makes of the file as it stands (a hand-edited plan shows here)."""
+def replay_line(plan, sim=None) -> str:
+    """What the simulator makes of the file as it stands (a hand-edited plan shows here); `sim`:
+    `simulate_plan(plan)`, when the caller has it."""
     from tensorstow.planner.simulate import simulate_plan
-    sim = simulate_plan(plan)
+    sim = sim or simulate_plan(plan)
     same = abs(sim.step_time_s - plan.predicted.step_time_s) <= 1e-5 * max(plan.predicted.step_time_s, 1e-9)
     return (f"replay of this file: step {sim.step_time_s:.4g} s, bottleneck {sim.bottleneck}"
             + (" (as predicted)" if same else f" (the file predicts {plan.predicted.step_time_s:.4g} s: "
@@ -183,7 +185,7 @@ def cmd_plan(args) -> int:
         Path(args.output).write_text(typed.dumps())
     if args.trace:
         write_trace(args.trace, perfetto_trace(plan.instructions, plan.sim, f"{o.model} {o.policy}"))
-    print(summary(typed))
+    print(summary(typed, plan.sim))
     if args.output:
         print(f"wrote {args.output}")
     return 0
@@ -229,11 +231,11 @@ def cmd_fit(args) -> int:
 def cmd_show(args) -> int:
     from tensorstow.planner.simulate import perfetto_trace, simulate_plan, write_trace
     plan = load_plan(args.plan)
-    print(summary(plan))
-    print(replay_line(plan))
+    sim = simulate_plan(plan)  # once: the summary, the replay line and the trace read it
+    print(summary(plan, sim))
+    print(replay_line(plan, sim))
     if args.trace:
-        write_trace(args.trace, perfetto_trace(plan.instructions, simulate_plan(plan),
-                                               f"{plan.model.name} {plan.decisions.policy}"))
+        write_trace(args.trace, perfetto_trace(plan.instructions, sim, f"{plan.model.name} {plan.decisions.policy}"))
         print(f"wrote {args.trace}")
     return 0
 

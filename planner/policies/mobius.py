@@ -158,7 +158,7 @@ def plan(problem) -> Decisions:
                 if r.fits:
                     fit.append((r.sim.step_time_s, gpus, block is MOBIUS_RECOMPUTE, d))
             if fit:
-                swapped = min(fit, key=lambda f: f[:3])[3]
+                swapped_s, *_, swapped = min(fit, key=lambda f: f[:3])
                 break
         if swapped:
             break
@@ -166,7 +166,7 @@ def plan(problem) -> Decisions:
     # stage per GPU (Mobius with S = N and the DRAM tier unused) wins whenever it is faster.
     resident = dataclasses.replace(gpipe(problem, strict=False), policy="mobius")
     r = schedule(problem, resident) if not _split(problem, resident.pipeline) else None
-    if r is not None and r.fits and (swapped is None or r.sim.step_time_s < schedule(problem, swapped).sim.step_time_s):
+    if r is not None and r.fits and (swapped is None or r.sim.step_time_s < swapped_s):
         return dataclasses.replace(resident, notes=(
             *resident.notes, "every stage fits its GPU with its optimizer state: nothing is swapped, faster than "
             f"the swapped pipeline ({'does not fit' if swapped is None else 'simulated'})"))
