@@ -97,6 +97,14 @@ def agree_on_step(store, comm: Comm) -> int | None:
     return None if low < 0 else low
 
 
+def rank_cores(cores: list[int], rank: int, world: int) -> set[int]:
+    """The cores rank `rank` of `world` runs on when its device tier is the CPU: an equal share of
+    `cores` (a core each, round robin, when there are fewer cores than ranks), so the ranks' compute
+    lanes (and the executor's pinning inside each: `runtime._lane_cores`) never share a core."""
+    k = len(cores) // world
+    return set(cores[rank * k:(rank + 1) * k]) if k else {cores[rank % len(cores)]}
+
+
 def worker(kw: dict) -> int:
     """A rank's main: join the group, execute, leave; one error line on failure."""
     import torch.distributed as dist
@@ -116,6 +124,8 @@ def worker(kw: dict) -> int:
         nccl = device.type == "cuda" and torch.cuda.device_count() >= world and dist.is_nccl_available()
         if nccl:
             torch.cuda.set_device(device)
+        if device.type == "cpu" and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, rank_cores(sorted(os.sched_getaffinity(0)), rank, world))
         # NCCL moves device tensors; the step's agreement (losses, committed steps) is CPU tensors
         dist.init_process_group("cpu:gloo,cuda:nccl" if nccl else "gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=TIMEOUT_S))

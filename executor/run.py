@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -134,14 +135,18 @@ def predicted_step(plan: Plan, mode: str) -> float:
 
 
 def pick_mode(mode: str) -> str:
-    """`auto`: overlap where the lanes run on their own engines (CUDA: copy engines, the GPU, the
-    host), sync where the device tier is the CPU itself: its lanes then take cores from the compute
-    (gpt-small, 2 threads on 2 cores: sync 0.30 s, overlap 0.38 s per step; an SSD-bound plan
-    with a core to spare gains from overlap: the demo 1.40 -> 1.17 s; benchmarks/RESULTS.md)."""
+    """`auto`: overlap where the lanes have engines of their own: CUDA (copy engines, the GPU, the
+    host), or a CPU device tier whose compute threads leave a core for the other lanes (the executor
+    pins them apart: `runtime._lane_cores`); sync where the compute takes every core, as the lanes
+    would then take cores from it (gpt-small, 2 threads on 2 cores: sync 0.30 s, overlap 0.38 s;
+    1 thread, an SSD-bound plan: sync 0.42 s, overlap 0.24 s; benchmarks/RESULTS.md)."""
     if mode != "auto":
         return mode
     from tensorstow.executor.cuda import resolve_device
-    return "overlap" if resolve_device(None).type == "cuda" else "sync"
+    if resolve_device(None).type == "cuda":
+        return "overlap"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return "overlap" if torch.get_num_threads() < cores else "sync"
 
 
 def build_for_execution(spec, seed: int):

@@ -33,6 +33,7 @@ executor's step counter (`steps_done`, which `commit` records in the SSD store).
 from __future__ import annotations
 
 import contextlib
+import os
 import dataclasses
 import threading
 from collections import defaultdict
@@ -46,6 +47,7 @@ from tensorstow.executor.aio import aligned_empty
 from tensorstow.executor.amp import AMP, LossScaler
 from tensorstow.executor.cuda import cap_allocator, check_device, lanes_for, out_of_memory, resolve_device
 from tensorstow.executor.device_ops import check_portable, targets_for
+from tensorstow.executor.malloc import tune as tune_malloc
 from tensorstow.executor.segments import Joint
 from tensorstow.executor.state import RNG, rng_bytes, set_rng
 from tensorstow.executor.stores import (DeviceMemoryError, DeviceTier, FileStore, HostCopy, HostPool, HostTier, Layout, SSDTier,
@@ -54,6 +56,7 @@ from tensorstow.ir.trace import Traced, model_dims, trace_model
 from tensorstow.planner.pipeline import block_gpus, block_of, home_tiers, split_micro
 from tensorstow.planner.schedule import Instr
 from tensorstow.planner.schema import as_plan
+from tensorstow.planner.simulate import resource_of
 
 MODES = ("sync", "overlap")
 KINDS = ("compute", "recompute", "load", "store", "free", "optimizer_step", "send")
@@ -61,6 +64,20 @@ KINDS = ("compute", "recompute", "load", "store", "free", "optimizer_step", "sen
 
 class ExecutionError(TensorstowError):
     """An instruction could not run as the plan says (names the instruction)."""
+
+
+def _lane_cores(device: torch.device, nthreads: int) -> tuple[set[int], set[int]] | None:
+    """(the other lanes' cores, the compute lane's cores) when the device tier is the CPU and the
+    compute's `nthreads` leave cores to spare; None otherwise. On a CPU device the copy, SSD and
+    optimizer lanes (and the I/O and checksum threads they start) would otherwise preempt the
+    compute thread on its own core; pinned apart, each runs where the simulator puts it: on a
+    resource of its own."""
+    if device.type != "cpu" or not hasattr(os, "sched_getaffinity"):
+        return None
+    mine = sorted(os.sched_getaffinity(0))
+    if len(mine) <= nthreads:
+        return None
+    return set(mine[nthreads:]), set(mine[:nthreads])
 
 
 class Executor:
@@ -88,6 +105,7 @@ class Executor:
         (executor.distributed.Comm)."""
         if mode not in MODES:
             raise TensorstowError(f"unknown executor mode '{mode}': use one of {list(MODES)}")
+        tune_malloc()  # freed buffers are reused, not unmapped and faulted in again each step
         from tensorstow.ir.hf import wrap
         plan = as_plan(plan)  # the typed plan, as its file would read (a dict is validated)
         model = wrap(model)
@@ -705,11 +723,14 @@ class Executor:
             lanes.setdefault(ins.stream, []).append(ins)
         failures: list[tuple[int, BaseException]] = []
         nthreads = torch.get_num_threads()
+        cores = _lane_cores(self.device, nthreads)
 
         def lane(instrs: list[Instr]) -> None:
             k = 0
             try:
                 torch.set_num_threads(nthreads)  # same intra-op split (and reduction order) as sync
+                if cores:
+                    os.sched_setaffinity(0, cores[resource_of(instrs[0].stream).endswith(".compute")])
                 with self.lanes.lane(instrs[0].stream):  # CUDA: the lane's stream
                     for k, ins in enumerate(instrs):
                         for d in ins.deps:  # enqueued (device work) or done (host work)

@@ -117,17 +117,34 @@ def test_fp16_execute_logs_the_loss_scale_and_skipped_updates(tmp_path, capsys):
     assert ["update skipped" in l for l in lines] == [True, True, True, False]
 
 
-def test_auto_mode_is_sync_where_the_device_tier_is_the_cpu(monkeypatch):
-    """`--mode auto` (the default): overlap on CUDA, sync where the lanes would share the CPU's
-    cores with the compute; an explicit mode is kept."""
+def test_auto_mode_overlaps_where_the_lanes_have_cores_of_their_own(monkeypatch):
+    """`--mode auto` (the default): overlap on CUDA, and on a CPU device tier when torch's threads
+    leave a core for the other lanes; sync where the compute takes every core (the lanes would take
+    cores from it); an explicit mode is kept."""
+    import os
+
+    import torch
+
     from tensorstow.executor.run import pick_mode
     monkeypatch.setenv("TENSORSTOW_DEVICE", "cpu")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     assert pick_mode("auto") == "sync"
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    assert pick_mode("auto") == "overlap"
     assert pick_mode("overlap") == "overlap" and pick_mode("sync") == "sync"
-    import torch
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("TENSORSTOW_DEVICE", "cuda")
     assert pick_mode("auto") == "overlap"
+
+
+def test_ranks_on_cpu_devices_get_disjoint_cores():
+    """`execute --nproc N` with CPU device tiers: each rank runs on its own share of the cores."""
+    from tensorstow.executor.distributed import rank_cores
+    assert [rank_cores([0, 1, 2, 3], r, 2) for r in range(2)] == [{0, 1}, {2, 3}]
+    assert [rank_cores([0, 1, 2, 3, 4], r, 2) for r in range(2)] == [{0, 1}, {2, 3}]
+    assert [rank_cores([4, 7], r, 3) for r in range(3)] == [{4}, {7}, {4}]
 
 
 @pytest.mark.parametrize("name", ["gpu", "mps", "cuda:x"])

@@ -10,6 +10,8 @@ update is torch's own single-tensor Adam.
 import dataclasses
 import functools
 import json
+import os
+import threading
 
 import numpy as np
 import pytest
@@ -159,6 +161,33 @@ def test_overlap_mode_is_bit_identical_to_sync(name, tmp_path, tmp_path_factory)
     _, sync_losses, sync_params = sync_run(name, tmp_path_factory)
     assert_same((losses, params), (sync_losses, sync_params))
     assert ex.peak_bytes["gpu"] <= budget
+
+
+@pytest.mark.skipif(len(getattr(os, "sched_getaffinity", lambda _: ())(0)) < 2,
+                    reason="needs 2 cores: with 1 torch thread the compute lane is pinned to one, the others to the rest")
+def test_overlap_with_a_core_to_spare_pins_compute_apart_and_stays_bit_identical(tmp_path, monkeypatch):
+    """On a CPU device tier whose compute threads leave cores free, each overlap lane pins itself:
+    the compute lane to the first `threads` cores, every other lane (and the I/O threads it
+    starts) to the rest; the numbers stay those of sync mode."""
+    pinned: dict[str, set] = {}
+    real = os.sched_setaffinity
+
+    def record(pid, cores):
+        pinned[threading.current_thread().name] = set(cores)
+        real(pid, cores)
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want = run(get_plan("zero-infinity"), "sync", tmp_path / "sync")
+        monkeypatch.setattr(os, "sched_setaffinity", record)
+        got = run(get_plan("zero-infinity"), "overlap", tmp_path / "overlap")
+    finally:
+        torch.set_num_threads(old)
+    assert_same(got[1:], want[1:])
+    cores = sorted(os.sched_getaffinity(0))
+    assert pinned.pop("tensorstow-gpu0.compute") == {cores[0]}
+    assert pinned and all(c == set(cores[1:]) for c in pinned.values()), pinned
 
 
 def test_adam_with_l2_weight_decay(tmp_path):
@@ -487,3 +516,17 @@ def test_a_gpu_smaller_than_the_plans_is_refused_with_both_named(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(TensorstowError, match=r"runs on 1 GPU\(s\) .* but this machine has 0"):
         check_device(plan)
+
+
+def test_glibc_malloc_is_tuned_unless_left_alone():
+    """The executor keeps freed buffers for reuse (executor.malloc): set on glibc, and
+    TENSORSTOW_MALLOC=default leaves the allocator as it is."""
+    import platform
+    import subprocess
+    import sys
+    code = "from tensorstow.executor.malloc import tune; print(tune(), tune())"
+    out = {v: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             env={**os.environ, "TENSORSTOW_MALLOC": v}).stdout.split()
+           for v in ("tuned", "default")}
+    glibc = platform.libc_ver()[0] == "glibc"
+    assert out == {"tuned": [str(glibc)] * 2, "default": ["False", "False"]}
