@@ -102,6 +102,8 @@ def _dense(shape, stride) -> bool:
 
 
 def _tensors(value):
+    if isinstance(value, torch.Tensor):  # most ops return one tensor: no tree walk
+        return (value,)
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
@@ -124,6 +126,9 @@ class DeviceTier:
     # accounting ---------------------------------------------------------------------------
     def hold(self, value, what: str = "") -> None:
         """Count `value`'s tensors as live on the device (all or none of them)."""
+        if isinstance(value, torch.Tensor):
+            self._hold_one(value, what)
+            return
         done = []
         try:
             for t in _tensors(value):
