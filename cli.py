@@ -120,9 +120,9 @@ def diff_text(a, b) -> tuple[str, bool]:
             cap = pb.capacity_bytes.get(t, 0)
             out.append(f"peak {t}: {_fmt(x)} -> {_fmt(y)}" + (f" ({100 * y / cap:.0f}% of capacity)" if cap else ""))
     da, db = a.decisions.to_json(), b.decisions.to_json()
-    for k in sorted(set(da) - {"blocks"}):
-        if da[k] != db[k]:
-            out.append(f"decision {k}: {da[k]} -> {db[k]}")
+    for k in sorted((set(da) | set(db)) - {"blocks"}):  # a key only one side has (pipeline, host_reserved)
+        if da.get(k) != db.get(k):
+            out.append(f"decision {k}: {da.get(k, '-')} -> {db.get(k, '-')}")
     changes: dict[str, list[str]] = {}
     for blk in sorted(set(da["blocks"]) | set(db["blocks"]), key=_block_key):
         x, y = da["blocks"].get(blk, {}), db["blocks"].get(blk, {})

@@ -196,12 +196,13 @@ def schedule(problem: Problem, decisions: Decisions) -> PlanResult:
     dur = durations(problem, instrs, bufs)
     initial = set(home_tiers(bufs, decisions, problem.order).items())
     sizes = {n: b.bytes for n, b in bufs.items()}
-    sim = simulate(instrs, dur, sizes, initial, links=contention(instrs, problem.hw))
+    reserved = decisions.reserved()
+    sim = simulate(instrs, dur, sizes, initial, links=contention(instrs, problem.hw), reserved=reserved)
     # Memory fences: an allocation waits for the releases that preceded it in the replay, so an
     # executor whose real timing differs (overlap mode) never holds more than the simulated peak.
     instrs = [dataclasses.replace(i, deps=tuple(sorted(set(i.deps) | set(sim.fences.get(i.id, ())))))
               for i in instrs]
-    fenced = simulate(instrs, dur, sizes, initial, links=contention(instrs, problem.hw))
+    fenced = simulate(instrs, dur, sizes, initial, links=contention(instrs, problem.hw), reserved=reserved)
     assert fenced.step_time_s == sim.step_time_s, "memory fences must not change the replay"
     return PlanResult(problem, decisions, bufs, instrs, fenced, dur)
 

@@ -87,9 +87,16 @@ class Decisions:
     """Human-readable reasons the policy gives for its choices."""
     pipeline: Pipeline | None = None
     """Several GPUs: the stages, their GPUs and the microbatches (planner.pipeline); None: one GPU."""
+    host_reserved: int = 0
+    """DRAM bytes the system a policy models holds all step besides the plan's buffers, counted in
+    the DRAM peak: the zero-infinity baseline's DeepSpeed pinned swap buffers and host gradient
+    buffers (planner/policies/zero_infinity.py). The executor does not allocate it."""
 
     def __post_init__(self):
         freeze(self)
+
+    def reserved(self) -> dict[str, int]:
+        return {"dram": self.host_reserved} if self.host_reserved else {}
 
     def to_json(self) -> dict:
         d = {"policy": self.policy, "prefetch": self.prefetch, "grad_buffers": self.grad_buffers,
@@ -98,6 +105,8 @@ class Decisions:
              "blocks": {b: vars(d).copy() for b, d in self.blocks.items()}}
         if self.pipeline is not None:
             d["pipeline"] = self.pipeline.to_json()
+        if self.host_reserved:
+            d["host_reserved"] = self.host_reserved
         return d
 
 

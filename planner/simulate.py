@@ -91,11 +91,13 @@ def contention(instrs: list[Instr], hw) -> tuple[list[tuple[str, ...]], dict[str
 
 def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
              initial: dict[tuple[str, str], None] | set, tier_of_device=lambda t: t,
-             links: tuple[list[tuple[str, ...]], dict[str, int]] | None = None) -> SimResult:
+             links: tuple[list[tuple[str, ...]], dict[str, int]] | None = None,
+             reserved: dict[str, int] | None = None) -> SimResult:
     """Replay `instrs` with `duration[i]` seconds each.
 
     nbytes: buffer -> bytes. initial: the (buffer, tier) pairs present at the start. links:
-    `contention()`'s shared links per instruction and their slots (default: none).
+    `contention()`'s shared links per instruction and their slots (default: none). reserved:
+    tier -> bytes held all step outside the plan's buffers (`Decisions.host_reserved`).
     """
     n = len(instrs)
     streams: dict[str, list[int]] = {}
@@ -170,7 +172,7 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
             events.append((key, "free", ins.workspace, dev, None, i))
     events.sort(key=lambda e: e[0])
     live = set(initial)
-    use: dict[str, int] = {}
+    use: dict[str, int] = {t: v for t, v in (reserved or {}).items() if v}
     for (b, t) in live:
         use[t] = use.get(t, 0) + nbytes[b]
     peak = dict(use)
@@ -222,7 +224,7 @@ def simulate_plan(plan) -> SimResult:
     initial = set(home_tiers(dict(plan.buffers), plan.decisions, order).items())
     instrs = list(plan.instructions)
     return simulate(instrs, [i.est_s for i in instrs], {n: b.bytes for n, b in plan.buffers.items()}, initial,
-                    links=contention(instrs, plan.hardware.spec))
+                    links=contention(instrs, plan.hardware.spec), reserved=plan.decisions.reserved())
 
 
 def _device_tier(ins: Instr) -> str:

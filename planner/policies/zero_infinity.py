@@ -5,8 +5,60 @@ parameters are streamed in block by block; each transformer block's input is che
 to DRAM and the rest of its activations recomputed in backward; the CPU optimizer runs
 after the whole backward, subgroup after subgroup (read, update, write), so GPU, CPU and
 SSD work mostly one after another.
+
+Host memory as DeepSpeed really holds it (issue: the baseline's largest trainable model): besides
+what the schedule moves through DRAM, DeepSpeed's ZeRO-3 with parameters and optimizer on NVMe
+keeps pinned swap buffers and a host copy of every gradient (`deepspeed_host_bytes`), counted as
+`Decisions.host_reserved` in the plan's DRAM peak.
 """
+import math
+
 from tensorstow.planner.schedule import BlockDecision, Decisions
+
+# DeepSpeed's defaults (deepspeed/runtime/zero/config.py, offload_config.py; the same in 0.9.3,
+# Fuyou's version, and 0.19.8)
+SUB_GROUP = 10 ** 9
+"""zero_optimization.sub_group_size: a sub-group closes once it holds this many elements."""
+OPTIMIZER_BUFFERS = 4
+"""offload_optimizer.buffer_count: pinned fp32 swap buffers of one sub-group each."""
+PARAM_BUFFERS, PARAM_BUFFER_ELEMS = 5, 10 ** 8
+"""offload_param.buffer_count x buffer_size: pinned buffers parameters are swapped in through."""
+MAX_IN_CPU = 10 ** 9
+"""offload_param.max_in_cpu: elements of the pinned flat parameter buffer."""
+
+
+def _pinned(nbytes: int) -> int:
+    """What a pinned host allocation of `nbytes` takes: PyTorch's caching host allocator rounds it
+    up to a power of two (and keeps the block cached)."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
+def deepspeed_host_bytes(params: int, param_bytes: int, largest_param: int, pin_memory: bool = True) -> dict[str, int]:
+    """Host memory DeepSpeed's ZeRO-3 holds, with parameters and optimizer states offloaded to NVMe,
+    besides what this policy's schedule itself keeps in DRAM, for `params` trainable parameters of
+    `param_bytes` each (2: an fp16/bf16 model, 4: fp32), by its allocations (DeepSpeed 0.9.3 and
+    0.19.8: runtime/zero/stage3.py, runtime/swap_tensor/) with its default configuration.
+
+    Not counted again: the host copy of every gradient (stage3.py `grad_partitions_flat_buffer`) is
+    the schedule's G buffers, which this policy keeps in DRAM until the optimizer stage as DeepSpeed
+    does; counted are its rounding and, while it is made, its unpinned source (`torch.zeros(...)`,
+    then `pin_memory()` copies it). `pin_memory`: the offload configs' flag, on in DeepSpeed's NVMe
+    examples (the swap buffers are pinned either way). The optimizer's initialisation holds one
+    sub-group's fp32 master, gradient and two Adam moments at once (stage3.py
+    `_create_fp32_partitions`, `initialize_optimizer_states`; cpu_adam.py). The largest sub-group
+    holds at most SUB_GROUP + the largest parameter's elements."""
+    pin = _pinned if pin_memory else (lambda n: n)
+    sub = min(params, SUB_GROUP + largest_param)
+    grads = params * param_bytes
+    return {
+        "gradient buffer: pinned rounding": pin(grads) - grads,
+        "gradient buffer: unpinned source while pinned": grads if pin_memory else 0,
+        "optimizer swap buffers": OPTIMIZER_BUFFERS * _pinned(sub * 4),  # optimizer_utils.py SwapBufferManager
+        "parameter swap buffers": _pinned(PARAM_BUFFERS * PARAM_BUFFER_ELEMS * param_bytes),  # partitioned_param_swapper.py
+        "partitioned swap buffer": _pinned(sub * param_bytes),  # partitioned_param_swapper.py, from stage3.py
+        "flat parameter buffer": _pinned(min(MAX_IN_CPU, params) * param_bytes),  # param_groups_fp16_flat_cpu_memory
+        "optimizer initialisation (fp32 master, gradient, moments)": 16 * sub,
+    }
 
 
 def plan(problem) -> Decisions:
@@ -17,8 +69,13 @@ def plan(problem) -> Decisions:
         blocks[b] = BlockDecision(params=home, states=home, optimizer="cpu",
                                   activations="recompute" if layer else "keep",
                                   checkpoint="dram" if layer else "gpu")
+    params = sum(problem.profiles[problem.profile_of[b]].param_count for b in problem.order)
+    largest = max((math.prod(t.shape) for t in problem.graph.tensors if t.kind == "parameter"), default=0)
+    host = deepspeed_host_bytes(params, 2 if problem.mixed else 4, largest)
+    gb = ", ".join(f"{k} {v / 1e9:.3g} GB" for k, v in host.items())
     return Decisions(policy="zero-infinity", blocks=blocks, prefetch=1, overlap_optimizer=False,
-                     serialize_optimizer=True,
+                     serialize_optimizer=True, host_reserved=sum(host.values()),
                      notes=(f"parameters and optimizer states on {home}",
                             "inter-block checkpoints in DRAM, intra-block activations recomputed",
-                            "CPU Adam after backward, one subgroup at a time (Fuyou Fig. 2a)"))
+                            "CPU Adam after backward, one subgroup at a time (Fuyou Fig. 2a)",
+                            f"DeepSpeed's host memory besides the schedule's buffers: {gb}"))
