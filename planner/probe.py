@@ -73,7 +73,7 @@ class _Params:
 
 
 _QUICK = _Params(cpu_block_reps=6, memcpy_bytes=128 * MiB, memcpy_reps=6,
-                 disk_bytes=64 * MiB, disk_chunk=16 * MiB, disk_threads=4, disk_reps=5,
+                 disk_bytes=256 * MiB, disk_chunk=16 * MiB, disk_threads=4, disk_reps=3,
                  adam_numel=8 * MiB, adam_reps=6,
                  gpu_mm_n=4096, gpu_mm_iters=5, gpu_mm_reps=3,
                  gpu_copy_bytes=256 * MiB, gpu_copy_reps=3)
