@@ -140,6 +140,9 @@ def worker(kw: dict) -> int:
         if rank:  # one log and one trace, rank 0's
             kw = dict(kw, log_json=None, trace=None)
         execute(plan, **kw, rank=rank, comm=Comm(rank, world, on_device=nccl), out=out)
+        # every rank done before any leaves: gloo aborts a process (SIGABRT) whose peer closed its
+        # connections while it was still tearing its own down
+        dist.barrier()
         return 0
     except TensorstowError as e:
         print(f"tensorstow: error: {e}", file=sys.stderr)

@@ -89,10 +89,11 @@ class BlockProfile:
 
 
 def op_time(flops: int, nbytes: int, hw: Hardware, gpu: int = 0, fp32: bool = False) -> float:
-    """Roofline time of one op; `fp32`: its math runs in fp32 (at `flops_fp32` where the GPU has one)."""
+    """Roofline time of one op, plus the host's dispatch cost per op (`GPU.op_s`); `fp32`: its math
+    runs in fp32 (at `flops_fp32` where the GPU has one)."""
     g = hw.gpus[gpu]
     peak = g.flops_fp32 if fp32 and g.flops_fp32 else g.flops
-    return max(flops / peak, nbytes / g.mem_bw)
+    return max(flops / peak, nbytes / g.mem_bw) + g.op_s
 
 
 def _in_fp32(o, tensors) -> bool:

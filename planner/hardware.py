@@ -57,6 +57,11 @@ class GPU:
     """Memory a plan leaves to the CUDA context and library workspaces (CUDA_RESERVED_BYTES in
     the presets; measured by `tensorstow probe`; 0 for the CPU device tier). The plan's tensors
     get `plan_bytes`."""
+    op_s: float = 0.0
+    """Host seconds each op costs besides its kernel: the executor's interpreter and torch's
+    dispatcher (measured by `tensorstow probe` on a tiny model; added to every op's time). 0 in
+    the papers' presets, whose `flops` are measured block rates that include it. Left out of the
+    spec's JSON when 0."""
 
     @property
     def plan_bytes(self) -> int:
@@ -123,7 +128,7 @@ class Hardware:
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
-        d["gpus"] = list(d["gpus"])  # JSON's own form, so a spec read back compares equal
+        d["gpus"] = [{k: v for k, v in g.items() if k != "op_s" or v} for g in d["gpus"]]  # JSON's own form
         return d
 
     @staticmethod

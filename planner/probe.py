@@ -150,16 +150,18 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
         notes += gpu_notes
     else:
         flops = _cpu_block_flops(p.cpu_block_reps)
+        op_s = _op_dispatch_s(p.cpu_block_reps)
         budget = total_ram // CPU_GPU_FRACTION
         gpus = (GPU(name=CPU_GPU_NAME, memory_bytes=budget, flops=flops, mem_bw=2 * copy_bw,
-                    h2d_bw=copy_bw, d2h_bw=copy_bw),)
+                    h2d_bw=copy_bw, d2h_bw=copy_bw, op_s=op_s),)
         p2p_bw = 0.0
         # Device tier and DRAM tier share the same RAM: do not count it twice.
         dram = DRAM(capacity_bytes=max(0, avail_ram - budget), bandwidth=dram.bandwidth)
         notes.append(f"no CUDA: device tier = CPU memory, 1/{CPU_GPU_FRACTION} of RAM "
                      f"({budget / GiB:.1f} GiB, taken out of DRAM capacity); "
                      f"flops = fp32 GPT block (d {CPU_BLOCK[0]}, batch {CPU_BLOCK[2]} x seq {CPU_BLOCK[3]}) "
-                     f"forward + backward on {torch.get_num_threads()} thread(s)")
+                     f"forward + backward on {torch.get_num_threads()} thread(s); op_s = the executor's "
+                     f"interpreter per op on a tiny GPT ({op_s * 1e6:.1f} us)")
     if nvml_note:
         notes.append(nvml_note)
 
@@ -257,6 +259,42 @@ def _cpu_block_flops(reps: int) -> float:
     step()  # warm-up: allocations, kernel selection
     flops = 3 * batch * seq * 2 * (12 * d * d + 2 * seq * d)
     return flops / _best_time(step, reps)
+
+
+def _op_dispatch_s(reps: int) -> float:
+    """Host seconds per op the executor spends besides the kernel: its segment interpreter
+    (executor.segments.Joint, with the device tier's accounting) over the joint graph of a GPT
+    so small (d 8, 4 tokens) that its kernels take next to nothing, divided by its IR ops, the unit
+    the cost model charges it per (`cost.op_time`). It is what makes a narrow model (gpt-small at
+    2 x 32 tokens) run well below a block's FLOP rate."""
+    import torch
+
+    from tensorstow.executor.segments import Joint
+    from tensorstow.executor.stores import DeviceTier
+    from tensorstow.ir.models import GPT, GPTConfig
+    from tensorstow.ir.trace import trace
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=1, n_embd=8, vocab_size=16, block_size=4))
+    traced = trace(model, batch=1, seq=4, precision="fp32", model_name="probe-dispatch")
+    joint = Joint(traced)
+    start = {joint.placeholder[n]: p.detach() for n, p in model.named_parameters()}
+    idx, targets, tangent = joint.inputs
+    start.update(joint.constants)
+    start.update({idx: torch.zeros(1, 4, dtype=torch.long), targets: torch.zeros(1, 4, dtype=torch.long),
+                  tangent: torch.ones(())})
+    blocks = [b.name for b in traced.graph.blocks]
+    order = [s for s in [f"fwd:{b}" for b in blocks] + [f"bwd:{b}" for b in reversed(blocks)]
+             if s in joint.segments]
+    device = DeviceTier(1 << 30, torch.device("cpu"))
+
+    def step():
+        values = dict(start)
+        for name in order:
+            seg = joint.segments[name]
+            joint.run(seg, fetch=values.__getitem__, hold=device.hold, release=device.release,
+                      keep=seg.produced, sink=values.__setitem__)
+    ops = sum(1 for o in traced.graph.ops if o.phase in ("fwd", "bwd"))
+    return _best_time(step, reps) / ops
 
 
 def _adam_rate(numel: int, reps: int) -> tuple[float, str]:

@@ -107,3 +107,19 @@ def test_inconsistent_schedules_are_rejected():
     cycle = [Instr(id=0, kind="compute", stream="a", deps=(1,)), Instr(id=1, kind="compute", stream="b", deps=(0,))]
     with pytest.raises(ScheduleError, match="deadlock"):
         simulate(cycle, [1.0, 1.0], {}, set())
+
+
+def test_op_dispatch_cost_adds_to_every_op_and_stays_out_of_specs_without_it():
+    """`GPU.op_s` (the executor's host cost per op, probed): every op's time grows by it; a spec
+    without it (the papers' presets) writes no such key, so its fingerprint is unchanged."""
+    import dataclasses
+
+    from tensorstow.planner import cost
+    from tensorstow.planner.hardware import Hardware, load_hardware
+    hw = load_hardware("lohan-rtx4090")
+    assert "op_s" not in hw.to_json()["gpus"][0]
+    slow = dataclasses.replace(hw, gpus=(dataclasses.replace(hw.gpus[0], op_s=2e-5),))
+    assert slow.to_json()["gpus"][0]["op_s"] == 2e-5
+    assert Hardware.from_json(slow.to_json()) == slow
+    for flops, nbytes in ((10 ** 12, 10), (10, 10 ** 9), (0, 0)):
+        assert cost.op_time(flops, nbytes, slow) == cost.op_time(flops, nbytes, hw) + 2e-5
