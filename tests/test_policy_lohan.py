@@ -38,13 +38,36 @@ def test_fits_and_is_not_slower_than_zero_infinity(key):
     assert 1 <= dec.prefetch <= lohan.MAX_PREFETCH
 
 
+def test_swapped_layers_spread_over_the_depth_and_overlap_their_transfers():
+    """13B at batch 32 on the RTX 4090 (LoHan §V-F): with the swapped blocks spread over the depth,
+    each one's transfer overlaps the recomputed blocks' compute, so the best swap amount beats
+    both swapping the same number of layers back to back and swapping none."""
+    import dataclasses
+
+    from tensorstow.planner.plan import schedule
+    p = problem("gpt3-13b", "lohan-rtx4090", 32)
+    s = lohan._Search(p)
+    k = 21
+    first4 = sorted(int(b[1:]) for b in s.ranked[:4])  # of 40 layers: at least 8 apart
+    assert min(b - a for a, b in zip(first4, first4[1:])) >= 8
+    spread = s.evaluate(k, s.dram_share(k), 1).step_time_s
+    first = [b for b in p.order if b in s.ranked][:k]  # the first k layers in forward order
+    d = s.decisions(k, s.dram_share(k), 1)
+    back_to_back = dataclasses.replace(d, blocks={
+        b: dataclasses.replace(x, activations="swap_dram" if b in first else x.activations if b not in s.ranked
+                               else "recompute") for b, x in d.blocks.items()})
+    assert spread < schedule(p, back_to_back).sim.step_time_s
+    assert spread < s.evaluate(0, 0, 1).step_time_s
+
+
 def test_decision_shape_and_determinism():
     key = ("gpt-tiny", "lohan-rtx4090", 2)
     p = problem(*key)
     dec = lohan_decisions(*key)
     assert lohan.plan(p).to_json() == dec.to_json()
     ranked = lohan.by_offloading_benefit(p)
-    assert ranked == [b.name for b in p.graph.layer_blocks()]  # equal OB: forward order
+    # equal OB: spread over the depth (bit-reversed positions), so a prefix swaps layers evenly apart
+    assert ranked == ["b0", "b2", "b1", "b3"] == [b.name for b in p.graph.layer_blocks()][::2] + ["b1", "b3"]
     # the swapped blocks are a prefix of the OB order, never below the inter-block checkpoints
     assert swapped(dec) == ranked[:len(swapped(dec))]
     for b, d in dec.blocks.items():

@@ -84,7 +84,12 @@ def by_offloading_benefit(problem: Problem) -> list[str]:
 
     LoHan Eq. 6: OB = FLOP / A, FLOP = what recomputing the block's activations costs (its
     whole forward: that is what a `recompute` instruction runs), A = bytes of its saved
-    activations. Stable sort: equal OB (every replicated layer) keeps forward order.
+    activations. Equal OB (every replicated layer) is ordered to spread over the depth: by the
+    bit-reversed position of the layer, so any prefix of k swaps layers spaced evenly apart and
+    each swapped block's transfer overlaps the compute of the recomputed blocks next to it, as
+    LoHan's per-tensor swapping spreads its traffic over every layer. (Swapping the first k
+    layers in forward order instead makes the forward wait on the device-to-host link while those
+    run back to back: 13B at batch 32 on the RTX 4090, 21 blocks: 23.3 s, spread: see RESULTS.)
     """
     def ob(b: str) -> float:
         p = problem.profiles[problem.profile_of[b]]
@@ -92,7 +97,9 @@ def by_offloading_benefit(problem: Problem) -> list[str]:
 
     layers = [b for b in problem.order if problem.graph.block(b).kind == "layer"
               and problem.profiles[problem.profile_of[b]].saved_bytes > 0]
-    return sorted(layers, key=lambda b: -ob(b))
+    bits = max(1, (len(layers) - 1).bit_length())
+    spread = {b: int(f"{k:0{bits}b}"[::-1], 2) for k, b in enumerate(layers)}
+    return sorted(layers, key=lambda b: (-ob(b), spread[b]))
 
 
 class _Search:
