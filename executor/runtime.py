@@ -146,9 +146,9 @@ class Executor:
                                   f"{m.name}; pass the model the trace was made from")
         self.precision = m.precision
         self.mixed = self.precision != "fp32"
-        self.fp32_grads = self.mixed and self.M > 1
+        self.fp32_grads = self.mixed and (self.M > 1 or plan.decisions.swap_grads)
         """Gradients accumulate over microbatches in fp32, as eager's fp32 `.grad` does (the planner
-        sizes G so: planner.pipeline)."""
+        sizes G so: planner.pipeline), or go to SSD in fp32 (`Decisions.swap_grads`)."""
         self.instrs = self._read_instructions(plan)
         self.block_params = {b: ps for b, (ps, _) in self.joint.block_state.items()}
         """Trainable parameters per block (P, G, M, OS, the optimizer)."""

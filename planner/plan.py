@@ -185,6 +185,9 @@ def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer])
 
 def schedule(problem: Problem, decisions: Decisions) -> PlanResult:
     """Lower decisions and simulate them: the one yardstick every policy is measured with."""
+    micro = decisions.pipeline.microbatches if decisions.pipeline else 1
+    inputs = sum(t.nbytes for t in problem.graph.tensors if t.kind == "input")
+    decisions = dataclasses.replace(decisions, device_reserved=micro * inputs)
     if decisions.pipeline is None:
         bufs = buffers_for(problem.order, problem.profiles, problem.profile_of, decisions, problem.mixed)
         instrs = lower(problem.order, problem.profiles, problem.profile_of, decisions, bufs,

@@ -87,6 +87,11 @@ class Decisions:
     """Human-readable reasons the policy gives for its choices."""
     pipeline: Pipeline | None = None
     """Several GPUs: the stages, their GPUs and the microbatches (planner.pipeline); None: one GPU."""
+    swap_grads: bool = False
+    """CPU-updated gradients go on from DRAM to SSD when the backward makes them, in fp32, and come
+    back for the update: DeepSpeed's ZeRO-Infinity with the optimizer on NVMe (stage3.py
+    `_offload_grad_partition_at_boundary` casts them to fp32, `swap_out_gradients` writes them;
+    the optimizer swaps them in with the states). The zero-infinity baseline's."""
     host_reserved: int = 0
     """DRAM bytes the system a policy models holds all step besides the plan's buffers, counted in
     the DRAM peak: the zero-infinity baseline's DeepSpeed pinned swap buffers and host gradient
@@ -95,8 +100,18 @@ class Decisions:
     def __post_init__(self):
         freeze(self)
 
+    device_reserved: int = 0
+    """Bytes each GPU holds all step besides the plan's buffers: the step's inputs (token ids,
+    targets, the loss tangent) of every microbatch, which the executor puts on the device when the
+    step starts. Set by `planner.plan.schedule`."""
+
     def reserved(self) -> dict[str, int]:
-        return {"dram": self.host_reserved} if self.host_reserved else {}
+        """Tier -> bytes held all step outside the plan's buffers (the simulator's starting use)."""
+        out = {"dram": self.host_reserved} if self.host_reserved else {}
+        if self.device_reserved:
+            for k in sorted(set(self.pipeline.gpus)) if self.pipeline else [0]:
+                out[f"gpu{k}"] = self.device_reserved
+        return out
 
     def to_json(self) -> dict:
         d = {"policy": self.policy, "prefetch": self.prefetch, "grad_buffers": self.grad_buffers,
@@ -105,8 +120,12 @@ class Decisions:
              "blocks": {b: vars(d).copy() for b, d in self.blocks.items()}}
         if self.pipeline is not None:
             d["pipeline"] = self.pipeline.to_json()
+        if self.swap_grads:
+            d["swap_grads"] = True
         if self.host_reserved:
             d["host_reserved"] = self.host_reserved
+        if self.device_reserved:
+            d["device_reserved"] = self.device_reserved
         return d
 
 
@@ -172,7 +191,8 @@ def buffers_for(order: list[str], prof: dict[str, BlockProfile], profile_of: dic
         n = p.param_count
         if n:
             out[f"P:{b}"] = Buffer(f"P:{b}", p.param_bytes, "parameter", b, d.params, p.params)
-            out[f"G:{b}"] = Buffer(f"G:{b}", p.grad_bytes, "gradient", b, members=p.grads)
+            g = p.grad_fp32_bytes if decisions.swap_grads and mixed else p.grad_bytes  # fp32 on its way to SSD
+            out[f"G:{b}"] = Buffer(f"G:{b}", g, "gradient", b, members=p.grads)
             if mixed:
                 out[f"M:{b}"] = Buffer(f"M:{b}", 4 * n, "optimizer_state", b, d.states,
                                        tuple(f"{q}.master" for q in p.params))
@@ -367,6 +387,10 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
         for s in states + ([f"P:{b}"] if p_here or home[f"P:{b}"] == tier else []):
             if home[s] != tier and (s, tier) not in e.where:
                 ready.append(e.move(s, home[s], tier, read_after))
+        if decisions.swap_grads and dev == "cpu":  # the gradient comes back from SSD with the states
+            g_in = e.move(f"G:{b}", "ssd", "dram", start)
+            e.free(f"G:{b}", "ssd", (g_in,))
+            ready.append(g_in)
         fresh = (f"P:{b}",) if mixed and home[f"P:{b}"] != tier else ()
         u = e.emit("optimizer_step", "cpu.opt" if dev == "cpu" else comp, tuple(ready), segment=b,
                    dst=dev, allocs=fresh, workspace=f"W:opt:{b}" if has(f"W:opt:{b}") else "")
@@ -433,6 +457,9 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
             if d.optimizer == "cpu":
                 s = e.move(f"G:{b}", gpu, "dram", (c,))
                 e.free(f"G:{b}", gpu, (s,))
+                if decisions.swap_grads:
+                    s = e.move(f"G:{b}", "dram", "ssd", (s,))
+                    e.free(f"G:{b}", "dram", (s,))
                 grads_ready[b] = s
             else:
                 grads_ready[b] = c

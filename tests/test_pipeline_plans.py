@@ -120,7 +120,7 @@ def _replay_memory(plan) -> dict[str, int]:
         if ins.workspace:
             ev.append((t0, k, 0, "+", ins.workspace, dev))
             ev.append((t1, -1, k, "-", ins.workspace, dev) if t1 > t0 else (t0, k, 1, "-", ins.workspace, dev))
-    use: dict[str, int] = {}
+    use: dict[str, int] = dict(plan.decisions.reserved())  # held all step: the step's inputs per GPU
     for b, t in live:
         use[t] = use.get(t, 0) + bufs[b].bytes
     peak = dict(use)

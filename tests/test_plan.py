@@ -121,9 +121,9 @@ def test_all_gpu_13b_on_4090_reports_byte_breakdown():
 
 
 def test_175b_zero_infinity_plans_only_with_the_dram_deepspeed_needs():
-    """ZeRO-Infinity parks every fp16 gradient in DRAM until the optimizer stage and DeepSpeed adds
-    its pinned buffers (test_zero_infinity_memory): 175B does not fit the 4090 server's DRAM (Fuyou
-    §5.3: every baseline fails 175B there), with 1.2 TB it plans."""
+    """DeepSpeed keeps a pinned host copy of every gradient besides its swap buffers
+    (test_zero_infinity_memory): 175B does not fit the 4090 server's DRAM (Fuyou §5.3: every
+    baseline fails 175B there), with 1.2 TB it plans."""
     hw = load_hardware("lohan-rtx4090")
     with pytest.raises(TensorstowError, match="dram needs"):
         make_plan(Options(model="gpt3-175b", hardware="lohan-rtx4090", policy="zero-infinity"), hw)
@@ -132,7 +132,7 @@ def test_175b_zero_infinity_plans_only_with_the_dram_deepspeed_needs():
                      hw.with_overrides(dram=big))
     assert plan.fits
     assert len(plan.dumps()) < 3_000_000  # segment-level instructions keep a 175B plan small
-    assert plan.peak("dram") > 2 * 175e9 + plan.decisions.host_reserved
+    assert plan.decisions.host_reserved > 2 * 175e9 and plan.peak("dram") > plan.decisions.host_reserved
 
 
 def test_offloading_moves_bytes_and_costs_time():
@@ -144,9 +144,12 @@ def test_offloading_moves_bytes_and_costs_time():
     assert offload.sim.traffic_bytes["ssd->dram"] > 0
     assert offload.peak("gpu") < resident.peak("gpu")
     assert offload.sim.step_time_s > resident.sim.step_time_s
-    # parameters are streamed twice (forward and backward) plus one state read per step
+    # parameters are streamed twice (forward and backward) plus one state read per step, and each
+    # gradient goes to SSD and comes back for its update (DeepSpeed's swap_out_gradients)
     P = p.graph.param_count()
-    streamed = sum(b.bytes for n, b in offload.buffers.items() if n.startswith(("P:", "M:", "OS:")))
+    streamed = sum(b.bytes for n, b in offload.buffers.items() if n.startswith(("P:", "M:", "OS:", "G:")))
     assert offload.sim.traffic_bytes["ssd->dram"] == streamed + sum(
         b.bytes for n, b in offload.buffers.items() if n.startswith("P:") and n not in ("P:post",))
+    grads = sum(b.bytes for n, b in offload.buffers.items() if n.startswith("G:"))
+    assert offload.sim.traffic_bytes["gpu0->dram"] >= grads and offload.sim.traffic_bytes["dram->ssd"] >= grads
     assert P > 0

@@ -1,10 +1,12 @@
 """`zero-infinity`: the serialized offload baseline described in Fuyou §3 and Fig. 2a.
 
 fp16 parameters and fp32 master + Adam states live on SSD (DRAM when there is no SSD);
-parameters are streamed in block by block; each transformer block's input is checkpointed
-to DRAM and the rest of its activations recomputed in backward; the CPU optimizer runs
-after the whole backward, subgroup after subgroup (read, update, write), so GPU, CPU and
-SSD work mostly one after another.
+parameters are streamed in block by block, each fetched when its block runs (Fuyou Fig. 2a
+measured DeepSpeed's fetches and compute almost serialized); each transformer block's input is
+checkpointed to DRAM and the rest of its activations recomputed in backward; gradients go to
+DRAM and on to SSD in fp32, as DeepSpeed swaps them (stage3.py `swap_out_gradients`); the CPU
+optimizer runs after the whole backward, subgroup after subgroup (read states and gradient,
+update, write), so GPU, CPU and SSD work mostly one after another.
 
 Host memory as DeepSpeed really holds it (issue: the baseline's largest trainable model): besides
 what the schedule moves through DRAM, DeepSpeed's ZeRO-3 with parameters and optimizer on NVMe
@@ -39,11 +41,11 @@ def deepspeed_host_bytes(params: int, param_bytes: int, largest_param: int, pin_
     `param_bytes` each (2: an fp16/bf16 model, 4: fp32), by its allocations (DeepSpeed 0.9.3 and
     0.19.8: runtime/zero/stage3.py, runtime/swap_tensor/) with its default configuration.
 
-    Not counted again: the host copy of every gradient (stage3.py `grad_partitions_flat_buffer`) is
-    the schedule's G buffers, which this policy keeps in DRAM until the optimizer stage as DeepSpeed
-    does; counted are its rounding and, while it is made, its unpinned source (`torch.zeros(...)`,
-    then `pin_memory()` copies it). `pin_memory`: the offload configs' flag, on in DeepSpeed's NVMe
-    examples (the swap buffers are pinned either way). The optimizer's initialisation holds one
+    The host copy of every gradient in the model's dtype (stage3.py `grad_partitions_flat_buffer`)
+    is held all step besides the fp32 gradients the schedule moves through DRAM to SSD; while it is
+    made, so is its unpinned source (`torch.zeros(...)`, then `pin_memory()` copies it).
+    `pin_memory`: the offload configs' flag, on in DeepSpeed's NVMe examples (the swap buffers are
+    pinned either way). The optimizer's initialisation holds one
     sub-group's fp32 master, gradient and two Adam moments at once (stage3.py
     `_create_fp32_partitions`, `initialize_optimizer_states`; cpu_adam.py). The largest sub-group
     holds at most SUB_GROUP + the largest parameter's elements."""
@@ -51,7 +53,7 @@ def deepspeed_host_bytes(params: int, param_bytes: int, largest_param: int, pin_
     sub = min(params, SUB_GROUP + largest_param)
     grads = params * param_bytes
     return {
-        "gradient buffer: pinned rounding": pin(grads) - grads,
+        "gradient buffer (pinned)": pin(grads),  # stage3.py grad_partitions_flat_buffer, model dtype
         "gradient buffer: unpinned source while pinned": grads if pin_memory else 0,
         "optimizer swap buffers": OPTIMIZER_BUFFERS * _pinned(sub * 4),  # optimizer_utils.py SwapBufferManager
         "parameter swap buffers": _pinned(PARAM_BUFFERS * PARAM_BUFFER_ELEMS * param_bytes),  # partitioned_param_swapper.py
@@ -73,9 +75,13 @@ def plan(problem) -> Decisions:
     largest = max((math.prod(t.shape) for t in problem.graph.tensors if t.kind == "parameter"), default=0)
     host = deepspeed_host_bytes(params, 2 if problem.mixed else 4, largest)
     gb = ", ".join(f"{k} {v / 1e9:.3g} GB" for k, v in host.items())
-    return Decisions(policy="zero-infinity", blocks=blocks, prefetch=1, overlap_optimizer=False,
-                     serialize_optimizer=True, host_reserved=sum(host.values()),
+    return Decisions(policy="zero-infinity", blocks=blocks, prefetch=0, overlap_optimizer=False,
+                     serialize_optimizer=True, swap_grads=home == "ssd", host_reserved=sum(host.values()),
                      notes=(f"parameters and optimizer states on {home}",
+                            "each block's parameters fetched when it runs, not ahead (Fuyou Fig. 2a: "
+                            "GPU compute and PCIe transfers almost serialized)",
+                            *(("fp32 gradients to SSD and back for the update (DeepSpeed "
+                               "swap_out_gradients)",) if home == "ssd" else ()),
                             "inter-block checkpoints in DRAM, intra-block activations recomputed",
                             "CPU Adam after backward, one subgroup at a time (Fuyou Fig. 2a)",
                             f"DeepSpeed's host memory besides the schedule's buffers: {gb}"))
