@@ -20,16 +20,16 @@ Equal first-step losses show the three start from the same model and batch.
                dependencies; if that venv is missing the row is skipped with the reason.
                --ds-offload cpu switches both offloads to device "cpu" (ZeRO-Offload) for
                comparison.
-  tensorstow   `tensorstow plan PRESET --hw lohan-rtx4090 --gpu-mem 40MB --precision fp32
-               --batch B --policy zero-infinity` (--ts-policy, --ts-hw, --ts-gpu-mem and --ts-dram
-               change it; e.g. `--ts-policy auto --ts-hw local --ts-gpu-mem 90MB --ts-dram 40MB`
-               plans for this machine with too little DRAM for the training state) (parameters and Adam states homed on SSD,
-               inter-block checkpoints in DRAM, intra-block activations recomputed, CPU Adam),
-               replayed by `tensorstow.executor.runtime.Executor` on this CPU (the "gpu0" tier
-               is host memory here) with the crash-consistent SSDStore (--ts-store file: the
-               FileStore fallback). --gpu-mem 16MB does not fit gpt-small at batch 4 under this
-               policy (the plan needs 37.8 MB at peak), hence 40MB. Skipped with the reason if
-               the executor cannot be imported or fails.
+  tensorstow   `tensorstow plan PRESET --hw local --gpu-mem 90MB --dram 40MB --precision fp32
+               --batch B --policy auto` (--ts-policy, --ts-hw, --ts-gpu-mem and --ts-dram change
+               it): the plan the planner makes for this machine (probed at the run's thread count)
+               when DRAM cannot hold the training state, so parameters and Adam states live on
+               SSD, as DeepSpeed's do; replayed by `tensorstow.executor.runtime.Executor` in
+               overlap mode (--ts-mode) on this CPU (the "gpu0" tier is host memory here) with the
+               crash-consistent SSDStore (--ts-store file: the FileStore fallback).
+               `--ts-policy zero-infinity --ts-hw lohan-rtx4090 --ts-dram ''` runs tensorstow's
+               imitation of DeepSpeed instead (serialized fetches, gradients through SSD). Skipped
+               with the reason if the executor cannot be imported or fails.
 
 Ratios printed: deepspeed / eager, tensorstow / eager and tensorstow / deepspeed (step time;
 below 1 is faster). Engines run one after another on a possibly shared machine: the 1-minute
@@ -60,8 +60,10 @@ Run (from the repo root, in tensorstow's venv):
 
     .venv/bin/python benchmarks/bench_deepspeed.py [--preset gpt-small] [--batch 4] [--warmup 2]
         [--steps 5] [--dir DIR_ON_THE_SSD] [--ds-python PATH] [--ds-offload nvme|cpu]
-        [--ds-activation-checkpointing] [--ts-gpu-mem 40MB] [--ts-store ssd|file] [--ts-mode sync|overlap]
-        [--json OUT.json]
+        [--ds-activation-checkpointing] [--threads 1] [--ts-policy auto] [--ts-hw local]
+        [--ts-gpu-mem 90MB] [--ts-dram 40MB] [--ts-store ssd|file] [--ts-mode overlap|sync] [--json OUT.json]
+    # the defaults are the comparison in benchmarks/RESULTS.md; gpt3-125m there:
+    #   --preset gpt3-125m --batch 1 --seq 512 --warmup 1 --steps 3 --ts-gpu-mem 700MB --ts-dram 1GB
 
 DeepSpeed notes (0.19.8, CPU accelerator): the model is built normally and then converted
 with `deepspeed.zero.Init(module=model, config_dict_or_path=cfg)` before
@@ -173,7 +175,8 @@ def run_tensorstow(a: dict, work: Path) -> dict:
            "--policy", a["ts_policy"], "--lr", str(a["lr"]), "-o", str(plan_path)]
     if a["ts_dram"]:
         cmd += ["--dram", a["ts_dram"]]
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(a["threads"])} if a["threads"] else {}))
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)  # `--hw local` probes at the run's threads
     if p.returncode != 0 or not plan_path.exists():
         return {"skipped": f"`{' '.join(cmd[3:])}` failed (rc {p.returncode}): "
                            f"{(p.stderr or p.stdout).strip()[-800:]}"}
@@ -333,18 +336,18 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads in every engine (default: torch's)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads in every engine (0: torch's default)")
     ap.add_argument("--dir", default=None, help="directory on the SSD for swap/state files (default: a temp dir)")
     ap.add_argument("--ds-python", default=str(DEFAULT_DS_PYTHON), help="python of the DeepSpeed venv")
     ap.add_argument("--ds-offload", choices=["nvme", "cpu"], default="nvme")
     ap.add_argument("--ds-activation-checkpointing", action="store_true")
     ap.add_argument("--ds-timeout", type=int, default=1800, help="seconds (a first run JIT-builds DeepSpeed ops)")
-    ap.add_argument("--ts-gpu-mem", default="40MB")
-    ap.add_argument("--ts-policy", default="zero-infinity", help="the tensorstow plan's policy")
-    ap.add_argument("--ts-hw", default="lohan-rtx4090", help="hardware the plan is made for (local: probe)")
-    ap.add_argument("--ts-dram", default="", help="DRAM budget of the plan (e.g. 40MB: state must go to SSD)")
+    ap.add_argument("--ts-gpu-mem", default="90MB")
+    ap.add_argument("--ts-policy", default="auto", help="the tensorstow plan's policy")
+    ap.add_argument("--ts-hw", default="local", help="hardware the plan is made for (local: probe this machine)")
+    ap.add_argument("--ts-dram", default="80MB", help="DRAM budget of the plan (80MB: all of the state on SSD, as DeepSpeed has it)")
     ap.add_argument("--ts-store", choices=["ssd", "file"], default="ssd")
-    ap.add_argument("--ts-mode", choices=["sync", "overlap"], default="sync")
+    ap.add_argument("--ts-mode", choices=["sync", "overlap"], default="overlap")
     ap.add_argument("--only", default="eager,deepspeed,tensorstow", help="comma-separated engines to run")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (logs, swap files)")
     ap.add_argument("--json", help="write all results here")
