@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import statistics
 import sys
 import time
@@ -137,16 +136,15 @@ def predicted_step(plan: Plan, mode: str) -> float:
 def pick_mode(mode: str) -> str:
     """`auto`: overlap where the lanes have engines of their own: CUDA (copy engines, the GPU, the
     host), or a CPU device tier whose compute threads leave a core for the other lanes (the executor
-    pins them apart: `runtime._lane_cores`); sync where the compute takes every core, as the lanes
+    pins them apart: `runtime.lane_cores`); sync where the compute takes every core, as the lanes
     would then take cores from it (gpt-small, 2 threads on 2 cores: sync 0.30 s, overlap 0.38 s;
     1 thread, an SSD-bound plan: sync 0.42 s, overlap 0.24 s; benchmarks/RESULTS.md)."""
     if mode != "auto":
         return mode
     from tensorstow.executor.cuda import resolve_device
-    if resolve_device(None).type == "cuda":
-        return "overlap"
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return "overlap" if torch.get_num_threads() < cores else "sync"
+    from tensorstow.executor.runtime import lane_cores
+    device = resolve_device(None)
+    return "overlap" if device.type == "cuda" or lane_cores(device, torch.get_num_threads()) else "sync"
 
 
 def build_for_execution(spec, seed: int):

@@ -33,8 +33,8 @@ executor's step counter (`steps_done`, which `commit` records in the SSD store).
 from __future__ import annotations
 
 import contextlib
-import os
 import dataclasses
+import os
 import threading
 from collections import defaultdict
 from concurrent.futures import Future
@@ -66,7 +66,7 @@ class ExecutionError(TensorstowError):
     """An instruction could not run as the plan says (names the instruction)."""
 
 
-def _lane_cores(device: torch.device, nthreads: int) -> tuple[set[int], set[int]] | None:
+def lane_cores(device: torch.device, nthreads: int) -> tuple[set[int], set[int]] | None:
     """(the other lanes' cores, the compute lane's cores) when the device tier is the CPU and the
     compute's `nthreads` leave cores to spare; None otherwise. On a CPU device the copy, SSD and
     optimizer lanes (and the I/O and checksum threads they start) would otherwise preempt the
@@ -146,9 +146,9 @@ class Executor:
                                   f"{m.name}; pass the model the trace was made from")
         self.precision = m.precision
         self.mixed = self.precision != "fp32"
-        self.fp32_grads = self.mixed and (self.M > 1 or plan.decisions.swap_grads)
-        """Gradients accumulate over microbatches in fp32, as eager's fp32 `.grad` does (the planner
-        sizes G so: planner.pipeline), or go to SSD in fp32 (`Decisions.swap_grads`)."""
+        self.fp32_grads = plan.decisions.fp32_grads(self.mixed)
+        """G holds fp32 gradients (`Decisions.fp32_grads`: accumulated over microbatches, or on
+        their way to SSD)."""
         self.instrs = self._read_instructions(plan)
         self.block_params = {b: ps for b, (ps, _) in self.joint.block_state.items()}
         """Trainable parameters per block (P, G, M, OS, the optimizer)."""
@@ -723,7 +723,7 @@ class Executor:
             lanes.setdefault(ins.stream, []).append(ins)
         failures: list[tuple[int, BaseException]] = []
         nthreads = torch.get_num_threads()
-        cores = _lane_cores(self.device, nthreads)
+        cores = lane_cores(self.device, nthreads)
 
         def lane(instrs: list[Instr]) -> None:
             k = 0

@@ -197,15 +197,10 @@ class Joint:
     # ---- execution --------------------------------------------------------------------------
     def call(self, n: fx.Node, value, device: torch.device | None = None):
         args = map_arg(n.args, value)
-        if not n.kwargs:
-            portable = self.targets.get(n.target) if self.targets else None
-            if portable is None:
-                return n.target(*args)
-            return portable(*args, _like=n.meta.get("val"))
-        kwargs = map_arg(n.kwargs, value)
+        portable = self.targets.get(n.target) if self.targets else None  # none on the CPU
+        kwargs = map_arg(n.kwargs, value) if n.kwargs else {}
         if device is not None and isinstance(kwargs.get("device"), torch.device):
             kwargs = {**kwargs, "device": device}
-        portable = self.targets.get(n.target) if self.targets else None
         if portable is not None:  # a CPU-only kernel, on another device (executor.device_ops)
             return portable(*args, **kwargs, _like=n.meta.get("val"))
         return n.target(*args, **kwargs)

@@ -54,8 +54,6 @@ def pipeline_buffers(order: list[str], prof: dict[str, BlockProfile], profile_of
     per = PER_MICRO + (("G",) if pl.kind == "data-parallel" else ())
     out = {}
     for n, b in buffers_for(order, prof, profile_of, decisions, mixed).items():
-        if n.startswith("G:") and mixed and pl.microbatches > 1 and pl.kind != "data-parallel":
-            b = dataclasses.replace(b, bytes=prof[profile_of[b.block]].grad_fp32_bytes)  # accumulated in fp32
         if n.split(":")[0] in per:
             for m in range(pl.microbatches):
                 out[f"{n}@{m}"] = dataclasses.replace(b, name=f"{n}@{m}")

@@ -97,13 +97,20 @@ class Decisions:
     the DRAM peak: the zero-infinity baseline's DeepSpeed pinned swap buffers and host gradient
     buffers (planner/policies/zero_infinity.py). The executor does not allocate it."""
 
-    def __post_init__(self):
-        freeze(self)
-
     device_reserved: int = 0
     """Bytes each GPU holds all step besides the plan's buffers: the step's inputs (token ids,
     targets, the loss tangent) of every microbatch, which the executor puts on the device when the
     step starts. Set by `planner.plan.schedule`."""
+
+    def __post_init__(self):
+        freeze(self)
+
+    def fp32_grads(self, mixed: bool) -> bool:
+        """Whether a mixed-precision plan's G buffers hold fp32 gradients: accumulated over
+        microbatches (as eager's fp32 `.grad`; not the data-parallel baseline's per-GPU ones), or on
+        their way to SSD (`swap_grads`). The planner sizes G by it and the executor casts to it."""
+        pl = self.pipeline
+        return mixed and (self.swap_grads or (pl is not None and pl.microbatches > 1 and pl.kind != "data-parallel"))
 
     def reserved(self) -> dict[str, int]:
         """Tier -> bytes held all step outside the plan's buffers (the simulator's starting use)."""
@@ -191,7 +198,7 @@ def buffers_for(order: list[str], prof: dict[str, BlockProfile], profile_of: dic
         n = p.param_count
         if n:
             out[f"P:{b}"] = Buffer(f"P:{b}", p.param_bytes, "parameter", b, d.params, p.params)
-            g = p.grad_fp32_bytes if decisions.swap_grads and mixed else p.grad_bytes  # fp32 on its way to SSD
+            g = p.grad_fp32_bytes if decisions.fp32_grads(mixed) else p.grad_bytes
             out[f"G:{b}"] = Buffer(f"G:{b}", g, "gradient", b, members=p.grads)
             if mixed:
                 out[f"M:{b}"] = Buffer(f"M:{b}", 4 * n, "optimizer_state", b, d.states,

@@ -97,7 +97,7 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
 
     nbytes: buffer -> bytes. initial: the (buffer, tier) pairs present at the start. links:
     `contention()`'s shared links per instruction and their slots (default: none). reserved:
-    tier -> bytes held all step outside the plan's buffers (`Decisions.host_reserved`).
+    tier -> bytes held all step outside the plan's buffers (`Decisions.reserved()`).
     """
     n = len(instrs)
     streams: dict[str, list[int]] = {}
