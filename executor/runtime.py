@@ -21,7 +21,8 @@ Buffer contents (see planner/schedule.py for the names):
   C:<b>  its frozen parameters and buffers (read-only: placed from the model, never written)
   G:<b>  storage roots of their gradients (joint-graph outputs after the loss)
   M:<b>  fp32 master copies (mixed precision only)    OS:<b>  exp_avg and exp_avg_sq
-  A:<b>  saved storages produced in b (planner.cost BlockProfile.saved)
+  A:<b>  saved storages produced in b (planner.cost BlockProfile.saved; a partial swap: .swapped)
+  R:<b>  a partial swap's rest, made again by segment refwd:<b> (BlockProfile.rest)
   X:<b>  values other blocks' forward made that b reads (BlockProfile.inputs)
   T:<b>  values b's backward carries to a later backward (BlockProfile.carried)
   H:<b>  values b's backward hands to the next backward, the activation gradient (BlockProfile.handed)
@@ -156,10 +157,11 @@ class Executor:
         """Frozen parameters and buffers per block (C: read, never written)."""
         self.frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
         self.layouts, self.members = self._buffers(plan)
+        self._add_reforwards()
         self._check_references()
         self.holders: dict[str, list[str]] = defaultdict(list)
         for buf, roots in self.members.items():
-            if buf.split(":")[0] in ("P", "C", "G", "A", "X", "T", "H"):
+            if buf.split(":")[0] in ("P", "C", "G", "A", "R", "X", "T", "H"):
                 for r in roots:
                     self.holders[r].append(buf)
         self.rng_states: dict[str, torch.Tensor] = {}
@@ -252,7 +254,8 @@ class Executor:
                                       f"runs {', '.join(KINDS)})")
             if not self._mine(ins):
                 continue
-            if ins.kind in ("compute", "recompute") and ins.segment not in self.joint.segments:
+            if ins.kind in ("compute", "recompute") and ins.segment not in self.joint.segments \
+                    and not (ins.kind == "recompute" and ins.segment.startswith("refwd:")):  # _add_reforwards
                 raise TensorstowError(f"plan instruction {k}: unknown segment '{ins.segment}'")
             if ins.kind in ("compute", "recompute") and ins.stream != f"{g}.compute":
                 raise TensorstowError(f"plan instruction {k}: segments run on {g}.compute, not "
@@ -326,6 +329,21 @@ class Executor:
                         alloc(a)
         return events
 
+    def _add_reforwards(self) -> None:
+        """The `refwd:<b>` segments a partial swap's recompute runs: the part of b's forward that
+        makes R:<b> again from what A:<b> brought back (and X, P)."""
+        for ins in self.instrs:
+            if ins.kind != "recompute" or not ins.segment.startswith("refwd:") or ins.segment in self.joint.segments:
+                continue
+            b = ins.segment.split(":", 1)[1]
+            if f"fwd:{b}" not in self.joint.segments or ins.allocs != (f"R:{b}",) or f"A:{b}" not in self.members:
+                raise TensorstowError(f"plan instruction {ins.id}: recompute {ins.segment} needs buffers A:{b} "
+                                      f"and R:{b} of a block with a forward; re-plan it")
+            seg = self.joint.add_reforward(b, self.members[f"R:{b}"], self.members[f"A:{b}"])
+            if _draws_random(seg):
+                raise TensorstowError(f"plan instruction {ins.id}: {ins.segment} would draw random numbers "
+                                      f"again (dropout); a block that draws them is swapped whole; re-plan it")
+
     def _check_references(self) -> None:
         """Every buffer an instruction names exists, and each kind creates what it can."""
         for ins in self.instrs:
@@ -334,7 +352,7 @@ class Executor:
                 if n not in self.layouts:
                     raise TensorstowError(f"plan instruction {ins.id}: unknown buffer '{n}'; re-plan it")
             if ins.kind in ("compute", "recompute"):
-                bad = [a for a in ins.allocs if a.split(":")[0] not in ("A", "X", "G", "T", "H")]
+                bad = [a for a in ins.allocs if a.split(":")[0] not in ("A", "R", "X", "G", "T", "H")]
             elif ins.kind == "optimizer_step":
                 if not self.block_params.get(ins.segment):
                     raise TensorstowError(f"plan instruction {ins.id}: '{ins.segment}' is not a block "
@@ -356,7 +374,7 @@ class Executor:
             kind, b = name.split(":")[0], block_of(name)
             if kind == "W":
                 continue  # a workspace: the segment's real temporaries, counted as they are made
-            if kind not in ("P", "C", "G", "M", "OS", "A", "X", "T", "H") or b not in inst.profile:
+            if kind not in ("P", "C", "G", "M", "OS", "A", "R", "X", "T", "H") or b not in inst.profile:
                 raise TensorstowError(f"plan buffer {name} names nothing in the traced model; re-plan it")
             if not spec.members:
                 raise TensorstowError(f"plan buffer {name} does not list its members (a plan of an older "

@@ -194,6 +194,24 @@ class Joint:
                        produced=frozenset(produced),
                        release_after=tuple(tuple(sorted(r)) for r in release))
 
+    def add_reforward(self, b: str, make, given) -> Segment:
+        """Segment `refwd:<b>`: the nodes of b's forward that `make` (roots) depend on, stopping at
+        the roots in `given` (fetched from their buffer instead of made again) and at values from
+        outside the forward. A partial swap's re-forward (planner.cost.reforward_split)."""
+        fwd = self.segments[f"fwd:{b}"]
+        local = fwd.local or {}
+        need = {local.get(r, r) for r in make}
+        have = {local.get(r, r) for r in given}
+        picked = []
+        for n in reversed(fwd.nodes):
+            if n.name in need:
+                picked.append(n)
+                need.update(a.name for a in _arg_nodes(n) if a.name not in have)
+        name = f"refwd:{b}"
+        seg = self._segment(name, picked[::-1]).instantiate(name, fwd.rename or {})
+        self.segments[name] = seg
+        return seg
+
     # ---- execution --------------------------------------------------------------------------
     def call(self, n: fx.Node, value, device: torch.device | None = None):
         args = map_arg(n.args, value)

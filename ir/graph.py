@@ -25,6 +25,12 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4
                "uint8": 1, "int8": 1, "float64": 8}
 
 
+def draws_random(target: str) -> bool:
+    """Whether an op (by its aten name) draws from the random generator."""
+    return any(k in target for k in ("rand", "bernoulli", "normal", "dropout", "multinomial", "uniform",
+                                     "exponential", "poisson", "shuffle"))
+
+
 def stable_hash(obj) -> str:
     """sha256 of canonical JSON (sorted keys, no whitespace): the fingerprint of plain data."""
     blob = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()

@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
 from tensorstow import TensorstowError
-from tensorstow.ir.graph import Block, Graph, Op, Tensor, stable_hash
+from tensorstow.ir.graph import Block, Graph, Op, Tensor, draws_random, stable_hash
 
 PRECISIONS = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 _DTYPE_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
@@ -269,7 +269,7 @@ class ShapeConstants(TorchFunctionMode):
         out = func(*args, **kwargs)
         tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         name = getattr(func, "__name__", "")
-        if not all(t in self.real for t in tensors) or _random(name):
+        if not all(t in self.real for t in tensors) or draws_random(name):
             if tensors and (name.endswith("_") or "out" in kwargs):
                 self.real.pop(tensors[0], None)  # mutated by unknown values: no longer known
             return out
@@ -287,11 +287,6 @@ class ShapeConstants(TorchFunctionMode):
             for o, r in zip(outs, reals):
                 self.real[o] = r
         return out
-
-
-def _random(name: str) -> bool:
-    return any(k in name for k in ("rand", "bernoulli", "normal", "dropout", "multinomial", "uniform",
-                                   "exponential", "poisson", "shuffle"))
 
 
 @contextmanager

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch.utils.flop_counter as flop_counter
 
-from tensorstow.ir.graph import Graph
+from tensorstow.ir.graph import Graph, draws_random
 from tensorstow.planner.hardware import CPU_GPU_NAME, Hardware
 
 # Bytes moved per parameter by one Adam step on the GPU: read param, grad, master, m, v and
@@ -86,6 +86,18 @@ class BlockProfile:
     """Model-state names of the frozen parameters and buffers it owns (C:<b>)."""
     grads: tuple[str, ...] = ()
     """Storage roots of its parameters' gradients (G:<b>), in parameter order."""
+    swapped: tuple[str, ...] = ()
+    """What a partial swap moves (`BlockDecision.reforward`, Fuyou Table 2): the outputs of the
+    block's FLOP-bearing ops (linear layers, attention) that its backward or its re-forward read.
+    All of `saved` when the block has no cheaper split (then `rest` is empty)."""
+    swap_bytes: int = 0
+    rest: tuple[str, ...] = ()
+    """The saved storages a partial swap leaves behind and the re-forward makes again (norms,
+    activation functions, residual sums: FLOP-free ops) from X and `swapped`: R:<b>."""
+    rest_bytes: int = 0
+    refwd_time_s: float = 0.0
+    """Roofline time of the re-forward (memory-bound: its ops count no FLOPs)."""
+    refwd_workspace: int = 0
 
 
 def op_time(flops: int, nbytes: int, hw: Hardware, gpu: int = 0, fp32: bool = False) -> float:
@@ -150,6 +162,7 @@ def profiles(graph: Graph, hw: Hardware) -> dict[str, BlockProfile]:
                 if any(c not in fwd_idx and ops[c].phase == "fwd" for c in t.consumers):
                     nxt.add(t.storage)
         carried, until, handed = _carried(b, bwd, tensors, ops, readers, order)
+        swapped, rest, refwd = reforward_split(fwd, set(saved), tensors, ops)
         largest = max((_numel(t.shape) for t in tensors.values()
                        if t.kind == "parameter" and t.storage == t.name and t.block == b), default=0)
         out[b] = BlockProfile(
@@ -173,8 +186,51 @@ def profiles(graph: Graph, hw: Hardware) -> dict[str, BlockProfile]:
             carried_bytes=sum(tensors[n].nbytes for n in carried), carried_until=until,
             handed_bytes=sum(tensors[n].nbytes for n in handed),
             saved=tuple(sorted((k, v[0], v[1]) for k, v in saved.items())),
-            inputs=tuple(sorted(inputs)), carried=carried, handed=handed, **_state(b, tensors))
+            inputs=tuple(sorted(inputs)), carried=carried, handed=handed, **_state(b, tensors),
+            swapped=swapped, swap_bytes=sum(tensors[n].nbytes for n in swapped),
+            rest=rest, rest_bytes=sum(tensors[n].nbytes for n in rest),
+            refwd_time_s=sum(op_time(o.flops, o.bytes_in + o.bytes_out, hw, fp32=_in_fp32(o, tensors)) for o in refwd),
+            refwd_workspace=_workspace(refwd, tensors, ops))
     return out
+
+
+def reforward_split(fwd, saved: set[str], tensors, ops) -> tuple[tuple[str, ...], tuple[str, ...], list]:
+    """(swapped, rest, re-forward ops) of a block whose saved storages are `saved`.
+
+    Fuyou Table 2 / LoHan Eq. 6 rank activations by the FLOPs it takes to make them again per byte
+    swapped: a linear layer's output costs 2*h FLOPs per element to recompute, a norm's, an
+    activation function's or a residual sum's none. So a swap moves only the outputs of FLOP-bearing
+    ops (qkv 3h, attention h, its projection h, h-to-4h 4h: Fuyou's 9 t_s of a GPT block, against
+    16 h-sized saved values) and the backward first re-runs the FLOP-free ops that make the rest
+    from them and the block input X. Walked back from every saved storage: a value made by a
+    FLOP-bearing op of the block is swapped, one made by any other op of the block is made again
+    (with its inputs, recursively), one from outside (X, parameters) is on the device anyway.
+    No split (everything saved is swapped) when the block draws random numbers (a re-forward would
+    have to replay the generator) or when the split would not move fewer bytes."""
+    whole = (tuple(sorted(saved)), (), [])
+    if not saved or any(draws_random(o.target) for o in fwd):
+        return whole
+    fwd_idx = {o.index for o in fwd}
+    swapped, redo, seen = set(), set(), set()
+    todo = sorted(saved)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        t = tensors[name]
+        if t.producer is None or t.producer not in fwd_idx:
+            continue  # the block input X, parameters, constants
+        op = ops[t.producer]
+        if op.flops > 0 and t.storage == name:
+            swapped.add(name)
+            continue
+        redo.add(op.index)
+        todo.extend(op.inputs)
+    rest = saved - swapped
+    if not rest or not swapped or sum(tensors[n].nbytes for n in swapped) >= sum(tensors[n].nbytes for n in saved):
+        return whole
+    return tuple(sorted(swapped)), tuple(sorted(rest)), [ops[i] for i in sorted(redo)]
 
 
 _CPU_FLASH_BWD = "aten._scaled_dot_product_flash_attention_for_cpu_backward.default"

@@ -172,7 +172,7 @@ def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer])
         if ins.kind in ("compute", "recompute"):
             phase, b = ins.segment.split(":", 1)
             prof = problem.profiles[problem.profile_of[b]]
-            out.append(prof.fwd_time_s if phase == "fwd" else prof.bwd_time_s)
+            out.append({"fwd": prof.fwd_time_s, "bwd": prof.bwd_time_s, "refwd": prof.refwd_time_s}[phase])
         elif ins.kind in ("load", "store", "send"):
             out.append(cost.transfer_time(buffers[ins.tensor].bytes, ins.src, ins.dst, hw))
         elif ins.kind == "optimizer_step":

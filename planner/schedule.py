@@ -9,6 +9,7 @@ Buffers are per block and per kind (granularity: a block's activations move as o
   M:<b>  fp32 master copy (mixed precision)     OS:<b> Adam exp_avg + exp_avg_sq (fp32)
   C:<b>  constants: frozen parameters, buffers (read-only: loaded like P, never written back)
   X:<b>  the block's input checkpoint           A:<b>  activations saved inside the block
+  R:<b>  saved activations a partial swap makes again before the backward (BlockDecision.reforward)
   T:<b>  values b's backward carries to a later backward (a tied weight's partial gradient)
   H:<b>  what b's backward hands to the next backward (the activation gradient)
   W:<b>  transient workspace of a segment
@@ -38,6 +39,11 @@ class BlockDecision:
     """Saved activations A: keep on GPU, swap to DRAM / SSD, or recompute from the checkpoint."""
     checkpoint: str = "gpu"
     """Tier holding the block's input X between forward and backward."""
+    reforward: bool = False
+    """With a swap: move only the outputs of the block's FLOP-bearing ops (A:<b>, the profile's
+    `swapped`) and make the rest of its saved values again before its backward from those and X
+    (R:<b>, a `recompute` of segment `refwd:<b>`): Fuyou Table 2's per-layer choice, the linear
+    layers' outputs swapped and the FLOP-free ops recomputed."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,7 +130,8 @@ class Decisions:
         d = {"policy": self.policy, "prefetch": self.prefetch, "grad_buffers": self.grad_buffers,
              "overlap_optimizer": self.overlap_optimizer,
              "serialize_optimizer": self.serialize_optimizer, "notes": list(self.notes),
-             "blocks": {b: vars(d).copy() for b, d in self.blocks.items()}}
+             "blocks": {b: {k: v for k, v in vars(d).items() if k != "reforward" or v}
+                        for b, d in self.blocks.items()}}
         if self.pipeline is not None:
             d["pipeline"] = self.pipeline.to_json()
         if self.swap_grads:
@@ -145,7 +152,8 @@ class Instr:
     """gpuK.compute, gpuK.h2d, gpuK.d2h, gpuK.send, ssd.read, ssd.write, cpu.opt"""
     deps: tuple[int, ...]
     segment: str = ""
-    """compute/recompute: "fwd:<b>" or "bwd:<b>"; optimizer_step: the subgroup (block)."""
+    """compute/recompute: "fwd:<b>", "bwd:<b>" or "refwd:<b>" (a partial swap's re-forward);
+    optimizer_step: the subgroup (block)."""
     tensor: str = ""
     """load/store/free: the buffer."""
     src: str = ""
@@ -213,7 +221,12 @@ def buffers_for(order: list[str], prof: dict[str, BlockProfile], profile_of: dic
             out[f"H:{b}"] = Buffer(f"H:{b}", p.handed_bytes, "temporary", b, members=p.handed)
         if p.input_bytes:
             out[f"X:{b}"] = Buffer(f"X:{b}", p.input_bytes, "saved_activation", b, members=p.inputs)
-        if p.saved_bytes:
+        if p.saved_bytes and partial_swap(p, d):
+            out[f"A:{b}"] = Buffer(f"A:{b}", p.swap_bytes, "saved_activation", b, members=p.swapped)
+            out[f"R:{b}"] = Buffer(f"R:{b}", p.rest_bytes, "saved_activation", b, members=p.rest)
+            if p.refwd_workspace:
+                out[f"W:refwd:{b}"] = Buffer(f"W:refwd:{b}", p.refwd_workspace, "temporary", b)
+        elif p.saved_bytes:
             out[f"A:{b}"] = Buffer(f"A:{b}", p.saved_bytes, "saved_activation", b,
                                    members=tuple(n for n, _, _ in p.saved))
         ws_opt = p.opt_workspace if d.optimizer == "gpu" else 0
@@ -221,6 +234,17 @@ def buffers_for(order: list[str], prof: dict[str, BlockProfile], profile_of: dic
             if ws:
                 out[f"W:{ph}:{b}"] = Buffer(f"W:{ph}:{b}", ws, "temporary", b)
     return out
+
+
+def partial_swap(p: BlockProfile, d: BlockDecision) -> bool:
+    """Whether the block's swap moves only `p.swapped` and re-forwards the rest (R:<b>)."""
+    return d.reforward and d.activations in ("swap_dram", "swap_ssd") and bool(p.rest)
+
+
+def swap_bytes(p: BlockProfile, reforward: bool) -> int:
+    """Bytes a swap of the block moves: all it saves, or with `reforward` the part a partial swap
+    moves."""
+    return p.swap_bytes if reforward and p.rest else p.saved_bytes
 
 
 class _Emitter:
@@ -434,6 +458,9 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
                 src = "dram" if d.activations == "swap_dram" else "ssd"
                 deps.append(e.move(f"A:{b}", src, gpu))
                 e.free(f"A:{b}", src, (deps[-1],))
+                if has(f"R:{b}"):  # the rest of what the backward reads, made again from X and A
+                    deps.append(e.emit("recompute", comp, tuple(deps), segment=f"refwd:{b}", allocs=(f"R:{b}",),
+                                       workspace=f"W:refwd:{b}" if has(f"W:refwd:{b}") else ""))
             elif d.activations == "recompute":
                 r = e.emit("recompute", comp, tuple(deps), segment=f"fwd:{b}", allocs=(f"A:{b}",),
                            workspace=f"W:fwd:{b}" if has(f"W:fwd:{b}") else "")
@@ -450,7 +477,7 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
         release_foreign(c)
         for a in allocs:
             e.where[(a, gpu)] = c
-        for x in (f"A:{b}", f"X:{b}"):
+        for x in (f"A:{b}", f"R:{b}", f"X:{b}"):
             if has(x):
                 e.free(x, gpu, (c,))
         for t in sorted(t for t, until in carry_until.items() if until == profile_of[b]):

