@@ -50,13 +50,14 @@ ROWS: list[Row] = [
         assumed="135 TFLOPS also at batch 64 with 3 SSDs"),
     # Fuyou §5.3: "achieves at most 202 TFLOPS" over Fig. 5's batch sweep (8, 16, 32, 64 on the
     # RTX 4090: §5.4 names them); the batch that gave the figure is not stated
-    Row("Fuyou", "§5.3 Fig.5c", "Fuyou", "gpt3-13b", "lohan-rtx4090", 64, 156.0, "lohan", sweep=(8, 16, 32, 64),
-        assumed="the A100's sweep is the RTX 4090's"),
+    Row("Fuyou", "§5.3 Fig.5c", "Fuyou", "gpt3-13b", "lohan-rtx4090", 64, 156.0, "lohan", sweep=(8, 16, 32, 64)),
     Row("Fuyou", "§5.3 Fig.5b", "Fuyou", "gpt3-13b", "fuyou-a100-80g", 64, 202.0, "lohan", sweep=(8, 16, 32, 64),
         assumed="the A100's sweep is the RTX 4090's"),
-    Row("Fuyou", "§5.3 Fig.5a", "Fuyou", "gpt3-175b", "lohan-rtx4090", 16, 86.0, "lohan",
-        assumed="batch 16 (Fig.7 runs 175B at 8 and 16)"),
-    Row("Fuyou", "§5.3 Fig.5a", "Fuyou", "gpt3-175b", "fuyou-a100-80g", 16, 173.0, "lohan", assumed="batch 16"),
+    # 175B: on the RTX 4090 "the supported batch size is relatively small" (§5.3; Fig. 7 runs 8 and
+    # 16); on the A100 the sweep is not named
+    Row("Fuyou", "§5.3 Fig.5a", "Fuyou", "gpt3-175b", "lohan-rtx4090", 16, 86.0, "lohan", sweep=(8, 16)),
+    Row("Fuyou", "§5.3 Fig.5a", "Fuyou", "gpt3-175b", "fuyou-a100-80g", 16, 173.0, "lohan", sweep=(8, 16, 32, 64),
+        assumed="the 13B sweep (8/16/32/64)"),
     Row("Fuyou", "§5.3 Fig.6", "Fuyou", "gpt3-276b", "fuyou-a100-80g", 64, 168.0, "lohan"),
     Row("Fuyou", "§5.3 Fig.6", "Fuyou", "gpt3-412b", "fuyou-a100-80g", 64, 163.0, "lohan"),
     Row("Fuyou", "§5.3", "ZeRO-Infinity", "gpt3-13b", "lohan-rtx4090", 32, 45.0, "zero-infinity",
