@@ -41,7 +41,7 @@ from dataclasses import dataclass, replace
 import pulp
 
 from tensorstow.planner.cost import GPU_ADAM_BYTES_PER_PARAM, BlockProfile
-from tensorstow.planner.schedule import ACTIVATION_CHOICES, BlockDecision, Decisions
+from tensorstow.planner.schedule import ACTIVATION_CHOICES, BlockDecision, Decisions, swap_bytes
 
 MiB = 2**20
 TIME_LIMIT_S = 20.0
@@ -64,7 +64,7 @@ class Combo:
 
     def decision(self) -> BlockDecision:
         return BlockDecision(params=self.ph, states=self.sh, optimizer=self.opt, activations=self.act,
-                             checkpoint=self.ck)
+                             checkpoint=self.ck, reforward=self.act in ("swap_dram", "swap_ssd"))
 
 
 def combos(hw, *, choices: dict[str, tuple[str, ...]] | None = None) -> list[Combo]:
@@ -85,6 +85,7 @@ def coefficients(p: BlockProfile, c: Combo, problem, last: bool) -> dict[str, fl
     P, Pw, G = p.param_bytes + p.const_bytes, p.param_bytes, p.grad_bytes
     S = (12 if mixed else 8) * n
     A, X = p.saved_bytes, p.input_bytes
+    As = swap_bytes(p, True)  # a swap moves the FLOP-bearing ops' outputs, re-forwards the rest (Fuyou Table 2)
     rd = 1 / hw.ssd.read_total() if hw.ssd.count else 0.0
     wr = 1 / hw.ssd.write_total() if hw.ssd.count else 0.0
     h2d, d2h = 1 / g.h2d_bw, 1 / g.d2h_bw
@@ -94,17 +95,17 @@ def coefficients(p: BlockProfile, c: Combo, problem, last: bool) -> dict[str, fl
     # forward (LoHan Eq. 2 terms)
     k["gpu_f"] = p.fwd_time_s
     k["h2d_f"] = P * h2d * streamed
-    k["d2h_f"] = (A * swapped + X * (c.ck != "gpu")) * d2h
-    k["ssd_f"] = P * rd * (c.ph == "ssd") + (A * (c.act == "swap_ssd") + X * (c.ck == "ssd")) * wr
+    k["d2h_f"] = (As * swapped + X * (c.ck != "gpu")) * d2h
+    k["ssd_f"] = P * rd * (c.ph == "ssd") + (As * (c.act == "swap_ssd") + X * (c.ck == "ssd")) * wr
     # backward + optimizer (LoHan Eq. 5 terms); the last block keeps its streamed params
     reload = streamed and not last
-    k["gpu_b"] = p.bwd_time_s + p.fwd_time_s * (c.act == "recompute")
+    k["gpu_b"] = p.bwd_time_s + p.fwd_time_s * (c.act == "recompute") + p.refwd_time_s * swapped
     k["gpu_b"] += n * GPU_ADAM_BYTES_PER_PARAM / g.mem_bw * (c.opt == "gpu")
     states_cross = c.opt == "gpu" and c.sh != "gpu"
-    k["h2d_b"] = (P * reload + A * swapped + X * (c.ck != "gpu") + S * states_cross
+    k["h2d_b"] = (P * reload + As * swapped + X * (c.ck != "gpu") + S * states_cross
                   + Pw * (c.opt == "cpu" and c.ph == "gpu")) * h2d
     k["d2h_b"] = (G * (c.opt == "cpu") + S * states_cross + Pw * (c.opt == "gpu" and streamed)) * d2h
-    ssd_r = P * (c.ph == "ssd") * reload + A * (c.act == "swap_ssd") + X * (c.ck == "ssd") + S * (c.sh == "ssd")
+    ssd_r = P * (c.ph == "ssd") * reload + As * (c.act == "swap_ssd") + X * (c.ck == "ssd") + S * (c.sh == "ssd")
     ssd_w = S * (c.sh == "ssd") + Pw * (c.ph == "ssd")
     if not mixed and c.ph == "ssd" and c.opt == "cpu":
         ssd_r += Pw  # fp32: the parameter is the master and is read for its update
@@ -112,9 +113,9 @@ def coefficients(p: BlockProfile, c: Combo, problem, last: bool) -> dict[str, fl
     k["cpu_b"] = n / hw.cpu.adam_rate * (c.opt == "cpu")
     # resident bytes per tier
     k["mem_gpu"] = (P * (c.ph == "gpu") + S * (c.sh == "gpu") + A * (c.act == "keep") + X * (c.ck == "gpu")) / MiB
-    k["mem_dram"] = (P * (c.ph == "dram") + S * (c.sh == "dram") + A * (c.act == "swap_dram")
+    k["mem_dram"] = (P * (c.ph == "dram") + S * (c.sh == "dram") + As * (c.act == "swap_dram")
                      + X * (c.ck == "dram")) / MiB
-    k["mem_ssd"] = (P * (c.ph == "ssd") + S * (c.sh == "ssd") + A * (c.act == "swap_ssd") + X * (c.ck == "ssd")) / MiB
+    k["mem_ssd"] = (P * (c.ph == "ssd") + S * (c.sh == "ssd") + As * (c.act == "swap_ssd") + X * (c.ck == "ssd")) / MiB
     k["streamed"] = float(streamed)
     k["gpu_update_of_offloaded_states"] = float(states_cross)
     return k
