@@ -78,3 +78,17 @@ def test_lohan_trains_13b_at_batch_48_on_the_rtx4090_with_partial_swaps():
     swapped = [b for b, d in dec.blocks.items() if d.activations in ("swap_dram", "swap_ssd")]
     assert swapped and all(dec.blocks[b].reforward for b in swapped)
     assert schedule(p, dec).over_capacity() == {}
+
+
+def test_lohan_keeps_the_faster_of_partial_and_whole_swaps():
+    """On a CPU device tier a swap is a memcpy and the re-forward can cost more than the bytes it
+    saves: lohan searches both ways and keeps the faster plan."""
+    p = problem()
+    dec = lohan.plan(p)
+    best = {}
+    for reforward in (True, False):
+        s, k, n_dram, prefetch, _ = lohan._search(p, reforward)
+        best[reforward] = s.evaluate(k, n_dram, prefetch).step_time_s
+    assert schedule(p, dec).sim.step_time_s == min(best.values())
+    swapped = [d for d in dec.blocks.values() if d.activations in ("swap_dram", "swap_ssd")]
+    assert all(d.reforward == (best[True] <= best[False]) for d in swapped)

@@ -16,7 +16,9 @@ Granularity: a block is swapped or recomputed as a whole, and a swapped block mo
 costly to make again (`BlockDecision.reforward`): the outputs of its FLOP-bearing ops, Fuyou Table
 2's linear layers (and attention), while the FLOP-free rest (norms, GELU, residual sums) is made
 again from them before the backward (planner/cost.py `reforward_split`). That is LoHan Eq. 6's and
-Fuyou's per-layer selection inside a block, where every layer with FLOPs is swapped. The pre and
+Fuyou's per-layer selection inside a block, where every layer with FLOPs is swapped. The search
+also runs with whole-block swaps, and the faster plan wins (on a CPU device tier a swap is a
+memcpy and the re-forward can cost more than it saves). The pre and
 post blocks (embedding, head + loss) keep their activations on the GPU, as in ZeRO-Infinity.
 
 The swap amount A_G2M is chosen on the real yardstick: every candidate is lowered and
@@ -81,7 +83,7 @@ class _Eval:
         return (1, excess, self.step_time_s)
 
 
-def by_offloading_benefit(problem: Problem) -> list[str]:
+def by_offloading_benefit(problem: Problem, reforward: bool = True) -> list[str]:
     """Layer blocks with saved activations, highest offloading benefit first.
 
     LoHan Eq. 6: OB = FLOP / A, FLOP = what recomputing the block's activations costs (its
@@ -95,7 +97,7 @@ def by_offloading_benefit(problem: Problem) -> list[str]:
     """
     def ob(b: str) -> float:
         p = problem.profiles[problem.profile_of[b]]
-        return p.fwd_flops / swap_bytes(p, True)  # LoHan Eq. 6: OB = FLOP_layer / A_layer
+        return p.fwd_flops / swap_bytes(p, reforward)  # LoHan Eq. 6: OB = FLOP_layer / A_layer
 
     layers = [b for b in problem.order if problem.graph.block(b).kind == "layer"
               and problem.profiles[problem.profile_of[b]].saved_bytes > 0]
@@ -105,11 +107,13 @@ def by_offloading_benefit(problem: Problem) -> list[str]:
 
 
 class _Search:
-    def __init__(self, problem: Problem):
+    def __init__(self, problem: Problem, reforward: bool = True):
         self.problem = problem
+        self.reforward = reforward
+        """Swapped blocks swap partially (Fuyou Table 2) or whole."""
         self.home = "ssd" if problem.hw.ssd.count > 0 else "dram"
-        self.ranked = by_offloading_benefit(problem)
-        self.size = [swap_bytes(problem.profiles[problem.profile_of[b]], True) for b in self.ranked]
+        self.ranked = by_offloading_benefit(problem, reforward)
+        self.size = [swap_bytes(problem.profiles[problem.profile_of[b]], reforward) for b in self.ranked]
         self.memo: dict[tuple[int, int, int], _Eval] = {}
         base = self.evaluate(0, 0, 1)  # ZeRO-Infinity's activations + active gradient offloading
         self.by_count: dict[int, _Eval] = {0: base}
@@ -125,7 +129,7 @@ class _Search:
             acts = swap.get(b, "recompute") if layer else "keep"
             blocks[b] = BlockDecision(params=self.home, states=self.home, optimizer="cpu",
                                       activations=acts, checkpoint="dram" if layer else "gpu",
-                                      reforward=b in swap)
+                                      reforward=self.reforward and b in swap)
         return Decisions(policy="lohan", blocks=blocks, prefetch=prefetch, overlap_optimizer=True,
                          serialize_optimizer=False, notes=notes)
 
@@ -203,25 +207,42 @@ class _Search:
         return lo, why
 
 
-def plan(problem: Problem) -> Decisions:
-    s = _Search(problem)
+def _search(problem: Problem, reforward: bool) -> tuple[_Search, int, int, int, str]:
+    s = _Search(problem, reforward)
     k = s.best_count()
     n_dram = s.by_count[k].n_dram
     prefetch, why = s.best_prefetch(k, n_dram)
+    return s, k, n_dram, prefetch, why
+
+
+def plan(problem: Problem) -> Decisions:
+    """The search with partial swaps, and with whole-block swaps where a block has a partial one;
+    the faster plan wins (partial on a tie). On a GPU partial swaps win when the host link is busy
+    (their re-forward is a few % of a forward); on a CPU device tier, where a swap is a memcpy, the
+    re-forward can cost more than the bytes it saves."""
+    runs = [_search(problem, True)]
+    if any(problem.profiles[problem.profile_of[b]].rest for b in runs[0][0].ranked):
+        runs.append(_search(problem, False))
+    times = [s.evaluate(k, n, pf) for s, k, n, pf, _ in runs]
+    s, k, n_dram, prefetch, why = runs[min(range(len(runs)), key=lambda i: (times[i].key, i))]
     final = s.evaluate(k, n_dram, prefetch)
 
     a_dram = sum(s.size[:n_dram])
     a_ssd = sum(s.size[n_dram:k])
     searched = ", ".join(f"{c}:{'%.4g' % e.step_time_s}s{'' if e.fits else '(over)'}"
                          for c, e in sorted(s.by_count.items()))
+    how = ("a swapped block moves its FLOP-bearing ops' outputs and re-forwards the rest (Fuyou Table 2)"
+           if s.reforward else "a swapped block moves all it saves")
+    if len(runs) > 1:
+        how += (f"; best with partial swaps {'%.4g' % times[0].step_time_s}s, with whole-block swaps "
+                f"{'%.4g' % times[1].step_time_s}s")
     notes = (
         f"P, M, OS on {s.home}; CPU Adam overlapped with backward (LoHan §IV-C active gradient "
         f"offloading), SSD read/update/write pipelined (LoHan Fig. 3b)",
         f"layer-block inputs checkpointed to DRAM; {k} of {len(s.ranked)} layer blocks swap their "
         f"activations (A_G2M {fmt_bytes(a_dram + a_ssd)}: {fmt_bytes(a_dram)} to DRAM, "
         f"{fmt_bytes(a_ssd)} to SSD, LoHan Eq. 3), the rest recomputed; blocks ranked by "
-        f"FLOP/byte (LoHan Eq. 6); a swapped block moves its FLOP-bearing ops' outputs and re-forwards "
-        f"the rest (Fuyou Table 2)",
+        f"FLOP/byte (LoHan Eq. 6); {how}",
         f"swap count by bisection over OB-ordered prefixes (T_iter convex, LoHan §IV-D); "
         f"simulated k:step_time {searched}",
         f"prefetch depth {prefetch}: {why} (Fuyou §4.4 GPU-memory-aware FIFO)",
