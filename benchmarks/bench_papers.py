@@ -93,8 +93,8 @@ def run(rows: list[Row]) -> list[dict]:
         t0 = time.perf_counter()
         tried = {b: predict(r, b) for b in r.sweep or (r.batch,)}
         ok = {b: v for b, v in tried.items() if v[0] is not None}
-        best = max(ok, key=lambda b: ok[b][0]) if ok else r.batch
-        pred, why = tried.get(best, (None, "")) if ok else (None, tried[max(tried)][1])
+        best = max(ok, key=lambda b: ok[b][0]) if ok else max(tried)
+        pred, why = tried[best]
         if r.sweep:
             r = dataclasses.replace(r, batch=best)
             swept = ", ".join(f"{b}: {'-' if v is None else f'{v:.0f}'}" for b, (v, _) in tried.items())

@@ -254,8 +254,7 @@ class Executor:
                                       f"runs {', '.join(KINDS)})")
             if not self._mine(ins):
                 continue
-            if ins.kind in ("compute", "recompute") and ins.segment not in self.joint.segments \
-                    and not (ins.kind == "recompute" and ins.segment.startswith("refwd:")):  # _add_reforwards
+            if ins.kind in ("compute", "recompute") and not self._known_segment(ins):
                 raise TensorstowError(f"plan instruction {k}: unknown segment '{ins.segment}'")
             if ins.kind in ("compute", "recompute") and ins.stream != f"{g}.compute":
                 raise TensorstowError(f"plan instruction {k}: segments run on {g}.compute, not "
@@ -329,6 +328,14 @@ class Executor:
                         alloc(a)
         return events
 
+    def _known_segment(self, ins: Instr) -> bool:
+        """A traced segment, or a partial swap's re-forward of a block that has a forward (built
+        from the plan's buffers by `_add_reforwards`)."""
+        seg = ins.segment
+        if seg in self.joint.segments:
+            return True
+        return ins.kind == "recompute" and seg.startswith("refwd:") and f"fwd:{seg[6:]}" in self.joint.segments
+
     def _add_reforwards(self) -> None:
         """The `refwd:<b>` segments a partial swap's recompute runs: the part of b's forward that
         makes R:<b> again from what A:<b> brought back (and X, P)."""
@@ -336,9 +343,9 @@ class Executor:
             if ins.kind != "recompute" or not ins.segment.startswith("refwd:") or ins.segment in self.joint.segments:
                 continue
             b = ins.segment.split(":", 1)[1]
-            if f"fwd:{b}" not in self.joint.segments or ins.allocs != (f"R:{b}",) or f"A:{b}" not in self.members:
+            if ins.allocs != (f"R:{b}",) or f"A:{b}" not in self.members:
                 raise TensorstowError(f"plan instruction {ins.id}: recompute {ins.segment} needs buffers A:{b} "
-                                      f"and R:{b} of a block with a forward; re-plan it")
+                                      f"and R:{b}; re-plan it")
             seg = self.joint.add_reforward(b, self.members[f"R:{b}"], self.members[f"A:{b}"])
             if _draws_random(seg):
                 raise TensorstowError(f"plan instruction {ins.id}: {ins.segment} would draw random numbers "
