@@ -30,7 +30,8 @@ from tensorstow.ir.models import resolve_model  # noqa: E402
 from tensorstow.ir.trace import trace  # noqa: E402
 from tensorstow.cli import main  # noqa: E402
 from tensorstow.planner.hardware import load_hardware  # noqa: E402
-from tensorstow.planner.plan import Options, build_problem, plan_problem  # noqa: E402
+from tensorstow.planner.plan import Options, build_problem, plan_problem, schedule  # noqa: E402
+from tensorstow.planner.schedule import BlockDecision, Decisions  # noqa: E402
 from tests.fixtures import real_models  # noqa: E402
 from tests.oracle import train_eager  # noqa: E402
 
@@ -481,3 +482,29 @@ def test_frozen_weights_keep_their_fp32_values_under_mixed_precision(tmp_path):
     got = run_executor(pj, real_models.lora_llama, tmp_path)
     assert_equal(got, want, prefix="model.")
     assert all(torch.equal(got[1]["model." + n], frozen[n]) for n in frozen)
+
+
+def _partial_swap_plan(ref: str) -> dict:
+    """Every layer swapped partially (Fuyou Table 2: its FLOP-bearing ops' outputs to DRAM or SSD,
+    the rest re-forwarded before its backward); the policies pick whole swaps for these tiny models."""
+    o = Options(model=ref, hardware="lohan-rtx4090", policy="custom", batch=B, seq=T, precision="fp32", lr=LR,
+                exact_optimizer=True)
+    p = build_problem(o, load_hardware("lohan-rtx4090"))
+    layers = [b for b in p.order if p.graph.block(b).kind == "layer"]
+    dec = Decisions(policy="custom", overlap_optimizer=True, blocks={b: BlockDecision(
+        params="dram", states="ssd", optimizer="cpu",
+        activations=("swap_dram" if i % 2 else "swap_ssd") if b in layers else "keep",
+        checkpoint="dram" if b in layers else "gpu", reforward=True) for i, b in enumerate(p.order)})
+    pj = json.loads(schedule(p, dec).dumps())
+    assert [n for n in pj["buffers"] if n.startswith("R:")] == [f"R:{b}" for b in layers]
+    return pj
+
+
+def test_partial_swaps_train_exactly_like_eager(hf_root, tmp_path):
+    ref = hf_ref("llama", hf_root)
+    assert_equal(run_executor(_partial_swap_plan(ref), resolve_model(ref).build, tmp_path / "llama"),
+                 hf_eager(ref), prefix="model.")
+    ref = "tests.fixtures.real_models:nano_gpt"
+    torch.manual_seed(0)
+    want = run_eager(real_models.nano_gpt(), lambda m, x, y: m(x, y)[1])
+    assert_equal(run_executor(_partial_swap_plan(ref), real_models.nano_gpt, tmp_path / "nano"), want)
