@@ -463,6 +463,9 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exception(e)
         print(f"tensorstow: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader went away (`tensorstow check plans | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

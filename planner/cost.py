@@ -354,6 +354,37 @@ def transfer_time(nbytes: int, src: str, dst: str, hw: Hardware) -> float:
     raise ValueError(f"no direct link {src} -> {dst} (consumer GPUs have no GPUDirect storage)")
 
 
+def _host_link(gpu: int, hw: Hardware, way: str) -> float:
+    g, rc = hw.gpus[gpu], hw.root_complex_bw or float("inf")
+    return min(g.d2h_bw if way == "d2h" else g.h2d_bw, rc)
+
+
+def zero3_grad_flush_time(nbytes: int, gpu: int, gpus: int, mixed: bool, hw: Hardware) -> float:
+    """Seconds DeepSpeed ZeRO-3 with its optimizer in DRAM spends, per GPU, getting one block's
+    gradient (`nbytes` on each of `gpus` GPUs) to the host, with the backward waiting for it.
+    A ring reduce-scatter leaves each GPU its 1/N partition, sending (N-1)/N of the gradient over
+    P2P (over the host links without it); the partition then goes to DRAM by a blocking
+    `copy_` into the fp32 gradient (stage3.py `partition_grads`), which in mixed precision is a
+    converting copy (`GPU.d2h_convert_bw`, DOS §4.1 and Fig. 6 top: 2.5 GB/s, stalling the GPU)."""
+    if nbytes == 0:
+        return 0.0
+    link = _host_link(gpu, hw, "d2h")
+    scatter = (gpus - 1) / gpus * nbytes / (hw.gpu_p2p_bw or link)
+    flush = nbytes / gpus / ((hw.gpus[gpu].d2h_convert_bw or link) if mixed else link)
+    return scatter + flush
+
+
+def zero3_param_writeback_time(param_bytes: int, gpus: int, mixed: bool, hw: Hardware) -> float:
+    """Seconds the CPU optimizer's loop waits, after updating one sub-group (a block), for each
+    GPU's blocking copy of its updated 1/N partition back into the GPU's parameters (stage3.py
+    `step` -> `_reassign_or_swap_out_partitioned_parameters`; DOS Fig. 5 top: the CPU idles while
+    it runs). The GPUs copy in parallel; mixed precision converts (`GPU.h2d_convert_bw`, DOS
+    Table 1: 8 GB/s)."""
+    return max((param_bytes / gpus / ((g.h2d_convert_bw or _host_link(k, hw, "h2d")) if mixed
+                                      else _host_link(k, hw, "h2d"))
+                for k, g in enumerate(hw.gpus[:gpus])), default=0.0)
+
+
 def _nonzero(bw: float, what: str) -> float:
     if bw <= 0:
         raise ValueError(f"{what} is 0 (no SSDs in the hardware spec) but the plan uses the SSD tier")

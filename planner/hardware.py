@@ -34,6 +34,10 @@ CPU_GPU_NAME = "cpu (no CUDA)"
 (`tensorstow probe` there): the device tier the executor emulates on the CPU."""
 
 
+OMITTED_WHEN_ZERO = ("op_s", "d2h_convert_bw", "h2d_convert_bw")
+"""GPU fields a spec's JSON leaves out when 0 (added after specs existed: their fingerprints stay)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class GPU:
     name: str
@@ -62,6 +66,21 @@ class GPU:
     dispatcher (measured by `tensorstow probe` on a tiny model; added to every op's time). 0 in
     the papers' presets, whose `flops` are measured block rates that include it. Left out of the
     spec's JSON when 0."""
+
+    d2h_convert_bw: float = 0.0
+    """Bytes/s, counted in the 16-bit tensor, of a blocking `host_fp32.copy_(device_16bit)`.
+    PyTorch converts on the CPU for a blocking copy between devices (ATen cuda/Copy.cu,
+    `copy_kernel_cuda`): it allocates an unpinned 16-bit host tensor, copies into it through
+    pageable memory, then converts, one after the other. DeepSpeed ZeRO-3 flushes each gradient
+    partition so when the optimizer is in DRAM (stage3.py `partition_grads`,
+    `fp32_grad_tensor.copy_(grad_buffer)`, 0.9.3 and later): DOS §4.1 measured 2.5 GB/s on an H100
+    whose pinned D2H runs 55 GB/s. `tensorstow probe` measures it on CUDA; 0: unknown, the pinned
+    `d2h_bw` (optimistic). Left out of the spec's JSON when 0."""
+    h2d_convert_bw: float = 0.0
+    """Bytes/s, counted in the 16-bit tensor, of a blocking `device_16bit.copy_(host_fp32)`
+    (converted on the CPU, then a pageable copy): DeepSpeed ZeRO-3's write-back of each sub-group's
+    updated parameters (stage3.py `_reassign_or_swap_out_partitioned_parameters`). DOS Table 1:
+    8 GB/s (H_32 -> G_16). 0: unknown, the pinned `h2d_bw`. Left out of the spec's JSON when 0."""
 
     @property
     def plan_bytes(self) -> int:
@@ -128,7 +147,7 @@ class Hardware:
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
-        d["gpus"] = [{k: v for k, v in g.items() if k != "op_s" or v} for g in d["gpus"]]  # JSON's own form
+        d["gpus"] = [{k: v for k, v in g.items() if k not in OMITTED_WHEN_ZERO or v} for g in d["gpus"]]
         return d
 
     @staticmethod

@@ -24,6 +24,8 @@ import itertools
 
 import pulp
 
+from tensorstow.planner import highs
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class StageProblem:
@@ -208,8 +210,8 @@ def _solve_k(sp: StageProblem, K: int, time_limit_s: float, gap: float = 0.0, ma
             if j + 1 < K:
                 m += t["b"][j][mb] >= t["b"][j + 1][mb] + T["b"][j + 1] + g_j[j + 1] * (1 / B)
     m += t["b"][K - 1][0] >= t["f"][K - 1][M - 1] + T["f"][K - 1]                        # Eq. 11
-    m.solve(pulp.HiGHS(msg=False, timeLimit=time_limit_s, **({"gapRel": gap} if gap else {}),
-                       **({"mip_max_nodes": max_nodes} if max_nodes else {})))
+    m.solve(highs.solver(timeLimit=time_limit_s, **({"gapRel": gap} if gap else {}),
+                         **({"mip_max_nodes": max_nodes} if max_nodes else {})))
     found = pulp.LpSolution[m.sol_status]  # LpStatus reads "Optimal" after a time limit too (DESIGN.md)
     if m.sol_status not in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
         return Partition((), 0.0, False, pulp.LpStatus[m.status] if m.status != 1 else found)

@@ -369,7 +369,13 @@ def _lower_data_parallel(order, prof, profile_of, decisions, buffers) -> list[In
     model on microbatch k, streaming each block's parameters from DRAM for its forward and again
     for its backward (ZeRO-3 frees gathered parameters after use), recomputing each block from its
     input checkpoint (kept in DRAM), and sending each gradient to DRAM, where the CPU sums the GPUs'
-    gradients and updates (ZeRO-Offload)."""
+    gradients and updates (ZeRO-Offload).
+
+    As DeepSpeed (0.9.3, stage3.py) runs it, and as DOS §3-4 measured it: a block's gradient reaches
+    DRAM by a blocking copy that the backward waits for (`partition_grads`; its time,
+    `cost.zero3_grad_flush_time`, includes the reduce-scatter), and the optimizer runs only after
+    every GPU's backward, one sub-group (block) at a time, each followed by the blocking write-back
+    of its updated parameters (`step`; `cost.zero3_param_writeback_time`)."""
     pl = decisions.pipeline
     e = _Emitter("gpu0")
     has = buffers.__contains__
@@ -380,6 +386,7 @@ def _lower_data_parallel(order, prof, profile_of, decisions, buffers) -> list[In
     mixed = any(n.startswith("M:") for n in buffers)
     state = {b: [x for x in (f"P:{b}", f"C:{b}") if has(x)] for b in order}
     arrived: dict[str, list[int]] = {}
+    finished: list[int] = []
     for k, g in enumerate(gpus):
         e.gpu = g
         ring: list[int] = []
@@ -403,11 +410,13 @@ def _lower_data_parallel(order, prof, profile_of, decisions, buffers) -> list[In
                 done.append(e.free(x_in, g, (s, c)))
             ring.append(max(done))
             frees.append(max([e.free(x, g, (c,)) for x in state[b]] or [c]))
+        flushed = None
         for b in reversed(order):
             if prof[profile_of[b]].bwd_ops[0] < 0:
                 continue
             gate = frees[-1 - decisions.prefetch] if len(frees) > decisions.prefetch else None
             deps = [e.move(x, home[x], g, (gate,)) for x in state[b]]
+            deps.append(flushed)
             x_in = f"X:{b}@{k}"
             if has(x_in):
                 deps.append(e.move(x_in, "dram", g, (ring[-2] if len(ring) >= 2 else None,)))
@@ -436,12 +445,15 @@ def _lower_data_parallel(order, prof, profile_of, decisions, buffers) -> list[In
                 s = e.move(f"G:{b}@{k}", g, "dram", (c,))
                 done.append(e.free(f"G:{b}@{k}", g, (s,)))
                 arrived.setdefault(b, []).append(s)
+                flushed = s  # a blocking copy: the backward goes on once it is done
             ring.append(max(done))
-    for b in reversed(order):  # the CPU sums the GPUs' gradients and updates (ZeRO-Offload)
+        finished.append(max(ring + frees))
+    for b in reversed(order):  # after every GPU's backward, sub-group by sub-group (stage3.py `step`)
         if b not in arrived:
             continue
         fresh = (f"P:{b}",) if mixed and home[f"P:{b}"] != "dram" else ()
-        u = e.emit("optimizer_step", "cpu.opt", tuple(arrived[b]), segment=b, dst="cpu", allocs=fresh)
+        u = e.emit("optimizer_step", "cpu.opt", tuple(arrived[b]) + tuple(finished), segment=b, dst="cpu",
+                   allocs=fresh)
         for k in range(len(gpus)):
             e.free(f"G:{b}@{k}", "dram", (u,))
     return e.instrs

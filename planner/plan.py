@@ -166,18 +166,24 @@ def _profile_info(p: cost.BlockProfile) -> ProfileInfo:
     return ProfileInfo(**d)
 
 
-def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer]) -> list[float]:
+def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer], decisions: Decisions) -> list[float]:
     hw, out = problem.hw, []
+    pl = decisions.pipeline
+    zero3 = len(pl.gpus) if pl is not None and pl.kind == "data-parallel" else 0  # DeepSpeed ZeRO-3 on N GPUs
     for ins in instrs:
         if ins.kind in ("compute", "recompute"):
             phase, b = ins.segment.split(":", 1)
             prof = problem.profiles[problem.profile_of[b]]
             out.append({"fwd": prof.fwd_time_s, "bwd": prof.bwd_time_s, "refwd": prof.refwd_time_s}[phase])
+        elif zero3 and ins.kind == "store" and buffers[ins.tensor].kind == "gradient" and ins.src.startswith("gpu"):
+            out.append(cost.zero3_grad_flush_time(buffers[ins.tensor].bytes, int(ins.src[3:]), zero3,
+                                                  problem.mixed, hw))
         elif ins.kind in ("load", "store", "send"):
             out.append(cost.transfer_time(buffers[ins.tensor].bytes, ins.src, ins.dst, hw))
         elif ins.kind == "optimizer_step":
-            n = problem.profiles[problem.profile_of[ins.segment]].param_count
-            out.append(cost.optimizer_time(n, ins.dst, hw))
+            prof = problem.profiles[problem.profile_of[ins.segment]]
+            out.append(cost.optimizer_time(prof.param_count, ins.dst, hw)
+                       + (cost.zero3_param_writeback_time(prof.param_bytes, zero3, problem.mixed, hw) if zero3 else 0.0))
         else:
             out.append(0.0)
     return out
@@ -196,7 +202,7 @@ def schedule(problem: Problem, decisions: Decisions) -> PlanResult:
         bufs = pipeline_buffers(problem.order, problem.profiles, problem.profile_of, decisions, problem.mixed)
         instrs = lower_pipeline(problem.order, problem.profiles, problem.profile_of, decisions, bufs,
                                 problem.gpu_capacity())
-    dur = durations(problem, instrs, bufs)
+    dur = durations(problem, instrs, bufs, decisions)
     initial = set(home_tiers(bufs, decisions, problem.order).items())
     sizes = {n: b.bytes for n, b in bufs.items()}
     reserved = decisions.reserved()

@@ -528,16 +528,25 @@ def _probe_one_cuda(dev: int, p: _Params) -> tuple[GPU, str]:
         h2d = nbytes / _cuda_best(lambda: d_src.copy_(h, non_blocking=True), p.gpu_copy_reps)
         d2h = nbytes / _cuda_best(lambda: h.copy_(d_src, non_blocking=True), p.gpu_copy_reps)
         del d_src, h
+        # DeepSpeed ZeRO-3's converting copies (GPU.d2h_convert_bw, h2d_convert_bw): blocking, so
+        # PyTorch converts on the CPU through an unpinned 16-bit host tensor; wall-clock timed.
+        g16 = torch.ones(nbytes // 4, dtype=dtype, device=dev)
+        h32 = torch.empty(nbytes // 4, dtype=torch.float32, pin_memory=True)
+        d2h_conv = g16.nbytes / _best_time(lambda: h32.copy_(g16), p.gpu_copy_reps)
+        h2d_conv = g16.nbytes / _best_time(lambda: g16.copy_(h32), p.gpu_copy_reps)
+        del g16, h32
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         # what this process cannot use: the context and kernel images (and other processes' memory)
         free, total = torch.cuda.mem_get_info(dev)
         context = max(0, total - free - torch.cuda.memory_reserved(dev))
     note = (f"cuda:{dev} {props.name}: {str(dtype).removeprefix('torch.')} mm {n}^2, "
-            f"copies {nbytes // MiB} MiB (pinned host); context and other processes {context / MiB:.0f} MiB "
+            f"copies {nbytes // MiB} MiB (pinned host; converting fp32 <-> 16-bit blocking copies "
+            f"{nbytes // 4 // MiB} Mi elements); context and other processes {context / MiB:.0f} MiB "
             f"+ {CUDA_WORKSPACE_BYTES // MiB} MiB workspaces reserved")
     return GPU(name=props.name, memory_bytes=int(props.total_memory), flops=flops, mem_bw=mem_bw, h2d_bw=h2d,
-               d2h_bw=d2h, reserved_bytes=context + CUDA_WORKSPACE_BYTES), note
+               d2h_bw=d2h, d2h_convert_bw=d2h_conv, h2d_convert_bw=h2d_conv,
+               reserved_bytes=context + CUDA_WORKSPACE_BYTES), note
 
 
 def _probe_p2p(p: _Params) -> float:

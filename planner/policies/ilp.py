@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 
 import pulp
 
+from tensorstow.planner import highs
 from tensorstow.planner.cost import GPU_ADAM_BYTES_PER_PARAM, BlockProfile
 from tensorstow.planner.schedule import ACTIVATION_CHOICES, BlockDecision, Decisions, swap_bytes
 
@@ -241,7 +242,7 @@ def solve(problem, *, choices=None, caps_mib: dict[str, float] | None = None, pr
         s = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=GAP_REL, warmStart=start is not None)
     else:
         params = {"objective_bound": bound / tscale * (1 + 1e-6) + 1e-6} if bound is not None else {}
-        s = pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=GAP_REL, **params)
+        s = highs.solver(timeLimit=time_limit, gapRel=GAP_REL, **params)
     prob.solve(s)
     status = pulp.LpStatus[prob.status]
     sol = pulp.LpSolution[prob.sol_status]  # LpStatus says "Optimal" after a time limit too
