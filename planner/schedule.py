@@ -98,6 +98,14 @@ class Decisions:
     back for the update: DeepSpeed's ZeRO-Infinity with the optimizer on NVMe (stage3.py
     `_offload_grad_partition_at_boundary` casts them to fp32, `swap_out_gradients` writes them;
     the optimizer swaps them in with the states). The zero-infinity baseline's."""
+    blocking_copies: bool = False
+    """The compute waits for the copies that go with it, as DeepSpeed 0.9.3 makes them: a block's
+    input checkpoint goes to DRAM before the block runs and comes back when its backward starts
+    (activation_checkpointing/checkpointing.py, `CPU_CHECKPOINT`: `.to(device)`, blocking), and each
+    gradient's copy to DRAM holds up the next backward (swap_tensor/utils.py `insert_tensor`, a
+    blocking `copy_` into the gradient swapper's pinned buffer; its write to SSD stays
+    asynchronous). The zero-infinity baseline's (Fuyou Fig. 2a: "P^i (SSD to CPU), P^i (CPU to
+    GPU), C_G^i (GPU), and A^i (GPU to CPU) are serialized")."""
     host_reserved: int = 0
     """DRAM bytes the system a policy models holds all step besides the plan's buffers, counted in
     the DRAM peak: the zero-infinity baseline's DeepSpeed pinned swap buffers and host gradient
@@ -136,6 +144,8 @@ class Decisions:
             d["pipeline"] = self.pipeline.to_json()
         if self.swap_grads:
             d["swap_grads"] = True
+        if self.blocking_copies:
+            d["blocking_copies"] = True
         if self.host_reserved:
             d["host_reserved"] = self.host_reserved
         if self.device_reserved:
@@ -323,10 +333,10 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
     last_fwd = order[-1]
     mixed = any(n.startswith("M:") for n in buffers)
 
-    def load_state(b: str, gate) -> int | None:
+    def load_state(b: str, *gates) -> int | None:
         last = None
         for x in state(b):
-            last = e.move(x, home[x], gpu, (gate,))
+            last = e.move(x, home[x], gpu, gates)
         return last
 
     def free_state(b: str, after: int) -> int | None:
@@ -360,11 +370,13 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
     swap_outs: dict[str, int] = {}
     for b in order:
         d = dec[b]
-        p_ready = None
+        p_ready = checkpointed = None
+        if decisions.blocking_copies and has(f"X:{b}") and d.checkpoint != "gpu":  # before b runs
+            checkpointed = e.move(f"X:{b}", gpu, d.checkpoint)
         if state(b) and d.params != "gpu":
             k = streamed.index(b)
             gate = frees_fwd.get(streamed[k - 1 - decisions.prefetch]) if k - 1 - decisions.prefetch >= 0 else None
-            p_ready = load_state(b, gate)
+            p_ready = load_state(b, gate, checkpointed)
         foreign = load_foreign(b)
         allocs = [x for x in (f"A:{b}",) if has(x) and d.activations != "recompute"]
         nxt = order[order.index(b) + 1] if b != last_fwd else None
@@ -373,8 +385,8 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
         # Back-pressure: a forward may run at most prefetch+1 blocks ahead of the swap-outs.
         k_fwd = order.index(b)
         gate_swap = swap_outs.get(order[k_fwd - 2 - decisions.prefetch]) if k_fwd - 2 - decisions.prefetch >= 0 else None
-        c = e.emit("compute", comp, (p_ready, gate_swap, *foreign), segment=f"fwd:{b}", allocs=tuple(allocs),
-                   workspace=f"W:fwd:{b}" if has(f"W:fwd:{b}") else "")
+        c = e.emit("compute", comp, (p_ready, gate_swap, checkpointed, *foreign), segment=f"fwd:{b}",
+                   allocs=tuple(allocs), workspace=f"W:fwd:{b}" if has(f"W:fwd:{b}") else "")
         release_foreign(c)
         for a in allocs:
             e.where[(a, gpu)] = c
@@ -384,7 +396,7 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
             s = e.move(f"A:{b}", gpu, "dram" if d.activations == "swap_dram" else "ssd", (c,))
             swap_outs[b] = e.free(f"A:{b}", gpu, (s,))
         if has(f"X:{b}") and d.checkpoint != "gpu":
-            s = e.move(f"X:{b}", gpu, d.checkpoint, (c,))
+            s = checkpointed if checkpointed is not None else e.move(f"X:{b}", gpu, d.checkpoint, (c,))
             f = e.free(f"X:{b}", gpu, (s, c))
             swap_outs[b] = max(f, swap_outs.get(b, f))
 
@@ -441,18 +453,22 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
 
     carry_until = {b: prof[profile_of[b]].carried_until for b in order if has(f"T:{b}")}
     handed_to = {order[order.index(b) - 1]: f"H:{b}" for b in order[1:] if has(f"H:{b}")}
+    held = None  # blocking_copies: what the next backward waits for (the last one and its gradient's copy)
     for b in bwd_order:
         d = dec[b]
         if prof[profile_of[b]].bwd_ops[0] < 0:
             continue  # nothing below needs a gradient and nothing here trains (frozen embeddings)
-        deps = []
+        deps = [held] if held is not None else []
+        x_in = None
+        if decisions.blocking_copies and has(f"X:{b}") and d.checkpoint != "gpu":  # first, as b's backward starts
+            x_in = e.move(f"X:{b}", d.checkpoint, gpu, (held,))
         if state(b) and d.params != "gpu" and b != last_fwd:
             k = bwd_streamed.index(b)
             gate = frees_bwd.get(bwd_streamed[k - 1 - decisions.prefetch]) if k - 1 - decisions.prefetch >= 0 else None
-            deps.append(load_state(b, gate))
+            deps.append(load_state(b, gate, x_in))
         deps += load_foreign(b)
         if has(f"X:{b}") and d.checkpoint != "gpu":
-            deps.append(e.move(f"X:{b}", d.checkpoint, gpu))
+            deps.append(x_in if x_in is not None else e.move(f"X:{b}", d.checkpoint, gpu))
         if has(f"A:{b}"):
             if d.activations in ("swap_dram", "swap_ssd"):
                 src = "dram" if d.activations == "swap_dram" else "ssd"
@@ -491,6 +507,8 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
             if d.optimizer == "cpu":
                 s = e.move(f"G:{b}", gpu, "dram", (c,))
                 e.free(f"G:{b}", gpu, (s,))
+                if decisions.blocking_copies:
+                    held = s
                 if decisions.swap_grads:
                     s = e.move(f"G:{b}", "dram", "ssd", (s,))
                     e.free(f"G:{b}", "dram", (s,))
@@ -499,6 +517,8 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
                 grads_ready[b] = c
             if overlap:
                 opt_step(b, (grads_ready[b],))
+        if decisions.blocking_copies:
+            held = max(c, held if held is not None else c)
     if not overlap:
         last_bwd = len(e.instrs) - 1
         for b in bwd_order:

@@ -1,6 +1,8 @@
 """The zero-infinity baseline holds DRAM as DeepSpeed really does (planner/policies/zero_infinity.py):
 its pinned swap buffers, gradient buffer and optimizer initialisation on top of the schedule's own
 buffers, so the largest model it trains follows the CPU memory as Fuyou §5.2 / Fig. 4 measured."""
+import dataclasses
+
 import pytest
 
 from tensorstow import TensorstowError
@@ -52,3 +54,35 @@ def test_the_largest_model_zero_infinity_trains_follows_fuyous_measurements(mode
         assert "dram needs" in str(e)
         ok = False
     assert ok == fits
+
+
+def test_the_baselines_copies_block_its_compute_as_deepspeeds_do():
+    """DeepSpeed 0.9.3 copies a block's input checkpoint to DRAM before the block runs and back as
+    its backward starts (CPU_CHECKPOINT's blocking `.to()`), and each gradient's copy to DRAM holds
+    up the next backward (`insert_tensor`'s blocking `copy_`): Fuyou Fig. 2a's serialized timeline.
+    Other policies' copies overlap the compute."""
+    from tensorstow.planner.plan import Options, hardware_for, make_plan
+    o = Options(model="gpt-tiny", hardware="lohan-rtx4090", policy="zero-infinity", batch=2, seq=32)
+    plan = make_plan(o, hardware_for(o))
+    assert plan.decisions.blocking_copies
+    ins, sim = plan.instructions, plan.sim
+    comp = [i for i in ins if i.stream == "gpu0.compute" and i.kind in ("compute", "recompute")]
+    checked = 0
+    for i in ins:
+        if i.kind == "store" and i.tensor.startswith("X:") and i.src == "gpu0":  # before its block runs
+            fwd = next(c for c in comp if c.segment == f"fwd:{i.tensor[2:]}" and c.kind == "compute")
+            assert sim.start[fwd.id] >= sim.end[i.id] - 1e-15
+            checked += 1
+        if i.src == "gpu0" and i.dst == "dram" and i.tensor.startswith("G:"):  # before the next backward
+            later = [c for c in comp if c.id > i.id]
+            if later:
+                assert sim.start[later[0].id] >= sim.end[i.id] - 1e-15
+                checked += 1
+        if i.kind == "load" and i.tensor.startswith("X:") and i.dst == "gpu0":  # after the last backward
+            before = [c for c in comp if c.id < i.id and c.segment.startswith("bwd:")]
+            if before:
+                assert sim.start[i.id] >= sim.end[before[-1].id] - 1e-15
+                checked += 1
+    assert checked >= 6
+    lohan = make_plan(dataclasses.replace(o, policy="lohan"), hardware_for(o))
+    assert not lohan.decisions.blocking_copies and "blocking_copies" not in lohan.to_json()["decisions"]

@@ -3,7 +3,9 @@
 fp16 parameters and fp32 master + Adam states live on SSD (DRAM when there is no SSD);
 parameters are streamed in block by block, each fetched when its block runs (Fuyou Fig. 2a
 measured DeepSpeed's fetches and compute almost serialized); each transformer block's input is
-checkpointed to DRAM and the rest of its activations recomputed in backward; gradients go to
+checkpointed to DRAM and the rest of its activations recomputed in backward, the checkpoint's
+copies and each gradient's copy to DRAM blocking the compute as DeepSpeed's do
+(`Decisions.blocking_copies`); gradients go to
 DRAM and on to SSD in fp32, as DeepSpeed swaps them (stage3.py `swap_out_gradients`); the CPU
 optimizer runs after the whole backward, subgroup after subgroup (read states and gradient,
 update, write), so GPU, CPU and SSD work mostly one after another.
@@ -76,12 +78,14 @@ def plan(problem) -> Decisions:
     host = deepspeed_host_bytes(params, 2 if problem.mixed else 4, largest)
     gb = ", ".join(f"{k} {v / 1e9:.3g} GB" for k, v in host.items())
     return Decisions(policy="zero-infinity", blocks=blocks, prefetch=0, overlap_optimizer=False,
-                     serialize_optimizer=True, swap_grads=home == "ssd", host_reserved=sum(host.values()),
+                     serialize_optimizer=True, swap_grads=home == "ssd", blocking_copies=True, host_reserved=sum(host.values()),
                      notes=(f"parameters and optimizer states on {home}",
                             "each block's parameters fetched when it runs, not ahead (Fuyou Fig. 2a: "
                             "GPU compute and PCIe transfers almost serialized)",
                             *(("fp32 gradients to SSD and back for the update (DeepSpeed "
                                "swap_out_gradients)",) if home == "ssd" else ()),
                             "inter-block checkpoints in DRAM, intra-block activations recomputed",
+                            "checkpoint and gradient copies block the compute, as DeepSpeed makes them "
+                            "(checkpointing.py CPU_CHECKPOINT `.to()`, swap_tensor/utils.py `insert_tensor`)",
                             "CPU Adam after backward, one subgroup at a time (Fuyou Fig. 2a)",
                             f"DeepSpeed's host memory besides the schedule's buffers: {gb}"))
