@@ -170,13 +170,15 @@ def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer],
     hw, out = problem.hw, []
     pl = decisions.pipeline
     zero3 = len(pl.gpus) if pl is not None and pl.kind == "data-parallel" else 0  # DeepSpeed ZeRO-3 on N GPUs
+    # DeepSpeed's gradient to a DRAM-resident optimizer: the same blocking copy_ on one GPU
+    flushes = zero3 or (1 if decisions.blocking_copies and not decisions.swap_grads else 0)
     for ins in instrs:
         if ins.kind in ("compute", "recompute"):
             phase, b = ins.segment.split(":", 1)
             prof = problem.profiles[problem.profile_of[b]]
             out.append({"fwd": prof.fwd_time_s, "bwd": prof.bwd_time_s, "refwd": prof.refwd_time_s}[phase])
-        elif zero3 and ins.kind == "store" and buffers[ins.tensor].kind == "gradient" and ins.src.startswith("gpu"):
-            out.append(cost.zero3_grad_flush_time(buffers[ins.tensor].bytes, int(ins.src[3:]), zero3,
+        elif flushes and ins.kind == "store" and buffers[ins.tensor].kind == "gradient" and ins.src.startswith("gpu"):
+            out.append(cost.zero3_grad_flush_time(buffers[ins.tensor].bytes, int(ins.src[3:]), flushes,
                                                   problem.mixed, hw))
         elif ins.kind in ("load", "store", "send"):
             out.append(cost.transfer_time(buffers[ins.tensor].bytes, ins.src, ins.dst, hw))

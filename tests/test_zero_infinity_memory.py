@@ -86,3 +86,19 @@ def test_the_baselines_copies_block_its_compute_as_deepspeeds_do():
     assert checked >= 6
     lohan = make_plan(dataclasses.replace(o, policy="lohan"), hardware_for(o))
     assert not lohan.decisions.blocking_copies and "blocking_copies" not in lohan.to_json()["decisions"]
+
+
+def test_without_ssds_the_baselines_gradient_flush_is_deepspeeds_converting_copy():
+    """With no SSD the optimizer is in DRAM and DeepSpeed copies each 16-bit gradient into its fp32
+    host gradient by the blocking, CPU-converting `copy_` (stage3.py `partition_grads`): the DOS
+    preset's measured 2.5 GB/s, not its 55 GB/s pinned link."""
+    from tensorstow.planner.plan import Options, hardware_for, make_plan
+    o = Options(model="gpt-tiny", hardware="dos-jlse-4xh100", policy="zero-infinity", batch=2, seq=32, ssds=0,
+                precision="bf16-mixed")
+    hw = hardware_for(o)
+    plan = make_plan(o, hw)
+    assert not plan.decisions.swap_grads
+    flush = [i for i in plan.instructions if i.kind == "store" and i.tensor.startswith("G:") and i.src == "gpu0"]
+    assert flush
+    for i in flush:
+        assert plan.durations[i.id] == pytest.approx(plan.buffers[i.tensor].bytes / hw.gpus[0].d2h_convert_bw)
