@@ -339,14 +339,13 @@ def transfer_time(nbytes: int, src: str, dst: str, hw: Hardware) -> float:
     """Seconds to move `nbytes` between tiers ("gpuK", "dram", "ssd")."""
     if nbytes == 0:
         return 0.0
-    rc = hw.root_complex_bw or float("inf")  # Mobius: a root complex's uplink bounds its GPUs' links
     if src.startswith("gpu") and dst.startswith("gpu"):
-        bw = hw.gpu_p2p_bw or min(hw.gpus[int(src[3:])].d2h_bw, hw.gpus[int(dst[3:])].h2d_bw, rc)
+        bw = hw.gpu_p2p_bw or min(_host_link(int(src[3:]), hw, "d2h"), _host_link(int(dst[3:]), hw, "h2d"))
         return nbytes / bw
     if src == "dram" and dst.startswith("gpu"):
-        return nbytes / min(hw.gpus[int(dst[3:])].h2d_bw, rc)
+        return nbytes / _host_link(int(dst[3:]), hw, "h2d")
     if src.startswith("gpu") and dst == "dram":
-        return nbytes / min(hw.gpus[int(src[3:])].d2h_bw, rc)
+        return nbytes / _host_link(int(src[3:]), hw, "d2h")
     if src == "ssd" and dst == "dram":
         return nbytes / _nonzero(hw.ssd.read_total(), "SSD read bandwidth")
     if src == "dram" and dst == "ssd":
@@ -355,8 +354,19 @@ def transfer_time(nbytes: int, src: str, dst: str, hw: Hardware) -> float:
 
 
 def _host_link(gpu: int, hw: Hardware, way: str) -> float:
+    """A GPU's pinned host link one way ("h2d"/"d2h"), bounded by its root complex's uplink
+    (Mobius: the GPUs under one complex share it)."""
     g, rc = hw.gpus[gpu], hw.root_complex_bw or float("inf")
     return min(g.d2h_bw if way == "d2h" else g.h2d_bw, rc)
+
+
+def _blocking_copy_bw(gpu: int, hw: Hardware, way: str, mixed: bool) -> float:
+    """Bytes/s of DeepSpeed's blocking copy between a GPU's 16-bit (mixed) or fp32 tensor and an fp32
+    host tensor: converting through the CPU in mixed precision (`GPU.d2h_convert_bw` /
+    `h2d_convert_bw`, where the spec states it), the pinned link otherwise."""
+    g = hw.gpus[gpu]
+    convert = (g.d2h_convert_bw if way == "d2h" else g.h2d_convert_bw) if mixed else 0.0
+    return convert or _host_link(gpu, hw, way)
 
 
 def zero3_grad_flush_time(nbytes: int, gpu: int, gpus: int, mixed: bool, hw: Hardware) -> float:
@@ -368,10 +378,8 @@ def zero3_grad_flush_time(nbytes: int, gpu: int, gpus: int, mixed: bool, hw: Har
     converting copy (`GPU.d2h_convert_bw`, DOS §4.1 and Fig. 6 top: 2.5 GB/s, stalling the GPU)."""
     if nbytes == 0:
         return 0.0
-    link = _host_link(gpu, hw, "d2h")
-    scatter = (gpus - 1) / gpus * nbytes / (hw.gpu_p2p_bw or link)
-    flush = nbytes / gpus / ((hw.gpus[gpu].d2h_convert_bw or link) if mixed else link)
-    return scatter + flush
+    scatter = (gpus - 1) / gpus * nbytes / (hw.gpu_p2p_bw or _host_link(gpu, hw, "d2h"))
+    return scatter + nbytes / gpus / _blocking_copy_bw(gpu, hw, "d2h", mixed)
 
 
 def zero3_param_writeback_time(param_bytes: int, gpus: int, mixed: bool, hw: Hardware) -> float:
@@ -380,9 +388,8 @@ def zero3_param_writeback_time(param_bytes: int, gpus: int, mixed: bool, hw: Har
     `step` -> `_reassign_or_swap_out_partitioned_parameters`; DOS Fig. 5 top: the CPU idles while
     it runs). The GPUs copy in parallel; mixed precision converts (`GPU.h2d_convert_bw`, DOS
     Table 1: 8 GB/s)."""
-    return max((param_bytes / gpus / ((g.h2d_convert_bw or _host_link(k, hw, "h2d")) if mixed
-                                      else _host_link(k, hw, "h2d"))
-                for k, g in enumerate(hw.gpus[:gpus])), default=0.0)
+    return max((param_bytes / gpus / _blocking_copy_bw(k, hw, "h2d", mixed) for k in range(min(gpus, len(hw.gpus)))),
+               default=0.0)
 
 
 def _nonzero(bw: float, what: str) -> float:

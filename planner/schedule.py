@@ -453,13 +453,13 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
 
     carry_until = {b: prof[profile_of[b]].carried_until for b in order if has(f"T:{b}")}
     handed_to = {order[order.index(b) - 1]: f"H:{b}" for b in order[1:] if has(f"H:{b}")}
-    held = None  # blocking_copies: what the next backward waits for (the last one and its gradient's copy)
+    held = None  # blocking_copies: what the next backward waits for
     for b in bwd_order:
         d = dec[b]
         if prof[profile_of[b]].bwd_ops[0] < 0:
             continue  # nothing below needs a gradient and nothing here trains (frozen embeddings)
         deps = [held] if held is not None else []
-        x_in = None
+        x_in = flushed = None
         if decisions.blocking_copies and has(f"X:{b}") and d.checkpoint != "gpu":  # first, as b's backward starts
             x_in = e.move(f"X:{b}", d.checkpoint, gpu, (held,))
         if state(b) and d.params != "gpu" and b != last_fwd:
@@ -507,8 +507,7 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
             if d.optimizer == "cpu":
                 s = e.move(f"G:{b}", gpu, "dram", (c,))
                 e.free(f"G:{b}", gpu, (s,))
-                if decisions.blocking_copies:
-                    held = s
+                flushed = s
                 if decisions.swap_grads:
                     s = e.move(f"G:{b}", "dram", "ssd", (s,))
                     e.free(f"G:{b}", "dram", (s,))
@@ -517,8 +516,8 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
                 grads_ready[b] = c
             if overlap:
                 opt_step(b, (grads_ready[b],))
-        if decisions.blocking_copies:
-            held = max(c, held if held is not None else c)
+        if decisions.blocking_copies:  # the gradient's copy to DRAM, else the backward itself
+            held = flushed if flushed is not None else c
     if not overlap:
         last_bwd = len(e.instrs) - 1
         for b in bwd_order:
