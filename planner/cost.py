@@ -335,21 +335,23 @@ def _workspace(seg, tensors, ops, planned=frozenset()) -> int:
     return peak
 
 
-def transfer_time(nbytes: int, src: str, dst: str, hw: Hardware) -> float:
-    """Seconds to move `nbytes` between tiers ("gpuK", "dram", "ssd")."""
+def transfer_time(nbytes: int, src: str, dst: str, hw: Hardware, tensors: int = 1) -> float:
+    """Seconds to move `nbytes` between tiers ("gpuK", "dram", "ssd"), a buffer of `tensors` members:
+    its bytes over the link, plus the fixed costs the spec states (probed; 0 in the presets): each
+    tensor of a DRAM <-> device copy `GPU.copy_tensor_s`, each SSD request `SSD.request_s`."""
     if nbytes == 0:
         return 0.0
     if src.startswith("gpu") and dst.startswith("gpu"):
         bw = hw.gpu_p2p_bw or min(_host_link(int(src[3:]), hw, "d2h"), _host_link(int(dst[3:]), hw, "h2d"))
         return nbytes / bw
     if src == "dram" and dst.startswith("gpu"):
-        return nbytes / _host_link(int(dst[3:]), hw, "h2d")
+        return nbytes / _host_link(int(dst[3:]), hw, "h2d") + tensors * hw.gpus[int(dst[3:])].copy_tensor_s
     if src.startswith("gpu") and dst == "dram":
-        return nbytes / _host_link(int(src[3:]), hw, "d2h")
+        return nbytes / _host_link(int(src[3:]), hw, "d2h") + tensors * hw.gpus[int(src[3:])].copy_tensor_s
     if src == "ssd" and dst == "dram":
-        return nbytes / _nonzero(hw.ssd.read_total(), "SSD read bandwidth")
+        return nbytes / _nonzero(hw.ssd.read_total(), "SSD read bandwidth") + hw.ssd.request_s
     if src == "dram" and dst == "ssd":
-        return nbytes / _nonzero(hw.ssd.write_total(), "SSD write bandwidth")
+        return nbytes / _nonzero(hw.ssd.write_total(), "SSD write bandwidth") + hw.ssd.request_s
     raise ValueError(f"no direct link {src} -> {dst} (consumer GPUs have no GPUDirect storage)")
 
 

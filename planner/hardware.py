@@ -34,8 +34,9 @@ CPU_GPU_NAME = "cpu (no CUDA)"
 (`tensorstow probe` there): the device tier the executor emulates on the CPU."""
 
 
-OMITTED_WHEN_ZERO = ("op_s", "d2h_convert_bw", "h2d_convert_bw")
-"""GPU fields a spec's JSON leaves out when 0 (added after specs existed: their fingerprints stay)."""
+OMITTED_WHEN_ZERO = ("op_s", "d2h_convert_bw", "h2d_convert_bw", "copy_tensor_s", "request_s")
+"""GPU and SSD fields a spec's JSON leaves out when 0 (added after specs existed: their
+fingerprints stay)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +82,13 @@ class GPU:
     (converted on the CPU, then a pageable copy): DeepSpeed ZeRO-3's write-back of each sub-group's
     updated parameters (stage3.py `_reassign_or_swap_out_partitioned_parameters`). DOS Table 1:
     8 GB/s (H_32 -> G_16). 0: unknown, the pinned `h2d_bw`. Left out of the spec's JSON when 0."""
+    copy_tensor_s: float = 0.0
+    """Host seconds each tensor of a copy between DRAM and the device costs besides its bytes: the
+    executor copies a buffer member by member (`executor.stores`: one `copy_` and, on arrival, one
+    allocation and one accounting entry per tensor; on CUDA one copy launch each), so a buffer of
+    many small tensors (a block's weights and biases) moves slower than its bytes at `h2d_bw`. Measured
+    by `tensorstow probe` through those stores; 0 in the papers' presets (their links are measured
+    transfer rates). Left out of the spec's JSON when 0."""
 
     @property
     def plan_bytes(self) -> int:
@@ -108,6 +116,11 @@ class SSD:
     """Capacity of ONE drive."""
     max_total_bw: float = 0.0
     """Cap on the aggregate bandwidth (PCIe / root complex limit); 0 = no cap."""
+    request_s: float = 0.0
+    """Seconds each read or write of a buffer costs besides its bytes: the store's submission,
+    completion and checksum bookkeeping per request (`executor.ssd.SSDStore`), measured by
+    `tensorstow probe` on a 4 KiB buffer through that store; 0 in the papers' presets. Left out of
+    the spec's JSON when 0."""
 
     def read_total(self) -> float:
         bw = self.count * self.read_bw
@@ -148,6 +161,7 @@ class Hardware:
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["gpus"] = [{k: v for k, v in g.items() if k not in OMITTED_WHEN_ZERO or v} for g in d["gpus"]]
+        d["ssd"] = {k: v for k, v in d["ssd"].items() if k not in OMITTED_WHEN_ZERO or v}
         return d
 
     @staticmethod

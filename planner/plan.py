@@ -181,7 +181,8 @@ def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer],
             out.append(cost.zero3_grad_flush_time(buffers[ins.tensor].bytes, int(ins.src[3:]), flushes,
                                                   problem.mixed, hw))
         elif ins.kind in ("load", "store", "send"):
-            out.append(cost.transfer_time(buffers[ins.tensor].bytes, ins.src, ins.dst, hw))
+            buf = buffers[ins.tensor]
+            out.append(cost.transfer_time(buf.bytes, ins.src, ins.dst, hw, tensors=max(1, len(buf.members))))
         elif ins.kind == "optimizer_step":
             prof = problem.profiles[problem.profile_of[ins.segment]]
             out.append(cost.optimizer_time(prof.param_count, ins.dst, hw)

@@ -151,9 +151,10 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
     else:
         flops = _cpu_block_flops(p.cpu_block_reps)
         op_s = _op_dispatch_s(p.cpu_block_reps)
+        per_tensor = _copy_tensor_s(p.memcpy_reps)
         budget = total_ram // CPU_GPU_FRACTION
         gpus = (GPU(name=CPU_GPU_NAME, memory_bytes=budget, flops=flops, mem_bw=2 * copy_bw,
-                    h2d_bw=copy_bw, d2h_bw=copy_bw, op_s=op_s),)
+                    h2d_bw=copy_bw, d2h_bw=copy_bw, op_s=op_s, copy_tensor_s=per_tensor),)
         p2p_bw = 0.0
         # Device tier and DRAM tier share the same RAM: do not count it twice.
         dram = DRAM(capacity_bytes=max(0, avail_ram - budget), bandwidth=dram.bandwidth)
@@ -161,12 +162,13 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
                      f"({budget / GiB:.1f} GiB, taken out of DRAM capacity); "
                      f"flops = fp32 GPT block (d {CPU_BLOCK[0]}, batch {CPU_BLOCK[2]} x seq {CPU_BLOCK[3]}) "
                      f"forward + backward on {torch.get_num_threads()} thread(s); op_s = the executor's "
-                     f"interpreter per op on a tiny GPT ({op_s * 1e6:.1f} us)")
+                     f"interpreter per op on a tiny GPT ({op_s * 1e6:.1f} us); copy_tensor_s = the executor's "
+                     f"stores per tensor of a copy ({per_tensor * 1e6:.1f} us)")
     if nvml_note:
         notes.append(nvml_note)
 
     ssd = SSD(count=1, read_bw=disk.read_bw, write_bw=disk.write_bw,
-              capacity_bytes=disk.capacity)
+              capacity_bytes=disk.capacity, request_s=disk.request_s)
     cpu = CPU(cores=cores, adam_rate=adam_rate)
 
     stamp = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
@@ -177,7 +179,9 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
         f"DRAM: MemAvailable {avail_ram / GiB:.1f} of {total_ram / GiB:.1f} GiB, "
         f"bandwidth = 2x memcpy of {p.memcpy_bytes // MiB} MiB (read+write traffic)",
         f"SSD: {disk.method} on {disk.fs_dir}, {p.disk_bytes // MiB} MiB file, "
-        f"{p.disk_chunk // MiB} MiB requests x {p.disk_threads} threads",
+        f"{p.disk_chunk // MiB} MiB requests x {p.disk_threads} threads; request_s = a "
+        f"{REQUEST_PROBE_BYTES // 1024} KiB write and read through the executor's store "
+        f"({disk.request_s * 1e6:.0f} us)",
         f"CPU: AdamW {adam_kind} on {p.adam_numel // MiB}Mi fp32 params",
         f"best of {p.memcpy_reps}/{p.disk_reps}/{p.adam_reps} reps (memcpy/disk/adam)",
     ])
@@ -336,6 +340,7 @@ class _DiskResult:
     capacity: int
     method: str
     fs_dir: str
+    request_s: float = 0.0
 
 
 def _fill_buffer(buf: mmap.mmap) -> None:
@@ -436,11 +441,61 @@ def _disk_bw(base: str, size: int, chunk: int, threads: int, reps: int) -> _Disk
                 method = f"buffered I/O + fsync + FADV_DONTNEED ({err})"
                 read_bw, write_bw = _time_file_io(path, view, chunk, pool, reps, False)
         return _DiskResult(read_bw=read_bw, write_bw=write_bw, capacity=int(capacity),
-                           method=method, fs_dir=base)
+                           method=method, fs_dir=base, request_s=_ssd_request_s(tmpdir, reps))
     finally:
         view.release()
         buf.close()
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+REQUEST_PROBE_BYTES = 4096
+"""Size of the buffer whose reads and writes through the executor's SSD store give
+`SSD.request_s`: one O_DIRECT block, so its time is the per-request cost, not the bytes."""
+
+
+def _ssd_request_s(tmpdir: str, reps: int) -> float:
+    """Seconds one read or write of a buffer costs in the executor's SSD store besides its bytes
+    (`SSD.request_s`): the mean of a write and a read of a 4 KiB buffer (submission, completion,
+    checksum, bookkeeping), best of `reps` rounds of 20 each."""
+    from tensorstow.executor.ssd import SSDStore
+    from tensorstow.executor.stores import aligned_empty
+
+    t = aligned_empty(REQUEST_PROBE_BYTES)
+    t.fill_(7)
+    with SSDStore(os.path.join(tmpdir, "requests"), {"x": REQUEST_PROBE_BYTES}) as store:
+        def rounds():
+            for _ in range(10):
+                store.write("x", t)
+                store.read("x", t)
+        return _best_time(rounds, reps) / 20
+
+
+def _copy_tensor_s(reps: int, device=None, pin: bool = False) -> float:
+    """Host seconds per tensor of a copy between DRAM and the device tier (`GPU.copy_tensor_s`),
+    through the executor's own stores: a buffer of 16 tiny tensors stored to a host copy and
+    loaded back (and dropped), so the time is the per-tensor work, not the bytes."""
+    import torch
+
+    from tensorstow.executor.stores import DeviceTier, HostTier, Layout
+    device = device or torch.device("cpu")
+    n = 16
+    layout = Layout([(f"t{k}", torch.float32, (16,)) for k in range(n)])
+    dev = DeviceTier(1 << 30, device)
+    host = HostTier(pin=pin)
+    dev.put("B", {f"t{k}": torch.ones(16, device=device) for k in range(n)})
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def round_trip():
+        for _ in range(10):
+            host.store_from("H", layout, dev.get("B"), non_blocking=device.type == "cuda")
+            dev.load_from("L", host.get("H"))
+            dev.drop("L")
+        sync()
+    try:
+        return _best_time(round_trip, reps) / (2 * 10 * n)
+    finally:
+        host.drop("H")
+        dev.drop("B")
 
 
 # --------------------------------------------------------------------------------------
@@ -535,6 +590,7 @@ def _probe_one_cuda(dev: int, p: _Params) -> tuple[GPU, str]:
         d2h_conv = g16.nbytes / _best_time(lambda: h32.copy_(g16), p.gpu_copy_reps)
         h2d_conv = g16.nbytes / _best_time(lambda: g16.copy_(h32), p.gpu_copy_reps)
         del g16, h32
+        per_tensor = _copy_tensor_s(p.gpu_copy_reps, torch.device("cuda", dev), pin=True)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         # what this process cannot use: the context and kernel images (and other processes' memory)
@@ -545,7 +601,7 @@ def _probe_one_cuda(dev: int, p: _Params) -> tuple[GPU, str]:
             f"{nbytes // 4 // MiB} Mi elements); context and other processes {context / MiB:.0f} MiB "
             f"+ {CUDA_WORKSPACE_BYTES // MiB} MiB workspaces reserved")
     return GPU(name=props.name, memory_bytes=int(props.total_memory), flops=flops, mem_bw=mem_bw, h2d_bw=h2d,
-               d2h_bw=d2h, d2h_convert_bw=d2h_conv, h2d_convert_bw=h2d_conv,
+               d2h_bw=d2h, d2h_convert_bw=d2h_conv, h2d_convert_bw=h2d_conv, copy_tensor_s=per_tensor,
                reserved_bytes=context + CUDA_WORKSPACE_BYTES), note
 
 

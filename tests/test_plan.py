@@ -153,3 +153,36 @@ def test_offloading_moves_bytes_and_costs_time():
     grads = sum(b.bytes for n, b in offload.buffers.items() if n.startswith("G:"))
     assert offload.sim.traffic_bytes["gpu0->dram"] >= grads and offload.sim.traffic_bytes["dram->ssd"] >= grads
     assert P > 0
+
+
+def test_copies_cost_their_tensors_and_ssd_requests_their_fixed_cost_where_the_spec_states_them():
+    """`GPU.copy_tensor_s` and `SSD.request_s` (probed: the executor copies a buffer tensor by
+    tensor, and each SSD read or write has a fixed cost): every DRAM <-> device copy of the plan
+    takes its buffer's member count times the first longer, every SSD transfer the second; the
+    papers' presets state neither, so their specs and fingerprints do not change."""
+    hw = load_hardware("lohan-rtx4090")
+    assert "copy_tensor_s" not in hw.to_json()["gpus"][0] and "request_s" not in hw.to_json()["ssd"]
+    slow = dataclasses.replace(hw, gpus=(dataclasses.replace(hw.gpus[0], copy_tensor_s=1e-5),),
+                               ssd=dataclasses.replace(hw.ssd, request_s=2e-4))
+    assert slow.to_json()["gpus"][0]["copy_tensor_s"] == 1e-5 and slow.to_json()["ssd"]["request_s"] == 2e-4
+    assert slow.fingerprint() != hw.fingerprint()
+    from tensorstow.planner.hardware import Hardware
+    assert Hardware.from_json(slow.to_json()) == slow
+    base = schedule(build_problem(tiny_options(), hw), zero_infinity.plan(build_problem(tiny_options(), hw)))
+    p = build_problem(tiny_options(), slow)
+    got = schedule(p, zero_infinity.plan(p))
+    assert [i.kind for i in got.instructions] == [i.kind for i in base.instructions]
+    seen = {"gpu": 0, "ssd": 0}
+    for ins, before, after in zip(got.instructions, base.durations, got.durations):
+        if ins.kind not in ("load", "store"):
+            assert after == before
+            continue
+        members = len(got.buffers[ins.tensor].members)
+        if "ssd" in (ins.src, ins.dst):
+            assert after == pytest.approx(before + 2e-4)
+            seen["ssd"] += 1
+        else:
+            assert members > 0 and after == pytest.approx(before + members * 1e-5)
+            seen["gpu"] += 1
+    assert seen["gpu"] > 0 and seen["ssd"] > 0
+    assert got.sim.step_time_s > base.sim.step_time_s

@@ -100,6 +100,9 @@ def test_no_gpu_path(measured):
     assert "no CUDA" in hw.source
     # the executor's per-op dispatch: microseconds (the interpreter, torch's dispatcher)
     assert 1e-7 < g.op_s < 1e-3 and "op_s = the executor's interpreter" in hw.source
+    # the executor's stores: per tensor of a DRAM <-> device copy, per SSD read or write
+    assert 1e-8 < g.copy_tensor_s < 1e-3 and "copy_tensor_s = the executor's stores" in hw.source
+    assert 1e-7 < hw.ssd.request_s < 1.0 and "request_s = a 4 KiB write and read" in hw.source
 
 
 def test_gpu_path(measured):
