@@ -2,7 +2,8 @@
 
 Every row is a configuration a paper ran and reports a measured throughput for (its own
 system or the ZeRO baseline it compares with), planned here with the policy that implements
-that system on the paper's hardware preset, with the paper's batch, sequence length, SSD count
+that system (LoHan: `lohan`, which cuts a backward in two where that lets swaps fit; Fuyou:
+`fuyou`, the same search with whole-block backwards, Fuyou §5.2) on the paper's hardware preset, with the paper's batch, sequence length, SSD count
 and DRAM. The table prints reported, predicted and their ratio (predicted / reported: above 1
 the simulator is optimistic); a configuration that does not plan prints the planner's reason.
 Papers count model FLOPs without recomputation, as `predicted.model_tflops` does.
@@ -50,16 +51,16 @@ ROWS: list[Row] = [
         assumed="135 TFLOPS also at batch 64 with 3 SSDs"),
     # Fuyou §5.3: "achieves at most 202 TFLOPS" over Fig. 5's batch sweep (8, 16, 32, 64 on the
     # RTX 4090: §5.4 names them); the batch that gave the figure is not stated
-    Row("Fuyou", "§5.3 Fig.5c", "Fuyou", "gpt3-13b", "lohan-rtx4090", 64, 156.0, "lohan", sweep=(8, 16, 32, 64)),
-    Row("Fuyou", "§5.3 Fig.5b", "Fuyou", "gpt3-13b", "fuyou-a100-80g", 64, 202.0, "lohan", sweep=(8, 16, 32, 64),
+    Row("Fuyou", "§5.3 Fig.5c", "Fuyou", "gpt3-13b", "lohan-rtx4090", 64, 156.0, "fuyou", sweep=(8, 16, 32, 64)),
+    Row("Fuyou", "§5.3 Fig.5b", "Fuyou", "gpt3-13b", "fuyou-a100-80g", 64, 202.0, "fuyou", sweep=(8, 16, 32, 64),
         assumed="the A100's sweep is the RTX 4090's"),
     # 175B: on the RTX 4090 "the supported batch size is relatively small" (§5.3; Fig. 7 runs 8 and
     # 16); on the A100 the sweep is not named
-    Row("Fuyou", "§5.3 Fig.5a", "Fuyou", "gpt3-175b", "lohan-rtx4090", 16, 86.0, "lohan", sweep=(8, 16)),
-    Row("Fuyou", "§5.3 Fig.5a", "Fuyou", "gpt3-175b", "fuyou-a100-80g", 16, 173.0, "lohan", sweep=(8, 16, 32, 64),
+    Row("Fuyou", "§5.3 Fig.5a", "Fuyou", "gpt3-175b", "lohan-rtx4090", 16, 86.0, "fuyou", sweep=(8, 16)),
+    Row("Fuyou", "§5.3 Fig.5a", "Fuyou", "gpt3-175b", "fuyou-a100-80g", 16, 173.0, "fuyou", sweep=(8, 16, 32, 64),
         assumed="the 13B sweep (8/16/32/64)"),
-    Row("Fuyou", "§5.3 Fig.6", "Fuyou", "gpt3-276b", "fuyou-a100-80g", 64, 168.0, "lohan"),
-    Row("Fuyou", "§5.3 Fig.6", "Fuyou", "gpt3-412b", "fuyou-a100-80g", 64, 163.0, "lohan"),
+    Row("Fuyou", "§5.3 Fig.6", "Fuyou", "gpt3-276b", "fuyou-a100-80g", 64, 168.0, "fuyou"),
+    Row("Fuyou", "§5.3 Fig.6", "Fuyou", "gpt3-412b", "fuyou-a100-80g", 64, 163.0, "fuyou"),
     Row("Fuyou", "§5.3", "ZeRO-Infinity", "gpt3-13b", "lohan-rtx4090", 32, 45.0, "zero-infinity",
         sweep=(8, 16, 32), assumed="its sweep is Fig. 8's 8/16/32 ('at their highest throughput')"),
     # STRONGHOLD §VI-B: "6~9 TFlops" (42-57% of the V100), fp32 (docs/hardware-presets.md)

@@ -26,6 +26,8 @@ Buffer contents (see planner/schedule.py for the names):
   X:<b>  values other blocks' forward made that b reads (BlockProfile.inputs)
   T:<b>  values b's backward carries to a later backward (BlockProfile.carried)
   H:<b>  values b's backward hands to the next backward, the activation gradient (BlockProfile.handed)
+  AE:<b>, RE:<b>  with a cut backward (segments bwd1:/bwd2:<b>), the part of A:/R:<b> only bwd1 reads
+  K:<b>  what bwd1:<b> makes for bwd2:<b> and the block's G/T/H (BlockProfile.handoff)
 Anything else a segment makes is a temporary: it stays on the device until the last
 instruction that reads it (program order on the compute stream), then it is freed.
 Adam's `step` count is not stored: every subgroup is updated once per step, so it is the
@@ -158,10 +160,11 @@ class Executor:
         self.frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
         self.layouts, self.members = self._buffers(plan)
         self._add_reforwards()
+        self._add_backward_parts()
         self._check_references()
         self.holders: dict[str, list[str]] = defaultdict(list)
         for buf, roots in self.members.items():
-            if buf.split(":")[0] in ("P", "C", "G", "A", "R", "X", "T", "H"):
+            if buf.split(":")[0] in ("P", "C", "G", "A", "R", "X", "T", "H", "AE", "RE", "K"):
                 for r in roots:
                     self.holders[r].append(buf)
         self.rng_states: dict[str, torch.Tensor] = {}
@@ -334,7 +337,10 @@ class Executor:
         seg = ins.segment
         if seg in self.joint.segments:
             return True
-        return ins.kind == "recompute" and seg.startswith("refwd:") and f"fwd:{seg[6:]}" in self.joint.segments
+        phase, _, b = seg.partition(":")
+        if phase in ("bwd1", "bwd2"):  # a cut backward (`_add_backward_parts`)
+            return ins.kind == "compute" and f"bwd:{b}" in self.joint.segments
+        return ins.kind == "recompute" and phase == "refwd" and f"fwd:{b}" in self.joint.segments
 
     def _add_reforwards(self) -> None:
         """The `refwd:<b>` segments a partial swap's recompute runs: the part of b's forward that
@@ -343,13 +349,30 @@ class Executor:
             if ins.kind != "recompute" or not ins.segment.startswith("refwd:") or ins.segment in self.joint.segments:
                 continue
             b = ins.segment.split(":", 1)[1]
-            if ins.allocs != (f"R:{b}",) or f"A:{b}" not in self.members:
+            given = [r for x in (f"A:{b}", f"AE:{b}") for r in self.members.get(x, ())]
+            if not ins.allocs or set(ins.allocs) - {f"R:{b}", f"RE:{b}"} or not given:
                 raise TensorstowError(f"plan instruction {ins.id}: recompute {ins.segment} needs buffers A:{b} "
                                       f"and R:{b}; re-plan it")
-            seg = self.joint.add_reforward(b, self.members[f"R:{b}"], self.members[f"A:{b}"])
+            seg = self.joint.add_reforward(b, [r for x in ins.allocs for r in self.members[x]], given)
             if _draws_random(seg):
                 raise TensorstowError(f"plan instruction {ins.id}: {ins.segment} would draw random numbers "
                                       f"again (dropout); a block that draws them is swapped whole; re-plan it")
+
+    def _add_backward_parts(self) -> None:
+        """The `bwd1:<b>` / `bwd2:<b>` segments of a cut backward: the first `bwd_cut` ops of b's
+        backward in the traced graph's order (`BlockDecision.bwd_cut`, as the planner's profile
+        counted them), and the rest."""
+        cut = {ins.segment.split(":", 1)[1] for ins in self.instrs if ins.segment.startswith("bwd1:")}
+        for b in sorted(cut):
+            if f"bwd1:{b}" in self.joint.segments:
+                continue
+            n = self.plan.decisions.blocks[b].bwd_cut if b in self.plan.decisions.blocks else 0
+            profile = self.joint.inst.profile.get(b, b)
+            ops = [o.name for o in self.graph.ops if o.block == profile and o.phase == "bwd"]
+            if not 0 < n < len(ops):
+                raise TensorstowError(f"the plan runs block {b}'s backward in two parts but cuts it after {n} "
+                                      f"of its {len(ops)} ops; re-plan it")
+            self.joint.add_backward_parts(b, set(ops[:n]))
 
     def _check_references(self) -> None:
         """Every buffer an instruction names exists, and each kind creates what it can."""
@@ -359,7 +382,7 @@ class Executor:
                 if n not in self.layouts:
                     raise TensorstowError(f"plan instruction {ins.id}: unknown buffer '{n}'; re-plan it")
             if ins.kind in ("compute", "recompute"):
-                bad = [a for a in ins.allocs if a.split(":")[0] not in ("A", "R", "X", "G", "T", "H")]
+                bad = [a for a in ins.allocs if a.split(":")[0] not in ("A", "R", "X", "G", "T", "H", "AE", "RE", "K")]
             elif ins.kind == "optimizer_step":
                 if not self.block_params.get(ins.segment):
                     raise TensorstowError(f"plan instruction {ins.id}: '{ins.segment}' is not a block "
@@ -381,7 +404,7 @@ class Executor:
             kind, b = name.split(":")[0], block_of(name)
             if kind == "W":
                 continue  # a workspace: the segment's real temporaries, counted as they are made
-            if kind not in ("P", "C", "G", "M", "OS", "A", "R", "X", "T", "H") or b not in inst.profile:
+            if kind not in ("P", "C", "G", "M", "OS", "A", "R", "X", "T", "H", "AE", "RE", "K") or b not in inst.profile:
                 raise TensorstowError(f"plan buffer {name} names nothing in the traced model; re-plan it")
             if not spec.members:
                 raise TensorstowError(f"plan buffer {name} does not list its members (a plan of an older "

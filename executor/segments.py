@@ -212,6 +212,25 @@ class Joint:
         self.segments[name] = seg
         return seg
 
+    def add_backward_parts(self, b: str, first: set[str]) -> tuple[Segment, Segment]:
+        """Segments `bwd1:<b>` (the nodes of b's backward for the IR ops named in `first`, with
+        their getitem users) and `bwd2:<b>` (the rest): a cut backward (planner BlockDecision.bwd_cut).
+        What the first part makes for the second crosses in a planned buffer (K:<b>)."""
+        whole = self.segments[f"bwd:{b}"]
+        is_first = {n.name for n in whole.nodes if n.name in first
+                    or n.target is operator.getitem and n.args[0].name in first}
+        one = [n for n in whole.nodes if n.name in is_first]
+        two = [n for n in whole.nodes if n.name not in is_first]
+        late = {n.name for n in two}
+        if not one or not two or any(a.name in late for n in one for a in _arg_nodes(n)):
+            raise RuntimeError(f"internal: the cut of {b}'s backward does not split it into two runs")
+        out = []
+        for k, nodes in (("bwd1", one), ("bwd2", two)):
+            name = f"{k}:{b}"
+            self.segments[name] = self._segment(name, nodes).instantiate(name, whole.rename or {})
+            out.append(self.segments[name])
+        return out[0], out[1]
+
     # ---- execution --------------------------------------------------------------------------
     def call(self, n: fx.Node, value, device: torch.device | None = None):
         args = map_arg(n.args, value)

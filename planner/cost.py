@@ -98,6 +98,23 @@ class BlockProfile:
     refwd_time_s: float = 0.0
     """Roofline time of the re-forward (memory-bound: its ops count no FLOPs)."""
     refwd_workspace: int = 0
+    bwd_cut: int = 0
+    """Where the backward may be cut in two (`BlockDecision.bwd_cut`): the number of its ops, in
+    order, the first part runs; 0 when no cut frees more than it hands over. LoHan swaps layer by
+    layer (§IV-D), so the next swapped block's activations arrive in memory the backward frees as it
+    runs: a cut lets the first part release what only it reads (`early`) before that load."""
+    early: tuple[str, ...] = ()
+    """Saved storages no op after the cut reads: released when the first part ends (AE:/RE:<b>)."""
+    handoff: tuple[str, ...] = ()
+    """Storage roots the first part makes that the second part or the block's G/T/H hold: K:<b>."""
+    handoff_bytes: int = 0
+    bwd1_time_s: float = 0.0
+    bwd2_time_s: float = 0.0
+    """Roofline times of the two parts (their sum is `bwd_time_s`)."""
+    bwd1_workspace: int = 0
+    bwd2_workspace: int = 0
+    sizes: tuple[tuple[str, int], ...] = ()
+    """Bytes of each storage in `saved`, `swapped` and `rest` (how a cut splits their buffers)."""
 
 
 def op_time(flops: int, nbytes: int, hw: Hardware, gpu: int = 0, fp32: bool = False) -> float:
@@ -165,6 +182,8 @@ def profiles(graph: Graph, hw: Hardware) -> dict[str, BlockProfile]:
         swapped, rest, refwd = reforward_split(fwd, set(saved), tensors, ops)
         largest = max((_numel(t.shape) for t in tensors.values()
                        if t.kind == "parameter" and t.storage == t.name and t.block == b), default=0)
+        planned = set(handed)
+        cut = _backward_cut(bwd, saved, readers, tensors, ops, hw, planned, set(carried))
         out[b] = BlockProfile(
             name=b,
             fwd_ops=(fwd[0].index, fwd[-1].index) if fwd else (-1, -1),
@@ -190,8 +209,56 @@ def profiles(graph: Graph, hw: Hardware) -> dict[str, BlockProfile]:
             swapped=swapped, swap_bytes=sum(tensors[n].nbytes for n in swapped),
             rest=rest, rest_bytes=sum(tensors[n].nbytes for n in rest),
             refwd_time_s=sum(op_time(o.flops, o.bytes_in + o.bytes_out, hw, fp32=_in_fp32(o, tensors)) for o in refwd),
-            refwd_workspace=_workspace(refwd, tensors, ops))
+            refwd_workspace=_workspace(refwd, tensors, ops),
+            sizes=tuple(sorted((n, tensors[n].nbytes) for n in {*saved, *swapped, *rest})), **cut)
     return out
+
+
+def _op_times(seg, tensors, hw: Hardware) -> float:
+    return sum(op_time(o.flops, o.bytes_in + o.bytes_out, hw, fp32=_in_fp32(o, tensors))
+               + _attention_recompute_time(o, tensors, hw) for o in seg)
+
+
+def _backward_cut(bwd, saved: dict, readers, tensors, ops, hw: Hardware, handed: set, carried: set) -> dict:
+    """The BlockProfile fields of the best place to cut b's backward in two (none: {}).
+
+    A cut after the c-th op releases the saved storages only the first c ops read (`early`) and
+    holds what those ops make for later (`handoff`: values the rest reads, and the gradients and
+    activation gradient that G/T/H take when the backward ends). The best cut gives the next block's
+    prefetch the most room for the longest: (early - handoff) bytes x the second part's time."""
+    if len(bwd) < 2 or not saved:
+        return {}
+    pos = {o.index: k for k, o in enumerate(bwd)}
+    last = {}
+    for name in saved:
+        reads = [pos[r] for r in readers[name] if r in pos]
+        if reads:
+            last[name] = max(reads)
+    made_at = {}
+    for k, o in enumerate(bwd):
+        for name in o.outputs:
+            if tensors[name].storage == name:
+                made_at[name] = k
+    kept = handed | carried
+    times = [_op_times([o], tensors, hw) for o in bwd]
+    best, best_score = 0, 0.0
+    for c in range(1, len(bwd)):
+        early = sum(saved[n][0] for n, k in last.items() if k < c)
+        handoff = sum(tensors[n].nbytes for n, k in made_at.items() if k < c
+                      and (n in kept or tensors[n].kind == "gradient" or any(pos.get(r, -1) >= c for r in readers[n])))
+        score = (early - handoff) * sum(times[c:])
+        if score > best_score:
+            best, best_score = c, score
+    if not best:
+        return {}
+    early = tuple(sorted(n for n, k in last.items() if k < best))
+    handoff = tuple(sorted(n for n, k in made_at.items() if k < best and (
+        n in kept or tensors[n].kind == "gradient" or any(pos.get(r, -1) >= best for r in readers[n]))))
+    return dict(bwd_cut=best, early=early, handoff=handoff,
+                handoff_bytes=sum(tensors[n].nbytes for n in handoff),
+                bwd1_time_s=sum(times[:best]), bwd2_time_s=sum(times[best:]),
+                bwd1_workspace=_workspace(bwd[:best], tensors, ops, planned=set(handoff)),
+                bwd2_workspace=_workspace(bwd[best:], tensors, ops, planned=handed))
 
 
 def reforward_split(fwd, saved: set[str], tensors, ops) -> tuple[tuple[str, ...], tuple[str, ...], list]:

@@ -176,7 +176,8 @@ def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer],
         if ins.kind in ("compute", "recompute"):
             phase, b = ins.segment.split(":", 1)
             prof = problem.profiles[problem.profile_of[b]]
-            out.append({"fwd": prof.fwd_time_s, "bwd": prof.bwd_time_s, "refwd": prof.refwd_time_s}[phase])
+            out.append({"fwd": prof.fwd_time_s, "bwd": prof.bwd_time_s, "refwd": prof.refwd_time_s,
+                        "bwd1": prof.bwd1_time_s, "bwd2": prof.bwd2_time_s}[phase])
         elif flushes and ins.kind == "store" and buffers[ins.tensor].kind == "gradient" and ins.src.startswith("gpu"):
             out.append(cost.zero3_grad_flush_time(buffers[ins.tensor].bytes, int(ins.src[3:]), flushes,
                                                   problem.mixed, hw))
@@ -224,7 +225,7 @@ HEURISTICS = ("all-gpu", "zero-infinity", "lohan", "stronghold", "dos")
 
 def policies() -> dict:
     from tensorstow.planner.policies import all_gpu, dos, ilp, lohan, mobius, stronghold, zero_infinity
-    return {"all-gpu": all_gpu.plan, "zero-infinity": zero_infinity.plan, "lohan": lohan.plan,
+    return {"all-gpu": all_gpu.plan, "zero-infinity": zero_infinity.plan, "lohan": lohan.plan, "fuyou": lohan.fuyou,
             "stronghold": stronghold.plan,
             "dos": dos.plan, "ilp": ilp.plan, "mobius": mobius.plan, "gpipe": mobius.gpipe,
             "zero3-dp": mobius.zero3_dp}

@@ -13,6 +13,8 @@ Buffers are per block and per kind (granularity: a block's activations move as o
   T:<b>  values b's backward carries to a later backward (a tied weight's partial gradient)
   H:<b>  what b's backward hands to the next backward (the activation gradient)
   W:<b>  transient workspace of a segment
+  AE:<b>, RE:<b>  with a cut backward (BlockDecision.bwd_cut), the part of A:/R:<b> only the first
+         part reads, released when it ends; K:<b> what the first part hands to the second
 """
 from __future__ import annotations
 
@@ -44,6 +46,12 @@ class BlockDecision:
     `swapped`) and make the rest of its saved values again before its backward from those and X
     (R:<b>, a `recompute` of segment `refwd:<b>`): Fuyou Table 2's per-layer choice, the linear
     layers' outputs swapped and the FLOP-free ops recomputed."""
+    bwd_cut: int = 0
+    """The block's backward runs in two parts (segments `bwd1:<b>`, the first `bwd_cut` ops, and
+    `bwd2:<b>`), and what only the first part reads of its saved activations (AE:/RE:<b>) is released
+    between them, so the swapped block before it can load its activations into that room while the
+    second part runs: LoHan's layer-by-layer swapping (§IV-D) at the granularity of the block's
+    profile cut (`BlockProfile.bwd_cut`). 0: one segment, `bwd:<b>`."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,7 +146,7 @@ class Decisions:
         d = {"policy": self.policy, "prefetch": self.prefetch, "grad_buffers": self.grad_buffers,
              "overlap_optimizer": self.overlap_optimizer,
              "serialize_optimizer": self.serialize_optimizer, "notes": list(self.notes),
-             "blocks": {b: {k: v for k, v in vars(d).items() if k != "reforward" or v}
+             "blocks": {b: {k: v for k, v in vars(d).items() if k not in ("reforward", "bwd_cut") or v}
                         for b, d in self.blocks.items()}}
         if self.pipeline is not None:
             d["pipeline"] = self.pipeline.to_json()
@@ -231,19 +239,47 @@ def buffers_for(order: list[str], prof: dict[str, BlockProfile], profile_of: dic
             out[f"H:{b}"] = Buffer(f"H:{b}", p.handed_bytes, "temporary", b, members=p.handed)
         if p.input_bytes:
             out[f"X:{b}"] = Buffer(f"X:{b}", p.input_bytes, "saved_activation", b, members=p.inputs)
+        size = dict(p.sizes)
+        cut = split_backward(p, d)
+        early = set(p.early) if cut else set()
+
+        def saved(kind: str, members) -> None:
+            """A:/R:<b>, and with a cut backward its early part AE:/RE:<b>."""
+            for k, names in ((kind, [n for n in members if n not in early]),
+                             (f"{kind}E", [n for n in members if n in early])):
+                if names:
+                    out[f"{k}:{b}"] = Buffer(f"{k}:{b}", sum(size[n] for n in names), "saved_activation", b,
+                                             members=tuple(names))
         if p.saved_bytes and partial_swap(p, d):
-            out[f"A:{b}"] = Buffer(f"A:{b}", p.swap_bytes, "saved_activation", b, members=p.swapped)
-            out[f"R:{b}"] = Buffer(f"R:{b}", p.rest_bytes, "saved_activation", b, members=p.rest)
+            saved("A", p.swapped)
+            saved("R", p.rest)
             if p.refwd_workspace:
                 out[f"W:refwd:{b}"] = Buffer(f"W:refwd:{b}", p.refwd_workspace, "temporary", b)
         elif p.saved_bytes:
-            out[f"A:{b}"] = Buffer(f"A:{b}", p.saved_bytes, "saved_activation", b,
-                                   members=tuple(n for n, _, _ in p.saved))
+            saved("A", [n for n, _, _ in p.saved])
+        if cut and p.handoff:
+            out[f"K:{b}"] = Buffer(f"K:{b}", p.handoff_bytes, "temporary", b, members=p.handoff)
         ws_opt = p.opt_workspace if d.optimizer == "gpu" else 0
-        for ph, ws in (("fwd", p.fwd_workspace), ("bwd", p.bwd_workspace), ("opt", ws_opt)):
+        phases = (("bwd1", p.bwd1_workspace), ("bwd2", p.bwd2_workspace)) if cut else (("bwd", p.bwd_workspace),)
+        for ph, ws in (("fwd", p.fwd_workspace), *phases, ("opt", ws_opt)):
             if ws:
                 out[f"W:{ph}:{b}"] = Buffer(f"W:{ph}:{b}", ws, "temporary", b)
     return out
+
+
+def split_backward(p: BlockProfile, d: BlockDecision) -> bool:
+    """Whether the block's backward runs in two parts (the decision's cut, which must be its
+    profile's)."""
+    if d.bwd_cut and d.bwd_cut != p.bwd_cut:
+        raise ValueError(f"block {p.name}: a backward cut after {d.bwd_cut} ops, but its profile cuts "
+                         f"after {p.bwd_cut}")
+    return bool(d.bwd_cut)
+
+
+def activation_buffers(b: str, has) -> tuple[list[str], list[str]]:
+    """(A:<b> and AE:<b>, R:<b> and RE:<b>): the saved-activation buffers a swap moves and a
+    recompute makes, and those a partial swap's re-forward makes; the ones the plan has."""
+    return ([x for x in (f"A:{b}", f"AE:{b}") if has(x)], [x for x in (f"R:{b}", f"RE:{b}") if has(x)])
 
 
 def partial_swap(p: BlockProfile, d: BlockDecision) -> bool:
@@ -378,7 +414,8 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
             gate = frees_fwd.get(streamed[k - 1 - decisions.prefetch]) if k - 1 - decisions.prefetch >= 0 else None
             p_ready = load_state(b, gate, checkpointed)
         foreign = load_foreign(b)
-        allocs = [x for x in (f"A:{b}",) if has(x) and d.activations != "recompute"]
+        acts, _ = activation_buffers(b, has)
+        allocs = list(acts) if d.activations != "recompute" else []
         nxt = order[order.index(b) + 1] if b != last_fwd else None
         if nxt and has(f"X:{nxt}"):
             allocs.append(f"X:{nxt}")
@@ -392,9 +429,10 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
             e.where[(a, gpu)] = c
         if state(b) and d.params != "gpu" and b != last_fwd:
             frees_fwd[b] = free_state(b, c)
-        if has(f"A:{b}") and d.activations in ("swap_dram", "swap_ssd"):
-            s = e.move(f"A:{b}", gpu, "dram" if d.activations == "swap_dram" else "ssd", (c,))
-            swap_outs[b] = e.free(f"A:{b}", gpu, (s,))
+        if d.activations in ("swap_dram", "swap_ssd"):
+            for x in acts:
+                s = e.move(x, gpu, "dram" if d.activations == "swap_dram" else "ssd", (c,))
+                swap_outs[b] = e.free(x, gpu, (s,))
         if has(f"X:{b}") and d.checkpoint != "gpu":
             s = checkpointed if checkpointed is not None else e.move(f"X:{b}", gpu, d.checkpoint, (c,))
             f = e.free(f"X:{b}", gpu, (s, c))
@@ -454,6 +492,7 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
     carry_until = {b: prof[profile_of[b]].carried_until for b in order if has(f"T:{b}")}
     handed_to = {order[order.index(b) - 1]: f"H:{b}" for b in order[1:] if has(f"H:{b}")}
     held = None  # blocking_copies: what the next backward waits for
+    room = None  # a cut backward's release of its early part: the next swapped block's load waits for it
     for b in bwd_order:
         d = dec[b]
         if prof[profile_of[b]].bwd_ops[0] < 0:
@@ -469,16 +508,25 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
         deps += load_foreign(b)
         if has(f"X:{b}") and d.checkpoint != "gpu":
             deps.append(x_in if x_in is not None else e.move(f"X:{b}", d.checkpoint, gpu))
-        if has(f"A:{b}"):
+        acts, rests = activation_buffers(b, has)
+        if acts:
             if d.activations in ("swap_dram", "swap_ssd"):
                 src = "dram" if d.activations == "swap_dram" else "ssd"
-                deps.append(e.move(f"A:{b}", src, gpu))
-                e.free(f"A:{b}", src, (deps[-1],))
-                if has(f"R:{b}"):  # the rest of what the backward reads, made again from X and A
-                    deps.append(e.emit("recompute", comp, tuple(deps), segment=f"refwd:{b}", allocs=(f"R:{b}",),
+                for x in acts:
+                    if room is None:
+                        deps.append(e.move(x, src, gpu))
+                    else:  # into the room the cut backward before this one left: the DRAM hop waits for it
+                        if src == "ssd":
+                            e.move(x, "ssd", "dram")
+                        deps.append(e.move(x, "dram", gpu, (room,)))
+                        if src == "ssd":
+                            e.free(x, "dram", (deps[-1],))
+                    e.free(x, src, (deps[-1],))
+                if rests:  # the rest of what the backward reads, made again from X and A
+                    deps.append(e.emit("recompute", comp, tuple(deps), segment=f"refwd:{b}", allocs=tuple(rests),
                                        workspace=f"W:refwd:{b}" if has(f"W:refwd:{b}") else ""))
             elif d.activations == "recompute":
-                r = e.emit("recompute", comp, tuple(deps), segment=f"fwd:{b}", allocs=(f"A:{b}",),
+                r = e.emit("recompute", comp, tuple(deps), segment=f"fwd:{b}", allocs=tuple(acts),
                            workspace=f"W:fwd:{b}" if has(f"W:fwd:{b}") else "")
                 deps.append(r)
         if has(f"X:{b}") and d.checkpoint != "gpu":
@@ -488,8 +536,21 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
             if len(cpu_grads) >= decisions.grad_buffers and overlap:
                 deps.append(g_freed[cpu_grads[-decisions.grad_buffers]])
             cpu_grads.append(b)
-        c = e.emit("compute", comp, tuple(deps), segment=f"bwd:{b}", allocs=allocs,
-                   workspace=f"W:bwd:{b}" if has(f"W:bwd:{b}") else "")
+        room = None
+        if split_backward(prof[profile_of[b]], d):  # LoHan §IV-D: release what only the first part reads
+            c1 = e.emit("compute", comp, tuple(deps), segment=f"bwd1:{b}", allocs=(f"K:{b}",) if has(f"K:{b}") else (),
+                        workspace=f"W:bwd1:{b}" if has(f"W:bwd1:{b}") else "")
+            room = c1
+            for x in (f"AE:{b}", f"RE:{b}"):
+                if has(x):
+                    room = e.free(x, gpu, (c1,))
+            c = e.emit("compute", comp, (c1,), segment=f"bwd2:{b}", allocs=allocs,
+                       workspace=f"W:bwd2:{b}" if has(f"W:bwd2:{b}") else "")
+            if has(f"K:{b}"):
+                e.free(f"K:{b}", gpu, (c,))
+        else:
+            c = e.emit("compute", comp, tuple(deps), segment=f"bwd:{b}", allocs=allocs,
+                       workspace=f"W:bwd:{b}" if has(f"W:bwd:{b}") else "")
         release_foreign(c)
         for a in allocs:
             e.where[(a, gpu)] = c

@@ -89,6 +89,14 @@ PLANS = {
         params="dram", states="dram", optimizer="cpu",
         activations={"b0": "swap_dram", "b1": "swap_ssd", "b2": "recompute"}.get(b, "keep"),
         checkpoint="dram" if b.startswith("b") else "gpu", reforward=b in ("b0", "b1")))),
+    # cut backwards (LoHan's layer-by-layer swapping): every layer block's backward in two parts,
+    # the first releasing what only it reads; b0 swaps partially to DRAM, b1 whole to SSD (its load
+    # waits for b2's first part), b2 is recomputed, b3 keeps its activations
+    "cut-backward": lambda: plan_json(mix(lambda b: BlockDecision(
+        params="dram", states="dram", optimizer="cpu",
+        activations={"b0": "swap_dram", "b1": "swap_ssd", "b2": "recompute"}.get(b, "keep"),
+        checkpoint="dram" if b.startswith("b") else "gpu", reforward=b == "b0",
+        bwd_cut=problem().profiles[problem().profile_of[b]].bwd_cut if b.startswith("b") else 0))),
     # interleaved subgroups: CPU updates overlapped with backward (states on SSD) next to GPU
     # updates whose states live in DRAM; params resident on the GPU for some blocks
     "interleaved": lambda: plan_json(mix(lambda b: BlockDecision(
@@ -156,7 +164,7 @@ def test_plan_trains_exactly_like_eager_pytorch(name, tmp_path_factory):
         assert ex.ssd.store.committed_step() == STEPS
 
 
-@pytest.mark.parametrize("name", ["zero-infinity", "swap-gpuopt", "partial-swap", "interleaved"])
+@pytest.mark.parametrize("name", ["zero-infinity", "swap-gpuopt", "partial-swap", "cut-backward", "interleaved"])
 def test_overlap_mode_is_bit_identical_to_sync(name, tmp_path, tmp_path_factory):
     """One worker per stream, each instruction waiting only for its deps. Copies here are memcpys
     far faster than the interpreted compute, so the real timing is nothing like the modeled one;
@@ -360,7 +368,7 @@ def test_mixed_precision_matches_eager_autocast(precision, exact, tmp_path):
         if exact:
             assert_same((losses, ex.parameters()), ref)
         else:
-            assert_close_to_eager((losses, ex.parameters()), ref, lr=1e-3)
+            assert_close_to_eager((losses, ex.parameters()), ref, lr=1e-3, precision=precision)
         assert ex.peak_bytes["gpu"] <= budget
 
 
@@ -446,18 +454,41 @@ def test_a_failed_fp16_step_does_not_make_the_next_one_skip(tmp_path):
     assert ex.opt_steps == 2 and ex.loss_scale == 65536.0
 
 
-def assert_close_to_eager(got, want, *, lr: float, loss_rtol: float = 1e-5) -> None:
+def assert_close_to_eager(got, want, *, lr: float, loss_rtol: float = 1e-5, precision: str = "fp32") -> None:
     """The fast optimizer's tolerance. It differs from torch's single-tensor AdamW only in the
     rounding of sqrt (correctly rounded vs MKL's, 1 ulp apart for some inputs), so the first
     step's parameters differ by at most an ulp; later steps see slightly different gradients.
     Adam bounds every element's move by about lr per step (|m^/(sqrt(v^)+eps)| <~ 1), so however
     that difference propagates, a parameter stays within a small fraction of one step's move:
-    atol = lr / 10 per step. Losses: a relative 1e-5 (fp32 sums of ~1e4 terms)."""
+    atol = lr / 10 per step. Not so where the gradient is zero but for rounding (`_noise_gradients`:
+    attention's key bias, which softmax cannot see): Adam scales that noise to a full step of
+    either sign, so two runs may part by up to 2 lr a step there. Losses: a relative 1e-5 (fp32
+    sums of ~1e4 terms)."""
     (gl, gp), (wl, wp) = got, want
     assert gl == pytest.approx(wl, rel=loss_rtol)
     assert gp.keys() == wp.keys()
+    noise = _noise_gradients(precision)
     for n in wp:
-        torch.testing.assert_close(gp[n], wp[n], rtol=0, atol=lr / 10 * STEPS, msg=n)
+        atol = torch.where(noise[n], 2 * lr, lr / 10) * STEPS if n in noise else lr / 10 * STEPS
+        assert ((gp[n] - wp[n]).abs() <= atol).all(), f"{n}: {(gp[n] - wp[n]).abs().max().item()}"
+
+
+@functools.lru_cache(maxsize=None)
+def _noise_gradients(precision: str) -> dict[str, torch.Tensor]:
+    """Per parameter of gpt-tiny, the elements whose first eager gradient is rounding noise
+    (below 1e-4 of the tensor's largest): the key projection's bias, whose exact gradient is zero
+    (adding it shifts every score of a query's row alike, and softmax is blind to that)."""
+    import contextlib
+
+    from tensorstow.ir.autocast import gpu_autocast
+    from tensorstow.ir.trace import PRECISIONS
+    torch.manual_seed(0)
+    model = GPT(PRESETS["gpt-tiny"])
+    x, y = next(iter(batches("synthetic", B, T, VOCAB, 1, seed=0)))
+    with gpu_autocast(PRECISIONS[precision]) if precision != "fp32" else contextlib.nullcontext():
+        loss = model(x, y)
+    loss.backward()
+    return {n: p.grad.abs() <= 1e-4 * p.grad.abs().max() for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("name", ["zero-infinity", "swap-gpuopt", "partial-swap", "interleaved"])

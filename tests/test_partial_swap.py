@@ -2,7 +2,10 @@
 the outputs of its FLOP-bearing ops and re-forwards the FLOP-free rest before its backward.
 That the executor trains with such plans exactly as eager PyTorch does is
 tests/test_executor.py's `partial-swap` plan (sync and overlap)."""
+import dataclasses
 import functools
+
+import pytest
 
 from tensorstow.planner.hardware import load_hardware
 from tensorstow.planner.plan import Options, build_problem, schedule
@@ -92,3 +95,71 @@ def test_lohan_keeps_the_faster_of_partial_and_whole_swaps():
     assert schedule(p, dec).sim.step_time_s == min(best.values())
     swapped = [d for d in dec.blocks.values() if d.activations in ("swap_dram", "swap_ssd")]
     assert all(d.reforward == (best[True] <= best[False]) for d in swapped)
+
+
+def _cut_decisions(p) -> Decisions:
+    """b0 swapped partially to DRAM, b1 recomputed; every layer's backward cut in two."""
+    return Decisions(policy="custom", overlap_optimizer=True, blocks={
+        b: BlockDecision(params="dram", states="dram", optimizer="cpu",
+                         activations={"b0": "swap_dram", "b1": "recompute"}.get(b, "keep"),
+                         checkpoint="dram" if b.startswith("b") else "gpu", reforward=b == "b0",
+                         bwd_cut=p.profiles[p.profile_of[b]].bwd_cut if b.startswith("b") else 0)
+        for b in p.order})
+
+
+def test_a_cut_backward_releases_what_only_its_first_part_reads_and_the_next_swap_loads_into_it():
+    """LoHan swaps layer by layer (§IV-D): the backward runs as bwd1:<b> then bwd2:<b>, the saved
+    values only bwd1 reads (AE:/RE:<b>) are released between them, what bwd1 makes for later
+    crosses in K:<b>, and the swapped block before it brings its activations back to the device
+    only once that room is free."""
+    p = problem()
+    prof = p.profiles["b1"]
+    tensors = {t.name: t for t in p.graph.tensors}
+    assert 0 < prof.bwd_cut and prof.early and prof.handoff
+    assert sum(tensors[n].nbytes for n in prof.early) > prof.handoff_bytes
+    assert prof.bwd1_time_s + prof.bwd2_time_s == pytest.approx(prof.bwd_time_s)
+    cut = schedule(p, _cut_decisions(p))
+    whole = schedule(p, dataclasses.replace(_cut_decisions(p), blocks={
+        b: dataclasses.replace(d, bwd_cut=0) for b, d in _cut_decisions(p).blocks.items()}))
+    bufs, ins = cut.buffers, cut.instructions
+    # the saved buffers split by the cut, bytes and members preserved
+    assert bufs["A:b1"].bytes + bufs["AE:b1"].bytes == prof.saved_bytes
+    assert set(bufs["AE:b1"].members) == set(prof.early)
+    assert bufs["A:b0"].bytes + bufs["AE:b0"].bytes == prof.swap_bytes
+    assert bufs["R:b0"].bytes + bufs["RE:b0"].bytes == prof.rest_bytes
+    assert bufs["K:b1"].members == prof.handoff and bufs["K:b1"].bytes == prof.handoff_bytes
+    seg = {i.segment: i for i in ins if i.segment}
+    one, two = seg["bwd1:b1"], seg["bwd2:b1"]
+    assert "bwd:b1" not in seg and one.allocs == ("K:b1",) and one.id in two.deps
+    assert set(two.allocs) == {a for a in whole.instructions[
+        next(i.id for i in whole.instructions if i.segment == "bwd:b1")].allocs}
+    early_free = next(i for i in ins if i.kind == "free" and i.tensor == "AE:b1" and i.dst == "gpu0")
+    assert one.id in early_free.deps and early_free.id < two.id
+    assert any(i.kind == "free" and i.tensor == "K:b1" and two.id in i.deps for i in ins)
+    # b0's swapped activations come back to the device only into the room bwd1:b1 left
+    loads = [i for i in ins if i.kind == "load" and i.tensor in ("A:b0", "AE:b0") and i.dst == "gpu0"]
+    assert len(loads) == 2 and all(early_free.id in i.deps for i in loads)
+    assert cut.durations[one.id] == prof.bwd1_time_s and cut.durations[two.id] == prof.bwd2_time_s
+    assert not cut.over_capacity()
+    # the same bytes cross the host link; the whole backward's plan differs only by the cut
+    assert cut.sim.traffic_bytes == whole.sim.traffic_bytes
+
+
+def test_lohan_cuts_backwards_to_swap_13b_at_batch_64_on_the_rtx4090_and_fuyou_does_not():
+    """LoHan §V-F trains GPT-3 13B at batch 64 on the RTX 4090 with 3 SSDs. A recomputed block's
+    backward peaks at 24.0 of the GPU's 24.96 GB, so the next block's 6 GB of swapped activations
+    fit only where its backward is cut and its first part (the MLP's) has released 7.4 GB. Fuyou
+    keeps a layer's intermediates on the GPU (§5.2): the `fuyou` policy cuts nothing and recomputes."""
+    p = build_problem(Options(model="gpt3-13b", hardware="lohan-rtx4090", policy="lohan", batch=64),
+                      load_hardware("lohan-rtx4090").with_overrides(ssds=3))
+    dec = lohan.plan(p)
+    swapped = [b for b, d in dec.blocks.items() if d.activations in ("swap_dram", "swap_ssd")]
+    assert swapped
+    layers = [b for b in p.order if p.graph.block(b).kind == "layer"]
+    assert all(dec.blocks[b].bwd_cut == p.profiles[p.profile_of[b]].bwd_cut > 0 for b in layers)
+    got = schedule(p, dec)
+    assert got.over_capacity() == {}
+    fy = lohan.fuyou(p)
+    assert fy.policy == "fuyou" and not any(d.bwd_cut for d in fy.blocks.values())
+    assert all(fy.blocks[b].activations == "recompute" for b in layers)
+    assert got.sim.step_time_s < schedule(p, fy).sim.step_time_s

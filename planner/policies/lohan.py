@@ -44,6 +44,7 @@ in simulation than depth 1.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from tensorstow.planner.plan import Problem, fmt_bytes, schedule
@@ -107,10 +108,12 @@ def by_offloading_benefit(problem: Problem, reforward: bool = True) -> list[str]
 
 
 class _Search:
-    def __init__(self, problem: Problem, reforward: bool = True):
+    def __init__(self, problem: Problem, reforward: bool = True, split: bool = False):
         self.problem = problem
         self.reforward = reforward
         """Swapped blocks swap partially (Fuyou Table 2) or whole."""
+        self.split = split
+        """Layer blocks run their backward in two parts (`BlockDecision.bwd_cut`)."""
         self.home = "ssd" if problem.hw.ssd.count > 0 else "dram"
         self.ranked = by_offloading_benefit(problem, reforward)
         self.size = [swap_bytes(problem.profiles[problem.profile_of[b]], reforward) for b in self.ranked]
@@ -127,9 +130,10 @@ class _Search:
         for b in self.problem.order:
             layer = self.problem.graph.block(b).kind == "layer"
             acts = swap.get(b, "recompute") if layer else "keep"
+            cut = self.problem.profiles[self.problem.profile_of[b]].bwd_cut if self.split and layer else 0
             blocks[b] = BlockDecision(params=self.home, states=self.home, optimizer="cpu",
                                       activations=acts, checkpoint="dram" if layer else "gpu",
-                                      reforward=self.reforward and b in swap)
+                                      reforward=self.reforward and b in swap, bwd_cut=cut)
         return Decisions(policy="lohan", blocks=blocks, prefetch=prefetch, overlap_optimizer=True,
                          serialize_optimizer=False, notes=notes)
 
@@ -207,15 +211,23 @@ class _Search:
         return lo, why
 
 
-def _search(problem: Problem, reforward: bool) -> tuple[_Search, int, int, int, str]:
-    s = _Search(problem, reforward)
+def _search(problem: Problem, reforward: bool, split: bool = False) -> tuple[_Search, int, int, int, str]:
+    s = _Search(problem, reforward, split)
     k = s.best_count()
     n_dram = s.by_count[k].n_dram
     prefetch, why = s.best_prefetch(k, n_dram)
     return s, k, n_dram, prefetch, why
 
 
-def plan(problem: Problem) -> Decisions:
+def fuyou(problem: Problem) -> Decisions:
+    """Fuyou's system: the same search without cutting any backward. Fuyou keeps a layer's
+    intermediate values on the GPU (§5.2: "a larger model brings a larger intermediate value size
+    within a layer, which is not offloaded to CPU and SSDs"), so a swapped block's activations
+    come back only beside the whole backward before it; LoHan swaps layer by layer."""
+    return dataclasses.replace(plan(problem, split=False), policy="fuyou")
+
+
+def plan(problem: Problem, split: bool = True) -> Decisions:
     """The search with partial swaps, and with whole-block swaps where a block has a partial one;
     the faster plan wins (partial on a tie). On a GPU partial swaps win when the host link is busy
     (their re-forward is a few % of a forward); on a CPU device tier, where a swap is a memcpy, the
@@ -223,6 +235,11 @@ def plan(problem: Problem) -> Decisions:
     runs = [_search(problem, True)]
     if any(problem.profiles[problem.profile_of[b]].rest for b in runs[0][0].ranked):
         runs.append(_search(problem, False))
+    if split and any(not e.fits for s, *_ in runs for e in s.by_count.values()) and all(
+            problem.profiles[problem.profile_of[b]].bwd_cut for b in runs[0][0].ranked):
+        # Swaps that did not fit: with each backward cut in two, the next swapped block's
+        # activations load into what the first part releases (LoHan's layer-by-layer swapping).
+        runs.append(_search(problem, True, split=True))
     times = [s.evaluate(k, n, pf) for s, k, n, pf, _ in runs]
     s, k, n_dram, prefetch, why = runs[min(range(len(runs)), key=lambda i: (times[i].key, i))]
     final = s.evaluate(k, n_dram, prefetch)
@@ -236,6 +253,11 @@ def plan(problem: Problem) -> Decisions:
     if len(runs) > 1:
         how += (f"; best with partial swaps {'%.4g' % times[0].step_time_s}s, with whole-block swaps "
                 f"{'%.4g' % times[1].step_time_s}s")
+    if len(runs) > 2:
+        how += (f", with partial swaps and each backward cut in two (LoHan's layer-by-layer swapping) "
+                f"{'%.4g' % times[2].step_time_s}s")
+    if s.split:
+        how += "; each layer block's backward runs in two parts, the first releasing what only it reads"
     notes = (
         f"P, M, OS on {s.home}; CPU Adam overlapped with backward (LoHan §IV-C active gradient "
         f"offloading), SSD read/update/write pipelined (LoHan Fig. 3b)",
