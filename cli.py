@@ -330,6 +330,14 @@ def cmd_export(args) -> int:
     return 0
 
 
+def _demo_precision() -> list[str]:
+    """fp32 where this machine's device tier computes 16-bit matmuls slower than fp32 ones (a CPU
+    without native bf16: the probe's `flops` below its `flops_fp32`); the default otherwise."""
+    from tensorstow.planner.probe import probe
+    g = probe().gpus[0]
+    return ["--precision", "fp32"] if g.flops_fp32 and g.flops < g.flops_fp32 / 2 else []
+
+
 def cmd_demo() -> int:
     """The built-in main job: plan gpt-medium (60M parameters, 0.72 GB of fp32 training state)
     for this machine with 80 MB of device and 200 MB of DRAM budget, so its state lives on the
@@ -338,8 +346,9 @@ def cmd_demo() -> int:
     from tensorstow.executor.run import execute
     with tempfile.TemporaryDirectory(prefix="tensorstow-demo-", dir=".") as tmp:
         plan_path = str(Path(tmp) / "plan.json")
-        print("tensorstow demo: " + " ".join(["tensorstow", *DEMO, "-o", plan_path]), flush=True)
-        rc = main([*DEMO, "-o", plan_path])
+        args = [*DEMO, *_demo_precision(), "-o", plan_path]
+        print("tensorstow demo: " + " ".join(["tensorstow", *args]), flush=True)
+        rc = main(args)
         if rc:
             return rc
         print(f"\ntensorstow demo: tensorstow execute {plan_path} --steps 4 --state-dir {tmp}/state", flush=True)

@@ -49,7 +49,9 @@ class GPU:
     """Measured peak FLOP/s at the compute precision (LoHan THP_G)."""
     flops_fp32: float = 0.0
     """Peak FLOP/s of fp32 matmuls (PyTorch's default: no TF32), for the ops a plan runs in fp32
-    (an fp32 plan, or ops autocast keeps in fp32); 0: `flops` (the CPU device tier, measured in fp32)."""
+    (an fp32 plan, or ops autocast keeps in fp32); 0: `flops`. The CPU device tier's probe measures
+    it on a GPT block in fp32, and its `flops` is that scaled by this CPU's bf16 / fp32 matmul rate
+    (a CPU without native bf16 runs bf16 matmuls hundreds of times slower)."""
     mem_bw: float
     """Device memory bandwidth, bytes/s (roofline for memory-bound ops)."""
     h2d_bw: float

@@ -232,6 +232,8 @@ def policies() -> dict:
 
 
 BASELINES = ("gpipe", "zero3-dp")
+SUBSUMED = ("fuyou",)
+"""Policies `auto` leaves out because another one's search includes all their plans (lohan's)."""
 """Multi-GPU baselines for comparison (Mobius §4): planned when named, never chosen by `auto`."""
 
 
@@ -253,7 +255,7 @@ def plan_problem(problem: Problem, policy: str) -> PlanResult:
     """Plan with one policy, or with `auto`: every policy, keeping the fastest feasible."""
     table = policies()
     if policy == "auto":  # Mobius only where there are several GPUs; baselines never
-        names = [n for n in sorted(table) if n not in BASELINES and (n != "mobius" or len(problem.hw.gpus) > 1)]
+        names = [n for n in sorted(table) if n not in BASELINES + SUBSUMED and (n != "mobius" or len(problem.hw.gpus) > 1)]
         plans = {name: policy_plan(problem, name) for name in names}
         feasible = {n: p for n, p in plans.items() if p.fits}
         if not feasible:

@@ -150,18 +150,20 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
         notes += gpu_notes
     else:
         flops = _cpu_block_flops(p.cpu_block_reps)
+        bf16 = _cpu_bf16_ratio(p.cpu_block_reps)
         op_s = _op_dispatch_s(p.cpu_block_reps)
         per_tensor = _copy_tensor_s(p.memcpy_reps)
         budget = total_ram // CPU_GPU_FRACTION
-        gpus = (GPU(name=CPU_GPU_NAME, memory_bytes=budget, flops=flops, mem_bw=2 * copy_bw,
+        gpus = (GPU(name=CPU_GPU_NAME, memory_bytes=budget, flops=flops * bf16, flops_fp32=flops, mem_bw=2 * copy_bw,
                     h2d_bw=copy_bw, d2h_bw=copy_bw, op_s=op_s, copy_tensor_s=per_tensor),)
         p2p_bw = 0.0
         # Device tier and DRAM tier share the same RAM: do not count it twice.
         dram = DRAM(capacity_bytes=max(0, avail_ram - budget), bandwidth=dram.bandwidth)
         notes.append(f"no CUDA: device tier = CPU memory, 1/{CPU_GPU_FRACTION} of RAM "
                      f"({budget / GiB:.1f} GiB, taken out of DRAM capacity); "
-                     f"flops = fp32 GPT block (d {CPU_BLOCK[0]}, batch {CPU_BLOCK[2]} x seq {CPU_BLOCK[3]}) "
-                     f"forward + backward on {torch.get_num_threads()} thread(s); op_s = the executor's "
+                     f"flops_fp32 = fp32 GPT block (d {CPU_BLOCK[0]}, batch {CPU_BLOCK[2]} x seq {CPU_BLOCK[3]}) "
+                     f"forward + backward on {torch.get_num_threads()} thread(s), flops = that x a bf16 "
+                     f"{'x'.join(map(str, MM16))} matmul's rate / an fp32 one's ({bf16:.3g}); op_s = the executor's "
                      f"interpreter per op on a tiny GPT ({op_s * 1e6:.1f} us); copy_tensor_s = the executor's "
                      f"stores per tensor of a copy ({per_tensor * 1e6:.1f} us)")
     if nvml_note:
@@ -299,6 +301,26 @@ def _op_dispatch_s(reps: int) -> float:
                       keep=seg.produced, sink=values.__setitem__)
     ops = sum(1 for o in traced.graph.ops if o.phase in ("fwd", "bwd"))
     return _best_time(step, reps) / ops
+
+
+MM16 = (128, 512, 512)
+"""(m, k, n) of the matmuls whose bf16 / fp32 rate ratio scales the CPU block's rate to its 16-bit
+one: small, since a CPU without native bf16 runs bf16 matmuls hundreds of times slower."""
+
+
+def _cpu_bf16_ratio(reps: int) -> float:
+    """A bf16 matmul's rate over an fp32 one's on this CPU (what a mixed-precision plan's 16-bit
+    matmuls run at on the CPU device tier, relative to the fp32 block rate `_cpu_block_flops`
+    measures): near 1 or above with native bf16 (AVX512-BF16, AMX), ~0.003 without (an AMD EPYC
+    with AVX2: 0.3 against 127 GFLOP/s)."""
+    import torch
+
+    m, k, n = MM16
+    rate = {}
+    for dt in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(m, k).to(dt), torch.randn(k, n).to(dt)
+        rate[dt] = 1.0 / _best_time(lambda: torch.mm(a, b), max(2, reps // 2))
+    return min(1.0, rate[torch.bfloat16] / rate[torch.float32])
 
 
 def _adam_rate(numel: int, reps: int) -> tuple[float, str]:

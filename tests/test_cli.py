@@ -145,3 +145,19 @@ def test_a_reader_that_stops_early_gets_no_traceback():
             p.kill()
             p.wait()
     assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_the_demo_plans_in_fp32_where_16_bit_matmuls_are_slower_than_fp32(monkeypatch):
+    """A CPU without native bf16 runs bf16 matmuls hundreds of times slower than fp32 (the probe's
+    `flops` against its `flops_fp32`): the built-in demo plans fp32 there, the default elsewhere."""
+    import dataclasses
+
+    from tensorstow import cli
+    from tensorstow.planner import probe as probe_mod
+    from tensorstow.planner.hardware import load_hardware
+    hw = load_hardware("lohan-rtx4090")
+    g = hw.gpus[0]
+    for flops, want in ((g.flops_fp32 / 400, ["--precision", "fp32"]), (g.flops_fp32 * 2, [])):
+        spec = dataclasses.replace(hw, gpus=(dataclasses.replace(g, flops=flops),))
+        monkeypatch.setattr(probe_mod, "probe", lambda spec=spec: spec)
+        assert cli._demo_precision() == want

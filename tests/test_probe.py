@@ -100,6 +100,8 @@ def test_no_gpu_path(measured):
     assert "no CUDA" in hw.source
     # the executor's per-op dispatch: microseconds (the interpreter, torch's dispatcher)
     assert 1e-7 < g.op_s < 1e-3 and "op_s = the executor's interpreter" in hw.source
+    # 16-bit matmuls at this CPU's own bf16 rate (no faster than fp32; far slower without native bf16)
+    assert 0 < g.flops <= g.flops_fp32 and "bf16" in hw.source
     # the executor's stores: per tensor of a DRAM <-> device copy, per SSD read or write
     assert 1e-8 < g.copy_tensor_s < 1e-3 and "copy_tensor_s = the executor's stores" in hw.source
     assert 1e-7 < hw.ssd.request_s < 1.0 and "request_s = a 4 KiB write and read" in hw.source
