@@ -150,7 +150,7 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
         notes += gpu_notes
     else:
         flops = _cpu_block_flops(p.cpu_block_reps)
-        bf16 = _cpu_bf16_ratio(p.cpu_block_reps)
+        bf16 = _cpu_bf16_ratio()
         op_s = _op_dispatch_s(p.cpu_block_reps)
         per_tensor = _copy_tensor_s(p.memcpy_reps)
         budget = total_ram // CPU_GPU_FRACTION
@@ -303,23 +303,26 @@ def _op_dispatch_s(reps: int) -> float:
     return _best_time(step, reps) / ops
 
 
-MM16 = (128, 512, 512)
+MM16 = (128, 512, 2048)
 """(m, k, n) of the matmuls whose bf16 / fp32 rate ratio scales the CPU block's rate to its 16-bit
-one: small, since a CPU without native bf16 runs bf16 matmuls hundreds of times slower."""
+one: a block's MLP matmul (d 512 -> 4d) on 128 tokens. A CPU without native bf16 runs bf16 matmuls
+at a rate that barely grows with their size (AMD EPYC, AVX2: 0.3-1.3 GFLOP/s from 128x512x512 to
+512x2048x2048) while fp32 grows (4-127), so the ratio is taken at a block's own size; smaller
+shapes overstate bf16 (0.30 at 128x512x512 against 0.047 here)."""
 
 
-def _cpu_bf16_ratio(reps: int) -> float:
+def _cpu_bf16_ratio() -> float:
     """A bf16 matmul's rate over an fp32 one's on this CPU (what a mixed-precision plan's 16-bit
     matmuls run at on the CPU device tier, relative to the fp32 block rate `_cpu_block_flops`
-    measures): near 1 or above with native bf16 (AVX512-BF16, AMX), ~0.003 without (an AMD EPYC
-    with AVX2: 0.3 against 127 GFLOP/s)."""
+    measures): near 1 or above with native bf16 (AVX512-BF16, AMX), ~0.05 without (an AMD EPYC
+    with AVX2)."""
     import torch
 
     m, k, n = MM16
     rate = {}
     for dt in (torch.float32, torch.bfloat16):
         a, b = torch.randn(m, k).to(dt), torch.randn(k, n).to(dt)
-        rate[dt] = 1.0 / _best_time(lambda: torch.mm(a, b), max(2, reps // 2))
+        rate[dt] = 1.0 / _best_time(lambda: torch.mm(a, b), 2)  # ~1 s a bf16 call without native bf16
     return min(1.0, rate[torch.bfloat16] / rate[torch.float32])
 
 
