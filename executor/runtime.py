@@ -65,6 +65,12 @@ MODES = ("sync", "overlap")
 KINDS = ("compute", "recompute", "load", "store", "free", "optimizer_step", "send")
 
 
+HELD_KINDS = ("P", "C", "G", "A", "R", "X", "T", "H", "AE", "RE", "K")
+"""Buffer kinds whose members are joint-graph roots a segment may read (by `_holders`)."""
+MADE_BY_COMPUTE = ("A", "R", "X", "G", "T", "H", "AE", "RE", "K")
+"""Buffer kinds a compute or recompute instruction may create on the device."""
+
+
 class ExecutionError(TensorstowError):
     """An instruction could not run as the plan says (names the instruction)."""
 
@@ -164,7 +170,7 @@ class Executor:
         self._check_references()
         self.holders: dict[str, list[str]] = defaultdict(list)
         for buf, roots in self.members.items():
-            if buf.split(":")[0] in ("P", "C", "G", "A", "R", "X", "T", "H", "AE", "RE", "K"):
+            if buf.split(":")[0] in HELD_KINDS:
                 for r in roots:
                     self.holders[r].append(buf)
         self.rng_states: dict[str, torch.Tensor] = {}
@@ -382,7 +388,7 @@ class Executor:
                 if n not in self.layouts:
                     raise TensorstowError(f"plan instruction {ins.id}: unknown buffer '{n}'; re-plan it")
             if ins.kind in ("compute", "recompute"):
-                bad = [a for a in ins.allocs if a.split(":")[0] not in ("A", "R", "X", "G", "T", "H", "AE", "RE", "K")]
+                bad = [a for a in ins.allocs if a.split(":")[0] not in MADE_BY_COMPUTE]
             elif ins.kind == "optimizer_step":
                 if not self.block_params.get(ins.segment):
                     raise TensorstowError(f"plan instruction {ins.id}: '{ins.segment}' is not a block "
@@ -404,7 +410,7 @@ class Executor:
             kind, b = name.split(":")[0], block_of(name)
             if kind == "W":
                 continue  # a workspace: the segment's real temporaries, counted as they are made
-            if kind not in ("P", "C", "G", "M", "OS", "A", "R", "X", "T", "H", "AE", "RE", "K") or b not in inst.profile:
+            if kind not in (*HELD_KINDS, "M", "OS") or b not in inst.profile:
                 raise TensorstowError(f"plan buffer {name} names nothing in the traced model; re-plan it")
             if not spec.members:
                 raise TensorstowError(f"plan buffer {name} does not list its members (a plan of an older "

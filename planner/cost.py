@@ -241,19 +241,22 @@ def _backward_cut(bwd, saved: dict, readers, tensors, ops, hw: Hardware, handed:
                 made_at[name] = k
     kept = handed | carried
     times = [_op_times([o], tensors, hw) for o in bwd]
+
+    def cut_at(c: int) -> tuple[list[str], list[str]]:
+        """(early, handoff) of a cut after the c-th op."""
+        early = [n for n, k in last.items() if k < c]
+        handoff = [n for n, k in made_at.items() if k < c and (
+            n in kept or tensors[n].kind == "gradient" or any(pos.get(r, -1) >= c for r in readers[n]))]
+        return early, handoff
     best, best_score = 0, 0.0
     for c in range(1, len(bwd)):
-        early = sum(saved[n][0] for n, k in last.items() if k < c)
-        handoff = sum(tensors[n].nbytes for n, k in made_at.items() if k < c
-                      and (n in kept or tensors[n].kind == "gradient" or any(pos.get(r, -1) >= c for r in readers[n])))
-        score = (early - handoff) * sum(times[c:])
+        early, handoff = cut_at(c)
+        score = (sum(saved[n][0] for n in early) - sum(tensors[n].nbytes for n in handoff)) * sum(times[c:])
         if score > best_score:
             best, best_score = c, score
     if not best:
         return {}
-    early = tuple(sorted(n for n, k in last.items() if k < best))
-    handoff = tuple(sorted(n for n, k in made_at.items() if k < best and (
-        n in kept or tensors[n].kind == "gradient" or any(pos.get(r, -1) >= best for r in readers[n]))))
+    early, handoff = (tuple(sorted(x)) for x in cut_at(best))
     return dict(bwd_cut=best, early=early, handoff=handoff,
                 handoff_bytes=sum(tensors[n].nbytes for n in handoff),
                 bwd1_time_s=sum(times[:best]), bwd2_time_s=sum(times[best:]),
