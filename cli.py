@@ -247,11 +247,21 @@ def cmd_diff(args) -> int:
 
 
 def cmd_check(args) -> int:
-    """Re-plan every golden plan from its own options; fail on any drift."""
+    """Re-plan every golden plan (each PATH: a directory of them or one plan file) from its own
+    options; fail on any drift."""
     from tensorstow.planner.plan import make_plan
-    files = sorted(Path(args.dir).glob("*.json")) if Path(args.dir).is_dir() else []
-    if not files:
-        raise TensorstowError(f"no golden plans (*.json) in {args.dir}")
+    files = []
+    for p in map(Path, args.paths):
+        if p.is_dir():
+            found = sorted(p.glob("*.json"))
+            if not found:
+                raise TensorstowError(f"no golden plans (*.json) in {p}")
+            files += found
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise TensorstowError(f"{p}: no such plan file or directory (give golden plans' directory, "
+                                  "e.g. plans, or plan files)")
     drift = 0
     for f in files:
         try:
@@ -274,7 +284,7 @@ def cmd_check(args) -> int:
         print(f"DRIFT  {f.name}\n" + "\n".join("       " + line for line in text.splitlines()))
     if drift:
         print(f"{drift} golden plan(s) drifted; if the change is intended run "
-              f"`tensorstow check {args.dir} --update` and say why in the commit")
+              f"`tensorstow check {' '.join(args.paths)} --update` and say why in the commit")
         return 1
     return 0
 
@@ -419,7 +429,8 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("b")
     d.set_defaults(fn=cmd_diff)
     c = sub.add_parser("check", help="re-plan golden plans and fail on drift")
-    c.add_argument("dir", nargs="?", default="plans")
+    c.add_argument("paths", nargs="*", default=["plans"], metavar="PATH",
+                   help="a directory of golden plans (default: plans) or plan files")
     c.add_argument("--update", action="store_true", help="rewrite drifted plans")
     c.set_defaults(fn=cmd_check)
     x = sub.add_parser("execute", help="replay a plan every training step")

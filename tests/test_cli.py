@@ -16,14 +16,38 @@ def run(*args, cwd=None):
                           text=True, cwd=cwd or ROOT, timeout=300)
 
 
-def test_golden_plans_have_not_drifted():
-    r = run("check", "plans")
+GOLDEN = sorted((ROOT / "plans").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", GOLDEN, ids=[p.stem for p in GOLDEN])
+def test_golden_plan_has_not_drifted(path, capsys):
+    """Each golden plan re-plans to the same bytes (one test per plan, so test workers share them)."""
+    rc = main(["check", str(path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert out == f"ok     {path.name}\n"
+
+
+def test_check_reads_a_directory_and_prints_only_its_lines(tmp_path):
+    """`tensorstow check DIR` in a fresh process: one line per plan. The ILP and Mobius MIP plans
+    solve with HiGHS, whose 1.16 prints a banner on a process's first solver unless planner.highs
+    silences it. A drifted plan fails with its diff, and a path that is not there is one line."""
+    assert len(GOLDEN) >= 4
+    for name in ("mobius-8b__mobius-3090ti-topo4__mobius.json", "gpt-tiny__lohan-rtx4090__zero-infinity.json"):
+        (tmp_path / name).write_text((ROOT / "plans" / name).read_text())
+    r = run("check", tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("ok ") == len(list((ROOT / "plans").glob("*.json"))) >= 4
-    # The ILP and Mobius MIP plans solve with HiGHS, whose 1.16 prints a banner on a process's first
-    # solver unless planner.highs silences it: the output is the check's lines and nothing else.
+    assert r.stdout.splitlines() == ["ok     gpt-tiny__lohan-rtx4090__zero-infinity.json",
+                                     "ok     mobius-8b__mobius-3090ti-topo4__mobius.json"]
     assert "HiGHS" not in r.stdout + r.stderr
-    assert all(line.startswith(("ok ", "DRIFT", " ")) for line in r.stdout.splitlines()), r.stdout
+    drifted = tmp_path / "gpt-tiny__lohan-rtx4090__zero-infinity.json"
+    d = json.loads(drifted.read_text())
+    d["predicted"]["step_time_s"] += 1.0
+    drifted.write_text(json.dumps(d, indent=1))
+    r = run("check", drifted)
+    assert r.returncode == 1 and r.stdout.startswith("DRIFT  ") and "--update" in r.stdout
+    r = run("check", tmp_path / "nope.json")
+    assert r.returncode != 0 and r.stderr.count("\n") == 1 and "nope.json: no such plan file" in r.stderr
 
 
 def test_plan_show_diff(tmp_path, capsys):
@@ -132,8 +156,9 @@ def test_probe_writes_a_spec_and_reports_native_engines(tmp_path, capsys):
 
 
 def test_a_reader_that_stops_early_gets_no_traceback():
-    """`tensorstow check plans | head -1`: the command stops quietly when its reader goes away."""
-    p = subprocess.Popen([sys.executable, "-m", "tensorstow.cli", "check", "plans"], cwd=ROOT,
+    """`tensorstow check A B | head -1`: the command stops quietly when its reader goes away."""
+    tiny = [f"plans/gpt-tiny__lohan-rtx4090__{p}.json" for p in ("all-gpu", "zero-infinity", "lohan")]
+    p = subprocess.Popen([sys.executable, "-m", "tensorstow.cli", "check", *tiny], cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline().startswith("ok ")
