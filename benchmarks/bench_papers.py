@@ -61,8 +61,18 @@ ROWS: list[Row] = [
         assumed="the 13B sweep (8/16/32/64)"),
     Row("Fuyou", "§5.3 Fig.6", "Fuyou", "gpt3-276b", "fuyou-a100-80g", 64, 168.0, "fuyou"),
     Row("Fuyou", "§5.3 Fig.6", "Fuyou", "gpt3-412b", "fuyou-a100-80g", 64, 163.0, "fuyou"),
+    # Fuyou §5.3's baselines, from its ratios "at their highest throughput": 13B on the RTX 4090
+    # 156 / 3.47 (ZeRO-Infinity) and / 2.36 (ZeRO-Offload); on the A100 202 / 3.42 and / 2.46.
+    # ZeRO-Offload is DeepSpeed ZeRO-3 with parameters and optimizer in DRAM (§5.1): `zero-infinity`
+    # without SSDs.
     Row("Fuyou", "§5.3", "ZeRO-Infinity", "gpt3-13b", "lohan-rtx4090", 32, 45.0, "zero-infinity",
         sweep=(8, 16, 32), assumed="its sweep is Fig. 8's 8/16/32 ('at their highest throughput')"),
+    Row("Fuyou", "§5.3 Fig.5b", "ZeRO-Infinity", "gpt3-13b", "fuyou-a100-80g", 32, 59.1, "zero-infinity",
+        sweep=(8, 16, 32), assumed="its sweep is Fig. 8's 8/16/32"),
+    Row("Fuyou", "§5.3 Fig.5c", "ZeRO-Offload", "gpt3-13b", "lohan-rtx4090", 32, 66.1, "zero-infinity", ssds=0,
+        sweep=(8, 16, 32), assumed="ZeRO-Infinity's sweep (Fig. 8's 8/16/32)"),
+    Row("Fuyou", "§5.3 Fig.5b", "ZeRO-Offload", "gpt3-13b", "fuyou-a100-80g", 32, 82.1, "zero-infinity", ssds=0,
+        sweep=(8, 16, 32), assumed="ZeRO-Infinity's sweep (Fig. 8's 8/16/32)"),
     # STRONGHOLD §VI-B: "6~9 TFlops" (42-57% of the V100), fp32 (docs/hardware-presets.md)
     Row("STRONGHOLD", "§VI-B Fig.7a", "STRONGHOLD", "gpt3-6b", "stronghold-v100-32g", 4, 7.5, "stronghold",
         precision="fp32", assumed="the middle of 6-9 TFLOPS, gpt3-6b at batch 4 (model and batch not stated)"),
