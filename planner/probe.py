@@ -31,15 +31,12 @@ imports its compiler stack then). Results are cached per (disk_dir, quick) per p
 from __future__ import annotations
 
 import datetime
-import errno
 import functools
 import gc
-import mmap
 import os
 import shutil
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tensorstow import TensorstowError
@@ -61,7 +58,6 @@ class _Params:
     memcpy_reps: int
     disk_bytes: int
     disk_chunk: int
-    disk_threads: int
     disk_reps: int
     adam_numel: int
     adam_reps: int
@@ -73,12 +69,12 @@ class _Params:
 
 
 _QUICK = _Params(cpu_block_reps=6, memcpy_bytes=128 * MiB, memcpy_reps=6,
-                 disk_bytes=256 * MiB, disk_chunk=16 * MiB, disk_threads=4, disk_reps=3,
+                 disk_bytes=256 * MiB, disk_chunk=16 * MiB, disk_reps=3,
                  adam_numel=8 * MiB, adam_reps=6,
                  gpu_mm_n=4096, gpu_mm_iters=5, gpu_mm_reps=3,
                  gpu_copy_bytes=256 * MiB, gpu_copy_reps=3)
 _FULL = _Params(cpu_block_reps=6, memcpy_bytes=256 * MiB, memcpy_reps=10,
-                disk_bytes=512 * MiB, disk_chunk=16 * MiB, disk_threads=4, disk_reps=4,
+                disk_bytes=512 * MiB, disk_chunk=16 * MiB, disk_reps=4,
                 adam_numel=16 * MiB, adam_reps=10,
                 gpu_mm_n=8192, gpu_mm_iters=10, gpu_mm_reps=5,
                 gpu_copy_bytes=1 * GiB, gpu_copy_reps=5)
@@ -127,13 +123,13 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
     copy_bw = _cpu_memcpy_bw(p.memcpy_bytes, p.memcpy_reps)  # bytes moved per second
     dram = DRAM(capacity_bytes=avail_ram, bandwidth=2 * copy_bw)
     try:
-        disk = _disk_bw(base, p.disk_bytes, p.disk_chunk, p.disk_threads, p.disk_reps)
+        disk = _disk_bw(base, p.disk_bytes, p.disk_chunk, p.disk_reps)
     except TensorstowError:
         if not default_dir:
             raise
         # The current directory is not writable: measure the system temp dir instead.
         fallback = os.path.realpath(tempfile.gettempdir())
-        disk = _disk_bw(fallback, p.disk_bytes, p.disk_chunk, p.disk_threads, p.disk_reps)
+        disk = _disk_bw(fallback, p.disk_bytes, p.disk_chunk, p.disk_reps)
         notes.append(f"current directory {base} not writable, measured {fallback}")
     adam_rate, adam_kind = _adam_rate(p.adam_numel, p.adam_reps)
     cores = os.cpu_count() or 1
@@ -180,8 +176,8 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
         *notes,
         f"DRAM: MemAvailable {avail_ram / GiB:.1f} of {total_ram / GiB:.1f} GiB, "
         f"bandwidth = 2x memcpy of {p.memcpy_bytes // MiB} MiB (read+write traffic)",
-        f"SSD: {disk.method} on {disk.fs_dir}, {p.disk_bytes // MiB} MiB file, "
-        f"{p.disk_chunk // MiB} MiB requests x {p.disk_threads} threads; request_s = a "
+        f"SSD: {disk.method} on {disk.fs_dir}, through the executor's store: {p.disk_bytes // MiB} MiB "
+        f"in {p.disk_chunk // MiB} MiB buffers, all in flight; request_s = a "
         f"{REQUEST_PROBE_BYTES // 1024} KiB write and read through the executor's store "
         f"({disk.request_s * 1e6:.0f} us)",
         f"CPU: AdamW {adam_kind} on {p.adam_numel // MiB}Mi fp32 params",
@@ -368,12 +364,12 @@ class _DiskResult:
     request_s: float = 0.0
 
 
-def _fill_buffer(buf: mmap.mmap) -> None:
-    """Fill with random bytes. Content matters on these VMs: zero or tiled data reads back
-    ~2x slower than random data (the host dedupes/compresses), and tensors look random."""
+def _fill_random(arr) -> None:
+    """Fill a uint8 numpy array with random bytes. Content matters on these VMs: zero or tiled
+    data reads back ~2x slower than random data (the host dedupes/compresses), and tensors look
+    random."""
     import numpy as np
 
-    arr = np.frombuffer(buf, dtype=np.uint8)
     gen = np.random.default_rng(0).bit_generator
     piece = 8 * MiB
     whole = len(arr) // 8 * 8
@@ -381,95 +377,45 @@ def _fill_buffer(buf: mmap.mmap) -> None:
         n = min(piece, whole - off)
         arr[off:off + n] = gen.random_raw(n // 8).view(np.uint8)
     arr[whole:] = 0x5A
-    del arr
 
 
-def _pwrite_all(fd: int, view: memoryview, off: int) -> None:
-    done = 0
-    while done < len(view):
-        n = os.pwrite(fd, view[done:], off + done)
-        if n <= 0:
-            raise OSError(errno.EIO, "short write")
-        done += n
+def _disk_bw(base: str, size: int, chunk: int, reps: int) -> _DiskResult:
+    """Read and write rates of the disk under `base` through the executor's own SSD store (the
+    path a plan's SSD instructions take: O_DIRECT where the filesystem allows it, the aio
+    engine's queue, a checksum per buffer): `size` bytes in buffers of `chunk`, all submitted at
+    once, best of `reps` after a pass that allocates the files' blocks. Raises OSError or
+    TensorstowError on failure; the temp dir goes either way."""
+    from tensorstow.executor.ssd import SSDStore
+    from tensorstow.executor.stores import aligned_empty
 
-
-def _pread_all(fd: int, view: memoryview, off: int) -> None:
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], off + done)
-        if n <= 0:
-            raise OSError(errno.EIO, "unexpected end of file")
-        done += n
-
-
-def _time_file_io(path: str, view: memoryview, chunk: int, pool: ThreadPoolExecutor,
-                  reps: int, direct: bool) -> tuple[float, float]:
-    """(read_bw, write_bw) of `path`, best of `reps` each; raises OSError on failure."""
-    size = len(view)
-    flags = os.O_RDWR | os.O_CREAT
-    if direct:
-        flags |= os.O_DIRECT
-    offsets = list(range(0, size, chunk))
-    chunks = [view[o:o + chunk] for o in offsets]
-    fd = -1
-    try:
-        fd = os.open(path, flags, 0o600)
-
-        def write_all():
-            list(pool.map(lambda i: _pwrite_all(fd, chunks[i], offsets[i]), range(len(offsets))))
-            os.fsync(fd)
-
-        def read_all():
-            if not direct:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            list(pool.map(lambda i: _pread_all(fd, chunks[i], offsets[i]), range(len(offsets))))
-
-        # The first write allocates the file's blocks (warm-up); later ones overwrite.
-        write_bw = size / _best_time(write_all, reps, warmup=1)
-        read_bw = size / _best_time(read_all, reps, warmup=1)
-        return read_bw, write_bw
-    finally:
-        for c in chunks:
-            c.release()  # the mmap behind `view` cannot be closed while slices exist
-        if fd >= 0:
-            os.close(fd)
-
-
-def _disk_bw(base: str, size: int, chunk: int, threads: int, reps: int) -> _DiskResult:
     try:
         tmpdir = tempfile.mkdtemp(prefix=".tensorstow-probe-", dir=base)
     except OSError as e:
         raise TensorstowError(f"probe: cannot create a temp dir in '{base}' to measure the "
                               f"disk ({e.strerror}); pass a writable directory "
                               f"(disk_dir / --disk-dir)") from None
-    buf = mmap.mmap(-1, size)  # page-aligned, as O_DIRECT requires
-    view = memoryview(buf)
     try:
         capacity = shutil.disk_usage(tmpdir).free
-        _fill_buffer(buf)
-        path = os.path.join(tmpdir, "probe.bin")
-        method = "O_DIRECT"
-        with ThreadPoolExecutor(max_workers=threads) as pool:
-            direct_ok = hasattr(os, "O_DIRECT")
-            err = "O_DIRECT not available on this OS"
-            if direct_ok:
-                try:
-                    read_bw, write_bw = _time_file_io(path, view, chunk, pool, reps, True)
-                except OSError as e:
-                    direct_ok = False
-                    err = f"O_DIRECT failed: {e.strerror or e}"
-                    try:
-                        os.unlink(path)
-                    except FileNotFoundError:
-                        pass
-            if not direct_ok:
-                method = f"buffered I/O + fsync + FADV_DONTNEED ({err})"
-                read_bw, write_bw = _time_file_io(path, view, chunk, pool, reps, False)
+        sizes = {f"b{i}": min(chunk, size - off) for i, off in enumerate(range(0, size, chunk))}
+        bufs = {name: aligned_empty(n) for name, n in sizes.items()}
+        for t in bufs.values():
+            _fill_random(t.numpy())
+        with SSDStore(os.path.join(tmpdir, "bandwidth"), sizes) as store:
+            method = store.io_mode_reason
+
+            def write_all():
+                for op in [store.write_async(name, t) for name, t in bufs.items()]:
+                    op.wait()
+
+            def read_all():
+                for op in [store.read_async(name, t) for name, t in bufs.items()]:
+                    op.wait()
+
+            write_bw = size / _best_time(write_all, reps, warmup=1)  # the warm-up allocates blocks
+            read_bw = size / _best_time(read_all, reps, warmup=1)
         return _DiskResult(read_bw=read_bw, write_bw=write_bw, capacity=int(capacity),
                            method=method, fs_dir=base, request_s=_ssd_request_s(tmpdir, reps))
     finally:
-        view.release()
-        buf.close()
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
