@@ -129,8 +129,13 @@ def _launch(plan: Plan, nproc: int, kw: dict, out) -> dict:
 
 def predicted_step(plan: Plan, mode: str) -> float:
     """The step time the plan predicts for a mode: overlap runs its simulated schedule, sync one
-    instruction after another (the sum of their modeled durations)."""
-    return plan.predicted.step_time_s if mode == "overlap" else sum(i.est_s for i in plan.instructions)
+    instruction after another (the sum of their modeled durations); both end with the SSD store's
+    commit (`cost.commit_time`)."""
+    from tensorstow.planner.cost import commit_time
+    if mode == "overlap":
+        return plan.predicted.step_time_s
+    return sum(i.est_s for i in plan.instructions) + commit_time(
+        plan.hardware.spec, plan.instructions, {n: b.bytes for n, b in plan.buffers.items()})
 
 
 def pick_mode(mode: str) -> str:

@@ -117,6 +117,22 @@ class BlockProfile:
     """Bytes of each storage in `saved`, `swapped` and `rest` (how a cut splits their buffers)."""
 
 
+def commit_time(hw, instrs, nbytes: dict[str, int]) -> float:
+    """Seconds of the store's commit that ends a step writing SSD-resident buffers: `commit_s` +
+    one `sync_s` per buffer written + the bytes written / `flush_bw` (`SSDStore.commit`: fdatasync
+    each written file, then the manifest and the directory). It runs after the step's last
+    instruction and the next step waits for it. 0 where the plan writes nothing to SSD. nbytes:
+    buffer -> bytes. [OURS]"""
+    written = {i.tensor for i in instrs if i.kind == "store" and i.dst == "ssd"}
+    if not written:
+        return 0.0
+    s = hw.ssd
+    t = s.commit_s + len(written) * s.sync_s
+    if s.flush_bw:
+        t += sum(nbytes[b] for b in written) / s.flush_bw
+    return t
+
+
 def op_time(flops: int, nbytes: int, hw: Hardware, gpu: int = 0, fp32: bool = False) -> float:
     """Roofline time of one op, plus the host's dispatch cost per op (`GPU.op_s`); `fp32`: its math
     runs in fp32 (at `flops_fp32` where the GPU has one)."""

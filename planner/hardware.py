@@ -34,7 +34,8 @@ CPU_GPU_NAME = "cpu (no CUDA)"
 (`tensorstow probe` there): the device tier the executor emulates on the CPU."""
 
 
-OMITTED_WHEN_ZERO = ("op_s", "d2h_convert_bw", "h2d_convert_bw", "copy_tensor_s", "request_s")
+OMITTED_WHEN_ZERO = ("op_s", "d2h_convert_bw", "h2d_convert_bw", "copy_tensor_s", "request_s", "commit_s",
+                     "sync_s", "flush_bw")
 """GPU and SSD fields a spec's JSON leaves out when 0 (added after specs existed: their
 fingerprints stay)."""
 
@@ -123,6 +124,20 @@ class SSD:
     completion and checksum bookkeeping per request (`executor.ssd.SSDStore`), measured by
     `tensorstow probe` on a 4 KiB buffer through that store; 0 in the papers' presets. Left out of
     the spec's JSON when 0."""
+    commit_s: float = 0.0
+    """Seconds the store's commit at the end of a step costs besides its files' syncs: writing and
+    renaming the manifest, syncing the directory (`SSDStore.commit`). The executor commits an
+    SSD-resident plan's state after every step (`checkpoint_every` 1), the step waiting for it.
+    Measured by `tensorstow probe` through that store; 0 in the papers' presets (their systems do not
+    commit a crash-consistent state each step). Left out of the spec's JSON when 0."""
+    sync_s: float = 0.0
+    """Seconds the commit costs per buffer written in the step: the `fdatasync` of its file. Measured
+    with `commit_s`; 0 in the papers' presets. Left out of the spec's JSON when 0."""
+    flush_bw: float = 0.0
+    """Bytes/s at which the commit makes the step's written bytes durable: the syncs wait for the
+    disk (or, on a VM, the host) to flush what the step wrote, so they grow with it. Measured by
+    `tensorstow probe` as the commit after its bandwidth write pass, less `commit_s` and `sync_s`;
+    0: nothing to flush (the papers' presets). Left out of the spec's JSON when 0."""
 
     def read_total(self) -> float:
         bw = self.count * self.read_bw

@@ -210,12 +210,15 @@ def schedule(problem: Problem, decisions: Decisions) -> PlanResult:
     initial = set(home_tiers(bufs, decisions, problem.order).items())
     sizes = {n: b.bytes for n, b in bufs.items()}
     reserved = decisions.reserved()
-    sim = simulate(instrs, dur, sizes, initial, links=contention(instrs, problem.hw), reserved=reserved)
+    commit = cost.commit_time(problem.hw, instrs, sizes)
+    sim = simulate(instrs, dur, sizes, initial, links=contention(instrs, problem.hw), reserved=reserved,
+                   commit_s=commit)
     # Memory fences: an allocation waits for the releases that preceded it in the replay, so an
     # executor whose real timing differs (overlap mode) never holds more than the simulated peak.
     instrs = [dataclasses.replace(i, deps=tuple(sorted(set(i.deps) | set(sim.fences.get(i.id, ())))))
               for i in instrs]
-    fenced = simulate(instrs, dur, sizes, initial, links=contention(instrs, problem.hw), reserved=reserved)
+    fenced = simulate(instrs, dur, sizes, initial, links=contention(instrs, problem.hw), reserved=reserved,
+                      commit_s=commit)
     assert fenced.step_time_s == sim.step_time_s, "memory fences must not change the replay"
     return PlanResult(problem, decisions, bufs, instrs, fenced, dur)
 

@@ -35,6 +35,7 @@ import functools
 import gc
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -165,8 +166,8 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
     if nvml_note:
         notes.append(nvml_note)
 
-    ssd = SSD(count=1, read_bw=disk.read_bw, write_bw=disk.write_bw,
-              capacity_bytes=disk.capacity, request_s=disk.request_s)
+    ssd = SSD(count=1, read_bw=disk.read_bw, write_bw=disk.write_bw, capacity_bytes=disk.capacity,
+              request_s=disk.request_s, commit_s=disk.commit_s, sync_s=disk.sync_s, flush_bw=disk.flush_bw)
     cpu = CPU(cores=cores, adam_rate=adam_rate)
 
     stamp = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
@@ -179,7 +180,9 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
         f"SSD: {disk.method} on {disk.fs_dir}, through the executor's store: {p.disk_bytes // MiB} MiB "
         f"in {p.disk_chunk // MiB} MiB buffers, all in flight; request_s = a "
         f"{REQUEST_PROBE_BYTES // 1024} KiB write and read through the executor's store "
-        f"({disk.request_s * 1e6:.0f} us)",
+        f"({disk.request_s * 1e6:.0f} us); a commit {disk.commit_s * 1e3:.2f} ms + {disk.sync_s * 1e3:.2f} ms per "
+        f"buffer written (1 and {COMMIT_PROBE_BUFFERS} buffers of 4 KiB committed through that store) + the "
+        f"written bytes at {disk.flush_bw / 1e9:.2f} GB/s (the commit after each write pass)",
         f"CPU: AdamW {adam_kind} on {p.adam_numel // MiB}Mi fp32 params",
         f"best of {p.memcpy_reps}/{p.disk_reps}/{p.adam_reps} reps (memcpy/disk/adam)",
     ])
@@ -362,6 +365,9 @@ class _DiskResult:
     method: str
     fs_dir: str
     request_s: float = 0.0
+    commit_s: float = 0.0
+    sync_s: float = 0.0
+    flush_bw: float = 0.0
 
 
 def _fill_random(arr) -> None:
@@ -411,10 +417,26 @@ def _disk_bw(base: str, size: int, chunk: int, reps: int) -> _DiskResult:
                 for op in [store.read_async(name, t) for name, t in bufs.items()]:
                     op.wait()
 
-            write_bw = size / _best_time(write_all, reps, warmup=1)  # the warm-up allocates blocks
+            write_t, flushes = float("inf"), []
+            for r in range(reps + 1):  # the first round allocates the files' blocks
+                t0 = time.perf_counter()
+                write_all()
+                t1 = time.perf_counter()
+                store.commit(r)  # what a step's commit adds for those bytes
+                if r:
+                    write_t = min(write_t, t1 - t0)
+                    flushes.append(time.perf_counter() - t1)
+            # the median: a commit now and then finds the host already flushed (10-300 ms here)
+            flush_t = statistics.median(flushes)
+            write_bw = size / max(write_t, 1e-9)
             read_bw = size / _best_time(read_all, reps, warmup=1)
-        return _DiskResult(read_bw=read_bw, write_bw=write_bw, capacity=int(capacity),
-                           method=method, fs_dir=base, request_s=_ssd_request_s(tmpdir, reps))
+        commit_s, sync_s = _ssd_commit_costs(tmpdir, reps)
+        # the bulk commit's time beyond its fixed and per-file parts is the written bytes' flush
+        flush = flush_t - commit_s - len(sizes) * sync_s
+        flush_bw = size / flush if flush > 0 else 0.0
+        return _DiskResult(read_bw=read_bw, write_bw=write_bw, capacity=int(capacity), method=method,
+                           fs_dir=base, request_s=_ssd_request_s(tmpdir, reps), commit_s=commit_s, sync_s=sync_s,
+                           flush_bw=flush_bw)
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
 
@@ -440,6 +462,40 @@ def _ssd_request_s(tmpdir: str, reps: int) -> float:
                 store.read("x", t)
         return _best_time(rounds, reps) / 20
 
+
+
+COMMIT_PROBE_BUFFERS = 8
+"""Buffers written before the probe's larger commit (`SSD.sync_s` is the slope over 1 and these)."""
+
+
+def _ssd_commit_costs(tmpdir: str, reps: int) -> tuple[float, float]:
+    """(`SSD.commit_s`, `SSD.sync_s`): the executor's store's commit timed after writing 1 and
+    after writing `COMMIT_PROBE_BUFFERS` buffers of 4 KiB, best of `reps` each after one warm-up;
+    the difference per extra buffer is the sync of a written file, the rest the commit's own work
+    (manifest, rename, directory sync)."""
+    from tensorstow.executor.ssd import SSDStore
+    from tensorstow.executor.stores import aligned_empty
+
+    t = aligned_empty(REQUEST_PROBE_BYTES)
+    t.fill_(7)
+    n = COMMIT_PROBE_BUFFERS
+    step = 0
+    with SSDStore(os.path.join(tmpdir, "commits"), {f"c{i}": REQUEST_PROBE_BYTES for i in range(n)}) as store:
+        def best_commit(k: int) -> float:
+            nonlocal step
+            best = float("inf")
+            for r in range(reps + 1):
+                for i in range(k):
+                    store.write(f"c{i}", t)
+                step += 1
+                t0 = time.perf_counter()
+                store.commit(step)
+                if r:  # the first round is the warm-up
+                    best = min(best, time.perf_counter() - t0)
+            return best
+        one, many = best_commit(1), best_commit(n)
+    sync_s = max(0.0, (many - one) / (n - 1))
+    return max(0.0, one - sync_s), sync_s
 
 def _copy_tensor_s(reps: int, device=None, pin: bool = False) -> float:
     """Host seconds per tensor of a copy between DRAM and the device tier (`GPU.copy_tensor_s`),

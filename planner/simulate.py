@@ -92,12 +92,13 @@ def contention(instrs: list[Instr], hw) -> tuple[list[tuple[str, ...]], dict[str
 def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
              initial: dict[tuple[str, str], None] | set, tier_of_device=lambda t: t,
              links: tuple[list[tuple[str, ...]], dict[str, int]] | None = None,
-             reserved: dict[str, int] | None = None) -> SimResult:
+             reserved: dict[str, int] | None = None, commit_s: float = 0.0) -> SimResult:
     """Replay `instrs` with `duration[i]` seconds each.
 
     nbytes: buffer -> bytes. initial: the (buffer, tier) pairs present at the start. links:
     `contention()`'s shared links per instruction and their slots (default: none). reserved:
-    tier -> bytes held all step outside the plan's buffers (`Decisions.reserved()`).
+    tier -> bytes held all step outside the plan's buffers (`Decisions.reserved()`). commit_s: the
+    SSD store's commit after the last instruction (`cost.commit_time`), on the SSD, in the step.
     """
     n = len(instrs)
     streams: dict[str, list[int]] = {}
@@ -210,7 +211,9 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
     if leftover or missing:
         raise ScheduleError(f"the step does not return to its initial state: left {leftover[:5]}, "
                             f"lost {missing[:5]}")
-    makespan = max((e for e in end), default=0.0)
+    makespan = max((e for e in end), default=0.0) + commit_s
+    if commit_s:
+        busy["ssd"] = busy.get("ssd", 0.0) + commit_s
     return SimResult(step_time_s=makespan, start=start, end=end, busy_s=busy, traffic_bytes=traffic,
                      peak_bytes=peak, timeline=timeline, order=order, peak_live=peak_live,
                      fences={i: tuple(sorted(f)) for i, f in sorted(fences.items()) if f})
@@ -223,8 +226,11 @@ def simulate_plan(plan) -> SimResult:
     order = [b.name for b in plan.model.blocks]
     initial = set(home_tiers(dict(plan.buffers), plan.decisions, order).items())
     instrs = list(plan.instructions)
-    return simulate(instrs, [i.est_s for i in instrs], {n: b.bytes for n, b in plan.buffers.items()}, initial,
-                    links=contention(instrs, plan.hardware.spec), reserved=plan.decisions.reserved())
+    from tensorstow.planner.cost import commit_time
+    sizes = {n: b.bytes for n, b in plan.buffers.items()}
+    return simulate(instrs, [i.est_s for i in instrs], sizes, initial,
+                    links=contention(instrs, plan.hardware.spec), reserved=plan.decisions.reserved(),
+                    commit_s=commit_time(plan.hardware.spec, instrs, sizes))
 
 
 def _device_tier(ins: Instr) -> str:

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from tensorstow import TensorstowError
-from tensorstow.planner.hardware import load_hardware
+from tensorstow.planner.hardware import Hardware, load_hardware
 from tensorstow.planner.plan import Options, build_problem, make_plan, schedule
 from tensorstow.planner.policies import all_gpu, zero_infinity
 from tensorstow.planner.schedule import Instr
@@ -155,6 +155,43 @@ def test_offloading_moves_bytes_and_costs_time():
     assert P > 0
 
 
+def test_a_step_that_writes_to_ssd_ends_with_the_stores_commit_where_the_spec_prices_it(tmp_path, capsys):
+    """The executor commits an SSD-resident plan's state after every step (fdatasync of each file
+    written, the manifest, the directory) and the step waits for it: `SSD.commit_s` + `sync_s` per
+    buffer written + bytes written / `flush_bw` (probed), after the last instruction, in both the
+    simulated (overlap) and the summed (sync) step; a plan without SSD writes and the papers'
+    presets (which state none of the three) are unchanged, and `show` replays the file as predicted."""
+    from tensorstow.cli import main
+    from tensorstow.executor.run import predicted_step
+    from tensorstow.planner.cost import commit_time
+    hw = load_hardware("lohan-rtx4090")
+    assert not {"commit_s", "sync_s", "flush_bw"} & set(hw.to_json()["ssd"])
+    priced = dataclasses.replace(hw, ssd=dataclasses.replace(hw.ssd, commit_s=2e-3, sync_s=1e-3, flush_bw=1e9))
+    assert Hardware.from_json(priced.to_json()) == priced and priced.fingerprint() != hw.fingerprint()
+    base = schedule(build_problem(tiny_options(), hw), zero_infinity.plan(build_problem(tiny_options(), hw)))
+    p = build_problem(tiny_options(), priced)
+    got = schedule(p, zero_infinity.plan(p))
+    written = {i.tensor for i in got.instructions if i.kind == "store" and i.dst == "ssd"}
+    assert written
+    want = 2e-3 + len(written) * 1e-3 + sum(got.buffers[b].bytes for b in written) / 1e9
+    assert commit_time(priced, got.instructions, {n: b.bytes for n, b in got.buffers.items()}) == pytest.approx(want)
+    assert got.durations == base.durations
+    assert got.sim.step_time_s == pytest.approx(base.sim.step_time_s + want)
+    assert got.sim.busy_s["ssd"] == pytest.approx(base.sim.busy_s["ssd"] + want)
+    plan = got.to_plan()
+    assert predicted_step(plan, "overlap") == plan.predicted.step_time_s
+    assert predicted_step(plan, "sync") == pytest.approx(sum(i.est_s for i in plan.instructions) + want)
+    path = tmp_path / "plan.json"
+    path.write_text(plan.dumps())
+    capsys.readouterr()
+    assert main(["show", str(path)]) == 0
+    assert "(as predicted)" in capsys.readouterr().out
+    no_ssd = build_problem(tiny_options(), dataclasses.replace(priced, ssd=dataclasses.replace(priced.ssd, count=0)))
+    dram = schedule(no_ssd, zero_infinity.plan(no_ssd))
+    assert not any(i.kind == "store" and i.dst == "ssd" for i in dram.instructions)
+    assert commit_time(priced, dram.instructions, {}) == 0.0
+
+
 def test_copies_cost_their_tensors_and_ssd_requests_their_fixed_cost_where_the_spec_states_them():
     """`GPU.copy_tensor_s` and `SSD.request_s` (probed: the executor copies a buffer tensor by
     tensor, and each SSD read or write has a fixed cost): every DRAM <-> device copy of the plan
@@ -166,7 +203,6 @@ def test_copies_cost_their_tensors_and_ssd_requests_their_fixed_cost_where_the_s
                                ssd=dataclasses.replace(hw.ssd, request_s=2e-4))
     assert slow.to_json()["gpus"][0]["copy_tensor_s"] == 1e-5 and slow.to_json()["ssd"]["request_s"] == 2e-4
     assert slow.fingerprint() != hw.fingerprint()
-    from tensorstow.planner.hardware import Hardware
     assert Hardware.from_json(slow.to_json()) == slow
     base = schedule(build_problem(tiny_options(), hw), zero_infinity.plan(build_problem(tiny_options(), hw)))
     p = build_problem(tiny_options(), slow)

@@ -105,6 +105,9 @@ def test_no_gpu_path(measured):
     # the executor's stores: per tensor of a DRAM <-> device copy, per SSD read or write
     assert 1e-8 < g.copy_tensor_s < 1e-3 and "copy_tensor_s = the executor's stores" in hw.source
     assert 1e-7 < hw.ssd.request_s < 1.0 and "request_s = a 4 KiB write and read" in hw.source
+    # the store's commit that ends a step: fixed, per written file, per written byte
+    assert 0 <= hw.ssd.commit_s < 10 and 0 <= hw.ssd.sync_s < 10 and hw.ssd.flush_bw > 0
+    assert "a commit" in hw.source and "through the executor's store" in hw.source
 
 
 def test_gpu_path(measured):
