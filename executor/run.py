@@ -131,11 +131,10 @@ def predicted_step(plan: Plan, mode: str) -> float:
     """The step time the plan predicts for a mode: overlap runs its simulated schedule, sync one
     instruction after another (the sum of their modeled durations); both end with the SSD store's
     commit (`cost.commit_time`)."""
-    from tensorstow.planner.cost import commit_time
+    from tensorstow.planner.simulate import plan_commit_s
     if mode == "overlap":
         return plan.predicted.step_time_s
-    return sum(i.est_s for i in plan.instructions) + commit_time(
-        plan.hardware.spec, plan.instructions, {n: b.bytes for n, b in plan.buffers.items()})
+    return sum(i.est_s for i in plan.instructions) + plan_commit_s(plan)
 
 
 def pick_mode(mode: str) -> str:

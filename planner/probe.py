@@ -430,13 +430,12 @@ def _disk_bw(base: str, size: int, chunk: int, reps: int) -> _DiskResult:
             flush_t = statistics.median(flushes)
             write_bw = size / max(write_t, 1e-9)
             read_bw = size / _best_time(read_all, reps, warmup=1)
-        commit_s, sync_s = _ssd_commit_costs(tmpdir, reps)
+        request_s, commit_s, sync_s = _ssd_call_costs(tmpdir, reps)
         # the bulk commit's time beyond its fixed and per-file parts is the written bytes' flush
         flush = flush_t - commit_s - len(sizes) * sync_s
         flush_bw = size / flush if flush > 0 else 0.0
         return _DiskResult(read_bw=read_bw, write_bw=write_bw, capacity=int(capacity), method=method,
-                           fs_dir=base, request_s=_ssd_request_s(tmpdir, reps), commit_s=commit_s, sync_s=sync_s,
-                           flush_bw=flush_bw)
+                           fs_dir=base, request_s=request_s, commit_s=commit_s, sync_s=sync_s, flush_bw=flush_bw)
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
 
@@ -445,34 +444,18 @@ REQUEST_PROBE_BYTES = 4096
 """Size of the buffer whose reads and writes through the executor's SSD store give
 `SSD.request_s`: one O_DIRECT block, so its time is the per-request cost, not the bytes."""
 
-
-def _ssd_request_s(tmpdir: str, reps: int) -> float:
-    """Seconds one read or write of a buffer costs in the executor's SSD store besides its bytes
-    (`SSD.request_s`): the mean of a write and a read of a 4 KiB buffer (submission, completion,
-    checksum, bookkeeping), best of `reps` rounds of 20 each."""
-    from tensorstow.executor.ssd import SSDStore
-    from tensorstow.executor.stores import aligned_empty
-
-    t = aligned_empty(REQUEST_PROBE_BYTES)
-    t.fill_(7)
-    with SSDStore(os.path.join(tmpdir, "requests"), {"x": REQUEST_PROBE_BYTES}) as store:
-        def rounds():
-            for _ in range(10):
-                store.write("x", t)
-                store.read("x", t)
-        return _best_time(rounds, reps) / 20
-
-
-
 COMMIT_PROBE_BUFFERS = 8
 """Buffers written before the probe's larger commit (`SSD.sync_s` is the slope over 1 and these)."""
 
 
-def _ssd_commit_costs(tmpdir: str, reps: int) -> tuple[float, float]:
-    """(`SSD.commit_s`, `SSD.sync_s`): the executor's store's commit timed after writing 1 and
-    after writing `COMMIT_PROBE_BUFFERS` buffers of 4 KiB, best of `reps` each after one warm-up;
-    the difference per extra buffer is the sync of a written file, the rest the commit's own work
-    (manifest, rename, directory sync)."""
+def _ssd_call_costs(tmpdir: str, reps: int) -> tuple[float, float, float]:
+    """(`SSD.request_s`, `SSD.commit_s`, `SSD.sync_s`), through one executor SSD store of 4 KiB
+    buffers (one O_DIRECT block each, so the times are per call, not per byte):
+    - request_s: the mean of a write and a read of a buffer (submission, completion, checksum,
+      bookkeeping), best of `reps` rounds of 20 each;
+    - the commit timed after writing 1 and after writing `COMMIT_PROBE_BUFFERS` buffers, best of
+      `reps` each after one warm-up: the difference per extra buffer is the sync of a written
+      file (sync_s), the rest the commit's own work (manifest, rename, directory sync)."""
     from tensorstow.executor.ssd import SSDStore
     from tensorstow.executor.stores import aligned_empty
 
@@ -480,7 +463,12 @@ def _ssd_commit_costs(tmpdir: str, reps: int) -> tuple[float, float]:
     t.fill_(7)
     n = COMMIT_PROBE_BUFFERS
     step = 0
-    with SSDStore(os.path.join(tmpdir, "commits"), {f"c{i}": REQUEST_PROBE_BYTES for i in range(n)}) as store:
+    with SSDStore(os.path.join(tmpdir, "calls"), {f"c{i}": REQUEST_PROBE_BYTES for i in range(n)}) as store:
+        def rounds():
+            for _ in range(10):
+                store.write("c0", t)
+                store.read("c0", t)
+
         def best_commit(k: int) -> float:
             nonlocal step
             best = float("inf")
@@ -493,9 +481,10 @@ def _ssd_commit_costs(tmpdir: str, reps: int) -> tuple[float, float]:
                 if r:  # the first round is the warm-up
                     best = min(best, time.perf_counter() - t0)
             return best
+        request_s = _best_time(rounds, reps) / 20
         one, many = best_commit(1), best_commit(n)
     sync_s = max(0.0, (many - one) / (n - 1))
-    return max(0.0, one - sync_s), sync_s
+    return request_s, max(0.0, one - sync_s), sync_s
 
 def _copy_tensor_s(reps: int, device=None, pin: bool = False) -> float:
     """Host seconds per tensor of a copy between DRAM and the device tier (`GPU.copy_tensor_s`),

@@ -226,11 +226,15 @@ def simulate_plan(plan) -> SimResult:
     order = [b.name for b in plan.model.blocks]
     initial = set(home_tiers(dict(plan.buffers), plan.decisions, order).items())
     instrs = list(plan.instructions)
-    from tensorstow.planner.cost import commit_time
-    sizes = {n: b.bytes for n, b in plan.buffers.items()}
-    return simulate(instrs, [i.est_s for i in instrs], sizes, initial,
+    return simulate(instrs, [i.est_s for i in instrs], {n: b.bytes for n, b in plan.buffers.items()}, initial,
                     links=contention(instrs, plan.hardware.spec), reserved=plan.decisions.reserved(),
-                    commit_s=commit_time(plan.hardware.spec, instrs, sizes))
+                    commit_s=plan_commit_s(plan))
+
+
+def plan_commit_s(plan) -> float:
+    """The SSD store's commit that ends a plan file's step (`cost.commit_time`)."""
+    from tensorstow.planner.cost import commit_time
+    return commit_time(plan.hardware.spec, plan.instructions, {n: b.bytes for n, b in plan.buffers.items()})
 
 
 def _device_tier(ins: Instr) -> str:
