@@ -39,6 +39,7 @@ import contextlib
 import dataclasses
 import os
 import threading
+import time
 from collections import defaultdict
 from concurrent.futures import Future
 
@@ -222,6 +223,8 @@ class Executor:
         """Optimizer updates taken: Adam's step count (fewer than steps_done when fp16 loss
         scaling skipped some)."""
         self.timeline: list[tuple[int, float, float]] = []
+        self.commit_s = 0.0
+        """Seconds the last step's commit to the SSD store took (0: it committed nothing)."""
         self.loss: float | None = None
         self._loss: list[torch.Tensor] = []
         self.inputs: dict[str, list[torch.Tensor]] = {}
@@ -718,8 +721,11 @@ class Executor:
         self.steps_done += 1
         if self.scaler is None or not self.scaler.update():
             self.opt_steps += 1
+        self.commit_s = 0.0
         if self.steps_done % self.checkpoint_every == 0:
-            self.checkpoint()
+            t0 = time.perf_counter()
+            if self.checkpoint():
+                self.commit_s = time.perf_counter() - t0
         return self.loss
 
     def _mean_loss(self) -> float:
@@ -732,25 +738,29 @@ class Executor:
             return self.comm.share(here, int(self.block_gpu[self._loss_block()][3:]))
         return here
 
-    def checkpoint(self) -> None:
+    def checkpoint(self) -> bool:
         """Commit the current step to the store (a full checkpoint writes the off-SSD state too);
-        `step` does it every `checkpoint_every` steps."""
+        `step` does it every `checkpoint_every` steps. Returns whether it committed."""
         if self.ssd.store is None or self.ssd.store.committed_step() == self.steps_done:
-            return
+            return False
         if self.full_checkpoint:
             self._write_checkpoint()
         self._write_scaler(self.opt_steps)
         self.ssd.store.commit(self.steps_done)
         if self.comm is not None:  # no rank writes the next step before every rank committed this one
             self.comm.barrier()
+        return True
 
     def lane_busy(self) -> dict[str, float]:
-        """Measured seconds each lane spent in the last step (same resource names as the simulator)."""
+        """Measured seconds each lane spent in the last step (same resource names as the simulator;
+        the SSD's includes the step's commit, as the simulator's does)."""
         from tensorstow.planner.simulate import resource_of
         out: dict[str, float] = {}
         for i, t0, t1 in self.timeline:
             r = resource_of(self.instrs[i].stream)
             out[r] = out.get(r, 0.0) + (t1 - t0)
+        if self.commit_s:
+            out["ssd"] = out.get("ssd", 0.0) + self.commit_s
         return dict(sorted(out.items()))
 
     def measured_trace(self) -> dict:

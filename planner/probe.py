@@ -120,9 +120,8 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
     mem = _meminfo()
     total_ram, avail_ram = mem["total"], mem["available"]
 
-    # Host measurements first (the GPU path needs nothing from them, the no-CUDA path does).
-    copy_bw = _cpu_memcpy_bw(p.memcpy_bytes, p.memcpy_reps)  # bytes moved per second
-    dram = DRAM(capacity_bytes=avail_ram, bandwidth=2 * copy_bw)
+    # Host measurements first (the GPU path needs nothing from them, the no-CUDA path does). The
+    # disk goes first of all: see `_disk_bw` on memory freed just before.
     try:
         disk = _disk_bw(base, p.disk_bytes, p.disk_chunk, p.disk_reps)
     except TensorstowError:
@@ -132,6 +131,8 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
         fallback = os.path.realpath(tempfile.gettempdir())
         disk = _disk_bw(fallback, p.disk_bytes, p.disk_chunk, p.disk_reps)
         notes.append(f"current directory {base} not writable, measured {fallback}")
+    copy_bw = _cpu_memcpy_bw(p.memcpy_bytes, p.memcpy_reps)  # bytes moved per second
+    dram = DRAM(capacity_bytes=avail_ram, bandwidth=2 * copy_bw)
     adam_rate, adam_kind = _adam_rate(p.adam_numel, p.adam_reps)
     cores = os.cpu_count() or 1
 
@@ -390,7 +391,13 @@ def _disk_bw(base: str, size: int, chunk: int, reps: int) -> _DiskResult:
     path a plan's SSD instructions take: O_DIRECT where the filesystem allows it, the aio
     engine's queue, a checksum per buffer): `size` bytes in buffers of `chunk`, all submitted at
     once, best of `reps` after a pass that allocates the files' blocks. Raises OSError or
-    TensorstowError on failure; the temp dir goes either way."""
+    TensorstowError on failure; the temp dir goes either way.
+
+    The probe runs it before anything else: timed right after the memcpy test had freed its two
+    buffers, these buffers (allocated next) moved 0.9-1.3 GB/s on the dev VM in five runs of five,
+    against 2.7-3.3 GB/s when nothing was freed first (five of five) and 2.5-2.9 GB/s in the
+    executor's store in the same process; keeping the freed memory allocated kept the rate
+    (benchmarks/RESULTS.md, 2026-11-24, third session)."""
     from tensorstow.executor.ssd import SSDStore
     from tensorstow.executor.stores import aligned_empty
 

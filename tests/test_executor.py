@@ -12,6 +12,7 @@ import functools
 import json
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -567,3 +568,25 @@ def test_glibc_malloc_is_tuned_unless_left_alone():
            for v in ("tuned", "default")}
     glibc = platform.libc_ver()[0] == "glibc"
     assert out == {"tuned": [str(glibc)] * 2, "default": ["False", "False"]}
+
+
+def test_the_measured_ssd_lane_includes_the_steps_commit(tmp_path, monkeypatch):
+    """Regression: the simulator counts the store's commit on the SSD (cost.commit_time) but the
+    executor's measured SSD lane left it out, so measured/predicted per lane compared different
+    things (gpt-medium's SSD lane read 0.25x)."""
+    plan = get_plan("zero-infinity")
+    ex = executor(plan, tmp_path)
+    real_commit = ex.ssd.store.commit
+
+    def slow_commit(step):
+        time.sleep(0.05)  # a commit long enough to see next to the instructions' own time
+        real_commit(step)
+
+    monkeypatch.setattr(ex.ssd.store, "commit", slow_commit)
+    x, y = next(iter(batches("synthetic", B, T, VOCAB, 1, seed=0)))
+    ex.step(x, y)
+    from tensorstow.planner.simulate import resource_of
+    instr_ssd = sum(t1 - t0 for i, t0, t1 in ex.timeline if resource_of(ex.instrs[i].stream) == "ssd")
+    assert ex.commit_s >= 0.05
+    assert ex.lane_busy()["ssd"] == pytest.approx(instr_ssd + ex.commit_s)
+    ex.close()
