@@ -394,10 +394,11 @@ def _disk_bw(base: str, size: int, chunk: int, reps: int) -> _DiskResult:
     TensorstowError on failure; the temp dir goes either way.
 
     The probe runs it before anything else: timed right after the memcpy test had freed its two
-    buffers, these buffers (allocated next) moved 0.9-1.3 GB/s on the dev VM in five runs of five,
-    against 2.7-3.3 GB/s when nothing was freed first (five of five) and 2.5-2.9 GB/s in the
-    executor's store in the same process; keeping the freed memory allocated kept the rate
-    (benchmarks/RESULTS.md, 2026-11-24, third session)."""
+    128 MiB buffers, these buffers (allocated next) moved 0.8-1.7 GB/s on the dev VM (21 fresh
+    processes of 21, median 1.1), against a median of 2.6 GB/s when nothing was freed first (12 of
+    18 above 1.9) and 2.5-2.9 GB/s in the executor's store in the same process; keeping the
+    memcpy's buffers allocated kept the rate (3.3-3.4, 3 of 3). Why is the VM host's business; the
+    executor's buffers are long-lived (benchmarks/RESULTS.md, 2026-11-24, third session)."""
     from tensorstow.executor.ssd import SSDStore
     from tensorstow.executor.stores import aligned_empty
 

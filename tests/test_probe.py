@@ -200,10 +200,10 @@ def test_a_builder_killed_mid_build_does_not_wedge_later_builds():
 
 
 def test_the_disk_is_timed_before_any_other_measurement(tmp_path, monkeypatch):
-    """Regression: timed after the memcpy test had freed its 256 MiB, the disk ran at a third of
-    its rate on the dev VM (0.9-1.3 GB/s against 2.7-3.3 GB/s, five runs of five each way, and
-    against 2.5-2.9 GB/s in the executor's own store in the same process), so SSD plans were
-    predicted ~1.4x too slow. The disk now goes first, before anything allocates and frees."""
+    """Regression: timed after the memcpy test had freed its 256 MiB, the disk ran at 0.8-1.7
+    GB/s on the dev VM (median 1.1, 21 processes) against 2.5-2.9 GB/s in the executor's own
+    store in the same process, so SSD plans were predicted ~1.4x too slow. The disk now goes
+    first, before anything allocates and frees."""
     calls = []
 
     def recorder(name, result):
