@@ -394,9 +394,9 @@ def _disk_bw(base: str, size: int, chunk: int, reps: int) -> _DiskResult:
     TensorstowError on failure; the temp dir goes either way.
 
     The probe runs it before anything else: timed right after the memcpy test had freed its two
-    128 MiB buffers, these buffers (allocated next) moved 0.8-1.7 GB/s on the dev VM (21 fresh
-    processes of 21, median 1.1), against a median of 2.6 GB/s when nothing was freed first (12 of
-    18 above 1.9) and 2.5-2.9 GB/s in the executor's store in the same process; keeping the
+    128 MiB buffers, these buffers (allocated next) moved 0.8-1.7 GB/s on the dev VM (24 fresh
+    processes of 24, median 1.1), against a median of 2.5 GB/s when nothing was freed first (14 of
+    21 above 1.9) and 2.5-2.9 GB/s in the executor's store in the same process; keeping the
     memcpy's buffers allocated kept the rate (3.3-3.4, 3 of 3). Why is the VM host's business; the
     executor's buffers are long-lived (benchmarks/RESULTS.md, 2026-11-24, third session)."""
     from tensorstow.executor.ssd import SSDStore

@@ -201,7 +201,7 @@ def test_a_builder_killed_mid_build_does_not_wedge_later_builds():
 
 def test_the_disk_is_timed_before_any_other_measurement(tmp_path, monkeypatch):
     """Regression: timed after the memcpy test had freed its 256 MiB, the disk ran at 0.8-1.7
-    GB/s on the dev VM (median 1.1, 21 processes) against 2.5-2.9 GB/s in the executor's own
+    GB/s on the dev VM (median 1.1, 24 processes) against 2.5-2.9 GB/s in the executor's own
     store in the same process, so SSD plans were predicted ~1.4x too slow. The disk now goes
     first, before anything allocates and frees."""
     calls = []
