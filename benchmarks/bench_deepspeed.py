@@ -204,7 +204,11 @@ def run_tensorstow(a: dict, work: Path) -> dict:
         import traceback
 
         return {"skipped": f"Executor failed: {type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"}
-    return {**r, "offload": f"P/OS on SSD ({a['ts_policy']}, {a['ts_store']} store, {a['ts_mode']})",
+    state = [b for n, b in plan.buffers.items() if n.split(":")[0] in ("P", "OS")]
+    on_ssd = sum(b.bytes for b in state if b.home == "ssd")
+    where = "P/OS on SSD" if on_ssd == sum(b.bytes for b in state) else \
+        f"P/OS {on_ssd / 2**20:.0f} of {sum(b.bytes for b in state) / 2**20:.0f} MiB on SSD"
+    return {**r, "offload": f"{where} ({a['ts_policy']}, {a['ts_store']} store, {a['ts_mode']})",
             "plan_predicted_step_s": plan.predicted.step_time_s,
             "ssd_bytes": sum(sizes.values()),
             "homes": {k: sorted(v) for k, v in sorted(homes.items())}}

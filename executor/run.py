@@ -129,12 +129,12 @@ def _launch(plan: Plan, nproc: int, kw: dict, out) -> dict:
 
 def predicted_step(plan: Plan, mode: str) -> float:
     """The step time the plan predicts for a mode: overlap runs its simulated schedule, sync one
-    instruction after another (the sum of their modeled durations); both end with the SSD store's
-    commit (`cost.commit_time`)."""
-    from tensorstow.planner.simulate import plan_commit_s
+    instruction after another (the sum of their modeled durations); both with the SSD store's
+    commit (`cost.commit_time`) where the executor runs it (`simulate.sync_step_s`)."""
+    from tensorstow.planner.simulate import plan_commit_s, sync_step_s
     if mode == "overlap":
         return plan.predicted.step_time_s
-    return sum(i.est_s for i in plan.instructions) + plan_commit_s(plan)
+    return sync_step_s(list(plan.instructions), plan_commit_s(plan))
 
 
 def pick_mode(mode: str) -> str:

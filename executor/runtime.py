@@ -53,6 +53,7 @@ from tensorstow.executor.cuda import cap_allocator, check_device, lanes_for, out
 from tensorstow.executor.device_ops import check_portable, targets_for
 from tensorstow.executor.malloc import tune as tune_malloc
 from tensorstow.executor.segments import Joint
+from tensorstow.executor.ssd import SSDStore
 from tensorstow.executor.state import RNG, rng_bytes, set_rng
 from tensorstow.executor.stores import (DeviceMemoryError, DeviceTier, FileStore, HostCopy, HostPool, HostTier, Layout, SSDTier,
                                         contiguous_stride)
@@ -724,7 +725,7 @@ class Executor:
         self.commit_s = 0.0
         if self.steps_done % self.checkpoint_every == 0:
             t0 = time.perf_counter()
-            if self.checkpoint():
+            if self.checkpoint(wait=self.comm is not None):
                 self.commit_s = time.perf_counter() - t0
         return self.loss
 
@@ -738,22 +739,28 @@ class Executor:
             return self.comm.share(here, int(self.block_gpu[self._loss_block()][3:]))
         return here
 
-    def checkpoint(self) -> bool:
+    def checkpoint(self, wait: bool = True) -> bool:
         """Commit the current step to the store (a full checkpoint writes the off-SSD state too);
-        `step` does it every `checkpoint_every` steps. Returns whether it committed."""
+        `step` does it every `checkpoint_every` steps, in one process without waiting for the
+        syncs (`SSDStore.commit(wait=False)`: they overlap the next step until its first SSD
+        write). Returns whether it committed."""
         if self.ssd.store is None or self.ssd.store.committed_step() == self.steps_done:
             return False
         if self.full_checkpoint:
             self._write_checkpoint()
         self._write_scaler(self.opt_steps)
-        self.ssd.store.commit(self.steps_done)
+        if wait or not isinstance(self.ssd.store, SSDStore):
+            self.ssd.store.commit(self.steps_done)
+        else:
+            self.ssd.store.commit(self.steps_done, wait=False)
         if self.comm is not None:  # no rank writes the next step before every rank committed this one
             self.comm.barrier()
         return True
 
     def lane_busy(self) -> dict[str, float]:
         """Measured seconds each lane spent in the last step (same resource names as the simulator;
-        the SSD's includes the step's commit, as the simulator's does)."""
+        the SSD's includes the part of the step's commit the step waited for, and "ssd.commit"
+        the last commit's background part, as the simulator has them)."""
         from tensorstow.planner.simulate import resource_of
         out: dict[str, float] = {}
         for i, t0, t1 in self.timeline:
@@ -761,6 +768,9 @@ class Executor:
             out[r] = out.get(r, 0.0) + (t1 - t0)
         if self.commit_s:
             out["ssd"] = out.get("ssd", 0.0) + self.commit_s
+        durable = getattr(self.ssd.store, "durable_s", 0.0)
+        if durable and self.comm is None and isinstance(self.ssd.store, SSDStore):
+            out["ssd.commit"] = durable  # the last commit's syncs and manifest, in the background
         return dict(sorted(out.items()))
 
     def measured_trace(self) -> dict:

@@ -28,6 +28,7 @@ import os
 import re
 import shutil
 import threading
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -186,6 +187,12 @@ class SSDStore:
         """Check checksums on every read (committed data and data written in this step)."""
         self._engine = engine if engine is not None else aio.default_engine()
         self._commit_lock = threading.Lock()
+        self._durable: threading.Thread | None = None
+        """A commit's background part (`commit(wait=False)`): its syncs and manifest."""
+        self._durable_error: TensorstowError | None = None
+        """Why a background commit failed; the store refuses writes and commits from then on."""
+        self.durable_s = 0.0
+        """Seconds the last commit's syncs and manifest took (in the background for wait=False)."""
         self._lock_fd: int | None = None
         self._closed = True
         for name, n in sizes.items():
@@ -227,6 +234,7 @@ class SSDStore:
 
     def write_async(self, name: str, tensor: torch.Tensor) -> _Op:
         buf = self._checked(name, tensor, "write")
+        self._wait_durable()  # a background commit's shadow slots are the last committed state until it is durable
         with buf.io_lock:
             for op in buf.pending:  # earlier reads and writes of this buffer finish first
                 op._complete()
@@ -308,22 +316,52 @@ class SSDStore:
         """Block until a `write_async`/`read_async` finished; raise its TensorstowError, if any."""
         handle.wait()
 
-    def commit(self, step: int) -> None:
-        """Make this step's writes the committed state, atomically and durably."""
+    def commit(self, step: int, *, wait: bool = True) -> None:
+        """Make this step's writes the committed state, atomically and durably.
+
+        `wait=False` returns once the step's state is fixed (its writes complete, their checksums
+        known) and makes it durable on a background thread (each written file's sync, then the
+        manifest), so the caller's next step can compute and read meanwhile; the files it would
+        write next hold the last durable commit, so the next write, commit, rollback or close
+        waits for it first, as does `committed_step`. If it fails, those raise its error and the
+        store takes no more writes: the last durable commit is untouched, resume from it."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise TensorstowError(f"SSD store: commit step must be an int >= 0, got {step!r}")
         self._check_open()
         with self._commit_lock:
+            self._wait_durable()
             bufs = [self._bufs[k] for k in sorted(self._bufs)]
             for b in bufs:  # sorted order: the only place that holds several io_locks
                 b.io_lock.acquire()
             try:
-                self._commit_locked(step, bufs)
+                written, entries = self._fix_step(step, bufs)
+                if wait:
+                    replaced = self._sync_and_record(step, self._syncs(written), entries)
+                    self._flip(step, written)
+                    if replaced is not None:
+                        raise self._dir_sync_error(step, replaced)
+                    return
+                syncs = self._syncs(written)
+                self._flip(None, written)  # reads now see this step's data as committed
             finally:
                 for b in reversed(bufs):
                     b.io_lock.release()
 
+            def durable():
+                try:
+                    replaced = self._sync_and_record(step, syncs, entries)
+                    self._step = step
+                    if replaced is not None:
+                        self._durable_error = self._dir_sync_error(step, replaced)
+                except TensorstowError as e:
+                    self._durable_error = e
+                except BaseException as e:  # noqa: BLE001 - reported to the next caller, not lost on a thread
+                    self._durable_error = TensorstowError(f"SSD store {self.dir}: committing step {step} failed: {e!r}")
+            self._durable = threading.Thread(target=durable, name="tensorstow-commit", daemon=True)
+            self._durable.start()
+
     def committed_step(self) -> int | None:
+        self._wait_durable()
         return self._step
 
     def previous_step(self) -> int | None:
@@ -337,6 +375,7 @@ class SSDStore:
         commit's bytes): a multi-process run commits, then waits for every rank, then writes."""
         self._check_open()
         with self._commit_lock:
+            self._wait_durable()
             if any(b.last_write is not None for b in self._bufs.values()):
                 raise TensorstowError(f"SSD store {self.dir}: cannot roll back: buffers were written "
                                       f"after the last commit")
@@ -372,6 +411,9 @@ class SSDStore:
         if self._closed:
             return
         self._closed = True
+        if getattr(self, "_durable", None) is not None:
+            self._durable.join()  # its files close below; an error it had was the caller's to collect
+            self._durable = None
         for buf in getattr(self, "_bufs", {}).values():
             for op in buf.pending:
                 op._complete()
@@ -431,7 +473,9 @@ class SSDStore:
             raise
         return _Op(kind, what, self._engine, handles, keep, finish)
 
-    def _commit_locked(self, step: int, bufs: list[_Buffer]) -> None:
+    def _fix_step(self, step: int, bufs: list[_Buffer]) -> tuple[list[_Buffer], dict]:
+        """A commit's first part, under every buffer's io_lock: wait for the step's writes and
+        build the manifest's entries. Returns (the buffers written, entries)."""
         written = [b for b in bufs if b.last_write is not None]
         for b in written:
             b.last_write._complete()
@@ -441,26 +485,52 @@ class SSDStore:
                 f"SSD store {self.dir}: cannot commit step {step}: the write of "
                 f"{', '.join(repr(b.name) for b in failed)} failed ({failed[0].last_write.error}); the "
                 f"committed step {self._step} is untouched; write those buffers again, then commit")
-        for b in written:
-            try:
-                os.fdatasync(b.fds[1 - b.slot])
-            except OSError as e:
-                raise TensorstowError(
-                    f"SSD store {self.dir}: cannot commit step {step}: syncing {self.dir / b.files[1 - b.slot]} "
-                    f"failed: {_describe_os_error(e)}; the committed step {self._step} is untouched") from None
         entries = {}
         for b in bufs:
             new = b.last_write is not None
             entries[b.name] = {"nbytes": b.nbytes, "files": b.files, "slot": 1 - b.slot if new else b.slot,
                                self._key: b.last_write.crcs if new else b.crc}
+        return written, entries
+
+    def _syncs(self, written: list[_Buffer]) -> list[tuple[int, Path]]:
+        """(fd, path) of each written buffer's shadow slot."""
+        return [(b.fds[1 - b.slot], self.dir / b.files[1 - b.slot]) for b in written]
+
+    def _sync_and_record(self, step: int, syncs: list[tuple[int, Path]], entries: dict) -> OSError | None:
+        """Sync the written files, then replace the manifest: raises TensorstowError before the
+        rename, returns the directory sync's error after it (None: durable)."""
+        t0 = time.perf_counter()
+        for fd, path in syncs:
+            try:
+                os.fdatasync(fd)
+            except OSError as e:
+                raise TensorstowError(
+                    f"SSD store {self.dir}: cannot commit step {step}: syncing {path} failed: "
+                    f"{_describe_os_error(e)}; the committed step {self._step} is untouched") from None
         replaced = self._write_manifest(step, entries, what=f"commit step {step}")
+        self.durable_s = time.perf_counter() - t0
+        return replaced
+
+    def _dir_sync_error(self, step: int, e: OSError) -> TensorstowError:
+        return TensorstowError(f"SSD store {self.dir}: step {step} was committed but syncing the directory "
+                               f"failed ({_describe_os_error(e)}); a crash now may bring back the previous "
+                               "committed step; check the disk")
+
+    def _flip(self, step: int | None, written: list[_Buffer]) -> None:
+        """The written shadow slots become the buffers' current ones (`step`: now the durable one)."""
         for b in written:
             b.slot, b.crc, b.last_write = 1 - b.slot, b.last_write.crcs, None
-        self._step = step
-        if replaced is not None:  # MANIFEST was replaced but the directory sync failed
-            raise TensorstowError(f"SSD store {self.dir}: step {step} was committed but syncing the directory "
-                                  f"failed ({_describe_os_error(replaced)}); a crash now may bring back the previous "
-                                  "committed step; check the disk")
+        if step is not None:
+            self._step = step
+
+    def _wait_durable(self) -> None:
+        """Wait for a background commit; raise (now and from then on) if it failed."""
+        if self._durable is not None:
+            self._durable.join()
+            self._durable = None
+        if self._durable_error is not None:
+            raise TensorstowError(f"{self._durable_error} (in the background, after the step; the store takes "
+                                  f"no more writes: close it and resume from the committed step)")
 
     def _write_manifest(self, step: int | None, entries: dict, *, what: str) -> OSError | None:
         """Atomically replace MANIFEST. Raises before the rename; returns a directory-sync error after it."""

@@ -98,7 +98,11 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
     nbytes: buffer -> bytes. initial: the (buffer, tier) pairs present at the start. links:
     `contention()`'s shared links per instruction and their slots (default: none). reserved:
     tier -> bytes held all step outside the plan's buffers (`Decisions.reserved()`). commit_s: the
-    SSD store's commit after the last instruction (`cost.commit_time`), on the SSD, in the step.
+    SSD store's commit (`cost.commit_time`). A plan on one GPU runs in one process, whose executor
+    commits without waiting (`SSDStore.commit(wait=False)`): in the steady state the previous
+    step's commit runs from this step's start, beside the instructions, and the first write to the
+    SSD waits for it (busy as "ssd.commit"). A plan across GPUs runs one process per GPU, which
+    commit, then wait for each other: there it runs after the last instruction, on the SSD.
     """
     n = len(instrs)
     streams: dict[str, list[int]] = {}
@@ -111,6 +115,8 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
     stream_free = {s: 0.0 for s in streams}
     extra, slots = links or ([()] * n, {})
     res_free: dict[str, list[float]] = {r: [0.0] * k for r, k in slots.items()}
+    background = commit_background(instrs)
+    ssd_write_after = commit_s if background else 0.0
 
     def uses(i: int) -> tuple[str, ...]:
         return (resource_of(instrs[i].stream), *extra[i])
@@ -128,6 +134,8 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
                 continue
             t = max([stream_free[s]] + [min(res_free.get(r, (0.0,))) for r in uses(i)]
                      + [end[d] for d in instrs[i].deps])
+            if writes_ssd(instrs[i]):  # over the files the background commit is syncing
+                t = max(t, ssd_write_after)
             if best is None or (t, i) < best[:2]:
                 best = (t, i, s)
         if best is None:
@@ -211,9 +219,14 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
     if leftover or missing:
         raise ScheduleError(f"the step does not return to its initial state: left {leftover[:5]}, "
                             f"lost {missing[:5]}")
-    makespan = max((e for e in end), default=0.0) + commit_s
-    if commit_s:
-        busy["ssd"] = busy.get("ssd", 0.0) + commit_s
+    if background:
+        makespan = max([commit_s, *end])
+        if commit_s:
+            busy["ssd.commit"] = commit_s
+    else:
+        makespan = max((e for e in end), default=0.0) + commit_s
+        if commit_s:
+            busy["ssd"] = busy.get("ssd", 0.0) + commit_s
     return SimResult(step_time_s=makespan, start=start, end=end, busy_s=busy, traffic_bytes=traffic,
                      peak_bytes=peak, timeline=timeline, order=order, peak_live=peak_live,
                      fences={i: tuple(sorted(f)) for i, f in sorted(fences.items()) if f})
@@ -229,6 +242,31 @@ def simulate_plan(plan) -> SimResult:
     return simulate(instrs, [i.est_s for i in instrs], {n: b.bytes for n, b in plan.buffers.items()}, initial,
                     links=contention(instrs, plan.hardware.spec), reserved=plan.decisions.reserved(),
                     commit_s=plan_commit_s(plan))
+
+
+def writes_ssd(ins: Instr) -> bool:
+    return ins.kind == "store" and ins.dst == "ssd"
+
+
+def commit_background(instrs: list[Instr]) -> bool:
+    """Whether the step's SSD commit runs in the background (the plan runs in one process: its
+    instructions use at most one GPU) rather than after the last instruction (`simulate`)."""
+    return len({i.stream.split(".")[0] for i in instrs if i.stream.startswith("gpu")}) <= 1
+
+
+def sync_step_s(instrs: list[Instr], commit_s: float) -> float:
+    """A step run one instruction after another (the executor's sync mode): their modeled
+    durations summed, and the commit (`simulate`): in the background, the part of it the
+    instructions before the first SSD write do not cover; else all of it, at the end."""
+    total = sum(i.est_s for i in instrs)
+    if not commit_background(instrs):
+        return total + commit_s
+    before = 0.0
+    for i in instrs:
+        if writes_ssd(i):
+            break
+        before += i.est_s
+    return total + max(0.0, commit_s - before)
 
 
 def plan_commit_s(plan) -> float:

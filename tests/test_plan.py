@@ -155,37 +155,47 @@ def test_offloading_moves_bytes_and_costs_time():
     assert P > 0
 
 
-def test_a_step_that_writes_to_ssd_ends_with_the_stores_commit_where_the_spec_prices_it(tmp_path, capsys):
+def test_a_step_that_writes_to_ssd_pays_the_stores_commit_where_the_spec_prices_it(tmp_path, capsys):
     """The executor commits an SSD-resident plan's state after every step (fdatasync of each file
-    written, the manifest, the directory) and the step waits for it: `SSD.commit_s` + `sync_s` per
-    buffer written + bytes written / `flush_bw` (probed), after the last instruction, in both the
-    simulated (overlap) and the summed (sync) step; a plan without SSD writes and the papers'
-    presets (which state none of the three) are unchanged, and `show` replays the file as predicted."""
+    written, the manifest, the directory): `SSD.commit_s` + `sync_s` per buffer written + bytes
+    written / `flush_bw` (probed). In one process it does not wait for it: the next step runs
+    beside it until its first SSD write, so the simulated step's SSD writes start after it and
+    the summed (sync) step pays what the instructions before that write do not cover. A plan
+    without SSD writes and the papers' presets (which state none of the three) are unchanged, and
+    `show` replays the file as predicted."""
     from tensorstow.cli import main
     from tensorstow.executor.run import predicted_step
     from tensorstow.planner.cost import commit_time
     hw = load_hardware("lohan-rtx4090")
     assert not {"commit_s", "sync_s", "flush_bw"} & set(hw.to_json()["ssd"])
-    priced = dataclasses.replace(hw, ssd=dataclasses.replace(hw.ssd, commit_s=2e-3, sync_s=1e-3, flush_bw=1e9))
-    assert Hardware.from_json(priced.to_json()) == priced and priced.fingerprint() != hw.fingerprint()
     base = schedule(build_problem(tiny_options(), hw), zero_infinity.plan(build_problem(tiny_options(), hw)))
-    p = build_problem(tiny_options(), priced)
-    got = schedule(p, zero_infinity.plan(p))
-    written = {i.tensor for i in got.instructions if i.kind == "store" and i.dst == "ssd"}
-    assert written
-    want = 2e-3 + len(written) * 1e-3 + sum(got.buffers[b].bytes for b in written) / 1e9
-    assert commit_time(priced, got.instructions, {n: b.bytes for n, b in got.buffers.items()}) == pytest.approx(want)
-    assert got.durations == base.durations
-    assert got.sim.step_time_s == pytest.approx(base.sim.step_time_s + want)
-    assert got.sim.busy_s["ssd"] == pytest.approx(base.sim.busy_s["ssd"] + want)
-    plan = got.to_plan()
-    assert predicted_step(plan, "overlap") == plan.predicted.step_time_s
-    assert predicted_step(plan, "sync") == pytest.approx(sum(i.est_s for i in plan.instructions) + want)
-    path = tmp_path / "plan.json"
-    path.write_text(plan.dumps())
-    capsys.readouterr()
-    assert main(["show", str(path)]) == 0
-    assert "(as predicted)" in capsys.readouterr().out
+    for flush_bw in (1e9, 1e5):  # a commit the step hides, and one it cannot
+        priced = dataclasses.replace(hw, ssd=dataclasses.replace(hw.ssd, commit_s=2e-3, sync_s=1e-3, flush_bw=flush_bw))
+        assert Hardware.from_json(priced.to_json()) == priced and priced.fingerprint() != hw.fingerprint()
+        p = build_problem(tiny_options(), priced)
+        got = schedule(p, zero_infinity.plan(p))
+        writes = [i for i in got.instructions if i.kind == "store" and i.dst == "ssd"]
+        written = {i.tensor for i in writes}
+        assert written
+        want = 2e-3 + len(written) * 1e-3 + sum(got.buffers[b].bytes for b in written) / flush_bw
+        assert commit_time(priced, got.instructions, {n: b.bytes for n, b in got.buffers.items()}) == pytest.approx(want)
+        assert got.durations == base.durations
+        assert got.sim.busy_s["ssd.commit"] == pytest.approx(want)
+        assert got.sim.busy_s["ssd"] == pytest.approx(base.sim.busy_s["ssd"])
+        assert min(got.sim.start[i.id] for i in writes) >= want
+        assert base.sim.step_time_s <= got.sim.step_time_s <= base.sim.step_time_s + want + 1e-12
+        plan = got.to_plan()
+        assert predicted_step(plan, "overlap") == plan.predicted.step_time_s
+        first = next(k for k, i in enumerate(plan.instructions) if i.kind == "store" and i.dst == "ssd")
+        before = sum(i.est_s for i in plan.instructions[:first])
+        assert predicted_step(plan, "sync") == pytest.approx(sum(i.est_s for i in plan.instructions)
+                                                            + max(0.0, want - before))
+        path = tmp_path / "plan.json"
+        path.write_text(plan.dumps())
+        capsys.readouterr()
+        assert main(["show", str(path)]) == 0
+        assert "(as predicted)" in capsys.readouterr().out
+    assert got.sim.step_time_s > base.sim.step_time_s  # the slow flush shows
     no_ssd = build_problem(tiny_options(), dataclasses.replace(priced, ssd=dataclasses.replace(priced.ssd, count=0)))
     dram = schedule(no_ssd, zero_infinity.plan(no_ssd))
     assert not any(i.kind == "store" and i.dst == "ssd" for i in dram.instructions)

@@ -96,6 +96,32 @@ def test_simplex_ssd_shares_one_resource():
     assert sim.step_time_s == 3.0  # the host link is duplex
 
 
+def test_the_commit_runs_beside_a_one_process_step_and_after_a_several_process_one():
+    """One GPU, one process: the previous step's commit runs from the step's start and only the
+    SSD writes wait for it. Several GPUs: each process commits after its last instruction, then
+    they wait for each other, so the commit ends the step."""
+    from tensorstow.planner.simulate import sync_step_s
+
+    def step(gpus):
+        instrs = [Instr(id=k, kind="compute", stream=f"gpu{k}.compute", deps=(), est_s=1.0) for k in range(gpus)]
+        n = len(instrs)
+        instrs.append(Instr(id=n, kind="store", stream="ssd.write", deps=(0,), tensor="b", src="dram", dst="ssd",
+                            est_s=0.5))
+        instrs.append(Instr(id=n + 1, kind="load", stream="ssd.read", deps=(), tensor="a", src="ssd", dst="dram",
+                            est_s=0.25))
+        initial = {("a", "ssd"), ("a", "dram"), ("b", "dram"), ("b", "ssd")}
+        return instrs, simulate(instrs, [i.est_s for i in instrs], {"a": 1, "b": 1}, initial, commit_s=2.0)
+    instrs, one = step(1)
+    assert (one.start[2], one.end[2]) == (0.0, 0.25)  # a read does not wait for the commit
+    assert (one.start[1], one.end[1]) == (2.0, 2.5)  # the write does
+    assert one.step_time_s == 2.5 and one.busy_s["ssd.commit"] == 2.0 and one.busy_s["ssd"] == 0.75
+    assert sync_step_s(instrs, 2.0) == 1.75 + (2.0 - 1.0)  # the compute before the write covers 1 s of it
+    instrs, two = step(2)
+    assert two.start[2] == 1.0 and two.step_time_s == 1.5 + 2.0  # read, write, then the commit
+    assert "ssd.commit" not in two.busy_s and two.busy_s["ssd"] == 0.75 + 2.0
+    assert sync_step_s(instrs, 2.0) == 2.75 + 2.0
+
+
 def test_inconsistent_schedules_are_rejected():
     import pytest
     free_missing = [Instr(id=0, kind="free", stream="gpu0.compute", deps=(), tensor="x", dst="gpu0")]

@@ -339,6 +339,77 @@ def test_disk_full_leaves_committed_state(tmp_path, monkeypatch):
         SSDStore(tmp_path / "small", {"x": 8 << 20})
 
 
+def test_a_commit_in_the_background_is_durable_before_anything_overwrites_the_last_one(tmp_path, monkeypatch):
+    """commit(wait=False): reads see the step at once; the next write waits for the syncs and the
+    manifest (it overwrites the files of the last durable commit), and so does committed_step()."""
+    import threading
+    sizes = {"w": 1 << 20, "m": 5000}
+    step1 = {k: _random_bytes(n, 1) for k, n in sizes.items()}
+    step2 = {k: _random_bytes(n, 2) for k, n in sizes.items()}
+    release = threading.Event()
+    real_sync = os.fdatasync
+
+    def slow_sync(fd):  # the host's flush, held until the test lets it go
+        release.wait()
+        real_sync(fd)
+    with SSDStore(tmp_path, sizes) as store:
+        for k, t in step1.items():
+            store.write(k, t)
+        store.commit(1)
+        for k, t in step2.items():
+            store.write(k, t)
+        monkeypatch.setattr(os, "fdatasync", slow_sync)
+        store.commit(2, wait=False)
+        assert json.loads((tmp_path / "MANIFEST").read_text())["step"] == 1  # not durable yet
+        for k, t in step2.items():  # reads do not wait
+            out = torch.empty_like(t)
+            store.read(k, out)
+            assert torch.equal(out, t)
+        writer = threading.Thread(target=store.write, args=("w", step1["w"]))
+        writer.start()
+        writer.join(0.2)
+        assert writer.is_alive()  # waiting for the commit
+        release.set()
+        writer.join()
+        assert json.loads((tmp_path / "MANIFEST").read_text())["step"] == 2
+        assert store.committed_step() == 2
+    with SSDStore(tmp_path, sizes) as store:
+        assert store.committed_step() == 2
+        for k, t in step2.items():
+            out = torch.empty_like(t)
+            store.read(k, out)
+            assert torch.equal(out, t)
+
+
+def test_a_commit_that_fails_in_the_background_stops_the_store_and_keeps_the_last_one(tmp_path, monkeypatch):
+    sizes = {"w": 1 << 20, "m": 5000}
+    step1 = {k: _random_bytes(n, 1) for k, n in sizes.items()}
+    with SSDStore(tmp_path, sizes) as store:
+        for k, t in step1.items():
+            store.write(k, t)
+        store.commit(1)
+        for k, n in sizes.items():
+            store.write(k, _random_bytes(n, 2))
+
+        def failing_sync(fd):
+            raise OSError(errno.EIO, "Input/output error")
+        monkeypatch.setattr(os, "fdatasync", failing_sync)
+        store.commit(2, wait=False)
+        for _ in range(2):  # every later write refuses, not only the first
+            with pytest.raises(TensorstowError, match=r"cannot commit step 2: syncing .* failed.*step 1 is untouched"
+                                                      r".*in the background.*resume from the committed step"):
+                store.write("w", step1["w"])
+        with pytest.raises(TensorstowError, match="in the background"):
+            store.commit(3)
+        monkeypatch.undo()
+    with SSDStore(tmp_path, sizes) as store:  # resumes at step 1, intact
+        assert store.committed_step() == 1
+        for k, t in step1.items():
+            out = torch.empty_like(t)
+            store.read(k, out)
+            assert torch.equal(out, t)
+
+
 # ---- kill tests -------------------------------------------------------------------------------
 # Children are forked from a forkserver that has imported torch once, so a child starts in
 # milliseconds. Each appends a step to its progress file after commit(step) returned.
