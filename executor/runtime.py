@@ -725,7 +725,7 @@ class Executor:
         self.commit_s = 0.0
         if self.steps_done % self.checkpoint_every == 0:
             t0 = time.perf_counter()
-            if self.checkpoint(wait=self.comm is not None):
+            if self.checkpoint(wait=not self._commits_in_background):
                 self.commit_s = time.perf_counter() - t0
         return self.loss
 
@@ -749,13 +749,18 @@ class Executor:
         if self.full_checkpoint:
             self._write_checkpoint()
         self._write_scaler(self.opt_steps)
-        if wait or not isinstance(self.ssd.store, SSDStore):
+        if wait or not self._commits_in_background:
             self.ssd.store.commit(self.steps_done)
         else:
             self.ssd.store.commit(self.steps_done, wait=False)
         if self.comm is not None:  # no rank writes the next step before every rank committed this one
             self.comm.barrier()
         return True
+
+    @property
+    def _commits_in_background(self) -> bool:
+        """One process with the SSD store: `step` does not wait for its commit's syncs."""
+        return self.comm is None and isinstance(self.ssd.store, SSDStore)
 
     def lane_busy(self) -> dict[str, float]:
         """Measured seconds each lane spent in the last step (same resource names as the simulator;
@@ -768,9 +773,8 @@ class Executor:
             out[r] = out.get(r, 0.0) + (t1 - t0)
         if self.commit_s:
             out["ssd"] = out.get("ssd", 0.0) + self.commit_s
-        durable = getattr(self.ssd.store, "durable_s", 0.0)
-        if durable and self.comm is None and isinstance(self.ssd.store, SSDStore):
-            out["ssd.commit"] = durable  # the last commit's syncs and manifest, in the background
+        if self._commits_in_background and self.ssd.store.durable_s:
+            out["ssd.commit"] = self.ssd.store.durable_s  # the last commit's syncs and manifest
         return dict(sorted(out.items()))
 
     def measured_trace(self) -> dict:

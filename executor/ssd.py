@@ -335,13 +335,13 @@ class SSDStore:
                 b.io_lock.acquire()
             try:
                 written, entries = self._fix_step(step, bufs)
+                syncs = [(b.fds[1 - b.slot], self.dir / b.files[1 - b.slot]) for b in written]  # shadow slots
                 if wait:
-                    replaced = self._sync_and_record(step, self._syncs(written), entries)
+                    replaced = self._sync_and_record(step, syncs, entries)
                     self._flip(step, written)
                     if replaced is not None:
                         raise self._dir_sync_error(step, replaced)
                     return
-                syncs = self._syncs(written)
                 self._flip(None, written)  # reads now see this step's data as committed
             finally:
                 for b in reversed(bufs):
@@ -491,10 +491,6 @@ class SSDStore:
             entries[b.name] = {"nbytes": b.nbytes, "files": b.files, "slot": 1 - b.slot if new else b.slot,
                                self._key: b.last_write.crcs if new else b.crc}
         return written, entries
-
-    def _syncs(self, written: list[_Buffer]) -> list[tuple[int, Path]]:
-        """(fd, path) of each written buffer's shadow slot."""
-        return [(b.fds[1 - b.slot], self.dir / b.files[1 - b.slot]) for b in written]
 
     def _sync_and_record(self, step: int, syncs: list[tuple[int, Path]], entries: dict) -> OSError | None:
         """Sync the written files, then replace the manifest: raises TensorstowError before the
