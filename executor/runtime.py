@@ -226,6 +226,9 @@ class Executor:
         self.timeline: list[tuple[int, float, float]] = []
         self.commit_s = 0.0
         """Seconds the last step's commit to the SSD store took (0: it committed nothing)."""
+        self.early_sync_s = 0.0
+        """Seconds the SSD store's early syncs (`SSDStore(early_sync=True)`) ran between the last
+        step's start and its end: the disk flushing what the step wrote, beside its instructions."""
         self.loss: float | None = None
         self._loss: list[torch.Tensor] = []
         self.inputs: dict[str, list[torch.Tensor]] = {}
@@ -698,6 +701,7 @@ class Executor:
         self.loss, self._loss = None, [None] * self.M
         if self.scaler is not None:
             self.scaler.begin_step()
+        synced = self._early_sync_total()
         self.lanes.begin()  # after the inputs: the lanes start from here
         ok = False
         try:
@@ -727,7 +731,11 @@ class Executor:
             t0 = time.perf_counter()
             if self.checkpoint(wait=not self._commits_in_background):
                 self.commit_s = time.perf_counter() - t0
+        self.early_sync_s = self._early_sync_total() - synced
         return self.loss
+
+    def _early_sync_total(self) -> float:
+        return getattr(self.ssd.store, "early_sync_s", 0.0)
 
     def _mean_loss(self) -> float:
         """The step's loss: the microbatches' mean (eager's sum of loss / M, in microbatch order);
@@ -764,15 +772,15 @@ class Executor:
 
     def lane_busy(self) -> dict[str, float]:
         """Measured seconds each lane spent in the last step (same resource names as the simulator;
-        the SSD's includes the part of the step's commit the step waited for, and "ssd.commit"
-        the last commit's background part, as the simulator has them)."""
+        the SSD's includes the store's early syncs and the part of the step's commit the step
+        waited for, and "ssd.commit" the last commit's background part, as the simulator has them)."""
         from tensorstow.planner.simulate import resource_of
         out: dict[str, float] = {}
         for i, t0, t1 in self.timeline:
             r = resource_of(self.instrs[i].stream)
             out[r] = out.get(r, 0.0) + (t1 - t0)
-        if self.commit_s:
-            out["ssd"] = out.get("ssd", 0.0) + self.commit_s
+        if self.commit_s or self.early_sync_s:
+            out["ssd"] = out.get("ssd", 0.0) + self.commit_s + self.early_sync_s
         if self._commits_in_background and self.ssd.store.durable_s:
             out["ssd.commit"] = self.ssd.store.durable_s  # the last commit's syncs and manifest
         return dict(sorted(out.items()))

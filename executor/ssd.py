@@ -3,8 +3,9 @@
 Every buffer has two preallocated files ("slots"), sizes rounded up to 4096. MANIFEST names,
 per buffer, the committed slot and the checksums of its bytes (XXH3-64, one per 16 MiB block;
 stores made by tensorstow before 2026-11-23, manifest version 1, keep CRC-32); the other
-slot is the shadow. `write` only ever touches the shadow slot; `commit(step)` waits for the
-writes, fdatasyncs the files written, writes the new manifest to MANIFEST.tmp, fsyncs it,
+slot is the shadow. `write` only ever touches the shadow slot and, once the write completes,
+fdatasyncs it on a background thread (`early_sync`); `commit(step)` waits for the writes and
+their syncs (or syncs the files itself), writes the new manifest to MANIFEST.tmp, fsyncs it,
 renames it over MANIFEST and fsyncs the directory. Until that rename the old manifest and
 the slots it names are untouched, so a crash at any point leaves the last committed step
 readable, and a torn or corrupted block is caught by its checksum on read (DESIGN.md,
@@ -30,7 +31,7 @@ import shutil
 import threading
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -106,6 +107,8 @@ class _Buffer:
         self.io_lock = threading.Lock()
         self.pending: list[_Op] = []  # ops that may still be in flight
         self.last_write: _Op | None = None  # this step's latest write, if any
+        self.synced: tuple[_Op, Future] | None = None
+        """(a write, the future of its early sync: None once its file is synced, else the OSError)."""
 
 
 class _Op:
@@ -181,10 +184,17 @@ class SSDStore:
     bytes (any dtype). Async handles must be waited for before the tensor is reused.
     """
 
-    def __init__(self, dir, sizes: dict[str, int], *, direct: bool = True, engine=None, verify: bool = True):
+    def __init__(self, dir, sizes: dict[str, int], *, direct: bool = True, engine=None, verify: bool = True,
+                 early_sync: bool = True):
         self.dir = Path(dir)
         self.verify = verify
         """Check checksums on every read (committed data and data written in this step)."""
+        self._syncer = ThreadPoolExecutor(1, thread_name_prefix="tensorstow-sync") if early_sync else None
+        """Syncs each written shadow slot as soon as its write completes, so a commit finds the
+        step's data mostly flushed and the flush spreads over the step instead of stalling the
+        next one's first reads (a flush holds the disk: a read queued behind it waits)."""
+        self.early_sync_s = 0.0
+        """Seconds the early syncs have taken so far, in all (the disk is busy flushing meanwhile)."""
         self._engine = engine if engine is not None else aio.default_engine()
         self._commit_lock = threading.Lock()
         self._durable: threading.Thread | None = None
@@ -192,7 +202,8 @@ class SSDStore:
         self._durable_error: TensorstowError | None = None
         """Why a background commit failed; the store refuses writes and commits from then on."""
         self.durable_s = 0.0
-        """Seconds the last commit's syncs and manifest took (in the background for wait=False)."""
+        """Seconds the last commit's own syncs and manifest took (in the background for wait=False;
+        not the early syncs it waited for: `early_sync_s` counts those)."""
         self._lock_fd: int | None = None
         self._closed = True
         for name, n in sizes.items():
@@ -261,6 +272,8 @@ class SSDStore:
             op = self._submit(what, "write", fd, pieces, keep, finish)
             buf.pending = [op]
             buf.last_write = op
+            if self._syncer is not None:
+                buf.synced = (op, self._syncer.submit(self._sync_written, op, fd))
             return op
 
     def read_async(self, name: str, out: torch.Tensor) -> _Op:
@@ -335,7 +348,7 @@ class SSDStore:
                 b.io_lock.acquire()
             try:
                 written, entries = self._fix_step(step, bufs)
-                syncs = [(b.fds[1 - b.slot], self.dir / b.files[1 - b.slot]) for b in written]  # shadow slots
+                syncs = self._syncs(written)  # shadow slots
                 if wait:
                     replaced = self._sync_and_record(step, syncs, entries)
                     self._flip(step, written)
@@ -387,6 +400,7 @@ class SSDStore:
                 raise TensorstowError(f"SSD store {self.dir}: the earlier commit has another version")
             os.replace(self.dir / PREVIOUS, self.dir / MANIFEST)
             self._fsync_dir()
+            self._drain_syncer()
             for b in self._bufs.values():
                 for op in b.pending:  # reads in flight finish before their files close
                     op._complete()
@@ -414,6 +428,9 @@ class SSDStore:
         if getattr(self, "_durable", None) is not None:
             self._durable.join()  # its files close below; an error it had was the caller's to collect
             self._durable = None
+        self._drain_syncer()
+        if getattr(self, "_syncer", None) is not None:
+            self._syncer.shutdown(wait=True)
         for buf in getattr(self, "_bufs", {}).values():
             for op in buf.pending:
                 op._complete()
@@ -473,6 +490,36 @@ class SSDStore:
             raise
         return _Op(kind, what, self._engine, handles, keep, finish)
 
+    def _sync_written(self, op: _Op, fd: int) -> OSError | None:
+        """The syncer's task: once `op` (a write) completes, sync its file; returns the error."""
+        op._complete()
+        if op.error is not None:
+            return None  # the commit reports the write's own error
+        t0 = time.perf_counter()
+        try:
+            os.fdatasync(fd)
+        except OSError as e:
+            return e
+        finally:
+            self.early_sync_s += time.perf_counter() - t0
+        return None
+
+    def _syncs(self, written: list[_Buffer]) -> list[tuple[int, Path, Future | None]]:
+        """The commit's syncs: per written buffer its shadow slot's fd and path, and the future of
+        its early sync when that covered the step's last write (the commit waits for it instead)."""
+        out = []
+        for b in written:
+            early = b.synced[1] if b.synced is not None and b.synced[0] is b.last_write else None
+            out.append((b.fds[1 - b.slot], self.dir / b.files[1 - b.slot], early))
+        return out
+
+    def _drain_syncer(self) -> None:
+        """Wait for every early sync (before files close)."""
+        for b in getattr(self, "_bufs", {}).values():
+            if b.synced is not None:
+                b.synced[1].exception()  # waits; its result is the commit's to read
+                b.synced = None
+
     def _fix_step(self, step: int, bufs: list[_Buffer]) -> tuple[list[_Buffer], dict]:
         """A commit's first part, under every buffer's io_lock: wait for the step's writes and
         build the manifest's entries. Returns (the buffers written, entries)."""
@@ -492,19 +539,26 @@ class SSDStore:
                                self._key: b.last_write.crcs if new else b.crc}
         return written, entries
 
-    def _sync_and_record(self, step: int, syncs: list[tuple[int, Path]], entries: dict) -> OSError | None:
+    def _sync_and_record(self, step: int, syncs: list[tuple[int, Path, Future | None]], entries: dict) -> OSError | None:
         """Sync the written files, then replace the manifest: raises TensorstowError before the
         rename, returns the directory sync's error after it (None: durable)."""
-        t0 = time.perf_counter()
-        for fd, path in syncs:
+        own = 0.0  # the syncs and manifest this commit runs itself, not the early syncs it waits for
+        for fd, path, early in syncs:
             try:
-                os.fdatasync(fd)
+                err = early.result() if early is not None else None
+                if err is not None:
+                    raise err  # a failed sync is not retried: the kernel may have dropped the pages
+                if early is None:
+                    t0 = time.perf_counter()
+                    os.fdatasync(fd)
+                    own += time.perf_counter() - t0
             except OSError as e:
                 raise TensorstowError(
                     f"SSD store {self.dir}: cannot commit step {step}: syncing {path} failed: "
                     f"{_describe_os_error(e)}; the committed step {self._step} is untouched") from None
+        t0 = time.perf_counter()
         replaced = self._write_manifest(step, entries, what=f"commit step {step}")
-        self.durable_s = time.perf_counter() - t0
+        self.durable_s = own + time.perf_counter() - t0
         return replaced
 
     def _dir_sync_error(self, step: int, e: OSError) -> TensorstowError:

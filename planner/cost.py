@@ -117,20 +117,13 @@ class BlockProfile:
     """Bytes of each storage in `saved`, `swapped` and `rest` (how a cut splits their buffers)."""
 
 
-def commit_time(hw, instrs, nbytes: dict[str, int]) -> float:
-    """Seconds of the store's commit that ends a step writing SSD-resident buffers: `commit_s` +
-    one `sync_s` per buffer written + the bytes written / `flush_bw` (`SSDStore.commit`: fdatasync
-    each written file, then the manifest and the directory). It runs after the step's last
-    instruction and the next step waits for it. 0 where the plan writes nothing to SSD. nbytes:
-    buffer -> bytes. [OURS]"""
-    written = {i.tensor for i in instrs if i.kind == "store" and i.dst == "ssd"}
-    if not written:
-        return 0.0
-    s = hw.ssd
-    t = s.commit_s + len(written) * s.sync_s
-    if s.flush_bw:
-        t += sum(nbytes[b] for b in written) / s.flush_bw
-    return t
+def commit_time(hw, instrs) -> float:
+    """Seconds of the store's commit that ends a step writing SSD-resident buffers: `commit_s`, the
+    manifest and the directory (`SSDStore.commit`). The written files' syncs are not in it: the
+    store runs each as its write completes, and `transfer_time` prices it with the write. It runs
+    after the step's last instruction (`simulate`: beside the next step, in one process). 0 where
+    the plan writes nothing to SSD. [OURS]"""
+    return hw.ssd.commit_s if any(i.kind == "store" and i.dst == "ssd" for i in instrs) else 0.0
 
 
 def op_time(flops: int, nbytes: int, hw: Hardware, gpu: int = 0, fp32: bool = False) -> float:
@@ -424,7 +417,8 @@ def _workspace(seg, tensors, ops, planned=frozenset()) -> int:
 def transfer_time(nbytes: int, src: str, dst: str, hw: Hardware, tensors: int = 1) -> float:
     """Seconds to move `nbytes` between tiers ("gpuK", "dram", "ssd"), a buffer of `tensors` members:
     its bytes over the link, plus the fixed costs the spec states (probed; 0 in the presets): each
-    tensor of a DRAM <-> device copy `GPU.copy_tensor_s`, each SSD request `SSD.request_s`."""
+    tensor of a DRAM <-> device copy `GPU.copy_tensor_s`, each SSD request `SSD.request_s`; an SSD
+    write also its sync (`SSD.sync_s` + its bytes' flush, `SSD.write_s_per_byte`)."""
     if nbytes == 0:
         return 0.0
     if src.startswith("gpu") and dst.startswith("gpu"):
@@ -436,8 +430,9 @@ def transfer_time(nbytes: int, src: str, dst: str, hw: Hardware, tensors: int = 
         return nbytes / _host_link(int(src[3:]), hw, "d2h") + tensors * hw.gpus[int(src[3:])].copy_tensor_s
     if src == "ssd" and dst == "dram":
         return nbytes / _nonzero(hw.ssd.read_total(), "SSD read bandwidth") + hw.ssd.request_s
-    if src == "dram" and dst == "ssd":
-        return nbytes / _nonzero(hw.ssd.write_total(), "SSD write bandwidth") + hw.ssd.request_s
+    if src == "dram" and dst == "ssd":  # the write, then its early sync (SSD.write_s_per_byte)
+        _nonzero(hw.ssd.write_total(), "SSD write bandwidth")
+        return nbytes * hw.ssd.write_s_per_byte() + hw.ssd.request_s + hw.ssd.sync_s
     raise ValueError(f"no direct link {src} -> {dst} (consumer GPUs have no GPUDirect storage)")
 
 

@@ -131,13 +131,14 @@ class SSD:
     Measured by `tensorstow probe` through that store; 0 in the papers' presets (their systems do not
     commit a crash-consistent state each step). Left out of the spec's JSON when 0."""
     sync_s: float = 0.0
-    """Seconds the commit costs per buffer written in the step: the `fdatasync` of its file. Measured
-    with `commit_s`; 0 in the papers' presets. Left out of the spec's JSON when 0."""
+    """Seconds a written buffer's `fdatasync` costs besides its bytes' flush (the store syncs each
+    file as its write completes). Measured with `commit_s`; 0 in the papers' presets. Left out of
+    the spec's JSON when 0."""
     flush_bw: float = 0.0
-    """Bytes/s at which the commit makes the step's written bytes durable: the syncs wait for the
-    disk (or, on a VM, the host) to flush what the step wrote, so they grow with it. Measured by
-    `tensorstow probe` as the commit after its bandwidth write pass, less `commit_s` and `sync_s`;
-    0: nothing to flush (the papers' presets). Left out of the spec's JSON when 0."""
+    """Bytes/s at which a sync makes written bytes durable: it waits for the disk (or, on a VM, the
+    host) to flush them, so it grows with them. Measured by `tensorstow probe` as a commit after its
+    bandwidth write pass (early syncs off), less `commit_s` and `sync_s`; 0: nothing to flush (the
+    papers' presets). Left out of the spec's JSON when 0."""
 
     def read_total(self) -> float:
         bw = self.count * self.read_bw
@@ -146,6 +147,15 @@ class SSD:
     def write_total(self) -> float:
         bw = self.count * self.write_bw
         return min(bw, self.max_total_bw) if self.max_total_bw else bw
+
+    def write_s_per_byte(self) -> float:
+        """Seconds the disk is busy per byte written to an SSD-resident buffer: the write, and the
+        flush that makes it durable (`flush_bw`, where stated). The executor's store syncs each
+        written file as soon as its write completes (`SSDStore(early_sync=True)`), so the flush
+        follows the write on the disk, and a read queued behind it waits (a background commit's
+        syncs held the next step's first read 53 ms on the dev VM, benchmarks/RESULTS.md
+        2026-11-25). [OURS]"""
+        return 1 / self.write_total() + (1 / self.flush_bw if self.flush_bw else 0.0)
 
 
 @dataclass(frozen=True, kw_only=True)

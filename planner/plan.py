@@ -210,7 +210,7 @@ def schedule(problem: Problem, decisions: Decisions) -> PlanResult:
     initial = set(home_tiers(bufs, decisions, problem.order).items())
     sizes = {n: b.bytes for n, b in bufs.items()}
     reserved = decisions.reserved()
-    commit = cost.commit_time(problem.hw, instrs, sizes)
+    commit = cost.commit_time(problem.hw, instrs)
     sim = simulate(instrs, dur, sizes, initial, links=contention(instrs, problem.hw), reserved=reserved,
                    commit_s=commit)
     # Memory fences: an allocation waits for the releases that preceded it in the replay, so an

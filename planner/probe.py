@@ -414,7 +414,7 @@ def _disk_bw(base: str, size: int, chunk: int, reps: int) -> _DiskResult:
         bufs = {name: aligned_empty(n) for name, n in sizes.items()}
         for t in bufs.values():
             _fill_random(t.numpy())
-        with SSDStore(os.path.join(tmpdir, "bandwidth"), sizes) as store:
+        with SSDStore(os.path.join(tmpdir, "bandwidth"), sizes, early_sync=False) as store:
             method = store.io_mode_reason
 
             def write_all():
@@ -471,7 +471,8 @@ def _ssd_call_costs(tmpdir: str, reps: int) -> tuple[float, float, float]:
     t.fill_(7)
     n = COMMIT_PROBE_BUFFERS
     step = 0
-    with SSDStore(os.path.join(tmpdir, "calls"), {f"c{i}": REQUEST_PROBE_BYTES for i in range(n)}) as store:
+    with SSDStore(os.path.join(tmpdir, "calls"), {f"c{i}": REQUEST_PROBE_BYTES for i in range(n)},
+                  early_sync=False) as store:
         def rounds():
             for _ in range(10):
                 store.write("c0", t)

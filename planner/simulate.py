@@ -272,7 +272,7 @@ def sync_step_s(instrs: list[Instr], commit_s: float) -> float:
 def plan_commit_s(plan) -> float:
     """The SSD store's commit that ends a plan file's step (`cost.commit_time`)."""
     from tensorstow.planner.cost import commit_time
-    return commit_time(plan.hardware.spec, plan.instructions, {n: b.bytes for n, b in plan.buffers.items()})
+    return commit_time(plan.hardware.spec, plan.instructions)
 
 
 def _device_tier(ins: Instr) -> str:

@@ -570,6 +570,30 @@ def test_glibc_malloc_is_tuned_unless_left_alone():
     assert out == {"tuned": [str(glibc)] * 2, "default": ["False", "False"]}
 
 
+def test_the_measured_ssd_lane_includes_the_stores_early_syncs(tmp_path):
+    """The SSD store syncs each written file on its own thread as the write completes (the
+    simulator prices that flush with the write, on the SSD): the executor's measured SSD lane
+    counts those syncs, and the run trains as one without them does."""
+    from tensorstow.executor.ssd import SSDStore
+    from tensorstow.executor.state import store_sizes
+    from tensorstow.planner.simulate import resource_of
+    plan = get_plan("zero-infinity")
+    data = list(batches("synthetic", B, T, VOCAB, 2, seed=0))
+    runs = {}
+    for early in (True, False):
+        torch.manual_seed(0)
+        store = SSDStore(tmp_path / f"early-{early}", store_sizes(plan), early_sync=early)
+        ex = Executor(plan, GPT(PRESETS["gpt-tiny"]), traced=tiny_trace(), ssd_store=store)
+        losses = [ex.step(x, y) for x, y in data]
+        instr_ssd = sum(t1 - t0 for i, t0, t1 in ex.timeline if resource_of(ex.instrs[i].stream) == "ssd")
+        assert (ex.early_sync_s > 0) == early
+        assert ex.lane_busy()["ssd"] == pytest.approx(instr_ssd + ex.commit_s + ex.early_sync_s)
+        runs[early] = losses, ex.parameters()
+        ex.close()
+    assert runs[True][0] == runs[False][0]
+    assert all(torch.equal(runs[True][1][n], runs[False][1][n]) for n in runs[True][1])
+
+
 def test_the_measured_ssd_lane_includes_the_steps_commit(tmp_path, monkeypatch):
     """Regression: the simulator counts the store's commit on the SSD (cost.commit_time) but the
     executor's measured SSD lane left it out, so measured/predicted per lane compared different

@@ -73,11 +73,12 @@ def test_no_temp_files_left_behind(measured):
 
 
 def test_cached_per_process(measured):
-    hw, d, _ = measured
-    t = time.perf_counter()
-    again = probe(disk_dir=str(d), quick=True)
-    assert again is hw
-    assert time.perf_counter() - t < 0.1
+    """Regression: this compared with the fixture's result and timed the call (< 0.1 s), so it
+    failed whenever a test that clears the cache ran in between (test order, xdist), and on a
+    loaded machine."""
+    _, d, _ = measured
+    first = probe(disk_dir=str(d), quick=True)  # the fixture's, unless a test cleared the cache since
+    assert probe(disk_dir=str(d), quick=True) is first
 
 
 def test_missing_disk_dir_is_a_user_error(tmp_path):

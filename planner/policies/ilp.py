@@ -88,7 +88,7 @@ def coefficients(p: BlockProfile, c: Combo, problem, last: bool) -> dict[str, fl
     A, X = p.saved_bytes, p.input_bytes
     As = swap_bytes(p, True)  # a swap moves the FLOP-bearing ops' outputs, re-forwards the rest (Fuyou Table 2)
     rd = 1 / hw.ssd.read_total() if hw.ssd.count else 0.0
-    wr = 1 / hw.ssd.write_total() if hw.ssd.count else 0.0
+    wr = hw.ssd.write_s_per_byte() if hw.ssd.count else 0.0  # the write and its flush
     h2d, d2h = 1 / g.h2d_bw, 1 / g.d2h_bw
     streamed = c.ph != "gpu"
     swapped = c.act in ("swap_dram", "swap_ssd")
