@@ -210,6 +210,7 @@ def run_tensorstow(a: dict, work: Path) -> dict:
         f"P/OS {on_ssd / 2**20:.0f} of {sum(b.bytes for b in state) / 2**20:.0f} MiB on SSD"
     return {**r, "offload": f"{where} ({a['ts_policy']}, {a['ts_store']} store, {a['ts_mode']})",
             "plan_predicted_step_s": plan.predicted.step_time_s,
+            "disk": {k: getattr(plan.hardware.spec.ssd, k) for k in ("read_bw", "write_bw", "flush_bw")},
             "ssd_bytes": sum(sizes.values()),
             "homes": {k: sorted(v) for k, v in sorted(homes.items())}}
 
@@ -426,6 +427,8 @@ def main() -> None:
     if "median_s" in ts:
         print(f"tensorstow: plan predicts {ts['plan_predicted_step_s']:.4g} s/step for {args.ts_hw}; "
               f"{ts['ssd_bytes'] / 2**20:.1f} MiB on the SSD tier; buffer homes {ts['homes']}")
+        # the VM's disk moves 0.6-3 GB/s from one minute to the next: the rate the plan was made for
+        print("  disk as planned: " + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in ts["disk"].items()))
 
     def ratio(num, den):
         if "median_s" in res.get(num, {}) and "median_s" in res.get(den, {}):
