@@ -76,3 +76,35 @@ def test_ilp_never_worse_than_the_best_heuristic(model, hw, batch, dram):
 def test_solver_status_is_reported_honestly(small_problem):
     res = ilp.solve(small_problem, choices=SMALL, caps_mib={"gpu": 1e-3, "dram": 1e-3, "ssd": 0.0})
     assert not res.feasible and "Infeasible" in res.status
+
+
+def test_the_block_updated_last_takes_a_dram_home_when_the_replay_shows_its_tail():
+    """The MIP's analytic model has no pipeline drain, so it does not see that the block the
+    backward ends with writes its P and states back to SSD after everything else. `refine_tail`
+    replays exchanges of that block's SSD homes with DRAM homes of other blocks and keeps the
+    fastest plan that fits: never slower, the exchange named in the notes, a no-op when the
+    block already lives in DRAM."""
+    import dataclasses
+
+    from tensorstow.planner.plan import schedule
+    from tensorstow.planner.policies import lohan
+    hw = load_hardware("lohan-rtx4090")  # a slow device (compute-bound) and a sync per write: a tail
+    hw = dataclasses.replace(hw, ssd=dataclasses.replace(hw.ssd, flush_bw=2e9),
+                             gpus=[dataclasses.replace(hw.gpus[0], flops=1e11, flops_fp32=1e11)])
+    p = build_problem(Options(model="gpt-tiny", hardware="x", batch=4, precision="fp32"), hw)
+    dec = lohan.plan(p)
+    assert all(d.params == "ssd" and d.states == "ssd" for d in dec.blocks.values())
+    middle = p.order[len(p.order) // 2]
+    blocks = dict(dec.blocks)
+    blocks[middle] = dataclasses.replace(blocks[middle], params="dram", states="dram")
+    before = schedule(p, dataclasses.replace(dec, blocks=blocks))
+    last = next(i.segment for i in reversed(before.instructions) if i.kind == "optimizer_step")
+    assert last != middle
+    after, notes = ilp.refine_tail(p, before, schedule)
+    assert after.fits and after.sim.step_time_s < before.sim.step_time_s
+    got = after.decisions.blocks
+    assert (got[last].params, got[last].states) == ("dram", "dram")
+    assert (got[middle].params, got[middle].states) == ("ssd", "ssd")
+    assert len(notes) == 2 and all(f"{last}'s" in n and f"{middle}'s SSD" in n for n in notes)
+    again, notes = ilp.refine_tail(p, after, schedule)
+    assert again is after and notes == ()

@@ -31,6 +31,11 @@ start: the best heuristic's plan is the incumbent; its analytic objective is pas
 HiGHS as `objective_bound` (PuLP's HiGHS interface takes no start solution; with
 solver="cbc" the incumbent is a real MIP start), and if the simulator ranks the
 incumbent faster than the MIP's plan, the incumbent is returned and the notes say so.
+
+The drain the analytic model ignores ends the backward with the last block's update, whose P and
+states then go back home: from SSD a write-back (and its sync) after everything else. `refine_tail`
+replays giving that block DRAM homes in exchange for other blocks' and keeps the faster plan
+(gpt-small on the dev VM: simulated 0.338 -> 0.318 s, measured 0.395 / 0.450 -> 0.363 / 0.383 s).
 """
 from __future__ import annotations
 
@@ -294,6 +299,40 @@ def decisions_from(problem, assignment: dict[str, Combo], notes=(), prefetch: in
                      overlap_optimizer=True, serialize_optimizer=False, notes=tuple(notes))
 
 
+TAIL_CANDIDATES = 4
+"""Blocks `refine_tail` tries to exchange a home with, per tier kind (each a schedule + replay)."""
+
+
+def refine_tail(problem, pl, schedule) -> tuple:
+    """The analytic model has no pipeline drain: the backward ends with the last block's update,
+    after which that block's parameters and states go back to their homes: from an SSD home, a
+    write (and its sync) after everything else that the MIP does not see. Replayed in the
+    simulator: give that block's P, then its states, the DRAM home of another block that has one
+    (the two exchange tiers; the largest such blocks first, at most TAIL_CANDIDATES each), and keep
+    the fastest plan that fits. Returns (the plan, notes). [OURS]"""
+    last = next((i.segment for i in reversed(pl.instructions) if i.kind == "optimizer_step"), None)
+    notes = []
+    for field in ("params", "states"):
+        if last is None or getattr(pl.decisions.blocks[last], field) != "ssd":
+            continue
+        prof = {b: problem.profiles[problem.profile_of[b]] for b in problem.order}
+        nbytes = {"params": lambda b: prof[b].param_bytes, "states": lambda b: prof[b].param_count}[field]
+        others = sorted((b for b, d in pl.decisions.blocks.items() if b != last and getattr(d, field) == "dram"),
+                        key=lambda b: (-nbytes(b), b))[:TAIL_CANDIDATES]
+        base = pl
+        for other in others:
+            blocks = dict(base.decisions.blocks)
+            blocks[last] = replace(blocks[last], **{field: "dram"})
+            blocks[other] = replace(blocks[other], **{field: "ssd"})
+            cand = schedule(problem, replace(base.decisions, blocks=blocks))
+            if cand.fits and cand.sim.step_time_s < pl.sim.step_time_s:
+                pl, swapped = cand, other
+        if pl is not base:
+            notes.append(f"tail: {last}'s {field} home DRAM, {swapped}'s SSD (simulated "
+                         f"{base.sim.step_time_s:.4g} -> {pl.sim.step_time_s:.4g} s: {last} is updated last)")
+    return pl, tuple(notes)
+
+
 def plan(problem) -> Decisions:
     from tensorstow.planner.plan import heuristic_plans, schedule
 
@@ -335,6 +374,9 @@ def plan(problem) -> Decisions:
                 break
             for tier, (need, cap) in over.items():
                 caps[tier] -= (need - cap) * 1.05 / MiB + 1
+    if best is not None:
+        best, refined = refine_tail(problem, best, schedule)
+        notes += refined
     if best is not None and (incumbent is None or best.sim.step_time_s <= incumbent[1].sim.step_time_s):
         return replace(best.decisions, notes=(*notes, "chosen: the MIP's plan"))
     if incumbent is not None:
