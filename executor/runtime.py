@@ -702,6 +702,8 @@ class Executor:
         if self.scaler is not None:
             self.scaler.begin_step()
         synced = self._early_sync_total()
+        if isinstance(self.ssd.store, SSDStore):  # sync writes early only in a step that commits
+            self.ssd.store.sync_early = (self.steps_done + 1) % self.checkpoint_every == 0
         self.lanes.begin()  # after the inputs: the lanes start from here
         ok = False
         try:

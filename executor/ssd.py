@@ -195,6 +195,10 @@ class SSDStore:
         next one's first reads (a flush holds the disk: a read queued behind it waits)."""
         self.early_sync_s = 0.0
         """Seconds the early syncs have taken so far, in all (the disk is busy flushing meanwhile)."""
+        self.sync_early = early_sync
+        """Whether writes from now on sync early: a caller that commits only every few steps
+        (`Executor(checkpoint_every=K)`) turns it off for the steps it will not commit, whose
+        writes the next step overwrites anyway (their commit syncs what none covered)."""
         self._engine = engine if engine is not None else aio.default_engine()
         self._commit_lock = threading.Lock()
         self._durable: threading.Thread | None = None
@@ -272,7 +276,7 @@ class SSDStore:
             op = self._submit(what, "write", fd, pieces, keep, finish)
             buf.pending = [op]
             buf.last_write = op
-            if self._syncer is not None:
+            if self._syncer is not None and self.sync_early:
                 buf.synced = (op, self._syncer.submit(self._sync_written, op, fd))
             return op
 

@@ -592,6 +592,16 @@ def test_the_measured_ssd_lane_includes_the_stores_early_syncs(tmp_path):
         ex.close()
     assert runs[True][0] == runs[False][0]
     assert all(torch.equal(runs[True][1][n], runs[False][1][n]) for n in runs[True][1])
+    # committing every second step: the step that does not commit does not sync early
+    torch.manual_seed(0)
+    store = SSDStore(tmp_path / "every-2", store_sizes(plan))
+    ex = Executor(plan, GPT(PRESETS["gpt-tiny"]), traced=tiny_trace(), ssd_store=store, checkpoint_every=2)
+    synced = []
+    for x, y in data:
+        ex.step(x, y)
+        synced.append(ex.early_sync_s)
+    assert synced[0] == 0 < synced[1] and store.committed_step() == 2
+    ex.close()
 
 
 def test_the_measured_ssd_lane_includes_the_steps_commit(tmp_path, monkeypatch):
