@@ -312,13 +312,14 @@ def refine_tail(problem, pl, schedule) -> tuple:
     the fastest plan that fits. Returns (the plan, notes). [OURS]"""
     last = next((i.segment for i in reversed(pl.instructions) if i.kind == "optimizer_step"), None)
     notes = []
+
+    def size(b: str) -> int:  # a block's P and its states both scale with its parameters
+        return problem.profiles[problem.profile_of[b]].param_bytes
     for field in ("params", "states"):
         if last is None or getattr(pl.decisions.blocks[last], field) != "ssd":
             continue
-        prof = {b: problem.profiles[problem.profile_of[b]] for b in problem.order}
-        nbytes = {"params": lambda b: prof[b].param_bytes, "states": lambda b: prof[b].param_count}[field]
         others = sorted((b for b, d in pl.decisions.blocks.items() if b != last and getattr(d, field) == "dram"),
-                        key=lambda b: (-nbytes(b), b))[:TAIL_CANDIDATES]
+                        key=lambda b: (-size(b), b))[:TAIL_CANDIDATES]
         base = pl
         for other in others:
             blocks = dict(base.decisions.blocks)
