@@ -235,7 +235,8 @@ def test_torchrun_launches_the_same_ranks(tmp_path):
     plan = mobius_plan(2)
     path = tmp_path / "plan.json"
     path.write_text(plan.dumps())
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # TMPDIR: torchrun's rendezvous leaves a torchelastic_* folder behind; keep it in tmp_path
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
     torchrun = Path(sys.executable).with_name("torchrun")
     p = subprocess.Popen([str(torchrun), "--nproc-per-node", "2", "-m", "tensorstow.cli", "execute", str(path),
                           "--steps", "2", "--state-dir", str(tmp_path / "state")], env=env, text=True,
