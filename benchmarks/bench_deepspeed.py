@@ -26,12 +26,16 @@ Equal first-step losses show the three start from the same model and batch.
                when DRAM cannot hold the training state, so parameters and Adam states live on
                SSD, as DeepSpeed's do; replayed by `tensorstow.executor.runtime.Executor` in
                overlap mode (--ts-mode) on this CPU (the "gpu0" tier is host memory here) with the
-               crash-consistent SSDStore (--ts-store file: the FileStore fallback).
+               crash-consistent SSDStore (--ts-store file: the FileStore fallback), committing
+               a checkpoint every step (`execute`'s default: each step's fsyncs and manifest).
+  tensorstow-end  the same plan and store with one checkpoint, after the last step (`execute
+               --checkpoint-every` past the run): the durability of the DeepSpeed row, which
+               saves nothing, so the pair shows what a durable commit per step costs.
                `--ts-policy zero-infinity --ts-hw lohan-rtx4090 --ts-dram ''` runs tensorstow's
                imitation of DeepSpeed instead (serialized fetches, gradients through SSD). Skipped
                with the reason if the executor cannot be imported or fails.
 
-Ratios printed: deepspeed / eager, tensorstow / eager and tensorstow / deepspeed (step time;
+Ratios printed: deepspeed / eager, and each tensorstow row / eager and / deepspeed (step time;
 below 1 is faster). Engines run one after another on a possibly shared machine: the 1-minute
 load average is printed before and after each engine. With other processes on the cores,
 multi-threaded torch steps become erratic (2 threads on the shared 2-core VM: eager 0.23 s to
@@ -163,39 +167,36 @@ def run_eager(a: dict) -> dict:
 
 
 # ---- tensorstow SSD plan (tensorstow's venv) ------------------------------------------------------
-def run_tensorstow(a: dict, work: Path) -> dict:
+def run_tensorstow(a: dict, work: Path, every: int = 1) -> dict:
+    """`every`: commit a crash-consistent checkpoint every K steps (0: once, after the last step).
+    The plan is made once per work dir and shared by both tensorstow rows."""
     try:
         from tensorstow.executor.runtime import Executor
         from tensorstow.planner.schema import Plan
     except Exception as e:  # noqa: BLE001 - report whatever keeps it from importing
         return {"skipped": f"cannot import tensorstow.executor.runtime.Executor ({type(e).__name__}: {e})"}
     plan_path = work / "tensorstow-plan.json"
-    cmd = [sys.executable, "-m", "tensorstow.cli", "plan", a["preset"], "--hw", a["ts_hw"],
-           "--gpu-mem", a["ts_gpu_mem"], "--precision", "fp32", "--batch", str(a["batch"]), "--seq", str(a["seq"]),
-           "--policy", a["ts_policy"], "--lr", str(a["lr"]), "-o", str(plan_path)]
-    if a["ts_dram"]:
-        cmd += ["--dram", a["ts_dram"]]
-    env = dict(os.environ, **({"OMP_NUM_THREADS": str(a["threads"])} if a["threads"] else {}))
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env)  # `--hw local` probes at the run's threads
-    if p.returncode != 0 or not plan_path.exists():
-        return {"skipped": f"`{' '.join(cmd[3:])}` failed (rc {p.returncode}): "
-                           f"{(p.stderr or p.stdout).strip()[-800:]}"}
+    if not plan_path.exists():
+        skipped = _ts_plan(a, plan_path)
+        if skipped:
+            return skipped
     plan = Plan.load(plan_path)
     sizes = plan.ssd_sizes()
     homes = {}
     for n, b in plan.buffers.items():
         homes.setdefault(n.split(":")[0], set()).add(b.home or "-")
     model, data = _setup(a)
-    state = work / "tensorstow-state"
+    state = work / f"tensorstow-state-{every}"
+    every = every or len(data)
     try:
         if a["ts_store"] == "ssd":
             from tensorstow.executor.ssd import SSDStore
 
             state.mkdir()
             store = SSDStore(state, sizes)
-            ex = Executor(plan, model, mode=a["ts_mode"], ssd_store=store)
+            ex = Executor(plan, model, mode=a["ts_mode"], ssd_store=store, checkpoint_every=every)
         else:
-            ex = Executor(plan, model, mode=a["ts_mode"], state_dir=state)
+            ex = Executor(plan, model, mode=a["ts_mode"], state_dir=state, checkpoint_every=every)
         try:
             r = _timed(ex.step, data, a["warmup"])
         finally:
@@ -208,11 +209,27 @@ def run_tensorstow(a: dict, work: Path) -> dict:
     on_ssd = sum(b.bytes for b in state if b.home == "ssd")
     where = "P/OS on SSD" if on_ssd == sum(b.bytes for b in state) else \
         f"P/OS {on_ssd / 2**20:.0f} of {sum(b.bytes for b in state) / 2**20:.0f} MiB on SSD"
-    return {**r, "offload": f"{where} ({a['ts_policy']}, {a['ts_store']} store, {a['ts_mode']})",
+    return {**r, "offload": f"{where} ({a['ts_policy']}, {a['ts_store']} store, {a['ts_mode']}, "
+                         f"{'checkpoint every step' if every == 1 else 'one checkpoint, at the end'})",
             "plan_predicted_step_s": plan.predicted.step_time_s,
             "disk": {k: getattr(plan.hardware.spec.ssd, k) for k in ("read_bw", "write_bw", "flush_bw")},
             "ssd_bytes": sum(sizes.values()),
             "homes": {k: sorted(v) for k, v in sorted(homes.items())}}
+
+
+def _ts_plan(a: dict, plan_path: Path) -> dict | None:
+    """`tensorstow plan` for this machine into plan_path; a skipped row's dict if it fails."""
+    cmd = [sys.executable, "-m", "tensorstow.cli", "plan", a["preset"], "--hw", a["ts_hw"],
+           "--gpu-mem", a["ts_gpu_mem"], "--precision", "fp32", "--batch", str(a["batch"]), "--seq", str(a["seq"]),
+           "--policy", a["ts_policy"], "--lr", str(a["lr"]), "-o", str(plan_path)]
+    if a["ts_dram"]:
+        cmd += ["--dram", a["ts_dram"]]
+    env = dict(os.environ, **({"OMP_NUM_THREADS": str(a["threads"])} if a["threads"] else {}))
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)  # `--hw local` probes at the run's threads
+    if p.returncode != 0 or not plan_path.exists():
+        return {"skipped": f"`{' '.join(cmd[3:])}` failed (rc {p.returncode}): "
+                           f"{(p.stderr or p.stdout).strip()[-800:]}"}
+    return None
 
 
 # ---- DeepSpeed ZeRO-Infinity (the .venv-ds python, this file as a worker) -------------------------
@@ -353,7 +370,7 @@ def main() -> None:
     ap.add_argument("--ts-dram", default="80MB", help="DRAM budget of the plan (80MB: all of the state on SSD, as DeepSpeed has it)")
     ap.add_argument("--ts-store", choices=["ssd", "file"], default="ssd")
     ap.add_argument("--ts-mode", choices=["sync", "overlap"], default="overlap")
-    ap.add_argument("--only", default="eager,deepspeed,tensorstow", help="comma-separated engines to run")
+    ap.add_argument("--only", default="eager,deepspeed,tensorstow,tensorstow-end", help="comma-separated engines to run")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (logs, swap files)")
     ap.add_argument("--json", help="write all results here")
     args = ap.parse_args()
@@ -389,7 +406,8 @@ def main() -> None:
     res: dict[str, dict] = {}
     try:
         for name, fn in (("eager", lambda: run_eager(a)), ("deepspeed", lambda: run_deepspeed(a, work)),
-                         ("tensorstow", lambda: run_tensorstow(a, work))):
+                         ("tensorstow", lambda: run_tensorstow(a, work)),
+                         ("tensorstow-end", lambda: run_tensorstow(a, work, every=0))):
             if name not in only:
                 continue
             t0 = time.perf_counter()
@@ -404,12 +422,12 @@ def main() -> None:
 
     tokens = args.batch * a["seq"]
     print()
-    print(f"{'engine':<11} {'offload':<36} {'median s':>9} {'min s':>8} {'tok/s':>8} {'loss@1':>8} {'loss@last':>9}")
+    print(f"{'engine':<14} {'offload':<36} {'median s':>9} {'min s':>8} {'tok/s':>8} {'loss@1':>8} {'loss@last':>9}")
     for name, r in res.items():
         if "skipped" in r:
-            print(f"{name:<11} SKIPPED: {r['skipped'].splitlines()[0]}")
+            print(f"{name:<14} SKIPPED: {r['skipped'].splitlines()[0]}")
             continue
-        print(f"{name:<11} {r['offload']:<36} {r['median_s']:>9.4f} {r['min_s']:>8.4f} "
+        print(f"{name:<14} {r['offload']:<36} {r['median_s']:>9.4f} {r['min_s']:>8.4f} "
               f"{tokens / r['median_s']:>8.0f} {r['losses'][0]:>8.4f} {r['losses'][-1]:>9.4f}")
     for name, r in res.items():
         if "skipped" in r and "\n" in r["skipped"]:
@@ -423,7 +441,7 @@ def main() -> None:
         print("  swap files: " + ", ".join(f"{k}: {n} files {b / 2**20:.1f} MiB" for k, (n, b) in ds["swap_files"].items()))
         if "peak_rss_bytes" in ds:  # host memory of the DeepSpeed process (its own, not this one's)
             print(f"  peak RSS {ds['peak_rss_bytes'] / 2**20:.0f} MiB for {ds['params'] / 1e6:.2f}M parameters")
-    ts = res.get("tensorstow", {})
+    ts = res.get("tensorstow") or res.get("tensorstow-end") or {}
     if "median_s" in ts:
         print(f"tensorstow: plan predicts {ts['plan_predicted_step_s']:.4g} s/step for {args.ts_hw}; "
               f"{ts['ssd_bytes'] / 2**20:.1f} MiB on the SSD tier; buffer homes {ts['homes']}")
@@ -439,6 +457,8 @@ def main() -> None:
     ratio("deepspeed", "eager")
     ratio("tensorstow", "eager")
     ratio("tensorstow", "deepspeed")
+    ratio("tensorstow-end", "eager")
+    ratio("tensorstow-end", "deepspeed")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": a, "results": res}, indent=2))
         print(f"wrote {args.json}")
