@@ -9,6 +9,7 @@ update is torch's own single-tensor Adam.
 """
 import dataclasses
 import functools
+from collections import Counter
 import json
 import os
 import threading
@@ -163,6 +164,29 @@ def test_plan_trains_exactly_like_eager_pytorch(name, tmp_path_factory):
         sizes = ex.plan.ssd_sizes()
         assert sizes and all(ex.ssd.store._path(n).stat().st_size == n_ for n, n_ in sizes.items())
         assert ex.ssd.store.committed_step() == STEPS
+
+
+def test_parameters_read_for_the_backward_stay_in_dram_for_their_cpu_update():
+    """fp32, P on SSD, CPU update: the backward's DRAM copy of P serves the update, so P is read
+    from SSD once less per step (the "interleaved" plan, whose equivalence with eager is tested
+    above); the DeepSpeed baseline reads it again, as DeepSpeed does."""
+    def ssd_reads(plan):
+        return Counter(i["tensor"] for i in plan["instructions"]
+                       if i["kind"] == "load" and i["src"] == "ssd" and i["tensor"].startswith("P:"))
+
+    plan = get_plan("interleaved")
+    assert plan["decisions"]["keep_params_for_update"]
+    # b0, b2: the forward's read and the backward's, which the update uses too; post, the last
+    # forward, is read once for its forward, backward and update; b3 (GPU update) as before: three
+    assert ssd_reads(plan) == {"P:b0": 2, "P:b2": 2, "P:post": 1, "P:b3": 3}
+    by_id = {i["id"]: i for i in plan["instructions"]}
+    for b in ("b0", "b2", "post"):  # the update waits for the very load the backward's copy came from
+        upd = next(i for i in plan["instructions"] if i["kind"] == "optimizer_step" and i["segment"] == b)
+        assert any(by_id[d]["kind"] == "load" and by_id[d]["tensor"] == f"P:{b}" and by_id[d]["dst"] == "dram"
+                   for d in upd["deps"])
+    zi = get_plan("zero-infinity")
+    assert "keep_params_for_update" not in zi["decisions"]
+    assert all(n == 3 for t, n in ssd_reads(zi).items() if t.startswith("P:b")), ssd_reads(zi)
 
 
 @pytest.mark.parametrize("name", ["zero-infinity", "swap-gpuopt", "partial-swap", "cut-backward", "interleaved"])
