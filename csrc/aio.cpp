@@ -1,10 +1,15 @@
 // Asynchronous file I/O engine for tensorstow's SSD tier.
 //
 // A fixed pool of worker threads runs pread/pwrite on CPU tensors. A request is split
-// into `block_size` chunks that the workers take in parallel; at most `queue_depth`
-// chunks are queued or in flight at once (a submit blocks, with the GIL released, while
-// the queue is full). `wait(handle)` blocks without the GIL until every chunk of the
-// request has finished, then raises OSError(errno, "<op> ... at file offset N ...") for
+// into `block_size` chunks that the workers take in parallel. Two queues: reads submitted
+// with `first` (what a computation waits for) and everything else, in order; a worker takes
+// the next `first` chunk before any other, so such a read is not stuck behind a long
+// write-back, which only has to finish before its buffer is read again or committed (the
+// store orders those itself). The planner's simulator models the same: such a read pauses
+// the SSD write in progress (planner/simulate.py `reads_ssd_first`). At most `queue_depth`
+// chunks of each queue are queued or in flight at once (a submit blocks, with the GIL
+// released, while its queue is full). `wait(handle)` blocks without the GIL until every
+// chunk of the request has finished, then raises OSError(errno, "<op> ... at file offset N ...") for
 // the first failed chunk. The request keeps a reference to its tensor, so the memory
 // stays alive until it is waited for.
 //
@@ -13,7 +18,7 @@
 //
 // Python API (module `tensorstow_aio`):
 //   Engine(num_threads=4, block_size=1 MiB, queue_depth=64)
-//   Engine.submit_read(fd, tensor, offset) -> int       read tensor.nbytes bytes at offset
+//   Engine.submit_read(fd, tensor, offset, first=False) -> int   read tensor.nbytes bytes at offset
 //   Engine.submit_write(fd, tensor, offset) -> int      write tensor's bytes at offset
 //   Engine.wait(handle) -> None                          raises OSError on an I/O error
 //   Engine.done(handle) -> bool                          true once wait() won't block
@@ -48,6 +53,7 @@ struct IoError {
 struct Request {
   at::Tensor tensor;  // keeps the memory alive while chunks are in flight
   bool write = false;
+  bool first = false;  // queued ahead of the other requests' chunks
   int fd = -1;
   int64_t remaining = 0;  // chunks not yet finished; guarded by Engine::mu_
   IoError error;          // first failure; guarded by Engine::mu_
@@ -119,7 +125,7 @@ class Engine {
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
-  int64_t submit(int64_t fd, const at::Tensor& tensor, int64_t offset, bool write) {
+  int64_t submit(int64_t fd, const at::Tensor& tensor, int64_t offset, bool write, bool first) {
     const char* op = write ? "submit_write" : "submit_read";
     TORCH_CHECK_VALUE(tensor.device().is_cpu(), "aio ", op, ": tensor must be on the CPU, got ",
                       tensor.device());
@@ -144,6 +150,7 @@ class Engine {
     auto req = std::make_shared<Request>();
     req->tensor = tensor;
     req->write = write;
+    req->first = first;
     req->fd = static_cast<int>(fd);
     const int64_t nchunks = (nbytes + block_size_ - 1) / block_size_;
     req->remaining = nchunks;
@@ -151,11 +158,13 @@ class Engine {
     std::unique_lock<std::mutex> lock(mu_);
     const int64_t handle = next_handle_++;
     requests_.emplace(handle, req);
+    std::deque<Chunk>& queue = first ? first_ : rest_;
+    int64_t& queued = queued_[first];
     for (int64_t i = 0; i < nchunks; ++i) {
-      space_cv_.wait(lock, [this] { return queued_ < queue_depth_; });
+      space_cv_.wait(lock, [&] { return queued < queue_depth_; });
       const int64_t start = i * block_size_;
-      queue_.push_back(Chunk{req, base + start, std::min(block_size_, nbytes - start), offset + start});
-      ++queued_;
+      queue.push_back(Chunk{req, base + start, std::min(block_size_, nbytes - start), offset + start});
+      ++queued;
       work_cv_.notify_one();
     }
     return handle;
@@ -192,21 +201,23 @@ class Engine {
       bool skip;
       {
         std::unique_lock<std::mutex> lock(mu_);
-        work_cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;  // stop_ and drained
-        chunk = std::move(queue_.front());
-        queue_.pop_front();
+        work_cv_.wait(lock, [this] { return stop_ || !first_.empty() || !rest_.empty(); });
+        if (first_.empty() && rest_.empty()) return;  // stop_ and drained
+        std::deque<Chunk>& queue = first_.empty() ? rest_ : first_;
+        chunk = std::move(queue.front());
+        queue.pop_front();
         skip = chunk.req->error.code != 0;  // the request already failed: don't touch the file
       }
       IoError err = skip ? IoError{} : run_chunk(chunk);
       {
         std::lock_guard<std::mutex> lock(mu_);
-        TORCH_INTERNAL_ASSERT(queued_ > 0 && chunk.req->remaining > 0);
-        --queued_;
+        int64_t& queued = queued_[chunk.req->first];
+        TORCH_INTERNAL_ASSERT(queued > 0 && chunk.req->remaining > 0);
+        --queued;
         if (err.code != 0 && chunk.req->error.code == 0) chunk.req->error = std::move(err);
         --chunk.req->remaining;
       }
-      space_cv_.notify_one();
+      space_cv_.notify_all();  // submitters of either kind may wait
       done_cv_.notify_all();
     }
   }
@@ -217,10 +228,10 @@ class Engine {
 
   std::mutex mu_;
   std::condition_variable work_cv_;   // a chunk was queued, or stop
-  std::condition_variable space_cv_;  // the queue has room
+  std::condition_variable space_cv_;  // a queue has room
   std::condition_variable done_cv_;   // a chunk finished
-  std::deque<Chunk> queue_;
-  int64_t queued_ = 0;  // chunks queued or running
+  std::deque<Chunk> first_, rest_;  // chunks no worker has taken yet
+  int64_t queued_[2] = {0, 0};      // rest_ / first_ chunks queued or running
   std::unordered_map<int64_t, std::shared_ptr<Request>> requests_;
   int64_t next_handle_ = 1;
   bool stop_ = false;
@@ -244,14 +255,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("block_size") = 1 << 20, py::arg("queue_depth") = 64)
       .def(
           "submit_read",
-          [](Engine& e, int64_t fd, const at::Tensor& t, int64_t offset) {
-            return e.submit(fd, t, offset, /*write=*/false);
+          [](Engine& e, int64_t fd, const at::Tensor& t, int64_t offset, bool first) {
+            return e.submit(fd, t, offset, /*write=*/false, first);
           },
-          py::arg("fd"), py::arg("tensor"), py::arg("offset"), py::call_guard<py::gil_scoped_release>())
+          py::arg("fd"), py::arg("tensor"), py::arg("offset"), py::arg("first") = false,
+          py::call_guard<py::gil_scoped_release>())
       .def(
           "submit_write",
           [](Engine& e, int64_t fd, const at::Tensor& t, int64_t offset) {
-            return e.submit(fd, t, offset, /*write=*/true);
+            return e.submit(fd, t, offset, /*write=*/true, /*first=*/false);
           },
           py::arg("fd"), py::arg("tensor"), py::arg("offset"), py::call_guard<py::gil_scoped_release>())
       .def(

@@ -2,14 +2,18 @@
 
 Both engines have one API::
 
-    engine.submit_read(fd, tensor, offset) -> int    # fill `tensor` from the file at `offset`
+    engine.submit_read(fd, tensor, offset, first=False) -> int  # fill `tensor` from the file at `offset`
     engine.submit_write(fd, tensor, offset) -> int   # write `tensor`'s bytes at `offset`
     engine.wait(handle) -> None                      # block; OSError(errno, "... at file offset N ...")
     engine.done(handle) -> bool
     engine.num_threads, engine.block_size, engine.queue_depth
 
 Tensors are CPU and contiguous; a request is split into `block_size` chunks that the worker
-threads run in parallel, at most `queue_depth` chunks at once. On an fd opened with O_DIRECT
+threads run in parallel. Reads submitted with `first` (what a computation waits for) go
+ahead: a free worker takes their next chunk before any other request's, so they do not queue
+behind a long write-back (the planner's simulator models this: such a read pauses the SSD write
+in progress); everything else runs in order. At most `queue_depth` chunks of each kind are
+queued or running at once. On an fd opened with O_DIRECT
 the data pointer, byte count and offset must be multiples of 4096 (`aligned_empty` gives
 such buffers). The caller keeps the fd open and leaves the tensor alone until `wait`.
 
@@ -26,6 +30,7 @@ import fcntl
 import os
 import sys
 import threading
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -84,13 +89,16 @@ class PythonEngine:
             raise ValueError(f"aio Engine: queue_depth must be >= 1, got {queue_depth}")
         self.num_threads, self.block_size, self.queue_depth = num_threads, block_size, queue_depth
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="tensorstow-aio")
-        self._slots = threading.BoundedSemaphore(queue_depth)
+        self._slots = (threading.BoundedSemaphore(queue_depth), threading.BoundedSemaphore(queue_depth))
+        """Chunks that may be queued or running: `first` reads, the rest."""
+        self._queues: tuple[deque, deque] = (deque(), deque())
+        """Chunks no worker has taken yet, `first` reads and the rest: each pool task runs the next one."""
         self._lock = threading.Lock()
         self._requests: dict[int, tuple[torch.Tensor, list[Future]]] = {}
         self._next = 1
 
-    def submit_read(self, fd: int, tensor: torch.Tensor, offset: int) -> int:
-        return self._submit(fd, tensor, offset, write=False)
+    def submit_read(self, fd: int, tensor: torch.Tensor, offset: int, first: bool = False) -> int:
+        return self._submit(fd, tensor, offset, write=False, first=first)
 
     def submit_write(self, fd: int, tensor: torch.Tensor, offset: int) -> int:
         return self._submit(fd, tensor, offset, write=True)
@@ -111,7 +119,7 @@ class PythonEngine:
                 raise ValueError(f"aio done: unknown handle {handle} (never submitted, or already waited for)")
             return all(f.done() for f in self._requests[handle][1])
 
-    def _submit(self, fd: int, tensor: torch.Tensor, offset: int, *, write: bool) -> int:
+    def _submit(self, fd: int, tensor: torch.Tensor, offset: int, *, write: bool, first: bool = False) -> int:
         op = "submit_write" if write else "submit_read"
         if tensor.device.type != "cpu":
             raise ValueError(f"aio {op}: tensor must be on the CPU, got {tensor.device}")
@@ -135,16 +143,29 @@ class PythonEngine:
         view = _byte_view(tensor) if nbytes else memoryview(b"")
         futures = []
         for start in range(0, nbytes, self.block_size):
-            self._slots.acquire()
-            chunk = view[start : start + self.block_size]
-            fut = self._pool.submit(self._run_chunk, fd, chunk, offset + start, write)
-            fut.add_done_callback(lambda _: self._slots.release())
+            q = 0 if first else 1
+            self._slots[q].acquire()
+            fut: Future = Future()
+            with self._lock:
+                self._queues[q].append((fut, q, fd, view[start : start + self.block_size], offset + start, write))
+            self._pool.submit(self._next_chunk)
             futures.append(fut)
         with self._lock:
             handle = self._next
             self._next += 1
             self._requests[handle] = (tensor, futures)
         return handle
+
+    def _next_chunk(self) -> None:
+        """One pool task: run the oldest queued `first` chunk, else the oldest other one."""
+        with self._lock:
+            fut, q, fd, chunk, offset, write = (self._queues[0] or self._queues[1]).popleft()
+        try:
+            fut.set_result(self._run_chunk(fd, chunk, offset, write))
+        except BaseException as e:  # noqa: BLE001 - the waiter re-raises it
+            fut.set_exception(e)
+        finally:
+            self._slots[q].release()
 
     @staticmethod
     def _run_chunk(fd: int, chunk: memoryview, offset: int, write: bool):

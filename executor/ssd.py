@@ -243,9 +243,10 @@ class SSDStore:
         """Write `tensor`'s bytes as the new version of buffer `name` (shadow slot)."""
         self.write_async(name, tensor).wait()
 
-    def read(self, name: str, out: torch.Tensor) -> None:
-        """Fill `out` with the latest version of `name`: this step's write, else the committed one."""
-        self.read_async(name, out).wait()
+    def read(self, name: str, out: torch.Tensor, first: bool = False) -> None:
+        """Fill `out` with the latest version of `name`: this step's write, else the committed one.
+        `first`: a computation waits for it; it goes ahead of queued writes (`aio` engines)."""
+        self.read_async(name, out, first).wait()
 
     def write_async(self, name: str, tensor: torch.Tensor) -> _Op:
         buf = self._checked(name, tensor, "write")
@@ -280,7 +281,7 @@ class SSDStore:
                 buf.synced = (op, self._syncer.submit(self._sync_written, op, fd))
             return op
 
-    def read_async(self, name: str, out: torch.Tensor) -> _Op:
+    def read_async(self, name: str, out: torch.Tensor, first: bool = False) -> _Op:
         buf = self._checked(name, out, "read into")
         with buf.io_lock:
             if buf.last_write is not None:
@@ -325,7 +326,7 @@ class SSDStore:
                     raise TensorstowError(f"SSD store {self.dir}: buffer '{name}': MANIFEST lists "
                                           f"{len(crcs)} checksums for {n} bytes; the manifest is damaged")
 
-            op = self._submit(what, "read", fd, pieces, [out, dst], finish)
+            op = self._submit(what, "read", fd, pieces, [out, dst], finish, first)
             buf.pending.append(op)
             return op
 
@@ -479,12 +480,12 @@ class SSDStore:
                                   f"the buffer {buf.nbytes}")
         return buf
 
-    def _submit(self, what: str, kind: str, fd: int, pieces, keep, finish) -> _Op:
-        submit = self._engine.submit_write if kind == "write" else self._engine.submit_read
+    def _submit(self, what: str, kind: str, fd: int, pieces, keep, finish, first: bool = False) -> _Op:
         handles: list[int] = []
         try:
             for tensor, offset in pieces:
-                handles.append(submit(fd, tensor, offset))
+                handles.append(self._engine.submit_write(fd, tensor, offset) if kind == "write"
+                               else self._engine.submit_read(fd, tensor, offset, first=first))
         except BaseException:
             for h in handles:
                 try:

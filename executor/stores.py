@@ -465,11 +465,13 @@ class SSDTier:
         self.store.write(buf, src.blob)
         self.copies[buf] = dict(src.strides)
 
-    def read(self, buf: str, host: HostTier, layout: Layout) -> None:
+    def read(self, buf: str, host: HostTier, layout: Layout, first: bool = False) -> None:
+        """`first`: a computation waits for it (the plan's `ssd.read` stream): it goes ahead of
+        the store's queued writes."""
         if buf not in self.copies:
             raise TensorstowError(f"load of {buf} from ssd, which does not hold it")
         dst = host.alloc(buf, layout)
-        self.store.read(buf, dst.blob)
+        self.store.read(buf, dst.blob, first=first)
         dst.strides = dict(self.copies[buf])
 
     def drop(self, buf: str) -> None:
@@ -532,7 +534,8 @@ class FileStore:
         while done < len(mv):
             done += os.pwrite(fd, mv[done:], done)
 
-    def read(self, name: str, out: torch.Tensor) -> None:
+    def read(self, name: str, out: torch.Tensor, first: bool = False) -> None:
+        """`first` is for the asynchronous store's queue; here every read runs at once."""
         if not out.is_contiguous() or out.device.type != "cpu":
             raise TensorstowError(f"SSD store: read of '{name}' needs a contiguous CPU tensor")
         mv = _byte_view(out)

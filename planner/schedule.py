@@ -168,13 +168,27 @@ class Decisions:
         return d
 
 
+OPTIMIZER_INPUTS = ("M", "OS", "G")
+"""Buffers an SSD read brings for an update: the fp32 master, Adam's states, a swapped gradient."""
+
+
+def ssd_read_stream(buf: str) -> str:
+    """`ssd.read` for what a computation waits for (parameters, activations): the aio engine runs
+    those reads ahead of queued writes, and the simulator lets them pause the write in progress;
+    `ssd.update` for the update pipeline's reads, which queue with the writes in order (ahead of
+    them they would fill DRAM with states whose write-back keeps being put off), on a stream of
+    their own so a read that waits for DRAM room there holds up no parameter read. Each waits for
+    the `ssd.read` emitted before it (`_Emitter.emit`), the pace one shared stream gave them."""
+    return "ssd.update" if buf.split(":")[0] in OPTIMIZER_INPUTS else "ssd.read"
+
+
 @dataclass(frozen=True)
 class Instr:
     id: int
     kind: str
     """compute | recompute | load | store | free | optimizer_step | send"""
     stream: str
-    """gpuK.compute, gpuK.h2d, gpuK.d2h, gpuK.send, ssd.read, ssd.write, cpu.opt"""
+    """gpuK.compute, gpuK.h2d, gpuK.d2h, gpuK.send, ssd.read, ssd.update, ssd.write, cpu.opt"""
     deps: tuple[int, ...]
     segment: str = ""
     """compute/recompute: "fwd:<b>", "bwd:<b>" or "refwd:<b>" (a partial swap's re-forward);
@@ -306,6 +320,7 @@ class _Emitter:
         self.instrs: list[Instr] = []
         self.where: dict[tuple[str, str], int] = {}   # (buffer, tier) -> instr that made it present
         self.freed: dict[tuple[str, str], int] = {}   # (buffer, tier) -> the free that released it
+        self.last_read: int | None = None  # the latest `ssd.read` so far: `ssd.update` reads follow it
 
     def emit(self, kind, stream, deps=(), **kw) -> int:
         # A copy may only appear where the previous copy of the same buffer is gone.
@@ -313,9 +328,13 @@ class _Emitter:
         if kind in ("load", "store", "send"):
             made.append((kw["tensor"], kw["dst"]))
         deps = (*deps, *(self.freed.get(m) for m in made))
+        if stream == "ssd.update":  # paced by the reads for computations, as on one stream
+            deps = (*deps, self.last_read)
         i = len(self.instrs)
         self.instrs.append(Instr(id=i, kind=kind, stream=stream,
                                  deps=tuple(sorted({d for d in deps if d is not None})), **kw))
+        if stream == "ssd.read":
+            self.last_read = i
         return i
 
     def move(self, buf: str, src: str, dst: str, deps=()) -> int:
@@ -324,7 +343,7 @@ class _Emitter:
         path = {("ssd", g): ["ssd", "dram", g], (g, "ssd"): [g, "dram", "ssd"]}.get((src, dst), [src, dst])
         last = None
         for a, b in zip(path, path[1:]):
-            stream = {("ssd", "dram"): "ssd.read", ("dram", "ssd"): "ssd.write",
+            stream = {("ssd", "dram"): ssd_read_stream(buf), ("dram", "ssd"): "ssd.write",
                       ("dram", g): f"{g}.h2d", (g, "dram"): f"{g}.d2h"}[(a, b)]
             kind = "load" if TIERS.index(_tier(b)) < TIERS.index(_tier(a)) else "store"
             last = self.emit(kind, stream, (*deps, last, self.where.get((buf, a))), tensor=buf, src=a, dst=b)

@@ -4,7 +4,8 @@ The executor and the simulator interpret the very same instructions: here each o
 its modeled duration (planner/cost.py). Streams are FIFO in program order (like CUDA
 streams); an instruction starts when its stream is free, every instruction it depends on
 has finished, and each of its resources has a free slot. Resources: each GPU's compute, H2D
-and D2H engines, the SSDs (one simplex resource shared by reads and writes), the CPU
+and D2H engines, the SSDs (one simplex resource shared by reads and writes; a read for a
+computation pauses the write in progress, `reads_ssd_first`), the CPU
 optimizer; and shared links (`contention`): the uplink of each CPU root complex, per direction,
 whose GPUs share its bandwidth (Mobius §3.3), and DRAM, which every host transfer crosses. A
 shared link has as many slots as full-rate transfers fit in its bandwidth, so the transfers
@@ -124,6 +125,8 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
     start = [None] * n
     order = []
     done = 0
+    writing = None  # the SSD write last started (reads may pause it)
+    reads_until = 0.0  # the end of the last read that paused it
     while done < n:
         best = None
         for s in sorted(streams):
@@ -132,8 +135,15 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
             i = streams[s][head[s]]
             if any(end[d] is None for d in instrs[i].deps):
                 continue
-            t = max([stream_free[s]] + [min(res_free.get(r, (0.0,))) for r in uses(i)]
-                     + [end[d] for d in instrs[i].deps])
+            t = max([stream_free[s]] + [end[d] for d in instrs[i].deps]
+                    + [min(res_free.get(r, (0.0,))) for r in uses(i) if r != "ssd"])
+            if "ssd" in uses(i):
+                ssd = min(res_free.get("ssd", (0.0,)))
+                if (reads_ssd_first(instrs[i]) and writing is not None and end[writing] == ssd
+                        and start[writing] <= t < ssd):
+                    t = max(t, reads_until)  # pauses the write (the aio engine runs it first)
+                else:
+                    t = max(t, ssd)
             if writes_ssd(instrs[i]):  # over the files the background commit is syncing
                 t = max(t, ssd_write_after)
             if best is None or (t, i) < best[:2]:
@@ -144,9 +154,24 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
         t, i, s = best
         start[i], end[i] = t, t + duration[i]
         stream_free[s] = end[i]
-        for r in uses(i):
-            free = res_free.setdefault(r, [0.0])
-            free[free.index(min(free))] = end[i]
+        if reads_ssd_first(instrs[i]) and writing is not None and t < end[writing]:
+            # the paused write finishes later by the read's time, on every resource it holds
+            old, end[writing] = end[writing], end[writing] + duration[i]
+            stream_free[instrs[writing].stream] = end[writing]
+            for r in uses(writing):
+                free = res_free[r]
+                free[free.index(old)] = end[writing]
+            reads_until = end[i]
+            for r in uses(i):
+                if r != "ssd":
+                    free = res_free.setdefault(r, [0.0])
+                    free[free.index(min(free))] = end[i]
+        else:
+            for r in uses(i):
+                free = res_free.setdefault(r, [0.0])
+                free[free.index(min(free))] = end[i]
+            if writes_ssd(instrs[i]):
+                writing = i
         head[s] += 1
         order.append(i)
         done += 1
@@ -246,6 +271,13 @@ def simulate_plan(plan) -> SimResult:
 
 def writes_ssd(ins: Instr) -> bool:
     return ins.kind == "store" and ins.dst == "ssd"
+
+
+def reads_ssd_first(ins: Instr) -> bool:
+    """A read on `ssd.read` (for a computation, `schedule.ssd_read_stream`): the aio engine runs
+    its chunks before the queued chunks of a write-back (csrc/aio.cpp `first`), so it pauses the
+    write in progress; `ssd.update` reads queue with the writes."""
+    return ins.kind == "load" and ins.stream == "ssd.read"
 
 
 def commit_background(instrs: list[Instr]) -> bool:

@@ -234,3 +234,27 @@ def test_copies_cost_their_tensors_and_ssd_requests_their_fixed_cost_where_the_s
             seen["gpu"] += 1
     assert seen["gpu"] > 0 and seen["ssd"] > 0
     assert got.sim.step_time_s > base.sim.step_time_s
+
+
+def test_ssd_reads_for_computations_and_for_updates_are_on_their_own_streams():
+    """Parameters and activations come off the SSD on `ssd.read` (the store runs those reads ahead
+    of queued writes, and the simulator lets them pause a write in progress); an update's master,
+    Adam states or swapped gradient on `ssd.update`, each after the `ssd.read` emitted before it,
+    so the update pipeline keeps the pace one shared stream gave it without holding up a
+    parameter read that a computation waits for."""
+    from pathlib import Path
+    from tensorstow.planner.simulate import reads_ssd_first
+    root = Path(__file__).resolve().parents[1] / "plans"
+    for name in ("gpt-tiny__lohan-rtx4090__lohan.json", "gpt-tiny__lohan-rtx4090__zero-infinity.json"):
+        plan = Plan.from_json(json.loads((root / name).read_text()))
+        reads = [i for i in plan.instructions if i.kind == "load" and i.src == "ssd"]
+        assert {i.stream for i in reads} == {"ssd.read", "ssd.update"}, name
+        last_read = None
+        for ins in plan.instructions:
+            if ins.kind == "load" and ins.src == "ssd":
+                update = ins.tensor.split(":")[0] in ("M", "OS", "G")
+                assert ins.stream == ("ssd.update" if update else "ssd.read") and reads_ssd_first(ins) != update
+                if update and last_read is not None:
+                    assert last_read in ins.deps, (name, ins.id)
+                if not update:
+                    last_read = ins.id

@@ -149,3 +149,24 @@ def test_op_dispatch_cost_adds_to_every_op_and_stays_out_of_specs_without_it():
     assert Hardware.from_json(slow.to_json()) == slow
     for flops, nbytes in ((10 ** 12, 10), (10, 10 ** 9), (0, 0)):
         assert cost.op_time(flops, nbytes, slow) == cost.op_time(flops, nbytes, hw) + 2e-5
+
+
+def test_an_ssd_read_pauses_the_write_in_progress():
+    """The aio engine serves read chunks before queued write chunks (csrc/aio.cpp), so a read that
+    becomes ready during a long write-back runs at once and the write ends later by the read's
+    time: the SSD stays simplex (busy = the sum) but reads, which computations wait for, do not
+    queue behind writes."""
+    instrs = [Instr(id=0, kind="store", stream="ssd.write", deps=(), tensor="w", src="dram", dst="ssd"),
+              Instr(id=1, kind="compute", stream="gpu0.compute", deps=()),
+              Instr(id=2, kind="load", stream="ssd.read", deps=(1,), tensor="r", src="ssd", dst="dram"),
+              Instr(id=3, kind="load", stream="ssd.read", deps=(), tensor="r2", src="ssd", dst="dram"),
+              Instr(id=4, kind="store", stream="ssd.write", deps=(), tensor="w2", src="dram", dst="ssd"),
+              Instr(id=5, kind="compute", stream="gpu0.compute", deps=(2,))]
+    present = {(b, t) for b in ("w", "r", "r2", "w2") for t in ("dram", "ssd")}
+    sim = simulate(instrs, [1.0, 0.2, 0.1, 0.3, 0.5, 0.4], {b: 1 for b in ("w", "r", "r2", "w2")}, present)
+    assert (sim.start[2], sim.end[2]) == (0.2, 0.30000000000000004)  # the read runs at once
+    assert (sim.start[3], sim.end[3]) == (sim.end[2], sim.end[2] + 0.3)  # the next one after it
+    assert sim.end[0] == 1.0 + 0.1 + 0.3  # the write, paused by both
+    assert sim.start[4] == sim.end[0]  # the next write waits for the paused one
+    assert sim.start[5] == sim.end[2]  # what waits for the read does not wait for the write
+    assert abs(sim.busy_s["ssd"] - 1.9) < 1e-12 and sim.step_time_s == sim.end[4]
