@@ -934,7 +934,7 @@ class Executor:
         elif (src, dst) == ("dram", "ssd"):
             self.ssd.write(buf, self.host.get(buf))
         else:
-            self.ssd.read(buf, self.host, layout, first=ins.stream == "ssd.read")
+            self.ssd.read(buf, self.host, layout, first=ins.stream == "ssd.first")
 
     def _send(self, ins: Instr) -> None:
         """A stage boundary: the sender stages the buffer in host memory and sends it with its

@@ -466,7 +466,7 @@ class SSDTier:
         self.copies[buf] = dict(src.strides)
 
     def read(self, buf: str, host: HostTier, layout: Layout, first: bool = False) -> None:
-        """`first`: a computation waits for it (the plan's `ssd.read` stream): it goes ahead of
+        """`first`: a computation waits for it (the plan's `ssd.first` stream): it goes ahead of
         the store's queued writes."""
         if buf not in self.copies:
             raise TensorstowError(f"load of {buf} from ssd, which does not hold it")

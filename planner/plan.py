@@ -195,9 +195,21 @@ def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer],
 
 def schedule(problem: Problem, decisions: Decisions) -> PlanResult:
     """Lower decisions and simulate them: the one yardstick every policy is measured with.
+    A plan that reads from SSD runs the reads a computation waits for ahead of queued writes
+    (`Decisions.ssd_reads_first`) where that still fits, else keeps every read in program order.
     An fp32 plan whose CPU updates read parameters from SSD is replayed both ways and keeps the
     backward's DRAM copy of them for the update (`Decisions.keep_params_for_update`) where
     that still fits and is not slower; the DeepSpeed baseline reads them again, as DeepSpeed does."""
+    reads_ssd = any("ssd" in (d.params, d.states, d.checkpoint) or d.activations == "swap_ssd"
+                    for d in decisions.blocks.values())
+    if reads_ssd and decisions.pipeline is None and not decisions.ssd_reads_first:
+        first = _schedule_keep(problem, dataclasses.replace(decisions, ssd_reads_first=True))
+        if first.fits:
+            return first
+    return _schedule_keep(problem, decisions)
+
+
+def _schedule_keep(problem: Problem, decisions: Decisions) -> PlanResult:
     plain = _schedule(problem, decisions)
     eligible = (not problem.mixed and decisions.pipeline is None and decisions.policy != "zero-infinity"
                 and not decisions.keep_params_for_update

@@ -119,6 +119,13 @@ class Decisions:
     DRAM copy until the update instead of reading it from SSD again after the backward (one SSD
     read less per block and step, for that copy's DRAM from the backward's load to the update).
     `planner.plan.schedule` sets it where the plan still fits and is not slower."""
+    ssd_reads_first: bool = False
+    """The SSD reads a computation waits for (parameters, activations) go on `ssd.first`, which
+    the executor's store runs ahead of queued writes and the simulator lets pause the write in
+    progress; the update pipeline's reads stay on `ssd.read`, in order with the writes, each after
+    the `ssd.first` read emitted before it. Off: every SSD read on `ssd.read`, in program order.
+    `planner.plan.schedule` sets it where the plan still fits (a read that keeps pausing writes
+    delays the DRAM those writes free)."""
     host_reserved: int = 0
     """DRAM bytes the system a policy models holds all step besides the plan's buffers, counted in
     the DRAM peak: the zero-infinity baseline's DeepSpeed pinned swap buffers and host gradient
@@ -161,6 +168,8 @@ class Decisions:
             d["blocking_copies"] = True
         if self.keep_params_for_update:
             d["keep_params_for_update"] = True
+        if self.ssd_reads_first:
+            d["ssd_reads_first"] = True
         if self.host_reserved:
             d["host_reserved"] = self.host_reserved
         if self.device_reserved:
@@ -172,14 +181,15 @@ OPTIMIZER_INPUTS = ("M", "OS", "G")
 """Buffers an SSD read brings for an update: the fp32 master, Adam's states, a swapped gradient."""
 
 
-def ssd_read_stream(buf: str) -> str:
-    """`ssd.read` for what a computation waits for (parameters, activations): the aio engine runs
-    those reads ahead of queued writes, and the simulator lets them pause the write in progress;
-    `ssd.update` for the update pipeline's reads, which queue with the writes in order (ahead of
-    them they would fill DRAM with states whose write-back keeps being put off), on a stream of
-    their own so a read that waits for DRAM room there holds up no parameter read. Each waits for
-    the `ssd.read` emitted before it (`_Emitter.emit`), the pace one shared stream gave them."""
-    return "ssd.update" if buf.split(":")[0] in OPTIMIZER_INPUTS else "ssd.read"
+def ssd_read_stream(buf: str, first: bool) -> str:
+    """With `first` (`Decisions.ssd_reads_first`): `ssd.first` for what a computation waits for
+    (parameters, activations), which the aio engine runs ahead of queued writes and the simulator
+    lets pause the write in progress; `ssd.read` for the update pipeline's reads, which queue with
+    the writes in order (ahead of them they would fill DRAM with states whose write-back keeps
+    being put off), on a stream of their own so a read that waits for DRAM room there holds up no
+    parameter read. Each of those waits for the `ssd.first` read emitted before it
+    (`_Emitter.emit`), the pace one shared stream gave them. Without: all on `ssd.read`."""
+    return "ssd.first" if first and buf.split(":")[0] not in OPTIMIZER_INPUTS else "ssd.read"
 
 
 @dataclass(frozen=True)
@@ -188,7 +198,7 @@ class Instr:
     kind: str
     """compute | recompute | load | store | free | optimizer_step | send"""
     stream: str
-    """gpuK.compute, gpuK.h2d, gpuK.d2h, gpuK.send, ssd.read, ssd.update, ssd.write, cpu.opt"""
+    """gpuK.compute, gpuK.h2d, gpuK.d2h, gpuK.send, ssd.first, ssd.read, ssd.write, cpu.opt"""
     deps: tuple[int, ...]
     segment: str = ""
     """compute/recompute: "fwd:<b>", "bwd:<b>" or "refwd:<b>" (a partial swap's re-forward);
@@ -315,12 +325,14 @@ def swap_bytes(p: BlockProfile, reforward: bool) -> int:
 
 
 class _Emitter:
-    def __init__(self, gpu: str):
+    def __init__(self, gpu: str, reads_first: bool = False):
         self.gpu = gpu
+        self.reads_first = reads_first
+        """`Decisions.ssd_reads_first`."""
         self.instrs: list[Instr] = []
         self.where: dict[tuple[str, str], int] = {}   # (buffer, tier) -> instr that made it present
         self.freed: dict[tuple[str, str], int] = {}   # (buffer, tier) -> the free that released it
-        self.last_read: int | None = None  # the latest `ssd.read` so far: `ssd.update` reads follow it
+        self.last_first: int | None = None  # the latest `ssd.first` so far: `ssd.read` loads follow it
 
     def emit(self, kind, stream, deps=(), **kw) -> int:
         # A copy may only appear where the previous copy of the same buffer is gone.
@@ -328,13 +340,13 @@ class _Emitter:
         if kind in ("load", "store", "send"):
             made.append((kw["tensor"], kw["dst"]))
         deps = (*deps, *(self.freed.get(m) for m in made))
-        if stream == "ssd.update":  # paced by the reads for computations, as on one stream
-            deps = (*deps, self.last_read)
+        if self.reads_first and stream == "ssd.read":  # paced by the reads for computations
+            deps = (*deps, self.last_first)
         i = len(self.instrs)
         self.instrs.append(Instr(id=i, kind=kind, stream=stream,
                                  deps=tuple(sorted({d for d in deps if d is not None})), **kw))
-        if stream == "ssd.read":
-            self.last_read = i
+        if stream == "ssd.first":
+            self.last_first = i
         return i
 
     def move(self, buf: str, src: str, dst: str, deps=()) -> int:
@@ -343,7 +355,7 @@ class _Emitter:
         path = {("ssd", g): ["ssd", "dram", g], (g, "ssd"): [g, "dram", "ssd"]}.get((src, dst), [src, dst])
         last = None
         for a, b in zip(path, path[1:]):
-            stream = {("ssd", "dram"): ssd_read_stream(buf), ("dram", "ssd"): "ssd.write",
+            stream = {("ssd", "dram"): ssd_read_stream(buf, self.reads_first), ("dram", "ssd"): "ssd.write",
                       ("dram", g): f"{g}.h2d", (g, "dram"): f"{g}.d2h"}[(a, b)]
             kind = "load" if TIERS.index(_tier(b)) < TIERS.index(_tier(a)) else "store"
             last = self.emit(kind, stream, (*deps, last, self.where.get((buf, a))), tensor=buf, src=a, dst=b)
@@ -379,7 +391,7 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
     (executor.amp), so every optimizer step waits for the last backward instead of overlapping
     it, and the subgroups' state reads are double-buffered (a read waits for the write-back of
     the subgroup two before it) so DRAM never holds more than two subgroups' states in flight."""
-    e = _Emitter(gpu)
+    e = _Emitter(gpu, decisions.ssd_reads_first)
     comp = f"{gpu}.compute"
     has = buffers.__contains__
     home = {n: (gpu if b.home == "gpu" else b.home) for n, b in buffers.items() if b.home}

@@ -274,10 +274,10 @@ def writes_ssd(ins: Instr) -> bool:
 
 
 def reads_ssd_first(ins: Instr) -> bool:
-    """A read on `ssd.read` (for a computation, `schedule.ssd_read_stream`): the aio engine runs
+    """A read on `ssd.first` (for a computation, `schedule.ssd_read_stream`): the aio engine runs
     its chunks before the queued chunks of a write-back (csrc/aio.cpp `first`), so it pauses the
-    write in progress; `ssd.update` reads queue with the writes."""
-    return ins.kind == "load" and ins.stream == "ssd.read"
+    write in progress; `ssd.read` reads queue with the writes."""
+    return ins.kind == "load" and ins.stream == "ssd.first"
 
 
 def commit_background(instrs: list[Instr]) -> bool:

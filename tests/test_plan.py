@@ -237,24 +237,36 @@ def test_copies_cost_their_tensors_and_ssd_requests_their_fixed_cost_where_the_s
 
 
 def test_ssd_reads_for_computations_and_for_updates_are_on_their_own_streams():
-    """Parameters and activations come off the SSD on `ssd.read` (the store runs those reads ahead
-    of queued writes, and the simulator lets them pause a write in progress); an update's master,
-    Adam states or swapped gradient on `ssd.update`, each after the `ssd.read` emitted before it,
-    so the update pipeline keeps the pace one shared stream gave it without holding up a
-    parameter read that a computation waits for."""
+    """Where it fits (`Decisions.ssd_reads_first`), parameters and activations come off the SSD on
+    `ssd.first` (the store runs those reads ahead of queued writes, and the simulator lets them
+    pause a write in progress), an update's master, Adam states or swapped gradient on `ssd.read`,
+    each after the `ssd.first` read emitted before it, so the update pipeline keeps the pace one
+    shared stream gave it without holding up a parameter read a computation waits for."""
     from pathlib import Path
     from tensorstow.planner.simulate import reads_ssd_first
     root = Path(__file__).resolve().parents[1] / "plans"
     for name in ("gpt-tiny__lohan-rtx4090__lohan.json", "gpt-tiny__lohan-rtx4090__zero-infinity.json"):
         plan = Plan.from_json(json.loads((root / name).read_text()))
+        assert plan.decisions.ssd_reads_first, name
         reads = [i for i in plan.instructions if i.kind == "load" and i.src == "ssd"]
-        assert {i.stream for i in reads} == {"ssd.read", "ssd.update"}, name
-        last_read = None
-        for ins in plan.instructions:
-            if ins.kind == "load" and ins.src == "ssd":
-                update = ins.tensor.split(":")[0] in ("M", "OS", "G")
-                assert ins.stream == ("ssd.update" if update else "ssd.read") and reads_ssd_first(ins) != update
-                if update and last_read is not None:
-                    assert last_read in ins.deps, (name, ins.id)
-                if not update:
-                    last_read = ins.id
+        assert {i.stream for i in reads} == {"ssd.first", "ssd.read"}, name
+        last = None
+        for ins in reads:
+            update = ins.tensor.split(":")[0] in ("M", "OS", "G")
+            assert ins.stream == ("ssd.read" if update else "ssd.first") and reads_ssd_first(ins) != update
+            if update and last is not None:
+                assert last in ins.deps, (name, ins.id)
+            if not update:
+                last = ins.id
+
+
+def test_reads_stay_in_program_order_where_running_them_first_does_not_fit():
+    """gpt-medium through 200 MB of DRAM: parameter reads that keep pausing write-backs hold the
+    DRAM those write-backs would free, past the budget; the plan keeps every SSD read in program
+    order on `ssd.read` and fits (tests/test_scale.py trains it)."""
+    from tensorstow.planner.plan import hardware_for
+    o = Options(model="gpt-medium", hardware="lohan-rtx4090", policy="lohan", batch=1, seq=128, precision="fp32",
+                gpu_mem=80 * 10**6, dram=200 * 10**6, ssds=1)
+    r = make_plan(o, hardware_for(o))
+    assert r.fits and not r.decisions.ssd_reads_first
+    assert {i.stream for i in r.instructions if i.kind == "load" and i.src == "ssd"} == {"ssd.read"}

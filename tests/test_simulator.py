@@ -1,4 +1,6 @@
 """Simulator invariants on random instruction DAGs (hypothesis)."""
+import dataclasses
+
 import networkx as nx
 from hypothesis import given, settings, strategies as st
 
@@ -152,14 +154,14 @@ def test_op_dispatch_cost_adds_to_every_op_and_stays_out_of_specs_without_it():
 
 
 def test_an_ssd_read_pauses_the_write_in_progress():
-    """The aio engine serves read chunks before queued write chunks (csrc/aio.cpp), so a read that
-    becomes ready during a long write-back runs at once and the write ends later by the read's
-    time: the SSD stays simplex (busy = the sum) but reads, which computations wait for, do not
-    queue behind writes."""
+    """The aio engine runs the chunks of `ssd.first` reads before queued write chunks
+    (csrc/aio.cpp), so such a read that becomes ready during a long write-back runs at once and the
+    write ends later by the read's time: the SSD stays simplex (busy = the sum) but reads that
+    computations wait for do not queue behind writes. On `ssd.read` a read waits for the write."""
     instrs = [Instr(id=0, kind="store", stream="ssd.write", deps=(), tensor="w", src="dram", dst="ssd"),
               Instr(id=1, kind="compute", stream="gpu0.compute", deps=()),
-              Instr(id=2, kind="load", stream="ssd.read", deps=(1,), tensor="r", src="ssd", dst="dram"),
-              Instr(id=3, kind="load", stream="ssd.read", deps=(), tensor="r2", src="ssd", dst="dram"),
+              Instr(id=2, kind="load", stream="ssd.first", deps=(1,), tensor="r", src="ssd", dst="dram"),
+              Instr(id=3, kind="load", stream="ssd.first", deps=(), tensor="r2", src="ssd", dst="dram"),
               Instr(id=4, kind="store", stream="ssd.write", deps=(), tensor="w2", src="dram", dst="ssd"),
               Instr(id=5, kind="compute", stream="gpu0.compute", deps=(2,))]
     present = {(b, t) for b in ("w", "r", "r2", "w2") for t in ("dram", "ssd")}
@@ -170,3 +172,6 @@ def test_an_ssd_read_pauses_the_write_in_progress():
     assert sim.start[4] == sim.end[0]  # the next write waits for the paused one
     assert sim.start[5] == sim.end[2]  # what waits for the read does not wait for the write
     assert abs(sim.busy_s["ssd"] - 1.9) < 1e-12 and sim.step_time_s == sim.end[4]
+    in_order = [dataclasses.replace(i, stream="ssd.read") if i.stream == "ssd.first" else i for i in instrs]
+    sim = simulate(in_order, [1.0, 0.2, 0.1, 0.3, 0.5, 0.4], {b: 1 for b in ("w", "r", "r2", "w2")}, present)
+    assert sim.start[2] == 1.0 and sim.end[0] == 1.0  # behind the whole write
