@@ -4,8 +4,8 @@ The executor and the simulator interpret the very same instructions: here each o
 its modeled duration (planner/cost.py). Streams are FIFO in program order (like CUDA
 streams); an instruction starts when its stream is free, every instruction it depends on
 has finished, and each of its resources has a free slot. Resources: each GPU's compute, H2D
-and D2H engines, the SSDs (one simplex resource shared by reads and writes; a read for a
-computation pauses the write in progress, `reads_ssd_first`), the CPU
+and D2H engines, the SSDs (one simplex resource shared by reads and writes; a read on
+`ssd.first` pauses the write in progress, `reads_ssd_first`), the CPU
 optimizer; and shared links (`contention`): the uplink of each CPU root complex, per direction,
 whose GPUs share its bandwidth (Mobius §3.3), and DRAM, which every host transfer crosses. A
 shared link has as many slots as full-rate transfers fit in its bandwidth, so the transfers
@@ -154,24 +154,20 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
         t, i, s = best
         start[i], end[i] = t, t + duration[i]
         stream_free[s] = end[i]
-        if reads_ssd_first(instrs[i]) and writing is not None and t < end[writing]:
-            # the paused write finishes later by the read's time, on every resource it holds
+        paused = reads_ssd_first(instrs[i]) and writing is not None and t < end[writing]
+        if paused:  # the write finishes later by the read's time, on every resource it holds
             old, end[writing] = end[writing], end[writing] + duration[i]
             stream_free[instrs[writing].stream] = end[writing]
             for r in uses(writing):
                 free = res_free[r]
                 free[free.index(old)] = end[writing]
             reads_until = end[i]
-            for r in uses(i):
-                if r != "ssd":
-                    free = res_free.setdefault(r, [0.0])
-                    free[free.index(min(free))] = end[i]
-        else:
-            for r in uses(i):
+        for r in uses(i):
+            if not (paused and r == "ssd"):  # a pausing read runs inside the write's SSD slot
                 free = res_free.setdefault(r, [0.0])
                 free[free.index(min(free))] = end[i]
-            if writes_ssd(instrs[i]):
-                writing = i
+        if writes_ssd(instrs[i]):
+            writing = i
         head[s] += 1
         order.append(i)
         done += 1
