@@ -48,7 +48,7 @@ def on_host(ins) -> bool:
         return not (ins.src.startswith("gpu") or ins.dst.startswith("gpu"))
     if ins.kind == "free":
         return not ins.dst.startswith("gpu")
-    return ins.kind == "send"  # the process group's transfer: the lane's thread waits for it
+    return ins.kind in ("send", "commit")  # a transfer the lane's thread waits for; the SSD store's commit
 
 
 class HostLanes:

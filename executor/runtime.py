@@ -59,12 +59,12 @@ from tensorstow.executor.stores import (DeviceMemoryError, DeviceTier, FileStore
                                         contiguous_stride)
 from tensorstow.ir.trace import Traced, model_dims, trace_model
 from tensorstow.planner.pipeline import block_gpus, block_of, home_tiers, split_micro
-from tensorstow.planner.schedule import Instr
+from tensorstow.planner.schedule import Instr, carried_buffers
 from tensorstow.planner.schema import as_plan
 from tensorstow.planner.simulate import resource_of
 
 MODES = ("sync", "overlap")
-KINDS = ("compute", "recompute", "load", "store", "free", "optimizer_step", "send")
+KINDS = ("compute", "recompute", "load", "store", "free", "optimizer_step", "send", "commit")
 
 
 HELD_KINDS = ("P", "C", "G", "A", "R", "X", "T", "H", "AE", "RE", "K")
@@ -140,6 +140,10 @@ class Executor:
         self.homes = {n: t for n, t in home_tiers(dict(plan.buffers), plan.decisions, order).items()
                       if self.block_gpu[plan.buffers[n].block] == self.gpu}
         """This executor's buffers with a home tier -> that tier: the training state it holds."""
+        self.carried = [x for x in carried_buffers(plan.decisions, dict(plan.buffers)) if x in self.homes]
+        """SSD-homed buffers whose latest version stays in DRAM between steps
+        (`Decisions.deferred_writes`): each step writes them home first, then commits the step
+        before (its `commit` instruction)."""
         self.mode = mode
         self.plan = plan
         m = plan.model
@@ -230,6 +234,7 @@ class Executor:
         """Seconds the SSD store's early syncs (`SSDStore(early_sync=True)`) ran between the last
         step's start and its end: the disk flushing what the step wrote, beside its instructions."""
         self.loss: float | None = None
+        self._rng_at_end: torch.Tensor | None = None
         self._loss: list[torch.Tensor] = []
         self.inputs: dict[str, list[torch.Tensor]] = {}
         """Per graph input, its value for each microbatch."""
@@ -250,6 +255,9 @@ class Executor:
                 f"{committed}: pass resume=True to continue from it, or use an empty state dir")
         else:
             self._place_homes(model, values=init_values)
+        for x in self.carried:  # the DRAM copies a step starts from
+            self.ssd.read(x, self.host, self.layouts[x])
+        self.host.peak = self.host.used
         if cuda:  # last: a refused executor leaves the allocator as it was
             self._fraction, self.alloc_limit = cap_allocator(self.device, self.dev.budget, self._base[1])
 
@@ -297,6 +305,8 @@ class Executor:
         and the host work (DRAM, SSD, CPU optimizer) of its blocks."""
         if ins.kind == "send":
             return self.gpu in (ins.src, ins.dst)
+        if ins.kind == "commit":
+            return True
         dev = ins.stream.split(".")[0]
         if dev.startswith("gpu"):
             return dev == self.gpu
@@ -333,6 +343,8 @@ class Executor:
                     alloc(n)
                     if home != "dram":  # staged through DRAM on its way home
                         free(n)
+        for n in self.carried:
+            alloc(n)
         for _ in range(2):
             for ins in order:
                 if ins.kind in ("load", "store") and ins.dst == "dram":
@@ -608,7 +620,7 @@ class Executor:
         sizes = getattr(self.ssd.store, "sizes", None)
         return sizes is None or name in sizes
 
-    def _write_checkpoint(self, constants: bool = False) -> None:
+    def _write_checkpoint(self, constants: bool = False, rng: torch.Tensor | None = None) -> None:
         """Write the training state that lives off SSD, and the random generator, into the store
         (SSD-resident buffers are the store's own). Constants never change: written at step 0."""
         st = self.ssd.store
@@ -624,7 +636,7 @@ class Executor:
             for k, v in self.dev.get(name).items():
                 c.set(k, v)
             st.write(name, c.blob)
-        st.write(RNG, rng_bytes())
+        st.write(RNG, rng_bytes() if rng is None else rng)
 
     def _resume(self, committed: int | None) -> None:
         if committed is None:
@@ -701,6 +713,7 @@ class Executor:
         self.loss, self._loss = None, [None] * self.M
         if self.scaler is not None:
             self.scaler.begin_step()
+        self.commit_s = 0.0
         synced = self._early_sync_total()
         if isinstance(self.ssd.store, SSDStore):  # sync writes early only in a step that commits
             self.ssd.store.sync_early = (self.steps_done + 1) % self.checkpoint_every == 0
@@ -725,11 +738,12 @@ class Executor:
                 self.inputs.clear()
         self.loss = self._mean_loss()
         self._check_end_state()
+        if self.carried and self.full_checkpoint:  # what the next step's commit records of this one
+            self._rng_at_end = rng_bytes()
         self.steps_done += 1
         if self.scaler is None or not self.scaler.update():
             self.opt_steps += 1
-        self.commit_s = 0.0
-        if self.steps_done % self.checkpoint_every == 0:
+        if self.steps_done % self.checkpoint_every == 0 and not self.carried:  # else the next step commits it
             t0 = time.perf_counter()
             if self.checkpoint(wait=not self._commits_in_background):
                 self.commit_s = time.perf_counter() - t0
@@ -753,11 +767,25 @@ class Executor:
         """Commit the current step to the store (a full checkpoint writes the off-SSD state too);
         `step` does it every `checkpoint_every` steps, in one process without waiting for the
         syncs (`SSDStore.commit(wait=False)`: they overlap the next step until its first SSD
-        write). Returns whether it committed."""
+        write). With carried buffers (`Decisions.deferred_writes`) the next step commits this one
+        once it has written them home (its `commit` instruction); called between steps, this
+        writes them home first. Returns whether it committed."""
         if self.ssd.store is None or self.ssd.store.committed_step() == self.steps_done:
             return False
+        for x in self.carried:
+            self.ssd.write(x, self.host.get(x))
+        return self._commit(wait)
+
+    def _commit_previous(self, ins: Instr) -> None:
+        """A step's `commit` instruction: the carried buffers are home, so the SSD holds the whole
+        state of the step before; commit it when due (every `checkpoint_every` steps)."""
+        if self.steps_done % self.checkpoint_every == 0 and self.ssd.store.committed_step() != self.steps_done:
+            self._commit(wait=not self._commits_in_background, rng=self._rng_at_end)
+
+    def _commit(self, wait: bool, rng: torch.Tensor | None = None) -> bool:
+        """`rng`: the random generator's state to record (default: now)."""
         if self.full_checkpoint:
-            self._write_checkpoint()
+            self._write_checkpoint(rng=rng)
         self._write_scaler(self.opt_steps)
         if wait or not self._commits_in_background:
             self.ssd.store.commit(self.steps_done)
@@ -854,7 +882,7 @@ class Executor:
         self.lanes.after(ins)
 
     def _check_end_state(self) -> None:
-        want = set(self.homes.items())
+        want = set(self.homes.items()) | {(x, "dram") for x in self.carried}
         have = {(n, t) for t, tier in self.tiers.items() for n in tier.copies}
         if have != want:
             raise ExecutionError(
@@ -1059,7 +1087,8 @@ class Executor:
                 p.copy_(params[n])
 
     def _home_copy(self, buf: str):
-        home = self.homes[buf]
+        """The buffer's latest version: its home copy, or a carried one's DRAM copy."""
+        home = "dram" if buf in self.carried else self.homes[buf]
         if home == self.gpu:
             return self.dev.get(buf)
         if home == "dram":
@@ -1070,8 +1099,9 @@ class Executor:
         return c
 
     def close(self) -> None:
-        """Close the SSD store (it is not committed again: the last step already was) and lift the
-        CUDA allocator's cap."""
+        """Close the SSD store and lift the CUDA allocator's cap. It commits nothing: steps after
+        the last commit (`checkpoint_every`; with carried buffers the last step, which the next
+        step would commit) need `checkpoint()` first, as `tensorstow execute` does."""
         if self.ssd.store is not None and hasattr(self.ssd.store, "close"):
             self.ssd.store.close()
         if self._fraction is not None:  # the allocator's cap is what it was before
@@ -1104,6 +1134,7 @@ HANDLERS = {
     "free": Executor._free,
     "optimizer_step": Executor._optimizer_step,
     "send": Executor._send,
+    "commit": Executor._commit_previous,
 }
 
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 
 from tensorstow.planner.cost import BlockProfile
-from tensorstow.planner.schedule import Buffer, Decisions, Instr, _Emitter, _write_new, buffers_for
+from tensorstow.planner.schedule import Buffer, Decisions, Instr, _Emitter, _write_new, buffers_for, carried_buffers
 
 PER_MICRO = ("A", "X", "H", "T")
 """Buffer kinds with one copy per microbatch."""
@@ -79,6 +79,13 @@ def home_tiers(buffers: dict[str, Buffer], decisions: Decisions, order: list[str
         stage = pl.stage_of(order)
         gpu_of = {b: f"gpu{pl.gpus[stage[b]]}" for b in order}
     return {n: (gpu_of[b.block] if b.home == "gpu" else b.home) for n, b in buffers.items() if b.home}
+
+
+def initial_residency(buffers: dict[str, Buffer], decisions: Decisions, order: list[str]) -> set[tuple[str, str]]:
+    """The (buffer, tier) copies present when a step starts: every home, and the DRAM copies
+    `Decisions.deferred_writes` carries from the step before."""
+    return set(home_tiers(buffers, decisions, order).items()) | {
+        (x, "dram") for x in carried_buffers(decisions, buffers)}
 
 
 def block_gpus(plan) -> dict[str, str]:

@@ -15,10 +15,10 @@ from tensorstow.ir.models import DEFAULT_BATCH, resolve_model
 from tensorstow.ir.trace import PRECISIONS, model_dims, trace_model, trace_spec
 from tensorstow.planner import cost
 from tensorstow.planner.hardware import Hardware, load_hardware
-from tensorstow.planner.schedule import Buffer, Decisions, Instr, buffers_for, lower
+from tensorstow.planner.schedule import Buffer, Decisions, Instr, buffers_for, carried_buffers, lower
 from tensorstow.planner.schema import (SCHEMA_VERSION, TIER_NAMES, BlockInfo, HardwareInfo, ModelInfo,
                                        Options, Plan, Predicted, ProfileInfo)
-from tensorstow.planner.pipeline import home_tiers, lower_pipeline, pipeline_buffers
+from tensorstow.planner.pipeline import initial_residency, lower_pipeline, pipeline_buffers
 from tensorstow.planner.simulate import SimResult, contention, simulate
 
 @dataclass
@@ -184,6 +184,8 @@ def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer],
         elif ins.kind in ("load", "store", "send"):
             buf = buffers[ins.tensor]
             out.append(cost.transfer_time(buf.bytes, ins.src, ins.dst, hw, tensors=max(1, len(buf.members))))
+        elif ins.kind == "commit":
+            out.append(cost.commit_time(hw, instrs))
         elif ins.kind == "optimizer_step":
             prof = problem.profiles[problem.profile_of[ins.segment]]
             out.append(cost.optimizer_time(prof.param_count, ins.dst, hw)
@@ -207,6 +209,33 @@ def schedule(problem: Problem, decisions: Decisions) -> PlanResult:
         if first.fits:
             return first
     return _schedule_keep(problem, decisions)
+
+
+DEFERRED_MAX = 4
+"""Blocks `defer_writes` tries to carry across the step boundary, at most."""
+
+
+def defer_writes(plan: PlanResult) -> PlanResult:
+    """The plan with the write-backs of the blocks updated last run at the start of the next step
+    (`Decisions.deferred_writes`): one block, then two, ... while each is faster and still fits.
+    Their updates end the step after its last backward, and their parameters begin the next one,
+    so the step's tail of SSD writes overlaps the next forward and its first read is gone. fp32
+    one-GPU plans whose updates overlap the backward; not the zero-infinity baseline (DeepSpeed
+    writes every subgroup back before the step ends)."""
+    d, problem = plan.decisions, plan.problem
+    if (problem.mixed or d.pipeline is not None or not d.overlap_optimizer or d.policy == "zero-infinity"
+            or d.deferred_writes or not plan.fits):
+        return plan
+    updated = [i.segment for i in plan.instructions if i.kind == "optimizer_step"]
+    blocks = [b for b in reversed(updated)
+              if carried_buffers(dataclasses.replace(d, deferred_writes=(b,)), plan.buffers)]
+    best = plan
+    for k in range(1, min(DEFERRED_MAX, len(blocks)) + 1):
+        r = _schedule(problem, dataclasses.replace(d, deferred_writes=tuple(blocks[:k])))
+        if not r.fits or r.sim.step_time_s >= best.sim.step_time_s:
+            break
+        best = r
+    return best
 
 
 def _schedule_keep(problem: Problem, decisions: Decisions) -> PlanResult:
@@ -235,7 +264,7 @@ def _schedule(problem: Problem, decisions: Decisions) -> PlanResult:
         instrs = lower_pipeline(problem.order, problem.profiles, problem.profile_of, decisions, bufs,
                                 problem.gpu_capacity())
     dur = durations(problem, instrs, bufs, decisions)
-    initial = set(home_tiers(bufs, decisions, problem.order).items())
+    initial = initial_residency(bufs, decisions, problem.order)
     sizes = {n: b.bytes for n, b in bufs.items()}
     reserved = decisions.reserved()
     commit = cost.commit_time(problem.hw, instrs)
@@ -273,7 +302,7 @@ def policy_plan(problem: Problem, name: str) -> PlanResult:
     incumbent search both need every heuristic's plan)."""
     cache = problem.__dict__.setdefault("_plans", {})
     if name not in cache:
-        cache[name] = schedule(problem, policies()[name](problem))
+        cache[name] = defer_writes(schedule(problem, policies()[name](problem)))
     return cache[name]
 
 

@@ -126,6 +126,15 @@ class Decisions:
     the `ssd.first` read emitted before it. Off: every SSD read on `ssd.read`, in program order.
     `planner.plan.schedule` sets it where the plan still fits (a read that keeps pausing writes
     delays the DRAM those writes free)."""
+    deferred_writes: tuple[str, ...] = ()
+    """Blocks whose update's write-backs to SSD run at the start of the next step instead of
+    ending this one: their updated P and Adam states stay in DRAM across the step boundary
+    (carried, `carried_buffers`), the next step writes them home beside its first forwards and
+    its first forward takes P from that DRAM copy instead of reading it from SSD. The step's
+    state is then whole on SSD only once those writes are done: a `commit` instruction there
+    commits the previous step, and every update and SSD write of this step waits for it. fp32,
+    one GPU, CPU updates overlapped with the backward; `planner.plan.schedule` sets it for the
+    blocks updated last where the plan still fits and is faster."""
     host_reserved: int = 0
     """DRAM bytes the system a policy models holds all step besides the plan's buffers, counted in
     the DRAM peak: the zero-infinity baseline's DeepSpeed pinned swap buffers and host gradient
@@ -170,6 +179,8 @@ class Decisions:
             d["keep_params_for_update"] = True
         if self.ssd_reads_first:
             d["ssd_reads_first"] = True
+        if self.deferred_writes:
+            d["deferred_writes"] = list(self.deferred_writes)
         if self.host_reserved:
             d["host_reserved"] = self.host_reserved
         if self.device_reserved:
@@ -333,6 +344,7 @@ class _Emitter:
         self.where: dict[tuple[str, str], int] = {}   # (buffer, tier) -> instr that made it present
         self.freed: dict[tuple[str, str], int] = {}   # (buffer, tier) -> the free that released it
         self.last_first: int | None = None  # the latest `ssd.first` so far: `ssd.read` loads follow it
+        self.commit: int | None = None  # `Decisions.deferred_writes`: updates and SSD writes follow it
 
     def emit(self, kind, stream, deps=(), **kw) -> int:
         # A copy may only appear where the previous copy of the same buffer is gone.
@@ -342,6 +354,8 @@ class _Emitter:
         deps = (*deps, *(self.freed.get(m) for m in made))
         if self.reads_first and stream == "ssd.read":  # paced by the reads for computations
             deps = (*deps, self.last_first)
+        if kind == "optimizer_step" or stream == "ssd.write":  # the previous step is committed first
+            deps = (*deps, self.commit)
         i = len(self.instrs)
         self.instrs.append(Instr(id=i, kind=kind, stream=stream,
                                  deps=tuple(sorted({d for d in deps if d is not None})), **kw))
@@ -364,12 +378,13 @@ class _Emitter:
                 self.free(buf, a, (last,))
         return last
 
-    def free(self, buf: str, tier: str, deps=()) -> int:
+    def free(self, buf: str, tier: str, deps=(), on: int | None = None) -> int:
         """Release a copy. It runs on the stream of the instruction that releases it (its latest
-        dependency), so bookkeeping never makes one stream wait for another's transfers."""
-        deps = [d for d in deps if d is not None]
+        dependency, else `on`, the one expected to end last), so bookkeeping never makes one
+        stream wait for another's transfers."""
+        deps = [d for d in (*deps, on) if d is not None]
         if deps:
-            stream = self.instrs[max(deps)].stream
+            stream = self.instrs[on if on is not None else max(deps)].stream
         else:
             stream = f"{self.gpu}.compute" if tier == self.gpu else ("cpu.opt" if tier == "dram" else "ssd.write")
         i = self.emit("free", stream, deps, tensor=buf, dst=tier)
@@ -409,12 +424,27 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
 
     keep = decisions.keep_params_for_update and not mixed
 
+    # ---- the previous step's deferred write-backs (Decisions.deferred_writes) ----------------
+    carried = carried_buffers(decisions, buffers)
+    written_back: dict[str, int] = {}
+    for x in carried:  # Adam's states first: their DRAM is released as soon as they are home
+        e.where[(x, "dram")] = None
+        written_back[x] = e.move(x, "dram", "ssd")
+        if not x.startswith("P:"):
+            e.free(x, "dram", (written_back[x],))
+    if carried:
+        e.commit = e.emit("commit", "ssd.commit", tuple(written_back.values()))
+
     def load_state(b: str, *gates, for_update: bool = False) -> int | None:
         """`for_update`: the block's last load before its update; with `keep` an fp32 P read from
-        SSD for a CPU update stays in DRAM for it (opt_step finds it there)."""
+        SSD for a CPU update stays in DRAM for it (opt_step finds it there). A carried P is taken
+        from its DRAM copy, which goes once it is also home."""
         last = None
         for x in state(b):
-            if for_update and keep and x == f"P:{b}" and home[x] == "ssd" and dec[b].optimizer == "cpu":
+            if x in written_back and (x, "dram") in e.where:
+                last = e.move(x, "dram", gpu, gates)
+                e.free(x, "dram", (last,), on=written_back[x])
+            elif for_update and keep and x == f"P:{b}" and home[x] == "ssd" and dec[b].optimizer == "cpu":
                 last = e.move(x, "dram", gpu, (e.move(x, "ssd", "dram", gates),))
             else:
                 last = e.move(x, home[x], gpu, gates)
@@ -527,6 +557,9 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
         for s in states + [f"P:{b}"]:
             if home[s] == tier:
                 continue
+            if s in carried:  # stays in DRAM: the next step writes it home
+                e.where[(s, tier)] = u
+                continue
             if s == f"P:{b}" and mixed:
                 # LoHan Table II: the optimizer produces P16 from P32; send it to P's home.
                 last = _write_new(e, s, tier, home[s], u, gpu)
@@ -632,6 +665,13 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
             if has(f"G:{b}"):
                 opt_step(b, (grads_ready[b], last_bwd))
     return e.instrs
+
+
+def carried_buffers(decisions: Decisions, buffers: dict[str, Buffer]) -> list[str]:
+    """The buffers `Decisions.deferred_writes` keeps in DRAM between steps, in the order the next
+    step writes them home (Adam's states, then the parameters)."""
+    return [f"{k}:{b}" for b in decisions.deferred_writes for k in ("OS", "P")
+            if f"{k}:{b}" in buffers and buffers[f"{k}:{b}"].home == "ssd" and decisions.blocks[b].optimizer == "cpu"]
 
 
 def _write_new(e: _Emitter, buf: str, at: str, home: str, after: int, gpu: str) -> int:

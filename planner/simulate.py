@@ -116,6 +116,8 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
     stream_free = {s: 0.0 for s in streams}
     extra, slots = links or ([()] * n, {})
     res_free: dict[str, list[float]] = {r: [0.0] * k for r, k in slots.items()}
+    if any(i.kind == "commit" for i in instrs):
+        commit_s = 0.0  # the plan commits the previous step itself, where its state is whole on SSD
     background = commit_background(instrs)
     ssd_write_after = commit_s if background else 0.0
 
@@ -256,9 +258,9 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
 def simulate_plan(plan) -> SimResult:
     """Replay a plan file (`planner.schema.Plan`) as written: its instructions with their
     `est_s`, its buffers' bytes, the homes as the initial placement, its hardware's links."""
-    from tensorstow.planner.pipeline import home_tiers
+    from tensorstow.planner.pipeline import initial_residency
     order = [b.name for b in plan.model.blocks]
-    initial = set(home_tiers(dict(plan.buffers), plan.decisions, order).items())
+    initial = initial_residency(dict(plan.buffers), plan.decisions, order)
     instrs = list(plan.instructions)
     return simulate(instrs, [i.est_s for i in instrs], {n: b.bytes for n, b in plan.buffers.items()}, initial,
                     links=contention(instrs, plan.hardware.spec), reserved=plan.decisions.reserved(),
@@ -287,6 +289,8 @@ def sync_step_s(instrs: list[Instr], commit_s: float) -> float:
     durations summed, and the commit (`simulate`): in the background, the part of it the
     instructions before the first SSD write do not cover; else all of it, at the end."""
     total = sum(i.est_s for i in instrs)
+    if any(i.kind == "commit" for i in instrs):
+        return total
     if not commit_background(instrs):
         return total + commit_s
     before = 0.0

@@ -260,6 +260,43 @@ def test_ssd_reads_for_computations_and_for_updates_are_on_their_own_streams():
                 last = ins.id
 
 
+def test_the_blocks_updated_last_write_back_at_the_start_of_the_next_step():
+    """`Decisions.deferred_writes`: an fp32 plan streaming P and Adam states from SSD ends its step
+    with the updates of the blocks its backward reaches last (the embedding first of all), whose
+    write-backs, half a GB for GPT-3 125M's, ended the step. The planner carries their updated P
+    and states in DRAM into the next step, which writes them home beside its first forwards and
+    takes the embedding's P from DRAM; the commit of the step before comes once they are home,
+    and every update and SSD write of the step waits for it."""
+    from tensorstow.planner.plan import hardware_for
+    from tensorstow.planner.pipeline import initial_residency
+    from tensorstow.planner.schedule import carried_buffers
+    o = Options(model="gpt-small", hardware="lohan-rtx4090", policy="lohan", batch=4, precision="fp32",
+                gpu_mem=90 * 10**6, dram=80 * 10**6, ssds=1)
+    r = make_plan(o, hardware_for(o))
+    d, ins = r.decisions, r.instructions
+    assert d.deferred_writes and d.deferred_writes[0] == "pre"
+    updates = [i.segment for i in ins if i.kind == "optimizer_step"]
+    assert list(d.deferred_writes) == updates[::-1][:len(d.deferred_writes)]  # the last ones updated
+    plain = schedule(r.problem, dataclasses.replace(d, deferred_writes=()))
+    assert r.fits and r.sim.step_time_s < plain.sim.step_time_s
+    carried = carried_buffers(d, r.buffers)
+    assert sorted(carried) == sorted(f"{k}:{b}" for b in d.deferred_writes for k in ("P", "OS"))
+    assert {(x, "dram") for x in carried} <= initial_residency(r.buffers, d, r.problem.order)
+    commit = next(i for i in ins if i.kind == "commit")
+    first = ins[:commit.id]  # the write-backs (and the frees of the states' DRAM copies) come first
+    assert {i.tensor for i in first if i.kind == "store"} == set(carried)
+    assert all(i.kind in ("store", "free") and i.src in ("dram", "") for i in first)
+    assert set(commit.deps) == {i.id for i in first if i.kind == "store"} and commit.stream == "ssd.commit"
+    for i in ins[commit.id + 1:]:
+        if i.kind == "optimizer_step" or i.stream == "ssd.write":
+            assert commit.id in i.deps, i
+    # the embedding's forward takes its P from the carried DRAM copy, never from SSD; the step
+    # ends with the carried copies in DRAM, nothing of theirs written home
+    fwd_pre = next(i for i in ins if i.segment == "fwd:pre")
+    assert not any(i.kind == "load" and i.src == "ssd" and i.tensor == "P:pre" for i in ins[:fwd_pre.id])
+    assert not any(i.kind == "store" and i.tensor in carried for i in ins[commit.id:])
+
+
 def test_reads_stay_in_program_order_where_running_them_first_does_not_fit():
     """gpt-medium through 200 MB of DRAM: parameter reads that keep pausing write-backs hold the
     DRAM those write-backs would free, past the budget; the plan keeps every SSD read in program
