@@ -181,6 +181,7 @@ def launch(nproc: int, kw: dict, out=None) -> None:
     with tempfile.TemporaryDirectory(prefix="tensorstow-ranks-") as tmp:
         errs = [Path(tmp) / f"rank{k}.err" for k in range(nproc)]
         procs = []
+        stopped: set[int] = set()
         try:
             for k in range(nproc):
                 with open(errs[k], "w") as err:
@@ -195,7 +196,7 @@ def launch(nproc: int, kw: dict, out=None) -> None:
                 while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
                     time.sleep(0.05)
         finally:
-            _stop(procs)
+            stopped = _stop(procs)
         why = {}
         for k, p in enumerate(procs):
             if p.returncode == 0:
@@ -206,18 +207,27 @@ def launch(nproc: int, kw: dict, out=None) -> None:
                                          else f"exit status {p.returncode}"))
         if not why:
             return
-        # the cause: a rank that died, else one that failed by itself, else the first
-        cause = min(why, key=lambda k: ("killed" not in why[k], LOST in why[k], k))
+        cause = _cause(why, stopped)
         state = kw.get("state_dir")
         resume = (f"; every rank stopped, and {state} keeps the last step all ranks committed: run the same "
                   f"command to resume") if state else "; every rank stopped"
         raise TensorstowError(f"rank {cause} of {nproc} {why[cause]}{resume}")
 
 
-def _stop(procs: list[subprocess.Popen]) -> None:
-    """Terminate the ranks still running (their process groups), then reap them."""
-    for p in procs:
+def _cause(why: dict[int, str], stopped: set[int]) -> int:
+    """The rank to blame of those that did not succeed (rank -> what happened): not one this
+    launcher terminated when another ended by itself; then a rank that died, else one that failed
+    by itself (not one that lost its peers), else the first."""
+    return min(why, key=lambda k: (k in stopped, "killed" not in why[k], LOST in why[k], k))
+
+
+def _stop(procs: list[subprocess.Popen]) -> set[int]:
+    """Terminate the ranks still running (their process groups), then reap them; returns the ranks
+    it terminated."""
+    stopped = set()
+    for k, p in enumerate(procs):
         if p.poll() is None:
+            stopped.add(k)
             try:
                 os.killpg(p.pid, signal.SIGTERM)
             except ProcessLookupError:
@@ -229,6 +239,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
+    return stopped
 
 
 if __name__ == "__main__":

@@ -219,11 +219,13 @@ def defer_writes(plan: PlanResult) -> PlanResult:
     """The plan with the write-backs of the blocks updated last run at the start of the next step
     (`Decisions.deferred_writes`): one block, then two, ... while each is faster and still fits.
     Their updates end the step after its last backward, and their parameters begin the next one,
-    so the step's tail of SSD writes overlaps the next forward and its first read is gone. fp32
-    one-GPU plans whose updates overlap the backward; not the zero-infinity baseline (DeepSpeed
-    writes every subgroup back before the step ends)."""
+    so the step's tail of SSD writes overlaps the next forward and its first read is gone. One-GPU
+    plans whose updates overlap the backward, fp32 or bf16-mixed (fp16's loss scaling holds every
+    update until the backward ends); not the zero-infinity baseline (DeepSpeed writes every
+    subgroup back before the step ends)."""
     d, problem = plan.decisions, plan.problem
-    if (problem.mixed or d.pipeline is not None or not d.overlap_optimizer or d.policy == "zero-infinity"
+    if (d.pipeline is not None or not d.overlap_optimizer or d.policy == "zero-infinity"
+            or problem.options.precision == "fp16-mixed"
             or d.deferred_writes or not plan.fits):
         return plan
     updated = [i.segment for i in plan.instructions if i.kind == "optimizer_step"]

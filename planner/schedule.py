@@ -128,13 +128,13 @@ class Decisions:
     delays the DRAM those writes free)."""
     deferred_writes: tuple[str, ...] = ()
     """Blocks whose update's write-backs to SSD run at the start of the next step instead of
-    ending this one: their updated P and Adam states stay in DRAM across the step boundary
-    (carried, `carried_buffers`), the next step writes them home beside its first forwards and
-    its first forward takes P from that DRAM copy instead of reading it from SSD. The step's
-    state is then whole on SSD only once those writes are done: a `commit` instruction there
-    commits the previous step, and every update and SSD write of this step waits for it. fp32,
-    one GPU, CPU updates overlapped with the backward; `planner.plan.schedule` sets it for the
-    blocks updated last where the plan still fits and is faster."""
+    ending this one: their updated P (and M) and Adam states stay in DRAM across the step
+    boundary (carried, `carried_buffers`), the next step writes them home beside its first
+    forwards and its first forward takes P from that DRAM copy instead of reading it from SSD.
+    The step's state is then whole on SSD only once those writes are done: a `commit`
+    instruction there commits the previous step, and every update and SSD write of this step
+    waits for it. One GPU, CPU updates; `planner.plan.defer_writes` sets it for the blocks
+    updated last where the plan still fits and is faster."""
     host_reserved: int = 0
     """DRAM bytes the system a policy models holds all step besides the plan's buffers, counted in
     the DRAM peak: the zero-infinity baseline's DeepSpeed pinned swap buffers and host gradient
@@ -668,9 +668,10 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
 
 
 def carried_buffers(decisions: Decisions, buffers: dict[str, Buffer]) -> list[str]:
-    """The buffers `Decisions.deferred_writes` keeps in DRAM between steps, in the order the next
-    step writes them home (Adam's states, then the parameters)."""
-    return [f"{k}:{b}" for b in decisions.deferred_writes for k in ("OS", "P")
+    """The buffers `Decisions.deferred_writes` keeps in DRAM between steps (those with an SSD home
+    of blocks updated on the CPU), in the order the next step writes them home: the master and
+    Adam's states, then the parameters."""
+    return [f"{k}:{b}" for b in decisions.deferred_writes for k in ("M", "OS", "P")
             if f"{k}:{b}" in buffers and buffers[f"{k}:{b}"].home == "ssd" and decisions.blocks[b].optimizer == "cpu"]
 
 

@@ -370,25 +370,32 @@ def test_resume_from_the_ssd_store(name, tmp_path, tmp_path_factory):
     assert_same(([loss], ex.parameters()), (losses[2:], params))
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
+@pytest.mark.parametrize("precision,deferred", [("bf16-mixed", False), ("fp16-mixed", False), ("bf16-mixed", True)],
+                         ids=["bf16", "fp16", "bf16-deferred"])
 @pytest.mark.parametrize("exact", [True, False], ids=["exact", "fast"])
-def test_mixed_precision_matches_eager_autocast(precision, exact, tmp_path):
+def test_mixed_precision_matches_eager_autocast(precision, deferred, exact, tmp_path):
     """Eager AMP is the reference: fp32 parameters, the forward under autocast (CUDA's op lists:
     matmuls in 16 bits, layer norms, softmax and the loss in fp32), torch's AdamW on the fp32
     parameters, and for fp16 a GradScaler. The executor keeps fp32 masters M, 16-bit compute
     copies P of the weights autocast casts (norm weights and embeddings stay fp32), and every
     tier and optimizer device in one plan. Exact: bit-identical. Fast (the fused kernel, which
-    also writes P in its pass): within `assert_close_to_eager`'s tolerance."""
+    also writes P in its pass): within `assert_close_to_eager`'s tolerance. `deferred`: the
+    write-backs of b0 and b3 (M, OS and b3's P on SSD) run at the start of the next step."""
     o = Options(model="gpt-tiny", hardware="lohan-rtx4090", policy="custom", batch=B, seq=T,
                 precision=precision, lr=1e-3, weight_decay=0.1, gpu_mem=4_000_000, exact_optimizer=exact)
     p = build_problem(o, load_hardware(o.hardware).with_overrides(gpu_mem=o.gpu_mem))
     dec = Decisions(policy="custom", overlap_optimizer=True, blocks={b: BlockDecision(
-        params="gpu" if b in ("pre", "b1") else ("ssd" if b == "b2" else "dram"),
+        params="gpu" if b in ("pre", "b1") else ("ssd" if b == "b2" or deferred and b == "b3" else "dram"),
         states="ssd" if b in ("b0", "b3") else ("dram" if b == "post" else "gpu"),
         optimizer="cpu" if b in ("b0", "b3") else "gpu",
         activations={"b0": "recompute", "b2": "swap_dram", "b3": "swap_ssd"}.get(b, "keep"),
-        checkpoint="dram" if b == "b0" else "gpu") for b in p.order})
+        checkpoint="dram" if b == "b0" else "gpu") for b in p.order},
+        deferred_writes=("b0", "b3") if deferred else ())
     sched = schedule(p, dec)
+    if deferred:  # the carried copies go home first (b0's P lives in DRAM)
+        commit = next(i.id for i in sched.instructions if i.kind == "commit")
+        assert sorted(i.tensor for i in sched.instructions[:commit] if i.kind == "store") == \
+            ["M:b0", "M:b3", "OS:b0", "OS:b3", "P:b3"]
     assert_fits(sched)
     plan = json.loads(sched.dumps())
     dtypes = {t.dtype for t in p.graph.tensors if t.kind == "parameter" and t.producer is None}

@@ -181,6 +181,15 @@ def test_transport_errors_name_a_lost_peer_and_others_their_own_cause():
     assert not _peer_lost(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
 
 
+def test_the_rank_to_blame_is_not_one_the_launcher_stopped():
+    """Regression (CI on a loaded machine): rank 1 was SIGKILLed; rank 0 had not noticed within the
+    launcher's grace period, so the launcher terminated it, and the error blamed rank 0's SIGTERM."""
+    from tensorstow.executor.distributed import LOST, _cause
+    assert _cause({0: "was killed by signal SIGTERM", 1: "was killed by signal SIGKILL"}, stopped={0}) == 1
+    assert _cause({0: f"failed: {LOST} (rank 1)", 1: "failed: out of memory"}, stopped=set()) == 1
+    assert _cause({0: "was killed by signal SIGTERM", 1: "was killed by signal SIGTERM"}, stopped={0, 1}) == 0
+
+
 def test_torchrun_with_the_wrong_number_of_processes_is_one_line(tmp_path):
     plan = mobius_plan(2)
     path = tmp_path / "plan.json"
