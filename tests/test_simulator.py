@@ -124,6 +124,25 @@ def test_the_commit_runs_beside_a_one_process_step_and_after_a_several_process_o
     assert sync_step_s(instrs, 2.0) == 2.75 + 2.0
 
 
+def test_a_plan_that_commits_itself_has_no_commit_at_its_start():
+    """With deferred write-backs the plan's own `commit` instruction commits the previous step once
+    they are home: it takes its modeled time on the SSD where the plan puts it, the writes after it
+    wait for it (their dependency), and no separate commit runs from the step's start."""
+    from tensorstow.planner.simulate import sync_step_s
+    instrs = [Instr(id=0, kind="store", stream="ssd.write", deps=(), tensor="c", src="dram", dst="ssd", est_s=0.5),
+              Instr(id=1, kind="commit", stream="ssd.commit", deps=(0,), est_s=0.25),
+              Instr(id=2, kind="compute", stream="gpu0.compute", deps=(), est_s=1.0),
+              Instr(id=3, kind="store", stream="ssd.write", deps=(1, 2), tensor="b", src="dram", dst="ssd",
+                    est_s=0.5)]
+    initial = {("b", "dram"), ("b", "ssd"), ("c", "dram"), ("c", "ssd")}
+    sim = simulate(instrs, [i.est_s for i in instrs], {"b": 1, "c": 1}, initial, commit_s=2.0)
+    assert (sim.start[0], sim.end[0]) == (0.0, 0.5)  # the carried write-back does not wait for a commit
+    assert (sim.start[1], sim.end[1]) == (0.5, 0.75) and resource_of("ssd.commit") == "ssd"
+    assert (sim.start[3], sim.end[3]) == (1.0, 1.5)
+    assert sim.step_time_s == 1.5 and "ssd.commit" not in sim.busy_s and sim.busy_s["ssd"] == 1.25
+    assert sync_step_s(instrs, 2.0) == 2.25  # the instructions, the commit among them
+
+
 def test_inconsistent_schedules_are_rejected():
     import pytest
     free_missing = [Instr(id=0, kind="free", stream="gpu0.compute", deps=(), tensor="x", dst="gpu0")]
