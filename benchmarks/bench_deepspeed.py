@@ -8,6 +8,14 @@ a different batch every step). Each engine runs `--warmup` untimed steps, then `
 ones; the table shows the median (and min) step time and the losses of the first and last step.
 Equal first-step losses show the three start from the same model and batch.
 
+Every engine runs in a worker process of its own, built before any step is timed. By default
+(`--order interleaved`) the engines take turns: batch K on each engine, then batch K+1 on each,
+so a slow minute of the shared VM (its compute and disk swing 20-40% from one minute to the next,
+benchmarks/RESULTS.md) weighs on every engine alike; `--order sequential` runs all of one
+engine's steps before the next engine's. A step's time includes the wait for the engine's
+background work (tensorstow's store: its early syncs and a commit in the background), so none of
+it runs in another engine's turn.
+
   eager        plain `loss = model(x, y); loss.backward(); AdamW.step()` in this venv; nothing
                offloaded (the baseline of the ratios).
   deepspeed    ZeRO stage 3 with parameters AND optimizer state offloaded to NVMe (ZeRO-Infinity):
@@ -36,8 +44,7 @@ Equal first-step losses show the three start from the same model and batch.
                with the reason if the executor cannot be imported or fails.
 
 Ratios printed: deepspeed / eager, and each tensorstow row / eager and / deepspeed (step time;
-below 1 is faster). Engines run one after another on a possibly shared machine: the 1-minute
-load average is printed before and after each engine. With other processes on the cores,
+below 1 is faster). The 1-minute load average is printed with every step. With other processes on the cores,
 multi-threaded torch steps become erratic (2 threads on the shared 2-core VM: eager 0.23 s to
 4 s per step), so a warning is printed and `--threads 1` gives the comparable numbers.
 
@@ -100,7 +107,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DS_PYTHON = REPO / ".venv-ds" / "bin" / "python"
-RESULT_TAG = "BENCH_DS_RESULT "
+TAG = "BENCH_DS "
 
 
 # ---- shared ------------------------------------------------------------------------------------
@@ -137,84 +144,319 @@ def _setup(a: dict):
     return model, data
 
 
-def _timed(step, data, warmup: int) -> dict:
-    times, losses = [], []
-    for k, (x, y) in enumerate(data):
-        t0 = time.perf_counter()
-        loss = step(x, y)
-        dt = time.perf_counter() - t0
-        losses.append(float(loss))
-        if k >= warmup:
-            times.append(dt)
-    return {"median_s": statistics.median(times), "min_s": min(times), "times_s": times, "losses": losses}
+# ---- the engines, each stepped by a worker process ------------------------------------------------
+class EagerEngine:
+    """Plain `loss = model(x, y); loss.backward(); AdamW.step()`, everything in DRAM."""
 
+    def __init__(self, a: dict):
+        import torch
 
-# ---- eager baseline (tensorstow's venv) -----------------------------------------------------------
-def run_eager(a: dict) -> dict:
-    import torch
+        self.model, self.data = _setup(a)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=a["lr"], betas=(0.9, 0.999), eps=1e-8,
+                                     weight_decay=0.0)
 
-    model, data = _setup(a)
-    opt = torch.optim.AdamW(model.parameters(), lr=a["lr"], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-
-    def step(x, y):
-        loss = model(x, y)
+    def step(self, x, y) -> float:
+        loss = self.model(x, y)
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
         return loss.item()
 
-    return {**_timed(step, data, a["warmup"]), "offload": "none (all in DRAM)"}
+    def drain(self) -> None:
+        pass
+
+    def finish(self) -> dict:
+        return {"offload": "none (all in DRAM)"}
 
 
-# ---- tensorstow SSD plan (tensorstow's venv) ------------------------------------------------------
-def run_tensorstow(a: dict, work: Path, every: int = 1) -> dict:
-    """`every`: commit a crash-consistent checkpoint every K steps (0: once, after the last step).
-    The plan is made once per work dir and shared by both tensorstow rows."""
-    try:
+class TensorstowEngine:
+    """The plan at a["ts_plan"] replayed by the Executor with its state on the SSD store;
+    `every`: commit a crash-consistent checkpoint every K steps (0: none but the one after the
+    last step, which `execute` also makes: inside that step's time)."""
+
+    def __init__(self, a: dict, every: int):
         from tensorstow.executor.runtime import Executor
         from tensorstow.planner.schema import Plan
-    except Exception as e:  # noqa: BLE001 - report whatever keeps it from importing
-        return {"skipped": f"cannot import tensorstow.executor.runtime.Executor ({type(e).__name__}: {e})"}
-    plan_path = work / "tensorstow-plan.json"
-    if not plan_path.exists():
-        skipped = _ts_plan(a, plan_path)
-        if skipped:
-            return skipped
-    plan = Plan.load(plan_path)
-    sizes = plan.ssd_sizes()
-    homes = {}
-    for n, b in plan.buffers.items():
-        homes.setdefault(n.split(":")[0], set()).add(b.home or "-")
-    model, data = _setup(a)
-    state = work / f"tensorstow-state-{every}"
-    every = every or len(data)
-    try:
+
+        plan = Plan.load(a["ts_plan"])
+        self.model, self.data = _setup(a)
+        state = Path(a["work"]) / f"tensorstow-state-{every}"
+        every = every or 2 * len(self.data)
         if a["ts_store"] == "ssd":
             from tensorstow.executor.ssd import SSDStore
 
             state.mkdir()
-            store = SSDStore(state, sizes)
-            ex = Executor(plan, model, mode=a["ts_mode"], ssd_store=store, checkpoint_every=every)
+            self.store = SSDStore(state, plan.ssd_sizes())
+            self.ex = Executor(plan, self.model, mode=a["ts_mode"], ssd_store=self.store, checkpoint_every=every)
         else:
-            ex = Executor(plan, model, mode=a["ts_mode"], state_dir=state, checkpoint_every=every)
-        try:
-            r = _timed(ex.step, data, a["warmup"])
-        finally:
-            ex.close()
-    except Exception as e:  # noqa: BLE001 - a benchmark row, not a crash of the whole run
-        import traceback
+            self.store = None
+            self.ex = Executor(plan, self.model, mode=a["ts_mode"], state_dir=state, checkpoint_every=every)
+        self.steps = 0
 
-        return {"skipped": f"Executor failed: {type(e).__name__}: {e}\n{traceback.format_exc(limit=6)}"}
+    def step(self, x, y) -> float:
+        loss = self.ex.step(x, y)
+        self.steps += 1
+        if self.steps == len(self.data):  # no-op where the step committed itself
+            self.ex.checkpoint()
+        return loss
+
+    def drain(self) -> None:
+        if self.store is not None:  # its background syncs and commit are its own turn's work
+            self.store.wait_background()
+
+    def finish(self) -> dict:
+        self.ex.close()
+        return {}
+
+
+class DeepSpeedEngine:
+    """ZeRO-3 with parameters and optimizer state on NVMe (runs under the DeepSpeed venv)."""
+
+    def __init__(self, a: dict):
+        import deepspeed
+
+        t0 = time.perf_counter()
+        self.a = a
+        deepspeed.init_distributed(dist_backend="gloo")
+        self.model, self.data = _setup(a)
+        cfg = ds_config(a, a["nvme_dir"])
+        # Convert the already-initialised model (same weights as eager); dtype from the config (fp32).
+        deepspeed.zero.Init(module=self.model, config_dict_or_path=cfg)
+        if a["ds_activation_checkpointing"]:
+            deepspeed.checkpointing.configure(None, partition_activations=False, checkpoint_in_cpu=False)
+            for blk in self.model.h:
+                fwd = blk.forward
+                blk.forward = lambda x, _f=fwd: deepspeed.checkpointing.checkpoint(_f, x)
+        self.engine, _, _, _ = deepspeed.initialize(model=self.model, model_parameters=self.model.parameters(),
+                                                    config=cfg)
+        self.init_s = time.perf_counter() - t0
+
+    def step(self, x, y) -> float:
+        loss = self.engine(x, y)
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss.item()
+
+    def drain(self) -> None:
+        pass  # DeepSpeed's swapper waits for its own reads and writes inside the step
+
+    def finish(self) -> dict:
+        import resource
+
+        import deepspeed
+        import torch
+
+        a, model, opt = self.a, self.model, self.engine.optimizer
+        files = {}
+        for root, _, fs in os.walk(a["nvme_dir"]):
+            if fs:
+                files[os.path.relpath(root, a["nvme_dir"])] = [len(fs), sum(os.path.getsize(os.path.join(root, f))
+                                                                           for f in fs)]
+        return {
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
+            "params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),
+            "init_s": self.init_s,
+            "deepspeed_version": deepspeed.__version__,
+            "torch_version": torch.__version__,
+            "accelerator": deepspeed.get_accelerator().device_name(),
+            "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
+            "threads": torch.get_num_threads(),
+            "zero_optimizer": type(opt).__name__,
+            "inner_optimizer": type(getattr(opt, "optimizer", None)).__name__,
+            "param_dtype": str(next(model.parameters()).ds_tensor.dtype),
+            "aio": dict(self.engine._config.aio_config),
+            "offload": f"params+optimizer on {a['ds_offload']}",
+            "swap_files": files,
+            "activation_checkpointing": a["ds_activation_checkpointing"],
+        }
+
+
+ENGINES = {"eager": EagerEngine, "deepspeed": DeepSpeedEngine,
+           "tensorstow": lambda a: TensorstowEngine(a, every=1),
+           "tensorstow-end": lambda a: TensorstowEngine(a, every=0)}
+
+
+def worker(name: str, a: dict) -> None:
+    """A worker process: builds engine `name`, then runs the steps its stdin names ("step K": the
+    K-th batch; "end": finish) and answers each on stdout in one TAG line of JSON: the step's seconds
+    (`s`, with `drain_s`, the wait for its background work, inside), its loss."""
+    import traceback
+
+    def say(obj: dict) -> None:
+        print(TAG + json.dumps(obj), flush=True)
+
+    try:
+        eng = ENGINES[name](a)
+        say({"ready": True})
+        for line in sys.stdin:
+            cmd = line.split()
+            if cmd == ["end"]:
+                say({"end": eng.finish()})
+                return
+            k = int(cmd[1])
+            x, y = eng.data[k]
+            t0 = time.perf_counter()
+            loss = eng.step(x, y)
+            t1 = time.perf_counter()
+            eng.drain()
+            t2 = time.perf_counter()
+            say({"k": k, "s": t2 - t0, "drain_s": t2 - t1, "loss": loss})
+    except Exception as e:  # noqa: BLE001 - the coordinator shows it as a skipped row
+        say({"error": f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=8)}"})
+        sys.exit(1)
+
+
+class _Worker:
+    """One engine's worker process, its tagged replies read by a thread (the rest of its output,
+    DeepSpeed's log lines, goes to its log file)."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict, log: Path):
+        import queue
+        import threading
+
+        self.name, self.log_path = name, log
+        self.log = open(log, "w")
+        self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env,
+                                  text=True, bufsize=1)
+        self.replies: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.p.stdout:
+            if line.startswith(TAG):
+                self.replies.put(json.loads(line[len(TAG):]))
+            else:
+                self.log.write(line)
+                self.log.flush()
+        self.replies.put({"error": f"exited with rc {self.p.wait()}"})
+
+    def ask(self, cmd: str | None, timeout: float) -> dict:
+        """Send `cmd` (None: only wait), return the reply; {"error": ...} if it fails or times out."""
+        import queue
+
+        try:
+            if cmd is not None:
+                self.p.stdin.write(cmd + "\n")
+                self.p.stdin.flush()
+            r = self.replies.get(timeout=timeout)
+        except (OSError, ValueError):
+            r = {"error": f"exited with rc {self.p.poll()}"}
+        except queue.Empty:
+            r = {"error": f"no answer to {cmd or 'its start'} in {timeout:.0f} s"}
+        if "error" in r:
+            self.stop()
+            tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-30:])
+            r["error"] += f"\nlast lines of its log:\n{tail}" if tail else ""
+        return r
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+        self.p.wait()
+        self.log.close()
+
+
+def _spawn(name: str, a: dict, work: Path) -> _Worker | dict:
+    """Start engine `name`'s worker and wait until it is built; a skipped row's dict if it cannot be."""
+    me = str(Path(__file__).resolve())
+    wa = {**a, "work": str(work)}
+    env = dict(os.environ)
+    if name == "deepspeed":
+        py = Path(a["ds_python"])
+        if not py.exists():
+            return {"skipped": f"DeepSpeed venv python {py} not found; create it as the module docstring says "
+                               f"(python3 -m venv .venv-ds && .venv-ds/bin/pip install torch==2.13.0 deepspeed ninja)"}
+        nvme = work / "ds-nvme"
+        nvme.mkdir()
+        wa["nvme_dir"] = str(nvme)
+        env.update({"DS_ACCELERATOR": "cpu", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                    "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
+        env.pop("PYTHONPATH", None)  # the worker loads tensorstow from REPO itself
+        cmd = [str(py), me, "--_worker", name, json.dumps(wa)]
+    else:
+        if name.startswith("tensorstow"):
+            wa["ts_plan"] = str(work / "tensorstow-plan.json")
+            if not Path(wa["ts_plan"]).exists():
+                skipped = _ts_plan(a, Path(wa["ts_plan"]))
+                if skipped:
+                    return skipped
+        cmd = [sys.executable, me, "--_worker", name, json.dumps(wa)]
+    w = _Worker(name, cmd, env, work / f"{name}.log")
+    r = w.ask(None, timeout=a["ds_timeout"])  # a first DeepSpeed run JIT-builds its ops
+    if "error" in r:
+        return {"skipped": f"{name} worker failed: {r['error']}"}
+    return w
+
+
+def _ts_info(a: dict, work: Path, every: int) -> dict:
+    """What the tensorstow rows print about their plan."""
+    from tensorstow.planner.schema import Plan
+
+    plan = Plan.load(work / "tensorstow-plan.json")
+    homes: dict[str, set] = {}
+    for n, b in plan.buffers.items():
+        homes.setdefault(n.split(":")[0], set()).add(b.home or "-")
     state = [b for n, b in plan.buffers.items() if n.split(":")[0] in ("P", "OS")]
     on_ssd = sum(b.bytes for b in state if b.home == "ssd")
     where = "P/OS on SSD" if on_ssd == sum(b.bytes for b in state) else \
         f"P/OS {on_ssd / 2**20:.0f} of {sum(b.bytes for b in state) / 2**20:.0f} MiB on SSD"
-    return {**r, "offload": f"{where} ({a['ts_policy']}, {a['ts_store']} store, {a['ts_mode']}, "
-                         f"{'checkpoint every step' if every == 1 else 'one checkpoint, at the end'})",
+    return {"offload": f"{where} ({a['ts_policy']}, {a['ts_store']} store, {a['ts_mode']}, "
+                       f"{'checkpoint every step' if every == 1 else 'one checkpoint, at the end'})",
             "plan_predicted_step_s": plan.predicted.step_time_s,
             "disk": {k: getattr(plan.hardware.spec.ssd, k) for k in ("read_bw", "write_bw", "flush_bw")},
-            "ssd_bytes": sum(sizes.values()),
+            "ssd_bytes": sum(plan.ssd_sizes().values()),
             "homes": {k: sorted(v) for k, v in sorted(homes.items())}}
+
+
+def run_engines(a: dict, names: list[str], work: Path, order: str) -> dict[str, dict]:
+    """Start every engine's worker, then step them: `interleaved`, batch K on each engine in turn
+    before batch K+1 (a minute when the shared VM runs slow weighs on every engine alike), or
+    `sequential`, all of one engine's steps before the next engine's. Each engine's first
+    a["warmup"] steps are not timed."""
+    n = a["warmup"] + a["steps"]
+    workers: dict[str, _Worker] = {}
+    res: dict[str, dict] = {}
+    try:
+        for name in names:
+            t0 = time.perf_counter()
+            w = _spawn(name, a, work)
+            if isinstance(w, dict):
+                res[name] = w
+                print(f"  {name}: skipped: {w['skipped'].splitlines()[0]}", flush=True)
+                continue
+            workers[name] = w
+            res[name] = {"times_s": [], "drain_s": [], "losses": []}
+            print(f"  {name}: ready ({time.perf_counter() - t0:.0f} s, load {_load()})", flush=True)
+        plan = [(k, name) for k in range(n) for name in workers] if order == "interleaved" else \
+               [(k, name) for name in workers for k in range(n)]
+        for k, name in plan:
+            if name not in workers:
+                continue
+            r = workers[name].ask(f"step {k}", timeout=a["ds_timeout"])
+            if "error" in r:
+                res[name] = {"skipped": f"{name} failed at step {k}: {r['error']}"}
+                del workers[name]
+                continue
+            res[name]["losses"].append(r["loss"])
+            if k >= a["warmup"]:
+                res[name]["times_s"].append(r["s"])
+                res[name]["drain_s"].append(r["drain_s"])
+            print(f"  step {k} {name}: {r['s']:.4f} s (waited {r['drain_s']:.4f} s for its background work; "
+                  f"load {_load()})", flush=True)
+        for name, w in list(workers.items()):
+            r = w.ask("end", timeout=a["ds_timeout"])
+            if "error" in r:
+                res[name] = {"skipped": f"{name} failed at its end: {r['error']}"}
+                continue
+            w.stop()
+            times = res[name]["times_s"]
+            res[name].update(r["end"], median_s=statistics.median(times), min_s=min(times))
+            if name.startswith("tensorstow"):
+                res[name].update(_ts_info(a, work, 1 if name == "tensorstow" else 0))
+    finally:
+        for w in workers.values():
+            w.stop()
+    return res
 
 
 def _ts_plan(a: dict, plan_path: Path) -> dict | None:
@@ -232,7 +474,6 @@ def _ts_plan(a: dict, plan_path: Path) -> dict | None:
     return None
 
 
-# ---- DeepSpeed ZeRO-Infinity (the .venv-ds python, this file as a worker) -------------------------
 def ds_config(a: dict, nvme_dir: str) -> dict:
     def off():
         if a["ds_offload"] == "nvme":
@@ -253,89 +494,10 @@ def ds_config(a: dict, nvme_dir: str) -> dict:
     }
 
 
-def ds_worker(a: dict) -> None:
-    """Runs under the DeepSpeed venv's python; prints one RESULT_TAG line of JSON."""
-    import torch
-    import deepspeed
-
-    t0 = time.perf_counter()
-    deepspeed.init_distributed(dist_backend="gloo")
-    model, data = _setup(a)
-    cfg = ds_config(a, a["nvme_dir"])
-    # Convert the already-initialised model (same weights as eager); dtype from the config (fp32).
-    deepspeed.zero.Init(module=model, config_dict_or_path=cfg)
-    if a["ds_activation_checkpointing"]:
-        deepspeed.checkpointing.configure(None, partition_activations=False, checkpoint_in_cpu=False)
-        for blk in model.h:
-            fwd = blk.forward
-            blk.forward = lambda x, _f=fwd: deepspeed.checkpointing.checkpoint(_f, x)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    init_s = time.perf_counter() - t0
-
-    def step(x, y):
-        loss = engine(x, y)
-        engine.backward(loss)
-        engine.step()
-        return loss.item()
-
-    r = _timed(step, data, a["warmup"])
-    files = {}
-    for root, _, fs in os.walk(a["nvme_dir"]):
-        if fs:
-            files[os.path.relpath(root, a["nvme_dir"])] = [len(fs), sum(os.path.getsize(os.path.join(root, f)) for f in fs)]
-    opt = engine.optimizer
-    import resource
-    r.update({
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
-        "params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),
-        "init_s": init_s,
-        "deepspeed_version": deepspeed.__version__,
-        "torch_version": torch.__version__,
-        "accelerator": deepspeed.get_accelerator().device_name(),
-        "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
-        "threads": torch.get_num_threads(),
-        "zero_optimizer": type(opt).__name__,
-        "inner_optimizer": type(getattr(opt, "optimizer", None)).__name__,
-        "param_dtype": str(next(model.parameters()).ds_tensor.dtype),
-        "aio": dict(engine._config.aio_config),
-        "offload": f"params+optimizer on {a['ds_offload']}",
-        "swap_files": files,
-        "activation_checkpointing": a["ds_activation_checkpointing"],
-    })
-    print(RESULT_TAG + json.dumps(r), flush=True)
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def run_deepspeed(a: dict, work: Path) -> dict:
-    py = Path(a["ds_python"])
-    if not py.exists():
-        return {"skipped": f"DeepSpeed venv python {py} not found; create it as the module docstring says "
-                           f"(python3 -m venv .venv-ds && .venv-ds/bin/pip install torch==2.13.0 deepspeed ninja)"}
-    nvme = work / "ds-nvme"
-    nvme.mkdir()
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-           "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    env.pop("PYTHONPATH", None)  # the worker loads tensorstow from REPO itself
-    wa = {**a, "nvme_dir": str(nvme)}
-    log = work / "deepspeed.log"
-    cmd = [str(py), str(Path(__file__).resolve()), "--_ds-worker", json.dumps(wa)]
-    try:
-        with open(log, "w") as f:
-            p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=a["ds_timeout"])
-        rc = p.returncode
-    except subprocess.TimeoutExpired:
-        rc = f"timeout after {a['ds_timeout']} s"
-    text = log.read_text(errors="replace")
-    for line in text.splitlines():
-        if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG):])
-    tail = "\n".join(text.splitlines()[-40:])
-    return {"skipped": f"DeepSpeed worker failed (rc {rc}); last lines of its output:\n{tail}"}
 
 
 # ---- main --------------------------------------------------------------------------------------
@@ -347,8 +509,8 @@ def _load() -> str:
 
 
 def main() -> None:
-    if len(sys.argv) == 3 and sys.argv[1] == "--_ds-worker":
-        ds_worker(json.loads(sys.argv[2]))
+    if len(sys.argv) == 4 and sys.argv[1] == "--_worker":
+        worker(sys.argv[2], json.loads(sys.argv[3]))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="gpt-small")
@@ -370,6 +532,8 @@ def main() -> None:
     ap.add_argument("--ts-dram", default="80MB", help="DRAM budget of the plan (80MB: all of the state on SSD, as DeepSpeed has it)")
     ap.add_argument("--ts-store", choices=["ssd", "file"], default="ssd")
     ap.add_argument("--ts-mode", choices=["sync", "overlap"], default="overlap")
+    ap.add_argument("--order", choices=["interleaved", "sequential"], default="interleaved",
+                    help="interleaved: each batch on every engine in turn; sequential: one engine's steps after another's")
     ap.add_argument("--only", default="eager,deepspeed,tensorstow,tensorstow-end", help="comma-separated engines to run")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (logs, swap files)")
     ap.add_argument("--json", help="write all results here")
@@ -403,22 +567,13 @@ def main() -> None:
         print(f"warning: load average {busy:.2f} before starting: other processes share the cores, and torch's "
               f"{a['threads']}-thread OpenMP steps then swing by up to 10x (seen on the 2-core VM: eager 0.23 s "
               f"idle, 1-4 s with one busy neighbour); compare with --threads 1", flush=True)
-    res: dict[str, dict] = {}
+    names = [n for n in ENGINES if n in only]
     try:
-        for name, fn in (("eager", lambda: run_eager(a)), ("deepspeed", lambda: run_deepspeed(a, work)),
-                         ("tensorstow", lambda: run_tensorstow(a, work)),
-                         ("tensorstow-end", lambda: run_tensorstow(a, work, every=0))):
-            if name not in only:
-                continue
-            t0 = time.perf_counter()
-            res[name] = fn()
-            res[name]["wall_s"] = time.perf_counter() - t0
-            r = res[name]
-            msg = f"skipped: {r['skipped']}" if "skipped" in r else f"median {r['median_s']:.4f} s"
-            print(f"  {name}: {msg} ({r['wall_s']:.0f} s wall, load {_load()})", flush=True)
+        res = run_engines(a, names, work, args.order)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
+    print(f"done (load {_load()})")
 
     tokens = args.batch * a["seq"]
     print()

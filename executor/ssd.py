@@ -518,6 +518,16 @@ class SSDStore:
             out.append((b.fds[1 - b.slot], self.dir / b.files[1 - b.slot], early))
         return out
 
+    def wait_background(self) -> None:
+        """Wait until none of the store's background work runs: the last commit's syncs and
+        manifest (`commit(wait=False)`) and the early syncs of this step's writes. Changes no
+        state; raises what a background commit failed with. (`benchmarks/bench_deepspeed.py`
+        calls it between the turns of engines that take turns on one machine.)"""
+        self._wait_durable()
+        for b in self._bufs.values():
+            if b.synced is not None:
+                b.synced[1].exception()  # waits; the commit reads its result
+
     def _drain_syncer(self) -> None:
         """Wait for every early sync (before files close)."""
         for b in getattr(self, "_bufs", {}).values():

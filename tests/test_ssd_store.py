@@ -439,6 +439,55 @@ def test_a_commit_in_the_background_is_durable_before_anything_overwrites_the_la
             assert torch.equal(out, t)
 
 
+def test_wait_background_returns_once_the_early_syncs_and_the_background_commit_are_done(tmp_path, monkeypatch):
+    """What a benchmark taking turns with other processes waits for: with the syncs held,
+    wait_background blocks; released, it returns with the commit durable and the data intact."""
+    import threading
+    sizes = {"w": 1 << 20, "m": 5000}
+    data = {k: _random_bytes(n, 3) for k, n in sizes.items()}
+    release = threading.Event()
+    real_datasync, real_fsync = os.fdatasync, os.fsync
+    synced = []
+
+    def slow(real):
+        def sync(fd):  # the host's flush, held until the test lets it go
+            release.wait()
+            real(fd)
+            synced.append(fd)
+        return sync
+    store = SSDStore(tmp_path, sizes)
+    monkeypatch.setattr(os, "fdatasync", slow(real_datasync))
+    monkeypatch.setattr(os, "fsync", slow(real_fsync))
+    try:
+        for k, t in data.items():
+            store.write(k, t)  # each file's early sync starts, held
+        waiter = threading.Thread(target=store.wait_background)
+        waiter.start()
+        waiter.join(0.2)
+        assert waiter.is_alive() and not synced  # waiting for the early syncs
+        release.set()
+        waiter.join()
+        assert len(synced) == len(sizes)  # both written files synced before it returned
+        synced.clear()
+        release.clear()
+        store.commit(1, wait=False)
+        waiter = threading.Thread(target=store.wait_background)
+        waiter.start()
+        waiter.join(0.2)
+        assert waiter.is_alive() and not synced  # the commit's manifest and directory syncs are held
+        release.set()
+        waiter.join()
+        assert synced  # its syncs ran before it returned
+        assert json.loads((tmp_path / "MANIFEST").read_text())["step"] == 1
+        for k, t in data.items():
+            out = torch.empty_like(t)
+            store.read(k, out)
+            assert torch.equal(out, t)
+    finally:
+        release.set()
+        store.close()
+
+
 @pytest.mark.parametrize("early_sync", [True, False])
 def test_a_commit_that_fails_in_the_background_stops_the_store_and_keeps_the_last_one(tmp_path, monkeypatch,
                                                                                      early_sync):
