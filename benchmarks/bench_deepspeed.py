@@ -14,7 +14,10 @@ so a slow minute of the shared VM (its compute and disk swing 20-40% from one mi
 benchmarks/RESULTS.md) weighs on every engine alike; `--order sequential` runs all of one
 engine's steps before the next engine's. A step's time includes the wait for the engine's
 background work (tensorstow's store: its early syncs and a commit in the background), so none of
-it runs in another engine's turn.
+it runs in another engine's turn. Before each step the coordinator syncs the file systems
+(`os.sync()`, untimed): otherwise the first engine to sync (tensorstow's store, every step) would
+flush, on this VM's write-back disk, what DeepSpeed wrote in its turn and never synced (gpt-small,
+interleaved without it: the durable tensorstow row 0.43-0.58 s a step, with it 0.34 s).
 
   eager        plain `loss = model(x, y); loss.backward(); AdamW.step()` in this venv; nothing
                offloaded (the baseline of the ratios).
@@ -432,6 +435,7 @@ def run_engines(a: dict, names: list[str], work: Path, order: str) -> dict[str, 
         for k, name in plan:
             if name not in workers:
                 continue
+            os.sync()  # untimed: no engine's step flushes what another one wrote and never synced
             r = workers[name].ask(f"step {k}", timeout=a["ds_timeout"])
             if "error" in r:
                 res[name] = {"skipped": f"{name} failed at step {k}: {r['error']}"}
