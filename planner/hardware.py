@@ -34,8 +34,8 @@ CPU_GPU_NAME = "cpu (no CUDA)"
 (`tensorstow probe` there): the device tier the executor emulates on the CPU."""
 
 
-OMITTED_WHEN_ZERO = ("op_s", "d2h_convert_bw", "h2d_convert_bw", "copy_tensor_s", "request_s", "commit_s",
-                     "sync_s", "flush_bw")
+OMITTED_WHEN_ZERO = ("op_s", "d2h_convert_bw", "h2d_convert_bw", "copy_tensor_s", "host_contention", "request_s",
+                     "commit_s", "sync_s", "flush_bw")
 """GPU and SSD fields a spec's JSON leaves out when 0 (added after specs existed: their
 fingerprints stay)."""
 
@@ -92,6 +92,12 @@ class GPU:
     many small tensors (a block's weights and biases) moves slower than its bytes at `h2d_bw`. Measured
     by `tensorstow probe` through those stores; 0 in the papers' presets (their links are measured
     transfer rates). Left out of the spec's JSON when 0."""
+    host_contention: float = 0.0
+    """How much slower the device computes while host memory traffic runs beside it: the
+    fraction its ops take longer while a copy streams memory on another core. The CPU device
+    tier computes in the same memory system as the copies between tiers and the SSD store's I/O
+    (`tensorstow probe` times a GPT block alone and beside a 64 MiB copy loop: 0.1-0.2 on the
+    2-core dev VM); a GPU computes in its own memory: 0. Left out of the spec's JSON when 0."""
 
     @property
     def plan_bytes(self) -> int:

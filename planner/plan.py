@@ -19,7 +19,7 @@ from tensorstow.planner.schedule import Buffer, Decisions, Instr, buffers_for, c
 from tensorstow.planner.schema import (SCHEMA_VERSION, TIER_NAMES, BlockInfo, HardwareInfo, ModelInfo,
                                        Options, Plan, Predicted, ProfileInfo)
 from tensorstow.planner.pipeline import initial_residency, lower_pipeline, pipeline_buffers
-from tensorstow.planner.simulate import SimResult, contention, simulate
+from tensorstow.planner.simulate import SimResult, compute_slowdown, contention, simulate
 
 @dataclass
 class Problem:
@@ -135,7 +135,8 @@ class PlanResult:
             options=p.options,
             decisions=self.decisions,
             buffers=dict(sorted(self.buffers.items())),
-            instructions=tuple(dataclasses.replace(i, est_s=_r(self.durations[i.id])) for i in self.instructions),
+            instructions=tuple(dataclasses.replace(i, est_s=_r(self.durations[i.id]), contended_s=_r(i.contended_s))
+                               for i in self.instructions),
             pools={t: self.peak(t) for t in TIER_NAMES},
             predicted=Predicted(
                 step_time_s=_r(sim.step_time_s),
@@ -271,13 +272,15 @@ def _schedule(problem: Problem, decisions: Decisions) -> PlanResult:
     reserved = decisions.reserved()
     commit = cost.commit_time(problem.hw, instrs)
     sim = simulate(instrs, dur, sizes, initial, links=contention(instrs, problem.hw), reserved=reserved,
-                   commit_s=commit)
+                   commit_s=commit, slowdown=compute_slowdown(problem.hw))
     # Memory fences: an allocation waits for the releases that preceded it in the replay, so an
     # executor whose real timing differs (overlap mode) never holds more than the simulated peak.
-    instrs = [dataclasses.replace(i, deps=tuple(sorted(set(i.deps) | set(sim.fences.get(i.id, ())))))
-              for i in instrs]
-    fenced = simulate(instrs, dur, sizes, initial, links=contention(instrs, problem.hw), reserved=reserved,
-                      commit_s=commit)
+    # The fenced replay takes what each instruction took (host contention's stretch included).
+    instrs = [dataclasses.replace(i, deps=tuple(sorted(set(i.deps) | set(sim.fences.get(i.id, ())))),
+                                  contended_s=max(0.0, ran - d))
+              for i, ran, d in zip(instrs, sim.durations, dur)]
+    fenced = simulate(instrs, sim.durations, sizes, initial, links=contention(instrs, problem.hw),
+                      reserved=reserved, commit_s=commit)
     assert fenced.step_time_s == sim.step_time_s, "memory fences must not change the replay"
     return PlanResult(problem, decisions, bufs, instrs, fenced, dur)
 

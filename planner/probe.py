@@ -151,9 +151,11 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
         bf16 = _cpu_bf16_ratio()
         op_s = _op_dispatch_s(p.cpu_block_reps)
         per_tensor = _copy_tensor_s(p.memcpy_reps)
+        contention = _host_contention(p.cpu_block_reps)
         budget = total_ram // CPU_GPU_FRACTION
         gpus = (GPU(name=CPU_GPU_NAME, memory_bytes=budget, flops=flops * bf16, flops_fp32=flops, mem_bw=2 * copy_bw,
-                    h2d_bw=copy_bw, d2h_bw=copy_bw, op_s=op_s, copy_tensor_s=per_tensor),)
+                    h2d_bw=copy_bw, d2h_bw=copy_bw, op_s=op_s, copy_tensor_s=per_tensor,
+                    host_contention=contention),)
         p2p_bw = 0.0
         # Device tier and DRAM tier share the same RAM: do not count it twice.
         dram = DRAM(capacity_bytes=max(0, avail_ram - budget), bandwidth=dram.bandwidth)
@@ -163,7 +165,8 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
                      f"forward + backward on {torch.get_num_threads()} thread(s), flops = that x a bf16 "
                      f"{'x'.join(map(str, MM16))} matmul's rate / an fp32 one's ({bf16:.3g}); op_s = the executor's "
                      f"interpreter per op on a tiny GPT ({op_s * 1e6:.1f} us); copy_tensor_s = the executor's "
-                     f"stores per tensor of a copy ({per_tensor * 1e6:.1f} us)")
+                     f"stores per tensor of a copy ({per_tensor * 1e6:.1f} us); host_contention = that block beside a "
+                     f"{CONTENTION_COPY_BYTES // MiB} MiB copy loop / alone, less 1 ({contention:.3f})")
     if nvml_note:
         notes.append(nvml_note)
 
@@ -265,6 +268,54 @@ def _cpu_block_flops(reps: int) -> float:
     step()  # warm-up: allocations, kernel selection
     flops = 3 * batch * seq * 2 * (12 * d * d + 2 * seq * d)
     return flops / _best_time(step, reps)
+
+
+CONTENTION_COPY_BYTES = 64 * MiB
+"""Buffers of the copy loop `_host_contention` runs beside the block: far larger than the caches,
+as the copies between tiers and the SSD store's staging are."""
+
+
+def _host_contention(reps: int) -> float:
+    """`GPU.host_contention` of the CPU device tier: the GPT block of `_cpu_block_flops` timed alone
+    and beside a thread that copies CONTENTION_COPY_BYTES in a loop (torch `copy_`, as the
+    executor's copy lanes do), in alternating rounds; the medians' ratio less 1. The two share the
+    memory system (and, with fewer cores than threads, the cores): measured 0.1-0.2 on the 2-core dev
+    VM, where Adam on the other core slows the block by 1% and a copy loop by 13-18%
+    (benchmarks/RESULTS.md)."""
+    import threading
+
+    import torch
+
+    from tensorstow.ir.models import Block, GPTConfig
+    d, heads, batch, seq = CPU_BLOCK
+    torch.manual_seed(0)
+    blk = Block(GPTConfig(n_layer=1, n_head=heads, n_embd=d))
+    x = torch.randn(batch, seq, d, requires_grad=True)
+    src = torch.ones(CONTENTION_COPY_BYTES, dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    stop = threading.Event()
+
+    def copies():
+        while not stop.is_set():
+            dst.copy_(src)
+
+    def timed() -> float:
+        t = time.perf_counter()
+        blk(x).sum().backward()
+        return time.perf_counter() - t
+    timed()  # warm-up
+    alone, beside = [], []
+    for _ in range(max(2, min(reps, 4))):
+        alone.append(timed())
+        stop.clear()
+        th = threading.Thread(target=copies, daemon=True)
+        th.start()
+        try:
+            beside.append(timed())
+        finally:
+            stop.set()
+            th.join()
+    return max(0.0, statistics.median(beside) / statistics.median(alone) - 1.0)
 
 
 def _op_dispatch_s(reps: int) -> float:

@@ -229,11 +229,15 @@ class Instr:
     """compute/recompute: the microbatch the segment runs on (pipelines; 0 otherwise)."""
     accum: tuple[str, ...] = ()
     """compute: gradient buffers the segment adds its results into (a later microbatch)."""
+    contended_s: float = 0.0
+    """compute/recompute: how much longer than `est_s` it runs in the overlapped replay, where copies
+    and SSD transfers stream host memory beside it (`GPU.host_contention`: the CPU device tier; 0 on
+    a GPU). Sync mode runs nothing beside it and takes `est_s` alone."""
 
     def to_json(self) -> dict:
         d = {"id": self.id, "kind": self.kind, "stream": self.stream, "deps": list(self.deps),
              "est_s": self.est_s}
-        for k in ("segment", "tensor", "src", "dst", "workspace", "micro"):
+        for k in ("segment", "tensor", "src", "dst", "workspace", "micro", "contended_s"):
             if getattr(self, k):
                 d[k] = getattr(self, k)
         for k in ("allocs", "accum"):

@@ -18,6 +18,7 @@ Buffers with a home tier are present at the start and must be present, alone, at
 """
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import dataclass, field
 
@@ -46,6 +47,8 @@ class SimResult:
     """Instruction ids in the order they started."""
     peak_live: dict[str, list[str]] = field(default_factory=dict)
     """Per tier: the buffers live at its peak (for byte breakdowns)."""
+    durations: list[float] = field(default_factory=list)
+    """What each instruction took in the replay: its duration, stretched where `slowdown` applied."""
     fences: dict[int, tuple[int, ...]] = field(default_factory=dict)
     """Memory fences: for each instruction that allocates, the latest release per stream (earlier
     in program order) that preceded its allocation in this replay. Adding them as dependencies
@@ -93,7 +96,8 @@ def contention(instrs: list[Instr], hw) -> tuple[list[tuple[str, ...]], dict[str
 def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
              initial: dict[tuple[str, str], None] | set, tier_of_device=lambda t: t,
              links: tuple[list[tuple[str, ...]], dict[str, int]] | None = None,
-             reserved: dict[str, int] | None = None, commit_s: float = 0.0) -> SimResult:
+             reserved: dict[str, int] | None = None, commit_s: float = 0.0,
+             slowdown: dict[str, float] | None = None) -> SimResult:
     """Replay `instrs` with `duration[i]` seconds each.
 
     nbytes: buffer -> bytes. initial: the (buffer, tier) pairs present at the start. links:
@@ -104,6 +108,10 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
     step's commit runs from this step's start, beside the instructions, and the first write to the
     SSD waits for it (busy as "ssd.commit"). A plan across GPUs runs one process per GPU, which
     commit, then wait for each other: there it runs after the last instruction, on the SSD.
+    slowdown: compute stream -> how much slower its instructions run while host memory traffic
+    runs beside them (`GPU.host_contention`, `compute_slowdown`): the replay runs once, then again
+    with each computation stretched by that times the share of its time a copy or SSD transfer
+    overlapped.
     """
     n = len(instrs)
     streams: dict[str, list[int]] = {}
@@ -112,10 +120,7 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
             if not 0 <= d < n or d == ins.id:
                 raise ScheduleError(f"instruction {ins.id} depends on invalid id {d}")
         streams.setdefault(ins.stream, []).append(ins.id)
-    head = {s: 0 for s in streams}
-    stream_free = {s: 0.0 for s in streams}
     extra, slots = links or ([()] * n, {})
-    res_free: dict[str, list[float]] = {r: [0.0] * k for r, k in slots.items()}
     if any(i.kind == "commit" for i in instrs):
         commit_s = 0.0  # the plan commits the previous step itself, where its state is whole on SSD
     background = commit_background(instrs)
@@ -123,56 +128,69 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
 
     def uses(i: int) -> tuple[str, ...]:
         return (resource_of(instrs[i].stream), *extra[i])
-    end = [None] * n
-    start = [None] * n
-    order = []
-    done = 0
-    writing = None  # the SSD write last started (reads may pause it)
-    reads_until = 0.0  # the end of the last read that paused it
-    while done < n:
-        best = None
-        for s in sorted(streams):
-            if head[s] >= len(streams[s]):
-                continue
-            i = streams[s][head[s]]
-            if any(end[d] is None for d in instrs[i].deps):
-                continue
-            t = max([stream_free[s]] + [end[d] for d in instrs[i].deps]
-                    + [min(res_free.get(r, (0.0,))) for r in uses(i) if r != "ssd"])
-            if "ssd" in uses(i):
-                ssd = min(res_free.get("ssd", (0.0,)))
-                if (reads_ssd_first(instrs[i]) and writing is not None and end[writing] == ssd
-                        and start[writing] <= t < ssd):
-                    t = max(t, reads_until)  # pauses the write (the aio engine runs it first)
-                else:
-                    t = max(t, ssd)
-            if writes_ssd(instrs[i]):  # over the files the background commit is syncing
-                t = max(t, ssd_write_after)
-            if best is None or (t, i) < best[:2]:
-                best = (t, i, s)
-        if best is None:
-            stuck = sorted(streams[s][head[s]] for s in streams if head[s] < len(streams[s]))
-            raise ScheduleError(f"deadlock: instructions {stuck[:8]} wait on each other")
-        t, i, s = best
-        start[i], end[i] = t, t + duration[i]
-        stream_free[s] = end[i]
-        paused = reads_ssd_first(instrs[i]) and writing is not None and t < end[writing]
-        if paused:  # the write finishes later by the read's time, on every resource it holds
-            old, end[writing] = end[writing], end[writing] + duration[i]
-            stream_free[instrs[writing].stream] = end[writing]
-            for r in uses(writing):
-                free = res_free[r]
-                free[free.index(old)] = end[writing]
-            reads_until = end[i]
-        for r in uses(i):
-            if not (paused and r == "ssd"):  # a pausing read runs inside the write's SSD slot
-                free = res_free.setdefault(r, [0.0])
-                free[free.index(min(free))] = end[i]
-        if writes_ssd(instrs[i]):
-            writing = i
-        head[s] += 1
-        order.append(i)
-        done += 1
+
+    def replay(duration: list[float]) -> tuple[list, list, list[int]]:
+        """(start, end, dispatch order) of every instruction."""
+        head = {s: 0 for s in streams}
+        stream_free = {s: 0.0 for s in streams}
+        res_free: dict[str, list[float]] = {r: [0.0] * k for r, k in slots.items()}
+        end = [None] * n
+        start = [None] * n
+        order = []
+        done = 0
+        writing = None  # the SSD write last started (reads may pause it)
+        reads_until = 0.0  # the end of the last read that paused it
+        while done < n:
+            best = None
+            for s in sorted(streams):
+                if head[s] >= len(streams[s]):
+                    continue
+                i = streams[s][head[s]]
+                if any(end[d] is None for d in instrs[i].deps):
+                    continue
+                t = max([stream_free[s]] + [end[d] for d in instrs[i].deps]
+                        + [min(res_free.get(r, (0.0,))) for r in uses(i) if r != "ssd"])
+                if "ssd" in uses(i):
+                    ssd = min(res_free.get("ssd", (0.0,)))
+                    if (reads_ssd_first(instrs[i]) and writing is not None and end[writing] == ssd
+                            and start[writing] <= t < ssd):
+                        t = max(t, reads_until)  # pauses the write (the aio engine runs it first)
+                    else:
+                        t = max(t, ssd)
+                if writes_ssd(instrs[i]):  # over the files the background commit is syncing
+                    t = max(t, ssd_write_after)
+                if best is None or (t, i) < best[:2]:
+                    best = (t, i, s)
+            if best is None:
+                stuck = sorted(streams[s][head[s]] for s in streams if head[s] < len(streams[s]))
+                raise ScheduleError(f"deadlock: instructions {stuck[:8]} wait on each other")
+            t, i, s = best
+            start[i], end[i] = t, t + duration[i]
+            stream_free[s] = end[i]
+            paused = reads_ssd_first(instrs[i]) and writing is not None and t < end[writing]
+            if paused:  # the write finishes later by the read's time, on every resource it holds
+                old, end[writing] = end[writing], end[writing] + duration[i]
+                stream_free[instrs[writing].stream] = end[writing]
+                for r in uses(writing):
+                    free = res_free[r]
+                    free[free.index(old)] = end[writing]
+                reads_until = end[i]
+            for r in uses(i):
+                if not (paused and r == "ssd"):  # a pausing read runs inside the write's SSD slot
+                    free = res_free.setdefault(r, [0.0])
+                    free[free.index(min(free))] = end[i]
+            if writes_ssd(instrs[i]):
+                writing = i
+            head[s] += 1
+            order.append(i)
+            done += 1
+        return start, end, order
+
+    start, end, order = replay(duration)
+    stretched = _stretched(instrs, duration, start, end, slowdown)
+    if stretched is not None:
+        duration = stretched
+        start, end, order = replay(duration)
 
     busy: dict[str, float] = {}
     traffic: dict[str, int] = {}
@@ -251,20 +269,64 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
         if commit_s:
             busy["ssd"] = busy.get("ssd", 0.0) + commit_s
     return SimResult(step_time_s=makespan, start=start, end=end, busy_s=busy, traffic_bytes=traffic,
-                     peak_bytes=peak, timeline=timeline, order=order, peak_live=peak_live,
+                     peak_bytes=peak, timeline=timeline, order=order, peak_live=peak_live, durations=list(duration),
                      fences={i: tuple(sorted(f)) for i, f in sorted(fences.items()) if f})
 
 
 def simulate_plan(plan) -> SimResult:
     """Replay a plan file (`planner.schema.Plan`) as written: its instructions with their
-    `est_s`, its buffers' bytes, the homes as the initial placement, its hardware's links."""
+    `est_s` (+ `contended_s`), its buffers' bytes, the homes as the initial placement, its
+    hardware's links."""
     from tensorstow.planner.pipeline import initial_residency
     order = [b.name for b in plan.model.blocks]
     initial = initial_residency(dict(plan.buffers), plan.decisions, order)
     instrs = list(plan.instructions)
-    return simulate(instrs, [i.est_s for i in instrs], {n: b.bytes for n, b in plan.buffers.items()}, initial,
-                    links=contention(instrs, plan.hardware.spec), reserved=plan.decisions.reserved(),
+    return simulate(instrs, [i.est_s + i.contended_s for i in instrs], {n: b.bytes for n, b in plan.buffers.items()},
+                    initial, links=contention(instrs, plan.hardware.spec), reserved=plan.decisions.reserved(),
                     commit_s=plan_commit_s(plan))
+
+
+def compute_slowdown(hw) -> dict[str, float]:
+    """Compute stream -> `GPU.host_contention` of its device, where it is not 0 (the CPU device
+    tier): `simulate`'s `slowdown`."""
+    return {f"gpu{k}.compute": g.host_contention for k, g in enumerate(hw.gpus) if g.host_contention > 0}
+
+
+def host_traffic(ins: Instr) -> bool:
+    """Whether an instruction streams host memory beside the computation: a copy between tiers or
+    an SSD transfer (its staging, checksum and the disk's DMA). Not the CPU optimizer: Adam on the
+    other core slowed the CPU device tier's block by 1%, a copy loop by 13-18% (RESULTS.md)."""
+    return ins.kind in ("load", "store", "send")
+
+
+def _stretched(instrs: list[Instr], duration: list[float], start: list, end: list,
+               slowdown: dict[str, float] | None) -> list[float] | None:
+    """The durations with each computation on a `slowdown` stream stretched by its factor times
+    the share of its replayed time that host traffic overlapped; None where nothing changes."""
+    if not slowdown:
+        return None
+    spans = sorted((start[i.id], end[i.id]) for i in instrs if host_traffic(i) and end[i.id] > start[i.id])
+    merged: list[list[float]] = []
+    for a, b in spans:
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    if not merged:
+        return None
+    starts = [a for a, _ in merged]
+    out = list(duration)
+    for ins in instrs:
+        c = slowdown.get(ins.stream, 0.0)
+        s, e = start[ins.id], end[ins.id]
+        if c <= 0 or ins.kind not in ("compute", "recompute") or e <= s:
+            continue
+        covered, k = 0.0, max(0, bisect.bisect_right(starts, s) - 1)
+        while k < len(merged) and merged[k][0] < e:
+            covered += max(0.0, min(e, merged[k][1]) - max(s, merged[k][0]))
+            k += 1
+        out[ins.id] = duration[ins.id] * (1.0 + c * covered / (e - s))
+    return out
 
 
 def writes_ssd(ins: Instr) -> bool:

@@ -105,6 +105,8 @@ def test_no_gpu_path(measured):
     assert 0 < g.flops <= g.flops_fp32 and "bf16" in hw.source
     # the executor's stores: per tensor of a DRAM <-> device copy, per SSD read or write
     assert 1e-8 < g.copy_tensor_s < 1e-3 and "copy_tensor_s = the executor's stores" in hw.source
+    # computing beside a copy loop: slower or the same, never several times slower on 2+ cores
+    assert 0 <= g.host_contention < 3 and "host_contention = that block beside" in hw.source
     assert 1e-7 < hw.ssd.request_s < 1.0 and "request_s = a 4 KiB write and read" in hw.source
     # the store's commit that ends a step: fixed, per written file, per written byte
     assert 0 <= hw.ssd.commit_s < 10 and 0 <= hw.ssd.sync_s < 10 and hw.ssd.flush_bw > 0
@@ -217,7 +219,8 @@ def test_the_disk_is_timed_before_any_other_measurement(tmp_path, monkeypatch):
                                  fs_dir=str(tmp_path))
     monkeypatch.setattr(probe_mod, "_disk_bw", recorder("disk", disk))
     for fn, result in (("_cpu_memcpy_bw", 1e10), ("_adam_rate", (1e8, "fake")), ("_cpu_block_flops", 1e10),
-                       ("_cpu_bf16_ratio", 0.5), ("_op_dispatch_s", 1e-5), ("_copy_tensor_s", 1e-5)):
+                       ("_cpu_bf16_ratio", 0.5), ("_op_dispatch_s", 1e-5), ("_copy_tensor_s", 1e-5),
+                       ("_host_contention", 0.1)):
         monkeypatch.setattr(probe_mod, fn, recorder(fn, result))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     probe_mod.clear_cache()

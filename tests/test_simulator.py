@@ -2,6 +2,7 @@
 import dataclasses
 
 import networkx as nx
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from tensorstow.planner.schedule import Instr
@@ -194,3 +195,48 @@ def test_an_ssd_read_pauses_the_write_in_progress():
     in_order = [dataclasses.replace(i, stream="ssd.read") if i.stream == "ssd.first" else i for i in instrs]
     sim = simulate(in_order, [1.0, 0.2, 0.1, 0.3, 0.5, 0.4], {b: 1 for b in ("w", "r", "r2", "w2")}, present)
     assert sim.start[2] == 1.0 and sim.end[0] == 1.0  # behind the whole write
+
+
+def test_a_computation_beside_host_copies_is_stretched_by_the_device_s_host_contention():
+    """`slowdown` (`GPU.host_contention`, the CPU device tier): a computation runs longer by the
+    factor times the share of its time that copies or SSD transfers overlapped; the optimizer does
+    not count, nor does a computation with nothing beside it. Without a slowdown nothing moves."""
+    instrs = [Instr(id=0, kind="compute", stream="gpu0.compute", deps=()),
+              Instr(id=1, kind="load", stream="gpu0.h2d", deps=(), tensor="a", src="dram", dst="gpu0"),
+              Instr(id=2, kind="compute", stream="gpu0.compute", deps=(0,)),
+              Instr(id=3, kind="optimizer_step", stream="cpu.opt", deps=(0,), segment="b0", dst="cpu"),
+              Instr(id=4, kind="compute", stream="gpu0.compute", deps=(2,))]
+    dur = [1.0, 0.5, 1.0, 1.0, 1.0]
+    present = {("a", "dram"), ("a", "gpu0")}
+    plain = simulate(instrs, dur, {"a": 1}, present)
+    assert plain.step_time_s == 3.0 and plain.durations == dur
+    sim = simulate(instrs, dur, {"a": 1}, present, slowdown={"gpu0.compute": 0.2})
+    assert sim.durations == [1.0 * (1 + 0.2 * 0.5), 0.5, 1.0, 1.0, 1.0]  # half of it beside the copy
+    assert sim.step_time_s == 3.1 and sim.busy_s["gpu0.compute"] == 3.1
+    assert simulate(instrs, dur, {"a": 1}, present, slowdown={"gpu1.compute": 0.2}).step_time_s == 3.0
+
+
+def test_a_cpu_device_plan_records_the_stretch_its_overlapped_replay_gives_and_sync_mode_leaves_it_out():
+    """On the CPU device tier (host_contention > 0) the plan's computations carry `contended_s`, the
+    replay of the plan file reproduces its predicted step, and sync mode's sum is the plain `est_s`."""
+    import dataclasses as dc
+    import json
+
+    from tensorstow.planner.hardware import load_hardware
+    from tensorstow.planner.plan import Options, make_plan
+    from tensorstow.planner.schema import as_plan
+    from tensorstow.planner.simulate import plan_commit_s, simulate_plan, sync_step_s
+    base = load_hardware("lohan-rtx4090")
+    g = base.gpus[0]
+    hw = dc.replace(base, gpus=(dc.replace(g, memory_bytes=40 << 20, reserved_bytes=0, h2d_bw=2e9, d2h_bw=2e9),))
+    o = Options(model="gpt-tiny", hardware="lohan-rtx4090", batch=4, precision="fp32", policy="zero-infinity")
+    plain = as_plan(json.loads(make_plan(o, hw).dumps()))
+    slow = dc.replace(hw, gpus=(dc.replace(hw.gpus[0], host_contention=0.5),))
+    plan = as_plan(json.loads(make_plan(o, slow).dumps()))
+    stretched = [i for i in plan.instructions if i.contended_s > 0]
+    assert stretched and all(i.kind in ("compute", "recompute") for i in stretched)
+    assert all(i.contended_s == 0 for i in plain.instructions)
+    assert plan.predicted.step_time_s > plain.predicted.step_time_s
+    assert abs(simulate_plan(plan).step_time_s - plan.predicted.step_time_s) <= 1e-4 * plan.predicted.step_time_s
+    assert sync_step_s(list(plan.instructions), plan_commit_s(plan)) == pytest.approx(
+        sync_step_s(list(plain.instructions), plan_commit_s(plain)), rel=1e-6)
