@@ -216,6 +216,8 @@ class Executor:
                                       "(a directory on the SSD) or ssd_store=")
             ssd_store = FileStore(state_dir)
         self.ssd = SSDTier(ssd_store)  # a checkpoint store also when nothing lives on SSD
+        if isinstance(ssd_store, SSDStore):  # what a step swaps out and reads back is not its state
+            ssd_store.set_transient(n for n in ssd_store.sizes if n in plan.buffers and not plan.buffers[n].home)
         self.tiers = {self.gpu: self.dev, "dram": self.host, "ssd": self.ssd}
 
         self.keep = self._kept_values()

@@ -15,6 +15,11 @@ Files are opened with O_DIRECT where the filesystem allows it (buffered I/O + fs
 otherwise; `io_mode_reason` says why). With O_DIRECT, tensors whose data pointer is
 4096-aligned (`aio.aligned_empty`) move without a copy; others go through a staging buffer.
 
+Transient buffers (`set_transient`: a step's swapped activations, checkpoints and gradients,
+which the step writes before it reads them) are written and read the same way but never
+synced and never committed: a step's crash-consistent state does not include them, so the
+disk spends no flush on them, and after a commit (or a resume) they hold no data until written.
+
 The directory holds one store at a time: a lock file (flock) refuses a second opener.
 """
 
@@ -109,6 +114,8 @@ class _Buffer:
         self.last_write: _Op | None = None  # this step's latest write, if any
         self.synced: tuple[_Op, Future] | None = None
         """(a write, the future of its early sync: None once its file is synced, else the OSError)."""
+        self.transient = False
+        """Content that lives within a step: never synced nor committed (`SSDStore.set_transient`)."""
 
 
 class _Op:
@@ -277,7 +284,7 @@ class SSDStore:
             op = self._submit(what, "write", fd, pieces, keep, finish)
             buf.pending = [op]
             buf.last_write = op
-            if self._syncer is not None and self.sync_early:
+            if self._syncer is not None and self.sync_early and not buf.transient:
                 buf.synced = (op, self._syncer.submit(self._sync_written, op, fd))
             return op
 
@@ -518,6 +525,17 @@ class SSDStore:
             out.append((b.fds[1 - b.slot], self.dir / b.files[1 - b.slot], early))
         return out
 
+    def set_transient(self, names) -> None:
+        """Mark buffers whose content lives only within a step (the executor: those of its plan
+        that have no home, such as activations swapped to SSD): their writes are not synced and
+        commits leave them out, so after a commit they hold no data until written again."""
+        names = set(names)
+        unknown = sorted(names - set(self._bufs))
+        if unknown:
+            raise TensorstowError(f"SSD store {self.dir}: no buffer {unknown[0]!r} to mark transient")
+        for name, b in self._bufs.items():
+            b.transient = name in names
+
     def wait_background(self) -> None:
         """Wait until none of the store's background work runs: the last commit's syncs and
         manifest (`commit(wait=False)`) and the early syncs of this step's writes. Changes no
@@ -538,6 +556,11 @@ class SSDStore:
     def _fix_step(self, step: int, bufs: list[_Buffer]) -> tuple[list[_Buffer], dict]:
         """A commit's first part, under every buffer's io_lock: wait for the step's writes and
         build the manifest's entries. Returns (the buffers written, entries)."""
+        for b in bufs:
+            if b.transient:  # left out of the state: done with, it holds nothing from now on
+                for op in b.pending:
+                    op._complete()
+                b.pending, b.last_write, b.synced, b.crc = [], None, None, None
         written = [b for b in bufs if b.last_write is not None]
         for b in written:
             b.last_write._complete()

@@ -414,11 +414,13 @@ def _workspace(seg, tensors, ops, planned=frozenset()) -> int:
     return peak
 
 
-def transfer_time(nbytes: int, src: str, dst: str, hw: Hardware, tensors: int = 1) -> float:
+def transfer_time(nbytes: int, src: str, dst: str, hw: Hardware, tensors: int = 1, durable: bool = True) -> float:
     """Seconds to move `nbytes` between tiers ("gpuK", "dram", "ssd"), a buffer of `tensors` members:
     its bytes over the link, plus the fixed costs the spec states (probed; 0 in the presets): each
     tensor of a DRAM <-> device copy `GPU.copy_tensor_s`, each SSD request `SSD.request_s`; an SSD
-    write also its sync (`SSD.sync_s` + its bytes' flush, `SSD.write_s_per_byte`)."""
+    write of a buffer homed there (`durable`) also its sync (`SSD.sync_s` + its bytes' flush,
+    `SSD.write_s_per_byte`); a step's own activations, checkpoints and gradients are not synced
+    (`SSDStore.set_transient`)."""
     if nbytes == 0:
         return 0.0
     if src.startswith("gpu") and dst.startswith("gpu"):
@@ -431,7 +433,9 @@ def transfer_time(nbytes: int, src: str, dst: str, hw: Hardware, tensors: int = 
     if src == "ssd" and dst == "dram":
         return nbytes / _nonzero(hw.ssd.read_total(), "SSD read bandwidth") + hw.ssd.request_s
     if src == "dram" and dst == "ssd":  # the write, then its early sync (SSD.write_s_per_byte)
-        _nonzero(hw.ssd.write_total(), "SSD write bandwidth")
+        bw = _nonzero(hw.ssd.write_total(), "SSD write bandwidth")
+        if not durable:
+            return nbytes / bw + hw.ssd.request_s
         return nbytes * hw.ssd.write_s_per_byte() + hw.ssd.request_s + hw.ssd.sync_s
     raise ValueError(f"no direct link {src} -> {dst} (consumer GPUs have no GPUDirect storage)")
 

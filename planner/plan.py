@@ -184,7 +184,8 @@ def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer],
                                                   problem.mixed, hw))
         elif ins.kind in ("load", "store", "send"):
             buf = buffers[ins.tensor]
-            out.append(cost.transfer_time(buf.bytes, ins.src, ins.dst, hw, tensors=max(1, len(buf.members))))
+            out.append(cost.transfer_time(buf.bytes, ins.src, ins.dst, hw, tensors=max(1, len(buf.members)),
+                                          durable=bool(buf.home)))
         elif ins.kind == "commit":
             out.append(cost.commit_time(hw, instrs))
         elif ins.kind == "optimizer_step":

@@ -670,3 +670,30 @@ def test_the_measured_ssd_lane_includes_the_steps_commit(tmp_path, monkeypatch):
     assert ex.commit_s >= 0.05
     assert ex.lane_busy()["ssd"] == pytest.approx(instr_ssd + ex.commit_s)
     ex.close()
+
+
+def test_a_steps_own_swaps_to_ssd_are_not_synced_and_it_still_trains_like_eager(tmp_path, monkeypatch):
+    """Activations a step swaps to SSD and reads back are not its training state: the store marks
+    them transient (`SSDStore.set_transient`), so neither their early syncs nor the commit flush
+    them (the cost model prices their writes without the flush), while P and the Adam states are
+    synced as before; the run equals eager PyTorch."""
+    from tensorstow.executor.ssd import SSDStore
+    from tensorstow.executor.state import store_sizes
+    from tensorstow.planner.schema import as_plan
+    plan = get_plan("interleaved")
+    p = as_plan(plan)
+    synced = []
+    real = os.fdatasync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(fd), real(fd))[1])
+    torch.manual_seed(0)
+    store = SSDStore(tmp_path / "st", store_sizes(p))
+    ex = Executor(plan, GPT(PRESETS["gpt-tiny"]), ssd_store=store)
+    losses = [ex.step(x, y) for x, y in batches("synthetic", B, T, VOCAB, STEPS, seed=0)]
+    assert_same((losses, ex.parameters()), eager())
+    by_fd = {fd: n for n, b in store._bufs.items() for fd in b.fds}
+    names = {by_fd[fd] for fd in synced if fd in by_fd}
+    transient = {n for n, b in store._bufs.items() if b.transient}
+    assert transient == {n for n in p.ssd_sizes() if not p.buffers[n].home} and "A:b3" in transient
+    assert names and not names & transient  # the state's files were synced, the swaps' never
+    assert {n for n in names if n.startswith(("P:", "OS:"))}
+    ex.close()

@@ -240,3 +240,17 @@ def test_a_cpu_device_plan_records_the_stretch_its_overlapped_replay_gives_and_s
     assert abs(simulate_plan(plan).step_time_s - plan.predicted.step_time_s) <= 1e-4 * plan.predicted.step_time_s
     assert sync_step_s(list(plan.instructions), plan_commit_s(plan)) == pytest.approx(
         sync_step_s(list(plain.instructions), plan_commit_s(plain)), rel=1e-6)
+
+
+def test_a_write_of_the_state_pays_its_flush_and_a_steps_own_swap_does_not():
+    """The store syncs the buffers homed on SSD and never a step's transient swaps
+    (`SSDStore.set_transient`): the cost model prices the flush on the first only."""
+    import dataclasses as dc
+
+    from tensorstow.planner import cost
+    from tensorstow.planner.hardware import load_hardware
+    hw = load_hardware("lohan-rtx4090")
+    hw = dc.replace(hw, ssd=dc.replace(hw.ssd, count=1, write_bw=2e9, flush_bw=1e9, request_s=1e-4, sync_s=2e-4))
+    n = 10 ** 9
+    assert cost.transfer_time(n, "dram", "ssd", hw, durable=False) == pytest.approx(0.5 + 1e-4)
+    assert cost.transfer_time(n, "dram", "ssd", hw) == pytest.approx(0.5 + 1.0 + 1e-4 + 2e-4)

@@ -698,3 +698,39 @@ def test_sigkill_inside_commit_protocol(tmp_path, child):
         assert _check_store(tmp_path / point, child, points[point], points[point]) == points[point], point
         manifest = json.loads((tmp_path / point / "MANIFEST").read_text())
         assert manifest["step"] == points[point], point
+
+
+def test_transient_buffers_are_neither_synced_nor_committed(tmp_path, monkeypatch):
+    """A buffer marked transient (a step's swapped activations) reads back what the step wrote, but
+    no early sync or commit flushes it and the commit leaves it out: after the commit, and after a
+    resume, it holds no data until written; durable buffers are committed as before."""
+    sizes = {"w": 1 << 20, "a": 3 << 20}
+    data = {k: _random_bytes(n, 4) for k, n in sizes.items()}
+    synced = []
+    real = os.fdatasync
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(fd), real(fd))[1])
+    with SSDStore(tmp_path, sizes) as store:
+        with pytest.raises(TensorstowError, match="no buffer 'x' to mark transient"):
+            store.set_transient(["x"])
+        store.set_transient(["a"])
+        for k, t in data.items():
+            store.write(k, t)
+        out = torch.empty_like(data["a"])
+        store.read("a", out)
+        assert torch.equal(out, data["a"])
+        store.commit(1)
+        a_fds = set(store._bufs["a"].fds)
+        assert synced and not a_fds & set(synced)
+        assert set(store._bufs["w"].fds) & set(synced)
+        with pytest.raises(TensorstowError, match="has no data yet"):
+            store.read("a", out)
+        store.write("a", data["a"])  # the next step swaps again
+        store.read("a", out)
+        assert torch.equal(out, data["a"])
+    with SSDStore(tmp_path, sizes) as store:
+        assert store.committed_step() == 1
+        out = torch.empty_like(data["w"])
+        store.read("w", out)
+        assert torch.equal(out, data["w"])
+        with pytest.raises(TensorstowError, match="has no data yet"):
+            store.read("a", torch.empty_like(data["a"]))

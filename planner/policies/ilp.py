@@ -93,7 +93,8 @@ def coefficients(p: BlockProfile, c: Combo, problem, last: bool) -> dict[str, fl
     A, X = p.saved_bytes, p.input_bytes
     As = swap_bytes(p, True)  # a swap moves the FLOP-bearing ops' outputs, re-forwards the rest (Fuyou Table 2)
     rd = 1 / hw.ssd.read_total() if hw.ssd.count else 0.0
-    wr = hw.ssd.write_s_per_byte() if hw.ssd.count else 0.0  # the write and its flush
+    wr = hw.ssd.write_s_per_byte() if hw.ssd.count else 0.0  # the state's writes and their flush
+    wt = 1 / hw.ssd.write_total() if hw.ssd.count else 0.0  # a step's own swaps: not synced
     h2d, d2h = 1 / g.h2d_bw, 1 / g.d2h_bw
     streamed = c.ph != "gpu"
     swapped = c.act in ("swap_dram", "swap_ssd")
@@ -102,7 +103,7 @@ def coefficients(p: BlockProfile, c: Combo, problem, last: bool) -> dict[str, fl
     k["gpu_f"] = p.fwd_time_s
     k["h2d_f"] = P * h2d * streamed
     k["d2h_f"] = (As * swapped + X * (c.ck != "gpu")) * d2h
-    k["ssd_f"] = P * rd * (c.ph == "ssd") + (As * (c.act == "swap_ssd") + X * (c.ck == "ssd")) * wr
+    k["ssd_f"] = P * rd * (c.ph == "ssd") + (As * (c.act == "swap_ssd") + X * (c.ck == "ssd")) * wt
     # backward + optimizer (LoHan Eq. 5 terms); the last block keeps its streamed params
     reload = streamed and not last
     k["gpu_b"] = p.bwd_time_s + p.fwd_time_s * (c.act == "recompute") + p.refwd_time_s * swapped
