@@ -313,11 +313,12 @@ class _Worker:
     """One engine's worker process, its tagged replies read by a thread (the rest of its output,
     DeepSpeed's log lines, goes to its log file)."""
 
-    def __init__(self, name: str, cmd: list[str], env: dict, log: Path):
+    def __init__(self, name: str, cmd: list[str], env: dict, log: Path, leaves: str = ""):
         import queue
         import threading
 
-        self.name, self.log_path = name, log
+        self.name, self.log_path, self.leaves = name, log, leaves
+        """`leaves`: a glob of files the process leaves behind, removed once it is gone."""
         self.log = open(log, "w")
         self.p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env,
                                   text=True, bufsize=1)
@@ -357,6 +358,11 @@ class _Worker:
             self.p.kill()
         self.p.wait()
         self.log.close()
+        if self.leaves:
+            import glob
+
+            for f in glob.glob(self.leaves):
+                Path(f).unlink(missing_ok=True)
 
 
 def _spawn(name: str, a: dict, work: Path) -> _Worker | dict:
@@ -372,11 +378,15 @@ def _spawn(name: str, a: dict, work: Path) -> _Worker | dict:
         nvme = work / "ds-nvme"
         nvme.mkdir()
         wa["nvme_dir"] = str(nvme)
+        port = _free_port()
         env.update({"DS_ACCELERATOR": "cpu", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-                    "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
+                    "LOCAL_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        # its CPU accelerator's shared-memory all-reduce buffer (69 MB), which it never removes
+        leaves = f"/dev/shm/deepspeed_allreduce_buffer_*_127.0.0.1_{port}_*"
         env.pop("PYTHONPATH", None)  # the worker loads tensorstow from REPO itself
         cmd = [str(py), me, "--_worker", name, json.dumps(wa)]
     else:
+        leaves = ""
         if name.startswith("tensorstow"):
             wa["ts_plan"] = str(work / "tensorstow-plan.json")
             if not Path(wa["ts_plan"]).exists():
@@ -384,7 +394,7 @@ def _spawn(name: str, a: dict, work: Path) -> _Worker | dict:
                 if skipped:
                     return skipped
         cmd = [sys.executable, me, "--_worker", name, json.dumps(wa)]
-    w = _Worker(name, cmd, env, work / f"{name}.log")
+    w = _Worker(name, cmd, env, work / f"{name}.log", leaves)
     r = w.ask(None, timeout=a["ds_timeout"])  # a first DeepSpeed run JIT-builds its ops
     if "error" in r:
         return {"skipped": f"{name} worker failed: {r['error']}"}
