@@ -7,7 +7,12 @@ Prints ratios measured in the same run (the machines are shared and noisy):
      the instructions' modeled durations one after another) and overlap mode (the simulated
      schedule)
 Usage: python benchmarks/bench_executor.py [--model gpt-small] [--batch 4] [--steps 4] [--mode both]
-                                          [--precision fp32|bf16-mixed|fp16-mixed]
+                                          [--precision fp32|bf16-mixed|fp16-mixed] [--device cpu|cuda]
+On a GPU (`--device cuda`) eager is all-GPU PyTorch (the model and AdamW on the GPU, CUDA
+autocast), the executor's device tier is the GPU, and each line also prints model TFLOPS (the
+plan's FLOPs without recomputation, as the papers count them) and the peak of
+`torch.cuda.max_memory_allocated`. `--trace-dir DIR` writes each offloaded run's measured last
+step next to its simulated schedule (Perfetto JSON).
 Mixed precision: eager is PyTorch AMP (the forward under autocast with CUDA's op lists, AdamW on
 fp32 parameters, a GradScaler for fp16), the executor runs the plan's autocast graph.
 Run under jemalloc as well:
@@ -48,34 +53,62 @@ def main():
     ap.add_argument("--mode", default="both", choices=["sync", "overlap", "both"])
     ap.add_argument("--gpu-mem", default="48MB")
     ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16-mixed", "fp16-mixed"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--seq", type=int, default=0, help="sequence length (default: the model's block size)")
+    ap.add_argument("--hw", default="local", help="hardware spec file from `tensorstow probe`, or local (probe now)")
+    ap.add_argument("--trace-dir", dest="trace_dir", help="write measured and simulated traces here")
     a = ap.parse_args()
+    device = torch.device(a.device)
+    cuda = device.type == "cuda"
     spec = resolve_model(a.model)
     allocator = "jemalloc" if "jemalloc" in os.environ.get("LD_PRELOAD", "") else "glibc malloc"
     print(f"# {a.model}, batch {a.batch}, {a.precision}, {a.steps} steps (median of the last {a.steps - 1}), "
-          f"executor mode {a.mode}, allocator {allocator}, torch threads {torch.get_num_threads()}")
+          f"executor mode {a.mode}, allocator {allocator}, torch threads {torch.get_num_threads()}, device "
+          f"{torch.cuda.get_device_name(device) if cuda else 'cpu (budgeted host memory)'}")
 
     def plan(**kw):
-        o = Options(model=a.model, hardware="local", batch=a.batch, precision=a.precision, **kw)
+        o = Options(model=a.model, hardware=a.hw, batch=a.batch, seq=a.seq, precision=a.precision, **kw)
         return json.loads(make_plan(o, hardware_for(o)).dumps())
 
     resident = plan(policy="all-gpu")
     seq = resident["model"]["seq"]
     data = list(batches("synthetic", a.batch, seq, spec.config.vocab_size, a.steps, seed=0))
 
+    flops = resident["predicted"]["model_tflops"] * resident["predicted"]["step_time_s"] * 1e12
+
+    def rate(t):  # model TFLOPS at step time t (GPU only: on the CPU it says little)
+        return f"   {flops / t / 1e12:.1f} model TFLOPS" if cuda else ""
+
+    def peak():  # the device memory the last run held at its peak, and reset for the next
+        if not cuda:
+            return ""
+        m = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return f"   max_memory_allocated {m / 2**30:.2f} GiB"
+
     torch.manual_seed(0)
-    model = spec.build()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    model = spec.build().to(device)
+    # on the CPU the same per-tensor AdamW loop as the executor's exact optimizer; on a GPU
+    # PyTorch's default (foreach), the eager baseline people run
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({} if cuda else {"foreach": False}))
 
     import contextlib
 
     from tensorstow.ir.autocast import gpu_autocast
     from tensorstow.ir.trace import PRECISIONS
-    amp = torch.amp.GradScaler("cpu") if a.precision == "fp16-mixed" else None
+    amp = torch.amp.GradScaler(device.type) if a.precision == "fp16-mixed" else None
+
+    def autocast():
+        if a.precision == "fp32":
+            return contextlib.nullcontext()
+        if cuda:
+            return torch.autocast("cuda", dtype=PRECISIONS[a.precision])
+        return gpu_autocast(PRECISIONS[a.precision])
 
     def eager(x, y):
         opt.zero_grad(set_to_none=True)
-        with gpu_autocast(PRECISIONS[a.precision]) if a.precision != "fp32" else contextlib.nullcontext():
-            loss = model(x, y)
+        with autocast():
+            loss = model(x.to(device), y.to(device))
         if amp is None:
             loss.backward()
             opt.step()
@@ -83,13 +116,19 @@ def main():
             amp.scale(loss).backward()
             amp.step(opt)
             amp.update()
+        if cuda:
+            torch.cuda.synchronize(device)
 
     t_eager = median_step(eager, data)
-    torch.manual_seed(0)
-    ex = Executor(resident, spec.build(), mode="sync")
-    t_res = median_step(ex.step, data)
-    print(f"eager PyTorch step        {t_eager:.4f} s")
-    print(f"executor, all-resident    {t_res:.4f} s   ratio executor/eager = {t_res / t_eager:.2f}x")
+    print(f"eager PyTorch step        {t_eager:.4f} s{rate(t_eager)}{peak()}")
+    del model, opt
+    for mode in ("sync", "overlap") if cuda else ("sync",):
+        torch.manual_seed(0)
+        ex = Executor(resident, spec.build(), mode=mode, device=device)
+        t_res = median_step(ex.step, data)
+        ex.close()
+        print(f"executor, all-resident {mode:8s} {t_res:.4f} s   ratio executor/eager = {t_res / t_eager:.2f}x"
+              f"{rate(t_res)}{peak()}")
 
     from tensorstow.executor.run import predicted_step
     from tensorstow.planner.hardware import parse_size
@@ -101,16 +140,28 @@ def main():
             with tempfile.TemporaryDirectory(dir=".") as d:
                 torch.manual_seed(0)
                 store = SSDStore(d, p.ssd_sizes()) if p.ssd_sizes() else None
-                ex = Executor(offl, spec.build(), mode=mode, ssd_store=store)
+                ex = Executor(offl, spec.build(), mode=mode, ssd_store=store, device=device)
                 t_off = median_step(ex.step, data)
                 busy = ex.lane_busy()
+                if a.trace_dir:
+                    write_traces(a.trace_dir, f"{a.model}-{label}-{mode}", ex, p)
                 ex.close()
             expect = predicted_step(p, mode)
             print(f"executor, {label:15s} {mode:8s} {t_off:.4f} s   predicted {expect:.4f} s   "
                   f"measured/predicted = {t_off / expect:.2f}x   (zero-infinity, device budget {a.gpu_mem}, "
-                  f"offloaded/eager {t_off / t_eager:.2f}x)")
+                  f"offloaded/eager {t_off / t_eager:.2f}x){rate(t_off)}{peak()}")
             print("  lane busy measured/predicted: " + ", ".join(
                 f"{r} {v / p.predicted.busy_s[r]:.2f}x" for r, v in busy.items() if p.predicted.busy_s.get(r)))
+
+
+def write_traces(directory, name, ex, plan):
+    from tensorstow.planner.simulate import perfetto_trace, simulate_plan
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, f"{name}.measured.json"), "w") as f:
+        json.dump(ex.measured_trace(), f)
+    with open(os.path.join(directory, f"{name}.simulated.json"), "w") as f:
+        json.dump(perfetto_trace(list(plan.instructions), simulate_plan(plan), f"{name} simulated"), f)
+
 
 if __name__ == "__main__":
     main()
