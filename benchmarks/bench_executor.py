@@ -56,6 +56,7 @@ def main():
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--seq", type=int, default=0, help="sequence length (default: the model's block size)")
     ap.add_argument("--hw", default="local", help="hardware spec file from `tensorstow probe`, or local (probe now)")
+    ap.add_argument("--offload", default="ssd,dram", help="offloaded plans to run: ssd, dram, both (ssd,dram) or none")
     ap.add_argument("--trace-dir", dest="trace_dir", help="write measured and simulated traces here")
     a = ap.parse_args()
     device = torch.device(a.device)
@@ -133,7 +134,9 @@ def main():
     from tensorstow.executor.run import predicted_step
     from tensorstow.planner.hardware import parse_size
     # the same policy with the state homed on the SSD, and (no SSD) in DRAM
-    for label, kw in (("SSD-offloaded", {}), ("DRAM-offloaded", {"ssds": 0})):
+    offload = {"both": "ssd,dram", "none": ""}.get(a.offload, a.offload).split(",")
+    for label, kw in [(lbl, kw) for key, lbl, kw in (("ssd", "SSD-offloaded", {}), ("dram", "DRAM-offloaded", {"ssds": 0}))
+                      if key in offload]:
         offl = plan(policy="zero-infinity", gpu_mem=parse_size(a.gpu_mem), **kw)
         p = as_plan(offl)
         for mode in ("sync", "overlap") if a.mode == "both" else (a.mode,):

@@ -41,11 +41,11 @@ for s in $STAGES; do
       timeout 240 python3 -m tensorstow.cli probe -o "$OUT/probe.json" >"$OUT/probe.log" 2>&1
       echo "rc $?"; tail -4 "$OUT/probe.log" ;;
     bench)
-      hw=local; [ -s "$OUT/probe.json" ] && hw="$OUT/probe.json"
+      hw=${HW:-local}; [ -s "$OUT/probe.json" ] && hw="$OUT/probe.json"
       for cfg in $BENCH; do
         IFS=: read -r model batch seq mem prec <<<"$cfg"
         timeout 300 python3 benchmarks/bench_executor.py --device cuda --hw "$hw" --model "$model" --batch "$batch" \
-          --seq "$seq" --gpu-mem "$mem" --precision "$prec" --steps 6 --trace-dir /tmp/traces \
+          --seq "$seq" --gpu-mem "$mem" --precision "$prec" --steps 6 --trace-dir /tmp/traces ${BENCH_ARGS:-} \
           >>"$OUT/bench.log" 2>&1
         echo "rc $? ($cfg)" >>"$OUT/bench.log"
       done
@@ -55,10 +55,10 @@ for s in $STAGES; do
       (cd /tmp && timeout 180 python3 -m tensorstow.cli) >"$OUT/demo.log" 2>&1
       echo "rc $?"; tail -8 "$OUT/demo.log" ;;
     suite)
-      left=$(( 560 - ($(date +%s) - T0) ))
+      left=$(( ${SUITE_END:-560} - ($(date +%s) - T0) ))
       [ "$left" -lt 60 ] && { echo "skipped: ${left}s left"; continue; }
-      timeout "$left" python3 -m pytest -n 14 -p no:cacheprovider -q --timeout 300 >"$OUT/suite.log" 2>&1
-      echo "rc $?"; grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/suite.log" | tail -25 ;;
+      timeout "$left" python3 -m pytest -n 16 -p no:cacheprovider -v --tb=line -rf --timeout 300 >"$OUT/suite.log" 2>&1
+      echo "rc $?"; grep -E " (FAILED|ERROR) |passed|failed" "$OUT/suite.log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' | tail -40 ;;
   esac
 done
 stage done

@@ -54,8 +54,31 @@ def test_cuda_plan_matches_eager_and_stays_in_budget(name, mode, tmp_path):
     # GPU kernels may pick different reduction orders for differently laid-out inputs: tolerance
     # of a few fp32 ulps per step rather than bit identity
     assert losses == pytest.approx(ref_losses, rel=1e-4)
-    for n, p in ex.parameters().items():
-        torch.testing.assert_close(p.cpu(), ref[n], rtol=1e-4, atol=1e-6)
+    assert_parameters_close({n: p.cpu() for n, p in ex.parameters().items()}, ref, lr=1e-3, steps=STEPS)
+
+
+def assert_parameters_close(got: dict, ref: dict, lr: float, steps: int) -> None:
+    """Every parameter within rtol 1e-4 / atol 1e-6 of eager, except the key bias (the middle
+    third of `c_attn.bias`). Its gradient is zero in exact arithmetic (a shift of every key by
+    q.b_k does not change a query's softmax), so what the kernels return is rounding noise of
+    ~1e-9, and AdamW normalises noise to updates of up to lr per step (m / (sqrt(v) + eps) with
+    |g| ~ eps): two kernel choices (the CPU optimizer's gradient copy vs eager's, reductions laid
+    out differently) move it differently. It is held to that bound, steps x lr. All mismatches are
+    reported at once."""
+    bad = []
+    for n, r in ref.items():
+        g = got[n]
+        close = torch.isclose(g, r, rtol=1e-4, atol=1e-6)
+        if n.endswith("c_attn.bias"):
+            third = r.numel() // 3
+            key = torch.zeros_like(close)
+            key[third:2 * third] = True
+            assert ((g - r).abs()[key] <= steps * lr).all(), n
+            close |= key
+        if not close.all():
+            idx = (~close).nonzero().flatten().tolist()
+            bad.append(f"{n}: {len(idx)} of {r.numel()} at {idx[:6]}, max |diff| {(g - r).abs().max():.3g}")
+    assert not bad, "parameters differ from eager:\n" + "\n".join(bad)
 
 
 def test_the_autocast_table_is_cuda_autocast():
