@@ -95,6 +95,8 @@ class Joint:
                      if i + 1 < len(out) and isinstance(out[1 + i], fx.Node)}
         """Parameter name -> the node holding its gradient (joint-graph outputs after the loss)."""
         self._roots: dict[str, frozenset[str]] = {}
+        self._compiled: dict[tuple, _Compiled] = {}  # (template nodes, device) -> its compiled run
+        self._outer: dict[str, tuple] = {}  # segment -> (it, the outer names of the roots it fetches)
         self.block_state: dict[str, tuple[list[str], list[str]]] = {}
         """Block -> (trainable parameters, frozen parameters and buffers) it owns, by the model's
         own names: its P:/C: buffers."""
@@ -257,10 +259,29 @@ class Joint:
 
     def run(self, seg: Segment, *, fetch, hold, release, keep: frozenset[str], sink,
             device: torch.device | None = None) -> None:
-        """Interpret `seg`. Outside roots come from `fetch(name)`; views of them are replayed.
+        """Run `seg`. Outside roots come from `fetch(name)`; views of them are replayed.
         Every local value is `hold`-ed when made and `release`-d after its last use; the roots
         in `keep` are handed to `sink(name, value)` at the end (before the release). Outside
-        names (fetch, keep, sink) are the block's own (`Segment.rename`)."""
+        names (fetch, keep, sink) are the block's own (`Segment.rename`).
+
+        The segment runs as Python made for it once (`_compile`): one line per node with its
+        values in locals, so a node costs its kernel call and its accounting, not a walk of its
+        arguments (on a GPU the host would otherwise fall behind the kernels). `interpret` does
+        the same node by node."""
+        if seg.local:
+            keep = frozenset(seg.local[k] for k in keep)
+        key = (id(seg.nodes), device)
+        code = self._compiled.get(key)
+        if code is None:
+            code = self._compiled[key] = _compile(seg, self, device)
+        names = self._outer.get(seg.name)
+        if names is None or names[0] is not seg:
+            names = self._outer[seg.name] = (seg, tuple(seg.outer(r) for r in code.fetched))
+        code.fn(fetch, hold, release, keep, sink, names[1], seg.outer, device)
+
+    def interpret(self, seg: Segment, *, fetch, hold, release, keep: frozenset[str], sink,
+                  device: torch.device | None = None) -> None:
+        """`run`, node by node (the reference the compiled segments are tested against)."""
         env: dict = {}
         if seg.local:
             keep = frozenset(seg.local[k] for k in keep)
@@ -290,6 +311,114 @@ class Joint:
             for v in env.values():
                 release(v)
             env.clear()
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    fn: object
+    """fn(fetch, hold, release, keep, sink, fetched_names, outer, device)"""
+    fetched: tuple[str, ...]
+    """The outside roots the segment fetches, in the order of `fetched_names`."""
+
+
+_SAFE_LITERALS = (bool, int, str, type(None))
+
+
+def _compile(seg: Segment, joint: Joint, device: torch.device | None) -> _Compiled:
+    """Python source for `Joint.interpret`'s walk of `seg`, with every decision it makes per node
+    taken once: which arguments are locals, outside roots (fetched at each use, as `interpret`
+    does) or views of them (replayed at the first use), which kernel runs (a portable one off the
+    CPU), where a `device=` keyword points, and when each value is released."""
+    inside = {n.name for n in seg.nodes}
+    consts: dict[str, object] = {}
+    fetched: dict[str, int] = {}
+    var: dict[str, str] = {}     # node -> its local
+    held: list[str] = []         # locals released in the cleanup (every held value)
+    lines: list[str] = []
+    produced = {n.name for n in seg.nodes if joint.is_root(n.name)}  # what `keep` may name (template names)
+
+    def const(v) -> str:
+        if type(v) in _SAFE_LITERALS:
+            return repr(v)
+        k = f"_c{len(consts)}"
+        consts[k] = v
+        return k
+
+    def arg(a, indent: str) -> str:
+        if isinstance(a, fx.Node):
+            if a.name in var:
+                return var[a.name]
+            if a.name in inside:
+                raise RuntimeError(f"internal: {seg.name} uses {a.name} before making it")
+            if joint.is_root(a.name):  # an outside root: fetched at each use
+                k = fetched.setdefault(a.name, len(fetched))
+                return f"fetch(_names[{k}])"
+            emit(a, indent)  # a view of an outside root: replayed here, kept until its last use
+            return var[a.name]
+        if isinstance(a, (list, tuple)) and any(isinstance(x, fx.Node) for x in _flat(a)):
+            items = ", ".join(arg(x, indent) for x in a)
+            return f"[{items}]" if isinstance(a, list) else f"({items}{',' if len(a) == 1 else ''})"
+        if isinstance(a, dict) and any(isinstance(x, fx.Node) for x in _flat(a)):
+            return "{" + ", ".join(f"{k!r}: {arg(v, indent)}" for k, v in a.items()) + "}"
+        return const(a)
+
+    def emit(n: fx.Node, indent: str) -> None:
+        args = [arg(a, indent) for a in n.args]
+        kwargs = {k: arg(v, indent) for k, v in n.kwargs.items()}
+        if device is not None and isinstance(n.kwargs.get("device"), torch.device):
+            kwargs["device"] = "device"
+        portable = joint.targets.get(n.target) if joint.targets else None
+        if portable is not None:
+            kwargs["_like"] = const(n.meta.get("val"))
+        target = const(portable if portable is not None else n.target)
+        v = f"h{len(held)}"
+        held.append(v)
+        var[n.name] = v
+        call = ", ".join(args + [f"{k}={x}" for k, x in kwargs.items()])
+        lines.append(f"{indent}hold(_v := {target}({call}), {n.name!r})")  # held, then bound: the cleanup
+        lines.append(f"{indent}{v} = _v")                                    # releases only what was held
+        if n.name in produced:
+            lines.append(f"{indent}made[{n.name!r}] = {v}")
+
+    body = "        "
+    for i, n in enumerate(seg.nodes):
+        emit(n, body)
+        for name in seg.release_after[i]:
+            v = var.get(name)
+            if v is None:
+                continue  # an outside root: never held here
+            if name in produced:  # the caller may keep it
+                lines.append(f"{body}if {name!r} not in keep:")
+                lines.append(f"{body}    del made[{name!r}]")
+                lines.append(f"{body}    release({v})")
+                lines.append(f"{body}    del {v}")
+            else:
+                lines.append(f"{body}release({v})")
+                lines.append(f"{body}del {v}")
+    src = ["def _segment(fetch, hold, release, keep, sink, _names, outer, device):",
+           "    made = {}",
+           "    try:"]
+    src += lines or [f"{body}pass"]
+    src += [f"{body}for name in sorted(keep):",
+            f"{body}    sink(outer(name), made[name])",
+            "    finally:",
+            "        for k, v in list(locals().items()):",
+            "            if k[0] == 'h' and k[1:].isdigit():",
+            "                release(v)"]
+    scope = dict(consts)
+    exec(compile("\n".join(src), f"<segment {seg.name}>", "exec"), scope)
+    return _Compiled(fn=scope["_segment"], fetched=tuple(sorted(fetched, key=fetched.get)))
+
+
+def _flat(a):
+    if isinstance(a, (list, tuple)):
+        for x in a:
+            yield from _flat(x)
+    elif isinstance(a, dict):
+        for x in a.values():
+            yield from _flat(x)
+    else:
+        yield a
 
 
 def _arg_nodes(n: fx.Node) -> list[fx.Node]:

@@ -104,6 +104,8 @@ def _dense(shape, stride) -> bool:
 def _tensors(value):
     if isinstance(value, torch.Tensor):  # most ops return one tensor: no tree walk
         return (value,)
+    if type(value) in (tuple, list) and not any(type(v) in (tuple, list, dict) for v in value):
+        return [t for t in value if isinstance(t, torch.Tensor)]  # a multi-output op's flat tuple
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
@@ -141,25 +143,26 @@ class DeviceTier:
 
     def _hold_one(self, t: torch.Tensor, what: str) -> None:
         st = t.untyped_storage()
-        n = st.nbytes()
-        if n == 0:
-            return
+        ptr = st.data_ptr()
         with self._lock:
-            rec = self._live.get(st.data_ptr())
-            if rec is not None:
+            rec = self._live.get(ptr)
+            if rec is not None:  # a view of a held storage (most nodes of a graph)
                 rec[1] += 1
                 return
+            n = st.nbytes()
+            if n == 0:
+                return
             self._grow(n, what)
-            self._live[st.data_ptr()] = [n, 1]
+            self._live[ptr] = [n, 1]
 
     def release(self, value) -> None:
-        for t in _tensors(value):
+        for t in (value,) if type(value) is torch.Tensor else _tensors(value):
             st = t.untyped_storage()
-            if st.nbytes() == 0:
-                continue
             with self._lock:
                 rec = self._live.get(st.data_ptr())
                 if rec is None:
+                    if st.nbytes() == 0:
+                        continue
                     raise RuntimeError("internal: released a device tensor that was not held")
                 rec[1] -= 1
                 if rec[1] == 0:

@@ -1,0 +1,128 @@
+"""Where an executor step's time goes: host Python (cProfile) and device kernels (torch.profiler).
+
+Usage: python benchmarks/profile_executor.py [--model gpt3-125m] [--batch 8] [--seq 1024]
+           [--precision bf16-mixed] [--policy all-gpu] [--gpu-mem 8GB] [--hw SPEC] [--device cuda]
+           [--modes sync,overlap] [--out DIR] [--depth N]
+For each mode: 3 warm-up steps, the median of 3 timed steps, then one step under cProfile (the
+host functions by own time, every thread's merged) and one under torch.profiler (ops by self CPU and device time; a
+Chrome trace, gzipped, in DIR). Prints the eager step time first, measured in the same run.
+"""
+import argparse
+import cProfile
+import gzip
+import io
+import json
+import os
+import pstats
+import shutil
+import statistics
+import threading
+import time
+
+import torch
+
+from tensorstow.executor.data import batches
+from tensorstow.executor.runtime import Executor
+from tensorstow.ir.models import resolve_model
+from tensorstow.planner.hardware import parse_size
+from tensorstow.planner.plan import Options, hardware_for, make_plan
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="gpt3-125m")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--precision", default="bf16-mixed")
+    ap.add_argument("--policy", default="all-gpu")
+    ap.add_argument("--gpu-mem", dest="gpu_mem")
+    ap.add_argument("--hw", default="local")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--modes", default="sync,overlap")
+    ap.add_argument("--out", default="profile")
+    ap.add_argument("--depth", type=int, help="CudaLanes.DEPTH (device instructions a lane queues ahead)")
+    a = ap.parse_args()
+    if a.depth:
+        from tensorstow.executor.cuda import CudaLanes
+        CudaLanes.DEPTH = a.depth
+    device = torch.device(a.device)
+    cuda = device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(device)) if cuda else (lambda: None)
+    spec = resolve_model(a.model)
+    o = Options(model=a.model, hardware=a.hw, batch=a.batch, seq=a.seq, precision=a.precision, policy=a.policy,
+                gpu_mem=parse_size(a.gpu_mem) if a.gpu_mem else None)
+    plan = json.loads(make_plan(o, hardware_for(o)).dumps())
+    vocab = spec.config.vocab_size if spec.config else 50304
+    data = list(batches("synthetic", a.batch, plan["model"]["seq"], vocab, 8, seed=0))
+    os.makedirs(a.out, exist_ok=True)
+
+    def timed(fn, xs):
+        ts = []
+        for x, y in xs:
+            t0 = time.perf_counter()
+            fn(x, y)
+            sync()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    torch.manual_seed(0)
+    model = spec.build().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(a.precision)
+
+    def eager(x, y):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            loss = model(x.to(device), y.to(device))
+        loss.backward()
+        opt.step()
+
+    timed(eager, data[:3])
+    print(f"# {a.model} batch {a.batch} seq {plan['model']['seq']} {a.precision} {a.policy} on {device}: "
+          f"{len(plan['instructions'])} instructions")
+    print(f"eager step {timed(eager, data[3:6]):.4f} s")
+    del model, opt
+    for mode in a.modes.split(","):
+        torch.manual_seed(0)
+        ex = Executor(plan, spec.build(), mode=mode, device=device, state_dir=os.path.join(a.out, "state"))
+        timed(ex.step, data[:3])
+        t = timed(ex.step, data[3:6])
+        nodes = sum(len(s.nodes) for s in ex.joint.segments.values())
+        print(f"\n## executor {mode}: step {t:.4f} s, {nodes} graph nodes, lane busy "
+              + ", ".join(f"{k} {v:.4f}" for k, v in ex.lane_busy().items()))
+        profiles = [cProfile.Profile()]
+        run = threading.Thread.run
+
+        def profiled(thread):  # the lane threads (overlap mode) are profiled too, and merged
+            p = cProfile.Profile()
+            profiles.append(p)
+            p.enable()
+            try:
+                run(thread)
+            finally:
+                p.disable()
+        threading.Thread.run = profiled
+        profiles[0].enable()
+        ex.step(*data[6])
+        sync()
+        profiles[0].disable()
+        threading.Thread.run = run
+        s = io.StringIO()
+        pstats.Stats(*profiles, stream=s).sort_stats("tottime").print_stats(22)
+        print("\n".join(line for line in s.getvalue().splitlines()[6:] if line.strip()))
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        with torch.profiler.profile(activities=acts) as prof:
+            ex.step(*data[7])
+            sync()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=40))
+        path = os.path.join(a.out, f"{a.model}-{a.policy}-{mode}.trace.json")
+        prof.export_chrome_trace(path)
+        with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
+            shutil.copyfileobj(f, g)
+        os.remove(path)
+        ex.close()
+        shutil.rmtree(os.path.join(a.out, "state"), ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
