@@ -122,7 +122,7 @@ def main():
 
     t_eager = median_step(eager, data)
     print(f"eager PyTorch step        {t_eager:.4f} s{rate(t_eager)}{peak()}")
-    del model, opt
+    model = opt = None  # free the eager copy before the executor builds its own
     for mode in ("sync", "overlap") if cuda else ("sync",):
         torch.manual_seed(0)
         ex = Executor(resident, spec.build(), mode=mode, device=device)

@@ -81,7 +81,7 @@ def main():
     print(f"# {a.model} batch {a.batch} seq {plan['model']['seq']} {a.precision} {a.policy} on {device}: "
           f"{len(plan['instructions'])} instructions")
     print(f"eager step {timed(eager, data[3:6]):.4f} s")
-    del model, opt
+    model = opt = None  # free the eager copy before the executor builds its own
     for mode in a.modes.split(","):
         torch.manual_seed(0)
         ex = Executor(plan, spec.build(), mode=mode, device=device, state_dir=os.path.join(a.out, "state"))
