@@ -56,6 +56,8 @@ def main():
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--seq", type=int, default=0, help="sequence length (default: the model's block size)")
     ap.add_argument("--hw", default="local", help="hardware spec file from `tensorstow probe`, or local (probe now)")
+    ap.add_argument("--offload-policy", dest="offload_policy", default="zero-infinity",
+                    help="the offloaded plans' policy (zero-infinity: DeepSpeed's schedule; lohan, ilp, ...)")
     ap.add_argument("--offload", default="ssd,dram", help="offloaded plans to run: ssd, dram, both (ssd,dram) or none")
     ap.add_argument("--trace-dir", dest="trace_dir", help="write measured and simulated traces here")
     a = ap.parse_args()
@@ -137,7 +139,7 @@ def main():
     offload = {"both": "ssd,dram", "none": ""}.get(a.offload, a.offload).split(",")
     for label, kw in [(lbl, kw) for key, lbl, kw in (("ssd", "SSD-offloaded", {}), ("dram", "DRAM-offloaded", {"ssds": 0}))
                       if key in offload]:
-        offl = plan(policy="zero-infinity", gpu_mem=parse_size(a.gpu_mem), **kw)
+        offl = plan(policy=a.offload_policy, gpu_mem=parse_size(a.gpu_mem), **kw)
         p = as_plan(offl)
         for mode in ("sync", "overlap") if a.mode == "both" else (a.mode,):
             with tempfile.TemporaryDirectory(dir=".") as d:
@@ -151,7 +153,7 @@ def main():
                 ex.close()
             expect = predicted_step(p, mode)
             print(f"executor, {label:15s} {mode:8s} {t_off:.4f} s   predicted {expect:.4f} s   "
-                  f"measured/predicted = {t_off / expect:.2f}x   (zero-infinity, device budget {a.gpu_mem}, "
+                  f"measured/predicted = {t_off / expect:.2f}x   ({a.offload_policy}, device budget {a.gpu_mem}, "
                   f"offloaded/eager {t_off / t_eager:.2f}x){rate(t_off)}{peak()}")
             print("  lane busy measured/predicted: " + ", ".join(
                 f"{r} {v / p.predicted.busy_s[r]:.2f}x" for r, v in busy.items() if p.predicted.busy_s.get(r)))

@@ -9,7 +9,8 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl pulp==3.3.2 highspy==1.16.0
 # Then: device run, carry [".whl"], command "bash benchmarks/gpu_session.sh [STAGES]".
-# STAGES (default "env cuda probe bench demo suite"); BENCH="model:batch:seq:gpu-mem:precision ...".
+# STAGES (default "env cuda probe bench demo suite"); BENCH="model:batch:seq:gpu-mem:precision[:steps] ...",
+# BENCH_ARGS (more bench_executor arguments), HW (a spec file instead of probing), SUITE_END (seconds).
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
@@ -43,9 +44,9 @@ for s in $STAGES; do
     bench)
       hw=${HW:-local}; [ -s "$OUT/probe.json" ] && hw="$OUT/probe.json"
       for cfg in $BENCH; do
-        IFS=: read -r model batch seq mem prec <<<"$cfg"
+        IFS=: read -r model batch seq mem prec steps <<<"$cfg"
         timeout 300 python3 benchmarks/bench_executor.py --device cuda --hw "$hw" --model "$model" --batch "$batch" \
-          --seq "$seq" --gpu-mem "$mem" --precision "$prec" --steps 6 --trace-dir /tmp/traces ${BENCH_ARGS:-} \
+          --seq "$seq" --gpu-mem "$mem" --precision "$prec" --steps "${steps:-6}" --trace-dir /tmp/traces ${BENCH_ARGS:-} \
           >>"$OUT/bench.log" 2>&1
         echo "rc $? ($cfg)" >>"$OUT/bench.log"
       done
@@ -57,7 +58,9 @@ for s in $STAGES; do
     suite)
       left=$(( ${SUITE_END:-560} - ($(date +%s) - T0) ))
       [ "$left" -lt 60 ] && { echo "skipped: ${left}s left"; continue; }
-      timeout "$left" python3 -m pytest -n 16 -p no:cacheprovider -v --tb=line -rf --timeout 300 >"$OUT/suite.log" 2>&1
+      # CI's shape: 2 torch threads per worker (16 workers of 16 threads each thrash the cores)
+      OMP_NUM_THREADS=2 timeout "$left" python3 -m pytest -o addopts="" -n 8 --dist worksteal -p no:cacheprovider \
+        -v --tb=line -rf --timeout 300 >"$OUT/suite.log" 2>&1
       echo "rc $?"; grep -E " (FAILED|ERROR) |passed|failed" "$OUT/suite.log" | sed 's/^\[gw[0-9]*\] \[ *[0-9]*%\] //' | tail -40 ;;
   esac
 done

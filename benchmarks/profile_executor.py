@@ -4,8 +4,8 @@ Usage: python benchmarks/profile_executor.py [--model gpt3-125m] [--batch 8] [--
            [--precision bf16-mixed] [--policy all-gpu] [--gpu-mem 8GB] [--hw SPEC] [--device cuda]
            [--modes sync,overlap] [--out DIR] [--depth N]
 For each mode: 3 warm-up steps, the median of 3 timed steps, then one step under cProfile (the
-host functions by own time, every thread's merged) and one under torch.profiler (ops by self CPU and device time; a
-Chrome trace, gzipped, in DIR). Prints the eager step time first, measured in the same run.
+host functions by own time, every thread's merged) and one under torch.profiler (ops by device time; a Chrome trace,
+gzipped, in DIR), eager's step too. Prints the eager step time first, measured in the same run.
 """
 import argparse
 import cProfile
@@ -78,9 +78,24 @@ def main():
         opt.step()
 
     timed(eager, data[:3])
+    by_device = "self_device_time_total" if cuda else "self_cpu_time_total"
+
+    def profiled(name, fn, x, y):  # one step under torch.profiler: the ops by device time, a trace
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        with torch.profiler.profile(activities=acts) as prof:
+            fn(x, y)
+            sync()
+        print(prof.key_averages().table(sort_by=by_device, row_limit=16, max_name_column_width=40))
+        path = os.path.join(a.out, f"{a.model}-{name}.trace.json")
+        prof.export_chrome_trace(path)
+        with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
+            shutil.copyfileobj(f, g)
+        os.remove(path)
+
     print(f"# {a.model} batch {a.batch} seq {plan['model']['seq']} {a.precision} {a.policy} on {device}: "
           f"{len(plan['instructions'])} instructions")
     print(f"eager step {timed(eager, data[3:6]):.4f} s")
+    profiled("eager", eager, *data[6])
     model = opt = None  # free the eager copy before the executor builds its own
     for mode in a.modes.split(","):
         torch.manual_seed(0)
@@ -93,7 +108,7 @@ def main():
         profiles = [cProfile.Profile()]
         run = threading.Thread.run
 
-        def profiled(thread):  # the lane threads (overlap mode) are profiled too, and merged
+        def run_profiled(thread):  # the lane threads (overlap mode) are profiled too, and merged
             p = cProfile.Profile()
             profiles.append(p)
             p.enable()
@@ -101,7 +116,7 @@ def main():
                 run(thread)
             finally:
                 p.disable()
-        threading.Thread.run = profiled
+        threading.Thread.run = run_profiled
         profiles[0].enable()
         ex.step(*data[6])
         sync()
@@ -110,16 +125,7 @@ def main():
         s = io.StringIO()
         pstats.Stats(*profiles, stream=s).sort_stats("tottime").print_stats(22)
         print("\n".join(line for line in s.getvalue().splitlines()[6:] if line.strip()))
-        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-        with torch.profiler.profile(activities=acts) as prof:
-            ex.step(*data[7])
-            sync()
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=40))
-        path = os.path.join(a.out, f"{a.model}-{a.policy}-{mode}.trace.json")
-        prof.export_chrome_trace(path)
-        with open(path, "rb") as f, gzip.open(path + ".gz", "wb") as g:
-            shutil.copyfileobj(f, g)
-        os.remove(path)
+        profiled(f"{a.policy}-{mode}", ex.step, *data[7])
         ex.close()
         shutil.rmtree(os.path.join(a.out, "state"), ignore_errors=True)
 
