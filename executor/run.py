@@ -30,7 +30,7 @@ def execute(plan: Plan, *, steps: int, data: str = "synthetic", state_dir: str |
     if nproc > 1 or (nproc == 1 and rank is None and _gpus_of(plan) > 1):
         return _launch(plan, nproc, dict(steps=steps, data=data, state_dir=state_dir, mode=mode, seed=seed,
                                          log_json=log_json, trace=trace, checkpoint_every=checkpoint_every), out)
-    mode = pick_mode(mode)
+    mode = pick_mode(mode, plan)
     if steps < 1:
         raise TensorstowError(f"--steps must be >= 1, got {steps}")
     m = plan.model
@@ -137,18 +137,25 @@ def predicted_step(plan: Plan, mode: str) -> float:
     return sync_step_s(list(plan.instructions), plan_commit_s(plan))
 
 
-def pick_mode(mode: str) -> str:
-    """`auto`: overlap where the lanes have engines of their own: CUDA (copy engines, the GPU, the
-    host), or a CPU device tier whose compute threads leave a core for the other lanes (the executor
-    pins them apart: `runtime.lane_cores`); sync where the compute takes every core, as the lanes
-    would then take cores from it (gpt-small, 2 threads on 2 cores: sync 0.30 s, overlap 0.38 s;
-    1 thread, an SSD-bound plan: sync 0.42 s, overlap 0.24 s; benchmarks/RESULTS.md)."""
+def pick_mode(mode: str, plan: Plan | None = None) -> str:
+    """`auto`: overlap where the lanes have engines of their own and the plan has work for them to
+    hide. On CUDA: overlap for a plan with SSD traffic, sync otherwise. Measured on the lent H100
+    (benchmarks/RESULTS.md, 2026-11-25), overlap/sync step time: gpt3-125m and gpt3-350m
+    SSD-offloaded 0.92x and 0.79x, but all-resident 2.4x and 1.8x and DRAM-offloaded 1.8x and 1.5x:
+    the lanes' Python threads share one interpreter, and without SSD reads to wait for, that costs
+    more host time than the overlap hides. On a CPU device tier: overlap where the compute threads
+    leave a core for the other lanes (the executor pins them apart: `runtime.lane_cores`); sync
+    where the compute takes every core, as the lanes would then take cores from it (gpt-small, 2
+    threads on 2 cores: sync 0.30 s, overlap 0.38 s; 1 thread, an SSD-bound plan: sync 0.42 s,
+    overlap 0.24 s)."""
     if mode != "auto":
         return mode
     from tensorstow.executor.cuda import resolve_device
     from tensorstow.executor.runtime import lane_cores
     device = resolve_device(None)
-    return "overlap" if device.type == "cuda" or lane_cores(device, torch.get_num_threads()) else "sync"
+    if device.type == "cuda":
+        return "overlap" if plan is None or plan.ssd_sizes() else "sync"
+    return "overlap" if lane_cores(device, torch.get_num_threads()) else "sync"
 
 
 def build_for_execution(spec, seed: int):

@@ -119,14 +119,19 @@ def test_fp16_execute_logs_the_loss_scale_and_skipped_updates(tmp_path, capsys):
 
 
 def test_auto_mode_overlaps_where_the_lanes_have_cores_of_their_own(monkeypatch):
-    """`--mode auto` (the default): overlap on CUDA, and on a CPU device tier when torch's threads
-    leave a core for the other lanes; sync where the compute takes every core (the lanes would take
-    cores from it); an explicit mode is kept."""
+    """`--mode auto` (the default): on CUDA overlap for a plan with SSD traffic and sync for one
+    without; on a CPU device tier overlap when torch's threads leave a core for the other lanes,
+    sync where the compute takes every core (the lanes would take cores from it); an explicit mode
+    is kept."""
     import os
 
     import torch
 
     from tensorstow.executor.run import pick_mode
+    from tensorstow.planner.schema import as_plan
+    from tests.test_executor import get_plan
+    on_ssd, resident = as_plan(get_plan("zero-infinity")), as_plan(get_plan("all-gpu"))
+    assert on_ssd.ssd_sizes() and not resident.ssd_sizes()
     monkeypatch.setenv("TENSORSTOW_DEVICE", "cpu")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
@@ -137,7 +142,9 @@ def test_auto_mode_overlaps_where_the_lanes_have_cores_of_their_own(monkeypatch)
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("TENSORSTOW_DEVICE", "cuda")
-    assert pick_mode("auto") == "overlap"
+    assert pick_mode("auto", on_ssd) == "overlap"
+    assert pick_mode("auto", resident) == "sync"
+    assert pick_mode("overlap", resident) == "overlap"
 
 
 def test_ranks_on_cpu_devices_get_disjoint_cores():
