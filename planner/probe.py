@@ -255,19 +255,24 @@ def _cpu_block_flops(reps: int) -> float:
     token. On a CPU the matmul peak is far from what a block gets: small matmuls, attention and
     the memory-bound ops between them run below it, 2-3x on this kind of machine (measured in
     benchmarks/RESULTS.md), as the GPU presets' block peaks sit below their datasheets."""
-    import torch
-
-    from tensorstow.ir.models import Block, GPTConfig
-    d, heads, batch, seq = CPU_BLOCK
-    torch.manual_seed(0)
-    blk = Block(GPTConfig(n_layer=1, n_head=heads, n_embd=d))
-    x = torch.randn(batch, seq, d, requires_grad=True)
+    d, _heads, batch, seq = CPU_BLOCK
+    blk, x = _cpu_block()
 
     def step():
         blk(x).sum().backward()
     step()  # warm-up: allocations, kernel selection
     flops = 3 * batch * seq * 2 * (12 * d * d + 2 * seq * d)
     return flops / _best_time(step, reps)
+
+
+def _cpu_block():
+    """(block, input) of CPU_BLOCK's shape, seeded: what the CPU tier's block probes time."""
+    import torch
+
+    from tensorstow.ir.models import Block, GPTConfig
+    d, heads, batch, seq = CPU_BLOCK
+    torch.manual_seed(0)
+    return Block(GPTConfig(n_layer=1, n_head=heads, n_embd=d)), torch.randn(batch, seq, d, requires_grad=True)
 
 
 CONTENTION_COPY_BYTES = 64 * MiB
@@ -286,11 +291,7 @@ def _host_contention(reps: int) -> float:
 
     import torch
 
-    from tensorstow.ir.models import Block, GPTConfig
-    d, heads, batch, seq = CPU_BLOCK
-    torch.manual_seed(0)
-    blk = Block(GPTConfig(n_layer=1, n_head=heads, n_embd=d))
-    x = torch.randn(batch, seq, d, requires_grad=True)
+    blk, x = _cpu_block()
     src = torch.ones(CONTENTION_COPY_BYTES, dtype=torch.uint8)
     dst = torch.zeros_like(src)
     stop = threading.Event()
