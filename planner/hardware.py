@@ -66,7 +66,7 @@ class GPU:
     the presets; measured by `tensorstow probe`; 0 for the CPU device tier). The plan's tensors
     get `plan_bytes`."""
     op_s: float = 0.0
-    """Host seconds each op costs besides its kernel: the executor's interpreter and torch's
+    """Host seconds each op costs besides its kernel: the executor's segment runner and torch's
     dispatcher (measured by `tensorstow probe` on a tiny model; added to every op's time). 0 in
     the papers' presets, whose `flops` are measured block rates that include it. Left out of the
     spec's JSON when 0."""

@@ -164,7 +164,7 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
                      f"flops_fp32 = fp32 GPT block (d {CPU_BLOCK[0]}, batch {CPU_BLOCK[2]} x seq {CPU_BLOCK[3]}) "
                      f"forward + backward on {torch.get_num_threads()} thread(s), flops = that x a bf16 "
                      f"{'x'.join(map(str, MM16))} matmul's rate / an fp32 one's ({bf16:.3g}); op_s = the executor's "
-                     f"interpreter per op on a tiny GPT ({op_s * 1e6:.1f} us); copy_tensor_s = the executor's "
+                     f"segment runner per op on a tiny GPT ({op_s * 1e6:.1f} us); copy_tensor_s = the executor's "
                      f"stores per tensor of a copy ({per_tensor * 1e6:.1f} us); host_contention = that block beside a "
                      f"{CONTENTION_COPY_BYTES // MiB} MiB copy loop / alone, less 1 ({contention:.3f})")
     if nvml_note:
@@ -320,8 +320,8 @@ def _host_contention(reps: int) -> float:
 
 
 def _op_dispatch_s(reps: int) -> float:
-    """Host seconds per op the executor spends besides the kernel: its segment interpreter
-    (executor.segments.Joint, with the device tier's accounting) over the joint graph of a GPT
+    """Host seconds per op the executor spends besides the kernel: its segment runner
+    (executor.segments.Joint.run, compiled segments, with the device tier's accounting) over the joint graph of a GPT
     so small (d 8, 4 tokens) that its kernels take next to nothing, divided by its IR ops, the unit
     the cost model charges it per (`cost.op_time`). It is what makes a narrow model (gpt-small at
     2 x 32 tokens) run well below a block's FLOP rate."""

@@ -99,8 +99,8 @@ def test_no_gpu_path(measured):
     assert g.h2d_bw == g.d2h_bw
     assert hw.gpu_p2p_bw == 0.0
     assert "no CUDA" in hw.source
-    # the executor's per-op dispatch: microseconds (the interpreter, torch's dispatcher)
-    assert 1e-7 < g.op_s < 1e-3 and "op_s = the executor's interpreter" in hw.source
+    # the executor's per-op dispatch: microseconds (the segment runner, torch's dispatcher)
+    assert 1e-7 < g.op_s < 1e-3 and "op_s = the executor's segment runner" in hw.source
     # 16-bit matmuls at this CPU's own bf16 rate (no faster than fp32; far slower without native bf16)
     assert 0 < g.flops <= g.flops_fp32 and "bf16" in hw.source
     # the executor's stores: per tensor of a DRAM <-> device copy, per SSD read or write
