@@ -19,6 +19,7 @@ they would have seen without the trip.
 """
 from __future__ import annotations
 
+import functools
 import operator
 from collections import defaultdict
 from dataclasses import dataclass
@@ -406,8 +407,15 @@ def _compile(seg: Segment, joint: Joint, device: torch.device | None) -> _Compil
             "            if k[0] == 'h' and k[1:].isdigit():",
             "                release(v)"]
     scope = dict(consts)
-    exec(compile("\n".join(src), f"<segment {seg.name}>", "exec"), scope)
+    exec(_code("\n".join(src), f"<segment {seg.name}>"), scope)
     return _Compiled(fn=scope["_segment"], fetched=tuple(sorted(fetched, key=fetched.get)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _code(source: str, filename: str):
+    """Python's compile of a segment's source, shared by every executor of the same trace (their
+    segments read the same source with their own constants): compiling is most of `_compile`."""
+    return compile(source, filename, "exec")
 
 
 def _flat(a):
