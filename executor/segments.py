@@ -356,10 +356,10 @@ def _compile(seg: Segment, joint: Joint, device: torch.device | None) -> _Compil
                 return f"fetch(_names[{k}])"
             emit(a, indent)  # a view of an outside root: replayed here, kept until its last use
             return var[a.name]
-        if isinstance(a, (list, tuple)) and any(isinstance(x, fx.Node) for x in _flat(a)):
+        if isinstance(a, (list, tuple)) and _arg_nodes(a):
             items = ", ".join(arg(x, indent) for x in a)
             return f"[{items}]" if isinstance(a, list) else f"({items}{',' if len(a) == 1 else ''})"
-        if isinstance(a, dict) and any(isinstance(x, fx.Node) for x in _flat(a)):
+        if isinstance(a, dict) and _arg_nodes(a):
             return "{" + ", ".join(f"{k!r}: {arg(v, indent)}" for k, v in a.items()) + "}"
         return const(a)
 
@@ -418,18 +418,8 @@ def _code(source: str, filename: str):
     return compile(source, filename, "exec")
 
 
-def _flat(a):
-    if isinstance(a, (list, tuple)):
-        for x in a:
-            yield from _flat(x)
-    elif isinstance(a, dict):
-        for x in a.values():
-            yield from _flat(x)
-    else:
-        yield a
-
-
-def _arg_nodes(n: fx.Node) -> list[fx.Node]:
+def _arg_nodes(n) -> list[fx.Node]:
+    """The Nodes a node reads (its args and kwargs), or that an argument structure holds."""
     out: list[fx.Node] = []
-    map_arg((n.args, n.kwargs), lambda a: out.append(a))
+    map_arg((n.args, n.kwargs) if isinstance(n, fx.Node) else n, lambda a: out.append(a))
     return out
