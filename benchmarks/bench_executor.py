@@ -45,6 +45,44 @@ def median_step(fn, xs):
     return statistics.median(times[1:] or times)
 
 
+def eager_step(spec, device: torch.device, precision: str):
+    """One eager PyTorch training step of a fresh `spec.build()` (seed 0) as a function of (x, y):
+    the baseline. On the CPU the same per-tensor AdamW loop as the executor's exact optimizer and
+    the executor's autocast table (ir.autocast); on a GPU PyTorch's default AdamW (foreach) and
+    CUDA autocast, the eager run people make; fp16 with a GradScaler."""
+    import contextlib
+
+    from tensorstow.ir.autocast import gpu_autocast
+    from tensorstow.ir.trace import PRECISIONS
+    cuda = device.type == "cuda"
+    torch.manual_seed(0)
+    model = spec.build().to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({} if cuda else {"foreach": False}))
+    amp = torch.amp.GradScaler(device.type) if precision == "fp16-mixed" else None
+
+    def autocast():
+        if precision == "fp32":
+            return contextlib.nullcontext()
+        if cuda:
+            return torch.autocast("cuda", dtype=PRECISIONS[precision])
+        return gpu_autocast(PRECISIONS[precision])
+
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        with autocast():
+            loss = model(x.to(device), y.to(device))
+        if amp is None:
+            loss.backward()
+            opt.step()
+        else:
+            amp.scale(loss).backward()
+            amp.step(opt)
+            amp.update()
+        if cuda:
+            torch.cuda.synchronize(device)
+    return step
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="gpt-small")
@@ -89,42 +127,10 @@ def main():
         torch.cuda.reset_peak_memory_stats(device)
         return f"   max_memory_allocated {m / 2**30:.2f} GiB"
 
-    torch.manual_seed(0)
-    model = spec.build().to(device)
-    # on the CPU the same per-tensor AdamW loop as the executor's exact optimizer; on a GPU
-    # PyTorch's default (foreach), the eager baseline people run
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **({} if cuda else {"foreach": False}))
-
-    import contextlib
-
-    from tensorstow.ir.autocast import gpu_autocast
-    from tensorstow.ir.trace import PRECISIONS
-    amp = torch.amp.GradScaler(device.type) if a.precision == "fp16-mixed" else None
-
-    def autocast():
-        if a.precision == "fp32":
-            return contextlib.nullcontext()
-        if cuda:
-            return torch.autocast("cuda", dtype=PRECISIONS[a.precision])
-        return gpu_autocast(PRECISIONS[a.precision])
-
-    def eager(x, y):
-        opt.zero_grad(set_to_none=True)
-        with autocast():
-            loss = model(x.to(device), y.to(device))
-        if amp is None:
-            loss.backward()
-            opt.step()
-        else:
-            amp.scale(loss).backward()
-            amp.step(opt)
-            amp.update()
-        if cuda:
-            torch.cuda.synchronize(device)
-
+    eager = eager_step(spec, device, a.precision)
     t_eager = median_step(eager, data)
     print(f"eager PyTorch step        {t_eager:.4f} s{rate(t_eager)}{peak()}")
-    model = opt = None  # free the eager copy before the executor builds its own
+    eager = None  # free the eager copy before the executor builds its own
     for mode in ("sync", "overlap") if cuda else ("sync",):
         torch.manual_seed(0)
         ex = Executor(resident, spec.build(), mode=mode, device=device)

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from bench_executor import eager_step  # this directory: the same eager baseline
 from tensorstow.executor.data import batches
 from tensorstow.executor.runtime import Executor
 from tensorstow.ir.models import resolve_model
@@ -66,18 +67,7 @@ def main():
             ts.append(time.perf_counter() - t0)
         return statistics.median(ts)
 
-    torch.manual_seed(0)
-    model = spec.build().to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    dtype = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}.get(a.precision)
-
-    def eager(x, y):
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
-            loss = model(x.to(device), y.to(device))
-        loss.backward()
-        opt.step()
-
+    eager = eager_step(spec, device, a.precision)
     timed(eager, data[:3])
     by_device = "self_device_time_total" if cuda else "self_cpu_time_total"
 
@@ -97,7 +87,7 @@ def main():
           f"{len(plan['instructions'])} instructions")
     print(f"eager step {timed(eager, data[3:6]):.4f} s")
     profiled("eager", eager, *data[6])
-    model = opt = None  # free the eager copy before the executor builds its own
+    eager = None  # free the eager copy before the executor builds its own
     for mode in a.modes.split(","):
         torch.manual_seed(0)
         ex = Executor(plan, spec.build(), mode=mode, device=device, state_dir=os.path.join(a.out, "state"))
