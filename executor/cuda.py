@@ -20,7 +20,10 @@ no instruction is followed by a synchronize, and nothing waits for the whole dev
 keeps at most DEPTH device instructions queued ahead of the GPU (it waits for the one DEPTH
 back before enqueuing another), so memory freed in host time is soon free on the GPU.
 In sync mode all device work goes on the caller's stream, in program order, and host work
-waits for that stream's pending work.
+waits for that stream's pending work. Device work is not held to DEPTH there: on one stream the
+caching allocator hands a freed block only to work enqueued after the free, which runs after
+the work that used it, so what the allocator holds is what the host holds however far ahead
+the host runs; the host waits only where a host instruction needs the device's results.
 
 A gpu0 tensor freed while other lanes' streams may still read it is `record_stream`-ed on
 every lane stream, so the caching allocator reuses its memory only after the work enqueued on
@@ -82,10 +85,13 @@ class CudaLanes:
     pass a recording stand-in)."""
 
     DEPTH = 2
-    """Device instructions a lane may have queued ahead of the GPU: before enqueuing one more, the
-    lane's thread waits for the one DEPTH back. The GPU always has work queued, and memory the
-    host frees is free on the GPU soon after, so the device tier's count (host time) stays close
-    to what the allocator holds (GPU time)."""
+    """Device instructions a lane may have queued ahead of the GPU in overlap mode: before
+    enqueuing one more, the lane's thread waits for the one DEPTH back. The GPU always has work
+    queued, and memory the host frees is free on the GPU soon after (a free `record_stream`-ed on
+    the other lanes' streams waits for them), so the device tier's count (host time) stays close
+    to what the allocator holds (GPU time). Sync mode has no such bound (module docstring): at 2
+    the host of a gpt3-125m step on an H100 spent 19 of 94 ms in `Event.synchronize` while the
+    GPU drained (benchmarks/RESULTS.md, 2026-11-25 sixth session)."""
 
     def __init__(self, instrs, device, *, overlap: bool, cuda=torch.cuda):
         self.cuda, self.device = cuda, device
@@ -141,7 +147,7 @@ class CudaLanes:
             return
         s = self._stream(key)
         queued = self._queued[key]
-        if len(queued) >= self.DEPTH:
+        if self.overlap and len(queued) >= self.DEPTH:
             queued.popleft().synchronize()
         for d in ins.deps:
             ev = self._done.get(d)
@@ -159,7 +165,8 @@ class CudaLanes:
         end = self._events[i][1]
         end.record(self._stream(key))
         self._done[i] = self._pending[key] = end
-        self._queued[key].append(end)
+        if self.overlap:
+            self._queued[key].append(end)
 
     def retire(self, tensors) -> None:
         """Device tensors are about to be dropped: keep their memory from the allocator until every

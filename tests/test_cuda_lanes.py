@@ -95,10 +95,12 @@ class Logged(CudaLanes):
         super().after(ins)
 
 
-def check_protocol(cuda: FakeCuda, instrs, steps: int, depth: int = CudaLanes.DEPTH) -> None:
+def check_protocol(cuda: FakeCuda, instrs, steps: int, depth: int | None = CudaLanes.DEPTH) -> None:
     """CUDA's rules replayed on the log: every dependency of the plan is ordered (device work by
     a stream wait on the producer's event, host work by a host wait), lanes start after the
-    step's inputs and the step joins them, and the host never waits where the GPU would idle."""
+    step's inputs and the step joins them, and the host never waits where the GPU would idle.
+    `depth`: the device instructions a lane keeps queued (overlap mode); None: no bound (sync
+    mode), the host waits only before host work."""
     log = sorted(cuda.log, key=lambda e: e[1])
     runs = [e for e in log if e[0] == "run"]
     assert len(runs) == steps * len(instrs)
@@ -145,6 +147,7 @@ def check_protocol(cuda: FakeCuda, instrs, steps: int, depth: int = CudaLanes.DE
             nxt = min((e for e in step if e[3] == h[2] and e[1] > h[1]), key=lambda e: e[1])
             if on_host(instrs[nxt[2]]):
                 continue
+            assert depth is not None, f"step {k}: the host waits before enqueuing device instruction {nxt[2]}"
             behind = [e for e in log if e[0] == "record" and e[2] is h[3] and h[4] < e[1] < h[1]]
             assert len(behind) >= 2 * (depth - 1), f"step {k}: the GPU idles while instruction {nxt[2]} waits"
         # the join: the caller's stream waits for every lane stream, then the host for it
@@ -164,7 +167,7 @@ def test_lanes_order_every_dependency_by_events(name, mode, tmp_path):
     ex.lanes = Logged(ex.instrs, ex.device, overlap=mode == "overlap", cuda=cuda)
     losses = [ex.step(x, y) for x, y in batches("synthetic", B, T, VOCAB, STEPS, seed=0)]
     assert_same((losses, ex.parameters()), eager())  # the protocol changes no result
-    check_protocol(cuda, ex.instrs, STEPS)
+    check_protocol(cuda, ex.instrs, STEPS, depth=CudaLanes.DEPTH if mode == "overlap" else None)
     frees = [i for i in ex.instrs if i.kind == "free" and i.dst == "gpu0"]
     recorded = [e for e in cuda.log if e[0] == "record_stream"]
     if mode == "sync":  # one stream: the allocator's stream order is enough
