@@ -450,10 +450,12 @@ def _host_link(gpu: int, hw: Hardware, way: str) -> float:
 def _blocking_copy_bw(gpu: int, hw: Hardware, way: str, mixed: bool) -> float:
     """Bytes/s of DeepSpeed's blocking copy between a GPU's 16-bit (mixed) or fp32 tensor and an fp32
     host tensor: converting through the CPU in mixed precision (`GPU.d2h_convert_bw` /
-    `h2d_convert_bw`, where the spec states it), the pinned link otherwise."""
+    `h2d_convert_bw`, where the spec states it), the pinned link otherwise. A converting copy
+    still crosses the link, so it is never faster than the link (and its root complex)."""
     g = hw.gpus[gpu]
+    link = _host_link(gpu, hw, way)
     convert = (g.d2h_convert_bw if way == "d2h" else g.h2d_convert_bw) if mixed else 0.0
-    return convert or _host_link(gpu, hw, way)
+    return min(convert, link) if convert else link
 
 
 def zero3_grad_flush_time(nbytes: int, gpu: int, gpus: int, mixed: bool, hw: Hardware) -> float:
