@@ -11,7 +11,8 @@ and its backward: kernels only the CPU registers. On CUDA the executor runs them
   log-sum-exp output, which only the backward below would read, is left uninitialised.
 - backward: the attention recomputed under autograd and differentiated (flash/efficient
   backward kernels): one extra attention forward per backward, in exchange for not depending
-  on a kernel's private saved state (philox offsets, padded log-sum-exp).
+  on a kernel's private saved state (philox offsets, padded log-sum-exp). It leaves the step's
+  inference mode for that, on copies of the query, key, value and mask.
 
 Saved-activation sizes follow the trace (the CPU op's output and log-sum-exp, the same shapes
 CUDA's flash kernel saves). Attention dropout is refused off the CPU: its mask could not be
@@ -53,13 +54,21 @@ def sdpa_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_cau
     """`_scaled_dot_product_flash_attention_for_cpu_backward` on any device: the gradients of
     query, key and value, by recomputing the attention under autograd."""
     _no_dropout(dropout_p)
-    with torch.enable_grad():
-        q, k, v = (t.detach().requires_grad_(True) for t in (query, key, value))
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=0.0, is_causal=is_causal,
+    # the executor's step runs in inference mode, where autograd records nothing: leave it here,
+    # and differentiate normal copies of its inference tensors (autograd refuses to save those)
+    with torch.inference_mode(False), torch.enable_grad():
+        q, k, v = (_autograd_leaf(t).requires_grad_(True) for t in (query, key, value))
+        mask = None if attn_mask is None else _autograd_leaf(attn_mask)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=is_causal,
                                            scale=scale)
         grads = torch.autograd.grad(o, (q, k, v), grad_out)
     likes = _like if _like is not None else (None, None, None)
     return tuple(_restride(g, like) for g, like in zip(grads, likes))
+
+
+def _autograd_leaf(t: torch.Tensor) -> torch.Tensor:
+    """`t` detached from any graph; a copy where it is an inference tensor."""
+    return t.clone() if t.is_inference() else t.detach()
 
 
 def _no_dropout(p: float) -> None:
