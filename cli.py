@@ -9,6 +9,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from tensorstow import TensorstowError
@@ -463,8 +464,22 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+_python_show_warning = warnings.showwarning
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """tensorstow's own warnings as one line each (`tensorstow: warning: ...`), not Python's
+    file:line and source; other libraries' as Python shows them."""
+    from tensorstow.planner.probe import ProbeWarning
+    if issubclass(category, ProbeWarning):
+        print(f"tensorstow: warning: {message}", file=file or sys.stderr)
+    else:
+        _python_show_warning(message, category, filename, lineno, file, line)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    warnings.showwarning = _show_warning
     if not argv:
         try:
             return cmd_demo()

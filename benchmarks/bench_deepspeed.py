@@ -417,6 +417,7 @@ def _ts_info(a: dict, work: Path, every: int) -> dict:
                        f"{'checkpoint every step' if every == 1 else 'one checkpoint, at the end'})",
             "plan_predicted_step_s": plan.predicted.step_time_s,
             "disk": {k: getattr(plan.hardware.spec.ssd, k) for k in ("read_bw", "write_bw", "flush_bw")},
+            "host_contention": plan.hardware.spec.gpus[0].host_contention,
             "ssd_bytes": sum(plan.ssd_sizes().values()),
             "homes": {k: sorted(v) for k, v in sorted(homes.items())}}
 
@@ -485,6 +486,9 @@ def _ts_plan(a: dict, plan_path: Path) -> dict | None:
     if p.returncode != 0 or not plan_path.exists():
         return {"skipped": f"`{' '.join(cmd[3:])}` failed (rc {p.returncode}): "
                            f"{(p.stderr or p.stdout).strip()[-800:]}"}
+    for line in p.stderr.splitlines():  # e.g. the probe ran beside other processes: a pessimistic plan
+        if line.startswith("tensorstow: warning:"):
+            print(f"  {line}", flush=True)
     return None
 
 
@@ -615,7 +619,8 @@ def main() -> None:
         print(f"tensorstow: plan predicts {ts['plan_predicted_step_s']:.4g} s/step for {args.ts_hw}; "
               f"{ts['ssd_bytes'] / 2**20:.1f} MiB on the SSD tier; buffer homes {ts['homes']}")
         # the VM's disk moves 0.6-3 GB/s from one minute to the next: the rate the plan was made for
-        print("  disk as planned: " + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in ts["disk"].items()))
+        print("  disk as planned: " + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in ts["disk"].items())
+              + f"; device tier host_contention {ts['host_contention']:.3f}")
 
     def ratio(num, den):
         if "median_s" in res.get(num, {}) and "median_s" in res.get(den, {}):

@@ -38,6 +38,7 @@ import shutil
 import statistics
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 
 from tensorstow import TensorstowError
@@ -106,6 +107,57 @@ def clear_cache() -> None:
 
 
 # --------------------------------------------------------------------------------------
+# other processes
+
+BUSY_CORES_WARN = 0.25
+"""Cores' worth of CPU other processes (or the hypervisor: steal) may use while the probe times the
+CPU before it warns: its FLOP rate and `host_contention` then measure a shared machine. (On the
+2-core dev VM a compiler running beside the probe doubled `host_contention`, 0.19 -> 1.08, and the
+planner chose to recompute every block rather than swap.)"""
+
+
+class ProbeWarning(UserWarning):
+    """The probe measured a machine other processes were using: its figures may be pessimistic."""
+
+
+def _machine_cpu_s() -> tuple[float, float] | None:
+    """CPU seconds the whole machine has spent busy and stolen (by the hypervisor) since boot,
+    from /proc/stat; None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq) / tick, steal / tick
+
+
+class _OtherLoad:
+    """Cores' worth of CPU that other processes and the hypervisor took while it ran (`with`
+    blocks; they add up): the machine's busy and stolen CPU time less this process's own."""
+
+    def __init__(self):
+        self.other_s = self.wall_s = 0.0
+
+    def __enter__(self):
+        self._start = (_machine_cpu_s(), time.process_time(), time.perf_counter())
+        return self
+
+    def __exit__(self, *exc):
+        machine0, own0, t0 = self._start
+        machine1 = _machine_cpu_s()
+        if machine0 is not None and machine1 is not None:
+            busy, steal = machine1[0] - machine0[0], machine1[1] - machine0[1]
+            self.other_s += max(0.0, busy - (time.process_time() - own0)) + steal
+            self.wall_s += time.perf_counter() - t0
+
+    @property
+    def cores(self) -> float:
+        return self.other_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+# --------------------------------------------------------------------------------------
 # orchestration
 
 
@@ -131,9 +183,11 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
         fallback = os.path.realpath(tempfile.gettempdir())
         disk = _disk_bw(fallback, p.disk_bytes, p.disk_chunk, p.disk_reps)
         notes.append(f"current directory {base} not writable, measured {fallback}")
-    copy_bw = _cpu_memcpy_bw(p.memcpy_bytes, p.memcpy_reps)  # bytes moved per second
+    other = _OtherLoad()  # what else runs while the CPU is timed (the disk's I/O is left out)
+    with other:
+        copy_bw = _cpu_memcpy_bw(p.memcpy_bytes, p.memcpy_reps)  # bytes moved per second
+        adam_rate, adam_kind = _adam_rate(p.adam_numel, p.adam_reps)
     dram = DRAM(capacity_bytes=avail_ram, bandwidth=2 * copy_bw)
-    adam_rate, adam_kind = _adam_rate(p.adam_numel, p.adam_reps)
     cores = os.cpu_count() or 1
 
     nvml_note = _nvml_summary()
@@ -147,11 +201,12 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
         gpus, p2p_bw, gpu_notes = gpu_result
         notes += gpu_notes
     else:
-        flops = _cpu_block_flops(p.cpu_block_reps)
-        bf16 = _cpu_bf16_ratio()
-        op_s = _op_dispatch_s(p.cpu_block_reps)
-        per_tensor = _copy_tensor_s(p.memcpy_reps)
-        contention = _host_contention(p.cpu_block_reps)
+        with other:
+            flops = _cpu_block_flops(p.cpu_block_reps)
+            bf16 = _cpu_bf16_ratio()
+            op_s = _op_dispatch_s(p.cpu_block_reps)
+            per_tensor = _copy_tensor_s(p.memcpy_reps)
+            contention = _host_contention(p.cpu_block_reps)
         budget = total_ram // CPU_GPU_FRACTION
         gpus = (GPU(name=CPU_GPU_NAME, memory_bytes=budget, flops=flops * bf16, flops_fp32=flops, mem_bw=2 * copy_bw,
                     h2d_bw=copy_bw, d2h_bw=copy_bw, op_s=op_s, copy_tensor_s=per_tensor,
@@ -169,6 +224,13 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
                      f"{CONTENTION_COPY_BYTES // MiB} MiB copy loop / alone, less 1 ({contention:.3f})")
     if nvml_note:
         notes.append(nvml_note)
+    if other.cores > BUSY_CORES_WARN:
+        busy = (f"other processes kept {other.cores:.2f} of {cores} cores busy while the probe timed the CPU, "
+                f"so its CPU figures (AdamW, memcpy{'' if gpu_result else ', the device tier FLOPS and host_contention'})"
+                f" may be pessimistic")
+        notes.append(busy)
+        warnings.warn(ProbeWarning(f"{busy}: probe again when the machine is idle (`tensorstow probe -o spec.json`, "
+                                   f"then plan with `--hw spec.json`)"), stacklevel=2)
 
     ssd = SSD(count=1, read_bw=disk.read_bw, write_bw=disk.write_bw, capacity_bytes=disk.capacity,
               request_s=disk.request_s, commit_s=disk.commit_s, sync_s=disk.sync_s, flush_bw=disk.flush_bw)
