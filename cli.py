@@ -160,7 +160,7 @@ def _ranges(blocks: list[str]) -> str:
 # ---- commands ------------------------------------------------------------------------------
 
 def _options(args):
-    from tensorstow.planner.plan import Options
+    from tensorstow.planner.plan import Options, check_options
     kw = dict(model=args.model, hardware=args.hw, policy=args.policy, batch=args.batch, seq=args.seq,
               precision=args.precision, optimizer=args.optimizer, lr=args.lr, betas=tuple(args.betas),
               eps=args.eps, weight_decay=args.weight_decay,
@@ -171,7 +171,9 @@ def _options(args):
         kw[k] = parse_size(v) if v is not None else None
     kw["ssds"] = args.ssds
     kw.update(gpus=args.gpus, microbatches=args.microbatches, mapping=args.mapping)
-    return Options(**kw)
+    o = Options(**kw)
+    check_options(o)  # before `--hw local` probes: a typo fails at once
+    return o
 
 
 def cmd_plan(args) -> int:
@@ -478,8 +480,12 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    warnings.showwarning = _show_warning
+    with warnings.catch_warnings():  # restores Python's own display when main returns
+        warnings.showwarning = _show_warning
+        return _main(sys.argv[1:] if argv is None else argv)
+
+
+def _main(argv: list[str]) -> int:
     if not argv:
         try:
             return cmd_demo()

@@ -46,12 +46,27 @@ class Problem:
         return {f"gpu{k}": g.plan_bytes for k, g in enumerate(self.hw.gpus)}
 
 
-def build_problem(options: Options, hw: Hardware, model=None) -> Problem:
-    """`model`: an nn.Module to trace instead of building `options.model` (the Python API)."""
+def check_options(options: Options, model=None) -> None:
+    """Raise TensorstowError for options no plan can be made from (the model, the policy, the
+    optimizer, the precision): the CLI checks them before `--hw local` probes the machine, so a
+    typo fails at once, in one line."""
     if options.optimizer not in ("adam", "adamw"):
         raise TensorstowError(f"unknown optimizer '{options.optimizer}': use adam or adamw")
     if options.precision not in PRECISIONS:
         raise TensorstowError(f"unknown precision '{options.precision}': use one of {sorted(PRECISIONS)}")
+    _check_policy(options.policy)
+    if model is None:
+        resolve_model(options.model)
+
+
+def _check_policy(name: str) -> None:
+    if name != "auto" and name not in policies():
+        raise TensorstowError(f"unknown policy '{name}': use one of {sorted(policies()) + ['auto']}")
+
+
+def build_problem(options: Options, hw: Hardware, model=None) -> Problem:
+    """`model`: an nn.Module to trace instead of building `options.model` (the Python API)."""
+    check_options(options, model)
     batch = options.batch or DEFAULT_BATCH.get(options.model, 1)
     if model is not None:
         traced = trace_model(model, batch=batch, seq=options.seq or model_dims(model)[1] or 1,
@@ -332,8 +347,7 @@ def plan_problem(problem: Problem, policy: str) -> PlanResult:
         best = feasible[name]
         return dataclasses.replace(best, decisions=dataclasses.replace(
             best.decisions, notes=(*best.decisions.notes, f"auto chose {name}: {times}")))
-    if policy not in table:
-        raise TensorstowError(f"unknown policy '{policy}': use one of {sorted(table) + ['auto']}")
+    _check_policy(policy)
     return policy_plan(problem, policy)
 
 

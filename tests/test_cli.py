@@ -102,6 +102,23 @@ def test_bad_input_gives_one_clear_line(args, needle, capsys):
     assert len(lines) == 1 and lines[0].startswith("tensorstow: error:") and needle in lines[0]
 
 
+@pytest.mark.parametrize("args,needle", [
+    (["plan", "gpt-nope"], "unknown model 'gpt-nope'"),
+    (["plan", "gpt-tiny", "--policy", "magic"], "unknown policy 'magic'"),
+])
+def test_bad_options_fail_before_the_machine_is_probed(args, needle, capsys, monkeypatch):
+    """Regression: `plan gpt-nope` (on `--hw local`, the default) probed the machine for 14 s
+    before saying the model is unknown, and a busy machine's probe warning came first."""
+    from tensorstow.planner import probe as probe_mod
+
+    def no_probe(*a, **k):
+        raise AssertionError("probed before checking the options")
+    monkeypatch.setattr(probe_mod, "probe", no_probe)
+    assert main(args) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("tensorstow: error:") and needle in lines[0]
+
+
 def test_error_exit_status_of_the_real_process():
     r = run("plan", "gpt-nope")
     assert r.returncode == 2 and r.stderr.startswith("tensorstow: error: unknown model") and not r.stdout
