@@ -9,7 +9,7 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl pulp==3.3.2 highspy==1.16.0
 # Then: device run, carry [".whl"], command "bash benchmarks/gpu_session.sh [STAGES]".
-# STAGES (default "env cuda probe bench demo suite"); BENCH="model:batch:seq:gpu-mem:precision[:steps] ...",
+# STAGES (default "env cuda probe bench demo suite"; also "profile"); BENCH="model:batch:seq:gpu-mem:precision[:steps] ...",
 # BENCH_ARGS (more bench_executor arguments), HW (a spec file instead of probing), SUITE_END (seconds).
 set -u
 OUT=${OUT:-/tmp/gpu_out}
@@ -52,6 +52,12 @@ for s in $STAGES; do
       done
       tar czf "$OUT/traces.tgz" -C /tmp traces 2>/dev/null
       cat "$OUT/bench.log" | grep -v "^  File\|^    " | tail -40 ;;
+    profile)
+      # where a step's host and device time go, eager vs each executor mode (benchmarks/RESULTS.md)
+      hw=${HW:-local}; [ -s "$OUT/probe.json" ] && hw="$OUT/probe.json"
+      timeout 300 python3 benchmarks/profile_executor.py --device cuda --hw "$hw" --out "$OUT/profile" \
+        >"$OUT/profile.log" 2>&1
+      echo "rc $?"; grep -v "^  File\|^    " "$OUT/profile.log" | tail -40 ;;
     demo)
       (cd /tmp && timeout 180 python3 -m tensorstow.cli) >"$OUT/demo.log" 2>&1
       echo "rc $?"; tail -8 "$OUT/demo.log" ;;
