@@ -160,7 +160,7 @@ def _ranges(blocks: list[str]) -> str:
 # ---- commands ------------------------------------------------------------------------------
 
 def _options(args):
-    from tensorstow.planner.plan import Options, check_options
+    from tensorstow.planner.plan import Options, check_options, check_policy
     kw = dict(model=args.model, hardware=args.hw, policy=args.policy, batch=args.batch, seq=args.seq,
               precision=args.precision, optimizer=args.optimizer, lr=args.lr, betas=tuple(args.betas),
               eps=args.eps, weight_decay=args.weight_decay,
@@ -173,6 +173,7 @@ def _options(args):
     kw.update(gpus=args.gpus, microbatches=args.microbatches, mapping=args.mapping)
     o = Options(**kw)
     check_options(o)  # before `--hw local` probes: a typo fails at once
+    check_policy(o.policy)
     return o
 
 

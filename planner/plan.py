@@ -47,19 +47,18 @@ class Problem:
 
 
 def check_options(options: Options, model=None) -> None:
-    """Raise TensorstowError for options no plan can be made from (the model, the policy, the
-    optimizer, the precision): the CLI checks them before `--hw local` probes the machine, so a
-    typo fails at once, in one line."""
+    """Raise TensorstowError for options no problem can be built from (the model, the optimizer,
+    the precision). The CLI checks them, and the policy (`check_policy`), before `--hw local`
+    probes the machine, so a typo fails at once, in one line."""
     if options.optimizer not in ("adam", "adamw"):
         raise TensorstowError(f"unknown optimizer '{options.optimizer}': use adam or adamw")
     if options.precision not in PRECISIONS:
         raise TensorstowError(f"unknown precision '{options.precision}': use one of {sorted(PRECISIONS)}")
-    _check_policy(options.policy)
     if model is None:
         resolve_model(options.model)
 
 
-def _check_policy(name: str) -> None:
+def check_policy(name: str) -> None:
     if name != "auto" and name not in policies():
         raise TensorstowError(f"unknown policy '{name}': use one of {sorted(policies()) + ['auto']}")
 
@@ -347,7 +346,7 @@ def plan_problem(problem: Problem, policy: str) -> PlanResult:
         best = feasible[name]
         return dataclasses.replace(best, decisions=dataclasses.replace(
             best.decisions, notes=(*best.decisions.notes, f"auto chose {name}: {times}")))
-    _check_policy(policy)
+    check_policy(policy)
     return policy_plan(problem, policy)
 
 
