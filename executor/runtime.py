@@ -38,9 +38,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import queue
 import threading
+import weakref
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import torch
@@ -91,6 +94,57 @@ def lane_cores(device: torch.device, nthreads: int) -> tuple[set[int], set[int]]
     return set(mine[nthreads:]), set(mine[:nthreads])
 
 
+class _LaneThreads:
+    """One long-lived thread per stream of the plan, which overlap mode runs that stream's lane
+    on, step after step. A thread made anew each step starts with cold per-thread state: its
+    allocator's thread cache and arena (under jemalloc gpt-small's all-resident compute ran 12%
+    slower in a new thread each step than in the main thread: 272-287 vs 241-257 ms a step, the
+    same under glibc: benchmarks/RESULTS.md, 2026-11-25 eighth session), torch's thread-local
+    state, a CUDA thread's stream and handles. The threads wait on their queues between steps and
+    end when `close` (or the Executor's garbage collection) stops them."""
+
+    def __init__(self):
+        self._queues: dict[str, queue.SimpleQueue] = {}
+        self._threads: list[threading.Thread] = []
+
+    def run(self, jobs: dict[str, Callable[[], None]]) -> None:
+        """Run each stream's job on that stream's thread, all at once; return when all are done.
+        A job handles its own errors (`Executor._run_overlap`'s lanes record them)."""
+        done = [threading.Event() for _ in jobs]
+        for (stream, job), ev in zip(sorted(jobs.items()), done):
+            q = self._queues.get(stream)
+            if q is None:
+                q = self._queues[stream] = queue.SimpleQueue()
+                t = threading.Thread(target=self._serve, args=(q,), name=f"tensorstow-{stream}", daemon=True)
+                t.start()
+                self._threads.append(t)
+            q.put((job, ev))
+        for ev in done:
+            ev.wait()
+
+    @staticmethod
+    def _serve(q) -> None:
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            job, ev = item
+            del item  # waiting for the next job must not keep this one's Executor alive
+            try:
+                job()
+            finally:
+                del job
+                ev.set()
+
+    def close(self) -> None:
+        for q in self._queues.values():
+            q.put(None)
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join()
+        self._queues, self._threads = {}, []
+
+
 class Executor:
     def __init__(self, plan, model: nn.Module, *, mode: str = "sync", state_dir=None,
                  ssd_store=None, resume: bool = False, device_budget: int | None = None,
@@ -114,6 +168,8 @@ class Executor:
         replays GPU `rank`'s share of the plan (its stages' instructions, their DRAM and SSD work,
         both ends of its `send`s) and moves stage boundaries through `comm`
         (executor.distributed.Comm)."""
+        self._lane_threads = _LaneThreads()  # overlap mode's lanes, kept from step to step
+        weakref.finalize(self, self._lane_threads.close)
         if mode not in MODES:
             raise TensorstowError(f"unknown executor mode '{mode}': use one of {list(MODES)}")
         tune_malloc()  # freed buffers are reused, not unmapped and faulted in again each step
@@ -874,12 +930,7 @@ class Executor:
                     if not futures[rest.id].done():
                         futures[rest.id].set_exception(_Upstream())
 
-        threads = [threading.Thread(target=lane, args=(v,), name=f"tensorstow-{s}", daemon=True)
-                   for s, v in sorted(lanes.items())]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        self._lane_threads.run({s: (lambda v=v: lane(v)) for s, v in lanes.items()})
         if failures:
             raise min(failures, key=lambda f: f[0])[1]
 
@@ -1115,6 +1166,7 @@ class Executor:
         """Close the SSD store and lift the CUDA allocator's cap. It commits nothing: steps after
         the last commit (`checkpoint_every`; with carried buffers the last step, which the next
         step would commit) need `checkpoint()` first, as `tensorstow execute` does."""
+        self._lane_threads.close()
         if self.ssd.store is not None and hasattr(self.ssd.store, "close"):
             self.ssd.store.close()
         if self._fraction is not None:  # the allocator's cap is what it was before

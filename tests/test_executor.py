@@ -211,6 +211,41 @@ def test_overlap_mode_is_bit_identical_to_sync(name, tmp_path, tmp_path_factory)
     assert ex.peak_bytes["gpu"] <= budget
 
 
+def test_overlap_lanes_keep_their_threads_from_step_to_step(tmp_path):
+    """Regression: overlap mode started a thread per stream every step, and a new thread starts
+    with cold per-thread state (the allocator's thread cache and arena, torch's and CUDA's
+    thread-locals): under jemalloc gpt-small's all-resident step ran 12% slower in overlap mode
+    than in sync mode, and as fast once the lanes kept their threads. Each stream's lane now runs
+    on one thread for the Executor's life; `close`, or the Executor's garbage collection, ends them."""
+    import gc
+
+    plan = get_plan("zero-infinity")
+    names = {f"tensorstow-{i['stream']}" for i in plan["instructions"]}
+    data = list(batches("synthetic", B, T, VOCAB, 3, seed=0))
+
+    def lane_threads(before):
+        return {t for t in threading.enumerate() if t.name in names and t not in before}
+
+    before = set(threading.enumerate())
+    ex = executor(plan, tmp_path / "a", "overlap")
+    seen = []
+    for x, y in data:
+        ex.step(x, y)
+        seen.append(lane_threads(before))
+    assert {t.name for t in seen[0]} == names and seen[0] == seen[1] == seen[2]
+    ex.close()
+    assert not any(t.is_alive() for t in seen[0])
+
+    before = set(threading.enumerate())
+    ex = executor(plan, tmp_path / "b", "overlap")
+    ex.step(*data[0])
+    kept = lane_threads(before)
+    assert {t.name for t in kept} == names
+    del ex  # never closed: collecting it ends its lanes
+    gc.collect()
+    assert not any(t.is_alive() for t in kept)
+
+
 @pytest.mark.skipif(len(getattr(os, "sched_getaffinity", lambda _: ())(0)) < 2,
                     reason="needs 2 cores: with 1 torch thread the compute lane is pinned to one, the others to the rest")
 def test_overlap_with_a_core_to_spare_pins_compute_apart_and_stays_bit_identical(tmp_path, monkeypatch):
