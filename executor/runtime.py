@@ -109,18 +109,22 @@ class _LaneThreads:
 
     def run(self, jobs: dict[str, Callable[[], None]]) -> None:
         """Run each stream's job on that stream's thread, all at once; return when all are done.
-        A job handles its own errors (`Executor._run_overlap`'s lanes record them)."""
-        done = [threading.Event() for _ in jobs]
-        for (stream, job), ev in zip(sorted(jobs.items()), done):
+        A job handles its own errors (`Executor._run_overlap`'s lanes record them); one that
+        escapes is raised here, and its thread serves the next step all the same."""
+        done = [(threading.Event(), []) for _ in jobs]
+        for (stream, job), (ev, error) in zip(sorted(jobs.items()), done):
             q = self._queues.get(stream)
             if q is None:
                 q = self._queues[stream] = queue.SimpleQueue()
                 t = threading.Thread(target=self._serve, args=(q,), name=f"tensorstow-{stream}", daemon=True)
                 t.start()
                 self._threads.append(t)
-            q.put((job, ev))
-        for ev in done:
+            q.put((job, ev, error))
+        for ev, _ in done:
             ev.wait()
+        for _, error in done:
+            if error:
+                raise error[0]
 
     @staticmethod
     def _serve(q) -> None:
@@ -128,12 +132,14 @@ class _LaneThreads:
             item = q.get()
             if item is None:
                 return
-            job, ev = item
+            job, ev, error = item
             del item  # waiting for the next job must not keep this one's Executor alive
             try:
                 job()
+            except BaseException as e:
+                error.append(e)
             finally:
-                del job
+                del job, error
                 ev.set()
 
     def close(self) -> None:
@@ -169,7 +175,8 @@ class Executor:
         both ends of its `send`s) and moves stage boundaries through `comm`
         (executor.distributed.Comm)."""
         self._lane_threads = _LaneThreads()  # overlap mode's lanes, kept from step to step
-        weakref.finalize(self, self._lane_threads.close)
+        # collected: its lanes end; at exit they are daemons (a step interrupted there never joins)
+        weakref.finalize(self, self._lane_threads.close).atexit = False
         if mode not in MODES:
             raise TensorstowError(f"unknown executor mode '{mode}': use one of {list(MODES)}")
         tune_malloc()  # freed buffers are reused, not unmapped and faulted in again each step

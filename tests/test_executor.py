@@ -246,6 +246,21 @@ def test_overlap_lanes_keep_their_threads_from_step_to_step(tmp_path):
     assert not any(t.is_alive() for t in kept)
 
 
+def test_a_lane_error_that_escapes_is_raised_and_its_thread_serves_the_next_step():
+    from tensorstow.executor.runtime import _LaneThreads
+
+    def bad():
+        raise ValueError("escaped")
+    lanes, ran = _LaneThreads(), []
+    try:
+        with pytest.raises(ValueError, match="escaped"):
+            lanes.run({"a": bad, "b": lambda: ran.append("b")})
+        lanes.run({"a": lambda: ran.append(threading.current_thread().name)})
+    finally:
+        lanes.close()
+    assert ran == ["b", "tensorstow-a"]
+
+
 @pytest.mark.skipif(len(getattr(os, "sched_getaffinity", lambda _: ())(0)) < 2,
                     reason="needs 2 cores: with 1 torch thread the compute lane is pinned to one, the others to the rest")
 def test_overlap_with_a_core_to_spare_pins_compute_apart_and_stays_bit_identical(tmp_path, monkeypatch):
