@@ -34,6 +34,7 @@ from tensorstow.executor.ssd import SSDStore
 from tensorstow.ir.models import resolve_model
 from tensorstow.planner.plan import hardware_for
 from tensorstow.planner.plan import Options, make_plan
+from tensorstow.planner.probe import _QUICK, _disk_bw
 
 
 def median_step(fn, xs):
@@ -163,6 +164,11 @@ def main():
                   f"offloaded/eager {t_off / t_eager:.2f}x){rate(t_off)}{peak()}")
             print("  lane busy measured/predicted: " + ", ".join(
                 f"{r} {v / p.predicted.busy_s[r]:.2f}x" for r, v in busy.items() if p.predicted.busy_s.get(r)))
+            if p.ssd_sizes():  # the VM's disk moves by 30% from minute to minute: its rate now, as probed
+                disk = _disk_bw(".", _QUICK.disk_bytes, _QUICK.disk_chunk, 1)
+                ssd = p.hardware.spec.ssd
+                print(f"  disk right after (as the quick probe times it): read {disk.read_bw / 1e9:.2f} GB/s, write "
+                      f"{disk.write_bw / 1e9:.2f} GB/s; the plan assumed {ssd.read_bw / 1e9:.2f} / {ssd.write_bw / 1e9:.2f}")
 
 
 def write_traces(directory, name, ex, plan):
