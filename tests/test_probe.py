@@ -110,8 +110,10 @@ def test_no_gpu_path(measured):
     # computing beside a copy loop: slower or the same, never several times slower on 2+ cores
     assert 0 <= g.host_contention < 3 and "host_contention = that block beside" in hw.source
     assert 1e-7 < hw.ssd.request_s < 1.0 and "request_s = a 4 KiB write and read" in hw.source
-    # the store's commit that ends a step: fixed, per written file, per written byte
-    assert 0 <= hw.ssd.commit_s < 10 and 0 <= hw.ssd.sync_s < 10 and hw.ssd.flush_bw > 0
+    # the store's commit that ends a step: fixed, per written file, per written byte (flush_bw 0:
+    # nothing left to flush, when the host had written the bytes back before the commit's sync;
+    # `> 0` here failed now and then under load, 2026-11-25)
+    assert 0 <= hw.ssd.commit_s < 10 and 0 <= hw.ssd.sync_s < 10 and hw.ssd.flush_bw >= 0
     assert "a commit" in hw.source and "through the executor's store" in hw.source
 
 
