@@ -547,7 +547,9 @@ def main() -> None:
     ap.add_argument("--ts-gpu-mem", default="90MB")
     ap.add_argument("--ts-policy", default="auto", help="the tensorstow plan's policy")
     ap.add_argument("--ts-hw", default="local", help="hardware the plan is made for (local: probe this machine)")
-    ap.add_argument("--ts-dram", default="80MB", help="DRAM budget of the plan (80MB: all of the state on SSD, as DeepSpeed has it)")
+    ap.add_argument("--ts-dram", default="80MB", help="DRAM budget of the plan (80MB: about gpt-small's 79 MiB of P/OS, so the state goes to "
+                         "SSD, all of it as DeepSpeed has it or, on some probes, most of it; the offload "
+                         "column says which)")
     ap.add_argument("--ts-store", choices=["ssd", "file"], default="ssd")
     ap.add_argument("--ts-mode", choices=["sync", "overlap"], default="overlap")
     ap.add_argument("--order", choices=["interleaved", "sequential"], default="interleaved",
