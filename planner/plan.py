@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from tensorstow import TensorstowError
 from tensorstow.ir.graph import Graph
-from tensorstow.ir.models import DEFAULT_BATCH, resolve_model
+from tensorstow.ir.models import DEFAULT_BATCH, ModelSpec, resolve_model
 from tensorstow.ir.trace import PRECISIONS, model_dims, trace_model, trace_spec
 from tensorstow.planner import cost
 from tensorstow.planner.hardware import Hardware, load_hardware
@@ -46,16 +46,16 @@ class Problem:
         return {f"gpu{k}": g.plan_bytes for k, g in enumerate(self.hw.gpus)}
 
 
-def check_options(options: Options, model=None) -> None:
+def check_options(options: Options, model=None) -> ModelSpec | None:
     """Raise TensorstowError for options no problem can be built from (the model, the optimizer,
-    the precision). The CLI checks them, and the policy (`check_policy`), before `--hw local`
-    probes the machine, so a typo fails at once, in one line."""
+    the precision); return the model's spec (None for a module given to the Python API). The CLI
+    checks them, and the policy (`check_policy`), before `--hw local` probes the machine, so a
+    typo fails at once, in one line."""
     if options.optimizer not in ("adam", "adamw"):
         raise TensorstowError(f"unknown optimizer '{options.optimizer}': use adam or adamw")
     if options.precision not in PRECISIONS:
         raise TensorstowError(f"unknown precision '{options.precision}': use one of {sorted(PRECISIONS)}")
-    if model is None:
-        resolve_model(options.model)
+    return resolve_model(options.model) if model is None else None
 
 
 def check_policy(name: str) -> None:
@@ -65,13 +65,13 @@ def check_policy(name: str) -> None:
 
 def build_problem(options: Options, hw: Hardware, model=None) -> Problem:
     """`model`: an nn.Module to trace instead of building `options.model` (the Python API)."""
-    check_options(options, model)
+    spec = check_options(options, model)
     batch = options.batch or DEFAULT_BATCH.get(options.model, 1)
     if model is not None:
         traced = trace_model(model, batch=batch, seq=options.seq or model_dims(model)[1] or 1,
                              precision=options.precision, model_name=options.model)
     else:
-        traced = trace_spec(resolve_model(options.model), batch=batch, seq=options.seq or None,
+        traced = trace_spec(spec, batch=batch, seq=options.seq or None,
                             precision=options.precision)
     g = traced.graph
     return Problem(graph=g, hw=hw, options=options, profiles=cost.profiles(g, hw),
