@@ -242,6 +242,7 @@ class Executor:
             if buf.split(":")[0] in HELD_KINDS:
                 for r in roots:
                     self.holders[r].append(buf)
+        self._holders_of: dict[tuple[str, int], list[str]] = {}  # `_holders`, made once per key
         self.rng_states: dict[str, torch.Tensor] = {}
         recomputed = {i.segment for i in self.instrs if i.kind == "recompute"}
         self.random_segments = {name for name in recomputed if _draws_random(self.joint.segments[name])}
@@ -613,8 +614,12 @@ class Executor:
 
     def _holders(self, root: str, micro: int) -> list[str]:
         """The buffers that may hold `root` for microbatch `micro` (per-microbatch copies of the
-        others' microbatches excluded)."""
-        return [h for h in self.holders.get(root, ()) if split_micro(h)[1] in (None, micro)]
+        others' microbatches excluded). Every fetch asks: made once per (root, micro)."""
+        out = self._holders_of.get((root, micro))
+        if out is None:
+            out = self._holders_of[root, micro] = [h for h in self.holders.get(root, ())
+                                                   if split_micro(h)[1] in (None, micro)]
+        return out
 
     def _place_homes(self, model: nn.Module, kinds=("P", "C", "M", "OS"), skip_ssd: bool = False,
                      values=None) -> None:
@@ -984,21 +989,21 @@ class Executor:
         seg = j.segments[ins.segment]
         kept: dict[str, torch.Tensor] = {}
 
-        def sink(name, v):
-            self.dev.hold(v, name)
-            kept[name] = v
+        passed: set[str] = set()  # kept roots whose hold went on to a buffer
 
         def fetch(root):
             return self._fetch(root, ins.micro)
 
         try:
             j.run(seg, fetch=fetch, hold=self.dev.hold, release=self.dev.release,
-                  keep=self.keep[ins.id], sink=sink, device=self.device)
+                  keep=self.keep[ins.id], sink=kept.__setitem__, device=self.device)  # held: ours
             for a in ins.allocs:
                 vals = {r: kept[r] if r in kept else fetch(r) for r in self.members[a]}
                 if self.fp32_grads and a.startswith("G:"):  # accumulated in fp32 (eager's .grad)
                     vals = {r: v.float() for r, v in vals.items()}
-                self.dev.put(a, vals)
+                ours = {r for r, v in vals.items() if r in kept and v is kept[r] and r not in passed}
+                self.dev.put(a, vals, held=ours)
+                passed |= ours
                 if self.scaler is not None and a.startswith("G:"):  # GradScaler's inf/NaN check
                     self.scaler.check(list(self.dev.get(a).values()))
             for a in ins.accum:  # a later microbatch: eager's AccumulateGrad, .grad += this one's
@@ -1008,8 +1013,9 @@ class Executor:
             if j.loss in kept:
                 self._loss[ins.micro] = kept[j.loss]  # read when the step ends: no host wait here
         finally:
-            for v in kept.values():
-                self.dev.release(v)
+            for r, v in kept.items():
+                if r not in passed:
+                    self.dev.release(v)
 
     def _fetch(self, root: str, micro: int = 0) -> torch.Tensor:
         v = self.inputs.get(root)

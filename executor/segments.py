@@ -29,7 +29,7 @@ import torch.fx as fx
 from torch.fx.node import map_arg
 
 from tensorstow.ir.template import Instances, instances
-from tensorstow.ir.trace import Traced
+from tensorstow.ir.trace import Traced, aliases_input
 
 _MISSING = object()
 
@@ -261,9 +261,10 @@ class Joint:
     def run(self, seg: Segment, *, fetch, hold, release, keep: frozenset[str], sink,
             device: torch.device | None = None) -> None:
         """Run `seg`. Outside roots come from `fetch(name)`; views of them are replayed.
-        Every local value is `hold`-ed when made and `release`-d after its last use; the roots
-        in `keep` are handed to `sink(name, value)` at the end (before the release). Outside
-        names (fetch, keep, sink) are the block's own (`Segment.rename`).
+        Every local value is `hold`-ed when made and `release`-d after its last use, except the
+        roots in `keep`: `sink(name, value)` gets each at the end, with its hold (the sink
+        releases it, or passes it on). Outside names (fetch, keep, sink) are the block's own
+        (`Segment.rename`).
 
         The segment runs as Python made for it once (`_compile`): one line per node with its
         values in locals, so a node costs its kernel call and its accounting, not a walk of its
@@ -307,7 +308,7 @@ class Joint:
                     if name not in keep and name in env:
                         release(env.pop(name))
             for name in sorted(keep):
-                sink(seg.outer(name), env[name])
+                sink(seg.outer(name), env.pop(name))  # its hold goes with it
         finally:
             for v in env.values():
                 release(v)
@@ -331,6 +332,7 @@ def _compile(seg: Segment, joint: Joint, device: torch.device | None) -> _Compil
     does) or views of them (replayed at the first use), which kernel runs (a portable one off the
     CPU), where a `device=` keyword points, and when each value is released."""
     inside = {n.name for n in seg.nodes}
+    holder = _view_holders(seg)
     consts: dict[str, object] = {}
     fetched: dict[str, int] = {}
     var: dict[str, str] = {}     # node -> its local
@@ -371,38 +373,50 @@ def _compile(seg: Segment, joint: Joint, device: torch.device | None) -> _Compil
         portable = joint.targets.get(n.target) if joint.targets else None
         if portable is not None:
             kwargs["_like"] = const(n.meta.get("val"))
-        target = const(portable if portable is not None else n.target)
+        target = const(_callable(portable if portable is not None else n.target))
+        call = ", ".join(args + [f"{k}={x}" for k, x in kwargs.items()])
+        if n.name in holder or n.name not in inside and _outside_view(n):  # nothing to count (_view_holders)
+            var[n.name] = v = f"a{len(var)}"
+            lines.append(f"{indent}{v} = {target}({call})")
+            return
         v = f"h{len(held)}"
         held.append(v)
         var[n.name] = v
-        call = ", ".join(args + [f"{k}={x}" for k, x in kwargs.items()])
         lines.append(f"{indent}hold(_v := {target}({call}), {n.name!r})")  # held, then bound: the cleanup
         lines.append(f"{indent}{v} = _v")                                    # releases only what was held
-        if n.name in produced:
-            lines.append(f"{indent}made[{n.name!r}] = {v}")
 
     body = "        "
+    last = {name: i for i, names in enumerate(seg.release_after) for name in names}
+    for view, h in holder.items():  # a holder is released once its views are done with too
+        if h is not None:
+            last[h] = max(last[h], last[view])
+    release_at: list[list[str]] = [[] for _ in seg.nodes]
+    for name, i in last.items():
+        release_at[i].append(name)
     for i, n in enumerate(seg.nodes):
         emit(n, body)
-        for name in seg.release_after[i]:
+        for name in sorted(release_at[i]):
             v = var.get(name)
             if v is None:
                 continue  # an outside root: never held here
+            if v[0] == "a":  # a view: drop the reference; its storage's holder keeps the count
+                lines.append(f"{body}del {v}")
+                continue
             if name in produced:  # the caller may keep it
                 lines.append(f"{body}if {name!r} not in keep:")
-                lines.append(f"{body}    del made[{name!r}]")
                 lines.append(f"{body}    release({v})")
                 lines.append(f"{body}    del {v}")
             else:
                 lines.append(f"{body}release({v})")
                 lines.append(f"{body}del {v}")
+    for name in sorted(produced):  # a kept root goes to the sink with its hold
+        v = var[name]
+        lines += [f"{body}if {name!r} in keep:", f"{body}    _v = {v}", f"{body}    del {v}",
+                  f"{body}    sink(outer({name!r}), _v)"]
     src = ["def _segment(fetch, hold, release, keep, sink, _names, outer, device):",
-           "    made = {}",
            "    try:"]
-    src += lines or [f"{body}pass"]
-    src += [f"{body}for name in sorted(keep):",
-            f"{body}    sink(outer(name), made[name])",
-            "    finally:",
+    src += lines
+    src += ["    finally:",
             "        for k, v in list(locals().items()):",
             "            if k[0] == 'h' and k[1:].isdigit():",
             "                release(v)"]
@@ -416,6 +430,43 @@ def _code(source: str, filename: str):
     """Python's compile of a segment's source, shared by every executor of the same trace (their
     segments read the same source with their own constants): compiling is most of `_compile`."""
     return compile(source, filename, "exec")
+
+
+def _callable(target):
+    """What a compiled segment calls for `target`: an aten OpOverload's C++ entry point itself,
+    which its `__call__` only forwards to (one Python frame less a node, ~0.4 us)."""
+    op = getattr(target, "_op", None)
+    if isinstance(target, torch._ops.OpOverload) and type(target).__call__ is torch._ops.OpOverload.__call__ \
+            and callable(op):
+        return op
+    return target
+
+
+def _view_holders(seg: Segment) -> dict[str, str | None]:
+    """The views a segment makes (`aliases_input`, through any chain of views, getitems of
+    `split` included) -> the node of the segment that makes and holds their storage, or None for a
+    view of an outside root (a buffer copy or a step input, held on the device tier from before
+    the segment starts until a free the plan orders after it).
+
+    The compiled run does not hold or release these views: a holder's release moves to the last
+    use of its last view, when the storage's count would drop to zero under per-view holds too,
+    so the bytes counted after every hold and release are the same with about half the
+    accounting calls (most nodes of a transformer block are views; on a host-bound model the
+    accounting was 9 of 49 ms a step)."""
+    inside = {n.name for n in seg.nodes}
+    holder: dict[str, str | None] = {}
+    for n in seg.nodes:
+        src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+        if src is None or not (aliases_input(src) if n.target is operator.getitem else aliases_input(n)):
+            continue
+        holder[n.name] = holder.get(src.name, src.name) if src.name in inside else None
+    return holder
+
+
+def _outside_view(n: fx.Node) -> bool:
+    """A view of an outside root that a compiled segment replays (`_compile`'s `arg`)."""
+    src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
+    return src is not None and (aliases_input(src) if n.target is operator.getitem else aliases_input(n))
 
 
 def _arg_nodes(n) -> list[fx.Node]:

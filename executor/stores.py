@@ -128,7 +128,7 @@ class DeviceTier:
     # accounting ---------------------------------------------------------------------------
     def hold(self, value, what: str = "") -> None:
         """Count `value`'s tensors as live on the device (all or none of them)."""
-        if isinstance(value, torch.Tensor):
+        if type(value) is torch.Tensor:  # most values: one plain tensor
             self._hold_one(value, what)
             return
         done = []
@@ -146,27 +146,33 @@ class DeviceTier:
         ptr = st.data_ptr()
         with self._lock:
             rec = self._live.get(ptr)
-            if rec is not None:  # a view of a held storage (most nodes of a graph)
+            if rec is not None:  # a view of a held storage
                 rec[1] += 1
                 return
             n = st.nbytes()
             if n == 0:
                 return
-            self._grow(n, what)
+            self.used += n  # `_grow`, inline: a segment's every allocation comes here
+            if self.used > self.peak:
+                self.peak = self.used
+            if self.used > self.budget:
+                self.used -= n
+                self._grow(n, what)  # raises
             self._live[ptr] = [n, 1]
 
     def release(self, value) -> None:
         for t in (value,) if type(value) is torch.Tensor else _tensors(value):
             st = t.untyped_storage()
+            ptr = st.data_ptr()
             with self._lock:
-                rec = self._live.get(st.data_ptr())
+                rec = self._live.get(ptr)
                 if rec is None:
                     if st.nbytes() == 0:
                         continue
                     raise RuntimeError("internal: released a device tensor that was not held")
                 rec[1] -= 1
                 if rec[1] == 0:
-                    del self._live[st.data_ptr()]
+                    del self._live[ptr]
                     self.used -= rec[0]
 
     @contextmanager
@@ -205,11 +211,15 @@ class DeviceTier:
             raise TensorstowError(f"buffer {buf} is not on {self.name}")
         return c
 
-    def put(self, buf: str, values: dict[str, torch.Tensor]) -> None:
+    def put(self, buf: str, values: dict[str, torch.Tensor], held: frozenset[str] | set[str] = frozenset()) -> None:
+        """Make `values` buffer `buf`'s device copy. `held`: the keys whose values the caller
+        holds already and whose holds pass to the buffer (a segment's kept roots), so they are
+        counted once, not held again and released by the caller."""
         if buf in self.copies:
             raise TensorstowError(f"buffer {buf} is allocated twice on {self.name} (the plan must free it first)")
         for k, v in values.items():
-            self.hold(v, f"{buf}[{k}]")
+            if k not in held:
+                self.hold(v, f"{buf}[{k}]")
         self.copies[buf] = values
 
     def load_from(self, buf: str, src: "HostCopy") -> None:

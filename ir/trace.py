@@ -384,7 +384,9 @@ def _nbytes(v) -> int:
     return 0
 
 
-def _aliases_input(node: fx.Node) -> bool:
+def aliases_input(node: fx.Node) -> bool:
+    """Whether the node's value shares its first argument's storage (its schema says its first
+    return aliases an input, not written): views, `detach`, `split`, `_unsafe_view`."""
     t = node.target
     if t in _ALIAS_TARGETS:
         return True
@@ -466,8 +468,8 @@ def _build_ir(gm, bounds, n_layers, param_names, trainable, model_name, batch, s
     for n in nodes:
         if n.op == "call_function" and n.target is operator.getitem:
             base = n.args[0]
-            root[n.name] = root.get(base.name, base.name) if _aliases_input(base) else n.name
-        elif n.op == "call_function" and _aliases_input(n) and n.args and isinstance(n.args[0], fx.Node):
+            root[n.name] = root.get(base.name, base.name) if aliases_input(base) else n.name
+        elif n.op == "call_function" and aliases_input(n) and n.args and isinstance(n.args[0], fx.Node):
             root[n.name] = root.get(n.args[0].name, n.args[0].name)
         else:
             root[n.name] = n.name
@@ -497,7 +499,7 @@ def _build_ir(gm, bounds, n_layers, param_names, trainable, model_name, batch, s
         ins = tensor_inputs(n)
         outs = [u for u in n.users if u.target is operator.getitem] if isinstance(_val(n), (tuple, list)) else [n]
         outs = [o for o in outs if isinstance(_val(o), torch.Tensor)]
-        view = _aliases_input(n)
+        view = aliases_input(n)
         for a in ins:
             consumers.setdefault(a.name, []).append(i)
         ops.append(Op(index=i, name=n.name, target=str(n.target), phase="fwd" if is_fwd[n.name] else "bwd",
