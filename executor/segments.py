@@ -98,6 +98,7 @@ class Joint:
         self._roots: dict[str, frozenset[str]] = {}
         self._compiled: dict[tuple, _Compiled] = {}  # (template nodes, device) -> its compiled run
         self._outer: dict[str, tuple] = {}  # segment -> (it, the outer names of the roots it fetches)
+        self._recipes: dict[str, list] = {}  # `materialize`: node name -> its walk
         self.block_state: dict[str, tuple[list[str], list[str]]] = {}
         """Block -> (trainable parameters, frozen parameters and buffers) it owns, by the model's
         own names: its P:/C: buffers."""
@@ -245,18 +246,37 @@ class Joint:
             return portable(*args, **kwargs, _like=n.meta.get("val"))
         return n.target(*args, **kwargs)
 
-    def materialize(self, name: str, fetch_root, cache: dict | None = None):
-        """The value of node `name`, fetching roots with `fetch_root` and replaying views."""
-        cache = {} if cache is None else cache
+    def materialize(self, name: str, fetch_root):
+        """The value of node `name`, fetching roots with `fetch_root` and replaying views. The
+        walk (which nodes, which are roots, their outer names) is made once per name: the
+        optimizer materializes every gradient every step."""
+        steps = self._recipes.get(name)
+        if steps is None:
+            steps = self._recipes[name] = self._recipe(name)
+        env: dict[str, object] = {}
+        for n, root in steps:
+            env[n.name] = fetch_root(root) if root is not None else self.call(n, lambda a: env[a.name])
+        return env[steps[-1][0].name]
+
+    def _recipe(self, name: str) -> list[tuple[fx.Node, str | None]]:
+        """`materialize`'s nodes in the order it makes them, each with the outer name of the root
+        it fetches (None: a view, replayed from what comes before it)."""
         t, b = self.inst.template_of(name)
-        def value(n: fx.Node):
-            if n.name in cache:
-                return cache[n.name]
-            v = fetch_root(self.inst.name(b, n.name) if b else n.name) if self.is_root(n.name) \
-                else self.call(n, value)
-            cache[n.name] = v
-            return v
-        return value(self.node[t])
+        steps: list[tuple[fx.Node, str | None]] = []
+        seen: set[str] = set()
+
+        def visit(n: fx.Node) -> None:
+            if n.name in seen:
+                return
+            seen.add(n.name)
+            if self.is_root(n.name):
+                steps.append((n, self.inst.name(b, n.name) if b else n.name))
+                return
+            for a in _arg_nodes(n):
+                visit(a)
+            steps.append((n, None))
+        visit(self.node[t])
+        return steps
 
     def run(self, seg: Segment, *, fetch, hold, release, keep: frozenset[str], sink,
             device: torch.device | None = None) -> None:
@@ -328,9 +348,11 @@ _SAFE_LITERALS = (bool, int, str, type(None))
 
 def _compile(seg: Segment, joint: Joint, device: torch.device | None) -> _Compiled:
     """Python source for `Joint.interpret`'s walk of `seg`, with every decision it makes per node
-    taken once: which arguments are locals, outside roots (fetched at each use, as `interpret`
-    does) or views of them (replayed at the first use), which kernel runs (a portable one off the
-    CPU), where a `device=` keyword points, and when each value is released."""
+    taken once: which arguments are locals, outside roots (fetched at their first use and kept
+    in a local: the buffer holding one is not freed or replaced while the segment runs) or views
+    of them (replayed at the first use), which kernel runs (a portable one off the CPU), where a
+    `device=` keyword points, and when each value is released (`_view_holders`: views are not
+    counted)."""
     inside = {n.name for n in seg.nodes}
     holder = _view_holders(seg)
     consts: dict[str, object] = {}
@@ -353,9 +375,11 @@ def _compile(seg: Segment, joint: Joint, device: torch.device | None) -> _Compil
                 return var[a.name]
             if a.name in inside:
                 raise RuntimeError(f"internal: {seg.name} uses {a.name} before making it")
-            if joint.is_root(a.name):  # an outside root: fetched at each use
-                k = fetched.setdefault(a.name, len(fetched))
-                return f"fetch(_names[{k}])"
+            if joint.is_root(a.name):  # an outside root: fetched at its first use, kept in a local
+                if a.name in fetched:
+                    return f"_f{fetched[a.name]}"
+                k = fetched[a.name] = len(fetched)
+                return f"(_f{k} := fetch(_names[{k}]))"
             emit(a, indent)  # a view of an outside root: replayed here, kept until its last use
             return var[a.name]
         if isinstance(a, (list, tuple)) and _arg_nodes(a):
