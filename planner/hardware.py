@@ -34,8 +34,8 @@ CPU_GPU_NAME = "cpu (no CUDA)"
 (`tensorstow probe` there): the device tier the executor emulates on the CPU."""
 
 
-OMITTED_WHEN_ZERO = ("op_s", "d2h_convert_bw", "h2d_convert_bw", "copy_tensor_s", "host_contention", "request_s",
-                     "commit_s", "sync_s", "flush_bw")
+OMITTED_WHEN_ZERO = ("op_s", "d2h_convert_bw", "h2d_convert_bw", "copy_tensor_s", "host_contention", "ssd_contention",
+                     "request_s", "commit_s", "sync_s", "flush_bw")
 """GPU and SSD fields a spec's JSON leaves out when 0 (added after specs existed: their
 fingerprints stay)."""
 
@@ -98,6 +98,13 @@ class GPU:
     tier computes in the same memory system as the copies between tiers and the SSD store's I/O
     (`tensorstow probe` times a GPT block alone and beside a 64 MiB copy loop: 0.1-0.2 on the
     2-core dev VM); a GPU computes in its own memory: 0. Left out of the spec's JSON when 0."""
+    ssd_contention: float = 0.0
+    """`host_contention` beside the SSD store's transfers instead of a copy: the block timed beside
+    verified 16 MiB reads through `SSDStore` in a loop. A transfer the disk paces costs the host
+    its syscalls, checksums and DMA, about half what a copy does (+3% / +56% against +7% / +106%
+    at 1 / 2 torch threads on the 2-core dev VM, benchmarks/RESULTS.md 2026-11-25). 0 in the
+    presets and in specs probed before it existed (their SSD transfers then stretch nothing).
+    Left out of the spec's JSON when 0."""
 
     @property
     def plan_bytes(self) -> int:

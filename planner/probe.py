@@ -174,15 +174,16 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
 
     # Host measurements first (the GPU path needs nothing from them, the no-CUDA path does). The
     # disk goes first of all: see `_disk_bw` on memory freed just before.
+    disk_dir = base
     try:
         disk = _disk_bw(base, p.disk_bytes, p.disk_chunk, p.disk_reps)
     except TensorstowError:
         if not default_dir:
             raise
         # The current directory is not writable: measure the system temp dir instead.
-        fallback = os.path.realpath(tempfile.gettempdir())
-        disk = _disk_bw(fallback, p.disk_bytes, p.disk_chunk, p.disk_reps)
-        notes.append(f"current directory {base} not writable, measured {fallback}")
+        disk_dir = os.path.realpath(tempfile.gettempdir())
+        disk = _disk_bw(disk_dir, p.disk_bytes, p.disk_chunk, p.disk_reps)
+        notes.append(f"current directory {base} not writable, measured {disk_dir}")
     other = _OtherLoad()  # what else runs while the CPU is timed (the disk's I/O is left out)
     with other:
         copy_bw = _cpu_memcpy_bw(p.memcpy_bytes, p.memcpy_reps)  # bytes moved per second
@@ -207,10 +208,11 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
             op_s = _op_dispatch_s(p.cpu_block_reps)
             per_tensor = _copy_tensor_s(p.memcpy_reps)
             contention = _host_contention(p.cpu_block_reps)
+            ssd_contention = _ssd_contention(p.cpu_block_reps, disk_dir)
         budget = total_ram // CPU_GPU_FRACTION
         gpus = (GPU(name=CPU_GPU_NAME, memory_bytes=budget, flops=flops * bf16, flops_fp32=flops, mem_bw=2 * copy_bw,
                     h2d_bw=copy_bw, d2h_bw=copy_bw, op_s=op_s, copy_tensor_s=per_tensor,
-                    host_contention=contention),)
+                    host_contention=contention, ssd_contention=ssd_contention),)
         p2p_bw = 0.0
         # Device tier and DRAM tier share the same RAM: do not count it twice.
         dram = DRAM(capacity_bytes=max(0, avail_ram - budget), bandwidth=dram.bandwidth)
@@ -221,7 +223,8 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
                      f"{'x'.join(map(str, MM16))} matmul's rate / an fp32 one's ({bf16:.3g}); op_s = the executor's "
                      f"segment runner per op on a tiny GPT ({op_s * 1e6:.1f} us); copy_tensor_s = the executor's "
                      f"stores per tensor of a copy ({per_tensor * 1e6:.1f} us); host_contention = that block beside a "
-                     f"{CONTENTION_COPY_BYTES // MiB} MiB copy loop / alone, less 1 ({contention:.3f})")
+                     f"{CONTENTION_COPY_BYTES // MiB} MiB copy loop / alone, less 1 ({contention:.3f}); "
+                     f"ssd_contention = the same beside verified 16 MiB SSD store reads ({ssd_contention:.3f})")
     if nvml_note:
         notes.append(nvml_note)
     if other.cores > BUSY_CORES_WARN:
@@ -349,18 +352,52 @@ def _host_contention(reps: int) -> float:
     memory system (and, with fewer cores than threads, the cores): measured 0.1-0.2 on the 2-core dev
     VM, where Adam on the other core slows the block by 1% and a copy loop by 13-18%
     (benchmarks/RESULTS.md)."""
-    import threading
-
     import torch
 
-    blk, x = _cpu_block()
     src = torch.ones(CONTENTION_COPY_BYTES, dtype=torch.uint8)
     dst = torch.zeros_like(src)
+    return _slowdown_beside(reps, lambda: dst.copy_(src))
+
+
+SSD_CONTENTION_BUFFERS = 4
+"""Buffers of 16 MiB that `_ssd_contention` reads in a loop."""
+
+
+def _ssd_contention(reps: int, base: str) -> float:
+    """`GPU.ssd_contention`: the block timed alone and beside a thread reading SSD_CONTENTION_BUFFERS
+    buffers of 16 MiB through `SSDStore` in a loop (O_DIRECT where it can, the aio engine, each read
+    verified against its checksum), as the executor's SSD lanes do, on the disk under `base`."""
+    from tensorstow.executor.ssd import SSDStore
+    from tensorstow.executor.stores import aligned_empty
+
+    tmpdir = tempfile.mkdtemp(prefix=".tensorstow-probe-", dir=base)
+    try:
+        sizes = {f"b{i}": 16 * MiB for i in range(SSD_CONTENTION_BUFFERS)}
+        bufs = {name: aligned_empty(n) for name, n in sizes.items()}
+        with SSDStore(os.path.join(tmpdir, "contention"), sizes, early_sync=False) as store:
+            for name, t in bufs.items():
+                store.write(name, t)
+            store.commit(0)
+
+            def reads():
+                for name, t in bufs.items():
+                    store.read(name, t)
+            return _slowdown_beside(reps, reads)
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _slowdown_beside(reps: int, work) -> float:
+    """How much slower `_cpu_block`'s forward + backward runs while another thread calls `work()` in
+    a loop: alternating rounds alone and beside it, the medians' ratio less 1 (at least 0)."""
+    import threading
+
+    blk, x = _cpu_block()
     stop = threading.Event()
 
-    def copies():
+    def loop():
         while not stop.is_set():
-            dst.copy_(src)
+            work()
 
     def timed() -> float:
         t = time.perf_counter()
@@ -371,7 +408,7 @@ def _host_contention(reps: int) -> float:
     for _ in range(max(2, min(reps, 4))):
         alone.append(timed())
         stop.clear()
-        th = threading.Thread(target=copies, daemon=True)
+        th = threading.Thread(target=loop, daemon=True)
         th.start()
         try:
             beside.append(timed())

@@ -97,7 +97,7 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
              initial: dict[tuple[str, str], None] | set, tier_of_device=lambda t: t,
              links: tuple[list[tuple[str, ...]], dict[str, int]] | None = None,
              reserved: dict[str, int] | None = None, commit_s: float = 0.0,
-             slowdown: dict[str, float] | None = None) -> SimResult:
+             slowdown: dict[str, tuple[float, float]] | None = None) -> SimResult:
     """Replay `instrs` with `duration[i]` seconds each.
 
     nbytes: buffer -> bytes. initial: the (buffer, tier) pairs present at the start. links:
@@ -108,10 +108,10 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
     step's commit runs from this step's start, beside the instructions, and the first write to the
     SSD waits for it (busy as "ssd.commit"). A plan across GPUs runs one process per GPU, which
     commit, then wait for each other: there it runs after the last instruction, on the SSD.
-    slowdown: compute stream -> how much slower its instructions run while host memory traffic
-    runs beside them (`GPU.host_contention`, `compute_slowdown`): the replay runs once, then again
-    with each computation stretched by that times the share of its time a copy or SSD transfer
-    overlapped.
+    slowdown: compute stream -> how much slower its instructions run while a copy, or else an SSD
+    transfer, runs beside them (`GPU.host_contention`, `GPU.ssd_contention`, `compute_slowdown`):
+    the replay runs once, then again with each computation stretched by those times the shares of
+    its time copies and (only) SSD transfers overlapped.
     """
     n = len(instrs)
     streams: dict[str, list[int]] = {}
@@ -286,10 +286,11 @@ def simulate_plan(plan) -> SimResult:
                     commit_s=plan_commit_s(plan))
 
 
-def compute_slowdown(hw) -> dict[str, float]:
-    """Compute stream -> `GPU.host_contention` of its device, where it is not 0 (the CPU device
-    tier): `simulate`'s `slowdown`."""
-    return {f"gpu{k}.compute": g.host_contention for k, g in enumerate(hw.gpus) if g.host_contention > 0}
+def compute_slowdown(hw) -> dict[str, tuple[float, float]]:
+    """Compute stream -> (`GPU.host_contention`, `GPU.ssd_contention`) of its device, where either
+    is not 0 (the CPU device tier): `simulate`'s `slowdown`."""
+    return {f"gpu{k}.compute": (g.host_contention, g.ssd_contention) for k, g in enumerate(hw.gpus)
+            if g.host_contention > 0 or g.ssd_contention > 0}
 
 
 def host_traffic(ins: Instr) -> bool:
@@ -299,33 +300,51 @@ def host_traffic(ins: Instr) -> bool:
     return ins.kind in ("load", "store", "send")
 
 
-def _stretched(instrs: list[Instr], duration: list[float], start: list, end: list,
-               slowdown: dict[str, float] | None) -> list[float] | None:
-    """The durations with each computation on a `slowdown` stream stretched by its factor times
-    the share of its replayed time that host traffic overlapped; None where nothing changes."""
-    if not slowdown:
-        return None
-    spans = sorted((start[i.id], end[i.id]) for i in instrs if host_traffic(i) and end[i.id] > start[i.id])
+def _is_ssd(ins: Instr) -> bool:
+    return ins.src == "ssd" or ins.dst == "ssd"
+
+
+def _spans(instrs: list[Instr], start: list, end: list, keep) -> tuple[list[list[float]], list[float]]:
+    """The merged (start, end) intervals of the instructions `keep` picks, and their starts."""
     merged: list[list[float]] = []
-    for a, b in spans:
+    for a, b in sorted((start[i.id], end[i.id]) for i in instrs if keep(i) and end[i.id] > start[i.id]):
         if merged and a <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], b)
         else:
             merged.append([a, b])
-    if not merged:
+    return merged, [a for a, _ in merged]
+
+
+def _covered(spans: tuple[list[list[float]], list[float]], s: float, e: float) -> float:
+    """Seconds of [s, e] inside the merged intervals."""
+    merged, starts = spans
+    covered, k = 0.0, max(0, bisect.bisect_right(starts, s) - 1)
+    while k < len(merged) and merged[k][0] < e:
+        covered += max(0.0, min(e, merged[k][1]) - max(s, merged[k][0]))
+        k += 1
+    return covered
+
+
+def _stretched(instrs: list[Instr], duration: list[float], start: list, end: list,
+               slowdown: dict[str, tuple[float, float]] | None) -> list[float] | None:
+    """The durations with each computation on a `slowdown` stream stretched: by its copy factor
+    times the share of its replayed time a copy between tiers overlapped, plus its SSD factor times
+    the share only SSD transfers overlapped; None where nothing changes."""
+    if not slowdown:
         return None
-    starts = [a for a, _ in merged]
+    copies = _spans(instrs, start, end, lambda i: host_traffic(i) and not _is_ssd(i))
+    either = _spans(instrs, start, end, host_traffic)
+    if not either[0]:
+        return None
     out = list(duration)
     for ins in instrs:
-        c = slowdown.get(ins.stream, 0.0)
+        c_copy, c_ssd = slowdown.get(ins.stream, (0.0, 0.0))
         s, e = start[ins.id], end[ins.id]
-        if c <= 0 or ins.kind not in ("compute", "recompute") or e <= s:
+        if c_copy <= 0 and c_ssd <= 0 or ins.kind not in ("compute", "recompute") or e <= s:
             continue
-        covered, k = 0.0, max(0, bisect.bisect_right(starts, s) - 1)
-        while k < len(merged) and merged[k][0] < e:
-            covered += max(0.0, min(e, merged[k][1]) - max(s, merged[k][0]))
-            k += 1
-        out[ins.id] = duration[ins.id] * (1.0 + c * covered / (e - s))
+        by_copy = _covered(copies, s, e)
+        by_ssd = _covered(either, s, e) - by_copy
+        out[ins.id] = duration[ins.id] * (1.0 + (c_copy * by_copy + c_ssd * by_ssd) / (e - s))
     return out
 
 

@@ -109,6 +109,7 @@ def test_no_gpu_path(measured):
     assert 1e-8 < g.copy_tensor_s < 1e-3 and "copy_tensor_s = the executor's stores" in hw.source
     # computing beside a copy loop: slower or the same, never several times slower on 2+ cores
     assert 0 <= g.host_contention < 3 and "host_contention = that block beside" in hw.source
+    assert 0 <= g.ssd_contention < 3 and "ssd_contention = the same beside verified" in hw.source
     assert 1e-7 < hw.ssd.request_s < 1.0 and "request_s = a 4 KiB write and read" in hw.source
     # the store's commit that ends a step: fixed, per written file, per written byte (flush_bw 0:
     # nothing left to flush, when the host had written the bytes back before the commit's sync;
@@ -219,7 +220,7 @@ def _fake_measurements(monkeypatch, tmp_path, calls: list) -> None:
     monkeypatch.setattr(probe_mod, "_disk_bw", recorder("disk", disk))
     for fn, result in (("_cpu_memcpy_bw", 1e10), ("_adam_rate", (1e8, "fake")), ("_cpu_block_flops", 1e10),
                        ("_cpu_bf16_ratio", 0.5), ("_op_dispatch_s", 1e-5), ("_copy_tensor_s", 1e-5),
-                       ("_host_contention", 0.1)):
+                       ("_host_contention", 0.1), ("_ssd_contention", 0.05)):
         monkeypatch.setattr(probe_mod, fn, recorder(fn, result))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(probe_mod, "_machine_cpu_s", lambda: (5.0, 0.0))  # an idle machine

@@ -210,14 +210,31 @@ def test_a_computation_beside_host_copies_is_stretched_by_the_device_s_host_cont
     present = {("a", "dram"), ("a", "gpu0")}
     plain = simulate(instrs, dur, {"a": 1}, present)
     assert plain.step_time_s == 3.0 and plain.durations == dur
-    sim = simulate(instrs, dur, {"a": 1}, present, slowdown={"gpu0.compute": 0.2})
+    sim = simulate(instrs, dur, {"a": 1}, present, slowdown={"gpu0.compute": (0.2, 0.0)})
     assert sim.durations == [1.0 * (1 + 0.2 * 0.5), 0.5, 1.0, 1.0, 1.0]  # half of it beside the copy
     assert sim.step_time_s == 3.1 and sim.busy_s["gpu0.compute"] == 3.1
-    assert simulate(instrs, dur, {"a": 1}, present, slowdown={"gpu1.compute": 0.2}).step_time_s == 3.0
+    assert simulate(instrs, dur, {"a": 1}, present, slowdown={"gpu1.compute": (0.2, 0.2)}).step_time_s == 3.0
+
+
+def test_a_computation_beside_ssd_transfers_is_stretched_by_the_ssd_factor_and_beside_a_copy_by_the_copy_one():
+    """`GPU.ssd_contention` prices the time only SSD transfers overlap; where a copy overlaps too,
+    the copy's factor applies (`GPU.host_contention`), never both."""
+    instrs = [Instr(id=0, kind="compute", stream="gpu0.compute", deps=()),
+              Instr(id=1, kind="load", stream="ssd.read", deps=(), tensor="s", src="ssd", dst="dram"),
+              Instr(id=2, kind="load", stream="gpu0.h2d", deps=(), tensor="a", src="dram", dst="gpu0")]
+    present = {("a", "dram"), ("a", "gpu0"), ("s", "ssd"), ("s", "dram")}
+    sizes = {"a": 1, "s": 1}
+    # the SSD read covers all of the computation, the copy its first quarter
+    sim = simulate(instrs, [1.0, 1.0, 0.25], sizes, present, slowdown={"gpu0.compute": (0.4, 0.1)})
+    assert sim.durations[0] == pytest.approx(1.0 * (1 + (0.4 * 0.25 + 0.1 * 0.75) / 1.0))
+    only_ssd = simulate(instrs[:2], [1.0, 1.0], sizes, present, slowdown={"gpu0.compute": (0.4, 0.1)})
+    assert only_ssd.durations[0] == pytest.approx(1.1)
+    same = simulate(instrs, [1.0, 1.0, 0.25], sizes, present, slowdown={"gpu0.compute": (0.4, 0.4)})
+    assert same.durations[0] == pytest.approx(1.4)  # one factor for both: the union, as before
 
 
 def test_a_cpu_device_plan_records_the_stretch_its_overlapped_replay_gives_and_sync_mode_leaves_it_out():
-    """On the CPU device tier (host_contention > 0) the plan's computations carry `contended_s`, the
+    """On the CPU device tier (host_contention, ssd_contention > 0) the plan's computations carry `contended_s`, the
     replay of the plan file reproduces its predicted step, and sync mode's sum is the plain `est_s`."""
     import dataclasses as dc
     import json
@@ -231,7 +248,7 @@ def test_a_cpu_device_plan_records_the_stretch_its_overlapped_replay_gives_and_s
     hw = dc.replace(base, gpus=(dc.replace(g, memory_bytes=40 << 20, reserved_bytes=0, h2d_bw=2e9, d2h_bw=2e9),))
     o = Options(model="gpt-tiny", hardware="lohan-rtx4090", batch=4, precision="fp32", policy="zero-infinity")
     plain = as_plan(json.loads(make_plan(o, hw).dumps()))
-    slow = dc.replace(hw, gpus=(dc.replace(hw.gpus[0], host_contention=0.5),))
+    slow = dc.replace(hw, gpus=(dc.replace(hw.gpus[0], host_contention=0.5, ssd_contention=0.5),))
     plan = as_plan(json.loads(make_plan(o, slow).dumps()))
     stretched = [i for i in plan.instructions if i.contended_s > 0]
     assert stretched and all(i.kind in ("compute", "recompute") for i in stretched)
