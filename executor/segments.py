@@ -29,7 +29,7 @@ import torch.fx as fx
 from torch.fx.node import map_arg
 
 from tensorstow.ir.template import Instances, instances
-from tensorstow.ir.trace import Traced, aliases_input
+from tensorstow.ir.trace import Traced, view_source
 
 _MISSING = object()
 
@@ -399,7 +399,7 @@ def _compile(seg: Segment, joint: Joint, device: torch.device | None) -> _Compil
             kwargs["_like"] = const(n.meta.get("val"))
         target = const(_callable(portable if portable is not None else n.target))
         call = ", ".join(args + [f"{k}={x}" for k, x in kwargs.items()])
-        if n.name in holder or n.name not in inside and _outside_view(n):  # nothing to count (_view_holders)
+        if n.name in holder or n.name not in inside and view_source(n) is not None:  # nothing to count (_view_holders)
             var[n.name] = v = f"a{len(var)}"
             lines.append(f"{indent}{v} = {target}({call})")
             return
@@ -467,7 +467,7 @@ def _callable(target):
 
 
 def _view_holders(seg: Segment) -> dict[str, str | None]:
-    """The views a segment makes (`aliases_input`, through any chain of views, getitems of
+    """The views a segment makes (`view_source`, through any chain of views, getitems of
     `split` included) -> the node of the segment that makes and holds their storage, or None for a
     view of an outside root (a buffer copy or a step input, held on the device tier from before
     the segment starts until a free the plan orders after it).
@@ -480,17 +480,10 @@ def _view_holders(seg: Segment) -> dict[str, str | None]:
     inside = {n.name for n in seg.nodes}
     holder: dict[str, str | None] = {}
     for n in seg.nodes:
-        src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
-        if src is None or not (aliases_input(src) if n.target is operator.getitem else aliases_input(n)):
-            continue
-        holder[n.name] = holder.get(src.name, src.name) if src.name in inside else None
+        src = view_source(n)
+        if src is not None:
+            holder[n.name] = holder.get(src.name, src.name) if src.name in inside else None
     return holder
-
-
-def _outside_view(n: fx.Node) -> bool:
-    """A view of an outside root that a compiled segment replays (`_compile`'s `arg`)."""
-    src = n.args[0] if n.args and isinstance(n.args[0], fx.Node) else None
-    return src is not None and (aliases_input(src) if n.target is operator.getitem else aliases_input(n))
 
 
 def _arg_nodes(n) -> list[fx.Node]:

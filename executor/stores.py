@@ -152,12 +152,7 @@ class DeviceTier:
             n = st.nbytes()
             if n == 0:
                 return
-            self.used += n  # `_grow`, inline: a segment's every allocation comes here
-            if self.used > self.peak:
-                self.peak = self.used
-            if self.used > self.budget:
-                self.used -= n
-                self._grow(n, what)  # raises
+            self._grow(n, what)
             self._live[ptr] = [n, 1]
 
     def release(self, value) -> None:

@@ -384,6 +384,16 @@ def _nbytes(v) -> int:
     return 0
 
 
+def view_source(node: fx.Node) -> fx.Node | None:
+    """The node whose storage `node`'s value shares, or None: its first argument where it is a
+    view of it (`aliases_input`), or the tuple of a view op (`split`) it is a getitem of. The
+    IR's storage roots follow these links, and so do the compiled segments' uncounted views."""
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    src = node.args[0]
+    return src if (aliases_input(src) if node.target is operator.getitem else aliases_input(node)) else None
+
+
 def aliases_input(node: fx.Node) -> bool:
     """Whether the node's value shares its first argument's storage (its schema says its first
     return aliases an input, not written): views, `detach`, `split`, `_unsafe_view`."""
@@ -466,13 +476,8 @@ def _build_ir(gm, bounds, n_layers, param_names, trainable, model_name, batch, s
     # Storage roots (views share their base's memory).
     root: dict[str, str] = {}
     for n in nodes:
-        if n.op == "call_function" and n.target is operator.getitem:
-            base = n.args[0]
-            root[n.name] = root.get(base.name, base.name) if aliases_input(base) else n.name
-        elif n.op == "call_function" and aliases_input(n) and n.args and isinstance(n.args[0], fx.Node):
-            root[n.name] = root.get(n.args[0].name, n.args[0].name)
-        else:
-            root[n.name] = n.name
+        src = view_source(n)
+        root[n.name] = n.name if src is None else root.get(src.name, src.name)
 
     # Ops: forward, then backward, each in graph order; getitem folds into its producer.
     op_nodes = [n for n in calls if n.target is not operator.getitem]
