@@ -9,10 +9,15 @@ ones; the table shows the median (and min) step time and the losses of the first
 Equal first-step losses show the three start from the same model and batch.
 
 Every engine runs in a worker process of its own, built before any step is timed. By default
-(`--order interleaved`) the engines take turns: batch K on each engine, then batch K+1 on each,
+(`--order rotated`) the engines take turns: batch K on each engine, then batch K+1 on each,
 so a slow minute of the shared VM (its compute and disk swing 20-40% from one minute to the next,
-benchmarks/RESULTS.md) weighs on every engine alike; `--order sequential` runs all of one
-engine's steps before the next engine's. A step's time includes the wait for the engine's
+benchmarks/RESULTS.md) weighs on every engine alike, and round K starts with engine K mod 4, so
+each engine follows each other one as often: the engine that runs right after DeepSpeed reads and
+syncs on a disk still busy with what DeepSpeed wrote (`--order interleaved`, the same order every
+round: tensorstow, always after DeepSpeed, 0.737-0.759 of DeepSpeed's step where rotated gave
+0.716-0.741, RESULTS.md 2026-11-26). `--order sequential` runs all of one engine's steps before
+the next engine's. The ratios print with the spread of the per-round ratios (step K of the two
+engines), the size of the VM's noise on the median's ratio. A step's time includes the wait for the engine's
 background work (tensorstow's store: its early syncs and a commit in the background), so none of
 it runs in another engine's turn. Before each step the coordinator syncs the file systems
 (`os.sync()`, untimed): otherwise the first engine to sync (tensorstow's store, every step) would
@@ -73,7 +78,7 @@ tensorstow is NOT installed into .venv-ds: the DeepSpeed worker loads this check
 Run (from the repo root, in tensorstow's venv):
 
     .venv/bin/python benchmarks/bench_deepspeed.py [--preset gpt-small] [--batch 4] [--warmup 2]
-        [--steps 5] [--dir DIR_ON_THE_SSD] [--ds-python PATH] [--ds-offload nvme|cpu]
+        [--steps 10] [--order rotated|interleaved|sequential] [--dir DIR_ON_THE_SSD] [--ds-python PATH] [--ds-offload nvme|cpu]
         [--ds-activation-checkpointing] [--threads 1] [--ts-policy auto] [--ts-hw local]
         [--ts-gpu-mem 90MB] [--ts-dram 40MB] [--ts-store ssd|file] [--ts-mode overlap|sync] [--json OUT.json]
     # the defaults are the comparison in benchmarks/RESULTS.md; gpt3-125m there:
@@ -129,6 +134,15 @@ def _import_tensorstow():
     mod = importlib.util.module_from_spec(spec)
     sys.modules["tensorstow"] = mod
     spec.loader.exec_module(mod)
+
+
+def _allocator() -> str:
+    """The malloc this process runs on: jemalloc when it is mapped (LD_PRELOAD), else glibc's."""
+    try:
+        with open("/proc/self/maps") as f:
+            return "jemalloc" if "libjemalloc" in f.read() else "glibc malloc"
+    except OSError:
+        return "unknown"
 
 
 def _setup(a: dict):
@@ -294,7 +308,7 @@ def worker(name: str, a: dict) -> None:
         for line in sys.stdin:
             cmd = line.split()
             if cmd == ["end"]:
-                say({"end": eng.finish()})
+                say({"end": {**eng.finish(), "allocator": _allocator()}})
                 return
             k = int(cmd[1])
             x, y = eng.data[k]
@@ -423,10 +437,10 @@ def _ts_info(a: dict, work: Path, every: int) -> dict:
 
 
 def run_engines(a: dict, names: list[str], work: Path, order: str) -> dict[str, dict]:
-    """Start every engine's worker, then step them: `interleaved`, batch K on each engine in turn
-    before batch K+1 (a minute when the shared VM runs slow weighs on every engine alike), or
-    `sequential`, all of one engine's steps before the next engine's. Each engine's first
-    a["warmup"] steps are not timed."""
+    """Start every engine's worker, then step them: `rotated` or `interleaved`, batch K on each
+    engine in turn before batch K+1 (a minute when the shared VM runs slow weighs on every engine
+    alike; rotated starts round K with engine K mod E), or `sequential`, all of one engine's steps
+    before the next engine's. Each engine's first a["warmup"] steps are not timed."""
     n = a["warmup"] + a["steps"]
     workers: dict[str, _Worker] = {}
     res: dict[str, dict] = {}
@@ -441,8 +455,12 @@ def run_engines(a: dict, names: list[str], work: Path, order: str) -> dict[str, 
             workers[name] = w
             res[name] = {"times_s": [], "drain_s": [], "losses": []}
             print(f"  {name}: ready ({time.perf_counter() - t0:.0f} s, load {_load()})", flush=True)
-        plan = [(k, name) for k in range(n) for name in workers] if order == "interleaved" else \
-               [(k, name) for name in workers for k in range(n)]
+        names = list(workers)
+        if order == "sequential":
+            plan = [(k, name) for name in names for k in range(n)]
+        else:  # rotated: round k starts with engine k mod E, so each engine follows each other alike
+            shift = (lambda k: k % len(names)) if order == "rotated" else (lambda k: 0)
+            plan = [(k, name) for k in range(n) for name in names[shift(k):] + names[:shift(k)]]
         for k, name in plan:
             if name not in workers:
                 continue
@@ -535,7 +553,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=0, help="sequence length (default: the preset's block size)")
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="torch threads in every engine (0: torch's default)")
@@ -552,8 +570,9 @@ def main() -> None:
                          "column says which)")
     ap.add_argument("--ts-store", choices=["ssd", "file"], default="ssd")
     ap.add_argument("--ts-mode", choices=["sync", "overlap"], default="overlap")
-    ap.add_argument("--order", choices=["interleaved", "sequential"], default="interleaved",
-                    help="interleaved: each batch on every engine in turn; sequential: one engine's steps after another's")
+    ap.add_argument("--order", choices=["rotated", "interleaved", "sequential"], default="rotated",
+                    help="rotated: each batch on every engine in turn, round K starting with engine K mod E; "
+                         "interleaved: the same, always in one order; sequential: one engine's steps after another's")
     ap.add_argument("--only", default="eager,deepspeed,tensorstow,tensorstow-end", help="comma-separated engines to run")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (logs, swap files)")
     ap.add_argument("--json", help="write all results here")
@@ -597,6 +616,8 @@ def main() -> None:
 
     tokens = args.batch * a["seq"]
     print()
+    allocators = sorted({r["allocator"] for r in res.values() if "allocator" in r})
+    print(f"allocator: {', '.join(allocators) or 'unknown'} (each engine's process)")
     print(f"{'engine':<14} {'offload':<36} {'median s':>9} {'min s':>8} {'tok/s':>8} {'loss@1':>8} {'loss@last':>9}")
     for name, r in res.items():
         if "skipped" in r:
@@ -627,7 +648,11 @@ def main() -> None:
     def ratio(num, den):
         if "median_s" in res.get(num, {}) and "median_s" in res.get(den, {}):
             label = {"deepspeed": "deepspeed_zero_infinity"}.get(num, num)
-            print(f"  {label} / {den}: {res[num]['median_s'] / res[den]['median_s']:.3f}")
+            # in turns: step k of both engines ran in the same round, so the spread of the
+            # per-round ratios shows how far the VM's minute moves the median's ratio
+            rounds = sorted(t / u for t, u in zip(res[num]["times_s"], res[den]["times_s"]))
+            spread = f"   (per round: {rounds[0]:.3f} .. {rounds[-1]:.3f})" if args.order != "sequential" else ""
+            print(f"  {label} / {den}: {res[num]['median_s'] / res[den]['median_s']:.3f}{spread}")
 
     print("\nstep-time ratios (median; < 1 is faster):")
     ratio("deepspeed", "eager")
