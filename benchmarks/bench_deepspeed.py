@@ -17,9 +17,9 @@ syncs on a disk still busy with what DeepSpeed wrote (`--order interleaved`, the
 round: tensorstow, always after DeepSpeed, 0.737-0.759 of DeepSpeed's step where rotated gave
 0.716-0.741, RESULTS.md 2026-11-26). `--order sequential` runs all of one engine's steps before
 the next engine's. The ratios print with the spread of the per-round ratios (step K of the two
-engines), the size of the VM's noise on the median's ratio. A step's time includes the wait for the engine's
-background work (tensorstow's store: its early syncs and a commit in the background), so none of
-it runs in another engine's turn. Before each step the coordinator syncs the file systems
+engines): the size of the VM's noise on the median's ratio. A step's time includes the wait for
+the engine's background work (tensorstow's store: its early syncs and a commit in the
+background), so none of it runs in another engine's turn. Before each step the coordinator syncs the file systems
 (`os.sync()`, untimed): otherwise the first engine to sync (tensorstow's store, every step) would
 flush, on this VM's write-back disk, what DeepSpeed wrote in its turn and never synced (gpt-small,
 interleaved without it: the durable tensorstow row 0.43-0.58 s a step, with it 0.34 s).
@@ -456,11 +456,11 @@ def run_engines(a: dict, names: list[str], work: Path, order: str) -> dict[str, 
             res[name] = {"times_s": [], "drain_s": [], "losses": []}
             print(f"  {name}: ready ({time.perf_counter() - t0:.0f} s, load {_load()})", flush=True)
         names = list(workers)
-        if order == "sequential":
-            plan = [(k, name) for name in names for k in range(n)]
-        else:  # rotated: round k starts with engine k mod E, so each engine follows each other alike
-            shift = (lambda k: k % len(names)) if order == "rotated" else (lambda k: 0)
-            plan = [(k, name) for k in range(n) for name in names[shift(k):] + names[:shift(k)]]
+        # rotated: round k starts with engine k mod E, so each engine follows each other one alike
+        rounds = [names[k % len(names):] + names[:k % len(names)] if order == "rotated" else names
+                  for k in range(n)]
+        plan = [(k, name) for name in names for k in range(n)] if order == "sequential" else \
+               [(k, name) for k in range(n) for name in rounds[k]]
         for k, name in plan:
             if name not in workers:
                 continue
