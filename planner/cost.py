@@ -487,7 +487,16 @@ def _nonzero(bw: float, what: str) -> float:
     return bw
 
 
-def optimizer_time(params: int, device: str, hw: Hardware) -> float:
+def optimizer_time(params: int, device: str, hw: Hardware, tensors: int = 0) -> float:
+    """Seconds of one block's update of `params` parameters in `tensors` tensors: on the CPU at
+    `CPU.adam_rate` plus `CPU.adam_tensor_s` per tensor (the executor's per-tensor work [OURS]);
+    on a GPU memory-bound."""
     if device == "cpu":
-        return params / hw.cpu.adam_rate
+        return params / hw.cpu.adam_rate + tensors * hw.cpu.adam_tensor_s
     return params * GPU_ADAM_BYTES_PER_PARAM / hw.gpus[int(device[3:])].mem_bw
+
+
+def update_time(prof: BlockProfile, device: str, problem) -> float:
+    """`optimizer_time` of a block profile: its trainable parameters and their tensors (those of
+    the traced block the profile describes)."""
+    return optimizer_time(prof.param_count, device, problem.hw, len(problem.graph.block(prof.name).params))

@@ -35,8 +35,8 @@ CPU_GPU_NAME = "cpu (no CUDA)"
 
 
 OMITTED_WHEN_ZERO = ("op_s", "d2h_convert_bw", "h2d_convert_bw", "copy_tensor_s", "host_contention", "ssd_contention",
-                     "request_s", "commit_s", "sync_s", "flush_bw")
-"""GPU and SSD fields a spec's JSON leaves out when 0 (added after specs existed: their
+                     "request_s", "commit_s", "sync_s", "flush_bw", "adam_tensor_s")
+"""GPU, SSD and CPU fields a spec's JSON leaves out when 0 (added after specs existed: their
 fingerprints stay)."""
 
 
@@ -177,6 +177,14 @@ class CPU:
     """Physical cores available to the optimizer."""
     adam_rate: float
     """Adam/AdamW update rate of the whole CPU, parameters/s (fp32 master + m + v)."""
+    adam_tensor_s: float = 0.0
+    """Host seconds each parameter tensor of an update costs besides its elements: the executor's
+    optimizer step finds the tensor's master, gradient and moments in their buffers (a view of
+    each), rebuilds the gradient from its recipe and calls the fused kernel once per tensor, ~44 us
+    a tensor on the 2-core dev VM, where gpt-small's 77 tensors took as long again as their 6.9 M
+    elements (benchmarks/RESULTS.md, 2026-11-26). Measured by `tensorstow probe` through those
+    stores and that kernel; 0 in the papers' presets (their rates are measured updates). Left out
+    of the spec's JSON when 0."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,7 +209,8 @@ class Hardware:
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
         d["gpus"] = [{k: v for k, v in g.items() if k not in OMITTED_WHEN_ZERO or v} for g in d["gpus"]]
-        d["ssd"] = {k: v for k, v in d["ssd"].items() if k not in OMITTED_WHEN_ZERO or v}
+        for part in ("ssd", "cpu"):
+            d[part] = {k: v for k, v in d[part].items() if k not in OMITTED_WHEN_ZERO or v}
         return d
 
     @staticmethod

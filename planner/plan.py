@@ -204,7 +204,7 @@ def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer],
             out.append(cost.commit_time(hw, instrs))
         elif ins.kind == "optimizer_step":
             prof = problem.profiles[problem.profile_of[ins.segment]]
-            out.append(cost.optimizer_time(prof.param_count, ins.dst, hw)
+            out.append(cost.update_time(prof, ins.dst, problem)
                        + (cost.zero3_param_writeback_time(prof.param_bytes, zero3, problem.mixed, hw) if zero3 else 0.0))
         else:
             out.append(0.0)

@@ -188,6 +188,7 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
     with other:
         copy_bw = _cpu_memcpy_bw(p.memcpy_bytes, p.memcpy_reps)  # bytes moved per second
         adam_rate, adam_kind = _adam_rate(p.adam_numel, p.adam_reps)
+        adam_tensor_s = _adam_tensor_s(p.adam_reps)
     dram = DRAM(capacity_bytes=avail_ram, bandwidth=2 * copy_bw)
     cores = os.cpu_count() or 1
 
@@ -237,7 +238,7 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
 
     ssd = SSD(count=1, read_bw=disk.read_bw, write_bw=disk.write_bw, capacity_bytes=disk.capacity,
               request_s=disk.request_s, commit_s=disk.commit_s, sync_s=disk.sync_s, flush_bw=disk.flush_bw)
-    cpu = CPU(cores=cores, adam_rate=adam_rate)
+    cpu = CPU(cores=cores, adam_rate=adam_rate, adam_tensor_s=adam_tensor_s)
 
     stamp = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     source = "; ".join([
@@ -252,7 +253,8 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
         f"({disk.request_s * 1e6:.0f} us); a commit {disk.commit_s * 1e3:.2f} ms + {disk.sync_s * 1e3:.2f} ms per "
         f"buffer written (1 and {COMMIT_PROBE_BUFFERS} buffers of 4 KiB committed through that store) + the "
         f"written bytes at {disk.flush_bw / 1e9:.2f} GB/s (the commit after each write pass)",
-        f"CPU: AdamW {adam_kind} on {p.adam_numel // MiB}Mi fp32 params",
+        f"CPU: AdamW {adam_kind} on {p.adam_numel // MiB}Mi fp32 params; adam_tensor_s = the executor's "
+        f"update per tensor besides its elements, through its host copies and kernel ({adam_tensor_s * 1e6:.1f} us)",
         f"best of {p.memcpy_reps}/{p.adam_reps} reps (memcpy/adam), the disk's median of {p.disk_reps}",
     ])
     return Hardware(name="local", gpus=gpus, dram=dram, ssd=ssd, cpu=cpu,
@@ -653,6 +655,31 @@ def _ssd_call_costs(tmpdir: str, reps: int) -> tuple[float, float, float]:
         one, many = best_commit(1), best_commit(n)
     sync_s = max(0.0, (many - one) / (n - 1))
     return request_s, max(0.0, one - sync_s), sync_s
+
+def _adam_tensor_s(reps: int) -> float:
+    """Host seconds per parameter tensor of the executor's CPU update besides its elements
+    (`CPU.adam_tensor_s`): 16 tiny tensors whose master, gradient and moments are views of host
+    copies made anew each round (a step's loaded buffers arrive as new copies), updated through the
+    executor's `adamw_steps_` (its fused kernel, called once per tensor), so the time is the
+    per-tensor work, not the elements. The executor's handler also rebuilds each gradient from
+    its recipe, which this leaves out: a lower bound."""
+    import torch
+
+    from tensorstow.executor.adam import adamw_steps_
+    from tensorstow.executor.stores import HostCopy, Layout, aligned_empty
+    n = 16
+    keys = [f"t{k}" for k in range(n)]
+    params = Layout([(k, torch.float32, (16,)) for k in keys])
+    states = Layout([(f"{k}.{m}", torch.float32, (16,)) for k in keys for m in ("exp_avg", "exp_avg_sq")])
+    blobs = [aligned_empty(lay.nbytes).zero_() for lay in (params, params, states)]
+
+    def update():
+        for _ in range(10):
+            p, g, s = (HostCopy(lay, blob) for lay, blob in zip((params, params, states), blobs))
+            adamw_steps_([p[k] for k in keys], [g[k] for k in keys], [s[f"{k}.exp_avg"] for k in keys],
+                         [s[f"{k}.exp_avg_sq"] for k in keys], 1, 1e-4, (0.9, 0.999), 1e-8, 0.0)
+    return _best_time(update, reps) / (10 * n)
+
 
 def _copy_tensor_s(reps: int, device=None, pin: bool = False) -> float:
     """Host seconds per tensor of a copy between DRAM and the device tier (`GPU.copy_tensor_s`),

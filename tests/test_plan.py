@@ -238,6 +238,35 @@ def test_copies_cost_their_tensors_and_ssd_requests_their_fixed_cost_where_the_s
     assert got.sim.step_time_s > base.sim.step_time_s
 
 
+def test_a_cpu_update_costs_its_tensors_where_the_spec_states_it():
+    """`CPU.adam_tensor_s` (probed: the executor updates a block tensor by tensor, each with its
+    views and a kernel call): every CPU optimizer step of the plan takes its block's trainable
+    tensors times it longer, in the replay and in the ILP's coefficients; the papers' presets
+    state none, so their specs and fingerprints do not change."""
+    from tensorstow.planner.policies import ilp
+    hw = load_hardware("lohan-rtx4090")
+    assert "adam_tensor_s" not in hw.to_json()["cpu"]
+    slow = dataclasses.replace(hw, cpu=dataclasses.replace(hw.cpu, adam_tensor_s=1e-3))
+    assert slow.to_json()["cpu"]["adam_tensor_s"] == 1e-3 and slow.fingerprint() != hw.fingerprint()
+    assert Hardware.from_json(slow.to_json()) == slow
+    base_problem, p = build_problem(tiny_options(), hw), build_problem(tiny_options(), slow)
+    base = schedule(base_problem, zero_infinity.plan(base_problem))
+    got = schedule(p, zero_infinity.plan(p))
+    updates = 0
+    for ins, before, after in zip(got.instructions, base.durations, got.durations):
+        if ins.kind == "optimizer_step" and ins.dst == "cpu":
+            traced = p.graph.block(p.profile_of[ins.segment])
+            assert len(traced.params) > 0 and after == pytest.approx(before + len(traced.params) * 1e-3)
+            updates += 1
+        else:
+            assert after == before
+    assert updates == len(p.order)
+    prof = p.profiles[p.profile_of[p.order[1]]]
+    cpu = next(c for c in ilp.combos(slow) if c.opt == "cpu")
+    extra = ilp.coefficients(prof, cpu, p, last=False)["cpu_b"] - ilp.coefficients(prof, cpu, base_problem, last=False)["cpu_b"]
+    assert extra == pytest.approx(len(p.graph.block(prof.name).params) * 1e-3)
+
+
 def test_ssd_reads_for_computations_and_for_updates_are_on_their_own_streams():
     """Where it fits (`Decisions.ssd_reads_first`), parameters and activations come off the SSD on
     `ssd.first` (the store runs those reads ahead of queued writes, and the simulator lets them

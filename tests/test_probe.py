@@ -107,6 +107,8 @@ def test_no_gpu_path(measured):
     assert 0 < g.flops <= g.flops_fp32 and "bf16" in hw.source
     # the executor's stores: per tensor of a DRAM <-> device copy, per SSD read or write
     assert 1e-8 < g.copy_tensor_s < 1e-3 and "copy_tensor_s = the executor's stores" in hw.source
+    # the executor's CPU update: per tensor, besides its elements
+    assert 1e-8 < hw.cpu.adam_tensor_s < 1e-3 and "adam_tensor_s = the executor's update" in hw.source
     # computing beside a copy loop: slower or the same, never several times slower on 2+ cores
     assert 0 <= g.host_contention < 3 and "host_contention = that block beside" in hw.source
     assert 0 <= g.ssd_contention < 3 and "ssd_contention = the same beside verified" in hw.source
@@ -219,7 +221,7 @@ def _fake_measurements(monkeypatch, tmp_path, calls: list) -> None:
                                  fs_dir=str(tmp_path))
     monkeypatch.setattr(probe_mod, "_disk_bw", recorder("disk", disk))
     for fn, result in (("_cpu_memcpy_bw", 1e10), ("_adam_rate", (1e8, "fake")), ("_cpu_block_flops", 1e10),
-                       ("_cpu_bf16_ratio", 0.5), ("_op_dispatch_s", 1e-5), ("_copy_tensor_s", 1e-5),
+                       ("_cpu_bf16_ratio", 0.5), ("_op_dispatch_s", 1e-5), ("_copy_tensor_s", 1e-5), ("_adam_tensor_s", 2e-5),
                        ("_host_contention", 0.1), ("_ssd_contention", 0.05)):
         monkeypatch.setattr(probe_mod, fn, recorder(fn, result))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)

@@ -46,7 +46,7 @@ from dataclasses import dataclass, replace
 import pulp
 
 from tensorstow.planner import highs
-from tensorstow.planner.cost import GPU_ADAM_BYTES_PER_PARAM, BlockProfile
+from tensorstow.planner.cost import GPU_ADAM_BYTES_PER_PARAM, BlockProfile, update_time
 from tensorstow.planner.schedule import ACTIVATION_CHOICES, BlockDecision, Decisions, swap_bytes
 
 MiB = 2**20
@@ -117,7 +117,7 @@ def coefficients(p: BlockProfile, c: Combo, problem, last: bool) -> dict[str, fl
     if not mixed and c.ph == "ssd" and c.opt == "cpu":
         ssd_r += Pw  # fp32: the parameter is the master and is read for its update
     k["ssd_b"] = ssd_r * rd + ssd_w * wr
-    k["cpu_b"] = n / hw.cpu.adam_rate * (c.opt == "cpu")
+    k["cpu_b"] = update_time(p, "cpu", problem) * (c.opt == "cpu")
     # resident bytes per tier
     k["mem_gpu"] = (P * (c.ph == "gpu") + S * (c.sh == "gpu") + A * (c.act == "keep") + X * (c.ck == "gpu")) / MiB
     k["mem_dram"] = (P * (c.ph == "dram") + S * (c.sh == "dram") + As * (c.act == "swap_dram")

@@ -57,7 +57,7 @@ def stage_problem(problem, M: int) -> StageProblem:
         a=tuple(profs[i + 1].input_bytes if i + 1 < len(profs) else 0 for i in range(len(profs))),
         g=tuple(p.handed_bytes for p in profs),
         gpus=len(hw.gpus), microbatches=M, capacity=min(g.plan_bytes for g in hw.gpus), bandwidth=bw,
-        u=tuple(cost.optimizer_time(p.param_count, "cpu", hw) for p in profs))
+        u=tuple(cost.update_time(p, "cpu", problem) for p in profs))
 
 
 def ties(problem) -> list[tuple[str, str]]:
