@@ -181,10 +181,10 @@ class CPU:
     """Host seconds each parameter tensor of an update costs besides its elements: the executor's
     optimizer step finds the tensor's master, gradient and moments in their buffers (a view of
     each), rebuilds the gradient from its recipe and calls the fused kernel once per tensor, ~44 us
-    a tensor on the 2-core dev VM, where gpt-small's 77 tensors took as long again as their 6.9 M
-    elements (benchmarks/RESULTS.md, 2026-11-26). Measured by `tensorstow probe` through those
-    stores and that kernel; 0 in the papers' presets (their rates are measured updates). Left out
-    of the spec's JSON when 0."""
+    a tensor on the 2-core dev VM, where gpt-small's 77 tensors added 3.4 ms to the kernel's 5.1 ms
+    over their 6.9 M elements (benchmarks/RESULTS.md, 2026-11-26). Measured by `tensorstow probe`
+    through those stores and that kernel, without the recipe (a lower bound: 22 us there); 0 in
+    the papers' presets (their rates are measured updates). Left out of the spec's JSON when 0."""
 
 
 @dataclass(frozen=True, kw_only=True)
