@@ -656,6 +656,7 @@ def _ssd_call_costs(tmpdir: str, reps: int) -> tuple[float, float, float]:
     sync_s = max(0.0, (many - one) / (n - 1))
     return request_s, max(0.0, one - sync_s), sync_s
 
+
 def _adam_tensor_s(reps: int) -> float:
     """Host seconds per parameter tensor of the executor's CPU update besides its elements
     (`CPU.adam_tensor_s`): 16 tiny tensors whose master, gradient and moments are views of host
