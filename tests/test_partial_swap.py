@@ -90,8 +90,8 @@ def test_lohan_keeps_the_faster_of_partial_and_whole_swaps():
     dec = lohan.plan(p)
     best = {}
     for reforward in (True, False):
-        s, k, n_dram, prefetch, _ = lohan._search(p, reforward)
-        best[reforward] = s.evaluate(k, n_dram, prefetch).step_time_s
+        s, k, n_dram, kept, prefetch, _ = lohan._search(p, reforward, keep=True)
+        best[reforward] = s.evaluate(k, n_dram, prefetch, kept).step_time_s
     assert schedule(p, dec).sim.step_time_s == min(best.values())
     swapped = [d for d in dec.blocks.values() if d.activations in ("swap_dram", "swap_ssd")]
     assert all(d.reforward == (best[True] <= best[False]) for d in swapped)
@@ -163,10 +163,10 @@ def test_lohan_cuts_backwards_to_swap_13b_at_batch_64_on_the_rtx4090():
 
 def test_fuyou_is_lohans_search_without_cut_backwards():
     """Fuyou keeps a layer's intermediate values on the GPU (§5.2): the `fuyou` policy is the lohan
-    search with whole backwards, under its own name."""
+    search with whole backwards and every layer block's activations offloaded, under its own name."""
     p = problem()
     fy = lohan.fuyou(p)
     assert fy.policy == "fuyou" and not any(d.bwd_cut for d in fy.blocks.values())
-    assert dataclasses.replace(fy, policy="lohan") == lohan.plan(p, split=False)
+    assert dataclasses.replace(fy, policy="lohan") == lohan.plan(p, split=False, keep=False)
     # auto leaves it out: lohan's search includes its plans (on a tie it would win by name)
     assert "fuyou" not in plan_problem(p, "auto").decisions.notes[-1]

@@ -117,18 +117,20 @@ class _Search:
         self.home = "ssd" if problem.hw.ssd.count > 0 else "dram"
         self.ranked = by_offloading_benefit(problem, reforward)
         self.size = [swap_bytes(problem.profiles[problem.profile_of[b]], reforward) for b in self.ranked]
-        self.memo: dict[tuple[int, int, int], _Eval] = {}
+        self.memo: dict[tuple[int, int, int, int], _Eval] = {}
         base = self.evaluate(0, 0, 1)  # ZeRO-Infinity's activations + active gradient offloading
         self.by_count: dict[int, _Eval] = {0: base}
         # LoHan Eq. 3-4 MEM_M^avail: the DRAM left free at the peak of the no-swap ("profiling") plan.
         self.mem_avail = max(0, problem.hw.dram.capacity_bytes - base.dram_peak)
 
-    def decisions(self, k: int, n_dram: int, prefetch: int, notes: tuple[str, ...] = ()) -> Decisions:
-        """The first k blocks in OB order swapped (the first n_dram of them to DRAM)."""
+    def decisions(self, k: int, n_dram: int, prefetch: int, kept: int = 0, notes: tuple[str, ...] = ()) -> Decisions:
+        """The first k blocks in OB order swapped (the first n_dram of them to DRAM), then the
+        first `kept` blocks of `keep_order(k)` keeping their activations on the GPU instead."""
         swap = {b: ("swap_dram" if i < n_dram else "swap_ssd") for i, b in enumerate(self.ranked[:k])}
+        on_gpu = set(self.keep_order(k)[:kept])
         blocks = {}
         for b in self.problem.order:
-            layer = self.problem.graph.block(b).kind == "layer"
+            layer = self.problem.graph.block(b).kind == "layer" and b not in on_gpu
             acts = swap.get(b, "recompute") if layer else "keep"
             cut = self.problem.profiles[self.problem.profile_of[b]].bwd_cut if self.split and layer else 0
             blocks[b] = BlockDecision(params=self.home, states=self.home, optimizer="cpu",
@@ -137,10 +139,16 @@ class _Search:
         return Decisions(policy="lohan", blocks=blocks, prefetch=prefetch, overlap_optimizer=True,
                          serialize_optimizer=False, notes=notes)
 
-    def evaluate(self, k: int, n_dram: int, prefetch: int) -> _Eval:
-        key = (k, n_dram, prefetch)
+    def keep_order(self, k: int) -> list[str]:
+        """Layer blocks in the order they keep their activations on the GPU when it has room:
+        the recomputed ones first, most FLOP saved per byte held first (LoHan Eq. 6's OB), then
+        the swapped ones from the lowest OB up (every swapped byte is the same PCIe traffic)."""
+        return self.ranked[k:] + self.ranked[:k][::-1]
+
+    def evaluate(self, k: int, n_dram: int, prefetch: int, kept: int = 0) -> _Eval:
+        key = (k, n_dram, prefetch, kept)
         if key not in self.memo:
-            plan = schedule(self.problem, self.decisions(k, n_dram, prefetch))
+            plan = schedule(self.problem, self.decisions(k, n_dram, prefetch, kept))
             self.memo[key] = _Eval(plan.sim.step_time_s, plan.over_capacity(), plan.peak("dram"), n_dram)
         return self.memo[key]
 
@@ -196,27 +204,54 @@ class _Search:
         return min(k for k, e in self.by_count.items()
                    if e.fits and e.step_time_s <= best.step_time_s * (1 + REL_TOL))
 
-    def best_prefetch(self, k: int, n_dram: int) -> tuple[int, str]:
+    def best_kept(self, k: int, n_dram: int) -> int:
+        """How many layer blocks keep their activations on the GPU (`keep_order`): LoHan Eq. 3
+        splits the swapped activations between DRAM and SSD by what each tier has free; the GPU
+        is the tier above both, and what it holds is neither moved nor recomputed. The most
+        blocks whose plan still fits (bisection: each block kept adds its activations to the
+        GPU peak), if that plan is not slower in simulation than keeping none by more than
+        REL_TOL (LoHan §IV-D Case 1: the least traffic among near-equal times). Without this,
+        gpt-small at 90 MB of device memory swapped all six blocks' activations through host
+        memory (150 MB of copies a step) where every one of them fit beside the parameter window."""
+        if not self.evaluate(k, n_dram, 1, 1).fits:
+            return 0
+        lo, hi = 1, len(self.ranked)
+        while lo < hi:
+            m = (lo + hi + 1) // 2
+            if self.evaluate(k, n_dram, 1, m).fits:
+                lo = m
+            else:
+                hi = m - 1
+        none = self.evaluate(k, n_dram, 1)
+        return lo if self.evaluate(k, n_dram, 1, lo).step_time_s <= none.step_time_s * (1 + REL_TOL) else 0
+
+    def best_prefetch(self, k: int, n_dram: int, kept: int = 0) -> tuple[int, str]:
         """Fuyou §4.4: the deepest FIFO the memory allows, if it is not slower than depth 1."""
         lo, hi = 1, MAX_PREFETCH
         while lo < hi:
             m = (lo + hi + 1) // 2
-            if self.evaluate(k, n_dram, m).fits:
+            if self.evaluate(k, n_dram, m, kept).fits:
                 lo = m
             else:
                 hi = m - 1
         why = f"the deepest of 1..{MAX_PREFETCH} that fits"
-        if self.evaluate(k, n_dram, lo).key > self.evaluate(k, n_dram, 1).key:
+        if self.evaluate(k, n_dram, lo, kept).key > self.evaluate(k, n_dram, 1, kept).key:
             return 1, f"depth {lo} fits ({why}) but simulates slower"
         return lo, why
 
 
-def _search(problem: Problem, reforward: bool, split: bool = False) -> tuple[_Search, int, int, int, str]:
+def _search(problem: Problem, reforward: bool, split: bool = False,
+            keep: bool = False) -> tuple[_Search, int, int, int, int, str]:
     s = _Search(problem, reforward, split)
     k = s.best_count()
     n_dram = s.by_count[k].n_dram
     prefetch, why = s.best_prefetch(k, n_dram)
-    return s, k, n_dram, prefetch, why
+    kept = s.best_kept(k, n_dram) if keep else 0
+    if kept:  # the room kept activations take is the FIFO's: the faster of the two wins
+        depth, why_kept = s.best_prefetch(k, n_dram, kept)
+        if s.evaluate(k, n_dram, depth, kept).step_time_s <= s.evaluate(k, n_dram, prefetch).step_time_s * (1 + REL_TOL):
+            return s, k, n_dram, kept, depth, why_kept
+    return s, k, n_dram, 0, prefetch, why
 
 
 def fuyou(problem: Problem) -> Decisions:
@@ -224,28 +259,32 @@ def fuyou(problem: Problem) -> Decisions:
     intermediate values on the GPU (§5.2: "a larger model brings a larger intermediate value size
     within a layer, which is not offloaded to CPU and SSDs"), so a swapped block's activations
     come back only beside the whole backward before it; LoHan swaps layer by layer."""
-    return dataclasses.replace(plan(problem, split=False), policy="fuyou")
+    return dataclasses.replace(plan(problem, split=False, keep=False), policy="fuyou")
 
 
-def plan(problem: Problem, split: bool = True) -> Decisions:
+def plan(problem: Problem, split: bool = True, keep: bool = True) -> Decisions:
     """The search with partial swaps, and with whole-block swaps where a block has a partial one;
     the faster plan wins (partial on a tie). On a GPU partial swaps win when the host link is busy
     (their re-forward is a few % of a forward); on a CPU device tier, where a swap is a memcpy, the
-    re-forward can cost more than the bytes it saves."""
-    runs = [_search(problem, True)]
+    re-forward can cost more than the bytes it saves. `keep`: layer blocks the GPU has room for
+    keep their activations there (`_Search.best_kept`); the papers' systems (`fuyou`) do not."""
+    runs = [_search(problem, True, keep=keep)]
     if any(problem.profiles[problem.profile_of[b]].rest for b in runs[0][0].ranked):
-        runs.append(_search(problem, False))
+        runs.append(_search(problem, False, keep=keep))
     if split and any(not e.fits for s, *_ in runs for e in s.by_count.values()) and all(
             problem.profiles[problem.profile_of[b]].bwd_cut for b in runs[0][0].ranked):
         # Swaps that did not fit: with each backward cut in two, the next swapped block's
         # activations load into what the first part releases (LoHan's layer-by-layer swapping).
-        runs.append(_search(problem, True, split=True))
-    times = [s.evaluate(k, n, pf) for s, k, n, pf, _ in runs]
-    s, k, n_dram, prefetch, why = runs[min(range(len(runs)), key=lambda i: (times[i].key, i))]
-    final = s.evaluate(k, n_dram, prefetch)
+        runs.append(_search(problem, True, split=True, keep=keep))
+    times = [s.evaluate(k, n, pf, kept) for s, k, n, kept, pf, _ in runs]
+    s, k, n_dram, kept, prefetch, why = runs[min(range(len(runs)), key=lambda i: (times[i].key, i))]
+    final = s.evaluate(k, n_dram, prefetch, kept)
 
-    a_dram = sum(s.size[:n_dram])
-    a_ssd = sum(s.size[n_dram:k])
+    on_gpu = set(s.keep_order(k)[:kept])
+    a_dram = sum(n for b, n in zip(s.ranked[:n_dram], s.size) if b not in on_gpu)
+    a_ssd = sum(n for b, n in zip(s.ranked[n_dram:k], s.size[n_dram:]) if b not in on_gpu)
+    swapped = k - len(on_gpu & set(s.ranked[:k]))
+    recomputed = len(s.ranked) - k - len(on_gpu - set(s.ranked[:k]))
     searched = ", ".join(f"{c}:{'%.4g' % e.step_time_s}s{'' if e.fits else '(over)'}"
                          for c, e in sorted(s.by_count.items()))
     how = ("a swapped block moves its FLOP-bearing ops' outputs and re-forwards the rest (Fuyou Table 2)"
@@ -261,14 +300,15 @@ def plan(problem: Problem, split: bool = True) -> Decisions:
     notes = (
         f"P, M, OS on {s.home}; CPU Adam overlapped with backward (LoHan §IV-C active gradient "
         f"offloading), SSD read/update/write pipelined (LoHan Fig. 3b)",
-        f"layer-block inputs checkpointed to DRAM; {k} of {len(s.ranked)} layer blocks swap their "
-        f"activations (A_G2M {fmt_bytes(a_dram + a_ssd)}: {fmt_bytes(a_dram)} to DRAM, "
-        f"{fmt_bytes(a_ssd)} to SSD, LoHan Eq. 3), the rest recomputed; blocks ranked by "
-        f"FLOP/byte (LoHan Eq. 6); {how}",
+        f"of {len(s.ranked)} layer blocks, {len(on_gpu)} keep their activations on the GPU "
+        f"(the most it has room for, LoHan Eq. 3 one tier up), {swapped} swap theirs (A_G2M "
+        f"{fmt_bytes(a_dram + a_ssd)}: {fmt_bytes(a_dram)} to DRAM, {fmt_bytes(a_ssd)} to SSD, "
+        f"LoHan Eq. 3) and {recomputed} recompute from inputs checkpointed to DRAM; blocks ranked "
+        f"by FLOP/byte (LoHan Eq. 6); {how}",
         f"swap count by bisection over OB-ordered prefixes (T_iter convex, LoHan §IV-D); "
         f"simulated k:step_time {searched}",
         f"prefetch depth {prefetch}: {why} (Fuyou §4.4 GPU-memory-aware FIFO)",
     )
     if not final.fits:
         notes += ("no candidate fits every tier; this is the least-overflowing one",)
-    return s.decisions(k, n_dram, prefetch, notes)
+    return s.decisions(k, n_dram, prefetch, kept, notes)
