@@ -94,6 +94,43 @@ def lane_cores(device: torch.device, nthreads: int) -> tuple[set[int], set[int]]
     return set(mine[nthreads:]), set(mine[:nthreads])
 
 
+def pin_off_compute(cores: tuple[set[int], set[int]]) -> dict[int, set[int]]:
+    """Move every thread of this process but the main thread and the compute lane's (those whose
+    affinity is the compute cores: the lane and the intra-op threads it started) onto the other
+    lanes' cores; returns {thread id: its affinity before} for `unpin`. `lane_cores` pins the lanes
+    themselves, but the threads that work for them were mostly started elsewhere (the checksum
+    and sync pools and the aio engine's workers: by the store, in the main thread), so they could
+    run on -- and take -- the compute lane's core: gpt-small's SSD plan stepped 2-4% faster with
+    them moved off it in 2 of 3 alternating runs (benchmarks/RESULTS.md, 2026-11-26)."""
+    others, compute = cores
+    main = threading.main_thread().native_id
+    before: dict[int, set[int]] = {}
+    try:
+        tids = [int(e.name) for e in os.scandir("/proc/self/task")]
+    except OSError:  # no procfs
+        return before
+    for tid in tids:
+        if tid == main:
+            continue
+        try:
+            now = os.sched_getaffinity(tid)
+            if now <= others or now == compute:
+                continue
+            os.sched_setaffinity(tid, others)
+            before[tid] = now
+        except OSError:  # it ended meanwhile
+            continue
+    return before
+
+
+def unpin(before: dict[int, set[int]]) -> None:
+    for tid, cores in before.items():
+        try:
+            os.sched_setaffinity(tid, cores)
+        except OSError:
+            continue
+
+
 class _LaneThreads:
     """One long-lived thread per stream of the plan, which overlap mode runs that stream's lane
     on, step after step. A thread made anew each step starts with cold per-thread state: its
@@ -942,7 +979,11 @@ class Executor:
                     if not futures[rest.id].done():
                         futures[rest.id].set_exception(_Upstream())
 
-        self._lane_threads.run({s: (lambda v=v: lane(v)) for s, v in lanes.items()})
+        pinned = pin_off_compute(cores) if cores else {}
+        try:
+            self._lane_threads.run({s: (lambda v=v: lane(v)) for s, v in lanes.items()})
+        finally:
+            unpin(pinned)
         if failures:
             raise min(failures, key=lambda f: f[0])[1]
 

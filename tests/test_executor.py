@@ -286,7 +286,8 @@ def test_overlap_with_a_core_to_spare_pins_compute_apart_and_stays_bit_identical
     real = os.sched_setaffinity
 
     def record(pid, cores):
-        pinned[threading.current_thread().name] = set(cores)
+        if pid == 0:  # a thread pinning itself (the main thread moves others: see the test below)
+            pinned[threading.current_thread().name] = set(cores)
         real(pid, cores)
 
     old = torch.get_num_threads()
@@ -301,6 +302,48 @@ def test_overlap_with_a_core_to_spare_pins_compute_apart_and_stays_bit_identical
     cores = sorted(os.sched_getaffinity(0))
     assert pinned.pop("tensorstow-gpu0.compute") == {cores[0]}
     assert pinned and all(c == set(cores[1:]) for c in pinned.values()), pinned
+
+
+def test_overlap_moves_other_threads_off_the_compute_core_during_a_step(tmp_path, monkeypatch):
+    """Regression: the threads that work for the lanes were started elsewhere (the checksum and
+    sync pools and the aio engine's workers: by the store, in the main thread) and kept every
+    core, so they ran on the compute lane's. During an overlap step on a CPU device tier with a
+    core to spare, every thread but the main thread and the compute lane runs on the other lanes'
+    cores; after the step each has its own affinity back."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("one core: nothing to keep for the compute lane (overlap mode does not pin)")
+    stop = threading.Event()
+    bystander = threading.Thread(target=stop.wait, name="a thread of the user's")
+    bystander.start()
+    during: dict[str, set] = {}
+    real = Executor._dispatch
+
+    def dispatch(self, ins):
+        if ins.kind == "compute":  # the last one seen: every helper has started by then
+            during.clear()
+            names = {t.native_id: t.name for t in threading.enumerate()}
+            for e in os.scandir("/proc/self/task"):  # the native ones too (the aio engine's workers)
+                tid = int(e.name)
+                if tid != threading.main_thread().native_id:
+                    during[names.get(tid, f"native thread {tid}")] = os.sched_getaffinity(tid)
+        return real(self, ins)
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setattr(Executor, "_dispatch", dispatch)
+    try:
+        run(get_plan("zero-infinity"), "overlap", tmp_path)
+        after = os.sched_getaffinity(bystander.native_id)
+    finally:
+        torch.set_num_threads(old)
+        stop.set()
+        bystander.join()
+    assert during.pop("tensorstow-gpu0.compute") == {cores[0]}
+    assert during["a thread of the user's"] == set(cores[1:])
+    assert any(n.startswith("tensorstow-ssd") for n in during), sorted(during)
+    assert all(c == set(cores[1:]) for c in during.values()), during
+    assert after == set(cores)
 
 
 def test_adam_with_l2_weight_decay(tmp_path):
