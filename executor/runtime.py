@@ -124,6 +124,7 @@ def pin_off_compute(cores: tuple[set[int], set[int]]) -> dict[int, set[int]]:
 
 
 def unpin(before: dict[int, set[int]]) -> None:
+    """Give each thread `pin_off_compute` moved its affinity back (one that ended is skipped)."""
     for tid, cores in before.items():
         try:
             os.sched_setaffinity(tid, cores)
