@@ -215,29 +215,29 @@ class _Search:
         memory (150 MB of copies a step) where every one of them fit beside the parameter window."""
         if not self.evaluate(k, n_dram, 1, 1).fits:
             return 0
-        lo, hi = 1, len(self.ranked)
-        while lo < hi:
-            m = (lo + hi + 1) // 2
-            if self.evaluate(k, n_dram, 1, m).fits:
-                lo = m
-            else:
-                hi = m - 1
+        lo = _most_that_fits(1, len(self.ranked), lambda m: self.evaluate(k, n_dram, 1, m).fits)
         none = self.evaluate(k, n_dram, 1)
         return lo if self.evaluate(k, n_dram, 1, lo).step_time_s <= none.step_time_s * (1 + REL_TOL) else 0
 
     def best_prefetch(self, k: int, n_dram: int, kept: int = 0) -> tuple[int, str]:
         """Fuyou §4.4: the deepest FIFO the memory allows, if it is not slower than depth 1."""
-        lo, hi = 1, MAX_PREFETCH
-        while lo < hi:
-            m = (lo + hi + 1) // 2
-            if self.evaluate(k, n_dram, m, kept).fits:
-                lo = m
-            else:
-                hi = m - 1
+        lo = _most_that_fits(1, MAX_PREFETCH, lambda m: self.evaluate(k, n_dram, m, kept).fits)
         why = f"the deepest of 1..{MAX_PREFETCH} that fits"
         if self.evaluate(k, n_dram, lo, kept).key > self.evaluate(k, n_dram, 1, kept).key:
             return 1, f"depth {lo} fits ({why}) but simulates slower"
         return lo, why
+
+
+def _most_that_fits(lo: int, hi: int, fits) -> int:
+    """The largest m in [lo, hi] with fits(m), by bisection (fits holds up to some m and not
+    after: the GPU peak grows with m); lo when none above it does."""
+    while lo < hi:
+        m = (lo + hi + 1) // 2
+        if fits(m):
+            lo = m
+        else:
+            hi = m - 1
+    return lo
 
 
 def _search(problem: Problem, reforward: bool, split: bool = False,
