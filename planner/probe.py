@@ -24,7 +24,11 @@ Bandwidth conventions (all bytes/s): h2d/d2h and SSD numbers are bytes *moved* p
 `GPU.mem_bw` and `DRAM.bandwidth` are memory *traffic* (a copy of n bytes reads n and
 writes n, so 2n/t), the convention of datasheets and STREAM.
 
-Every number is the best of several short repetitions (noisy VMs); a quick probe takes
+Every host timing is the median of several short repetitions, as the disk's is: a plan replays
+its copies, kernels and updates every step at the machine's typical rate, and the best of six
+ran 2-4% (a GPT block), 5-7% (per-op dispatch) and 7-18% (memcpy) faster than their median on
+the dev VM (benchmarks/RESULTS.md, 2026-11-26), an optimism every prediction inherited. GPU
+kernels (CUDA events) are steady and keep the best of their repetitions. A quick probe takes
 ~3 s on a 2-core VM (plus ~1.5 s the first time an optimizer steps in a process: torch
 imports its compiler stack then). Results are cached per (disk_dir, quick) per process.
 """
@@ -255,7 +259,7 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
         f"written bytes at {disk.flush_bw / 1e9:.2f} GB/s (the commit after each write pass)",
         f"CPU: AdamW {adam_kind} on {p.adam_numel // MiB}Mi fp32 params; adam_tensor_s = the executor's "
         f"update per tensor besides its elements, through its host copies and kernel ({adam_tensor_s * 1e6:.1f} us)",
-        f"best of {p.memcpy_reps}/{p.adam_reps} reps (memcpy/adam), the disk's median of {p.disk_reps}",
+        f"host timings the median of {p.memcpy_reps}/{p.adam_reps} reps (memcpy/adam), the disk's of {p.disk_reps}",
     ])
     return Hardware(name="local", gpus=gpus, dram=dram, ssd=ssd, cpu=cpu,
                     gpu_p2p_bw=p2p_bw, source=source)
@@ -287,15 +291,16 @@ def _meminfo() -> dict[str, int]:
     return {"total": int(total), "available": int(min(avail, total))}
 
 
-def _best_time(fn, reps: int, warmup: int = 1) -> float:
+def _typical_time(fn, reps: int, warmup: int = 1) -> float:
+    """Seconds `fn` takes: the median of `reps` timed calls after `warmup` untimed ones."""
     for _ in range(warmup):
         fn()
-    best = float("inf")
+    times = []
     for _ in range(reps):
         t = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t)
-    return max(best, 1e-9)
+        times.append(time.perf_counter() - t)
+    return max(statistics.median(times), 1e-9)
 
 
 def _cpu_memcpy_bw(nbytes: int, reps: int) -> float:
@@ -307,7 +312,7 @@ def _cpu_memcpy_bw(nbytes: int, reps: int) -> float:
     src.fill_(1)
     dst.fill_(0)
     try:
-        return nbytes / _best_time(lambda: dst.copy_(src), reps)
+        return nbytes / _typical_time(lambda: dst.copy_(src), reps)
     finally:
         del src, dst
 
@@ -329,7 +334,7 @@ def _cpu_block_flops(reps: int) -> float:
         blk(x).sum().backward()
     step()  # warm-up: allocations, kernel selection
     flops = 3 * batch * seq * 2 * (12 * d * d + 2 * seq * d)
-    return flops / _best_time(step, reps)
+    return flops / _typical_time(step, reps)
 
 
 def _cpu_block():
@@ -453,7 +458,7 @@ def _op_dispatch_s(reps: int) -> float:
             joint.run(seg, fetch=values.__getitem__, hold=device.hold, release=device.release,
                       keep=seg.produced, sink=values.__setitem__)
     ops = sum(1 for o in traced.graph.ops if o.phase in ("fwd", "bwd"))
-    return _best_time(step, reps) / ops
+    return _typical_time(step, reps) / ops
 
 
 MM16 = (128, 512, 2048)
@@ -475,7 +480,7 @@ def _cpu_bf16_ratio() -> float:
     rate = {}
     for dt in (torch.float32, torch.bfloat16):
         a, b = torch.randn(m, k).to(dt), torch.randn(k, n).to(dt)
-        rate[dt] = 1.0 / _best_time(lambda: torch.mm(a, b), 2)  # ~1 s a bf16 call without native bf16
+        rate[dt] = 1.0 / _typical_time(lambda: torch.mm(a, b), 2)  # ~1 s a bf16 call without native bf16
     return min(1.0, rate[torch.bfloat16] / rate[torch.float32])
 
 
@@ -501,7 +506,7 @@ def _adam_rate(numel: int, reps: int) -> tuple[float, str]:
     if opt is None:  # pragma: no cover - every torch >= 2.4 has the for-loop variant
         raise RuntimeError("probe: torch.optim.AdamW does not step on this machine")
     try:
-        return numel / _best_time(opt.step, reps, warmup=0), kind
+        return numel / _typical_time(opt.step, reps, warmup=0), kind
     finally:
         del opt, param
         gc.collect()
@@ -621,9 +626,9 @@ def _ssd_call_costs(tmpdir: str, reps: int) -> tuple[float, float, float]:
     """(`SSD.request_s`, `SSD.commit_s`, `SSD.sync_s`), through one executor SSD store of 4 KiB
     buffers (one O_DIRECT block each, so the times are per call, not per byte):
     - request_s: the mean of a write and a read of a buffer (submission, completion, checksum,
-      bookkeeping), best of `reps` rounds of 20 each;
-    - the commit timed after writing 1 and after writing `COMMIT_PROBE_BUFFERS` buffers, best of
-      `reps` each after one warm-up: the difference per extra buffer is the sync of a written
+      bookkeeping), the median of `reps` rounds of 20 each;
+    - the commit timed after writing 1 and after writing `COMMIT_PROBE_BUFFERS` buffers, the median
+      of `reps` each after one warm-up: the difference per extra buffer is the sync of a written
       file (sync_s), the rest the commit's own work (manifest, rename, directory sync)."""
     from tensorstow.executor.ssd import SSDStore
     from tensorstow.executor.stores import aligned_empty
@@ -639,9 +644,9 @@ def _ssd_call_costs(tmpdir: str, reps: int) -> tuple[float, float, float]:
                 store.write("c0", t)
                 store.read("c0", t)
 
-        def best_commit(k: int) -> float:
+        def commit_time(k: int) -> float:
             nonlocal step
-            best = float("inf")
+            times = []
             for r in range(reps + 1):
                 for i in range(k):
                     store.write(f"c{i}", t)
@@ -649,10 +654,10 @@ def _ssd_call_costs(tmpdir: str, reps: int) -> tuple[float, float, float]:
                 t0 = time.perf_counter()
                 store.commit(step)
                 if r:  # the first round is the warm-up
-                    best = min(best, time.perf_counter() - t0)
-            return best
-        request_s = _best_time(rounds, reps) / 20
-        one, many = best_commit(1), best_commit(n)
+                    times.append(time.perf_counter() - t0)
+            return statistics.median(times)
+        request_s = _typical_time(rounds, reps) / 20
+        one, many = commit_time(1), commit_time(n)
     sync_s = max(0.0, (many - one) / (n - 1))
     return request_s, max(0.0, one - sync_s), sync_s
 
@@ -679,7 +684,7 @@ def _adam_tensor_s(reps: int) -> float:
             p, g, s = (HostCopy(lay, blob) for lay, blob in zip((params, params, states), blobs))
             adamw_steps_([p[k] for k in keys], [g[k] for k in keys], [s[f"{k}.exp_avg"] for k in keys],
                          [s[f"{k}.exp_avg_sq"] for k in keys], 1, 1e-4, (0.9, 0.999), 1e-8, 0.0)
-    return _best_time(update, reps) / (10 * n)
+    return _typical_time(update, reps) / (10 * n)
 
 
 def _copy_tensor_s(reps: int, device=None, pin: bool = False) -> float:
@@ -704,7 +709,7 @@ def _copy_tensor_s(reps: int, device=None, pin: bool = False) -> float:
             dev.drop("L")
         sync()
     try:
-        return _best_time(round_trip, reps) / (2 * 10 * n)
+        return _typical_time(round_trip, reps) / (2 * 10 * n)
     finally:
         host.drop("H")
         dev.drop("B")
@@ -799,8 +804,8 @@ def _probe_one_cuda(dev: int, p: _Params) -> tuple[GPU, str]:
         # PyTorch converts on the CPU through an unpinned 16-bit host tensor; wall-clock timed.
         g16 = torch.ones(nbytes // 4, dtype=dtype, device=dev)
         h32 = torch.empty(nbytes // 4, dtype=torch.float32, pin_memory=True)
-        d2h_conv = g16.nbytes / _best_time(lambda: h32.copy_(g16), p.gpu_copy_reps)
-        h2d_conv = g16.nbytes / _best_time(lambda: g16.copy_(h32), p.gpu_copy_reps)
+        d2h_conv = g16.nbytes / _typical_time(lambda: h32.copy_(g16), p.gpu_copy_reps)
+        h2d_conv = g16.nbytes / _typical_time(lambda: g16.copy_(h32), p.gpu_copy_reps)
         del g16, h32
         per_tensor = _copy_tensor_s(p.gpu_copy_reps, torch.device("cuda", dev), pin=True)
         torch.cuda.synchronize()
