@@ -29,8 +29,9 @@ its copies, kernels and updates every step at the machine's typical rate, and th
 ran 2-4% (a GPT block), 5-7% (per-op dispatch) and 7-18% (memcpy) faster than their median on
 the dev VM (benchmarks/RESULTS.md, 2026-11-26), an optimism every prediction inherited. GPU
 kernels (CUDA events) are steady and keep the best of their repetitions. A quick probe takes
-~3 s on a 2-core VM (plus ~1.5 s the first time an optimizer steps in a process: torch
-imports its compiler stack then). Results are cached per (disk_dir, quick) per process.
+~9 s on the 2-core dev VM without CUDA (the device tier's contention figures are most of it),
+including ~1.5 s the first time an optimizer steps in a process (torch imports its compiler
+stack then). Results are cached per (disk_dir, quick) per process.
 """
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ _QUICK = _Params(cpu_block_reps=6, memcpy_bytes=128 * MiB, memcpy_reps=6,
                  adam_numel=8 * MiB, adam_reps=6,
                  gpu_mm_n=4096, gpu_mm_iters=5, gpu_mm_reps=3,
                  gpu_copy_bytes=256 * MiB, gpu_copy_reps=3)
-_FULL = _Params(cpu_block_reps=6, memcpy_bytes=256 * MiB, memcpy_reps=10,
+_FULL = _Params(cpu_block_reps=12, memcpy_bytes=256 * MiB, memcpy_reps=10,
                 disk_bytes=512 * MiB, disk_chunk=16 * MiB, disk_reps=4,
                 adam_numel=16 * MiB, adam_reps=10,
                 gpu_mm_n=8192, gpu_mm_iters=10, gpu_mm_reps=5,
@@ -396,13 +397,26 @@ def _ssd_contention(reps: int, base: str) -> float:
 
 def _slowdown_beside(reps: int, work) -> float:
     """How much slower `_cpu_block`'s forward + backward runs while another thread calls `work()` in
-    a loop: alternating rounds alone and beside it, the medians' ratio less 1 (at least 0)."""
+    a loop: alternating rounds alone and beside it, the medians' ratio less 1 (at least 0). Where
+    torch's threads leave cores to spare, the block runs on the compute lane's cores and the loop
+    and every thread working for it (the SSD store's I/O and checksum threads) on the others, as
+    the executor's overlap mode pins them (`runtime.lane_cores`, `pin_off_compute`). One round per
+    repetition: with 4 the SSD store's figure ranged 0.00-0.22 from probe to probe on the dev VM,
+    where 16 rounds put it at 0.02-0.04 (benchmarks/RESULTS.md, 2026-11-26 twelfth session)."""
     import threading
+
+    import torch
+
+    from tensorstow.executor.runtime import lane_cores, pin_off_compute, unpin
 
     blk, x = _cpu_block()
     stop = threading.Event()
 
+    cores = lane_cores(torch.device("cpu"), torch.get_num_threads())
+
     def loop():
+        if cores:
+            os.sched_setaffinity(0, cores[0])
         while not stop.is_set():
             work()
 
@@ -410,18 +424,27 @@ def _slowdown_beside(reps: int, work) -> float:
         t = time.perf_counter()
         blk(x).sum().backward()
         return time.perf_counter() - t
-    timed()  # warm-up
-    alone, beside = [], []
-    for _ in range(max(2, min(reps, 4))):
-        alone.append(timed())
-        stop.clear()
-        th = threading.Thread(target=loop, daemon=True)
-        th.start()
-        try:
-            beside.append(timed())
-        finally:
-            stop.set()
-            th.join()
+    main_cores = os.sched_getaffinity(0) if cores else None
+    if cores:  # where the executor's overlap mode runs them: the block on the compute lane's cores,
+        os.sched_setaffinity(0, cores[1])  # the work and every thread helping it on the others
+    try:
+        timed()  # warm-up
+        alone, beside = [], []
+        for _ in range(max(2, reps)):
+            alone.append(timed())
+            stop.clear()
+            th = threading.Thread(target=loop, daemon=True)
+            th.start()
+            moved = pin_off_compute(cores) if cores else {}
+            try:
+                beside.append(timed())
+            finally:
+                stop.set()
+                th.join()
+                unpin(moved)
+    finally:
+        if main_cores:
+            os.sched_setaffinity(0, main_cores)
     return max(0.0, statistics.median(beside) / statistics.median(alone) - 1.0)
 
 
