@@ -253,9 +253,10 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
         f"DRAM: MemAvailable {avail_ram / GiB:.1f} of {total_ram / GiB:.1f} GiB, "
         f"bandwidth = 2x memcpy of {p.memcpy_bytes // MiB} MiB (read+write traffic)",
         f"SSD: {disk.method} on {disk.fs_dir}, through the executor's store: {p.disk_bytes // MiB} MiB "
-        f"in {p.disk_chunk // MiB} MiB buffers, all in flight; request_s = a "
-        f"{REQUEST_PROBE_BYTES // 1024} KiB write and read through the executor's store "
-        f"({disk.request_s * 1e6:.0f} us); a commit {disk.commit_s * 1e3:.2f} ms + {disk.sync_s * 1e3:.2f} ms per "
+        f"in {p.disk_chunk // MiB} MiB buffers, one at a time; request_s = a "
+        f"{REQUEST_PROBE_BYTES // 1024} KiB write and read through the executor's store, each after "
+        f"{REQUEST_PROBE_IDLE_S * 1e3:.0f} ms without I/O ({disk.request_s * 1e6:.0f} us); a commit "
+        f"{disk.commit_s * 1e3:.2f} ms + {disk.sync_s * 1e3:.2f} ms per "
         f"buffer written (1 and {COMMIT_PROBE_BUFFERS} buffers of 4 KiB committed through that store) + the "
         f"written bytes at {disk.flush_bw / 1e9:.2f} GB/s (the commit after each write pass)",
         f"CPU: AdamW {adam_kind} on {p.adam_numel // MiB}Mi fp32 params; adam_tensor_s = the executor's "
@@ -570,8 +571,11 @@ def _fill_random(arr) -> None:
 def _disk_bw(base: str, size: int, chunk: int, reps: int) -> _DiskResult:
     """Read and write rates of the disk under `base` through the executor's own SSD store (the
     path a plan's SSD instructions take: O_DIRECT where the filesystem allows it, the aio
-    engine's queue, a checksum per buffer): `size` bytes in buffers of `chunk`, all submitted at
-    once, the median of `reps` rounds after a pass that allocates the files' blocks. The median,
+    engine's workers, a checksum per buffer): `size` bytes in buffers of `chunk`, one request after
+    another as the simulator replays a disk's requests (each request's chunks still run on every
+    I/O worker; all buffers in flight at once timed the dev VM's reads 10-20% faster, with their
+    checksums hidden behind the next reads), the median of `reps` rounds after a pass that
+    allocates the files' blocks. The median,
     not the best: a plan replays every step at the disk's typical rate, and the dev VM's disk
     jitters (the best of 11 rounds 10-26% above their median; benchmarks/RESULTS.md, 2026-11-25
     eighth session). Raises OSError or TensorstowError on failure; the temp dir goes either way.
@@ -600,13 +604,13 @@ def _disk_bw(base: str, size: int, chunk: int, reps: int) -> _DiskResult:
         with SSDStore(os.path.join(tmpdir, "bandwidth"), sizes, early_sync=False) as store:
             method = store.io_mode_reason
 
-            def write_all():
-                for op in [store.write_async(name, t) for name, t in bufs.items()]:
-                    op.wait()
+            def write_all():  # one request after another, as the simulator replays an SSD's
+                for name, t in bufs.items():
+                    store.write(name, t)
 
             def read_all():
-                for op in [store.read_async(name, t) for name, t in bufs.items()]:
-                    op.wait()
+                for name, t in bufs.items():
+                    store.read(name, t)
 
             writes, flushes = [], []
             for r in range(reps + 1):  # the first round allocates the files' blocks
@@ -641,6 +645,9 @@ REQUEST_PROBE_BYTES = 4096
 """Size of the buffer whose reads and writes through the executor's SSD store give
 `SSD.request_s`: one O_DIRECT block, so its time is the per-request cost, not the bytes."""
 
+REQUEST_PROBE_IDLE_S = 0.005
+"""Seconds without I/O before each request `_ssd_call_costs` times."""
+
 COMMIT_PROBE_BUFFERS = 8
 """Buffers written before the probe's larger commit (`SSD.sync_s` is the slope over 1 and these)."""
 
@@ -649,7 +656,10 @@ def _ssd_call_costs(tmpdir: str, reps: int) -> tuple[float, float, float]:
     """(`SSD.request_s`, `SSD.commit_s`, `SSD.sync_s`), through one executor SSD store of 4 KiB
     buffers (one O_DIRECT block each, so the times are per call, not per byte):
     - request_s: the mean of a write and a read of a buffer (submission, completion, checksum,
-      bookkeeping), the median of `reps` rounds of 20 each;
+      bookkeeping), each pair timed after REQUEST_PROBE_IDLE_S without I/O, the median of 10 x
+      `reps` pairs: a plan's requests mostly follow a computation or a wait, and a request to
+      workers that sat idle took 420-440 us on the dev VM where one right after another took 290
+      (benchmarks/RESULTS.md, 2026-11-26 twelfth session);
     - the commit timed after writing 1 and after writing `COMMIT_PROBE_BUFFERS` buffers, the median
       of `reps` each after one warm-up: the difference per extra buffer is the sync of a written
       file (sync_s), the rest the commit's own work (manifest, rename, directory sync)."""
@@ -662,10 +672,12 @@ def _ssd_call_costs(tmpdir: str, reps: int) -> tuple[float, float, float]:
     step = 0
     with SSDStore(os.path.join(tmpdir, "calls"), {f"c{i}": REQUEST_PROBE_BYTES for i in range(n)},
                   early_sync=False) as store:
-        def rounds():
-            for _ in range(10):
-                store.write("c0", t)
-                store.read("c0", t)
+        def request_pair() -> float:
+            time.sleep(REQUEST_PROBE_IDLE_S)  # the I/O workers go idle, as between a plan's requests
+            t0 = time.perf_counter()
+            store.write("c0", t)
+            store.read("c0", t)
+            return time.perf_counter() - t0
 
         def commit_time(k: int) -> float:
             nonlocal step
@@ -679,7 +691,7 @@ def _ssd_call_costs(tmpdir: str, reps: int) -> tuple[float, float, float]:
                 if r:  # the first round is the warm-up
                     times.append(time.perf_counter() - t0)
             return statistics.median(times)
-        request_s = _typical_time(rounds, reps) / 20
+        request_s = statistics.median(request_pair() for _ in range(10 * reps)) / 2
         one, many = commit_time(1), commit_time(n)
     sync_s = max(0.0, (many - one) / (n - 1))
     return request_s, max(0.0, one - sync_s), sync_s
