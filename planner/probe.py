@@ -29,7 +29,7 @@ its copies, kernels and updates every step at the machine's typical rate, and th
 ran 2-4% (a GPT block), 5-7% (per-op dispatch) and 7-18% (memcpy) faster than their median on
 the dev VM (benchmarks/RESULTS.md, 2026-11-26), an optimism every prediction inherited. GPU
 kernels (CUDA events) are steady and keep the best of their repetitions. A quick probe takes
-~9 s on the 2-core dev VM without CUDA (the device tier's contention figures are most of it),
+~9 s on the 2-core dev VM without CUDA (a third of it the device tier's contention figures),
 including ~1.5 s the first time an optimizer steps in a process (torch imports its compiler
 stack then). Results are cached per (disk_dir, quick) per process.
 """
@@ -412,7 +412,6 @@ def _slowdown_beside(reps: int, work) -> float:
 
     blk, x = _cpu_block()
     stop = threading.Event()
-
     cores = lane_cores(torch.device("cpu"), torch.get_num_threads())
 
     def loop():

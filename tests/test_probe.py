@@ -293,3 +293,33 @@ def test_the_cli_shows_a_probe_warning_as_one_line(capsys):
     from tensorstow import cli
     cli._show_warning(probe_mod.ProbeWarning("the machine was busy"), probe_mod.ProbeWarning, "probe.py", 1)
     assert capsys.readouterr().err == "tensorstow: warning: the machine was busy\n"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs CPU affinity and at least 2 cores (the contention rounds pin threads apart)")
+def test_contention_rounds_give_every_thread_its_cores_back(tmp_path):
+    """The contention rounds pin the block to the compute lane's cores and the loop, with every
+    thread helping it, to the others (as overlap mode does); afterwards the process must run where
+    it ran before, or every later computation of the caller would be squeezed onto one core."""
+    import threading
+    mine = os.sched_getaffinity(0)
+    helper_ready, release = threading.Event(), threading.Event()
+
+    def helper():  # a thread of the caller's, started before the probe
+        helper_ready.set()
+        release.wait()
+    th = threading.Thread(target=helper)
+    th.start()
+    helper_ready.wait()
+    before = os.sched_getaffinity(th.native_id)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # leaves a core to spare: the rounds pin
+        assert probe_mod._host_contention(2) >= 0
+        assert probe_mod._ssd_contention(2, str(tmp_path)) >= 0
+        assert os.sched_getaffinity(0) == mine
+        assert os.sched_getaffinity(th.native_id) == before
+    finally:
+        torch.set_num_threads(threads)
+        release.set()
+        th.join()
