@@ -401,7 +401,9 @@ def _slowdown_beside(reps: int, work) -> float:
     a loop: alternating rounds alone and beside it, the medians' ratio less 1 (at least 0). Where
     torch's threads leave cores to spare, the block runs on the compute lane's cores and the loop
     and every thread working for it (the SSD store's I/O and checksum threads) on the others, as
-    the executor's overlap mode pins them (`runtime.lane_cores`, `pin_off_compute`). One round per
+    the executor's overlap mode pins them (`runtime.lane_cores`, `pin_off_compute`): the block in
+    a thread of its own on the compute cores, whose intra-op threads start there, as the compute
+    lane's do (the caller's own intra-op threads keep the affinity they had). One round per
     repetition: with 4 the SSD store's figure ranged 0.00-0.22 from probe to probe on the dev VM,
     where 16 rounds put it at 0.02-0.04 (benchmarks/RESULTS.md, 2026-11-26 twelfth session)."""
     import threading
@@ -424,12 +426,13 @@ def _slowdown_beside(reps: int, work) -> float:
         t = time.perf_counter()
         blk(x).sum().backward()
         return time.perf_counter() - t
-    main_cores = os.sched_getaffinity(0) if cores else None
-    if cores:  # where the executor's overlap mode runs them: the block on the compute lane's cores,
-        os.sched_setaffinity(0, cores[1])  # the work and every thread helping it on the others
-    try:
+
+    alone, beside = [], []
+
+    def rounds():
+        if cores:  # a compute lane of its own: its intra-op threads start on its cores, as the executor's
+            os.sched_setaffinity(0, cores[1])
         timed()  # warm-up
-        alone, beside = [], []
         for _ in range(max(2, reps)):
             alone.append(timed())
             stop.clear()
@@ -442,9 +445,21 @@ def _slowdown_beside(reps: int, work) -> float:
                 stop.set()
                 th.join()
                 unpin(moved)
-    finally:
-        if main_cores:
-            os.sched_setaffinity(0, main_cores)
+    if cores:
+        failed: list[BaseException] = []
+
+        def lane():
+            try:
+                rounds()
+            except BaseException as e:  # re-raised in the caller's thread
+                failed.append(e)
+        runner = threading.Thread(target=lane, name="tensorstow-probe-compute")
+        runner.start()
+        runner.join()
+        if failed:
+            raise failed[0]
+    else:
+        rounds()
     return max(0.0, statistics.median(beside) / statistics.median(alone) - 1.0)
 
 
