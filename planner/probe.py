@@ -253,7 +253,7 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
         f"DRAM: MemAvailable {avail_ram / GiB:.1f} of {total_ram / GiB:.1f} GiB, "
         f"bandwidth = 2x memcpy of {p.memcpy_bytes // MiB} MiB (read+write traffic)",
         f"SSD: {disk.method} on {disk.fs_dir}, through the executor's store: {p.disk_bytes // MiB} MiB "
-        f"in {p.disk_chunk // MiB} MiB buffers, one at a time; request_s = a "
+        f"in {p.disk_chunk // MiB} MiB buffers, all in flight; request_s = a "
         f"{REQUEST_PROBE_BYTES // 1024} KiB write and read through the executor's store, each after "
         f"{REQUEST_PROBE_IDLE_S * 1e3:.0f} ms without I/O ({disk.request_s * 1e6:.0f} us); a commit "
         f"{disk.commit_s * 1e3:.2f} ms + {disk.sync_s * 1e3:.2f} ms per "
@@ -585,11 +585,13 @@ def _fill_random(arr) -> None:
 def _disk_bw(base: str, size: int, chunk: int, reps: int) -> _DiskResult:
     """Read and write rates of the disk under `base` through the executor's own SSD store (the
     path a plan's SSD instructions take: O_DIRECT where the filesystem allows it, the aio
-    engine's workers, a checksum per buffer): `size` bytes in buffers of `chunk`, one request after
-    another as the simulator replays a disk's requests (each request's chunks still run on every
-    I/O worker; all buffers in flight at once timed the dev VM's reads 10-20% faster, with their
-    checksums hidden behind the next reads), the median of `reps` rounds after a pass that
-    allocates the files' blocks. The median,
+    engine's workers, a checksum per buffer): `size` bytes in buffers of `chunk`, all submitted at
+    once, the median of `reps` rounds after a pass that allocates the files' blocks. (One request
+    after another, as a sync-mode plan issues them, timed the dev VM's disk 10-25% slower, each
+    read's checksum no longer hidden behind the next reads: gpt-small's sync-mode SSD plan came
+    closer to its prediction, gpt-medium's SSD plans and the no-argument demo, whose overlapped
+    SSD lanes keep several requests in flight, 0.80-0.82x of theirs: benchmarks/RESULTS.md,
+    2026-11-26 twelfth session.) The median,
     not the best: a plan replays every step at the disk's typical rate, and the dev VM's disk
     jitters (the best of 11 rounds 10-26% above their median; benchmarks/RESULTS.md, 2026-11-25
     eighth session). Raises OSError or TensorstowError on failure; the temp dir goes either way.
@@ -618,13 +620,13 @@ def _disk_bw(base: str, size: int, chunk: int, reps: int) -> _DiskResult:
         with SSDStore(os.path.join(tmpdir, "bandwidth"), sizes, early_sync=False) as store:
             method = store.io_mode_reason
 
-            def write_all():  # one request after another, as the simulator replays an SSD's
-                for name, t in bufs.items():
-                    store.write(name, t)
+            def write_all():
+                for op in [store.write_async(name, t) for name, t in bufs.items()]:
+                    op.wait()
 
             def read_all():
-                for name, t in bufs.items():
-                    store.read(name, t)
+                for op in [store.read_async(name, t) for name, t in bufs.items()]:
+                    op.wait()
 
             writes, flushes = [], []
             for r in range(reps + 1):  # the first round allocates the files' blocks
