@@ -44,6 +44,7 @@ import statistics
 import tempfile
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tensorstow import TensorstowError
@@ -445,19 +446,9 @@ def _slowdown_beside(reps: int, work) -> float:
                 stop.set()
                 th.join()
                 unpin(moved)
-    if cores:
-        failed: list[BaseException] = []
-
-        def lane():
-            try:
-                rounds()
-            except BaseException as e:  # re-raised in the caller's thread
-                failed.append(e)
-        runner = threading.Thread(target=lane, name="tensorstow-probe-compute")
-        runner.start()
-        runner.join()
-        if failed:
-            raise failed[0]
+    if cores:  # its error, if any, is raised here
+        with ThreadPoolExecutor(1, thread_name_prefix="tensorstow-probe-compute") as lane:
+            lane.submit(rounds).result()
     else:
         rounds()
     return max(0.0, statistics.median(beside) / statistics.median(alone) - 1.0)
