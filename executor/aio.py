@@ -67,6 +67,39 @@ def aligned_empty(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor
     return out
 
 
+HUGE_PAGE = 2 << 20
+"""x86-64's transparent huge page (bytes)."""
+
+
+def huge_empty(nbytes: int) -> torch.Tensor:
+    """A 1-D uint8 CPU tensor of `nbytes` in a fresh anonymous mapping of its own, 2 MiB-aligned,
+    with transparent huge pages asked for before any page is touched (`MADV_HUGEPAGE`: THP in
+    `madvise` mode is the common default). For the long-lived host buffers SSD I/O moves: their
+    physical pages come 2 MiB at a time, so each 1 MiB chunk the engine's workers move is a
+    handful of contiguous segments. On the dev VM (virtio disk) O_DIRECT reads and writes into
+    4 KiB pages that malloc had recycled ran 1.0-1.3 GB/s against 2.3-2.8 into huge pages, one
+    request at a time or 16 in flight, and memory carved from the heap after eager PyTorch had run
+    was already faulted in small pages that a later `madvise` does not change
+    (benchmarks/RESULTS.md, 2026-11-26 thirteenth session). The mapping is unmapped when the
+    tensor (and every view of it) is collected. Where the platform has no `MADV_HUGEPAGE` (or no
+    anonymous mmap) this is `aligned_empty`."""
+    import mmap
+    if nbytes <= 0 or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return aligned_empty(max(nbytes, 0))
+    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    try:
+        region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (OSError, ValueError):
+        return aligned_empty(nbytes)
+    whole = torch.frombuffer(region, dtype=torch.uint8)  # holds `region` while any view lives
+    start = -whole.data_ptr() % HUGE_PAGE
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE, start, size)  # advice: small pages where THP is off
+    except OSError:
+        pass
+    return whole[start:start + nbytes]
+
+
 def is_direct(fd: int) -> bool:
     return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.utils._pytree as pytree
 
-from tensorstow.executor.aio import aligned_empty
+from tensorstow.executor.aio import aligned_empty, huge_empty
 
 from tensorstow import TensorstowError
 
@@ -293,25 +293,14 @@ def return_large_blocks_to_the_os() -> bool:
         return False
 
 
-def _huge_pages(t: torch.Tensor) -> None:
-    """Ask for transparent huge pages over a large host buffer (where THP is in `madvise` mode):
-    the optimizer and the copies stream through it, and 2 MiB pages cut their TLB misses."""
-    import ctypes
-    import mmap
-    huge = 2 << 20
-    start, end = -(-t.data_ptr() // huge) * huge, (t.data_ptr() + t.numel() * t.element_size()) // huge * huge
-    if end > start and hasattr(mmap, "MADV_HUGEPAGE"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_HUGEPAGE)  # advice only
-
-
 def pinned_empty(nbytes: int) -> torch.Tensor:
     """Page-locked host memory of exactly `nbytes`, 4096-aligned: allocated here and registered
     with CUDA (cudaHostRegister), because torch's pinned allocator rounds every block up to a power
     of two (a 33 GB arena would lock 64 GB). Unregistered when the tensor is collected; torch's
-    pinned allocator if registering fails."""
+    pinned allocator if registering fails. In huge pages (`aio.huge_empty`), as the SSD store's
+    I/O wants them."""
     import weakref
-    t = aligned_empty(nbytes)
+    t = huge_empty(nbytes)
     if not nbytes:
         return t
     try:
@@ -333,9 +322,7 @@ class HostPool:
 
     def __init__(self, nbytes: int, pin: bool = False, virtual: bool = False):
         self.size = _page(nbytes)
-        self.arena = None if virtual else (pinned_empty(self.size) if pin else aligned_empty(self.size))
-        if self.arena is not None and not pin:
-            _huge_pages(self.arena)
+        self.arena = None if virtual else (pinned_empty(self.size) if pin else huge_empty(self.size))
         self.free: list[list[int]] = [[0, self.size]] if self.size else []
         """Free ranges [offset, length], by offset, coalesced."""
         self.high_water = 0

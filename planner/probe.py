@@ -377,13 +377,13 @@ def _ssd_contention(reps: int, base: str) -> float:
     """`GPU.ssd_contention`: the block timed alone and beside a thread reading SSD_CONTENTION_BUFFERS
     buffers of 16 MiB through `SSDStore` in a loop (O_DIRECT where it can, the aio engine, each read
     verified against its checksum), as the executor's SSD lanes do, on the disk under `base`."""
+    from tensorstow.executor.aio import huge_empty
     from tensorstow.executor.ssd import SSDStore
-    from tensorstow.executor.stores import aligned_empty
 
     tmpdir = tempfile.mkdtemp(prefix=".tensorstow-probe-", dir=base)
     try:
         sizes = {f"b{i}": 16 * MiB for i in range(SSD_CONTENTION_BUFFERS)}
-        bufs = {name: aligned_empty(n) for name, n in sizes.items()}
+        bufs = {name: huge_empty(n) for name, n in sizes.items()}  # as the executor's DRAM pool
         with SSDStore(os.path.join(tmpdir, "contention"), sizes, early_sync=False) as store:
             for name, t in bufs.items():
                 store.write(name, t)
@@ -593,8 +593,8 @@ def _disk_bw(base: str, size: int, chunk: int, reps: int) -> _DiskResult:
     21 above 1.9) and 2.5-2.9 GB/s in the executor's store in the same process; keeping the
     memcpy's buffers allocated kept the rate (3.3-3.4, 3 of 3). Why is the VM host's business; the
     executor's buffers are long-lived (benchmarks/RESULTS.md, 2026-11-24, third session)."""
+    from tensorstow.executor.aio import huge_empty
     from tensorstow.executor.ssd import SSDStore
-    from tensorstow.executor.stores import aligned_empty
 
     try:
         tmpdir = tempfile.mkdtemp(prefix=".tensorstow-probe-", dir=base)
@@ -605,7 +605,8 @@ def _disk_bw(base: str, size: int, chunk: int, reps: int) -> _DiskResult:
     try:
         capacity = shutil.disk_usage(tmpdir).free
         sizes = {f"b{i}": min(chunk, size - off) for i, off in enumerate(range(0, size, chunk))}
-        bufs = {name: aligned_empty(n) for name, n in sizes.items()}
+        arena = huge_empty(size)  # as the executor's DRAM pool holds what its SSD I/O moves
+        bufs = {name: arena[off:off + n] for (name, n), off in zip(sizes.items(), range(0, size, chunk))}
         for t in bufs.values():
             _fill_random(t.numpy())
         with SSDStore(os.path.join(tmpdir, "bandwidth"), sizes, early_sync=False) as store:

@@ -107,6 +107,29 @@ def test_engine_info_and_aligned_empty():
         aio.aligned_empty(6, torch.float32)
 
 
+def test_huge_empty_is_aligned_moves_through_the_store_and_outlives_its_first_tensor(tmp_path):
+    """The DRAM pool's arena (`aio.huge_empty`): a mapping of its own, 2 MiB-aligned, that O_DIRECT
+    I/O moves in place, and that stays mapped while any view of it lives."""
+    import gc
+    for n in (0, 4096, (3 << 20) + 4096):
+        t = aio.huge_empty(n)
+        assert t.dtype == torch.uint8 and t.numel() == n and t.is_contiguous()
+        assert n == 0 or t.data_ptr() % aio.HUGE_PAGE == 0
+    arena = aio.huge_empty(3 << 20)
+    a, b = arena[: 1 << 20], arena[1 << 20: (1 << 20) + 8192]
+    data = _random_bytes(1 << 20, 3)
+    a.copy_(data)
+    with SSDStore(tmp_path / "s", {"a": 1 << 20}) as store:
+        store.write("a", a)
+        a.zero_()
+        store.read("a", a)
+    assert torch.equal(a, data)
+    del arena, a
+    gc.collect()
+    b.fill_(5)  # the mapping is still there while a view of it lives
+    assert int(b.sum()) == 5 * 8192
+
+
 def test_falls_back_to_python_when_the_build_fails(monkeypatch):
     def broken():
         raise RuntimeError("building the C++ aio engine failed: ninja: not found")
