@@ -253,13 +253,14 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
         *notes,
         f"DRAM: MemAvailable {avail_ram / GiB:.1f} of {total_ram / GiB:.1f} GiB, "
         f"bandwidth = 2x memcpy of {p.memcpy_bytes // MiB} MiB (read+write traffic)",
-        f"SSD: {disk.method} on {disk.fs_dir}, through the executor's store: {p.disk_bytes // MiB} MiB "
-        f"in {p.disk_chunk // MiB} MiB buffers, all in flight; request_s = a "
-        f"{REQUEST_PROBE_BYTES // 1024} KiB write and read through the executor's store, each after "
-        f"{REQUEST_PROBE_IDLE_S * 1e3:.0f} ms without I/O ({disk.request_s * 1e6:.0f} us); a commit "
-        f"{disk.commit_s * 1e3:.2f} ms + {disk.sync_s * 1e3:.2f} ms per "
+        f"SSD: {disk.method} on {disk.fs_dir}, through the executor's store, buffers in huge pages: "
+        f"reads and writes of {', '.join(f'{n / MiB:g}' for n in LONE_REQUEST_SIZES if n <= p.disk_chunk)} MiB "
+        f"one at a time, each after {REQUEST_PROBE_IDLE_S * 1e3:.0f} ms without I/O, fitted as "
+        f"request_s ({disk.request_s * 1e6:.0f} us, the mean of the reads' and writes' fixed cost) + bytes at "
+        f"read_bw / write_bw; a commit {disk.commit_s * 1e3:.2f} ms + {disk.sync_s * 1e3:.2f} ms per "
         f"buffer written (1 and {COMMIT_PROBE_BUFFERS} buffers of 4 KiB committed through that store) + the "
-        f"written bytes at {disk.flush_bw / 1e9:.2f} GB/s (the commit after each write pass)",
+        f"written bytes at {disk.flush_bw / 1e9:.2f} GB/s (the commit after {p.disk_bytes // MiB} MiB written in "
+        f"{p.disk_chunk // MiB} MiB buffers all at once)",
         f"CPU: AdamW {adam_kind} on {p.adam_numel // MiB}Mi fp32 params; adam_tensor_s = the executor's "
         f"update per tensor besides its elements, through its host copies and kernel ({adam_tensor_s * 1e6:.1f} us)",
         f"host timings the median of {p.memcpy_reps}/{p.adam_reps} reps (memcpy/adam), the disk's of {p.disk_reps}",
@@ -573,26 +574,44 @@ def _fill_random(arr) -> None:
     arr[whole:] = 0x5A
 
 
-def _disk_bw(base: str, size: int, chunk: int, reps: int) -> _DiskResult:
-    """Read and write rates of the disk under `base` through the executor's own SSD store (the
-    path a plan's SSD instructions take: O_DIRECT where the filesystem allows it, the aio
-    engine's workers, a checksum per buffer): `size` bytes in buffers of `chunk`, all submitted at
-    once, the median of `reps` rounds after a pass that allocates the files' blocks. (One request
-    after another, as a sync-mode plan issues them, timed the dev VM's disk 10-25% slower, each
-    read's checksum no longer hidden behind the next reads: gpt-small's sync-mode SSD plan came
-    closer to its prediction, gpt-medium's SSD plans and the no-argument demo, whose overlapped
-    SSD lanes keep several requests in flight, 0.80-0.82x of theirs: benchmarks/RESULTS.md,
-    2026-11-26 twelfth session.) The median,
-    not the best: a plan replays every step at the disk's typical rate, and the dev VM's disk
-    jitters (the best of 11 rounds 10-26% above their median; benchmarks/RESULTS.md, 2026-11-25
-    eighth session). Raises OSError or TensorstowError on failure; the temp dir goes either way.
+LONE_REQUEST_SIZES = (256 * 1024, 1 * MiB, 4 * MiB, 16 * MiB)
+"""Request sizes (bytes, at most the probe's buffer) `_disk_bw` fits its per-request cost and
+rate over."""
 
-    The probe runs it before anything else: timed right after the memcpy test had freed its two
-    128 MiB buffers, these buffers (allocated next) moved 0.8-1.7 GB/s on the dev VM (24 fresh
-    processes of 24, median 1.1), against a median of 2.5 GB/s when nothing was freed first (14 of
-    21 above 1.9) and 2.5-2.9 GB/s in the executor's store in the same process; keeping the
-    memcpy's buffers allocated kept the rate (3.3-3.4, 3 of 3). Why is the VM host's business; the
-    executor's buffers are long-lived (benchmarks/RESULTS.md, 2026-11-24, third session)."""
+
+def _fit_requests(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
+    """(fixed seconds, bytes per second) of requests of `sizes` bytes that took `seconds`: the
+    least-squares line. Where noise makes the slope or the fixed cost negative, no fixed cost and
+    the largest request's mean rate."""
+    import numpy as np
+    x, y = np.array(sizes, dtype=float), np.array(seconds, dtype=float)
+    slope, fixed = np.polyfit(x, y, 1) if len(x) > 1 else (y[0] / x[0], 0.0)
+    if slope <= 0 or fixed < 0:
+        return 0.0, float(x[-1] / y[-1])
+    return float(fixed), float(1 / slope)
+
+
+def _disk_bw(base: str, size: int, chunk: int, reps: int) -> _DiskResult:
+    """The disk under `base` as the executor's SSD lanes use it: through its own SSD store
+    (O_DIRECT where the filesystem allows it, the aio engine's workers, a checksum per buffer,
+    buffers in huge pages as the executor's DRAM pool), one request at a time, each after
+    REQUEST_PROBE_IDLE_S without I/O (a lane issues a request, waits for it, and mostly goes
+    idle or waits on another lane before its next one). Reads and writes of LONE_REQUEST_SIZES,
+    the median of 3 x `reps` each, fitted by least squares as a fixed cost + bytes / rate: the
+    rates are `read_bw` / `write_bw`, the mean of the two fixed costs `request_s`. On the dev VM
+    such requests fitted 0.43-0.55 ms + bytes at 2.2 / 4.0 GB/s where 16 buffers of 16 MiB all in
+    flight moved 2.7-2.9 / 4.4-5.0 GB/s and 4 KiB pairs took 0.25-0.45 ms: the executor's
+    requests pay the lone request's rate (benchmarks/RESULTS.md, 2026-11-26 thirteenth session).
+    The commit is timed after `size` bytes in buffers of `chunk` written all at once (the
+    written bytes' flush: `flush_bw`); `_ssd_commit_costs` times the commit's fixed and per-file
+    parts. Medians, not the best: a plan replays every step at the disk's typical rate, and the
+    dev VM's disk jitters (benchmarks/RESULTS.md, 2026-11-25 eighth session). Raises OSError or
+    TensorstowError on failure; the temp dir goes either way.
+
+    The probe runs it before anything else, and its buffers are a fresh mapping in huge pages
+    (`aio.huge_empty`): on the dev VM buffers malloc had recycled (4 KiB pages, scattered) moved
+    1.0-1.3 GB/s where fresh or huge-page buffers moved 2.0-2.9 (2026-11-24 third session and
+    2026-11-26 thirteenth session)."""
     from tensorstow.executor.aio import huge_empty
     from tensorstow.executor.ssd import SSDStore
 
@@ -607,86 +626,73 @@ def _disk_bw(base: str, size: int, chunk: int, reps: int) -> _DiskResult:
         sizes = {f"b{i}": min(chunk, size - off) for i, off in enumerate(range(0, size, chunk))}
         arena = huge_empty(size)  # as the executor's DRAM pool holds what its SSD I/O moves
         bufs = {name: arena[off:off + n] for (name, n), off in zip(sizes.items(), range(0, size, chunk))}
-        for t in bufs.values():
-            _fill_random(t.numpy())
-        with SSDStore(os.path.join(tmpdir, "bandwidth"), sizes, early_sync=False) as store:
+        _fill_random(arena.numpy())
+        lone = [n for n in LONE_REQUEST_SIZES if n <= chunk] or [chunk]
+        with SSDStore(os.path.join(tmpdir, "bandwidth"), {**sizes, **{f"lone{n}": n for n in lone}},
+                      early_sync=False) as store:
             method = store.io_mode_reason
-
-            def write_all():
+            for n in lone:
+                store.write(f"lone{n}", arena[:n])
+            flushes = []
+            for r in range(reps + 1):  # the first round allocates the files' blocks
                 for op in [store.write_async(name, t) for name, t in bufs.items()]:
                     op.wait()
-
-            def read_all():
-                for op in [store.read_async(name, t) for name, t in bufs.items()]:
-                    op.wait()
-
-            writes, flushes = [], []
-            for r in range(reps + 1):  # the first round allocates the files' blocks
                 t0 = time.perf_counter()
-                write_all()
-                t1 = time.perf_counter()
                 store.commit(r)  # what a step's commit adds for those bytes
                 if r:
-                    writes.append(t1 - t0)
-                    flushes.append(time.perf_counter() - t1)
+                    flushes.append(time.perf_counter() - t0)
             # the median: a commit now and then finds the host already flushed (10-300 ms here)
             flush_t = statistics.median(flushes)
-            write_bw = size / max(statistics.median(writes), 1e-9)
-            read_all()  # warm-up
-            reads = []
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                read_all()
-                reads.append(time.perf_counter() - t0)
-            read_bw = size / max(statistics.median(reads), 1e-9)
-        request_s, commit_s, sync_s = _ssd_call_costs(tmpdir, reps)
+            times: dict[tuple[str, int], list[float]] = {}
+            for _ in range(3 * reps):
+                for n in lone:
+                    for kind in ("read", "write"):
+                        time.sleep(REQUEST_PROBE_IDLE_S)  # the I/O workers go idle, as between a lane's requests
+                        t0 = time.perf_counter()
+                        (store.read if kind == "read" else store.write)(f"lone{n}", arena[:n])
+                        times.setdefault((kind, n), []).append(time.perf_counter() - t0)
+            store.commit(reps + 1)
+
+        (read_fixed, read_bw), (write_fixed, write_bw) = (
+            _fit_requests(lone, [statistics.median(times[kind, n]) for n in lone]) for kind in ("read", "write"))
+        commit_s, sync_s = _ssd_commit_costs(tmpdir, reps)
         # the bulk commit's time beyond its fixed and per-file parts is the written bytes' flush
         flush = flush_t - commit_s - len(sizes) * sync_s
         flush_bw = size / flush if flush > 0 else 0.0
         return _DiskResult(read_bw=read_bw, write_bw=write_bw, capacity=int(capacity), method=method,
-                           fs_dir=base, request_s=request_s, commit_s=commit_s, sync_s=sync_s, flush_bw=flush_bw)
+                           fs_dir=base, request_s=(read_fixed + write_fixed) / 2, commit_s=commit_s,
+                           sync_s=sync_s, flush_bw=flush_bw)
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-REQUEST_PROBE_BYTES = 4096
-"""Size of the buffer whose reads and writes through the executor's SSD store give
-`SSD.request_s`: one O_DIRECT block, so its time is the per-request cost, not the bytes."""
-
 REQUEST_PROBE_IDLE_S = 0.005
-"""Seconds without I/O before each request `_ssd_call_costs` times."""
+"""Seconds without I/O before each request `_disk_bw` times: a request to I/O workers that sat
+idle took 420-440 us on the dev VM where one right after another took 290 (4 KiB;
+benchmarks/RESULTS.md, 2026-11-26 twelfth session)."""
+
+COMMIT_PROBE_BYTES = 4096
+"""Size of each buffer written before the probe's commits: one O_DIRECT block, so the times are
+per call, not per byte."""
 
 COMMIT_PROBE_BUFFERS = 8
 """Buffers written before the probe's larger commit (`SSD.sync_s` is the slope over 1 and these)."""
 
 
-def _ssd_call_costs(tmpdir: str, reps: int) -> tuple[float, float, float]:
-    """(`SSD.request_s`, `SSD.commit_s`, `SSD.sync_s`), through one executor SSD store of 4 KiB
-    buffers (one O_DIRECT block each, so the times are per call, not per byte):
-    - request_s: the mean of a write and a read of a buffer (submission, completion, checksum,
-      bookkeeping), each pair timed after REQUEST_PROBE_IDLE_S without I/O, the median of 10 x
-      `reps` pairs: a plan's requests mostly follow a computation or a wait, and a request to
-      workers that sat idle took 420-440 us on the dev VM where one right after another took 290
-      (benchmarks/RESULTS.md, 2026-11-26 twelfth session);
-    - the commit timed after writing 1 and after writing `COMMIT_PROBE_BUFFERS` buffers, the median
-      of `reps` each after one warm-up: the difference per extra buffer is the sync of a written
-      file (sync_s), the rest the commit's own work (manifest, rename, directory sync)."""
+def _ssd_commit_costs(tmpdir: str, reps: int) -> tuple[float, float]:
+    """(`SSD.commit_s`, `SSD.sync_s`), through one executor SSD store of COMMIT_PROBE_BYTES
+    buffers: the commit timed after writing 1 and after writing `COMMIT_PROBE_BUFFERS` buffers,
+    the median of `reps` each after one warm-up: the difference per extra buffer is the sync of
+    a written file (sync_s), the rest the commit's own work (manifest, rename, directory sync)."""
     from tensorstow.executor.ssd import SSDStore
     from tensorstow.executor.stores import aligned_empty
 
-    t = aligned_empty(REQUEST_PROBE_BYTES)
+    t = aligned_empty(COMMIT_PROBE_BYTES)
     t.fill_(7)
     n = COMMIT_PROBE_BUFFERS
     step = 0
-    with SSDStore(os.path.join(tmpdir, "calls"), {f"c{i}": REQUEST_PROBE_BYTES for i in range(n)},
+    with SSDStore(os.path.join(tmpdir, "calls"), {f"c{i}": COMMIT_PROBE_BYTES for i in range(n)},
                   early_sync=False) as store:
-        def request_pair() -> float:
-            time.sleep(REQUEST_PROBE_IDLE_S)  # the I/O workers go idle, as between a plan's requests
-            t0 = time.perf_counter()
-            store.write("c0", t)
-            store.read("c0", t)
-            return time.perf_counter() - t0
-
         def commit_time(k: int) -> float:
             nonlocal step
             times = []
@@ -699,10 +705,9 @@ def _ssd_call_costs(tmpdir: str, reps: int) -> tuple[float, float, float]:
                 if r:  # the first round is the warm-up
                     times.append(time.perf_counter() - t0)
             return statistics.median(times)
-        request_s = statistics.median(request_pair() for _ in range(10 * reps)) / 2
         one, many = commit_time(1), commit_time(n)
     sync_s = max(0.0, (many - one) / (n - 1))
-    return request_s, max(0.0, one - sync_s), sync_s
+    return max(0.0, one - sync_s), sync_s
 
 
 def _adam_tensor_s(reps: int) -> float:
