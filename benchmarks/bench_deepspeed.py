@@ -83,6 +83,8 @@ Run (from the repo root, in tensorstow's venv):
         [--ts-gpu-mem 90MB] [--ts-dram 40MB] [--ts-store ssd|file] [--ts-mode overlap|sync] [--json OUT.json]
     # the defaults are the comparison in benchmarks/RESULTS.md; gpt3-125m there:
     #   --preset gpt3-125m --batch 1 --seq 512 --warmup 1 --steps 5 --ts-gpu-mem 700MB --ts-dram 1GB
+    # (compute-bound on a 2-core CPU: 4.8 s a step) and the same with --seq 128 (1.5 s of compute
+    # a step: the SSD traffic is what DeepSpeed's step waits for)
 
 DeepSpeed notes (0.19.8, CPU accelerator): the model is built normally and then converted
 with `deepspeed.zero.Init(module=model, config_dict_or_path=cfg)` before
