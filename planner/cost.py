@@ -458,17 +458,21 @@ def _blocking_copy_bw(gpu: int, hw: Hardware, way: str, mixed: bool) -> float:
     return min(convert, link) if convert else link
 
 
-def zero3_grad_flush_time(nbytes: int, gpu: int, gpus: int, mixed: bool, hw: Hardware) -> float:
-    """Seconds DeepSpeed ZeRO-3 with its optimizer in DRAM spends, per GPU, getting one block's
-    gradient (`nbytes` on each of `gpus` GPUs) to the host, with the backward waiting for it.
-    A ring reduce-scatter leaves each GPU its 1/N partition, sending (N-1)/N of the gradient over
-    P2P (over the host links without it); the partition then goes to DRAM by a blocking
-    `copy_` into the fp32 gradient (stage3.py `partition_grads`), which in mixed precision is a
-    converting copy (`GPU.d2h_convert_bw`, DOS §4.1 and Fig. 6 top: 2.5 GB/s, stalling the GPU)."""
+def zero3_grad_flush_time(nbytes: int, gpu: int, gpus: int, mixed: bool, hw: Hardware, tensors: int = 1) -> float:
+    """Seconds DeepSpeed ZeRO-3 with its optimizer offloaded (to DRAM or NVMe) spends, per GPU,
+    getting one block's gradient (`nbytes` of 16-bit or fp32 gradient on each of `gpus` GPUs, in
+    `tensors` tensors) to the host, with the backward waiting for it. A ring reduce-scatter leaves
+    each GPU its 1/N partition, sending (N-1)/N of the gradient over P2P (over the host links
+    without it); the partition then goes to the host by a blocking `copy_` into the fp32 gradient
+    (stage3.py `partition_grads`; for a sub-group swapped to NVMe, a host buffer and `.float()`
+    before `swap_out_gradients`), which in mixed precision is a converting copy
+    (`GPU.d2h_convert_bw`, DOS §4.1 and Fig. 6 top: 2.5 GB/s, stalling the GPU); plus each
+    tensor's `GPU.copy_tensor_s`."""
     if nbytes == 0:
         return 0.0
     scatter = (gpus - 1) / gpus * nbytes / (hw.gpu_p2p_bw or _host_link(gpu, hw, "d2h"))
-    return scatter + nbytes / gpus / _blocking_copy_bw(gpu, hw, "d2h", mixed)
+    return (scatter + nbytes / gpus / _blocking_copy_bw(gpu, hw, "d2h", mixed)
+            + tensors * hw.gpus[gpu].copy_tensor_s)
 
 
 def zero3_param_writeback_time(param_bytes: int, gpus: int, mixed: bool, hw: Hardware) -> float:

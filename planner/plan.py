@@ -185,8 +185,12 @@ def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer],
     hw, out = problem.hw, []
     pl = decisions.pipeline
     zero3 = len(pl.gpus) if pl is not None and pl.kind == "data-parallel" else 0  # DeepSpeed ZeRO-3 on N GPUs
-    # DeepSpeed's gradient to a DRAM-resident optimizer: the same blocking copy_ on one GPU
-    flushes = zero3 or (1 if decisions.blocking_copies and not decisions.swap_grads else 0)
+    # DeepSpeed's gradient to the host on one GPU: the same blocking copy_, whether the optimizer's
+    # sub-group is in DRAM or swapped to NVMe (stage3.py `partition_grads`: the fp16 partition to a
+    # host buffer, `.float()` there, then `swap_out_gradients` for NVMe)
+    flushes = zero3 or (1 if decisions.blocking_copies else 0)
+    # what the converting copy reads: the gradient's 16-bit bytes, where G is sized fp32 for SSD
+    half = 2 if decisions.fp32_grads(problem.mixed) and decisions.swap_grads else 1
     for ins in instrs:
         if ins.kind in ("compute", "recompute"):
             phase, b = ins.segment.split(":", 1)
@@ -194,8 +198,9 @@ def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer],
             out.append({"fwd": prof.fwd_time_s, "bwd": prof.bwd_time_s, "refwd": prof.refwd_time_s,
                         "bwd1": prof.bwd1_time_s, "bwd2": prof.bwd2_time_s}[phase])
         elif flushes and ins.kind == "store" and buffers[ins.tensor].kind == "gradient" and ins.src.startswith("gpu"):
-            out.append(cost.zero3_grad_flush_time(buffers[ins.tensor].bytes, int(ins.src[3:]), flushes,
-                                                  problem.mixed, hw))
+            buf = buffers[ins.tensor]
+            out.append(cost.zero3_grad_flush_time(buf.bytes // half, int(ins.src[3:]), flushes, problem.mixed, hw,
+                                                  tensors=max(1, len(buf.members))))
         elif ins.kind in ("load", "store", "send"):
             buf = buffers[ins.tensor]
             out.append(cost.transfer_time(buf.bytes, ins.src, ins.dst, hw, tensors=max(1, len(buf.members)),

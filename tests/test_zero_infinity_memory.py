@@ -106,3 +106,26 @@ def test_without_ssds_the_baselines_gradient_flush_is_deepspeeds_converting_copy
     assert g.d2h_convert_bw == 2.5e9 < g.d2h_bw
     for i in flush:
         assert plan.durations[i.id] == pytest.approx(plan.buffers[i.tensor].bytes / g.d2h_convert_bw)
+
+
+def test_with_ssds_the_gradient_takes_the_same_converting_copy_and_the_next_backward_waits():
+    """With the optimizer's sub-groups on NVMe DeepSpeed's gradient reaches the host by the same
+    blocking path (stage3.py `partition_grads`: the 16-bit partition to a host buffer, `.float()`
+    there, then `swap_out_gradients`): the plan's fp32 G store from the GPU costs the 16-bit bytes
+    at `d2h_convert_bw`, and the next block's backward starts only after it (LoHan §II measured
+    ZeRO-Infinity's backward stage as its compute plus its transfers, almost serial)."""
+    from tensorstow.planner.plan import Options, hardware_for, make_plan
+    o = Options(model="gpt-tiny", hardware="lohan-rtx4090", policy="zero-infinity", batch=2, seq=32,
+                precision="bf16-mixed")
+    hw = hardware_for(o)
+    plan = make_plan(o, hw)
+    assert plan.decisions.swap_grads and plan.decisions.fp32_grads(True)
+    flush = [i for i in plan.instructions if i.kind == "store" and i.tensor.startswith("G:") and i.src == "gpu0"]
+    assert len(flush) > 1
+    for i in flush:
+        assert plan.durations[i.id] == pytest.approx(plan.buffers[i.tensor].bytes / 2 / hw.gpus[0].d2h_convert_bw)
+    backwards = [i for i in plan.instructions if i.kind == "compute" and i.segment.startswith("bwd")]
+    for earlier, later in zip(flush, flush[1:]):
+        nxt = next(b for b in backwards if b.id > earlier.id)
+        assert plan.sim.start[nxt.id] >= plan.sim.end[earlier.id] - 1e-12
+        assert later.id > nxt.id
