@@ -278,21 +278,6 @@ class HostCopy:
         return self.get(key)
 
 
-def return_large_blocks_to_the_os() -> bool:
-    """Pin glibc's mmap threshold at 1 MiB. By default glibc raises the threshold each time a
-    large block is freed, so later buffer-sized allocations come from the heap and stay in the
-    process after they are freed: the host memory (RSS) grows past what the tiers hold, and step
-    times swing when it is trimmed (DESIGN.md pitfalls). With a fixed threshold every buffer-sized
-    block is its own mapping, returned to the OS when freed. False where there is no glibc."""
-    import ctypes
-    import ctypes.util
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(-3, 1 << 20))  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        return False
-
-
 def pinned_empty(nbytes: int) -> torch.Tensor:
     """Page-locked host memory of exactly `nbytes`, 4096-aligned: allocated here and registered
     with CUDA (cudaHostRegister), because torch's pinned allocator rounds every block up to a power
@@ -380,7 +365,6 @@ class HostTier:
     name = "dram"
 
     def __init__(self, pin: bool, pool: HostPool | None = None):
-        return_large_blocks_to_the_os()
         self.pin = pin
         self.pool = pool
         self.copies: dict[str, HostCopy] = {}
