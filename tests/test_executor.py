@@ -12,6 +12,7 @@ import functools
 from collections import Counter
 import json
 import os
+import textwrap
 import threading
 import time
 
@@ -766,6 +767,41 @@ def test_glibc_malloc_is_tuned_unless_left_alone():
            for v in ("tuned", "default")}
     glibc = platform.libc_ver()[0] == "glibc"
     assert out == {"tuned": [str(glibc)] * 2, "default": ["False", "False"]}
+
+
+def test_the_dram_tier_keeps_tunes_heap_reuse_for_buffer_sized_blocks():
+    """Regression: the DRAM tier once pinned glibc's mmap threshold at 1 MiB after `tune()` had set
+    it to 32 MiB, so every activation or device copy of 1-32 MiB the heap had no room for was
+    mapped, faulted in and unmapped again each step. With the DRAM tier built after `tune()`, a
+    24 MiB block freed and allocated again comes from the heap: most of its pages stay (24,576
+    faults for 20 rounds on the dev VM, the heap's trim taking some back; 122,900, every page every
+    time, with the bug)."""
+    import platform
+    import subprocess
+    import sys
+    if platform.libc_ver()[0] != "glibc" or "jemalloc" in os.environ.get("LD_PRELOAD", ""):
+        pytest.skip("glibc's malloc only: another allocator keeps its own settings")
+    code = textwrap.dedent("""
+        import resource, torch
+        from tensorstow.executor.malloc import tune
+        from tensorstow.executor.stores import HostPool, HostTier
+        tune()  # as Executor.__init__ does, then its DRAM tier
+        host = HostTier(pin=False, pool=HostPool(1 << 20))
+        def churn(n):
+            for _ in range(n):
+                t = torch.empty(6 << 20)  # 24 MiB
+                t.fill_(1.0)
+                del t
+        churn(3)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        churn(20)
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "TENSORSTOW_MALLOC": "tuned"})
+    faults = int(out.stdout.split()[-1])
+    every_page = 20 * (24 << 20) // 4096
+    assert faults < every_page // 2, f"{faults} page faults for 20 reallocations of a 24 MiB block"
 
 
 def test_the_measured_ssd_lane_includes_the_stores_early_syncs(tmp_path):
