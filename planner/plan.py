@@ -190,7 +190,7 @@ def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer],
     # host buffer, `.float()` there, then `swap_out_gradients` for NVMe)
     flushes = zero3 or (1 if decisions.blocking_copies else 0)
     # what the converting copy reads: the gradient's 16-bit bytes, where G is sized fp32 for SSD
-    half = 2 if decisions.fp32_grads(problem.mixed) and decisions.swap_grads else 1
+    half = 2 if problem.mixed and decisions.swap_grads else 1
     for ins in instrs:
         if ins.kind in ("compute", "recompute"):
             phase, b = ins.segment.split(":", 1)

@@ -29,7 +29,7 @@ its copies, kernels and updates every step at the machine's typical rate, and th
 ran 2-4% (a GPT block), 5-7% (per-op dispatch) and 7-18% (memcpy) faster than their median on
 the dev VM (benchmarks/RESULTS.md, 2026-11-26), an optimism every prediction inherited. GPU
 kernels (CUDA events) are steady and keep the best of their repetitions. A quick probe takes
-~9 s on the 2-core dev VM without CUDA (a third of it the device tier's contention figures),
+~6.5 s on the 2-core dev VM without CUDA (half of it the device tier's contention figures),
 including ~1.5 s the first time an optimizer steps in a process (torch imports its compiler
 stack then). Results are cached per (disk_dir, quick) per process.
 """
@@ -651,7 +651,6 @@ def _disk_bw(base: str, size: int, chunk: int, reps: int) -> _DiskResult:
                         t0 = time.perf_counter()
                         (store.read if kind == "read" else store.write)(f"lone{n}", arena[:n])
                         times.setdefault((kind, n), []).append(time.perf_counter() - t0)
-            store.commit(reps + 1)
 
         (read_fixed, read_bw), (write_fixed, write_bw) = (
             _fit_requests(lone, [statistics.median(times[kind, n]) for n in lone]) for kind in ("read", "write"))
