@@ -108,3 +108,48 @@ def test_the_block_updated_last_takes_a_dram_home_when_the_replay_shows_its_tail
     assert len(notes) == 2 and all(f"{last}'s" in n and f"{middle}'s SSD" in n for n in notes)
     again, notes = ilp.refine_tail(p, after, schedule)
     assert again is after and notes == ()
+
+
+def test_ssd_homes_move_into_the_dram_the_plan_leaves_free_where_the_replay_is_no_slower():
+    """The simulator sees hidden SSD traffic as free, so `lohan`'s all-SSD homes tie with DRAM
+    homes; `refine_homes` moves P (then states) of the blocks the backward reaches first into the
+    DRAM the plan leaves free: never slower, less SSD traffic, within capacity; nothing moves where
+    DRAM has no room; with room for everything every home is DRAM."""
+    import dataclasses
+
+    from tensorstow.planner.plan import schedule
+    from tensorstow.planner.policies import lohan
+    base_hw = load_hardware("lohan-rtx4090")
+
+    def problem(dram: int | None):
+        hw = base_hw.with_overrides(dram=dram)
+        return build_problem(Options(model="gpt-tiny", hardware="x", batch=4, precision="fp32"), hw)
+
+    p = problem(None)
+    before = schedule(p, lohan.plan(p))
+    assert all(d.params == "ssd" and d.states == "ssd" for d in before.decisions.blocks.values())
+    peak = before.sim.peak_bytes["dram"]
+    p_bytes = {b: before.buffers[f"P:{b}"].bytes for b in p.order}
+
+    roomy, notes = ilp.refine_homes(p, before, schedule)
+    assert all(d.params == "dram" and d.states == "dram" for d in roomy.decisions.blocks.values())
+    assert ilp._ssd_traffic(roomy) == 0 < ilp._ssd_traffic(before)
+    assert roomy.sim.step_time_s <= schedule(p, dataclasses.replace(before.decisions, deferred_writes=())).sim.step_time_s
+    assert len(notes) == 2 and notes[0].startswith("homes: params of") and notes[1].startswith("homes: states of")
+
+    room = sum(sorted(p_bytes.values())[:2]) + 1  # about two blocks' P
+    tight = problem(peak + room)
+    start = schedule(tight, lohan.plan(tight))
+    some, notes = ilp.refine_homes(tight, start, schedule)
+    moved = [b for b, d in some.decisions.blocks.items() if d.params == "dram"]
+    assert moved and len(moved) < len(p.order) and some.fits
+    assert moved == sorted(moved, key=list(reversed(p.order)).index)
+    assert set(moved) == set(list(reversed(p.order))[:len(moved)])  # the blocks the backward reaches first
+    assert ilp._ssd_traffic(some) < ilp._ssd_traffic(start)
+    assert some.sim.peak_bytes["dram"] <= peak + room
+    assert some.sim.step_time_s <= schedule(tight, dataclasses.replace(start.decisions, deferred_writes=())).sim.step_time_s
+
+    none = problem(peak)
+    start = schedule(none, lohan.plan(none))
+    same, notes = ilp.refine_homes(none, start, schedule)
+    assert notes == () and all(d.params == "ssd" and d.states == "ssd" for d in same.decisions.blocks.values())
