@@ -351,9 +351,9 @@ def refine_homes(problem, pl, schedule) -> tuple:
     their transfers faked), and it wears the SSD. So P first (fp32, a CPU update: read for the
     forward and again for the backward, written back: three bytes moved a step per byte of DRAM;
     states two), blocks in backward order (the blocks updated last are the ones `defer_writes`
-    keeps in DRAM across the step boundary already), as many as the free DRAM holds; halved until
-    the replay fits and is not slower. Compared and returned without deferred writes (the caller
-    defers them again). Returns (the plan, notes). [OURS]"""
+    keeps in DRAM across the step boundary already), as many as the free DRAM holds, bisected for
+    the most that still fit and replay no slower. Compared and returned without deferred writes
+    (`plan` defers them again). Returns (the plan, notes). [OURS]"""
     cap = problem.capacity()["dram"]
     base = schedule(problem, replace(pl.decisions, deferred_writes=()))
     if not base.fits:
@@ -393,8 +393,8 @@ def refine_homes(problem, pl, schedule) -> tuple:
                     best, lo = cand, mid
         if best is not None:
             notes.append(f"homes: {field} of {lo} block(s) from SSD to DRAM, which had "
-                         f"{spare / MiB:.0f} MiB free ({', '.join(b for b, _ in sizes[:lo])}; simulated "
-                         f"{pl.sim.step_time_s:.4g} -> {best.sim.step_time_s:.4g} s, SSD traffic "
+                         f"{spare / MiB:.0f} MiB free ({', '.join(b for b, _ in sizes[:lo])}; simulated without "
+                         f"deferred writes {pl.sim.step_time_s:.4g} -> {best.sim.step_time_s:.4g} s, SSD traffic "
                          f"{_ssd_traffic(pl) / MiB:.0f} -> {_ssd_traffic(best) / MiB:.0f} MiB a step)")
             pl = best
     return pl, tuple(notes)
@@ -417,7 +417,7 @@ def plan(problem) -> Decisions:
     deferred = defer_writes(refined)
     if not (deferred.fits and deferred.sim.step_time_s <= chosen.sim.step_time_s):
         return chosen.decisions
-    return replace(refined.decisions, notes=(*chosen.decisions.notes, *notes))
+    return replace(deferred.decisions, notes=(*chosen.decisions.notes, *notes))
 
 
 def _choose(problem, heuristic_plans, schedule):
@@ -430,13 +430,11 @@ def _choose(problem, heuristic_plans, schedule):
         why = ("no MIP plan fit in the simulator within the rounds and time budget" if best is None else
                f"the simulator ranks it faster ({incumbent[1].sim.step_time_s:.4g} s vs {best.sim.step_time_s:.4g} s)")
         return _with(incumbent[1], notes + [f"chosen: the incumbent from {incumbent[0]}: {why}"])
-    if best is None:
-        assignment = {b: Combo("recompute", "ssd" if problem.hw.ssd.count else "dram",
-                               "ssd" if problem.hw.ssd.count else "dram",
-                               "ssd" if problem.hw.ssd.count else "dram", "cpu") for b in problem.order}
-        dec = decisions_from(problem, assignment, notes=(*notes, "no feasible plan found; smallest-footprint decisions"))
-        return schedule(problem, dec)
-    return _with(best, notes)
+    assignment = {b: Combo("recompute", "ssd" if problem.hw.ssd.count else "dram",
+                           "ssd" if problem.hw.ssd.count else "dram",
+                           "ssd" if problem.hw.ssd.count else "dram", "cpu") for b in problem.order}
+    dec = decisions_from(problem, assignment, notes=(*notes, "no feasible plan found; smallest-footprint decisions"))
+    return schedule(problem, dec)
 
 
 def _with(pl, notes: list[str]):
