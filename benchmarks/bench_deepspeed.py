@@ -36,11 +36,12 @@ interleaved without it: the durable tensorstow row 0.43-0.58 s a step, with it 0
                dependencies; if that venv is missing the row is skipped with the reason.
                --ds-offload cpu switches both offloads to device "cpu" (ZeRO-Offload) for
                comparison.
-  tensorstow   `tensorstow plan PRESET --hw local --gpu-mem 90MB --dram 40MB --precision fp32
+  tensorstow   `tensorstow plan PRESET --hw local --gpu-mem 90MB --dram 80MB --precision fp32
                --batch B --policy auto` (--ts-policy, --ts-hw, --ts-gpu-mem and --ts-dram change
                it): the plan the planner makes for this machine (probed at the run's thread count)
-               when DRAM cannot hold the training state, so parameters and Adam states live on
-               SSD, as DeepSpeed's do; replayed by `tensorstow.executor.runtime.Executor` in
+               when DRAM cannot hold the training state: what DRAM has no room for lives on SSD
+               (the Adam states and part of the parameters; DeepSpeed keeps all of both on NVMe,
+               beside 2.6 GB of its own host memory for gpt-small); replayed by `tensorstow.executor.runtime.Executor` in
                overlap mode (--ts-mode) on this CPU (the "gpu0" tier is host memory here) with the
                crash-consistent SSDStore (--ts-store file: the FileStore fallback), committing
                a checkpoint every step (`execute`'s default: each step's fsyncs and manifest).
@@ -567,9 +568,10 @@ def main() -> None:
     ap.add_argument("--ts-gpu-mem", default="90MB")
     ap.add_argument("--ts-policy", default="auto", help="the tensorstow plan's policy")
     ap.add_argument("--ts-hw", default="local", help="hardware the plan is made for (local: probe this machine)")
-    ap.add_argument("--ts-dram", default="80MB", help="DRAM budget of the plan (80MB: about gpt-small's 79 MiB of P/OS, so the state goes to "
-                         "SSD, all of it as DeepSpeed has it or, on some probes, most of it; the offload "
-                         "column says which)")
+    ap.add_argument("--ts-dram", default="80MB", help="DRAM budget of the plan (80MB: about gpt-small's 79 MiB of P/OS, "
+                         "which with the step's working set cannot all stay in DRAM: the plan keeps on SSD what "
+                         "its DRAM has no room for, all the Adam states and part of P on this VM; the offload "
+                         "column says how much)")
     ap.add_argument("--ts-store", choices=["ssd", "file"], default="ssd")
     ap.add_argument("--ts-mode", choices=["sync", "overlap"], default="overlap")
     ap.add_argument("--order", choices=["rotated", "interleaved", "sequential"], default="rotated",
