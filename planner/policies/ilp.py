@@ -337,8 +337,9 @@ def refine_tail(problem, pl, schedule) -> tuple:
     return pl, tuple(notes)
 
 
-HOME_BUFFERS = {"params": ("P",), "states": ("M", "OS")}
-"""The buffers a block's `params` / `states` home holds (M: mixed precision's fp32 master)."""
+HOME_KINDS = {"params": ("parameter", "constant"), "states": ("optimizer_state",)}
+"""The kinds of buffer (`schedule.Buffer.kind`) a block's `params` / `states` decision homes: P and
+C (frozen weights), M (mixed precision's fp32 master) and OS."""
 
 
 def refine_homes(problem, pl, schedule) -> tuple:
@@ -354,23 +355,27 @@ def refine_homes(problem, pl, schedule) -> tuple:
     keeps in DRAM across the step boundary already), as many as the free DRAM holds, bisected for
     the most that still fit and replay no slower. Compared and returned without deferred writes
     (`plan` defers them again). Returns (the plan, notes). [OURS]"""
-    cap = problem.capacity()["dram"]
-    base = schedule(problem, replace(pl.decisions, deferred_writes=()))
-    if not base.fits:
+    if not any(buf.home == "ssd" for buf in pl.buffers.values()):
         return pl, ()
-    pl, notes = base, []
-    for field, kinds in HOME_BUFFERS.items():
+    if pl.decisions.deferred_writes:
+        base = schedule(problem, replace(pl.decisions, deferred_writes=()))
+        if not base.fits:
+            return pl, ()
+        pl = base
+    cap, notes = problem.capacity()["dram"], []
+    for field, kinds in HOME_KINDS.items():
         spare = cap - pl.sim.peak_bytes.get("dram", 0)
-        sizes = []
-        for b in reversed(problem.order):
-            if getattr(pl.decisions.blocks[b], field) == "ssd":
-                n = sum(pl.buffers[f"{k}:{b}"].bytes for k in kinds if f"{k}:{b}" in pl.buffers)
-                if n:
-                    sizes.append((b, n))
+        on_ssd: dict[str, int] = {}
+        for buf in pl.buffers.values():
+            if buf.home == "ssd" and buf.kind in kinds:
+                on_ssd[buf.block] = on_ssd.get(buf.block, 0) + buf.bytes
+        sizes = [(b, on_ssd[b]) for b in reversed(problem.order) if b in on_ssd]
         k, total = 0, 0
         while k < len(sizes) and total + sizes[k][1] <= spare:
             total += sizes[k][1]
             k += 1
+        if not k:
+            continue
 
         def moved(k: int):
             blocks = dict(pl.decisions.blocks)
@@ -379,8 +384,6 @@ def refine_homes(problem, pl, schedule) -> tuple:
             cand = schedule(problem, replace(pl.decisions, blocks=blocks))
             return cand if cand.fits and cand.sim.step_time_s <= pl.sim.step_time_s else None
 
-        if not k:
-            continue
         best, lo = moved(k), k
         if best is None:  # bisect for the most blocks that still fit and are not slower
             lo, hi = 0, k
@@ -408,9 +411,6 @@ def plan(problem) -> Decisions:
     from tensorstow.planner.plan import defer_writes, heuristic_plans, schedule
 
     chosen = _choose(problem, heuristic_plans, schedule)
-    if not any("ssd" in (d.params, d.states) for d in chosen.decisions.blocks.values()) \
-            or chosen.decisions.pipeline is not None:
-        return chosen.decisions
     refined, notes = refine_homes(problem, chosen, schedule)
     if not notes:
         return chosen.decisions
