@@ -355,6 +355,8 @@ def refine_homes(problem, pl, schedule) -> tuple:
     keeps in DRAM across the step boundary already), as many as the free DRAM holds, bisected for
     the most that still fit and replay no slower. Compared and returned without deferred writes
     (`plan` defers them again). Returns (the plan, notes). [OURS]"""
+    from tensorstow.planner.plan import fmt_bytes
+
     if not any(buf.home == "ssd" for buf in pl.buffers.values()):
         return pl, ()
     if pl.decisions.deferred_writes:
@@ -396,9 +398,9 @@ def refine_homes(problem, pl, schedule) -> tuple:
                     best, lo = cand, mid
         if best is not None:
             notes.append(f"homes: {field} of {lo} block(s) from SSD to DRAM, which had "
-                         f"{spare / MiB:.0f} MiB free ({', '.join(b for b, _ in sizes[:lo])}; simulated without "
+                         f"{fmt_bytes(spare)} free ({', '.join(b for b, _ in sizes[:lo])}; simulated without "
                          f"deferred writes {pl.sim.step_time_s:.4g} -> {best.sim.step_time_s:.4g} s, SSD traffic "
-                         f"{_ssd_traffic(pl) / MiB:.0f} -> {_ssd_traffic(best) / MiB:.0f} MiB a step)")
+                         f"{fmt_bytes(_ssd_traffic(pl))} -> {fmt_bytes(_ssd_traffic(best))} a step)")
             pl = best
     return pl, tuple(notes)
 
