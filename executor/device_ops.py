@@ -6,20 +6,28 @@ and one trace everywhere keeps the fingerprint independent of the backend). PyTo
 and its backward: kernels only the CPU registers. On CUDA the executor runs them through
 `PORTABLE`, functions with the CPU ops' signatures and results:
 
-- forward: `F.scaled_dot_product_attention` (on CUDA: flash, memory-efficient, cuDNN or math,
-  whichever PyTorch picks for the inputs), its output given the strides the trace recorded; the
-  log-sum-exp output, which only the backward below would read, is left uninitialised.
-- backward: the attention recomputed under autograd and differentiated (flash/efficient
-  backward kernels): one extra attention forward per backward, in exchange for not depending
-  on a kernel's private saved state (philox offsets, padded log-sum-exp). It leaves the step's
-  inference mode for that, on copies of the query, key, value and mask.
+- 16-bit attention without a mask (what a mixed-precision causal LM runs; `flash_eligible`):
+  CUDA's flash-attention kernels, forward and backward, as eager's `F.scaled_dot_product_attention`
+  and its autograd run them. The forward's log-sum-exp (the same (B, H, T) fp32 tensor the CPU
+  kernel saves) is what the backward reads; dropout's RNG state is not kept (no dropout here).
+- anything else (fp32, a mask, a head size or GPU flash does not take):
+  - forward: `F.scaled_dot_product_attention` (memory-efficient, cuDNN or math, whichever
+    PyTorch picks), its output given the strides the trace recorded; the log-sum-exp output,
+    which only the backward below would read, is left uninitialised.
+  - backward: the attention recomputed under autograd and differentiated: one extra attention
+    forward per backward, in exchange for not depending on a kernel's private saved state
+    (a padded log-sum-exp). It leaves the step's inference mode for that, on copies of the
+    query, key, value and mask. The planner prices that forward (`planner.cost`), by the same rule.
 
 Saved-activation sizes follow the trace (the CPU op's output and log-sum-exp, the same shapes
 CUDA's flash kernel saves). Attention dropout is refused off the CPU: its mask could not be
-reproduced by the recompute. `tests/test_device_ops.py` checks the functions against the CPU
-ops and checks that the traces of the tested model families hold no other CPU-only op.
+reproduced. `tests/test_device_ops.py` checks the functions against the CPU ops (the flash calls'
+signatures and results on meta tensors; their numbers on a GPU) and checks that the traces of the
+tested model families hold no other CPU-only op.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -37,12 +45,74 @@ def _restride(t: torch.Tensor, like) -> torch.Tensor:
     return out.copy_(t)
 
 
+FLASH_DTYPES = ("float16", "bfloat16")
+FLASH_MAX_HEAD = 256
+FLASH_MIN_CAPABILITY = 8.0
+"""PyTorch runs its flash-attention kernels on CUDA compute capability 8.0 (Ampere) and newer."""
+
+
+def flash_eligible(dtypes, q_shape, k_shape, v_shape, masked: bool) -> bool:
+    """Whether CUDA's flash-attention kernels run this attention (PyTorch's own rules for them,
+    `sdp_utils`): 16-bit inputs of one dtype, no mask, as many key/value heads as query heads, one
+    head size that is a multiple of 8 and at most 256, and as many keys as queries (flash aligns a
+    causal mask bottom-right where the CPU kernel aligns it top-left). Used by the executor and,
+    from the trace's shapes, by the planner, so both agree on whether the backward recomputes."""
+    if masked or len(set(dtypes)) != 1 or str(next(iter(dtypes))).removeprefix("torch.") not in FLASH_DTYPES:
+        return False
+    if not (len(q_shape) == len(k_shape) == len(v_shape) == 4):
+        return False
+    d = q_shape[-1]
+    return (q_shape[1] == k_shape[1] == v_shape[1] and k_shape[-1] == v_shape[-1] == d and d % 8 == 0
+            and d <= FLASH_MAX_HEAD and q_shape[-2] == k_shape[-2])
+
+
+def _flash(query, key, value, attn_mask) -> bool:
+    """`flash_eligible` for these tensors on this device (and PyTorch lets flash run there)."""
+    return (query.device.type == "cuda"
+            and flash_eligible({query.dtype, key.dtype, value.dtype}, query.shape, key.shape, value.shape,
+                               attn_mask is not None)
+            and all(t.stride(-1) == 1 for t in (query, key, value))
+            and torch.backends.cuda.flash_sdp_enabled() and _flash_runs(query.device, query.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether this GPU runs the flash kernels (compute capability, the build): one tiny forward
+    and backward, once per device and dtype; the recompute path serves it where they refuse."""
+    try:
+        q = torch.zeros(1, 1, 8, 8, dtype=dtype, device=device)
+        out, lse = flash_forward(q, q, q, True, None)
+        flash_backward(out, q, q, q, out, lse, True, None)
+        return True
+    except RuntimeError:
+        return False
+
+
+def flash_forward(query, key, value, is_causal, scale):
+    """(output, logsumexp) of `aten._scaled_dot_product_flash_attention`, no dropout."""
+    r = aten._scaled_dot_product_flash_attention(query, key, value, 0.0, is_causal, False, scale=scale)
+    return r[0], r[1]
+
+
+def flash_backward(grad_out, query, key, value, out, logsumexp, is_causal, scale):
+    """The gradients of query, key and value from `flash_forward`'s results. Without dropout the
+    kernel reads no RNG state: the seed and offset are placeholders of the forward's dtypes."""
+    rng = torch.empty(2, dtype=torch.uint64, device=query.device)
+    unused = torch.empty((), dtype=torch.uint64, device=query.device)
+    return aten._scaled_dot_product_flash_attention_backward(
+        grad_out, query, key, value, out, logsumexp, None, None, query.shape[-2], key.shape[-2], 0.0, is_causal,
+        rng, unused, scale=scale)
+
+
 def sdpa_forward(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None, _like=None):
     """`_scaled_dot_product_flash_attention_for_cpu` on any device: (output, logsumexp)."""
     _no_dropout(dropout_p)
+    like_out, like_lse = _like if _like is not None else (None, None)
+    if _flash(query, key, value, attn_mask):
+        out, lse = flash_forward(query, key, value, is_causal, scale)
+        return _restride(out, like_out), lse
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=0.0,
                                          is_causal=is_causal, scale=scale)
-    like_out, like_lse = _like if _like is not None else (None, None)
     B, H, T = query.shape[0], query.shape[1], query.shape[2]
     lse_shape = tuple(like_lse.shape) if like_lse is not None else (B, H, T)
     lse = torch.empty(lse_shape, dtype=torch.float32, device=query.device)
@@ -52,8 +122,13 @@ def sdpa_forward(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask
 def sdpa_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None,
                   scale=None, _like=None):
     """`_scaled_dot_product_flash_attention_for_cpu_backward` on any device: the gradients of
-    query, key and value, by recomputing the attention under autograd."""
+    query, key and value; with the flash kernel `sdpa_forward` ran, else by recomputing the
+    attention under autograd."""
     _no_dropout(dropout_p)
+    likes = _like if _like is not None else (None, None, None)
+    if _flash(query, key, value, attn_mask):
+        grads = flash_backward(grad_out, query, key, value, out, logsumexp, is_causal, scale)
+        return tuple(_restride(g, like) for g, like in zip(grads, likes))
     # the executor's step runs in inference mode, where autograd records nothing: leave it here,
     # and differentiate normal copies of its inference tensors (autograd refuses to save those)
     with torch.inference_mode(False), torch.enable_grad():
@@ -62,7 +137,6 @@ def sdpa_backward(grad_out, query, key, value, out, logsumexp, dropout_p, is_cau
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=is_causal,
                                            scale=scale)
         grads = torch.autograd.grad(o, (q, k, v), grad_out)
-    likes = _like if _like is not None else (None, None, None)
     return tuple(_restride(g, like) for g, like in zip(grads, likes))
 
 

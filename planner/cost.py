@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch.utils.flop_counter as flop_counter
 
+from tensorstow.executor.device_ops import FLASH_MIN_CAPABILITY, flash_eligible
 from tensorstow.ir.graph import Graph, draws_random
 from tensorstow.planner.hardware import CPU_GPU_NAME, Hardware
 
@@ -316,11 +317,17 @@ _CPU_FLASH_BWD = "aten._scaled_dot_product_flash_attention_for_cpu_backward.defa
 
 
 def _attention_recompute_time(o, tensors, hw: Hardware) -> float:
-    """On a GPU the CPU trace's attention backward runs as a recompute of the attention forward
-    plus its backward (executor.device_ops): the forward's roofline time, on top of the op's."""
+    """On a GPU the CPU trace's attention backward runs as CUDA's flash backward where
+    `flash_eligible` (16-bit, no mask) on a GPU flash runs on (nothing extra), else as a recompute of the attention forward
+    plus its backward (executor.device_ops): that forward's roofline time, on top of the op's."""
     if o.target != _CPU_FLASH_BWD or len(o.inputs) < 4 or hw.gpus[0].name == CPU_GPU_NAME:
         return 0.0  # (a probed CPU-only machine runs the CPU kernel itself)
     q, k, v = (tensors[n] for n in o.inputs[1:4])
+    # the op's tensors: grad_out, query, key, value, out, logsumexp, and a mask where it has one
+    cc = hw.gpus[0].compute_capability
+    if (len(o.inputs) == 6 and (not cc or cc >= FLASH_MIN_CAPABILITY)
+            and flash_eligible({q.dtype, k.dtype, v.dtype}, q.shape, k.shape, v.shape, masked=False)):
+        return 0.0
     flops = int(flop_counter.sdpa_flop_count(q.shape, k.shape, v.shape))
     return op_time(flops, q.nbytes + k.nbytes + v.nbytes + tensors[o.inputs[0]].nbytes, hw, fp32=q.dtype == "float32")
 

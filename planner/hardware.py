@@ -35,7 +35,7 @@ CPU_GPU_NAME = "cpu (no CUDA)"
 
 
 OMITTED_WHEN_ZERO = ("op_s", "d2h_convert_bw", "h2d_convert_bw", "copy_tensor_s", "host_contention", "ssd_contention",
-                     "request_s", "commit_s", "sync_s", "flush_bw", "adam_tensor_s")
+                     "compute_capability", "request_s", "commit_s", "sync_s", "flush_bw", "adam_tensor_s")
 """GPU, SSD and CPU fields a spec's JSON leaves out when 0 (added after specs existed: their
 fingerprints stay)."""
 
@@ -105,6 +105,12 @@ class GPU:
     at 1 / 2 torch threads on the 2-core dev VM, benchmarks/RESULTS.md 2026-11-25). 0 in the
     presets and in specs probed before it existed (their SSD transfers then stretch nothing).
     Left out of the spec's JSON when 0."""
+    compute_capability: float = 0.0
+    """CUDA compute capability, major.minor (8.9 for an RTX 4090); 0: not stated (the papers'
+    presets of Ampere and newer GPUs, the CPU device tier). It decides which attention kernels run:
+    PyTorch's flash attention needs 8.0 or newer; below that the executor's attention backward
+    recomputes the attention forward (`executor.device_ops`), and the planner prices it. Measured
+    by `tensorstow probe`. Left out of the spec's JSON when 0."""
 
     @property
     def plan_bytes(self) -> int:

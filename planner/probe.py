@@ -866,7 +866,8 @@ def _probe_one_cuda(dev: int, p: _Params) -> tuple[GPU, str]:
             f"+ {CUDA_WORKSPACE_BYTES // MiB} MiB workspaces reserved")
     return GPU(name=props.name, memory_bytes=int(props.total_memory), flops=flops, mem_bw=mem_bw, h2d_bw=h2d,
                d2h_bw=d2h, d2h_convert_bw=d2h_conv, h2d_convert_bw=h2d_conv, copy_tensor_s=per_tensor,
-               reserved_bytes=context + CUDA_WORKSPACE_BYTES), note
+               reserved_bytes=context + CUDA_WORKSPACE_BYTES,
+               compute_capability=float(f"{props.major}.{props.minor}")), note
 
 
 def _probe_p2p(p: _Params) -> float:

@@ -104,9 +104,11 @@ def test_attention_dropout_traces_to_portable_ops_and_the_guard_refuses_the_cpu_
         sdpa_forward(q, q, q, 0.1, True)
 
 
-def test_the_planner_counts_the_attention_recompute_of_a_gpu_backward():
-    """device_ops' backward recomputes the attention forward on a GPU: the block's backward time
-    includes that forward's roofline time; a probed CPU-only machine runs the CPU kernel and
+@pytest.mark.parametrize("precision, recompute", [("fp32", True), ("bf16-mixed", False)])
+def test_the_planner_counts_the_attention_recompute_of_a_gpu_backward(precision, recompute):
+    """device_ops' backward recomputes the attention forward on a GPU unless flash's backward runs
+    it (16-bit, no mask): the block's backward time includes that forward's roofline time where it
+    recomputes and nothing where it does not; a probed CPU-only machine runs the CPU kernel and
     pays nothing extra."""
     import dataclasses
 
@@ -114,12 +116,87 @@ def test_the_planner_counts_the_attention_recompute_of_a_gpu_backward():
     from tensorstow.planner.plan import build_problem
     from tensorstow.planner.hardware import CPU_GPU_NAME
     hw = load_hardware("lohan-rtx4090")
-    p = build_problem(Options(model="gpt-tiny", hardware="lohan-rtx4090", batch=2, seq=32), hw)
-    bwd = [o for o in p.graph.ops if o.block == "b0" and o.phase == "bwd"]
-    attn = next(o for o in p.graph.ops if o.block == "b0" and o.target == str(aten._scaled_dot_product_flash_attention_for_cpu.default))
-    plain = sum(cost.op_time(o.flops, o.bytes_in + o.bytes_out, hw) for o in bwd)
-    extra = p.profiles["b0"].bwd_time_s - plain
-    assert extra >= attn.flops / hw.gpu.flops * (1 - 1e-9) and extra > 0
+    p = build_problem(Options(model="gpt-tiny", hardware="lohan-rtx4090", batch=2, seq=32, precision=precision), hw)
+    b = next(o.block for o in p.graph.ops if o.target == str(aten._scaled_dot_product_flash_attention_for_cpu.default))
+    bwd = [o for o in p.graph.ops if o.block == b and o.phase == "bwd"]
+    attn = next(o for o in p.graph.ops if o.block == b and o.target == str(aten._scaled_dot_product_flash_attention_for_cpu.default))
+    tensors = {t.name: t for t in p.graph.tensors}
+
+    def plain(machine):
+        return sum(cost.op_time(o.flops, o.bytes_in + o.bytes_out, machine, fp32=cost._in_fp32(o, tensors))
+                   for o in bwd)
+
+    extra = p.profiles[b].bwd_time_s - plain(hw)
+    if recompute:
+        assert extra >= attn.flops / hw.gpu.flops * (1 - 1e-9) and extra > 0
+    else:
+        assert extra == pytest.approx(0, abs=1e-15)
+        # the same attention with a mask (the op's seventh tensor) is not flash's: it recomputes
+        op = next(o for o in bwd if o.target == cost._CPU_FLASH_BWD)
+        masked = dataclasses.replace(op, inputs=(*op.inputs, op.inputs[5]))
+        assert cost._attention_recompute_time(masked, tensors, hw) > 0
     cpu = dataclasses.replace(hw, gpus=(dataclasses.replace(hw.gpu, name=CPU_GPU_NAME),))
-    assert cost.profiles(p.graph, cpu)["b0"].bwd_time_s == pytest.approx(
-        sum(cost.op_time(o.flops, o.bytes_in + o.bytes_out, cpu) for o in bwd), rel=1e-12)
+    assert cost.profiles(p.graph, cpu)[b].bwd_time_s == pytest.approx(plain(cpu), rel=1e-12)
+
+
+def _as_trace(shape, dtype, device):
+    """Query/key/value laid out as attention sees them: (B, H, T, D) views of (B, T, H, D)."""
+    B, H, T, D = shape
+    return torch.empty(B, T, H, D, dtype=dtype, device=device).transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_flash_calls_give_what_the_cpu_kernels_give_in_shape_and_layout(dtype, causal):
+    """The CUDA flash path's calls (argument order, the placeholders for dropout's RNG state),
+    run on meta tensors: the output, log-sum-exp and gradients have the CPU kernels' shapes,
+    dtypes and strides, so the trace's buffers and views fit them."""
+    from tensorstow.executor.device_ops import flash_backward, flash_forward
+    shape = (2, 4, 16, 8)
+    q, k, v = (_as_trace(shape, dtype, "cpu").normal_() for _ in range(3))
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(torch.randn_like(out), q, k, v, out, lse, 0.0, causal)
+    mq, mk, mv = (_as_trace(shape, dtype, "meta") for _ in range(3))
+    m_out, m_lse = flash_forward(mq, mk, mv, causal, None)
+    assert (m_out.shape, m_out.stride(), m_out.dtype) == (out.shape, out.stride(), out.dtype)
+    assert (m_lse.shape, m_lse.dtype) == (lse.shape, lse.dtype)
+    m_grads = flash_backward(torch.empty_like(m_out), mq, mk, mv, m_out, m_lse, causal, 0.3)
+    assert [(g.shape, g.stride(), g.dtype) for g in m_grads] == [(g.shape, g.stride(), g.dtype) for g in grads]
+
+
+def test_flash_runs_exactly_the_attention_pytorch_hands_to_its_flash_kernels():
+    from tensorstow.executor.device_ops import flash_eligible
+    q = (2, 4, 16, 64)
+    assert flash_eligible({torch.bfloat16}, q, q, q, masked=False)
+    assert flash_eligible({"float16"}, q, q, q, masked=False)  # the IR's dtype names
+    assert not flash_eligible({torch.float32}, q, q, q, masked=False)
+    assert not flash_eligible({torch.bfloat16}, q, q, q, masked=True)
+    assert not flash_eligible({torch.bfloat16, torch.float16}, q, q, q, masked=False)
+    assert not flash_eligible({torch.bfloat16}, q, (2, 2, 16, 64), (2, 2, 16, 64), masked=False)  # grouped KV heads
+    assert not flash_eligible({torch.bfloat16}, (2, 4, 16, 12), (2, 4, 16, 12), (2, 4, 16, 12), masked=False)
+    assert not flash_eligible({torch.bfloat16}, (2, 4, 16, 512), (2, 4, 16, 512), (2, 4, 16, 512), masked=False)
+    assert not flash_eligible({torch.bfloat16}, q, (2, 4, 32, 64), (2, 4, 32, 64), masked=False)  # T != S
+    cpu = torch.zeros(2, 4, 16, 64, dtype=torch.bfloat16)
+    from tensorstow.executor import device_ops
+    assert not device_ops._flash(cpu, cpu, cpu, None)  # the CPU runs its own kernel
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the flash kernels are CUDA's)")
+@pytest.mark.parametrize("causal", [True, False])
+def test_portable_attention_on_cuda_equals_eager_autograd(causal):
+    """On a GPU, bf16: the portable forward and backward (flash's kernels where eligible, the
+    recompute otherwise) give what eager `F.scaled_dot_product_attention` and autograd give."""
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    for shape in ((2, 4, 64, 64), (2, 4, 64, 12)):  # eligible; a head size flash does not take
+        q, k, v = (_as_trace(shape, torch.bfloat16, "cuda").normal_() for _ in range(3))
+        g = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+        ql, kl, vl = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+        want_out = F.scaled_dot_product_attention(ql, kl, vl, is_causal=causal)
+        want = torch.autograd.grad(want_out, (ql, kl, vl), g)
+        with torch.inference_mode():
+            out, lse = sdpa_forward(q, k, v, 0.0, causal)
+            got = sdpa_backward(g, q, k, v, out, lse, 0.0, causal)
+        torch.testing.assert_close(out, want_out.detach(), rtol=1e-2, atol=1e-2)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
