@@ -35,7 +35,7 @@ for s in $STAGES; do
         echo "cores $(nproc)"; free -g | head -2; df -h . /tmp | tail -2; lsblk -d -o NAME,ROTA,SIZE,MODEL 2>/dev/null
       } 2>&1 | tee "$OUT/env.log" ;;
     cuda)
-      timeout 300 python3 -m pytest tests/test_executor_cuda.py tests/test_cuda_lanes.py -n 0 -p no:cacheprovider \
+      timeout 300 python3 -m pytest tests/test_executor_cuda.py tests/test_cuda_lanes.py tests/test_device_ops.py -n 0 -p no:cacheprovider \
         -q -rs --timeout 240 >"$OUT/cuda_tests.log" 2>&1
       echo "rc $?"; grep -E "^(FAILED|ERROR)|passed|failed|skipped" "$OUT/cuda_tests.log" | tail -15 ;;
     probe)
