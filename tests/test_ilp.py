@@ -153,3 +153,27 @@ def test_ssd_homes_move_into_the_dram_the_plan_leaves_free_where_the_replay_is_n
     start = schedule(none, lohan.plan(none))
     same, notes = ilp.refine_homes(none, start, schedule)
     assert notes == () and all(d.params == "ssd" and d.states == "ssd" for d in same.decisions.blocks.values())
+
+
+def test_the_mip_streams_a_run_of_consecutive_blocks_not_the_largest_one_times_the_depth():
+    """gpt3-125m's embedding (154 MB in fp32, with its positions 160 MB) is 5x a layer: two blocks
+    in flight are the embedding and one layer, not two embeddings."""
+    p = build_problem(Options(model="gpt3-125m", hardware="lohan-rtx4090", batch=1, seq=128, precision="fp32"),
+                      load_hardware("lohan-rtx4090"))
+    profs = [p.profiles[p.profile_of[b]] for b in p.order]
+    params = [q.param_bytes + q.const_bytes for q in profs]
+    assert max(params) > 4 * sorted(params)[len(params) // 2]  # the embedding dwarfs a layer
+    for prefetch in (1, 2):
+        want = max(sum(params[i:i + prefetch + 1]) for i in range(len(params) - prefetch))
+        assert ilp.transient(p, prefetch)["gpu_stream"] == pytest.approx(want / ilp.MiB)
+        assert want < (prefetch + 1) * max(params)
+    own = max(q.saved_bytes + q.input_bytes + q.output_bytes + max(q.fwd_workspace, q.bwd_workspace + 2 * q.handed_bytes)
+              + n for q, n in zip(profs, params))
+    assert ilp.transient(p)["gpu"] == pytest.approx(own / ilp.MiB)
+
+
+def test_a_mip_that_finds_nothing_says_what_its_capacity_rows_ask_for(small_problem):
+    res = ilp.solve(small_problem, choices=SMALL, caps_mib={"gpu": 1e-3, "dram": 1e-3, "ssd": 0.0})
+    note = ilp._why_not(small_problem, res, 1, {"gpu": 1e-3, "dram": 1e-3}, None)
+    assert note.startswith("no assignment fits the MIP's capacity rows (the blocks in flight need ")
+    assert "incumbent" in ilp._why_not(small_problem, res, 1, {"gpu": 1e-3, "dram": 1e-3}, 1.5)

@@ -19,8 +19,9 @@ traffic simplex), with the CPU optimizer overlapped with backward (LoHan §IV-C)
     T_b >= Σ (SSD_read_b + SSD_write_b),  T_b >= Σ CPU Adam
 Capacity (each row divided by its capacity; time in units of 1% of the model's compute time,
 so the solver sees numbers near 1 whatever the model size): resident bytes per tier + the transient
-working set (largest block's streamed params x (prefetch+1), workspace, one block's
-activations and gradient, staging for states) <= capacity.
+working set (the largest run of prefetch+1 consecutive blocks' streamed params, the largest one
+block's activations, inputs, workspace and gradient, DRAM's staging of two consecutive blocks)
+<= capacity.
 
 The analytic model ignores pipeline fill and drain, so the decisions are lowered and replayed
 in the simulator (the one yardstick of every policy); a tier the simulator finds over
@@ -172,17 +173,27 @@ def groups(problem, cs: list[Combo]) -> Groups:
 
 
 def transient(problem, prefetch: int = 1) -> dict[str, float]:
-    """Working set on top of resident bytes (MiB): what one block in flight needs."""
+    """Working set on top of resident bytes (MiB): what the blocks in flight need. Blocks stream
+    in their order (the backward in reverse), so what is in flight at once is a run of
+    consecutive blocks: the largest sum over such a run, not the largest block times the run's
+    length (a model's 154 MB embedding beside its 28 MB layers: two in flight are 182 MB, not
+    308). One block's own working set (its activations, inputs and outputs, workspace and
+    gradient, the size of its parameters) is the largest such sum over the blocks."""
     profs = [problem.profiles[problem.profile_of[b]] for b in problem.order]
     mixed = problem.mixed
-    pmax = max(p.param_bytes + p.const_bytes for p in profs)
-    smax = max(p.param_count for p in profs) * (12 if mixed else 8)
-    amax = max(p.saved_bytes for p in profs)
-    xmax = max(p.input_bytes + p.output_bytes for p in profs)
-    hmax = max(p.handed_bytes for p in profs)  # a backward holds the H it got and the H it makes
-    wmax = max(max(p.fwd_workspace, p.bwd_workspace + 2 * hmax) for p in profs)
-    return {"gpu": (amax + xmax + wmax + pmax) / MiB, "gpu_stream": pmax * (prefetch + 1) / MiB,
-            "gpu_states": smax / MiB, "dram": (2 * pmax + 2 * smax + 2 * amax + 2 * xmax) / MiB}
+    params = [p.param_bytes + p.const_bytes for p in profs]
+    states = [p.param_count * (12 if mixed else 8) for p in profs]
+    xs = [p.input_bytes + p.output_bytes for p in profs]
+    own = max(p.saved_bytes + x + max(p.fwd_workspace, p.bwd_workspace + 2 * p.handed_bytes) + n
+              for p, x, n in zip(profs, xs, params))
+    return {"gpu": own / MiB, "gpu_stream": _run(params, prefetch + 1) / MiB, "gpu_states": max(states) / MiB,
+            "dram": (_run(params, 2) + _run(states, 2) + _run([p.saved_bytes for p in profs], 2) + _run(xs, 2)) / MiB}
+
+
+def _run(sizes: list[int], k: int) -> int:
+    """The largest sum of k consecutive sizes (all of them when there are fewer)."""
+    k = min(k, len(sizes))
+    return max(sum(sizes[i:i + k]) for i in range(len(sizes) - k + 1))
 
 
 @dataclass
@@ -439,6 +450,19 @@ def _choose(problem, heuristic_plans, schedule):
     return schedule(problem, dec)
 
 
+def _why_not(problem, res: IlpResult, prefetch: int, caps: dict[str, float], bound: float | None) -> str:
+    """A note for a MIP that found no plan: what its capacity rows ask for beyond resident bytes."""
+    if not res.status.startswith("Infeasible"):
+        return f"{res.status} ({res.message})"
+    tr = transient(problem, prefetch)
+    beyond = (f"the blocks in flight need {tr['gpu'] + tr['gpu_stream']:.0f} MiB of the GPU's {caps['gpu']:.0f} "
+              f"and {tr['dram']:.0f} MiB of DRAM's {caps['dram']:.0f} besides what stays resident")
+    if bound is None:
+        return f"no assignment fits the MIP's capacity rows ({beyond})"
+    return (f"no assignment fits the MIP's capacity rows with an analytic time under the incumbent's "
+            f"{bound:.4g} s ({beyond})")
+
+
 def _with(pl, notes: list[str]):
     return replace(pl, decisions=replace(pl.decisions, policy="ilp", notes=tuple(notes)))
 
@@ -471,7 +495,7 @@ def _solve_rounds(problem, heuristic_plans, schedule):
             res = solve(problem, caps_mib=caps, prefetch=prefetch, bound=bound, start=start,
                         time_limit=min(TIME_LIMIT_S, left))
             if not res.feasible:
-                notes.append(f"prefetch {prefetch}, MIP round {rnd + 1}: {res.status} ({res.message})")
+                notes.append(f"prefetch {prefetch}, MIP round {rnd + 1}: {_why_not(problem, res, prefetch, caps, bound)}")
                 break
             assignment = assign(problem, res.counts)
             pl = schedule(problem, decisions_from(problem, assignment, prefetch=prefetch))
