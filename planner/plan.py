@@ -293,6 +293,9 @@ def _schedule(problem: Problem, decisions: Decisions) -> PlanResult:
     commit = cost.commit_time(problem.hw, instrs)
     sim = simulate(instrs, dur, sizes, initial, links=contention(instrs, problem.hw), reserved=reserved,
                    commit_s=commit, slowdown=compute_slowdown(problem.hw))
+    caps = {**problem.gpu_capacity(), "dram": problem.capacity()["dram"]}
+    if any(sim.peak_bytes.get(t, 0) > c for t, c in caps.items()):
+        instrs, sim = _wait_for_room(problem, instrs, dur, sizes, initial, reserved, commit, caps, sim)
     # Memory fences: an allocation waits for the releases that preceded it in the replay, so an
     # executor whose real timing differs (overlap mode) never holds more than the simulated peak.
     # The fenced replay takes what each instruction took (host contention's stretch included).
@@ -303,6 +306,27 @@ def _schedule(problem: Problem, decisions: Decisions) -> PlanResult:
                       reserved=reserved, commit_s=commit)
     assert fenced.step_time_s == sim.step_time_s, "memory fences must not change the replay"
     return PlanResult(problem, decisions, bufs, instrs, fenced, dur)
+
+
+def _wait_for_room(problem, instrs, dur, sizes, initial, reserved, commit, caps, sim):
+    """A replay over capacity, again with copies that wait for room (Fuyou §4.4's memory-aware
+    prefetch: a copy that ran ahead of the computations before it in program order took their
+    memory, because the probed timings let it). The waits become dependencies: on the releases that
+    made room (memory fences) and on the instructions it let go first, so the executor keeps them
+    under any timing. The instructions and replay that fit, else the ones given."""
+    links = contention(instrs, problem.hw)
+    slow = compute_slowdown(problem.hw)
+    waiting = simulate(instrs, dur, sizes, initial, links=links, reserved=reserved, commit_s=commit, slowdown=slow,
+                       capacity=caps)
+    if any(waiting.peak_bytes.get(t, 0) > c for t, c in caps.items()):
+        return instrs, sim
+    extra = {i: set(waiting.waited.get(i, ())) | set(waiting.fences.get(i, ())) for i in waiting.waited}
+    waits = [dataclasses.replace(i, deps=tuple(sorted(set(i.deps) | extra[i.id]))) if i.id in extra else i
+             for i in instrs]
+    fitted = simulate(waits, dur, sizes, initial, links=links, reserved=reserved, commit_s=commit, slowdown=slow)
+    if any(fitted.peak_bytes.get(t, 0) > c for t, c in caps.items()):
+        return instrs, sim
+    return waits, fitted
 
 
 HEURISTICS = ("all-gpu", "zero-infinity", "lohan", "stronghold", "dos")

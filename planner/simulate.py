@@ -19,6 +19,7 @@ Buffers with a home tier are present at the start and must be present, alone, at
 from __future__ import annotations
 
 import bisect
+import heapq
 import json
 from dataclasses import dataclass, field
 
@@ -53,6 +54,9 @@ class SimResult:
     """Memory fences: for each instruction that allocates, the latest release per stream (earlier
     in program order) that preceded its allocation in this replay. Adding them as dependencies
     bounds real memory by the simulated peak under any timing, and changes no simulated time."""
+    waited: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    """With `capacity`: each copy that waited for room, and the instructions before it in program
+    order that it let allocate first (made dependencies, they keep it from running ahead of them)."""
 
     @property
     def bottleneck(self) -> str:
@@ -97,7 +101,8 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
              initial: dict[tuple[str, str], None] | set, tier_of_device=lambda t: t,
              links: tuple[list[tuple[str, ...]], dict[str, int]] | None = None,
              reserved: dict[str, int] | None = None, commit_s: float = 0.0,
-             slowdown: dict[str, tuple[float, float]] | None = None) -> SimResult:
+             slowdown: dict[str, tuple[float, float]] | None = None,
+             capacity: dict[str, int] | None = None) -> SimResult:
     """Replay `instrs` with `duration[i]` seconds each.
 
     nbytes: buffer -> bytes. initial: the (buffer, tier) pairs present at the start. links:
@@ -112,6 +117,12 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
     transfer, runs beside them (`GPU.host_contention`, `GPU.ssd_contention`, `compute_slowdown`):
     the replay runs once, then again with each computation stretched by those times the shares of
     its time copies and (only) SSD transfers overlapped.
+    capacity: tier -> bytes. Given, a copy waits for room on its destination tier (Fuyou §4.4's
+    GPU-memory-aware FIFO prefetch): it starts only when the bytes live there, the copy's and what
+    the instructions before it in program order that have not started will allocate there fit
+    (those come first: a prefetch must not take the memory of the computation it runs ahead of).
+    The copies that waited are in `SimResult.waited`. Where nothing could free room, the copy
+    starts anyway and the peak shows the overflow.
     """
     n = len(instrs)
     streams: dict[str, list[int]] = {}
@@ -129,8 +140,12 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
     def uses(i: int) -> tuple[str, ...]:
         return (resource_of(instrs[i].stream), *extra[i])
 
+    mem = _Memory(instrs, nbytes, initial, reserved, capacity) if capacity else None
+
     def replay(duration: list[float]) -> tuple[list, list, list[int]]:
         """(start, end, dispatch order) of every instruction."""
+        if mem is not None:
+            mem.reset()
         head = {s: 0 for s in streams}
         stream_free = {s: 0.0 for s in streams}
         res_free: dict[str, list[float]] = {r: [0.0] * k for r, k in slots.items()}
@@ -140,8 +155,10 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
         done = 0
         writing = None  # the SSD write last started (reads may pause it)
         reads_until = 0.0  # the end of the last read that paused it
+        now = 0.0  # start of the last instruction dispatched (dispatch is in start-time order)
         while done < n:
             best = None
+            cands = []
             for s in sorted(streams):
                 if head[s] >= len(streams[s]):
                     continue
@@ -159,12 +176,16 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
                         t = max(t, ssd)
                 if writes_ssd(instrs[i]):  # over the files the background commit is syncing
                     t = max(t, ssd_write_after)
-                if best is None or (t, i) < best[:2]:
-                    best = (t, i, s)
-            if best is None:
+                cands.append((t, i, s))
+            if not cands:
                 stuck = sorted(streams[s][head[s]] for s in streams if head[s] < len(streams[s]))
                 raise ScheduleError(f"deadlock: instructions {stuck[:8]} wait on each other")
+            cands.sort()
+            best = cands[0]
+            if mem is not None:
+                best = mem.pick(cands, now)
             t, i, s = best
+            now = t
             start[i], end[i] = t, t + duration[i]
             stream_free[s] = end[i]
             paused = reads_ssd_first(instrs[i]) and writing is not None and t < end[writing]
@@ -181,6 +202,8 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
                     free[free.index(min(free))] = end[i]
             if writes_ssd(instrs[i]):
                 writing = i
+            if mem is not None:
+                mem.start(i, t, end[i])
             head[s] += 1
             order.append(i)
             done += 1
@@ -270,7 +293,8 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
             busy["ssd"] = busy.get("ssd", 0.0) + commit_s
     return SimResult(step_time_s=makespan, start=start, end=end, busy_s=busy, traffic_bytes=traffic,
                      peak_bytes=peak, timeline=timeline, order=order, peak_live=peak_live, durations=list(duration),
-                     fences={i: tuple(sorted(f)) for i, f in sorted(fences.items()) if f})
+                     fences={i: tuple(sorted(f)) for i, f in sorted(fences.items()) if f},
+                     waited={i: tuple(sorted(w)) for i, w in sorted(mem.waited.items())} if mem else {})
 
 
 def simulate_plan(plan) -> SimResult:
@@ -386,6 +410,88 @@ def plan_commit_s(plan) -> float:
     """The SSD store's commit that ends a plan file's step (`cost.commit_time`)."""
     from tensorstow.planner.cost import commit_time
     return commit_time(plan.hardware.spec, plan.instructions)
+
+
+class _Memory:
+    """Bytes live per tier while `simulate` dispatches, for copies that wait for room."""
+
+    def __init__(self, instrs, nbytes, initial, reserved, capacity):
+        self.instrs, self.nbytes, self.initial = instrs, nbytes, set(initial)
+        self.reserved, self.capacity = dict(reserved or {}), dict(capacity)
+        # what each instruction allocates when it starts, per tier, ignoring what it frees (an
+        # upper bound for the instructions a waiting copy lets go first)
+        self.grows: list[tuple[str, int]] = []
+        for ins in instrs:
+            dev = _device_tier(ins)
+            n = sum(nbytes[a] for a in ins.allocs) + (nbytes[ins.workspace] if ins.workspace else 0)
+            if ins.kind in ("load", "store", "send"):
+                self.grows.append((ins.dst, nbytes[ins.tensor]))
+            else:
+                self.grows.append((dev, n))
+        self.waited: dict[int, set[int]] = {}
+
+    def reset(self) -> None:
+        self.live = set(self.initial)
+        self.use = dict(self.reserved)
+        for b, t in self.live:
+            self.use[t] = self.use.get(t, 0) + self.nbytes[b]
+        self.releases: list[tuple[float, str, int]] = []  # (time, tier, bytes): workspaces ending
+        self.started = [False] * len(self.instrs)
+        self.first = 0  # the lowest id not yet started
+
+    def _settle(self, t: float) -> None:
+        while self.releases and self.releases[0][0] <= t:
+            _, tier, n = heapq.heappop(self.releases)
+            self.use[tier] -= n
+
+    def _room(self, i: int, t: float) -> tuple[bool, set[int]]:
+        ins = self.instrs[i]
+        tier = ins.dst
+        if ins.kind not in ("load", "store", "send") or tier not in self.capacity or (ins.tensor, tier) in self.live:
+            return True, set()
+        self._settle(t)
+        ahead = {j for j in range(self.first, i) if not self.started[j] and self.grows[j][0] == tier and self.grows[j][1]}
+        need = self.use.get(tier, 0) + self.nbytes[ins.tensor] + sum(self.grows[j][1] for j in ahead)
+        return need <= self.capacity[tier], ahead
+
+    def pick(self, cands: list[tuple[float, int, str]], now: float) -> tuple[float, int, str]:
+        """The earliest (time, candidate) that may start: any instruction at its time but a copy
+        only where it has room, which may come at a later time as a workspace ends; with nothing
+        left that could make room, the first candidate (over capacity)."""
+        cands = sorted((max(t, now), i, s) for t, i, s in cands)
+        times = sorted({t for t, _, _ in cands} | {r[0] for r in self.releases if r[0] > cands[0][0]})
+        for tau in times:
+            for t, i, s in cands:
+                if t > tau:
+                    break
+                ok, ahead = self._room(i, tau)
+                if ok:
+                    return tau, i, s
+                self.waited.setdefault(i, set()).update(ahead)
+        return cands[0]
+
+    def start(self, i: int, t: float, end: float) -> None:
+        ins = self.instrs[i]
+        self._settle(t)
+        self.started[i] = True
+        while self.first < len(self.started) and self.started[self.first]:
+            self.first += 1
+        dev = _device_tier(ins)
+        if ins.kind == "free":
+            if (ins.tensor, ins.dst) in self.live:
+                self.live.remove((ins.tensor, ins.dst))
+                self.use[ins.dst] -= self.nbytes[ins.tensor]
+        for a in ins.allocs:
+            self.live.add((a, dev))
+            self.use[dev] = self.use.get(dev, 0) + self.nbytes[a]
+        if ins.kind in ("load", "store", "send") and (ins.tensor, ins.dst) not in self.live:
+            self.live.add((ins.tensor, ins.dst))
+            self.use[ins.dst] = self.use.get(ins.dst, 0) + self.nbytes[ins.tensor]
+        if ins.workspace:
+            self.use[dev] = self.use.get(dev, 0) + self.nbytes[ins.workspace]
+            heapq.heappush(self.releases, (end, dev, self.nbytes[ins.workspace]))
+        if i in self.waited:  # it waited for these: only the ones that started before it count
+            self.waited[i] = {j for j in self.waited[i] if self.started[j]}
 
 
 def _device_tier(ins: Instr) -> str:

@@ -271,3 +271,36 @@ def test_a_write_of_the_state_pays_its_flush_and_a_steps_own_swap_does_not():
     n = 10 ** 9
     assert cost.transfer_time(n, "dram", "ssd", hw, durable=False) == pytest.approx(0.5 + 1e-4)
     assert cost.transfer_time(n, "dram", "ssd", hw) == pytest.approx(0.5 + 1.0 + 1e-4 + 2e-4)
+
+
+def _prefetch_race(load_deps=()):
+    """A computation allocates A (6 bytes) for 2 s; a load of P (6 bytes) later in program order
+    has nothing to wait for; the GPU holds 10."""
+    instrs = [Instr(id=0, kind="compute", stream="gpu0.compute", deps=(), allocs=("A",), est_s=2.0),
+              Instr(id=1, kind="free", stream="gpu0.compute", deps=(0,), tensor="A", dst="gpu0"),
+              Instr(id=2, kind="load", stream="gpu0.h2d", deps=tuple(load_deps), tensor="P", src="dram", dst="gpu0",
+                    est_s=1.0),
+              Instr(id=3, kind="compute", stream="gpu0.compute", deps=(2,), est_s=1.0),
+              Instr(id=4, kind="free", stream="gpu0.compute", deps=(3,), tensor="P", dst="gpu0")]
+    return instrs, [i.est_s for i in instrs], {"A": 6, "P": 6}, {("P", "dram")}
+
+
+def test_a_copy_waits_for_room_where_the_replay_has_a_capacity():
+    """Fuyou §4.4's memory-aware prefetch: without a capacity the load runs beside the computation
+    (12 bytes live); with one it waits for the release of A, and the computation before it in
+    program order is not the one that waits."""
+    instrs, dur, sizes, initial = _prefetch_race()
+    free_run = simulate(instrs, dur, sizes, initial)
+    assert free_run.peak_bytes["gpu0"] == 12 and free_run.start[2] == 0.0
+    waiting = simulate(instrs, dur, sizes, initial, capacity={"gpu0": 10})
+    assert waiting.peak_bytes["gpu0"] == 6 and waiting.start[2] == 2.0 and waiting.start[0] == 0.0
+    assert 2 in waiting.waited and waiting.fences[2] == (1,)
+    # the waits as dependencies: a replay without the capacity keeps the peak
+    fenced = [dataclasses.replace(i, deps=tuple(sorted({*i.deps, *waiting.fences.get(i.id, ())}))) for i in instrs]
+    assert simulate(fenced, dur, sizes, initial).peak_bytes["gpu0"] == 6
+
+
+def test_a_copy_with_no_room_ever_runs_and_the_peak_shows_the_overflow():
+    instrs, dur, sizes, initial = _prefetch_race()
+    sim = simulate(instrs, dur, sizes, initial, capacity={"gpu0": 5})
+    assert sim.peak_bytes["gpu0"] > 5 and sim.step_time_s > 0
