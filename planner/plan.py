@@ -88,6 +88,9 @@ class PlanResult:
     instructions: list[Instr]
     sim: SimResult
     durations: list[float]
+    over_unless_waiting: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    """Where copies wait for room (`_wait_for_room`): the tiers its replay without the waits went
+    over, (peak, capacity) as `over_capacity`; empty where nothing waits."""
 
     @property
     def samples(self) -> int:
@@ -216,8 +219,13 @@ def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer],
     return out
 
 
-def schedule(problem: Problem, decisions: Decisions) -> PlanResult:
+def schedule(problem: Problem, decisions: Decisions, wait: bool = False) -> PlanResult:
     """Lower decisions and simulate them: the one yardstick every policy is measured with.
+    `wait` (a policy's final plan, `policy_plan`): a plan over capacity is replayed again with copies
+    that wait for room (`_wait_for_room`) and kept where that fits. Policies search without it: a
+    candidate that fits only by waiting ranks as one that does not, as before, so waiting rescues a
+    plan whose probed timings let a prefetch take the memory of what runs before it, and changes
+    no plan that fits without it.
     A plan that reads from SSD runs the reads a computation waits for ahead of queued writes
     (`Decisions.ssd_reads_first`) where that still fits, else keeps every read in program order.
     An fp32 plan whose CPU updates read parameters from SSD is replayed both ways and keeps the
@@ -229,7 +237,12 @@ def schedule(problem: Problem, decisions: Decisions) -> PlanResult:
         first = _schedule_keep(problem, dataclasses.replace(decisions, ssd_reads_first=True))
         if first.fits:
             return first
-    return _schedule_keep(problem, decisions)
+    r = _schedule_keep(problem, decisions)
+    if wait and not r.fits:
+        waited = _schedule(problem, r.decisions, wait=True)
+        if waited.fits:
+            return waited
+    return r
 
 
 DEFERRED_MAX = 4
@@ -274,7 +287,7 @@ def _schedule_keep(problem: Problem, decisions: Decisions) -> PlanResult:
     return plain
 
 
-def _schedule(problem: Problem, decisions: Decisions) -> PlanResult:
+def _schedule(problem: Problem, decisions: Decisions, wait: bool = False) -> PlanResult:
     micro = decisions.pipeline.microbatches if decisions.pipeline else 1
     inputs = sum(t.nbytes for t in problem.graph.tensors if t.kind == "input")
     decisions = dataclasses.replace(decisions, device_reserved=micro * inputs)
@@ -294,8 +307,17 @@ def _schedule(problem: Problem, decisions: Decisions) -> PlanResult:
     sim = simulate(instrs, dur, sizes, initial, links=contention(instrs, problem.hw), reserved=reserved,
                    commit_s=commit, slowdown=compute_slowdown(problem.hw))
     caps = {**problem.gpu_capacity(), "dram": problem.capacity()["dram"]}
-    if any(sim.peak_bytes.get(t, 0) > c for t, c in caps.items()):
-        instrs, sim = _wait_for_room(problem, instrs, dur, sizes, initial, reserved, commit, caps, sim)
+    over = {"gpu" if t.startswith("gpu") else t: (sim.peak_bytes[t], c) for t, c in caps.items()
+            if sim.peak_bytes.get(t, 0) > c}
+    if over and wait:
+        instrs, waited = _wait_for_room(problem, instrs, dur, sizes, initial, reserved, commit, caps, sim)
+        over = over if waited is not sim else {}
+        sim = waited
+        if over:
+            decisions = dataclasses.replace(decisions, notes=(*decisions.notes, "copies wait for room on " + ", ".join(
+                f"{t} (without the waits {fmt_bytes(n)} at peak > {fmt_bytes(c)})" for t, (n, c) in sorted(over.items()))))
+    else:
+        over = {}
     # Memory fences: an allocation waits for the releases that preceded it in the replay, so an
     # executor whose real timing differs (overlap mode) never holds more than the simulated peak.
     # The fenced replay takes what each instruction took (host contention's stretch included).
@@ -305,7 +327,7 @@ def _schedule(problem: Problem, decisions: Decisions) -> PlanResult:
     fenced = simulate(instrs, sim.durations, sizes, initial, links=contention(instrs, problem.hw),
                       reserved=reserved, commit_s=commit)
     assert fenced.step_time_s == sim.step_time_s, "memory fences must not change the replay"
-    return PlanResult(problem, decisions, bufs, instrs, fenced, dur)
+    return PlanResult(problem, decisions, bufs, instrs, fenced, dur, over_unless_waiting=over)
 
 
 def _wait_for_room(problem, instrs, dur, sizes, initial, reserved, commit, caps, sim):
@@ -351,7 +373,7 @@ def policy_plan(problem: Problem, name: str) -> PlanResult:
     incumbent search both need every heuristic's plan)."""
     cache = problem.__dict__.setdefault("_plans", {})
     if name not in cache:
-        cache[name] = defer_writes(schedule(problem, policies()[name](problem)))
+        cache[name] = defer_writes(schedule(problem, policies()[name](problem), wait=True))
     return cache[name]
 
 

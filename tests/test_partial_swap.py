@@ -148,20 +148,17 @@ def test_a_cut_backward_releases_what_only_its_first_part_reads_and_the_next_swa
 def test_lohan_cuts_backwards_to_swap_13b_at_batch_64_on_the_rtx4090():
     """LoHan §V-F trains GPT-3 13B at batch 64 on the RTX 4090 with 3 SSDs. A recomputed block's
     backward peaks at 24.0 of the GPU's 24.96 GB, so the next block's 6 GB of swapped activations
-    fit only where its backward is cut and its first part (the MLP's) has released 7.4 GB: with the
-    same swaps and whole backwards the loads wait for the whole backward to end (or overflow the GPU
-    where nothing could make room): slower (46.6 s against 40.3 s a step on 2026-11-26)."""
+    fit only where its backward is cut and its first part (the MLP's) has released 7.4 GB: the same
+    swaps with whole backwards overflow the GPU."""
     p = build_problem(Options(model="gpt3-13b", hardware="lohan-rtx4090", policy="lohan", batch=64),
                       load_hardware("lohan-rtx4090").with_overrides(ssds=3))
     dec = lohan.plan(p)
     layers = [b for b in p.order if p.graph.block(b).kind == "layer"]
     assert any(dec.blocks[b].activations in ("swap_dram", "swap_ssd") for b in layers)
     assert all(dec.blocks[b].bwd_cut == p.profiles[p.profile_of[b]].bwd_cut > 0 for b in layers)
-    cut = schedule(p, dec)
-    assert cut.over_capacity() == {}
-    whole = schedule(p, dataclasses.replace(dec, blocks={b: dataclasses.replace(d, bwd_cut=0)
-                                                         for b, d in dec.blocks.items()}))
-    assert "gpu" in whole.over_capacity() or whole.sim.step_time_s > cut.sim.step_time_s * 1.05
+    assert schedule(p, dec).over_capacity() == {}
+    whole = dataclasses.replace(dec, blocks={b: dataclasses.replace(d, bwd_cut=0) for b, d in dec.blocks.items()})
+    assert "gpu" in schedule(p, whole).over_capacity()
 
 
 def test_fuyou_is_lohans_search_without_cut_backwards():
