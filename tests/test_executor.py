@@ -885,3 +885,21 @@ def test_a_steps_own_swaps_to_ssd_are_not_synced_and_it_still_trains_like_eager(
     assert names and not names & transient  # the state's files were synced, the swaps' never
     assert {n for n in names if n.startswith(("P:", "OS:"))}
     ex.close()
+
+
+def test_a_plan_whose_copies_wait_for_room_trains_exactly_like_eager(tmp_path):
+    """stronghold's plan for gpt-tiny in 1.2 MB of device memory on the probed VM spec of
+    tests/test_plan.py is over capacity where nothing waits (1.29 MB); its copies wait for room
+    and the waits are dependencies. Run in overlap mode, where memcpys are far faster than that
+    spec's links: the same losses and parameters as eager, within the plan's device budget."""
+    from tensorstow.planner.hardware import Hardware
+    from tensorstow.planner.plan import policy_plan
+    from tests.test_plan import _PROBED_VM
+    o = Options(model="gpt-tiny", hardware="x", policy="stronghold", batch=B, seq=T, precision="fp32", lr=1e-3,
+                weight_decay=0.1, exact_optimizer=True, gpu_mem=1_200_000)
+    hw = Hardware.from_json(_PROBED_VM).with_overrides(gpu_mem=o.gpu_mem, ssds=1)
+    pl = policy_plan(build_problem(o, hw), "stronghold")
+    assert pl.fits and pl.over_unless_waiting.get("gpu", (0, 0))[0] > 1_200_000
+    ex, losses, params = run(json.loads(pl.dumps()), "overlap", tmp_path, device_budget=1_200_000)
+    assert_same((losses, params), eager())
+    assert ex.peak_bytes["gpu"] <= 1_200_000
