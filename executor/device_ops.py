@@ -97,6 +97,7 @@ def flash_forward(query, key, value, is_causal, scale):
 def flash_backward(grad_out, query, key, value, out, logsumexp, is_causal, scale):
     """The gradients of query, key and value from `flash_forward`'s results. Without dropout the
     kernel reads no RNG state: the seed and offset are placeholders of the forward's dtypes."""
+    grad_out, out = (t if t.stride(-1) == 1 else t.contiguous() for t in (grad_out, out))  # the kernel's layout
     rng = torch.empty(2, dtype=torch.uint64, device=query.device)
     unused = torch.empty((), dtype=torch.uint64, device=query.device)
     return aten._scaled_dot_product_flash_attention_backward(

@@ -157,7 +157,6 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
         reads_until = 0.0  # the end of the last read that paused it
         now = 0.0  # start of the last instruction dispatched (dispatch is in start-time order)
         while done < n:
-            best = None
             cands = []
             for s in sorted(streams):
                 if head[s] >= len(streams[s]):
@@ -420,14 +419,10 @@ class _Memory:
         self.reserved, self.capacity = dict(reserved or {}), dict(capacity)
         # what each instruction allocates when it starts, per tier, ignoring what it frees (an
         # upper bound for the instructions a waiting copy lets go first)
-        self.grows: list[tuple[str, int]] = []
-        for ins in instrs:
-            dev = _device_tier(ins)
-            n = sum(nbytes[a] for a in ins.allocs) + (nbytes[ins.workspace] if ins.workspace else 0)
-            if ins.kind in ("load", "store", "send"):
-                self.grows.append((ins.dst, nbytes[ins.tensor]))
-            else:
-                self.grows.append((dev, n))
+        self.grows: list[tuple[str, int]] = [
+            (ins.dst, nbytes[ins.tensor]) if ins.kind in ("load", "store", "send") else
+            (_device_tier(ins), sum(nbytes[a] for a in ins.allocs) + (nbytes[ins.workspace] if ins.workspace else 0))
+            for ins in instrs]
         self.waited: dict[int, set[int]] = {}
 
     def reset(self) -> None:
