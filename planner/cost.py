@@ -317,9 +317,10 @@ _CPU_FLASH_BWD = "aten._scaled_dot_product_flash_attention_for_cpu_backward.defa
 
 
 def _attention_recompute_time(o, tensors, hw: Hardware) -> float:
-    """On a GPU the CPU trace's attention backward runs as CUDA's flash backward where
-    `flash_eligible` (16-bit, no mask) on a GPU flash runs on (nothing extra), else as a recompute of the attention forward
-    plus its backward (executor.device_ops): that forward's roofline time, on top of the op's."""
+    """On a GPU the CPU trace's attention backward runs as CUDA's flash backward where it is
+    `flash_eligible` (16-bit, no mask) and the GPU runs flash (nothing extra), else as a recompute
+    of the attention forward plus its backward (executor.device_ops): that forward's roofline
+    time, on top of the op's."""
     if o.target != _CPU_FLASH_BWD or len(o.inputs) < 4 or hw.gpus[0].name == CPU_GPU_NAME:
         return 0.0  # (a probed CPU-only machine runs the CPU kernel itself)
     q, k, v = (tensors[n] for n in o.inputs[1:4])

@@ -306,18 +306,16 @@ def _schedule(problem: Problem, decisions: Decisions, wait: bool = False) -> Pla
     commit = cost.commit_time(problem.hw, instrs)
     sim = simulate(instrs, dur, sizes, initial, links=contention(instrs, problem.hw), reserved=reserved,
                    commit_s=commit, slowdown=compute_slowdown(problem.hw))
+    over = {}
     caps = {**problem.gpu_capacity(), "dram": problem.capacity()["dram"]}
-    over = {"gpu" if t.startswith("gpu") else t: (sim.peak_bytes[t], c) for t, c in caps.items()
-            if sim.peak_bytes.get(t, 0) > c}
-    if over and wait:
-        instrs, waited = _wait_for_room(problem, instrs, dur, sizes, initial, reserved, commit, caps, sim)
-        over = over if waited is not sim else {}
-        sim = waited
-        if over:
+    if wait and any(sim.peak_bytes.get(t, 0) > c for t, c in caps.items()):
+        fitted = _wait_for_room(problem, instrs, dur, sizes, initial, reserved, commit, caps)
+        if fitted is not None:
+            over = {"gpu" if t.startswith("gpu") else t: (sim.peak_bytes[t], c) for t, c in caps.items()
+                    if sim.peak_bytes.get(t, 0) > c}
+            instrs, sim = fitted
             decisions = dataclasses.replace(decisions, notes=(*decisions.notes, "copies wait for room on " + ", ".join(
                 f"{t} (without the waits {fmt_bytes(n)} at peak > {fmt_bytes(c)})" for t, (n, c) in sorted(over.items()))))
-    else:
-        over = {}
     # Memory fences: an allocation waits for the releases that preceded it in the replay, so an
     # executor whose real timing differs (overlap mode) never holds more than the simulated peak.
     # The fenced replay takes what each instruction took (host contention's stretch included).
@@ -330,24 +328,24 @@ def _schedule(problem: Problem, decisions: Decisions, wait: bool = False) -> Pla
     return PlanResult(problem, decisions, bufs, instrs, fenced, dur, over_unless_waiting=over)
 
 
-def _wait_for_room(problem, instrs, dur, sizes, initial, reserved, commit, caps, sim):
+def _wait_for_room(problem, instrs, dur, sizes, initial, reserved, commit, caps):
     """A replay over capacity, again with copies that wait for room (Fuyou §4.4's memory-aware
     prefetch: a copy that ran ahead of the computations before it in program order took their
     memory, because the probed timings let it). The waits become dependencies: on the releases that
     made room (memory fences) and on the instructions it let go first, so the executor keeps them
-    under any timing. The instructions and replay that fit, else the ones given."""
+    under any timing. The instructions and their replay where that fits, else None."""
     links = contention(instrs, problem.hw)
     slow = compute_slowdown(problem.hw)
     waiting = simulate(instrs, dur, sizes, initial, links=links, reserved=reserved, commit_s=commit, slowdown=slow,
                        capacity=caps)
     if any(waiting.peak_bytes.get(t, 0) > c for t, c in caps.items()):
-        return instrs, sim
+        return None
     extra = {i: set(waiting.waited.get(i, ())) | set(waiting.fences.get(i, ())) for i in waiting.waited}
     waits = [dataclasses.replace(i, deps=tuple(sorted(set(i.deps) | extra[i.id]))) if i.id in extra else i
              for i in instrs]
     fitted = simulate(waits, dur, sizes, initial, links=links, reserved=reserved, commit_s=commit, slowdown=slow)
     if any(fitted.peak_bytes.get(t, 0) > c for t, c in caps.items()):
-        return instrs, sim
+        return None
     return waits, fitted
 
 
