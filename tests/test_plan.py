@@ -368,6 +368,9 @@ def test_a_plan_fits_whatever_the_links_speed_prefetches_wait_for_room():
     pl = schedule(p, lohan.plan(p), wait=True)  # as `tensorstow plan` schedules a policy's plan
     assert pl.fits, pl.over_capacity()
     assert pl.over_unless_waiting and "copies wait for room" in pl.decisions.notes[-1]
+    # no candidate fits without waits, so lohan searched among the ones that fit by waiting (the
+    # fastest of them, not the least-overflowing of those that do not fit)
+    assert any("unless copies wait for room; searched among those" in n for n in pl.decisions.notes)
     from tensorstow.planner.simulate import simulate
     from tensorstow.planner.pipeline import initial_residency
     sizes = {n: b.bytes for n, b in pl.buffers.items()}

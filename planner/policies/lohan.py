@@ -108,12 +108,15 @@ def by_offloading_benefit(problem: Problem, reforward: bool = True) -> list[str]
 
 
 class _Search:
-    def __init__(self, problem: Problem, reforward: bool = True, split: bool = False):
+    def __init__(self, problem: Problem, reforward: bool = True, split: bool = False, wait: bool = False):
         self.problem = problem
         self.reforward = reforward
         """Swapped blocks swap partially (Fuyou Table 2) or whole."""
         self.split = split
         """Layer blocks run their backward in two parts (`BlockDecision.bwd_cut`)."""
+        self.wait = wait
+        """Candidates are replayed with copies that wait for room (`plan.schedule(wait=True)`): the
+        search `plan` makes again where no candidate fits without."""
         self.home = "ssd" if problem.hw.ssd.count > 0 else "dram"
         self.ranked = by_offloading_benefit(problem, reforward)
         self.size = [swap_bytes(problem.profiles[problem.profile_of[b]], reforward) for b in self.ranked]
@@ -148,7 +151,7 @@ class _Search:
     def evaluate(self, k: int, n_dram: int, prefetch: int, kept: int = 0) -> _Eval:
         key = (k, n_dram, prefetch, kept)
         if key not in self.memo:
-            plan = schedule(self.problem, self.decisions(k, n_dram, prefetch, kept))
+            plan = schedule(self.problem, self.decisions(k, n_dram, prefetch, kept), wait=self.wait)
             self.memo[key] = _Eval(plan.sim.step_time_s, plan.over_capacity(), plan.peak("dram"), n_dram)
         return self.memo[key]
 
@@ -247,8 +250,8 @@ def _most_that_fits(lo: int, hi: int, fits) -> int:
 
 
 def _search(problem: Problem, reforward: bool, split: bool = False,
-            keep: bool = False) -> tuple[_Search, int, int, int, int, str]:
-    s = _Search(problem, reforward, split)
+            keep: bool = False, wait: bool = False) -> tuple[_Search, int, int, int, int, str]:
+    s = _Search(problem, reforward, split, wait)
     k = s.best_count()
     n_dram = s.by_count[k].n_dram
     prefetch, why = s.best_prefetch(k, n_dram)
@@ -274,17 +277,16 @@ def plan(problem: Problem, split: bool = True, keep: bool = True) -> Decisions:
     (their re-forward is a few % of a forward); on a CPU device tier, where a swap is a memcpy, the
     re-forward can cost more than the bytes it saves. `keep`: layer blocks the GPU has room for
     keep their activations there (`_Search.best_kept`); the papers' systems (`fuyou`) do not."""
-    runs = [_search(problem, True, keep=keep)]
-    if any(problem.profiles[problem.profile_of[b]].rest for b in runs[0][0].ranked):
-        runs.append(_search(problem, False, keep=keep))
-    if split and any(not e.fits for s, *_ in runs for e in s.by_count.values()) and all(
-            problem.profiles[problem.profile_of[b]].bwd_cut for b in runs[0][0].ranked):
-        # Swaps that did not fit: with each backward cut in two, the next swapped block's
-        # activations load into what the first part releases (LoHan's layer-by-layer swapping).
-        runs.append(_search(problem, True, split=True, keep=keep))
-    times = [s.evaluate(k, n, pf, kept) for s, k, n, kept, pf, _ in runs]
-    s, k, n_dram, kept, prefetch, why = runs[min(range(len(runs)), key=lambda i: (times[i].key, i))]
-    final = s.evaluate(k, n_dram, prefetch, kept)
+    runs, times = _runs(problem, split, keep)
+    best = min(range(len(runs)), key=lambda i: (times[i].key, i))
+    waited = False
+    if not times[best].fits:  # no candidate fits unless copies wait for room: search among those
+        w_runs, w_times = _runs(problem, split, keep, wait=True)
+        w_best = min(range(len(w_runs)), key=lambda i: (w_times[i].key, i))
+        if w_times[w_best].fits:
+            runs, times, best, waited = w_runs, w_times, w_best, True
+    s, k, n_dram, kept, prefetch, why = runs[best]
+    final = times[best]
 
     on_gpu = set(s.keep_order(k)[:kept])
     a_dram = sum(n for b, n in zip(s.ranked[:n_dram], s.size) if b not in on_gpu)
@@ -315,6 +317,22 @@ def plan(problem: Problem, split: bool = True, keep: bool = True) -> Decisions:
         f"simulated k:step_time {searched}",
         f"prefetch depth {prefetch}: {why} (Fuyou §4.4 GPU-memory-aware FIFO)",
     )
-    if not final.fits:
+    if waited:
+        notes += ("no candidate fits every tier unless copies wait for room; searched among those",)
+    elif not final.fits:
         notes += ("no candidate fits every tier; this is the least-overflowing one",)
     return s.decisions(k, n_dram, prefetch, kept, notes)
+
+
+def _runs(problem: Problem, split: bool, keep: bool, wait: bool = False) -> tuple[list, list[_Eval]]:
+    """The searches `plan` compares (partial swaps, whole-block swaps, cut backwards), each's
+    result and its replay."""
+    runs = [_search(problem, True, keep=keep, wait=wait)]
+    if any(problem.profiles[problem.profile_of[b]].rest for b in runs[0][0].ranked):
+        runs.append(_search(problem, False, keep=keep, wait=wait))
+    if split and any(not e.fits for s, *_ in runs for e in s.by_count.values()) and all(
+            problem.profiles[problem.profile_of[b]].bwd_cut for b in runs[0][0].ranked):
+        # Swaps that did not fit: with each backward cut in two, the next swapped block's
+        # activations load into what the first part releases (LoHan's layer-by-layer swapping).
+        runs.append(_search(problem, True, split=True, keep=keep, wait=wait))
+    return runs, [s.evaluate(k, n, pf, kept) for s, k, n, kept, pf, _ in runs]
