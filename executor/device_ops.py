@@ -98,11 +98,16 @@ def flash_backward(grad_out, query, key, value, out, logsumexp, is_causal, scale
     """The gradients of query, key and value from `flash_forward`'s results. Without dropout the
     kernel reads no RNG state: the seed and offset are placeholders of the forward's dtypes."""
     grad_out, out = (t if t.stride(-1) == 1 else t.contiguous() for t in (grad_out, out))  # the kernel's layout
-    rng = torch.empty(2, dtype=torch.uint64, device=query.device)
-    unused = torch.empty((), dtype=torch.uint64, device=query.device)
+    rng, unused = _rng_placeholders(query.device)
     return aten._scaled_dot_product_flash_attention_backward(
         grad_out, query, key, value, out, logsumexp, None, None, query.shape[-2], key.shape[-2], 0.0, is_causal,
         rng, unused, scale=scale)
+
+
+@functools.lru_cache(maxsize=None)
+def _rng_placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The seed and offset `flash_backward` passes (read only with dropout), made once per device."""
+    return torch.empty(2, dtype=torch.uint64, device=device), torch.empty((), dtype=torch.uint64, device=device)
 
 
 def sdpa_forward(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None, _like=None):

@@ -483,7 +483,7 @@ def _solve_rounds(problem, heuristic_plans, schedule):
             bound = analytic(problem, start)
         else:
             start = None
-    best, notes, res = None, [], None
+    best, notes = None, []
     deadline = time.monotonic() + TOTAL_BUDGET_S
     for prefetch in PREFETCH_CANDIDATES:  # the MIP's transient memory depends on the prefetch depth
         caps = {t: v / MiB for t, v in problem.capacity().items()}

@@ -277,12 +277,10 @@ def plan(problem: Problem, split: bool = True, keep: bool = True) -> Decisions:
     (their re-forward is a few % of a forward); on a CPU device tier, where a swap is a memcpy, the
     re-forward can cost more than the bytes it saves. `keep`: layer blocks the GPU has room for
     keep their activations there (`_Search.best_kept`); the papers' systems (`fuyou`) do not."""
-    runs, times = _runs(problem, split, keep)
-    best = min(range(len(runs)), key=lambda i: (times[i].key, i))
+    runs, times, best = _runs(problem, split, keep)
     waited = False
     if not times[best].fits:  # no candidate fits unless copies wait for room: search among those
-        w_runs, w_times = _runs(problem, split, keep, wait=True)
-        w_best = min(range(len(w_runs)), key=lambda i: (w_times[i].key, i))
+        w_runs, w_times, w_best = _runs(problem, split, keep, wait=True)
         if w_times[w_best].fits:
             runs, times, best, waited = w_runs, w_times, w_best, True
     s, k, n_dram, kept, prefetch, why = runs[best]
@@ -324,9 +322,9 @@ def plan(problem: Problem, split: bool = True, keep: bool = True) -> Decisions:
     return s.decisions(k, n_dram, prefetch, kept, notes)
 
 
-def _runs(problem: Problem, split: bool, keep: bool, wait: bool = False) -> tuple[list, list[_Eval]]:
-    """The searches `plan` compares (partial swaps, whole-block swaps, cut backwards), each's
-    result and its replay."""
+def _runs(problem: Problem, split: bool, keep: bool, wait: bool = False) -> tuple[list, list[_Eval], int]:
+    """The searches `plan` compares (partial swaps, whole-block swaps, cut backwards): each's
+    result, its replay, and which wins (the faster; the earlier on a tie)."""
     runs = [_search(problem, True, keep=keep, wait=wait)]
     if any(problem.profiles[problem.profile_of[b]].rest for b in runs[0][0].ranked):
         runs.append(_search(problem, False, keep=keep, wait=wait))
@@ -335,4 +333,5 @@ def _runs(problem: Problem, split: bool, keep: bool, wait: bool = False) -> tupl
         # Swaps that did not fit: with each backward cut in two, the next swapped block's
         # activations load into what the first part releases (LoHan's layer-by-layer swapping).
         runs.append(_search(problem, True, split=True, keep=keep, wait=wait))
-    return runs, [s.evaluate(k, n, pf, kept) for s, k, n, kept, pf, _ in runs]
+    times = [s.evaluate(k, n, pf, kept) for s, k, n, kept, pf, _ in runs]
+    return runs, times, min(range(len(runs)), key=lambda i: (times[i].key, i))
