@@ -31,6 +31,21 @@ def draws_random(target: str) -> bool:
                                      "exponential", "poisson", "shuffle"))
 
 
+def attention_flops(q_shape, k_shape, v_shape, backward: bool = False) -> int:
+    """Matmul flops of scaled-dot-product attention, `(batch, heads, seq, dim)` shapes, key and value
+    with as many heads as the query or a divisor of them (grouped-query attention: the kernel
+    broadcasts each key/value head to its query heads). Forward: scores = q k^T and out = p v;
+    backward: the scores again, then grad p, grad v, grad q and grad k, 2 flops a multiply-add each
+    (torch.utils.flop_counter's sdpa counts, which before torch 2.13 reject grouped-query shapes)."""
+    b, h, s_q, d_q = q_shape
+    s_k, d_v = k_shape[2], v_shape[3]
+    if k_shape[1] != v_shape[1] or h % k_shape[1] or k_shape[3] != d_q or v_shape[2] != s_k:
+        raise ValueError(f"attention_flops: incompatible shapes q={tuple(q_shape)} k={tuple(k_shape)} "
+                         f"v={tuple(v_shape)}")
+    per_dim = 2 * b * h * s_q * s_k
+    return per_dim * (3 * d_q + 2 * d_v) if backward else per_dim * (d_q + d_v)
+
+
 def stable_hash(obj) -> str:
     """sha256 of canonical JSON (sorted keys, no whitespace): the fingerprint of plain data."""
     blob = json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()

@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
 from tensorstow import TensorstowError
-from tensorstow.ir.graph import Block, Graph, Op, Tensor, draws_random, stable_hash
+from tensorstow.ir.graph import Block, Graph, Op, Tensor, attention_flops, draws_random, stable_hash
 
 PRECISIONS = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 _DTYPE_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
@@ -412,11 +412,9 @@ def _flops(node: fx.Node) -> int:
     out = _val(node)
     try:
         if packet is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
-            q, k, v = (a.shape for a in args[:3])
-            return int(flop_counter.sdpa_flop_count(q, k, v))
+            return attention_flops(*(a.shape for a in args[:3]))
         if packet is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
-            g, q, k, v = (a.shape for a in args[:4])
-            return int(flop_counter.sdpa_backward_flop_count(g, q, k, v))
+            return attention_flops(*(a.shape for a in args[1:4]), backward=True)
         fn = flop_counter.flop_registry.get(packet)
         return int(fn(*args, **kwargs, out_val=out)) if fn else 0
     except Exception:  # a counter that cannot read these args: count nothing rather than guess

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch.utils.flop_counter as flop_counter
-
 from tensorstow.executor.device_ops import FLASH_MIN_CAPABILITY, flash_eligible
-from tensorstow.ir.graph import Graph, draws_random
+from tensorstow.ir.graph import Graph, attention_flops, draws_random
 from tensorstow.planner.hardware import CPU_GPU_NAME, Hardware
 
 # Bytes moved per parameter by one Adam step on the GPU: read param, grad, master, m, v and
@@ -329,7 +327,7 @@ def _attention_recompute_time(o, tensors, hw: Hardware) -> float:
     if (len(o.inputs) == 6 and (not cc or cc >= FLASH_MIN_CAPABILITY)
             and flash_eligible({q.dtype, k.dtype, v.dtype}, q.shape, k.shape, v.shape, masked=False)):
         return 0.0
-    flops = int(flop_counter.sdpa_flop_count(q.shape, k.shape, v.shape))
+    flops = attention_flops(q.shape, k.shape, v.shape)
     return op_time(flops, q.nbytes + k.nbytes + v.nbytes + tensors[o.inputs[0]].nbytes, hw, fp32=q.dtype == "float32")
 
 

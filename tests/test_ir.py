@@ -127,3 +127,22 @@ def test_user_factory_models():
         resolve_model("gpt-nonexistent")
     with pytest.raises(TensorstowError, match="cannot import"):
         resolve_model("no_such_pkg.mod:fn")
+
+
+def test_attention_flops_count_grouped_query_heads():
+    """Regression: torch before 2.13 rejects grouped-query shapes in its sdpa flop counter, so a
+    LLaMA-family plan failed (planner) or counted its attention as free (trace)."""
+    from tensorstow.ir.graph import attention_flops
+    B, H, KV, T, S, D, Dv = 2, 8, 2, 16, 24, 32, 16
+    q, k, v = (B, H, T, D), (B, KV, S, D), (B, KV, S, Dv)
+    assert attention_flops(q, k, v) == 2 * B * H * T * S * (D + Dv)  # q k^T, then p v
+    assert attention_flops(q, k, v, backward=True) == 2 * B * H * T * S * (3 * D + 2 * Dv)
+    with pytest.raises(ValueError, match="incompatible"):
+        attention_flops((B, 5, T, D), k, v)  # 5 query heads cannot share 2 key/value heads evenly
+    g = trace_spec(resolve_model("tests.fixtures.user_models:grouped_query_attention"), batch=2, seq=16).graph
+    fwd = [op for op in g.ops if "scaled_dot_product" in op.target and op.phase == "fwd"]
+    bwd = [op for op in g.ops if "scaled_dot_product" in op.target and op.phase == "bwd"]
+    assert len(fwd) == len(bwd) == 3
+    heads, hd = 4, 8  # the fixture: 4 query heads of 8 over 2 key/value heads
+    assert {op.flops for op in fwd} == {2 * 2 * heads * 16 * 16 * (hd + hd)}
+    assert {op.flops for op in bwd} == {2 * 2 * heads * 16 * 16 * (3 * hd + 2 * hd)}
