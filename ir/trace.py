@@ -135,10 +135,13 @@ def trace(model: nn.Module, *, batch: int, seq: int, precision: str = "fp32",
         return loss_of(functional_call(model, {**p, **b}, (i, t)), f"{model_name}' ({forward_site(model)})")
 
     from tensorstow.ir.autocast import gpu_autocast
+    # The backward is traced outside autocast, as eager AMP runs `loss.backward()` after the
+    # autocast region (torch's default would trace it under the forward's autocast state).
+    from torch._functorch import config as functorch_config
+    if not hasattr(functorch_config, "backward_pass_autocast"):
+        raise TensorstowError(f"torch {torch.__version__} cannot trace a training step as tensorstow does (it "
+                              f"has no torch._functorch.config.backward_pass_autocast): install torch>=2.11,<2.15")
     try:
-        # The backward is traced outside autocast, as eager AMP runs `loss.backward()` after the
-        # autocast region (torch's default would trace it under the forward's autocast state).
-        from torch._functorch import config as functorch_config
         with fm, quiet_tracing(), ShapeConstants(), gpu_autocast(dtype) if mixed else contextlib.nullcontext(), \
                 functorch_config.patch(backward_pass_autocast="off"):
             aot_function(step, fw_compiler=_never, partition_fn=partition)(params, buffers, idx, tgt)

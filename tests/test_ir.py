@@ -146,3 +146,12 @@ def test_attention_flops_count_grouped_query_heads():
     heads, hd = 4, 8  # the fixture: 4 query heads of 8 over 2 key/value heads
     assert {op.flops for op in fwd} == {2 * 2 * heads * 16 * 16 * (hd + hd)}
     assert {op.flops for op in bwd} == {2 * 2 * heads * 16 * 16 * (3 * hd + 2 * hd)}
+
+
+def test_a_torch_too_old_to_trace_gets_one_clear_error(monkeypatch):
+    """torch 2.8 and older lack the switch that traces the backward outside autocast: every trace
+    failed with an AttributeError from deep inside torch; it now names the torch to install."""
+    from torch._functorch import config as functorch_config
+    monkeypatch.delattr(functorch_config, "backward_pass_autocast")
+    with pytest.raises(TensorstowError, match=r"install torch>=2\.11,<2\.15"):
+        traced_tiny()
