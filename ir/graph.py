@@ -36,7 +36,7 @@ def attention_flops(q_shape, k_shape, v_shape, backward: bool = False) -> int:
     with as many heads as the query or a divisor of them (grouped-query attention: the kernel
     broadcasts each key/value head to its query heads). Forward: scores = q k^T and out = p v;
     backward: the scores again, then grad p, grad v, grad q and grad k, 2 flops a multiply-add each
-    (torch.utils.flop_counter's sdpa counts, which before torch 2.13 reject grouped-query shapes)."""
+    (torch.utils.flop_counter's sdpa counts, which torch 2.11's rejects for grouped-query shapes)."""
     b, h, s_q, d_q = q_shape
     s_k, d_v = k_shape[2], v_shape[3]
     if k_shape[1] != v_shape[1] or h % k_shape[1] or k_shape[3] != d_q or v_shape[2] != s_k:

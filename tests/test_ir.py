@@ -130,7 +130,7 @@ def test_user_factory_models():
 
 
 def test_attention_flops_count_grouped_query_heads():
-    """Regression: torch before 2.13 rejects grouped-query shapes in its sdpa flop counter, so a
+    """Regression: torch 2.11 rejects grouped-query shapes in its sdpa flop counter, so a
     LLaMA-family plan failed (planner) or counted its attention as free (trace)."""
     from tensorstow.ir.graph import attention_flops
     B, H, KV, T, S, D, Dv = 2, 8, 2, 16, 24, 32, 16
