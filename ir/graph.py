@@ -12,8 +12,10 @@ block whose ops describe it.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import operator
 from dataclasses import asdict, dataclass, fields
 
 SCHEMA_VERSION_IR = 1
@@ -44,6 +46,14 @@ def attention_flops(q_shape, k_shape, v_shape, backward: bool = False) -> int:
                          f"v={tuple(v_shape)}")
     per_dim = 2 * b * h * s_q * s_k
     return per_dim * (3 * d_q + 2 * d_v) if backward else per_dim * (d_q + d_v)
+
+
+def lsum(xs, start=0):
+    """`sum` as Python 3.11 adds floats: left to right, rounding each addition. Python 3.12's `sum`
+    compensates the rounding (Neumaier), so plan numbers built with it differ in their last bits
+    between interpreters, and a MIP stopped within a gap of its optimum can then return another
+    plan: the planner adds with this, and a golden plan is the same under either."""
+    return functools.reduce(operator.add, xs, start)
 
 
 def stable_hash(obj) -> str:

@@ -24,6 +24,7 @@ import itertools
 
 import pulp
 
+from tensorstow.ir.graph import lsum
 from tensorstow.planner import highs
 
 
@@ -72,7 +73,7 @@ class Partition:
 
 
 def _stage_sums(sp: StageProblem, stages) -> dict[str, list[float]]:
-    return {k: [sum(getattr(sp, k)[lo:hi]) for lo, hi in stages] for k in ("t_f", "t_b", "s_f", "s_b")}
+    return {k: [lsum(getattr(sp, k)[lo:hi]) for lo, hi in stages] for k in ("t_f", "t_b", "s_f", "s_b")}
 
 
 def makespan(sp: StageProblem, stages: tuple[tuple[int, int], ...]) -> float | None:
@@ -115,7 +116,7 @@ def makespan(sp: StageProblem, stages: tuple[tuple[int, int], ...]) -> float | N
             tb[j][m] = t
     done = tb[0][M - 1] + c["t_b"][0]                                                   # Eq. 3
     if sp.u:
-        upd, done = [sum(sp.u[lo:hi]) for lo, hi in stages], 0.0
+        upd, done = [lsum(sp.u[lo:hi]) for lo, hi in stages], 0.0
         for j in reversed(range(K)):  # [OURS] the CPU updates stage by stage in backward order
             done = max(done, tb[j][M - 1] + c["t_b"][j]) + upd[j]
     return done
@@ -240,7 +241,7 @@ def cross_mappings(stages: int, root_complex: tuple[int, ...]) -> list[tuple[int
 
     def cost(perm) -> float:
         gpu = [perm[j % N] for j in range(stages)]
-        return sum((size[root_complex[gpu[i]]] if root_complex[gpu[i]] == root_complex[gpu[j]] else 0) / (j - i)
+        return lsum((size[root_complex[gpu[i]]] if root_complex[gpu[i]] == root_complex[gpu[j]] else 0) / (j - i)
                    for i in range(stages) for j in range(i + 1, stages))
     perms = sorted(itertools.permutations(range(N)), key=lambda p: (cost(p), p))
     best, seen, out = cost(perms[0]), set(), []

@@ -23,6 +23,7 @@ import heapq
 import json
 from dataclasses import dataclass, field
 
+from tensorstow.ir.graph import lsum
 from tensorstow.planner.schedule import Instr
 
 
@@ -392,7 +393,7 @@ def sync_step_s(instrs: list[Instr], commit_s: float) -> float:
     """A step run one instruction after another (the executor's sync mode): their modeled
     durations summed, and the commit (`simulate`): in the background, the part of it the
     instructions before the first SSD write do not cover; else all of it, at the end."""
-    total = sum(i.est_s for i in instrs)
+    total = lsum(i.est_s for i in instrs)
     if any(i.kind == "commit" for i in instrs):
         return total
     if not commit_background(instrs):
@@ -421,7 +422,7 @@ class _Memory:
         # upper bound for the instructions a waiting copy lets go first)
         self.grows: list[tuple[str, int]] = [
             (ins.dst, nbytes[ins.tensor]) if ins.kind in ("load", "store", "send") else
-            (_device_tier(ins), sum(nbytes[a] for a in ins.allocs) + (nbytes[ins.workspace] if ins.workspace else 0))
+            (_device_tier(ins), lsum(nbytes[a] for a in ins.allocs) + (nbytes[ins.workspace] if ins.workspace else 0))
             for ins in instrs]
         self.waited: dict[int, set[int]] = {}
 
@@ -446,7 +447,7 @@ class _Memory:
             return True, set()
         self._settle(t)
         ahead = {j for j in range(self.first, i) if not self.started[j] and self.grows[j][0] == tier and self.grows[j][1]}
-        need = self.use.get(tier, 0) + self.nbytes[ins.tensor] + sum(self.grows[j][1] for j in ahead)
+        need = self.use.get(tier, 0) + self.nbytes[ins.tensor] + lsum(self.grows[j][1] for j in ahead)
         return need <= self.capacity[tier], ahead
 
     def pick(self, cands: list[tuple[float, int, str]], now: float) -> tuple[float, int, str]:

@@ -48,6 +48,7 @@ from dataclasses import dataclass, replace
 
 import pulp
 
+from tensorstow.ir.graph import lsum
 from tensorstow.planner import highs
 from tensorstow.planner.cost import GPU_ADAM_BYTES_PER_PARAM, BlockProfile, update_time
 from tensorstow.planner.schedule import ACTIVATION_CHOICES, BlockDecision, Decisions, swap_bytes
@@ -193,7 +194,7 @@ def transient(problem, prefetch: int = 1) -> dict[str, float]:
 def _run(sizes: list[int], k: int) -> int:
     """The largest sum of k consecutive sizes (all of them when there are fewer)."""
     k = min(k, len(sizes))
-    return max(sum(sizes[i:i + k]) for i in range(len(sizes) - k + 1))
+    return max(lsum(sizes[i:i + k]) for i in range(len(sizes) - k + 1))
 
 
 @dataclass
@@ -225,7 +226,7 @@ def solve(problem, *, choices=None, caps_mib: dict[str, float] | None = None, pr
     prob += T_f + T_b
     # Well-conditioned units: time in units of 1% of the model's GPU compute time, each
     # capacity row divided by its capacity (solver tolerances are ~1e-7 absolute).
-    tscale = max(sum(gr.coef[g][cs[0]]["gpu_f"] + gr.coef[g][cs[0]]["gpu_b"] for g in gr.names), 1e-12) / 100
+    tscale = max(lsum(gr.coef[g][cs[0]]["gpu_f"] + gr.coef[g][cs[0]]["gpu_b"] for g in gr.names), 1e-12) / 100
     mscale = {t: max(cap[t], 1e-9) for t in ("gpu", "dram", "ssd")}
 
     def total(term):
@@ -256,7 +257,7 @@ def solve(problem, *, choices=None, caps_mib: dict[str, float] | None = None, pr
 
     if start is not None:
         for (g, i), var in x.items():
-            var.setInitialValue(sum(start[b] == cs[i] for b in gr.members[g]))
+            var.setInitialValue(lsum(start[b] == cs[i] for b in gr.members[g]))
     if solver == "cbc":
         s = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=GAP_REL, warmStart=start is not None)
     else:
@@ -417,7 +418,7 @@ def refine_homes(problem, pl, schedule) -> tuple:
 
 
 def _ssd_traffic(pl) -> int:
-    return sum(n for k, n in pl.sim.traffic_bytes.items() if "ssd" in k.split("->"))
+    return lsum(n for k, n in pl.sim.traffic_bytes.items() if "ssd" in k.split("->"))
 
 
 def plan(problem) -> Decisions:

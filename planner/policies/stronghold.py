@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tensorstow.ir.graph import lsum
 from tensorstow.planner import cost
 from tensorstow.planner.schedule import BlockDecision, Decisions
 
@@ -65,7 +66,7 @@ def layer_times(problem, layers: list[str], activations: str) -> LayerTimes:
 def p1_holds(t: LayerTimes, m: int) -> bool:
     """STRONGHOLD Eq. 1b at every position: the window's FP time hides the fetch of layer j."""
     # Eq. 1b:  sum_{i in window} t_fp^i >= t_c2g^j
-    return all(sum(t.t_fp[j - m:j]) >= t.t_c2g[j] for j in range(m, len(t.t_fp)))
+    return all(lsum(t.t_fp[j - m:j]) >= t.t_c2g[j] for j in range(m, len(t.t_fp)))
 
 
 def p2_holds(t: LayerTimes, m: int) -> bool:
@@ -73,7 +74,7 @@ def p2_holds(t: LayerTimes, m: int) -> bool:
     time hides both the fetch of layer j and the gradient offload of the last finished layer."""
     bp, c2g, g2c = t.t_bp[::-1], t.t_c2g[::-1], t.t_g2c[::-1]
     # Eq. 2b:  sum_{i in window} t_bp^i >= max(t_c2g^j, t_g2c^{last finished})
-    return all(sum(bp[j - m:j]) >= max(c2g[j], g2c[j - m - 1] if j > m else 0.0)
+    return all(lsum(bp[j - m:j]) >= max(c2g[j], g2c[j - m - 1] if j > m else 0.0)
                for j in range(m, len(bp)))
 
 
@@ -81,9 +82,9 @@ def soft_holds(t: LayerTimes, m: int) -> tuple[bool, bool]:
     """Eq. 1d and 2d at every position: the link keeps pace, so buffers recycle in time."""
     n = len(t.t_fp)
     # Eq. 1d:  sum t_fp^i >= sum t_c2g^i + sum t_g2c^i   (FP sends nothing back: t_g2c = 0)
-    fp = all(sum(t.t_fp[s:s + m]) >= sum(t.t_c2g[s:s + m]) for s in range(n - m + 1))
+    fp = all(lsum(t.t_fp[s:s + m]) >= lsum(t.t_c2g[s:s + m]) for s in range(n - m + 1))
     # Eq. 2d:  sum t_bp^i >= sum t_g2c^i + sum t_c2g^i
-    bp = all(sum(t.t_bp[s:s + m]) >= sum(t.t_g2c[s:s + m]) + sum(t.t_c2g[s:s + m])
+    bp = all(lsum(t.t_bp[s:s + m]) >= lsum(t.t_g2c[s:s + m]) + lsum(t.t_c2g[s:s + m])
              for s in range(n - m + 1))
     return fp, bp
 
