@@ -140,7 +140,7 @@ def trace(model: nn.Module, *, batch: int, seq: int, precision: str = "fp32",
     from torch._functorch import config as functorch_config
     if not hasattr(functorch_config, "backward_pass_autocast"):
         raise TensorstowError(f"torch {torch.__version__} cannot trace a training step as tensorstow does (it "
-                              f"has no torch._functorch.config.backward_pass_autocast): install torch>=2.11,<2.15")
+                              f"has no torch._functorch.config.backward_pass_autocast): install torch>=2.10,<2.15")
     try:
         with fm, quiet_tracing(), ShapeConstants(), gpu_autocast(dtype) if mixed else contextlib.nullcontext(), \
                 functorch_config.patch(backward_pass_autocast="off"):
