@@ -52,7 +52,8 @@ def lsum(xs, start=0):
     """`sum` as Python 3.11 adds floats: left to right, rounding each addition. Python 3.12's `sum`
     compensates the rounding (Neumaier), so plan numbers built with it differ in their last bits
     between interpreters, and a MIP stopped within a gap of its optimum can then return another
-    plan: the planner adds with this, and a golden plan is the same under either."""
+    plan: the planner adds its float times with this (integer sums are exact either way), and a
+    golden plan is the same under either."""
     return functools.reduce(operator.add, xs, start)
 
 

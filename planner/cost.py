@@ -196,26 +196,26 @@ def profiles(graph: Graph, hw: Hardware) -> dict[str, BlockProfile]:
             name=b,
             fwd_ops=(fwd[0].index, fwd[-1].index) if fwd else (-1, -1),
             bwd_ops=(bwd[0].index, bwd[-1].index) if bwd else (-1, -1),
-            fwd_flops=lsum(o.flops for o in fwd), bwd_flops=lsum(o.flops for o in bwd),
+            fwd_flops=sum(o.flops for o in fwd), bwd_flops=sum(o.flops for o in bwd),
             fwd_time_s=lsum(op_time(o.flops, o.bytes_in + o.bytes_out, hw, fp32=_in_fp32(o, tensors)) for o in fwd),
             bwd_time_s=lsum(op_time(o.flops, o.bytes_in + o.bytes_out, hw, fp32=_in_fp32(o, tensors)) for o in bwd)
             + lsum(_attention_recompute_time(o, tensors, hw) for o in bwd),
             param_count=next(blk.param_count for blk in graph.blocks if blk.name == b),
-            const_bytes=lsum(t.nbytes for t in tensors.values() if t.kind == "constant" and t.block == b
+            const_bytes=sum(t.nbytes for t in tensors.values() if t.kind == "constant" and t.block == b
                             and t.storage == t.name and t.producer is None),
             reads=_foreign_reads(b, fwd + bwd, tensors),
-            saved_bytes=lsum(v[0] for v in saved.values()),
-            input_bytes=lsum(v[0] for v in inputs.values()),
-            output_bytes=lsum(tensors[n].nbytes for n in sorted(nxt)),
+            saved_bytes=sum(v[0] for v in saved.values()),
+            input_bytes=sum(v[0] for v in inputs.values()),
+            output_bytes=sum(tensors[n].nbytes for n in sorted(nxt)),
             fwd_workspace=_workspace(fwd, tensors, ops),
             bwd_workspace=_workspace(bwd, tensors, ops, planned=set(handed)),
             opt_workspace=2 * 4 * largest,
-            carried_bytes=lsum(tensors[n].nbytes for n in carried), carried_until=until,
-            handed_bytes=lsum(tensors[n].nbytes for n in handed),
+            carried_bytes=sum(tensors[n].nbytes for n in carried), carried_until=until,
+            handed_bytes=sum(tensors[n].nbytes for n in handed),
             saved=tuple(sorted((k, v[0], v[1]) for k, v in saved.items())),
             inputs=tuple(sorted(inputs)), carried=carried, handed=handed, **_state(b, tensors),
-            swapped=swapped, swap_bytes=lsum(tensors[n].nbytes for n in swapped),
-            rest=rest, rest_bytes=lsum(tensors[n].nbytes for n in rest),
+            swapped=swapped, swap_bytes=sum(tensors[n].nbytes for n in swapped),
+            rest=rest, rest_bytes=sum(tensors[n].nbytes for n in rest),
             refwd_time_s=lsum(op_time(o.flops, o.bytes_in + o.bytes_out, hw, fp32=_in_fp32(o, tensors)) for o in refwd),
             refwd_workspace=_workspace(refwd, tensors, ops),
             sizes=tuple(sorted((n, tensors[n].nbytes) for n in {*saved, *swapped, *rest})), **cut)
@@ -259,14 +259,14 @@ def _backward_cut(bwd, saved: dict, readers, tensors, ops, hw: Hardware, handed:
     best, best_score = 0, 0.0
     for c in range(1, len(bwd)):
         early, handoff = cut_at(c)
-        score = (lsum(saved[n][0] for n in early) - lsum(tensors[n].nbytes for n in handoff)) * lsum(times[c:])
+        score = (sum(saved[n][0] for n in early) - sum(tensors[n].nbytes for n in handoff)) * lsum(times[c:])
         if score > best_score:
             best, best_score = c, score
     if not best:
         return {}
     early, handoff = (tuple(sorted(x)) for x in cut_at(best))
     return dict(bwd_cut=best, early=early, handoff=handoff,
-                handoff_bytes=lsum(tensors[n].nbytes for n in handoff),
+                handoff_bytes=sum(tensors[n].nbytes for n in handoff),
                 bwd1_time_s=lsum(times[:best]), bwd2_time_s=lsum(times[best:]),
                 bwd1_workspace=_workspace(bwd[:best], tensors, ops, planned=set(handoff)),
                 bwd2_workspace=_workspace(bwd[best:], tensors, ops, planned=handed))
@@ -306,7 +306,7 @@ def reforward_split(fwd, saved: set[str], tensors, ops) -> tuple[tuple[str, ...]
         redo.add(op.index)
         todo.extend(op.inputs)
     rest = saved - swapped
-    if not rest or not swapped or lsum(tensors[n].nbytes for n in swapped) >= lsum(tensors[n].nbytes for n in saved):
+    if not rest or not swapped or sum(tensors[n].nbytes for n in swapped) >= sum(tensors[n].nbytes for n in saved):
         return whole
     return tuple(sorted(swapped)), tuple(sorted(rest)), [ops[i] for i in sorted(redo)]
 
@@ -347,8 +347,8 @@ def _state(b: str, tensors: dict) -> dict:
     roots = {t.param: t.nbytes for t in tensors.values() if t.block == b and t.producer is None
              and t.kind == "parameter" and t.storage == t.name and t.param}
     return dict(params=params, consts=tuple(p for p, k in own if k == "constant"), grads=tuple(grads),
-                param_bytes=lsum(roots[p] for p in params), grad_bytes=lsum(tensors[r].nbytes for r in grads),
-                grad_fp32_bytes=lsum(tensors[r].nbytes * 4 // _ITEMSIZE[tensors[r].dtype] for r in grads))
+                param_bytes=sum(roots[p] for p in params), grad_bytes=sum(tensors[r].nbytes for r in grads),
+                grad_fp32_bytes=sum(tensors[r].nbytes * 4 // _ITEMSIZE[tensors[r].dtype] for r in grads))
 
 
 _ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
@@ -414,7 +414,7 @@ def _workspace(seg, tensors, ops, planned=frozenset()) -> int:
                 live[name] = t.nbytes
                 inside = [c for c in t.consumers if c in idx]
                 last_use[name] = max(inside) if inside else o.index
-        peak = max(peak, lsum(live.values()))
+        peak = max(peak, sum(live.values()))
         for name in [n for n, last in last_use.items() if last <= o.index and n in live]:
             del live[name]
     return peak

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from tensorstow.ir.graph import lsum
 from tensorstow.planner.cost import BlockProfile
 from tensorstow.planner.schedule import Buffer, Decisions, Instr, _Emitter, _write_new, buffers_for, carried_buffers
 
@@ -137,7 +136,7 @@ class _Pipeline:
         return [x for x in self.state(b) if self.home[x] != self.gpu_of[b]]
 
     def nbytes(self, names) -> int:
-        return lsum(self.buffers[n].bytes for n in names if self.has(n))
+        return sum(self.buffers[n].bytes for n in names if self.has(n))
 
     def footprint(self, phase: str, j: int) -> int:
         """GPU bytes a visit holds besides the next visit's prefetch: its parameters (and, in the

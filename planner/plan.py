@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from tensorstow import TensorstowError
-from tensorstow.ir.graph import Graph, lsum
+from tensorstow.ir.graph import Graph
 from tensorstow.ir.models import DEFAULT_BATCH, ModelSpec, resolve_model
 from tensorstow.ir.trace import PRECISIONS, model_dims, trace_model, trace_spec
 from tensorstow.planner import cost
@@ -289,7 +289,7 @@ def _schedule_keep(problem: Problem, decisions: Decisions) -> PlanResult:
 
 def _schedule(problem: Problem, decisions: Decisions, wait: bool = False) -> PlanResult:
     micro = decisions.pipeline.microbatches if decisions.pipeline else 1
-    inputs = lsum(t.nbytes for t in problem.graph.tensors if t.kind == "input")
+    inputs = sum(t.nbytes for t in problem.graph.tensors if t.kind == "input")
     decisions = dataclasses.replace(decisions, device_reserved=micro * inputs)
     if decisions.pipeline is None:
         bufs = buffers_for(problem.order, problem.profiles, problem.profile_of, decisions, problem.mixed)
@@ -388,7 +388,7 @@ def plan_problem(problem: Problem, policy: str) -> PlanResult:
         plans = {name: policy_plan(problem, name) for name in names}
         feasible = {n: p for n, p in plans.items() if p.fits}
         if not feasible:
-            return min(plans.values(), key=lambda p: lsum(n for n, _ in p.over_capacity().values()))
+            return min(plans.values(), key=lambda p: sum(n for n, _ in p.over_capacity().values()))
         name = min(sorted(feasible), key=lambda n: feasible[n].time_per_sample)  # a pipeline's step has M microbatches
         times = ", ".join(f"{n} {p.sim.step_time_s:.4g} s" + (f"/{p.samples} samples" if p.samples > 1 else "")
                           + ("" if p.fits else " (does not fit)") for n, p in sorted(plans.items()))

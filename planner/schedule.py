@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tensorstow.ir.graph import lsum
 from tensorstow.planner.cost import BlockProfile
 from tensorstow.planner.typed import freeze
 
@@ -295,7 +294,7 @@ def buffers_for(order: list[str], prof: dict[str, BlockProfile], profile_of: dic
             for k, names in ((kind, [n for n in members if n not in early]),
                              (f"{kind}E", [n for n in members if n in early])):
                 if names:
-                    out[f"{k}:{b}"] = Buffer(f"{k}:{b}", lsum(size[n] for n in names), "saved_activation", b,
+                    out[f"{k}:{b}"] = Buffer(f"{k}:{b}", sum(size[n] for n in names), "saved_activation", b,
                                              members=tuple(names))
         if p.saved_bytes and partial_swap(p, d):
             saved("A", p.swapped)

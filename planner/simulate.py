@@ -422,7 +422,7 @@ class _Memory:
         # upper bound for the instructions a waiting copy lets go first)
         self.grows: list[tuple[str, int]] = [
             (ins.dst, nbytes[ins.tensor]) if ins.kind in ("load", "store", "send") else
-            (_device_tier(ins), lsum(nbytes[a] for a in ins.allocs) + (nbytes[ins.workspace] if ins.workspace else 0))
+            (_device_tier(ins), sum(nbytes[a] for a in ins.allocs) + (nbytes[ins.workspace] if ins.workspace else 0))
             for ins in instrs]
         self.waited: dict[int, set[int]] = {}
 
@@ -447,7 +447,7 @@ class _Memory:
             return True, set()
         self._settle(t)
         ahead = {j for j in range(self.first, i) if not self.started[j] and self.grows[j][0] == tier and self.grows[j][1]}
-        need = self.use.get(tier, 0) + self.nbytes[ins.tensor] + lsum(self.grows[j][1] for j in ahead)
+        need = self.use.get(tier, 0) + self.nbytes[ins.tensor] + sum(self.grows[j][1] for j in ahead)
         return need <= self.capacity[tier], ahead
 
     def pick(self, cands: list[tuple[float, int, str]], now: float) -> tuple[float, int, str]:

@@ -194,7 +194,7 @@ def transient(problem, prefetch: int = 1) -> dict[str, float]:
 def _run(sizes: list[int], k: int) -> int:
     """The largest sum of k consecutive sizes (all of them when there are fewer)."""
     k = min(k, len(sizes))
-    return max(lsum(sizes[i:i + k]) for i in range(len(sizes) - k + 1))
+    return max(sum(sizes[i:i + k]) for i in range(len(sizes) - k + 1))
 
 
 @dataclass
@@ -257,7 +257,7 @@ def solve(problem, *, choices=None, caps_mib: dict[str, float] | None = None, pr
 
     if start is not None:
         for (g, i), var in x.items():
-            var.setInitialValue(lsum(start[b] == cs[i] for b in gr.members[g]))
+            var.setInitialValue(sum(start[b] == cs[i] for b in gr.members[g]))
     if solver == "cbc":
         s = pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit, gapRel=GAP_REL, warmStart=start is not None)
     else:
@@ -418,7 +418,7 @@ def refine_homes(problem, pl, schedule) -> tuple:
 
 
 def _ssd_traffic(pl) -> int:
-    return lsum(n for k, n in pl.sim.traffic_bytes.items() if "ssd" in k.split("->"))
+    return sum(n for k, n in pl.sim.traffic_bytes.items() if "ssd" in k.split("->"))
 
 
 def plan(problem) -> Decisions:

@@ -47,7 +47,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from tensorstow.ir.graph import lsum
 from tensorstow.planner.plan import Problem, fmt_bytes, schedule
 from tensorstow.planner.schedule import BlockDecision, Decisions, swap_bytes
 
@@ -288,8 +287,8 @@ def plan(problem: Problem, split: bool = True, keep: bool = True) -> Decisions:
     final = times[best]
 
     on_gpu = set(s.keep_order(k)[:kept])
-    a_dram = lsum(n for b, n in zip(s.ranked[:n_dram], s.size) if b not in on_gpu)
-    a_ssd = lsum(n for b, n in zip(s.ranked[n_dram:k], s.size[n_dram:]) if b not in on_gpu)
+    a_dram = sum(n for b, n in zip(s.ranked[:n_dram], s.size) if b not in on_gpu)
+    a_ssd = sum(n for b, n in zip(s.ranked[n_dram:k], s.size[n_dram:]) if b not in on_gpu)
     swapped = k - len(on_gpu & set(s.ranked[:k]))
     recomputed = len(s.ranked) - k - len(on_gpu - set(s.ranked[:k]))
     searched = ", ".join(f"{c}:{'%.4g' % e.step_time_s}s{'' if e.fits else '(over)'}"

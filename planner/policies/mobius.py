@@ -20,7 +20,6 @@ import itertools
 import math
 
 from tensorstow import TensorstowError
-from tensorstow.ir.graph import lsum
 from tensorstow.planner import cost
 from tensorstow.planner.mobius import StageProblem, _solve_k, cross_mappings, sequential_mapping
 from tensorstow.planner.schedule import BlockDecision, Decisions, Pipeline
@@ -113,7 +112,7 @@ def plan(problem) -> Decisions:
     # Stage counts from the fewest whose stages can fit (total bytes / GPU memory) upwards; from the
     # first that fits, up to two per GPU (Mobius Fig. 4) or N more; the search stops early once two
     # more stages in a row improve the objective by less than 1%.
-    fewest = max(1, math.ceil(max(lsum(sp.s_f), lsum(sp.s_b)) / sp.capacity))
+    fewest = max(1, math.ceil(max(sum(sp.s_f), sum(sp.s_b)) / sp.capacity))
     first = None
     for K in range(min(fewest, sp.layers), sp.layers + 1):
         if first is not None and K > max(2 * N, first + N):

@@ -17,7 +17,6 @@ keeps pinned swap buffers and a host copy of every gradient (`deepspeed_host_byt
 """
 import math
 
-from tensorstow.ir.graph import lsum
 from tensorstow.planner.schedule import BlockDecision, Decisions
 
 # DeepSpeed's defaults (deepspeed/runtime/zero/config.py, offload_config.py; the same in 0.9.3,
@@ -74,12 +73,12 @@ def plan(problem) -> Decisions:
         blocks[b] = BlockDecision(params=home, states=home, optimizer="cpu",
                                   activations="recompute" if layer else "keep",
                                   checkpoint="dram" if layer else "gpu")
-    params = lsum(problem.profiles[problem.profile_of[b]].param_count for b in problem.order)
+    params = sum(problem.profiles[problem.profile_of[b]].param_count for b in problem.order)
     largest = max((math.prod(t.shape) for t in problem.graph.tensors if t.kind == "parameter"), default=0)
     host = deepspeed_host_bytes(params, 2 if problem.mixed else 4, largest)
     gb = ", ".join(f"{k} {v / 1e9:.3g} GB" for k, v in host.items())
     return Decisions(policy="zero-infinity", blocks=blocks, prefetch=0, overlap_optimizer=False,
-                     serialize_optimizer=True, swap_grads=home == "ssd", blocking_copies=True, host_reserved=lsum(host.values()),
+                     serialize_optimizer=True, swap_grads=home == "ssd", blocking_copies=True, host_reserved=sum(host.values()),
                      notes=(f"parameters and optimizer states on {home}",
                             "each block's parameters fetched when it runs, not ahead (Fuyou Fig. 2a: "
                             "GPU compute and PCIe transfers almost serialized)",
