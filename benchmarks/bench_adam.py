@@ -12,7 +12,7 @@ optimizers' state points at them), so every method streams the same memory:
     kernel-exact     the same with exact=True: torch's own (MKL) sqrt, bit-identical to `single`
 
 Each round runs every method once, interleaved, after an untimed warm-up; the table shows
-the best and the median over rounds (params/s), and the ratios the issue's decision rests on:
+the best and the median over rounds (params/s), and the ratios the choice of kernel rests on:
 kernel+16 over fused+16 (>= 1.1x on every size keeps the kernel).
 
     python benchmarks/bench_adam.py [--sizes-m 16 64] [--rounds 25] [--allocators default jemalloc]
@@ -22,7 +22,7 @@ kernel+16 over fused+16 (>= 1.1x on every size keeps the kernel).
 the CPU (zero-infinity: states on SSD, in a temporary state dir), executed a few steps in sync mode;
 the cpu.opt lane's busy time per step (every optimizer_step instruction: gradient views, the
 update, the 16-bit copy) against torch.optim.AdamW(fused=True) on tensors of the same shapes,
-in the same process: rate ratio = lane params/s over fused params/s (the issue's bar: >= 0.9).
+in the same process: rate ratio = lane params/s over fused params/s (the bar: >= 0.9).
 Both the default fused path and --exact-optimizer's torch single-tensor path are run.
 
 Each allocator runs in its own child process; jemalloc is LD_PRELOADed with

@@ -15,10 +15,11 @@ benchmarks/RESULTS.md) weighs on every engine alike, and round K starts with eng
 each engine follows each other one as often: the engine that runs right after DeepSpeed reads and
 syncs on a disk still busy with what DeepSpeed wrote (`--order interleaved`, the same order every
 round: tensorstow, always after DeepSpeed, 0.737-0.759 of DeepSpeed's step where rotated gave
-0.716-0.741, RESULTS.md 2026-11-26). `--order sequential` runs all of one engine's steps before
-the next engine's. The ratios print with the spread of the per-round ratios (step K of the two
-engines): the size of the VM's noise on the median's ratio. A step's time includes the wait for
-the engine's background work (tensorstow's store: its early syncs and a commit in the
+0.716-0.741, benchmarks/RESULTS.md "tensorstow vs DeepSpeed ZeRO-Infinity"). `--order sequential`
+runs all of one engine's steps before the next engine's. The ratios print with the spread of
+the per-round ratios (step K of the two engines): the size of the VM's noise on the median's
+ratio. A step's time includes the wait for the engine's background work (tensorstow's store:
+its early syncs and a commit in the
 background), so none of it runs in another engine's turn. Before each step the coordinator syncs the file systems
 (`os.sync()`, untimed): otherwise the first engine to sync (tensorstow's store, every step) would
 flush, on this VM's write-back disk, what DeepSpeed wrote in its turn and never synced (gpt-small,
@@ -57,7 +58,7 @@ below 1 is faster). The 1-minute load average is printed with every step. With o
 multi-threaded torch steps become erratic (2 threads on the shared 2-core VM: eager 0.23 s to
 4 s per step), so a warning is printed and `--threads 1` gives the comparable numbers.
 
-Setup (once; Debian, run as root; commands used on the 2-core CPU-only dev VM, 2026-11-21):
+Setup (once; Debian, run as root; the commands as run on a 2-core CPU-only VM):
 
     apt-get update
     apt-get install -y libaio-dev            # headers + .so for DeepSpeed's async_io op (NVMe offload)

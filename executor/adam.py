@@ -21,7 +21,7 @@ memory; when it cannot be built, a torch fallback runs a torch step, then `out16
   (`torch._fused_adamw_`, what `AdamW(fused=True)` runs), equally close.
 
 Why a kernel and not torch's fused AdamW + a separate cast: benchmarks/bench_adam.py on the
-2-core VM (AMD EPYC, AVX2, no GPU, torch 2.13 CPU, 2 threads, 2026-11-21), same tensors,
+2-core VM (AMD EPYC, AVX2, no GPU, torch 2.13 CPU, 2 threads; benchmarks/RESULTS.md "CPU Adam"), same tensors,
 interleaved, best of 25 rounds, Mparam/s:
 
                           16 M params          64 M params
@@ -36,7 +36,8 @@ interleaved, best of 25 rounds, Mparam/s:
 Absolute rates swing up to 2x between runs on this shared VM; the ratios held: 1.12-1.46x
 best-of (1.10-1.49x median) over a 15- and a 25-round run. The floor for a purely bandwidth-
 bound pair is 34/30 = 1.13x (fused step 28 B/param + cast 6 B vs 30 B in one pass). The
-issue's bar, >= 1.1x on both sizes, is met, so the kernel stays; exact=True is not the fast path.
+bar for a kernel of its own, >= 1.1x on both sizes, is met, so the kernel stays; exact=True is
+not the fast path.
 
 `load_kernel()` JIT-builds the kernel once (cached next to the aio engine: under
 $TENSORSTOW_CACHE, else $TORCH_EXTENSIONS_DIR/tensorstow, else ~/.cache/tensorstow); a failed

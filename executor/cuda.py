@@ -91,7 +91,7 @@ class CudaLanes:
     the other lanes' streams waits for them), so the device tier's count (host time) stays close
     to what the allocator holds (GPU time). Sync mode has no such bound (module docstring): at 2
     the host of a gpt3-125m step on an H100 spent 19 of 94 ms in `Event.synchronize` while the
-    GPU drained (benchmarks/RESULTS.md, 2026-11-25 sixth session)."""
+    GPU drained (benchmarks/RESULTS.md "On a GPU")."""
 
     def __init__(self, instrs, device, *, overlap: bool, cuda=torch.cuda):
         self.cuda, self.device = cuda, device

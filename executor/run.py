@@ -139,8 +139,8 @@ def predicted_step(plan: Plan, mode: str) -> float:
 
 def pick_mode(mode: str, plan: Plan | None = None) -> str:
     """`auto`: overlap where the lanes have engines of their own and the plan has work for them to
-    hide. On CUDA: overlap for a plan with SSD traffic, sync otherwise. Measured on the lent H100
-    (benchmarks/RESULTS.md, 2026-11-25), overlap/sync step time: gpt3-125m and gpt3-350m
+    hide. On CUDA: overlap for a plan with SSD traffic, sync otherwise. Measured on an H100
+    (benchmarks/RESULTS.md "On a GPU"), overlap/sync step time: gpt3-125m and gpt3-350m
     SSD-offloaded 0.92x and 0.79x, but all-resident 2.4x and 1.8x and DRAM-offloaded 1.8x and 1.5x:
     the lanes' Python threads share one interpreter, and without SSD reads to wait for, that costs
     more host time than the overlap hides. On a CPU device tier: overlap where the compute threads

@@ -101,7 +101,7 @@ def pin_off_compute(cores: tuple[set[int], set[int]]) -> dict[int, set[int]]:
     themselves, but the threads that work for them were mostly started elsewhere (the checksum
     and sync pools and the aio engine's workers: by the store, in the main thread), so they could
     run on -- and take -- the compute lane's core: gpt-small's SSD plan stepped 2-4% faster with
-    them moved off it in 2 of 3 alternating runs (benchmarks/RESULTS.md, 2026-11-26)."""
+    them moved off it in 2 of 3 alternating runs (benchmarks/RESULTS.md "Host memory and threads")."""
     others, compute = cores
     main = threading.main_thread().native_id
     before: dict[int, set[int]] = {}
@@ -137,7 +137,7 @@ class _LaneThreads:
     on, step after step. A thread made anew each step starts with cold per-thread state: its
     allocator's thread cache and arena (under jemalloc gpt-small's all-resident compute ran 12%
     slower in a new thread each step than in the main thread: 272-287 vs 241-257 ms a step, the
-    same under glibc: benchmarks/RESULTS.md, 2026-11-25 eighth session), torch's thread-local
+    same under glibc: benchmarks/RESULTS.md "Host memory and threads"), torch's thread-local
     state, a CUDA thread's stream and handles. The threads wait on their queues between steps and
     end when `close` (or the Executor's garbage collection) stops them."""
 

@@ -2,7 +2,7 @@
 
 Every buffer has two preallocated files ("slots"), sizes rounded up to 4096. MANIFEST names,
 per buffer, the committed slot and the checksums of its bytes (XXH3-64, one per 16 MiB block;
-stores made by tensorstow before 2026-11-23, manifest version 1, keep CRC-32); the other
+stores with manifest version 1, from earlier tensorstow releases, keep CRC-32); the other
 slot is the shadow. `write` only ever touches the shadow slot and, once the write completes,
 fdatasyncs it on a background thread (`early_sync`); `commit(step)` waits for the writes and
 their syncs (or syncs the files itself), writes the new manifest to MANIFEST.tmp, fsyncs it,

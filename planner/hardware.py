@@ -96,13 +96,13 @@ class GPU:
     """How much slower the device computes while host memory traffic runs beside it: the
     fraction its ops take longer while a copy streams memory on another core. The CPU device
     tier computes in the same memory system as the copies between tiers and the SSD store's I/O
-    (`tensorstow probe` times a GPT block alone and beside a 64 MiB copy loop: 0.1-0.2 on the
-    2-core dev VM); a GPU computes in its own memory: 0. Left out of the spec's JSON when 0."""
+    (`tensorstow probe` times a GPT block alone and beside a 64 MiB copy loop: 0.1-0.2 on a
+    2-core CPU VM); a GPU computes in its own memory: 0. Left out of the spec's JSON when 0."""
     ssd_contention: float = 0.0
     """`host_contention` beside the SSD store's transfers instead of a copy: the block timed beside
     verified 16 MiB reads through `SSDStore` in a loop. A transfer the disk paces costs the host
     its syscalls, checksums and DMA, about half what a copy does (+3% / +56% against +7% / +106%
-    at 1 / 2 torch threads on the 2-core dev VM, benchmarks/RESULTS.md 2026-11-25). 0 in the
+    at 1 / 2 torch threads on a 2-core CPU VM, benchmarks/RESULTS.md "The probe"). 0 in the
     presets and in specs probed before it existed (their SSD transfers then stretch nothing).
     Left out of the spec's JSON when 0."""
     compute_capability: float = 0.0
@@ -172,8 +172,8 @@ class SSD:
         flush that makes it durable (`flush_bw`, where stated). The executor's store syncs each
         written file as soon as its write completes (`SSDStore(early_sync=True)`), so the flush
         follows the write on the disk, and a read queued behind it waits (a background commit's
-        syncs held the next step's first read 53 ms on the dev VM, benchmarks/RESULTS.md
-        2026-11-25). [OURS]"""
+        syncs held the next step's first read 53 ms on a 2-core CPU VM, benchmarks/RESULTS.md
+        "SSD store"). [OURS]"""
         return 1 / self.write_total() + (1 / self.flush_bw if self.flush_bw else 0.0)
 
 
@@ -187,8 +187,8 @@ class CPU:
     """Host seconds each parameter tensor of an update costs besides its elements: the executor's
     optimizer step finds the tensor's master, gradient and moments in their buffers (a view of
     each), rebuilds the gradient from its recipe and calls the fused kernel once per tensor, ~44 us
-    a tensor on the 2-core dev VM, where gpt-small's 77 tensors added 3.4 ms to the kernel's 5.1 ms
-    over their 6.9 M elements (benchmarks/RESULTS.md, 2026-11-26). Measured by `tensorstow probe`
+    a tensor on a 2-core CPU VM, where gpt-small's 77 tensors added 3.4 ms to the kernel's 5.1 ms
+    over their 6.9 M elements (benchmarks/RESULTS.md "CPU Adam"). Measured by `tensorstow probe`
     through those stores and that kernel, without the recipe (a lower bound: 22 us there); 0 in
     the papers' presets (their rates are measured updates). Left out of the spec's JSON when 0."""
 

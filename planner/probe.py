@@ -27,9 +27,9 @@ writes n, so 2n/t), the convention of datasheets and STREAM.
 Every host timing is the median of several short repetitions, as the disk's is: a plan replays
 its copies, kernels and updates every step at the machine's typical rate, and the best of six
 ran 2-4% (a GPT block), 5-7% (per-op dispatch) and 7-18% (memcpy) faster than their median on
-the dev VM (benchmarks/RESULTS.md, 2026-11-26), an optimism every prediction inherited. GPU
+a 2-core CPU VM (benchmarks/RESULTS.md "The probe"), an optimism every prediction inherited. GPU
 kernels (CUDA events) are steady and keep the best of their repetitions. A quick probe takes
-~6.5 s on the 2-core dev VM without CUDA (half of it the device tier's contention figures),
+~6.5 s on a 2-core CPU VM without CUDA (half of it the device tier's contention figures),
 including ~1.5 s the first time an optimizer steps in a process (torch imports its compiler
 stack then). Results are cached per (disk_dir, quick) per process.
 """
@@ -117,8 +117,8 @@ def clear_cache() -> None:
 
 BUSY_CORES_WARN = 0.25
 """Cores' worth of CPU other processes (or the hypervisor: steal) may use while the probe times the
-CPU before it warns: its FLOP rate and `host_contention` then measure a shared machine. (On the
-2-core dev VM a compiler running beside the probe doubled `host_contention`, 0.19 -> 1.08, and the
+CPU before it warns: its FLOP rate and `host_contention` then measure a shared machine. (On a
+2-core CPU VM a compiler running beside the probe doubled `host_contention`, 0.19 -> 1.08, and the
 planner chose to recompute every block rather than swap.)"""
 
 
@@ -360,7 +360,7 @@ def _host_contention(reps: int) -> float:
     """`GPU.host_contention` of the CPU device tier: the GPT block of `_cpu_block_flops` timed alone
     and beside a thread that copies CONTENTION_COPY_BYTES in a loop (torch `copy_`, as the
     executor's copy lanes do), in alternating rounds; the medians' ratio less 1. The two share the
-    memory system (and, with fewer cores than threads, the cores): measured 0.1-0.2 on the 2-core dev
+    memory system (and, with fewer cores than threads, the cores): measured 0.1-0.2 on a 2-core CPU
     VM, where Adam on the other core slows the block by 1% and a copy loop by 13-18%
     (benchmarks/RESULTS.md)."""
     import torch
@@ -406,8 +406,8 @@ def _slowdown_beside(reps: int, work) -> float:
     the executor's overlap mode pins them (`runtime.lane_cores`, `pin_off_compute`): the block in
     a thread of its own on the compute cores, whose intra-op threads start there, as the compute
     lane's do (the caller's own intra-op threads keep the affinity they had). One round per
-    repetition: with 4 the SSD store's figure ranged 0.00-0.22 from probe to probe on the dev VM,
-    where 16 rounds put it at 0.02-0.04 (benchmarks/RESULTS.md, 2026-11-26 twelfth session)."""
+    repetition: with 4 the SSD store's figure ranged 0.00-0.22 from probe to probe on a 2-core CPU VM,
+    where 16 rounds put it at 0.02-0.04 (benchmarks/RESULTS.md "The probe")."""
     import threading
 
     import torch
@@ -598,20 +598,20 @@ def _disk_bw(base: str, size: int, chunk: int, reps: int) -> _DiskResult:
     REQUEST_PROBE_IDLE_S without I/O (a lane issues a request, waits for it, and mostly goes
     idle or waits on another lane before its next one). Reads and writes of LONE_REQUEST_SIZES,
     the median of 3 x `reps` each, fitted by least squares as a fixed cost + bytes / rate: the
-    rates are `read_bw` / `write_bw`, the mean of the two fixed costs `request_s`. On the dev VM
+    rates are `read_bw` / `write_bw`, the mean of the two fixed costs `request_s`. On a 2-core CPU VM
     such requests fitted 0.43-0.55 ms + bytes at 2.2 / 4.0 GB/s where 16 buffers of 16 MiB all in
     flight moved 2.7-2.9 / 4.4-5.0 GB/s and 4 KiB pairs took 0.25-0.45 ms: the executor's
-    requests pay the lone request's rate (benchmarks/RESULTS.md, 2026-11-26 thirteenth session).
+    requests pay the lone request's rate (benchmarks/RESULTS.md "The probe").
     The commit is timed after `size` bytes in buffers of `chunk` written all at once (the
     written bytes' flush: `flush_bw`); `_ssd_commit_costs` times the commit's fixed and per-file
-    parts. Medians, not the best: a plan replays every step at the disk's typical rate, and the
-    dev VM's disk jitters (benchmarks/RESULTS.md, 2026-11-25 eighth session). Raises OSError or
+    parts. Medians, not the best: a plan replays every step at the disk's typical rate, and a
+    VM's disk jitters (benchmarks/RESULTS.md "The probe"). Raises OSError or
     TensorstowError on failure; the temp dir goes either way.
 
     The probe runs it before anything else, and its buffers are a fresh mapping in huge pages
-    (`aio.huge_empty`): on the dev VM buffers malloc had recycled (4 KiB pages, scattered) moved
-    1.0-1.3 GB/s where fresh or huge-page buffers moved 2.0-2.9 (2026-11-24 third session and
-    2026-11-26 thirteenth session)."""
+    (`aio.huge_empty`): on a 2-core CPU VM buffers malloc had recycled (4 KiB pages, scattered) moved
+    1.0-1.3 GB/s where fresh or huge-page buffers moved 2.0-2.9 (benchmarks/RESULTS.md
+    "SSD store")."""
     from tensorstow.executor.aio import huge_empty
     from tensorstow.executor.ssd import SSDStore
 
@@ -667,8 +667,8 @@ def _disk_bw(base: str, size: int, chunk: int, reps: int) -> _DiskResult:
 
 REQUEST_PROBE_IDLE_S = 0.005
 """Seconds without I/O before each request `_disk_bw` times: a request to I/O workers that sat
-idle took 420-440 us on the dev VM where one right after another took 290 (4 KiB;
-benchmarks/RESULTS.md, 2026-11-26 twelfth session)."""
+idle took 420-440 us on a 2-core CPU VM where one right after another took 290 (4 KiB;
+benchmarks/RESULTS.md "The probe")."""
 
 COMMIT_PROBE_BYTES = 4096
 """Size of each buffer written before the probe's commits: one O_DIRECT block, so the times are

@@ -21,8 +21,8 @@ from tensorstow.planner.schedule import Buffer, Decisions, Instr
 from tensorstow.planner.typed import decode, encode, freeze
 
 SCHEMA_VERSION = 3
-"""3: autocast semantics: profiles' `param_bytes`/`grad_bytes`, loss-scaling options (2026-11-23);
-2: H buffers and profiles' `handed_bytes` (2026-11-22); 1: before."""
+"""3: autocast semantics: profiles' `param_bytes`/`grad_bytes`, loss-scaling options;
+2: H buffers and profiles' `handed_bytes`; 1: before."""
 TIER_NAMES = ("gpu", "dram", "ssd")
 
 

@@ -30,8 +30,8 @@ def test_golden_plan_has_not_drifted(path, capsys):
 
 @pytest.mark.parametrize("name", ["mobius-8b__mobius-3090ti-topo4__mobius.json", "gpt3-13b__lohan-rtx4090__ilp.json"])
 def test_golden_plans_do_not_depend_on_how_python_sums_floats(name, monkeypatch, capsys):
-    """Regression: Python 3.12's `sum` compensates float rounding, and under it these goldens
-    drifted (a MIP stopped within its gap took another branch: Mobius's objective 3.897 -> 3.881 s).
+    """Guards against goldens that drift with float rounding: Python 3.12's `sum` compensates it,
+    and a MIP stopped within its gap can then take another branch (Mobius's objective 3.897 -> 3.881 s).
     With the builtin `sum` of floats made exact, as a stand-in for 3.12's, they re-plan the same."""
     import builtins
     import math
@@ -126,8 +126,9 @@ def test_bad_input_gives_one_clear_line(args, needle, capsys):
     (["plan", "gpt-tiny", "--policy", "magic"], "unknown policy 'magic'"),
 ])
 def test_bad_options_fail_before_the_machine_is_probed(args, needle, capsys, monkeypatch):
-    """Regression: `plan gpt-nope` (on `--hw local`, the default) probed the machine for 14 s
-    before saying the model is unknown, and a busy machine's probe warning came first."""
+    """Guards against probing before validating: `plan gpt-nope` (on `--hw local`, the default)
+    would probe the machine for 14 s before saying the model is unknown, and a busy machine's
+    probe warning would come first."""
     from tensorstow.planner import probe as probe_mod
 
     def no_probe(*a, **k):

@@ -5,7 +5,7 @@ that logs every stream, event and wait. From the log a happens-before check repl
 rules (a stream runs its work in order, `wait_event` orders a stream after an event, an event
 `synchronize` orders the host after it) and asserts that every dependency of the plan is
 ordered that way, with no synchronize per instruction. The same protocol drives real streams in
-tests/test_executor_cuda.py when a GPU is lent."""
+tests/test_executor_cuda.py on a machine with a GPU."""
 import contextlib
 import itertools
 import threading

@@ -228,11 +228,11 @@ def test_overlap_mode_is_bit_identical_to_sync(name, tmp_path, tmp_path_factory)
 
 
 def test_overlap_lanes_keep_their_threads_from_step_to_step(tmp_path):
-    """Regression: overlap mode started a thread per stream every step, and a new thread starts
-    with cold per-thread state (the allocator's thread cache and arena, torch's and CUDA's
-    thread-locals): under jemalloc gpt-small's all-resident step ran 12% slower in overlap mode
-    than in sync mode, and as fast once the lanes kept their threads. Each stream's lane now runs
-    on one thread for the Executor's life; `close`, or the Executor's garbage collection, ends them."""
+    """Guards against a thread per stream every step: a new thread starts with cold per-thread
+    state (the allocator's thread cache and arena, torch's and CUDA's thread-locals), and under
+    jemalloc gpt-small's all-resident step runs 12% slower in overlap mode than in sync mode that
+    way, and as fast with threads that last. Each stream's lane runs on one thread for the
+    Executor's life; `close`, or the Executor's garbage collection, ends them."""
     import gc
 
     plan = get_plan("zero-infinity")
@@ -306,9 +306,9 @@ def test_overlap_with_a_core_to_spare_pins_compute_apart_and_stays_bit_identical
 
 
 def test_overlap_moves_other_threads_off_the_compute_core_during_a_step(tmp_path, monkeypatch):
-    """Regression: the threads that work for the lanes were started elsewhere (the checksum and
-    sync pools and the aio engine's workers: by the store, in the main thread) and kept every
-    core, so they ran on the compute lane's. During an overlap step on a CPU device tier with a
+    """The threads that work for the lanes are started elsewhere (the checksum and sync pools and
+    the aio engine's workers: by the store, in the main thread) and, left with every core, run on
+    the compute lane's. During an overlap step on a CPU device tier with a
     core to spare, every thread but the main thread and the compute lane runs on the other lanes'
     cores; after the step each has its own affinity back."""
     cores = sorted(os.sched_getaffinity(0))
@@ -770,12 +770,12 @@ def test_glibc_malloc_is_tuned_unless_left_alone():
 
 
 def test_the_dram_tier_keeps_tunes_heap_reuse_for_buffer_sized_blocks():
-    """Regression: the DRAM tier once pinned glibc's mmap threshold at 1 MiB after `tune()` had set
-    it to 32 MiB, so every activation or device copy of 1-32 MiB the heap had no room for was
-    mapped, faulted in and unmapped again each step. With the DRAM tier built after `tune()`, a
+    """Guards against the DRAM tier pinning glibc's mmap threshold at 1 MiB after `tune()` has set
+    it to 32 MiB, which maps, faults in and unmaps again each step every activation or device
+    copy of 1-32 MiB the heap has no room for. With the DRAM tier built after `tune()`, a
     24 MiB block freed and allocated again comes from the heap: most of its pages stay (24,576
-    faults for 20 rounds on the dev VM, the heap's trim taking some back; 122,900, every page every
-    time, with the bug)."""
+    faults for 20 rounds on a 2-core CPU VM, the heap's trim taking some back; 122,900, every page
+    every time, with the threshold pinned)."""
     import platform
     import subprocess
     import sys
@@ -839,9 +839,9 @@ def test_the_measured_ssd_lane_includes_the_stores_early_syncs(tmp_path):
 
 
 def test_the_measured_ssd_lane_includes_the_steps_commit(tmp_path, monkeypatch):
-    """Regression: the simulator counts the store's commit on the SSD (cost.commit_time) but the
-    executor's measured SSD lane left it out, so measured/predicted per lane compared different
-    things (gpt-medium's SSD lane read 0.25x)."""
+    """The simulator counts the store's commit on the SSD (cost.commit_time), so the executor's
+    measured SSD lane counts it too: without it measured/predicted per lane compares different
+    things (gpt-medium's SSD lane reads 0.25x)."""
     plan = get_plan("zero-infinity")
     ex = executor(plan, tmp_path)
     real_commit = ex.ssd.store.commit

@@ -1,5 +1,5 @@
 """The executor on a real GPU: CUDA streams, pinned host buffers, the plan's device budget.
-Runs only where CUDA exists (a lent GPU machine); skips with the reason everywhere else."""
+Runs only where CUDA exists (a GPU machine); skips with the reason everywhere else."""
 import pytest
 import torch
 
@@ -7,7 +7,7 @@ from tensorstow.planner.hardware import CUDA_WORKSPACE_BYTES
 from tests.test_executor import B, PRESETS, STEPS, T, VOCAB, GPT, batches, get_plan, executor
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
-                                reason="no CUDA device on this machine (CPU-only CI); run on a lent GPU")
+                                reason="no CUDA device on this machine (CPU-only CI); run on a GPU machine")
 
 
 @pytest.fixture(autouse=True)
@@ -122,7 +122,7 @@ def test_a_plan_traced_on_the_cpu_runs_attention_on_cuda(tmp_path):
 
 def test_fp16_loss_scaling_with_cpu_optimizer_steps_on_cuda(tmp_path):
     """fp16-mixed with subgroups updated on the CPU: the scaler lives on the GPU, the unscale
-    runs on the host gradients (a regression: it once mixed devices)."""
+    runs on the host gradients (guards against mixing devices in the unscale)."""
     from tensorstow.executor.runtime import Executor
     from tensorstow.planner.hardware import load_hardware
     from tensorstow.planner.plan import Options, make_plan

@@ -130,8 +130,8 @@ def test_user_factory_models():
 
 
 def test_attention_flops_count_grouped_query_heads():
-    """Regression: torch 2.11 rejects grouped-query shapes in its sdpa flop counter, so a
-    LLaMA-family plan failed (planner) or counted its attention as free (trace)."""
+    """torch 2.11 rejects grouped-query shapes in its sdpa flop counter; tensorstow counts them
+    itself, so a LLaMA-family plan neither fails (planner) nor counts its attention as free (trace)."""
     from tensorstow.ir.graph import attention_flops
     B, H, KV, T, S, D, Dv = 2, 8, 2, 16, 24, 32, 16
     q, k, v = (B, H, T, D), (B, KV, S, D), (B, KV, S, Dv)

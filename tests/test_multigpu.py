@@ -182,8 +182,9 @@ def test_transport_errors_name_a_lost_peer_and_others_their_own_cause():
 
 
 def test_the_rank_to_blame_is_not_one_the_launcher_stopped():
-    """Regression (CI on a loaded machine): rank 1 was SIGKILLed; rank 0 had not noticed within the
-    launcher's grace period, so the launcher terminated it, and the error blamed rank 0's SIGTERM."""
+    """Guards against blaming the rank the launcher stopped: on a loaded machine rank 1 is SIGKILLed,
+    rank 0 has not noticed within the launcher's grace period, so the launcher terminates it; the
+    error blames rank 1, not rank 0's SIGTERM."""
     from tensorstow.executor.distributed import LOST, _cause
     assert _cause({0: "was killed by signal SIGTERM", 1: "was killed by signal SIGKILL"}, stopped={0}) == 1
     assert _cause({0: f"failed: {LOST} (rank 1)", 1: "failed: out of memory"}, stopped=set()) == 1

@@ -278,9 +278,9 @@ def test_zero3_baseline_waits_for_its_gradient_flushes_and_updates_after_backwar
 
 
 def test_a_converting_copy_is_never_faster_than_the_link_it_crosses():
-    """Regression (found by test_multi_gpu_simulation_invariants): a spec whose converting rate
-    (2.5 GB/s) exceeds its host link (2 GB/s) priced DeepSpeed's gradient flushes at 2.5 GB/s, past
-    the root complex's uplink. The link bounds them."""
+    """Guards against pricing DeepSpeed's gradient flushes past the link: on a spec whose converting
+    rate (2.5 GB/s) exceeds its host link (2 GB/s), a flush at 2.5 GB/s would pass the root
+    complex's uplink. The link bounds them."""
     hw = load_hardware("mobius-3090ti-topo2+2")
     slow = dataclasses.replace(hw, root_complex_bw=2e9, gpus=tuple(
         dataclasses.replace(g, h2d_bw=2e9, d2h_bw=2e9) for g in hw.gpus))

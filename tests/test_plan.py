@@ -340,7 +340,7 @@ def test_reads_stay_in_program_order_where_running_them_first_does_not_fit():
     assert {i.stream for i in r.instructions if i.kind == "load" and i.src == "ssd"} == {"ssd.read"}
 
 
-# A probed 2-core VM (the dev VM's probe with its rates moved by up to 2x), on which the built-in
+# A probed 2-core VM (a real probe's spec with its rates moved by up to 2x), on which the built-in
 # demo's plan (gpt-medium, 80 MB of device, 200 MB of DRAM) did not fit: prefetched parameters
 # arrived while the layer before them ran its backward, because this spec's links made them fast.
 _PROBED_VM = {
@@ -357,8 +357,8 @@ _PROBED_VM = {
 
 
 def test_a_plan_fits_whatever_the_links_speed_prefetches_wait_for_room():
-    """Regression: whether a plan fitted depended on the probed timings (a fast link let a
-    prefetch run beside the backward whose memory it took: 93.7 MB > 80 MB). Copies now wait for
+    """Guards against a plan whose fit depends on the probed timings (a fast link lets a
+    prefetch run beside the backward whose memory it takes: 93.7 MB > 80 MB). Copies wait for
     room in the replay, and the waits are dependencies: the plan fits, and so does any replay of
     its instructions, faster or slower than the probe."""
     hw = Hardware.from_json(_PROBED_VM).with_overrides(gpu_mem=80 * 10**6, dram=200 * 10**6, ssds=1)

@@ -136,7 +136,7 @@ def test_fuyou_swap_benefit_grows_with_batch():
     # The paper's activations are all fp16. Under autocast (fp32 residual stream and norm
     # inputs) a layer saves about twice the bytes, so swapping pays less: the simulated gain of
     # the best of 0..3 swapped blocks over recomputing all of them grows with the batch, as in
-    # the paper, but stays near 0.4% (2026-11-23: 0.422%, 0.428%, 0.430%), under the policy's
+    # the paper, but stays near 0.4% (0.422%, 0.428%, 0.430%), under the policy's
     # plateau (REL_TOL, "swap as little as is safe"), so it swaps where the gain clears it only.
     gains = []
     for batch in (32, 64, 80):

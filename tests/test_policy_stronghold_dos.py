@@ -220,7 +220,7 @@ def test_prefetch_m_hides_the_fetch_that_p1_promises():
 
 # gpt-tiny is not a case: DOS Eq. 1 assumes equal subgroups of 2-byte compute copies, and
 # under autocast gpt-tiny's embeddings (fp32, read in fp32) are 40% of its parameters in one
-# subgroup; at its 0.1 ms step the interleaving then loses 3% to all-CPU updates (2026-11-23).
+# subgroup; at its 0.1 ms step the interleaving then loses 3% to all-CPU updates.
 @pytest.mark.parametrize("model,hardware,gpu_mem", [
     ("dos-7b", "dos-jlse-4xh100", None),
     ("dos-13b", "dos-jlse-4xh100", None),

@@ -55,7 +55,7 @@ def test_returns_local_hardware_with_plausible_numbers(measured):
 
 
 def test_quick_probe_says_how_long_it_took(measured):
-    # ~5.5 s on the 2-core dev VM (plus a one-time ~1.5 s torch import on the first optimizer
+    # ~5.5 s on a 2-core CPU VM (plus a one-time ~1.5 s torch import on the first optimizer
     # step); no bound asserted: a loaded machine takes longer
     hw, _, seconds = measured
     assert seconds > 0 and "(quick, torch" in hw.source
@@ -75,9 +75,9 @@ def test_no_temp_files_left_behind(measured):
 
 
 def test_cached_per_process(measured):
-    """Regression: this compared with the fixture's result and timed the call (< 0.1 s), so it
-    failed whenever a test that clears the cache ran in between (test order, xdist), and on a
-    loaded machine."""
+    """Compares two calls of its own and times nothing: comparing with the fixture's result, or
+    timing the call (< 0.1 s), would fail whenever a test that clears the cache runs in between
+    (test order, xdist), and on a loaded machine."""
     _, d, _ = measured
     first = probe(disk_dir=str(d), quick=True)  # the fixture's, unless a test cleared the cache since
     assert probe(disk_dir=str(d), quick=True) is first
@@ -114,8 +114,8 @@ def test_no_gpu_path(measured):
     assert 0 <= g.ssd_contention < 3 and "ssd_contention = the same beside verified" in hw.source
     assert 1e-7 < hw.ssd.request_s < 1.0 and "one at a time" in hw.source and "fitted as request_s" in hw.source
     # the store's commit that ends a step: fixed, per written file, per written byte (flush_bw 0:
-    # nothing left to flush, when the host had written the bytes back before the commit's sync;
-    # `> 0` here failed now and then under load, 2026-11-25)
+    # nothing left to flush, when the host had written the bytes back before the commit's sync,
+    # as it now and then has on a loaded machine)
     assert 0 <= hw.ssd.commit_s < 10 and 0 <= hw.ssd.sync_s < 10 and hw.ssd.flush_bw >= 0
     assert "a commit" in hw.source and "through the executor's store" in hw.source
 
@@ -193,9 +193,9 @@ def test_extension_cache_is_keyed_by_the_source(tmp_path, monkeypatch):
 
 
 def test_a_builder_killed_mid_build_does_not_wedge_later_builds():
-    """Regression: torch's build lock (before 2.14) is a file only a finishing builder removes, so
-    one killed mid-build made every later `load_engine` wait forever (it hung CI). A builder that
-    dies holding that lock now leaves nothing the next ones wait on. (torch 2.14 holds an flock on
+    """Guards against a wedged build: torch's build lock (before 2.14) is a file only a finishing
+    builder removes, so one killed mid-build would make every later `load_engine` wait forever. A
+    builder that dies holding that lock leaves nothing the next ones wait on. (torch 2.14 holds an flock on
     the same file instead, which outlives no builder; the file itself stays.)"""
     import signal
     import subprocess
@@ -250,9 +250,9 @@ def _fake_probe(tmp_path):
 
 
 def test_the_disk_is_timed_before_any_other_measurement(tmp_path, monkeypatch):
-    """Regression: timed after the memcpy test had freed its 256 MiB, the disk ran at 0.8-1.7
-    GB/s on the dev VM (median 1.1, 24 processes) against 2.5-2.9 GB/s in the executor's own
-    store in the same process, so SSD plans were predicted ~1.4x too slow. The disk now goes
+    """Timed after the memcpy test had freed its 256 MiB, the disk runs at 0.8-1.7 GB/s on a
+    2-core CPU VM (median 1.1, 24 processes) against 2.5-2.9 GB/s in the executor's own store in
+    the same process, which predicts SSD plans ~1.4x too slow. So the disk goes
     first, before anything allocates and frees."""
     calls = []
     _fake_measurements(monkeypatch, tmp_path, calls)
@@ -262,9 +262,10 @@ def test_the_disk_is_timed_before_any_other_measurement(tmp_path, monkeypatch):
 
 
 def test_a_probe_on_a_busy_machine_warns_and_says_so_in_the_spec(tmp_path, monkeypatch):
-    """Regression: with a compiler running on the dev VM's other core, the probe measured
-    host_contention 1.08 (0.19 idle minutes later) and the planner chose to recompute every
-    block of gpt-small instead of swapping: a plan 1.35x slower, made without a word."""
+    """Guards against a silent probe of a busy machine: with a compiler running on a 2-core CPU
+    VM's other core, the probe measures host_contention 1.08 (0.19 idle) and the planner
+    recomputes every block of gpt-small instead of swapping: a plan 1.35x slower, made without
+    a word."""
     _fake_measurements(monkeypatch, tmp_path, [])
     machine = {"busy": 0.0}
 

@@ -267,7 +267,7 @@ def test_manifest_checksums_are_xxh3_and_stores_of_version_1_resume_with_crc32(t
     assert (m["version"], m["checksum"]) == (2, "xxh3_64")
     assert m["buffers"]["w"]["checksums"] == [xxhash.xxh3_64_intdigest(b) for b in blocks]
 
-    with monkeypatch.context() as old:  # what tensorstow wrote before 2026-11-23
+    with monkeypatch.context() as old:  # a version-1 store, as earlier tensorstow releases wrote it
         old.setattr(ssd, "VERSION", 1)
         with SSDStore(tmp_path / "old", {"w": data.numel()}) as store:
             store.write("w", data)
@@ -545,9 +545,9 @@ def test_a_commit_that_fails_in_the_background_stops_the_store_and_keeps_the_las
 
 
 def test_each_written_file_is_synced_as_its_write_completes_and_the_commit_waits_for_it(tmp_path, monkeypatch):
-    """Regression: the commit synced every file the step wrote at its end, in the background, and
-    the next step's first read queued behind that flush (53 ms of a 0.38 s gpt-small step on the dev
-    VM). The store now syncs each shadow slot on its own thread once the write completes; the
+    """Guards against a commit that syncs every file the step wrote at its end, in the background,
+    where the next step's first read queues behind that flush (53 ms of a 0.38 s gpt-small step on a
+    2-core CPU VM). The store syncs each shadow slot on its own thread once the write completes; the
     commit syncs nothing itself, waits for those syncs, and what it commits reads back after a
     reopen. A buffer written twice in a step is synced after its last write."""
     import threading

@@ -36,7 +36,7 @@ incumbent faster than the MIP's plan, the incumbent is returned and the notes sa
 The drain the analytic model ignores ends the backward with the last block's update, whose P and
 states then go back home: from SSD a write-back (and its sync) after everything else. `refine_tail`
 replays giving that block DRAM homes in exchange for other blocks' and keeps the faster plan
-(gpt-small on the dev VM: simulated 0.338 -> 0.318 s, measured 0.395 / 0.450 -> 0.363 / 0.383 s).
+(gpt-small on a 2-core CPU VM: simulated 0.338 -> 0.318 s, measured 0.395 / 0.450 -> 0.363 / 0.383 s).
 Last, `refine_homes` moves SSD homes into the DRAM the chosen plan leaves free, where that
 replays no slower: the simulator sees hidden SSD traffic as free, the machine does not.
 """
@@ -359,7 +359,7 @@ def refine_homes(problem, pl, schedule) -> tuple:
     block's SSD traffic hidden behind the computation, so they rank its P on SSD and in DRAM
     alike, and the MIP, or the incumbent from `lohan` (whose homes are all SSD, as LoHan's are),
     may leave the DRAM idle. On the machine that traffic is not free: the store's checksums and
-    transfers stream host memory beside the computation (gpt-small on the dev VM, 90 MB device
+    transfers stream host memory beside the computation (gpt-small on a 2-core CPU VM, 90 MB device
     and 80 MB DRAM: compute 1.057x eager's forward + backward with its SSD lanes, 1.013x with
     their transfers faked), and it wears the SSD. So P first (fp32, a CPU update: read for the
     forward and again for the backward, written back: three bytes moved a step per byte of DRAM;

@@ -10,7 +10,7 @@ DRAM and on to SSD in fp32, as DeepSpeed swaps them (stage3.py `swap_out_gradien
 optimizer runs after the whole backward, subgroup after subgroup (read states and gradient,
 update, write), so GPU, CPU and SSD work mostly one after another.
 
-Host memory as DeepSpeed really holds it (issue: the baseline's largest trainable model): besides
+Host memory as DeepSpeed really holds it (it bounds the baseline's largest trainable model): besides
 what the schedule moves through DRAM, DeepSpeed's ZeRO-3 with parameters and optimizer on NVMe
 keeps pinned swap buffers and a host copy of every gradient (`deepspeed_host_bytes`), counted as
 `Decisions.host_reserved` in the plan's DRAM peak.
