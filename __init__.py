@@ -1,17 +1,17 @@
 """tensorstow: stowage plans for training models far larger than GPU memory.
 
-The package is laid out by pipeline stage: `tensorstow.ir` (trace a model into the
-tensor-lifetime IR), `tensorstow.planner` (hardware, cost model, policies, simulator, plan
-JSON, CLI) and `tensorstow.executor` (replay a plan every step). The Python API is
+The package is laid out by pipeline stage, each layer importing only the ones before it:
+`tensorstow.ir` (trace a model into the tensor-lifetime IR), `tensorstow.schema` (the plan's
+typed contract), `tensorstow.planner` (cost model, policies, lowering, simulator),
+`tensorstow.executor` (replay a plan every step), `tensorstow.calibrate` (measure this machine,
+the executor's own machinery included), and on top `tensorstow.cli` and `tensorstow.api`. The Python API is
 `tensorstow.plan(...)`, `tensorstow.Plan` and `tensorstow.Executor(plan, model)` (see
 `tensorstow.api`).
 """
 
 __version__ = "0.1.0"
 
-
-class TensorstowError(ValueError):
-    """Bad input from a user: a message that names the problem and how to fix it."""
+from tensorstow.errors import TensorstowError  # noqa: F401  (re-exported for users)
 
 
 def __getattr__(name):  # the Python API, imported on first use (torch is slow to import)

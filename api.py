@@ -14,8 +14,10 @@ from __future__ import annotations
 import torch.nn as nn
 
 from tensorstow.executor.runtime import Executor
-from tensorstow.planner.plan import Options, PlanResult, make_plan
-from tensorstow.planner.schema import Plan
+from tensorstow.schema.options import Options
+from tensorstow.planner.plan import make_plan
+from tensorstow.planner.problem import PlanResult
+from tensorstow.schema.plan import Plan
 
 __all__ = ["plan", "Plan", "Executor"]
 
@@ -31,9 +33,9 @@ def plan(model_or_spec, *, hw: str = "local", policy: str = "auto", batch: int =
     Returns the planning result: `.to_plan()` is the typed `Plan` (what the file holds),
     `.dumps()` its text, `.fits`, `.sim.step_time_s` the simulation; raises TensorstowError
     with one line naming the problem when it cannot."""
+    from tensorstow.calibrate import hardware_for
     from tensorstow.ir.hf import wrap
-    from tensorstow.planner.hardware import parse_size
-    from tensorstow.planner.plan import hardware_for
+    from tensorstow.schema.hardware import parse_size
 
     module = wrap(model_or_spec) if isinstance(model_or_spec, nn.Module) else None
     name = f"<{type(model_or_spec).__name__}>" if module is not None else str(model_or_spec)

@@ -12,21 +12,21 @@ import sys
 import warnings
 from pathlib import Path
 
-from tensorstow import TensorstowError
-from tensorstow.planner.hardware import parse_size
-from tensorstow.planner.plan import hardware_for
+from tensorstow.calibrate import hardware_for
+from tensorstow.errors import TensorstowError
+from tensorstow.schema.hardware import parse_size
 
 TIERS = ("gpu", "dram", "ssd")
 def _fmt(n: float) -> str:
-    from tensorstow.planner.plan import fmt_bytes
+    from tensorstow.planner.problem import fmt_bytes
     return fmt_bytes(n)
 
 
 # ---- plan files ----------------------------------------------------------------------------
 
 def load_plan(path: str):
-    """The typed plan in a file (`planner.schema.Plan`); one clear error for anything malformed."""
-    from tensorstow.planner.schema import Plan
+    """The typed plan in a file (`schema.plan.Plan`); one clear error for anything malformed."""
+    from tensorstow.schema.plan import Plan
     return Plan.load(path)
 
 
@@ -160,7 +160,9 @@ def _ranges(blocks: list[str]) -> str:
 # ---- commands ------------------------------------------------------------------------------
 
 def _options(args):
-    from tensorstow.planner.plan import Options, check_options, check_policy
+    from tensorstow.schema.options import Options
+    from tensorstow.planner.plan import check_policy
+    from tensorstow.planner.problem import check_options
     kw = dict(model=args.model, hardware=args.hw, policy=args.policy, batch=args.batch, seq=args.seq,
               precision=args.precision, optimizer=args.optimizer, lr=args.lr, betas=tuple(args.betas),
               eps=args.eps, weight_decay=args.weight_decay,
@@ -214,12 +216,14 @@ def _sweep(args, o) -> int:
 
 def cmd_fit(args) -> int:
     from tensorstow.planner import report
-    from tensorstow.planner.plan import HEURISTICS, Options, policies
+    from tensorstow.schema.options import Options
+    from tensorstow.planner.plan import POLICIES
+    from tensorstow.planner.policies import HEURISTICS
     names = [args.policy] if args.policy else [*HEURISTICS, "ilp"]
     print(f"{'policy':<14} {'largest model':<14} {'params':>8} {'batch':>6} {'tokens/s':>10} {'step s':>9}")
     for name in names:
-        if name not in policies() and name != "auto":
-            raise TensorstowError(f"unknown policy '{name}': use one of {sorted(policies()) + ['auto']}")
+        if name not in POLICIES and name != "auto":
+            raise TensorstowError(f"unknown policy '{name}': use one of {sorted(POLICIES) + ['auto']}")
         o = Options(model="gpt3-13b", hardware=args.hw, policy=name, precision=args.precision,
                     gpu_mem=parse_size(args.gpu_mem) if args.gpu_mem else None,
                     dram=parse_size(args.dram) if args.dram else None, ssds=args.ssds)
@@ -295,7 +299,7 @@ def cmd_check(args) -> int:
 
 def _old_options(f: Path, why: TensorstowError):
     """The options of a plan file this version cannot read as a whole (to re-plan it)."""
-    from tensorstow.planner.schema import Options
+    from tensorstow.schema.options import Options
     try:
         return Options.from_json(json.loads(f.read_text())["options"], where=f"plan file {f}: options")
     except (json.JSONDecodeError, KeyError, TypeError):
@@ -303,7 +307,7 @@ def _old_options(f: Path, why: TensorstowError):
 
 
 def cmd_probe(args) -> int:
-    from tensorstow.planner.probe import probe
+    from tensorstow.calibrate import probe
     hw = probe(disk_dir=args.disk_dir, quick=not args.full)
     from tensorstow.executor import adam, aio
     aio.default_engine()
@@ -326,7 +330,7 @@ DEMO = ["plan", "gpt-medium", "--hw", "local", "--gpu-mem", "80MB", "--dram", "2
 def cmd_execute(args) -> int:
     from tensorstow.executor.run import execute
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:  # one rank under torchrun
-        from tensorstow.executor.distributed import worker
+        from tensorstow.executor.run import worker
         return worker(dict(plan=args.plan, steps=args.steps, data=args.data, state_dir=args.state_dir,
                            mode=args.mode, seed=args.seed, log_json=args.log_json, trace=args.trace,
                            checkpoint_every=args.checkpoint_every))
@@ -347,7 +351,7 @@ def cmd_export(args) -> int:
 def _demo_precision() -> list[str]:
     """fp32 where this machine's device tier computes 16-bit matmuls slower than fp32 ones (a CPU
     without native bf16: the probe's `flops` below its `flops_fp32`); the default otherwise."""
-    from tensorstow.planner.probe import probe
+    from tensorstow.calibrate import probe
     g = probe().gpus[0]
     return ["--precision", "fp32"] if g.flops_fp32 and g.flops < g.flops_fp32 / 2 else []
 
@@ -357,6 +361,7 @@ def cmd_demo() -> int:
     for this machine with 80 MB of device and 200 MB of DRAM budget, so its state lives on the
     SSD; execute a few steps from a state dir and compare measured with predicted."""
     import tempfile
+
     from tensorstow.executor.run import execute
     with tempfile.TemporaryDirectory(prefix="tensorstow-demo-", dir=".") as tmp:
         plan_path = str(Path(tmp) / "plan.json")
@@ -473,7 +478,7 @@ _python_show_warning = warnings.showwarning
 def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
     """tensorstow's own warnings as one line each (`tensorstow: warning: ...`), not Python's
     file:line and source; other libraries' as Python shows them."""
-    from tensorstow.planner.probe import ProbeWarning
+    from tensorstow.calibrate import ProbeWarning
     if issubclass(category, ProbeWarning):
         print(f"tensorstow: warning: {message}", file=file or sys.stderr)
     else:

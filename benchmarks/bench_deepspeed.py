@@ -197,7 +197,7 @@ class TensorstowEngine:
 
     def __init__(self, a: dict, every: int):
         from tensorstow.executor.runtime import Executor
-        from tensorstow.planner.schema import Plan
+        from tensorstow.schema.plan import Plan
 
         plan = Plan.load(a["ts_plan"])
         self.model, self.data = _setup(a)
@@ -421,7 +421,7 @@ def _spawn(name: str, a: dict, work: Path) -> _Worker | dict:
 
 def _ts_info(a: dict, work: Path, every: int) -> dict:
     """What the tensorstow rows print about their plan."""
-    from tensorstow.planner.schema import Plan
+    from tensorstow.schema.plan import Plan
 
     plan = Plan.load(work / "tensorstow-plan.json")
     homes: dict[str, set] = {}

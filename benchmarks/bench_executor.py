@@ -29,12 +29,13 @@ import torch
 
 from tensorstow.executor.data import batches
 from tensorstow.executor.runtime import Executor
-from tensorstow.planner.schema import as_plan
+from tensorstow.schema.plan import as_plan
 from tensorstow.executor.ssd import SSDStore
 from tensorstow.ir.models import resolve_model
-from tensorstow.planner.plan import hardware_for
-from tensorstow.planner.plan import Options, make_plan
-from tensorstow.planner.probe import _QUICK, _disk_bw
+from tensorstow.calibrate import hardware_for
+from tensorstow.schema.options import Options
+from tensorstow.planner.plan import make_plan
+from tensorstow.calibrate import _QUICK, _disk_bw
 
 
 def median_step(fn, xs):
@@ -141,7 +142,7 @@ def main():
               f"{rate(t_res)}{peak()}")
 
     from tensorstow.executor.run import predicted_step
-    from tensorstow.planner.hardware import parse_size
+    from tensorstow.schema.hardware import parse_size
     # the same policy with the state homed on the SSD, and (no SSD) in DRAM
     offload = {"both": "ssd,dram", "none": ""}.get(a.offload, a.offload).split(",")
     for label, kw in [(lbl, kw) for key, lbl, kw in (("ssd", "SSD-offloaded", {}), ("dram", "DRAM-offloaded", {"ssds": 0}))

@@ -17,7 +17,10 @@ import dataclasses
 import time
 
 from tensorstow import TensorstowError
-from tensorstow.planner.plan import Options, build_problem, hardware_for, policy_plan
+from tensorstow.schema.options import Options
+from tensorstow.planner.plan import policy_plan
+from tensorstow.planner.problem import build_problem
+from tensorstow.calibrate import hardware_for
 
 MODELS = ("mobius-3b", "mobius-8b", "mobius-15b", "mobius-51b")
 TOPOLOGIES = ("topo4", "topo2+2", "topo1+3")

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tensorstow.planner.schema import Plan
+from tensorstow.schema.plan import Plan
 
 
 def tensorstow(*args: str, **kw) -> subprocess.CompletedProcess:

@@ -26,8 +26,10 @@ from bench_executor import eager_step  # this directory: the same eager baseline
 from tensorstow.executor.data import batches
 from tensorstow.executor.runtime import Executor
 from tensorstow.ir.models import resolve_model
-from tensorstow.planner.hardware import parse_size
-from tensorstow.planner.plan import Options, hardware_for, make_plan
+from tensorstow.schema.hardware import parse_size
+from tensorstow.schema.options import Options
+from tensorstow.planner.plan import make_plan
+from tensorstow.calibrate import hardware_for
 
 
 def main():

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from tensorstow.errors import TensorstowError
+
 AMP = "AMP"
 """Store buffer holding the scaler state at a commit: scale (fp32), growth tracker (int32) and
 the number of optimizer steps taken (int64), 16 bytes."""
@@ -26,7 +28,6 @@ class LossScaler:
         self.growth_interval = int(options.growth_interval)
         if not (options.init_scale > 0 and self.growth_factor > 1 and 0 < self.backoff_factor < 1
                 and self.growth_interval >= 1):
-            from tensorstow import TensorstowError
             raise TensorstowError(
                 f"plan options: loss scaling needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 "
                 f"and growth_interval >= 1 (got {options.init_scale}, {options.growth_factor}, "

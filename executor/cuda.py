@@ -39,8 +39,8 @@ import time
 
 import torch
 
-from tensorstow import TensorstowError
-from tensorstow.planner.hardware import CUDA_WORKSPACE_BYTES
+from tensorstow.errors import TensorstowError
+from tensorstow.schema.hardware import CUDA_WORKSPACE_BYTES
 
 
 def on_host(ins) -> bool:

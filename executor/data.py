@@ -11,7 +11,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from tensorstow import TensorstowError
+from tensorstow.errors import TensorstowError
 
 
 def tokens(source: str, need: int, vocab: int, seed: int = 0) -> np.ndarray:

@@ -18,7 +18,6 @@ and that the same command resumes.
 """
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import signal
@@ -31,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from tensorstow import TensorstowError
+from tensorstow.errors import TensorstowError
 
 LOST = "lost its peers"
 TIMEOUT_S = 600
@@ -105,61 +104,7 @@ def rank_cores(cores: list[int], rank: int, world: int) -> set[int]:
     return set(cores[rank * k:(rank + 1) * k]) if k else {cores[rank % len(cores)]}
 
 
-def worker(kw: dict) -> int:
-    """A rank's main: join the group, execute, leave; one error line on failure."""
-    import torch.distributed as dist
-
-    from tensorstow.executor.cuda import resolve_device
-    from tensorstow.executor.run import _gpus_of, execute
-    from tensorstow.planner.schema import Plan
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    try:
-        plan = Plan.load(kw.pop("plan"))
-        if world != _gpus_of(plan):
-            raise TensorstowError(f"this plan runs on {_gpus_of(plan)} GPU(s) ({plan.hardware.name}) but {world} "
-                                  f"processes were started: start one per GPU")
-        device = resolve_device(None, rank)
-        # NCCL where every rank has a GPU of its own; else gloo (CPU device tiers, or several
-        # ranks sharing one GPU), staging the boundaries through host memory
-        nccl = device.type == "cuda" and torch.cuda.device_count() >= world and dist.is_nccl_available()
-        if nccl:
-            torch.cuda.set_device(device)
-        if device.type == "cpu" and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, rank_cores(sorted(os.sched_getaffinity(0)), rank, world))
-        # NCCL moves device tensors; the step's agreement (losses, committed steps) is CPU tensors
-        dist.init_process_group("cpu:gloo,cuda:nccl" if nccl else "gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=TIMEOUT_S))
-    except TensorstowError as e:
-        print(f"tensorstow: error: {e}", file=sys.stderr)
-        return 1
-    except Exception as e:  # noqa: BLE001 - the rendezvous failed: one line, not a traceback
-        print(f"tensorstow: error: rank {rank} could not join the process group: {e}", file=sys.stderr)
-        return 1
-    try:
-        out = sys.stdout if rank == 0 else open(os.devnull, "w")
-        if rank:  # one log and one trace, rank 0's
-            kw = dict(kw, log_json=None, trace=None)
-        execute(plan, **kw, rank=rank, comm=Comm(rank, world, on_device=nccl), out=out)
-        # every rank done before any leaves: gloo aborts a process (SIGABRT) whose peer closed its
-        # connections while it was still tearing its own down
-        dist.barrier()
-        return 0
-    except TensorstowError as e:
-        print(f"tensorstow: error: {e}", file=sys.stderr)
-        return 1
-    except Exception as e:  # noqa: BLE001 - one line for the launcher, not a traceback
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        print(f"tensorstow: error: {LOST} ({first})" if _peer_lost(e) else f"tensorstow: error: {type(e).__name__}: {first}",
-              file=sys.stderr)
-        return 1
-    finally:
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - a dead peer may leave the group unusable
-            pass
-
-
-def _peer_lost(e: Exception) -> bool:
+def peer_lost(e: Exception) -> bool:
     """A transport error: another rank went away (gloo raises plain RuntimeErrors naming itself)."""
     import torch.distributed as dist
     return isinstance(e, (dist.DistError, ConnectionError, TimeoutError)) or (
@@ -186,7 +131,7 @@ def launch(nproc: int, kw: dict, out=None) -> None:
             for k in range(nproc):
                 with open(errs[k], "w") as err:
                     procs.append(subprocess.Popen(
-                        [sys.executable, "-m", "tensorstow.executor.distributed", json.dumps(kw)],
+                        [sys.executable, "-m", "tensorstow.executor.run", json.dumps(kw)],
                         env=dict(env, RANK=str(k)), stdout=None if k == 0 else subprocess.DEVNULL, stderr=err,
                         start_new_session=True))
             while any(p.poll() is None for p in procs) and all(p.poll() in (None, 0) for p in procs):
@@ -241,6 +186,3 @@ def _stop(procs: list[subprocess.Popen]) -> set[int]:
             p.wait()
     return stopped
 
-
-if __name__ == "__main__":
-    sys.exit(worker(json.loads(sys.argv[1])))

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import torch
 
-from tensorstow import TensorstowError
+from tensorstow.errors import TensorstowError
 from tensorstow.executor import state
 from tensorstow.executor.aio import aligned_empty
+from tensorstow.executor.ssd import SSDStore
 
 SHARD_BYTES = 4 << 30
 
@@ -47,8 +48,6 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES) -> dict:
     of a multi-process run (`rank<K>/` per GPU) exports as one model at the last step every rank
     committed (a rank one commit ahead is rolled back to it, as a resumed run would)."""
     from safetensors.torch import save_file
-
-    from tensorstow.executor.ssd import SSDStore
 
     d, out = Path(state_dir), Path(out_dir)
     ranks = sorted((p for p in d.glob("rank*") if p.is_dir() and p.name[4:].isdigit()), key=lambda p: int(p.name[4:]))

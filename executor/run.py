@@ -2,21 +2,30 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from tensorstow import TensorstowError
+from tensorstow.errors import TensorstowError
 from tensorstow.executor import state
+from tensorstow.executor.cuda import resolve_device
 from tensorstow.executor.data import batches
-from tensorstow.executor.distributed import agree_on_step, rank_dir
-from tensorstow.executor.runtime import Executor
+from tensorstow.executor.distributed import (LOST, TIMEOUT_S, Comm, agree_on_step, launch, peer_lost, rank_cores,
+                                             rank_dir)
+from tensorstow.executor.runtime import Executor, lane_cores
+from tensorstow.executor.ssd import SSDStore
 from tensorstow.ir.models import resolve_model
-from tensorstow.planner.schema import Plan
+from tensorstow.planner.simulate import plan_commit_s, sync_step_s
+from tensorstow.schema.plan import Plan
+from tensorstow.schema.schedule import block_gpus
 
 
 def execute(plan: Plan, *, steps: int, data: str = "synthetic", state_dir: str | None = None,
@@ -42,7 +51,6 @@ def execute(plan: Plan, *, steps: int, data: str = "synthetic", state_dir: str |
                               "(a directory on the SSD; it is created if missing)")
     with contextlib.ExitStack() as closing:  # the store's directory lock is released however we leave
         if state_dir is not None:
-            from tensorstow.executor.ssd import SSDStore
             d = state.claim(state_dir if comm is None else rank_dir(state_dir, rank), plan)
             store = closing.enter_context(SSDStore(d, state.store_sizes(plan, None if comm is None else f"gpu{rank}")))
             if comm is not None:
@@ -108,18 +116,15 @@ def execute(plan: Plan, *, steps: int, data: str = "synthetic", state_dir: str |
 
 def _gpus_of(plan: Plan) -> int:
     """How many processes the plan needs: one per GPU of its hardware when it spans several."""
-    from tensorstow.planner.pipeline import block_gpus
     used = set(block_gpus(plan).values())
     return len(plan.hardware.spec.gpus) if used != {"gpu0"} else 1
 
 
 def _launch(plan: Plan, nproc: int, kw: dict, out) -> dict:
-    from tensorstow.executor.distributed import launch
     need = _gpus_of(plan)
     if nproc != need:
         raise TensorstowError(f"this plan runs on {need} GPU(s) ({plan.hardware.name}): execute it with "
                               f"--nproc {need}, one process per GPU")
-    import tempfile
     with tempfile.TemporaryDirectory(prefix="tensorstow-plan-") as tmp:
         path = Path(tmp) / "plan.json"
         path.write_text(plan.dumps())
@@ -131,7 +136,6 @@ def predicted_step(plan: Plan, mode: str) -> float:
     """The step time the plan predicts for a mode: overlap runs its simulated schedule, sync one
     instruction after another (the sum of their modeled durations); both with the SSD store's
     commit (`cost.commit_time`) where the executor runs it (`simulate.sync_step_s`)."""
-    from tensorstow.planner.simulate import plan_commit_s, sync_step_s
     if mode == "overlap":
         return plan.predicted.step_time_s
     return sync_step_s(list(plan.instructions), plan_commit_s(plan))
@@ -150,8 +154,6 @@ def pick_mode(mode: str, plan: Plan | None = None) -> str:
     overlap 0.24 s)."""
     if mode != "auto":
         return mode
-    from tensorstow.executor.cuda import resolve_device
-    from tensorstow.executor.runtime import lane_cores
     device = resolve_device(None)
     if device.type == "cuda":
         return "overlap" if plan is None or plan.ssd_sizes() else "sync"
@@ -186,3 +188,56 @@ def describe(d: Path, ex: Executor, model) -> None:
     hf = isinstance(model, CausalLM)
     state.write_description(d, layouts, names, ex.frozen, "model." if hf else "",
                             model.model.config if hf else None)
+
+
+def worker(kw: dict) -> int:
+    """A rank's main: join the group, execute, leave; one error line on failure."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    try:
+        plan = Plan.load(kw.pop("plan"))
+        if world != _gpus_of(plan):
+            raise TensorstowError(f"this plan runs on {_gpus_of(plan)} GPU(s) ({plan.hardware.name}) but {world} "
+                                  f"processes were started: start one per GPU")
+        device = resolve_device(None, rank)
+        # NCCL where every rank has a GPU of its own; else gloo (CPU device tiers, or several
+        # ranks sharing one GPU), staging the boundaries through host memory
+        nccl = device.type == "cuda" and torch.cuda.device_count() >= world and dist.is_nccl_available()
+        if nccl:
+            torch.cuda.set_device(device)
+        if device.type == "cpu" and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, rank_cores(sorted(os.sched_getaffinity(0)), rank, world))
+        # NCCL moves device tensors; the step's agreement (losses, committed steps) is CPU tensors
+        dist.init_process_group("cpu:gloo,cuda:nccl" if nccl else "gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    except TensorstowError as e:
+        print(f"tensorstow: error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001 - the rendezvous failed: one line, not a traceback
+        print(f"tensorstow: error: rank {rank} could not join the process group: {e}", file=sys.stderr)
+        return 1
+    try:
+        out = sys.stdout if rank == 0 else open(os.devnull, "w")
+        if rank:  # one log and one trace, rank 0's
+            kw = dict(kw, log_json=None, trace=None)
+        execute(plan, **kw, rank=rank, comm=Comm(rank, world, on_device=nccl), out=out)
+        # every rank done before any leaves: gloo aborts a process (SIGABRT) whose peer closed its
+        # connections while it was still tearing its own down
+        dist.barrier()
+        return 0
+    except TensorstowError as e:
+        print(f"tensorstow: error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001 - one line for the launcher, not a traceback
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"tensorstow: error: {LOST} ({first})" if peer_lost(e) else f"tensorstow: error: {type(e).__name__}: {first}",
+              file=sys.stderr)
+        return 1
+    finally:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - a dead peer may leave the group unusable
+            pass
+
+
+if __name__ == "__main__":  # a rank's process, started by `executor.distributed.launch`
+    sys.exit(worker(json.loads(sys.argv[1])))

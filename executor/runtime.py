@@ -40,8 +40,8 @@ import dataclasses
 import os
 import queue
 import threading
-import weakref
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -49,7 +49,7 @@ from concurrent.futures import Future
 import torch
 import torch.nn as nn
 
-from tensorstow import TensorstowError
+from tensorstow.errors import TensorstowError
 from tensorstow.executor.aio import aligned_empty
 from tensorstow.executor.amp import AMP, LossScaler
 from tensorstow.executor.cuda import cap_allocator, check_device, lanes_for, out_of_memory, resolve_device
@@ -58,13 +58,12 @@ from tensorstow.executor.malloc import tune as tune_malloc
 from tensorstow.executor.segments import Joint
 from tensorstow.executor.ssd import SSDStore
 from tensorstow.executor.state import RNG, rng_bytes, set_rng
-from tensorstow.executor.stores import (DeviceMemoryError, DeviceTier, FileStore, HostCopy, HostPool, HostTier, Layout, SSDTier,
-                                        contiguous_stride)
+from tensorstow.executor.stores import (DeviceMemoryError, DeviceTier, FileStore, HostCopy, HostPool, HostTier, Layout,
+                                        SSDTier, contiguous_stride)
 from tensorstow.ir.trace import Traced, model_dims, trace_model
-from tensorstow.planner.pipeline import block_gpus, block_of, home_tiers, split_micro
-from tensorstow.planner.schedule import Instr, carried_buffers
-from tensorstow.planner.schema import as_plan
-from tensorstow.planner.simulate import resource_of
+from tensorstow.schema.plan import as_plan
+from tensorstow.schema.schedule import (Instr, block_gpus, block_of, carried_buffers, home_tiers, resource_of,
+                                        split_micro)
 
 MODES = ("sync", "overlap")
 KINDS = ("compute", "recompute", "load", "store", "free", "optimizer_step", "send", "commit")
@@ -922,7 +921,7 @@ class Executor:
         """Measured seconds each lane spent in the last step (same resource names as the simulator;
         the SSD's includes the store's early syncs and the part of the step's commit the step
         waited for, and "ssd.commit" the last commit's background part, as the simulator has them)."""
-        from tensorstow.planner.simulate import resource_of
+        from tensorstow.schema.schedule import resource_of
         out: dict[str, float] = {}
         for i, t0, t1 in self.timeline:
             r = resource_of(self.instrs[i].stream)

@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from tensorstow import TensorstowError
+from tensorstow.errors import TensorstowError
 from tensorstow.executor import aio
 
 log = logging.getLogger(__name__)

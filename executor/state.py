@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
-from tensorstow import TensorstowError
+from tensorstow.errors import TensorstowError
 from tensorstow.executor.amp import AMP
-from tensorstow.planner.schema import Plan, as_plan
+from tensorstow.schema.plan import Plan, as_plan
+from tensorstow.schema.schedule import block_gpus
 
 PLAN, LAYOUT, CONFIG = "plan.json", "layout.json", "config.json"
 RNG = "RNG"
@@ -44,7 +45,6 @@ def store_sizes(plan: Plan, gpu: str | None = None) -> dict[str, int]:
     """Every buffer the store holds: the training state (`plan.persistent()`), what the plan
     moves to SSD, the RNG, and for fp16-mixed the loss scaler's state. `gpu`: of a multi-GPU
     plan, only the buffers of the blocks that GPU's process runs (its rank's store)."""
-    from tensorstow.planner.pipeline import block_gpus
     plan = as_plan(plan)
     names = set(plan.persistent()) | set(plan.ssd_sizes())
     if gpu is not None:

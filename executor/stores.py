@@ -27,9 +27,8 @@ from pathlib import Path
 import torch
 import torch.utils._pytree as pytree
 
-from tensorstow.executor.aio import aligned_empty, huge_empty
-
-from tensorstow import TensorstowError
+from tensorstow.errors import TensorstowError
+from tensorstow.executor.aio import ALIGN, aligned_empty, huge_empty
 
 
 class DeviceMemoryError(TensorstowError):
@@ -354,7 +353,6 @@ class HostPool:
 
 
 def _page(n: int) -> int:
-    from tensorstow.executor.aio import ALIGN
     return -(-n // ALIGN) * ALIGN
 
 

@@ -202,3 +202,28 @@ def _tuplify(cls, d: dict):
             v = tuple(tuple(x) if isinstance(x, list) else x for x in v)
         kw[f.name] = v
     return cls(**kw)
+
+
+FLASH_DTYPES = ("float16", "bfloat16")
+
+
+FLASH_MAX_HEAD = 256
+
+
+FLASH_MIN_CAPABILITY = 8.0
+"""PyTorch runs its flash-attention kernels on CUDA compute capability 8.0 (Ampere) and newer."""
+
+
+def flash_eligible(dtypes, q_shape, k_shape, v_shape, masked: bool) -> bool:
+    """Whether CUDA's flash-attention kernels run this attention (PyTorch's own rules for them,
+    `sdp_utils`): 16-bit inputs of one dtype, no mask, as many key/value heads as query heads, one
+    head size that is a multiple of 8 and at most 256, and as many keys as queries (flash aligns a
+    causal mask bottom-right where the CPU kernel aligns it top-left). Used by the executor and,
+    from the trace's shapes, by the planner, so both agree on whether the backward recomputes."""
+    if masked or len(set(dtypes)) != 1 or str(next(iter(dtypes))).removeprefix("torch.") not in FLASH_DTYPES:
+        return False
+    if not (len(q_shape) == len(k_shape) == len(v_shape) == 4):
+        return False
+    d = q_shape[-1]
+    return (q_shape[1] == k_shape[1] == v_shape[1] and k_shape[-1] == v_shape[-1] == d and d % 8 == 0
+            and d <= FLASH_MAX_HEAD and q_shape[-2] == k_shape[-2])

@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from tensorstow import TensorstowError
+from tensorstow.errors import TensorstowError
 
 
 @dataclass(frozen=True, kw_only=True)

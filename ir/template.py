@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from tensorstow import TensorstowError
+from tensorstow.errors import TensorstowError
 from tensorstow.ir.graph import Graph
 
 

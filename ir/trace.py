@@ -28,7 +28,7 @@ import torch.utils.flop_counter as flop_counter
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
-from tensorstow import TensorstowError
+from tensorstow.errors import TensorstowError
 from tensorstow.ir.graph import Block, Graph, Op, Tensor, attention_flops, draws_random, stable_hash
 
 PRECISIONS = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
@@ -134,10 +134,11 @@ def trace(model: nn.Module, *, batch: int, seq: int, precision: str = "fp32",
     def step(p, b, i, t):
         return loss_of(functional_call(model, {**p, **b}, (i, t)), f"{model_name}' ({forward_site(model)})")
 
-    from tensorstow.ir.autocast import gpu_autocast
     # The backward is traced outside autocast, as eager AMP runs `loss.backward()` after the
     # autocast region (torch's default would trace it under the forward's autocast state).
     from torch._functorch import config as functorch_config
+
+    from tensorstow.ir.autocast import gpu_autocast
     if not hasattr(functorch_config, "backward_pass_autocast"):
         raise TensorstowError(f"torch {torch.__version__} cannot trace a training step as tensorstow does (it "
                               f"has no torch._functorch.config.backward_pass_autocast): install torch>=2.10,<2.15")

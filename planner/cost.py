@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tensorstow.executor.device_ops import FLASH_MIN_CAPABILITY, flash_eligible
-from tensorstow.ir.graph import Graph, attention_flops, draws_random, lsum
-from tensorstow.planner.hardware import CPU_GPU_NAME, Hardware
+from tensorstow.ir.graph import FLASH_MIN_CAPABILITY, Graph, attention_flops, draws_random, flash_eligible, lsum
+from tensorstow.schema.hardware import CPU_GPU_NAME, Hardware
 
 # Bytes moved per parameter by one Adam step on the GPU: read param, grad, master, m, v and
 # write master, m, v, param (mixed precision: 2+2+4+4+4 read, 4+4+4+2 written).

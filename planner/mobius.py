@@ -128,7 +128,7 @@ def partition(sp: StageProblem, *, max_stages: int | None = None, time_limit_s: 
     best: Partition | None = None
     notes = []
     for K in range(1, min(L, max_stages or L) + 1):
-        r = _solve_k(sp, K, time_limit_s)
+        r = solve_stages(sp, K, time_limit_s)
         notes.append(f"K={K}: {r.message}")
         if r.feasible and (best is None or r.time_s < best.time_s - 1e-12):
             best = r
@@ -137,7 +137,7 @@ def partition(sp: StageProblem, *, max_stages: int | None = None, time_limit_s: 
     return dataclasses.replace(best, message="; ".join(notes))
 
 
-def _solve_k(sp: StageProblem, K: int, time_limit_s: float, gap: float = 0.0, max_nodes: int = 0) -> Partition:
+def solve_stages(sp: StageProblem, K: int, time_limit_s: float, gap: float = 0.0, max_nodes: int = 0) -> Partition:
     """The MIP for exactly K stages; `gap`: stop within this relative gap of the optimum (0: exact);
     `max_nodes`: a branch-and-bound node limit (deterministic, unlike the time limit). A solve cut
     by a limit returns its best integer solution, if it has one."""

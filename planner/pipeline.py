@@ -10,7 +10,7 @@ one runs is prefetched into the memory this one leaves free (Mobius Eq. 5-6); th
 once this visit's parameters are released.
 
 Per microbatch m the activations are their own buffers, `A:<b>@m`, `X:<b>@m`, `H:<b>@m`,
-`T:<b>@m` (planner.schedule names the kinds): a forward offloads its block's saved activations
+`T:<b>@m` (schema.schedule names the kinds): a forward offloads its block's saved activations
 and input checkpoint to DRAM (Mobius §3.1, A_Mobius) and the backward brings them back; at a
 stage boundary the output activation (`X` of the next stage's first block) and the activation
 gradient (`H` of a stage's first block) go GPU to GPU as `send` instructions (through DRAM
@@ -29,21 +29,11 @@ from __future__ import annotations
 import dataclasses
 
 from tensorstow.planner.cost import BlockProfile
-from tensorstow.planner.schedule import Buffer, Decisions, Instr, _Emitter, _write_new, buffers_for, carried_buffers
+from tensorstow.planner.schedule import Emitter, buffers_for, write_new
+from tensorstow.schema.schedule import Buffer, Decisions, Instr, home_tiers
 
 PER_MICRO = ("A", "X", "H", "T")
 """Buffer kinds with one copy per microbatch."""
-
-
-def split_micro(name: str) -> tuple[str, int | None]:
-    """`A:b@2` -> ("A:b", 2); a name without a microbatch -> (name, None)."""
-    base, at, m = name.rpartition("@")
-    return (base, int(m)) if at and m.isdigit() else (name, None)
-
-
-def block_of(name: str) -> str:
-    """The block a buffer name belongs to: `A:h.3@1` -> `h.3`."""
-    return split_micro(name)[0].split(":")[-1]
 
 
 def pipeline_buffers(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str, str],
@@ -70,32 +60,6 @@ def pipeline_buffers(order: list[str], prof: dict[str, BlockProfile], profile_of
     return out
 
 
-def home_tiers(buffers: dict[str, Buffer], decisions: Decisions, order: list[str]) -> dict[str, str]:
-    """Buffer -> the tier it lives on between steps: a "gpu" home is its stage's GPU."""
-    pl = decisions.pipeline
-    if pl is None or pl.kind == "data-parallel":
-        gpu_of = {b: "gpu0" for b in order}
-    else:
-        stage = pl.stage_of(order)
-        gpu_of = {b: f"gpu{pl.gpus[stage[b]]}" for b in order}
-    return {n: (gpu_of[b.block] if b.home == "gpu" else b.home) for n, b in buffers.items() if b.home}
-
-
-def initial_residency(buffers: dict[str, Buffer], decisions: Decisions, order: list[str]) -> set[tuple[str, str]]:
-    """The (buffer, tier) copies present when a step starts: every home, and the DRAM copies
-    `Decisions.deferred_writes` carries from the step before."""
-    return set(home_tiers(buffers, decisions, order).items()) | {
-        (x, "dram") for x in carried_buffers(decisions, buffers)}
-
-
-def block_gpus(plan) -> dict[str, str]:
-    """Block -> the GPU tier ("gpuK") that runs it, for a plan file (`planner.schema.Plan`)."""
-    pl, order = plan.decisions.pipeline, [b.name for b in plan.model.blocks]
-    if pl is None or pl.kind == "data-parallel":
-        return {b: "gpu0" for b in order}
-    return {b: f"gpu{pl.gpus[j]}" for b, j in pl.stage_of(order).items()}
-
-
 def lower_pipeline(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str, str],
                    decisions: Decisions, buffers: dict[str, Buffer], capacity: dict[str, int]) -> list[Instr]:
     """One step's instruction list for a pipeline (`decisions.pipeline`); `capacity`: bytes the
@@ -114,7 +78,7 @@ class _Pipeline:
         self.stages = [order[lo:hi] for lo, hi in pl.stages]
         self.gpu = [f"gpu{k}" for k in pl.gpus]
         self.gpu_of = {b: self.gpu[j] for j, bl in enumerate(self.stages) for b in bl}
-        self.e = _Emitter(self.gpu[0])
+        self.e = Emitter(self.gpu[0])
         self.home = home_tiers(buffers, decisions, order)
         for n, t in self.home.items():
             self.e.where[(n, t)] = None
@@ -365,7 +329,7 @@ class _Pipeline:
             if self.home[x] == "dram":
                 continue
             if x == f"P:{b}" and self.mixed:
-                _write_new(e, x, "dram", self.home[x], u, g)
+                write_new(e, x, "dram", self.home[x], u, g)
             else:
                 w = e.move(x, "dram", self.home[x], (u,))
                 e.free(x, "dram", (w,))
@@ -384,7 +348,7 @@ def _lower_data_parallel(order, prof, profile_of, decisions, buffers) -> list[In
     every GPU's backward, one sub-group (block) at a time, each followed by the blocking write-back
     of its updated parameters (`step`; `cost.zero3_param_writeback_time`)."""
     pl = decisions.pipeline
-    e = _Emitter("gpu0")
+    e = Emitter("gpu0")
     has = buffers.__contains__
     home = home_tiers(buffers, decisions, order)
     for n, t in home.items():

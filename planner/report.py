@@ -5,9 +5,11 @@ from __future__ import annotations
 import dataclasses
 from html import escape
 
-from tensorstow import TensorstowError
+from tensorstow.errors import TensorstowError
 from tensorstow.ir.models import PRESETS, gpt_param_count
-from tensorstow.planner.plan import Options, build_problem, plan_problem
+from tensorstow.schema.options import Options
+from tensorstow.planner.plan import plan_problem
+from tensorstow.planner.problem import build_problem
 
 SWEEP_KEYS = {"ssd_count": "ssds", "ssds": "ssds", "dram": "dram", "batch": "batch"}
 

@@ -1,192 +1,15 @@
-"""Decisions (what a policy chooses) and their lowering into the static schedule.
+"""Lowering: a policy's decisions (`schema.schedule.Decisions`) turned into the static schedule.
 
 A policy returns `Decisions` only; `lower()` turns them into the instruction list,
 deterministically (Checkmate's `schedule_from_rs`). Every policy shares this lowering, so
 their plans differ only where their decisions differ and are compared on one yardstick.
 
-Buffers are per block and per kind (granularity: a block's activations move as one unit):
-  P:<b>  parameters in compute precision        G:<b>  their gradient (compute precision)
-  M:<b>  fp32 master copy (mixed precision)     OS:<b> Adam exp_avg + exp_avg_sq (fp32)
-  C:<b>  constants: frozen parameters, buffers (read-only: loaded like P, never written back)
-  X:<b>  the block's input checkpoint           A:<b>  activations saved inside the block
-  R:<b>  saved activations a partial swap makes again before the backward (BlockDecision.reforward)
-  T:<b>  values b's backward carries to a later backward (a tied weight's partial gradient)
-  H:<b>  what b's backward hands to the next backward (the activation gradient)
-  W:<b>  transient workspace of a segment
-  AE:<b>, RE:<b>  with a cut backward (BlockDecision.bwd_cut), the part of A:/R:<b> only the first
-         part reads, released when it ends; K:<b> what the first part hands to the second
+The buffer kinds and the names they use are `schema.schedule`'s.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from tensorstow.planner.cost import BlockProfile
-from tensorstow.planner.typed import freeze
-
-TIERS = ("gpu", "dram", "ssd")
-
-
-ACTIVATION_CHOICES = ("keep", "swap_dram", "swap_ssd", "recompute")
-
-
-@dataclass(frozen=True, kw_only=True)
-class BlockDecision:
-    params: str = "gpu"
-    """Home tier of the compute-precision parameters P; not "gpu" = streamed in per use."""
-    states: str = "gpu"
-    """Home tier of the fp32 master copy and Adam states (M, OS)."""
-    optimizer: str = "gpu"
-    """Where the block's optimizer subgroup is updated: "gpu" or "cpu"."""
-    activations: str = "keep"
-    """Saved activations A: keep on GPU, swap to DRAM / SSD, or recompute from the checkpoint."""
-    checkpoint: str = "gpu"
-    """Tier holding the block's input X between forward and backward."""
-    reforward: bool = False
-    """With a swap: move only the outputs of the block's FLOP-bearing ops (A:<b>, the profile's
-    `swapped`) and make the rest of its saved values again before its backward from those and X
-    (R:<b>, a `recompute` of segment `refwd:<b>`): Fuyou Table 2's per-layer choice, the linear
-    layers' outputs swapped and the FLOP-free ops recomputed."""
-    bwd_cut: int = 0
-    """The block's backward runs in two parts (segments `bwd1:<b>`, the first `bwd_cut` ops, and
-    `bwd2:<b>`), and what only the first part reads of its saved activations (AE:/RE:<b>) is released
-    between them, so the swapped block before it can load its activations into that room while the
-    second part runs: LoHan's layer-by-layer swapping (§IV-D) at the granularity of the block's
-    profile cut (`BlockProfile.bwd_cut`). 0: one segment, `bwd:<b>`."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Pipeline:
-    """A multi-GPU plan's structure (Mobius §3): runs of consecutive blocks (stages), the GPU each
-    runs on, and the microbatches one step is cut into. A block's "gpu" tier is its stage's GPU."""
-    kind: str
-    """mobius (stages swapped in from DRAM), gpipe (every stage resident) or data-parallel
-    (every GPU runs every block on its own microbatch: ZeRO-3-like, `stages` is one stage)."""
-    stages: tuple[tuple[int, int], ...]
-    """Per stage, its blocks [first, last) in forward order."""
-    gpus: tuple[int, ...]
-    """Per stage, the index of its GPU (data-parallel: every GPU)."""
-    microbatches: int
-    """M: the step's batch is M microbatches of `model.batch` samples."""
-    mapping: str = "cross"
-    """How `gpus` was chosen: cross (Mobius §3.3, from the root complexes) or sequential."""
-
-    def to_json(self) -> dict:
-        return {"kind": self.kind, "stages": [list(s) for s in self.stages], "gpus": list(self.gpus),
-                "microbatches": self.microbatches, "mapping": self.mapping}
-
-    def stage_of(self, order: list[str]) -> dict[str, int]:
-        """Block name -> its stage."""
-        return {order[i]: j for j, (lo, hi) in enumerate(self.stages) for i in range(lo, hi)}
-
-
-@dataclass(frozen=True, kw_only=True)
-class Decisions:
-    policy: str
-    blocks: dict[str, BlockDecision]
-    """Per block, in forward order."""
-    prefetch: int = 1
-    """Streamed blocks loaded ahead of use (Fuyou §4.4 FIFO prefetch). STRONGHOLD's window of m
-    layers is prefetch = m: m+1 parameter buffers on the GPU (STRONGHOLD Eq. 1c)."""
-    overlap_optimizer: bool = False
-    """True: a block's CPU update starts once its gradient arrives, during backward (LoHan
-    active gradient offloading); False: all updates after backward (ZeRO-Infinity, Fuyou Fig. 2a)."""
-    serialize_optimizer: bool = False
-    """True: subgroup i+1's state read waits for subgroup i's write-back (no I/O pipelining)."""
-    grad_buffers: int = 0
-    """Gradient slots in DRAM for CPU-updated subgroups (0 = unbounded): the backward of a block
-    waits until the gradient `grad_buffers` blocks earlier has been consumed by its update, so
-    an optimizer slower than backward throttles it instead of filling DRAM. Only with
-    overlap_optimizer (otherwise every gradient waits for the end of backward anyway)."""
-    notes: tuple[str, ...] = ()
-    """Human-readable reasons the policy gives for its choices."""
-    pipeline: Pipeline | None = None
-    """Several GPUs: the stages, their GPUs and the microbatches (planner.pipeline); None: one GPU."""
-    swap_grads: bool = False
-    """CPU-updated gradients go on from DRAM to SSD when the backward makes them, in fp32, and come
-    back for the update: DeepSpeed's ZeRO-Infinity with the optimizer on NVMe (stage3.py
-    `_offload_grad_partition_at_boundary` casts them to fp32, `swap_out_gradients` writes them;
-    the optimizer swaps them in with the states). The zero-infinity baseline's."""
-    blocking_copies: bool = False
-    """The compute waits for the copies that go with it, as DeepSpeed 0.9.3 makes them: a block's
-    input checkpoint goes to DRAM before the block runs and comes back when its backward starts
-    (activation_checkpointing/checkpointing.py, `CPU_CHECKPOINT`: `.to(device)`, blocking), and each
-    gradient's copy to DRAM holds up the next backward (swap_tensor/utils.py `insert_tensor`, a
-    blocking `copy_` into the gradient swapper's pinned buffer; its write to SSD stays
-    asynchronous). The zero-infinity baseline's (Fuyou Fig. 2a: "P^i (SSD to CPU), P^i (CPU to
-    GPU), C_G^i (GPU), and A^i (GPU to CPU) are serialized")."""
-    keep_params_for_update: bool = False
-    """fp32: a CPU-updated block's parameters, read SSD -> DRAM -> GPU for its backward, keep the
-    DRAM copy until the update instead of reading it from SSD again after the backward (one SSD
-    read less per block and step, for that copy's DRAM from the backward's load to the update).
-    `planner.plan.schedule` sets it where the plan still fits and is not slower."""
-    ssd_reads_first: bool = False
-    """The SSD reads a computation waits for (parameters, activations) go on `ssd.first`, which
-    the executor's store runs ahead of queued writes and the simulator lets pause the write in
-    progress; the update pipeline's reads stay on `ssd.read`, in order with the writes, each after
-    the `ssd.first` read emitted before it. Off: every SSD read on `ssd.read`, in program order.
-    `planner.plan.schedule` sets it where the plan still fits (a read that keeps pausing writes
-    delays the DRAM those writes free)."""
-    deferred_writes: tuple[str, ...] = ()
-    """Blocks whose update's write-backs to SSD run at the start of the next step instead of
-    ending this one: their updated P (and M) and Adam states stay in DRAM across the step
-    boundary (carried, `carried_buffers`), the next step writes them home beside its first
-    forwards and its first forward takes P from that DRAM copy instead of reading it from SSD.
-    The step's state is then whole on SSD only once those writes are done: a `commit`
-    instruction there commits the previous step, and every update and SSD write of this step
-    waits for it. One GPU, CPU updates; `planner.plan.defer_writes` sets it for the blocks
-    updated last where the plan still fits and is faster."""
-    host_reserved: int = 0
-    """DRAM bytes the system a policy models holds all step besides the plan's buffers, counted in
-    the DRAM peak: the zero-infinity baseline's DeepSpeed pinned swap buffers and host gradient
-    buffers (planner/policies/zero_infinity.py). The executor does not allocate it."""
-
-    device_reserved: int = 0
-    """Bytes each GPU holds all step besides the plan's buffers: the step's inputs (token ids,
-    targets, the loss tangent) of every microbatch, which the executor puts on the device when the
-    step starts. Set by `planner.plan.schedule`."""
-
-    def __post_init__(self):
-        freeze(self)
-
-    def fp32_grads(self, mixed: bool) -> bool:
-        """Whether a mixed-precision plan's G buffers hold fp32 gradients: accumulated over
-        microbatches (as eager's fp32 `.grad`; not the data-parallel baseline's per-GPU ones), or on
-        their way to SSD (`swap_grads`). The planner sizes G by it and the executor casts to it."""
-        pl = self.pipeline
-        return mixed and (self.swap_grads or (pl is not None and pl.microbatches > 1 and pl.kind != "data-parallel"))
-
-    def reserved(self) -> dict[str, int]:
-        """Tier -> bytes held all step outside the plan's buffers (the simulator's starting use)."""
-        out = {"dram": self.host_reserved} if self.host_reserved else {}
-        if self.device_reserved:
-            for k in sorted(set(self.pipeline.gpus)) if self.pipeline else [0]:
-                out[f"gpu{k}"] = self.device_reserved
-        return out
-
-    def to_json(self) -> dict:
-        d = {"policy": self.policy, "prefetch": self.prefetch, "grad_buffers": self.grad_buffers,
-             "overlap_optimizer": self.overlap_optimizer,
-             "serialize_optimizer": self.serialize_optimizer, "notes": list(self.notes),
-             "blocks": {b: {k: v for k, v in vars(d).items() if k not in ("reforward", "bwd_cut") or v}
-                        for b, d in self.blocks.items()}}
-        if self.pipeline is not None:
-            d["pipeline"] = self.pipeline.to_json()
-        if self.swap_grads:
-            d["swap_grads"] = True
-        if self.blocking_copies:
-            d["blocking_copies"] = True
-        if self.keep_params_for_update:
-            d["keep_params_for_update"] = True
-        if self.ssd_reads_first:
-            d["ssd_reads_first"] = True
-        if self.deferred_writes:
-            d["deferred_writes"] = list(self.deferred_writes)
-        if self.host_reserved:
-            d["host_reserved"] = self.host_reserved
-        if self.device_reserved:
-            d["device_reserved"] = self.device_reserved
-        return d
-
+from tensorstow.schema.schedule import TIERS, BlockDecision, Buffer, Decisions, Instr, carried_buffers
 
 OPTIMIZER_INPUTS = ("M", "OS", "G")
 """Buffers an SSD read brings for an update: the fp32 master, Adam's states, a swapped gradient."""
@@ -199,66 +22,8 @@ def ssd_read_stream(buf: str, first: bool) -> str:
     the writes in order (ahead of them they would fill DRAM with states whose write-back keeps
     being put off), on a stream of their own so a read that waits for DRAM room there holds up no
     parameter read. Each of those waits for the `ssd.first` read emitted before it
-    (`_Emitter.emit`), the pace one shared stream gave them. Without: all on `ssd.read`."""
+    (`Emitter.emit`), the pace one shared stream gave them. Without: all on `ssd.read`."""
     return "ssd.first" if first and buf.split(":")[0] not in OPTIMIZER_INPUTS else "ssd.read"
-
-
-@dataclass(frozen=True)
-class Instr:
-    id: int
-    kind: str
-    """compute | recompute | load | store | free | optimizer_step | send"""
-    stream: str
-    """gpuK.compute, gpuK.h2d, gpuK.d2h, gpuK.send, ssd.first, ssd.read, ssd.write, cpu.opt"""
-    deps: tuple[int, ...]
-    segment: str = ""
-    """compute/recompute: "fwd:<b>", "bwd:<b>" or "refwd:<b>" (a partial swap's re-forward);
-    optimizer_step: the subgroup (block)."""
-    tensor: str = ""
-    """load/store/free: the buffer."""
-    src: str = ""
-    dst: str = ""
-    """load/store: tiers; free: `dst` is the tier released; optimizer_step: the device."""
-    allocs: tuple[str, ...] = ()
-    """Buffers this instruction creates on the compute device (compute/recompute)."""
-    workspace: str = ""
-    """Transient buffer held only while the instruction runs."""
-    est_s: float = 0.0
-    """Modeled duration (set when the plan is written; 0 straight out of the lowering)."""
-    micro: int = 0
-    """compute/recompute: the microbatch the segment runs on (pipelines; 0 otherwise)."""
-    accum: tuple[str, ...] = ()
-    """compute: gradient buffers the segment adds its results into (a later microbatch)."""
-    contended_s: float = 0.0
-    """compute/recompute: how much longer than `est_s` it runs in the overlapped replay, where copies
-    and SSD transfers stream host memory beside it (`GPU.host_contention`: the CPU device tier; 0 on
-    a GPU). Sync mode runs nothing beside it and takes `est_s` alone."""
-
-    def to_json(self) -> dict:
-        d = {"id": self.id, "kind": self.kind, "stream": self.stream, "deps": list(self.deps),
-             "est_s": self.est_s}
-        for k in ("segment", "tensor", "src", "dst", "workspace", "micro", "contended_s"):
-            if getattr(self, k):
-                d[k] = getattr(self, k)
-        for k in ("allocs", "accum"):
-            if getattr(self, k):
-                d[k] = list(getattr(self, k))
-        return d
-
-
-@dataclass(frozen=True)
-class Buffer:
-    name: str
-    bytes: int
-    kind: str
-    block: str
-    home: str = ""
-    """Tier holding it at the start and end of every step ("" = created and freed within the step)."""
-    members: tuple[str, ...] = ()
-    """What it holds, in layout order, by the names of the block's profile (a replica holds its
-    own layer's tensors of those names): model-state names for P/C, `<param>.master` for M,
-    `<param>.exp_avg`/`.exp_avg_sq` for OS, joint-graph storage roots for G/A/X/T. Workspaces
-    (W) list none: their bytes are the segment's peak of short-lived temporaries."""
 
 
 def buffers_for(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str, str],
@@ -339,7 +104,7 @@ def swap_bytes(p: BlockProfile, reforward: bool) -> int:
     return p.swap_bytes if reforward and p.rest else p.saved_bytes
 
 
-class _Emitter:
+class Emitter:
     def __init__(self, gpu: str, reads_first: bool = False):
         self.gpu = gpu
         self.reads_first = reads_first
@@ -410,7 +175,7 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
     (executor.amp), so every optimizer step waits for the last backward instead of overlapping
     it, and the subgroups' state reads are double-buffered (a read waits for the write-back of
     the subgroup two before it) so DRAM never holds more than two subgroups' states in flight."""
-    e = _Emitter(gpu, decisions.ssd_reads_first)
+    e = Emitter(gpu, decisions.ssd_reads_first)
     comp = f"{gpu}.compute"
     has = buffers.__contains__
     home = {n: (gpu if b.home == "gpu" else b.home) for n, b in buffers.items() if b.home}
@@ -566,7 +331,7 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
                 continue
             if s == f"P:{b}" and mixed:
                 # LoHan Table II: the optimizer produces P16 from P32; send it to P's home.
-                last = _write_new(e, s, tier, home[s], u, gpu)
+                last = write_new(e, s, tier, home[s], u, gpu)
             else:
                 last = e.move(s, tier, home[s], (u,))
                 e.free(s, tier, (last,))
@@ -671,15 +436,7 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
     return e.instrs
 
 
-def carried_buffers(decisions: Decisions, buffers: dict[str, Buffer]) -> list[str]:
-    """The buffers `Decisions.deferred_writes` keeps in DRAM between steps (those with an SSD home
-    of blocks updated on the CPU), in the order the next step writes them home: the master and
-    Adam's states, then the parameters."""
-    return [f"{k}:{b}" for b in decisions.deferred_writes for k in ("M", "OS", "P")
-            if f"{k}:{b}" in buffers and buffers[f"{k}:{b}"].home == "ssd" and decisions.blocks[b].optimizer == "cpu"]
-
-
-def _write_new(e: _Emitter, buf: str, at: str, home: str, after: int, gpu: str) -> int:
+def write_new(e: Emitter, buf: str, at: str, home: str, after: int, gpu: str) -> int:
     """The optimizer wrote a fresh copy of `buf` on tier `at`; move it home and drop the rest."""
     e.where[(buf, at)] = after
     w = e.move(buf, at, home, (after,))

@@ -24,15 +24,12 @@ import json
 from dataclasses import dataclass, field
 
 from tensorstow.ir.graph import lsum
-from tensorstow.planner.schedule import Instr
+from tensorstow.planner.cost import commit_time
+from tensorstow.schema.schedule import Instr, initial_residency, resource_of
 
 
 class ScheduleError(Exception):
     """The instruction list is inconsistent (a planner bug, not bad user input)."""
-
-
-def resource_of(stream: str) -> str:
-    return "ssd" if stream.startswith("ssd.") else stream
 
 
 @dataclass
@@ -298,10 +295,9 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
 
 
 def simulate_plan(plan) -> SimResult:
-    """Replay a plan file (`planner.schema.Plan`) as written: its instructions with their
+    """Replay a plan file (`schema.plan.Plan`) as written: its instructions with their
     `est_s` (+ `contended_s`), its buffers' bytes, the homes as the initial placement, its
     hardware's links."""
-    from tensorstow.planner.pipeline import initial_residency
     order = [b.name for b in plan.model.blocks]
     initial = initial_residency(dict(plan.buffers), plan.decisions, order)
     instrs = list(plan.instructions)
@@ -408,7 +404,6 @@ def sync_step_s(instrs: list[Instr], commit_s: float) -> float:
 
 def plan_commit_s(plan) -> float:
     """The SSD store's commit that ends a plan file's step (`cost.commit_time`)."""
-    from tensorstow.planner.cost import commit_time
     return commit_time(plan.hardware.spec, plan.instructions)
 
 

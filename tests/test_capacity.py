@@ -5,15 +5,17 @@ import pytest
 
 from tensorstow import TensorstowError
 from tensorstow.cli import main
-from tensorstow.planner.hardware import load_hardware
-from tensorstow.planner.plan import Options, build_problem, plan_problem, policies
+from tensorstow.planner.presets import load_hardware
+from tensorstow.schema.options import Options
+from tensorstow.planner.plan import plan_problem, POLICIES
+from tensorstow.planner.problem import build_problem
 from tensorstow.planner import report
 
 
 def test_auto_keeps_the_fastest_feasible_policy(tmp_path, capsys):
     hw = load_hardware("lohan-rtx4090").with_overrides(gpu_mem=3 * 10**6)
     p = build_problem(Options(model="gpt-tiny", hardware="lohan-rtx4090", batch=2, gpu_mem=3 * 10**6), hw)
-    plans = {name: plan_problem(p, name) for name in policies()}
+    plans = {name: plan_problem(p, name) for name in POLICIES}
     feasible = {n: pl.sim.step_time_s for n, pl in plans.items() if pl.fits}
     assert "all-gpu" not in feasible  # 3 MB cannot hold everything
     auto = plan_problem(p, "auto")
@@ -28,12 +30,12 @@ def test_auto_keeps_the_fastest_feasible_policy(tmp_path, capsys):
 def test_every_policy_fits_or_says_why_with_numbers():
     hw = load_hardware("lohan-rtx4090").with_overrides(gpu_mem=3 * 10**6)
     p = build_problem(Options(model="gpt-tiny", hardware="lohan-rtx4090", batch=2, gpu_mem=3 * 10**6), hw)
-    for name in policies():
+    for name in POLICIES:
         pl = plan_problem(p, name)
         for tier, pts in pl.sim.timeline.items():  # the simulator's own accounting never goes negative
             assert min(v for _, v in pts) >= 0
         if not pl.fits:
-            from tensorstow.planner.plan import infeasible_message
+            from tensorstow.planner.problem import infeasible_message
             msg = infeasible_message(pl, pl.over_capacity())
             assert "needs" in msg and "capacity" in msg and ("MB" in msg or "KB" in msg)
 

@@ -129,7 +129,7 @@ def test_bad_options_fail_before_the_machine_is_probed(args, needle, capsys, mon
     """Guards against probing before validating: `plan gpt-nope` (on `--hw local`, the default)
     would probe the machine for 14 s before saying the model is unknown, and a busy machine's
     probe warning would come first."""
-    from tensorstow.planner import probe as probe_mod
+    from tensorstow import calibrate as probe_mod
 
     def no_probe(*a, **k):
         raise AssertionError("probed before checking the options")
@@ -187,7 +187,7 @@ def test_probe_writes_a_spec_and_reports_native_engines(tmp_path, capsys):
     assert main(["probe", "-o", str(out), "--disk-dir", str(tmp_path)]) == 0
     err = capsys.readouterr().err
     assert "aio:" in err and "adam:" in err  # C++ engine or the fallback, and why
-    from tensorstow.planner.hardware import load_hardware
+    from tensorstow.planner.presets import load_hardware
     hw = load_hardware(str(out))
     assert hw.name == "local" and hw.gpu.memory_bytes > 0 and hw.cpu.adam_rate > 0
 
@@ -215,8 +215,8 @@ def test_the_demo_plans_in_fp32_where_16_bit_matmuls_are_slower_than_fp32(monkey
     import dataclasses
 
     from tensorstow import cli
-    from tensorstow.planner import probe as probe_mod
-    from tensorstow.planner.hardware import load_hardware
+    from tensorstow import calibrate as probe_mod
+    from tensorstow.planner.presets import load_hardware
     hw = load_hardware("lohan-rtx4090")
     g = hw.gpus[0]
     for flops, want in ((g.flops_fp32 / 400, ["--precision", "fp32"]), (g.flops_fp32 * 2, [])):

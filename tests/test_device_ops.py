@@ -16,8 +16,9 @@ from tensorstow.executor.device_ops import PORTABLE, check_portable, cpu_only, s
 from tensorstow.executor.runtime import Executor
 from tensorstow.ir.models import GPT, PRESETS, resolve_model
 from tensorstow.ir.trace import trace
-from tensorstow.planner.hardware import load_hardware
-from tensorstow.planner.plan import Options, make_plan
+from tensorstow.planner.presets import load_hardware
+from tensorstow.schema.options import Options
+from tensorstow.planner.plan import make_plan
 from tests.oracle import train_eager
 
 aten = torch.ops.aten
@@ -113,8 +114,8 @@ def test_the_planner_counts_the_attention_recompute_of_a_gpu_backward(precision,
     import dataclasses
 
     from tensorstow.planner import cost
-    from tensorstow.planner.plan import build_problem
-    from tensorstow.planner.hardware import CPU_GPU_NAME
+    from tensorstow.planner.problem import build_problem
+    from tensorstow.schema.hardware import CPU_GPU_NAME
     hw = load_hardware("lohan-rtx4090")
     p = build_problem(Options(model="gpt-tiny", hardware="lohan-rtx4090", batch=2, seq=32, precision=precision), hw)
     b = next(o.block for o in p.graph.ops if o.target == str(aten._scaled_dot_product_flash_attention_for_cpu.default))
@@ -165,7 +166,7 @@ def test_the_flash_calls_give_what_the_cpu_kernels_give_in_shape_and_layout(dtyp
 
 
 def test_flash_runs_exactly_the_attention_pytorch_hands_to_its_flash_kernels():
-    from tensorstow.executor.device_ops import flash_eligible
+    from tensorstow.ir.graph import flash_eligible
     q = (2, 4, 16, 64)
     assert flash_eligible({torch.bfloat16}, q, q, q, masked=False)
     assert flash_eligible({"float16"}, q, q, q, masked=False)  # the IR's dtype names

@@ -128,7 +128,7 @@ def test_auto_mode_overlaps_where_the_lanes_have_cores_of_their_own(monkeypatch)
     import torch
 
     from tensorstow.executor.run import pick_mode
-    from tensorstow.planner.schema import as_plan
+    from tensorstow.schema.plan import as_plan
     from tests.test_executor import get_plan
     on_ssd, resident = as_plan(get_plan("zero-infinity")), as_plan(get_plan("all-gpu"))
     assert on_ssd.ssd_sizes() and not resident.ssd_sizes()

@@ -27,9 +27,11 @@ from tensorstow.executor.runtime import Executor
 from tensorstow.executor.stores import DeviceMemoryError, FileStore
 from tensorstow.ir.models import GPT, PRESETS
 from tensorstow.ir.trace import trace
-from tensorstow.planner.hardware import load_hardware
-from tensorstow.planner.plan import Options, build_problem, make_plan, policies, schedule
-from tensorstow.planner.schedule import BlockDecision, Decisions
+from tensorstow.planner.presets import load_hardware
+from tensorstow.schema.options import Options
+from tensorstow.planner.plan import make_plan, POLICIES
+from tensorstow.planner.problem import build_problem, schedule
+from tensorstow.schema.schedule import BlockDecision, Decisions
 
 B, T, STEPS = 2, 32, 3
 VOCAB = PRESETS["gpt-tiny"].vocab_size
@@ -68,7 +70,7 @@ def assert_fits(plan) -> None:
 
 def policy_plan(name: str, **kw) -> dict:
     p = problem(**kw)
-    return plan_json(policies()[name](p), **kw)
+    return plan_json(POLICIES[name](p), **kw)
 
 
 def mix(choose) -> Decisions:
@@ -738,7 +740,7 @@ def test_a_gpu_smaller_than_the_plans_is_refused_with_both_named(monkeypatch):
     from types import SimpleNamespace
 
     from tensorstow.executor.cuda import check_device
-    from tensorstow.planner.schema import Plan
+    from tensorstow.schema.plan import Plan
     plan = Plan.from_json(get_plan("zero-infinity"))
     cap = plan.predicted.capacity_bytes["gpu"]
     need = cap + plan.hardware.spec.gpu.reserved_bytes  # the CUDA context and workspaces on top
@@ -810,7 +812,7 @@ def test_the_measured_ssd_lane_includes_the_stores_early_syncs(tmp_path):
     counts those syncs, and the run trains as one without them does."""
     from tensorstow.executor.ssd import SSDStore
     from tensorstow.executor.state import store_sizes
-    from tensorstow.planner.simulate import resource_of
+    from tensorstow.schema.schedule import resource_of
     plan = get_plan("zero-infinity")
     data = list(batches("synthetic", B, T, VOCAB, 2, seed=0))
     runs = {}
@@ -853,7 +855,7 @@ def test_the_measured_ssd_lane_includes_the_steps_commit(tmp_path, monkeypatch):
     monkeypatch.setattr(ex.ssd.store, "commit", slow_commit)
     x, y = next(iter(batches("synthetic", B, T, VOCAB, 1, seed=0)))
     ex.step(x, y)
-    from tensorstow.planner.simulate import resource_of
+    from tensorstow.schema.schedule import resource_of
     instr_ssd = sum(t1 - t0 for i, t0, t1 in ex.timeline if resource_of(ex.instrs[i].stream) == "ssd")
     assert ex.commit_s >= 0.05
     assert ex.lane_busy()["ssd"] == pytest.approx(instr_ssd + ex.commit_s)
@@ -867,7 +869,7 @@ def test_a_steps_own_swaps_to_ssd_are_not_synced_and_it_still_trains_like_eager(
     synced as before; the run equals eager PyTorch."""
     from tensorstow.executor.ssd import SSDStore
     from tensorstow.executor.state import store_sizes
-    from tensorstow.planner.schema import as_plan
+    from tensorstow.schema.plan import as_plan
     plan = get_plan("interleaved")
     p = as_plan(plan)
     synced = []
@@ -892,7 +894,7 @@ def test_a_plan_whose_copies_wait_for_room_trains_exactly_like_eager(tmp_path):
     tests/test_plan.py is over capacity where nothing waits (1.29 MB); its copies wait for room
     and the waits are dependencies. Run in overlap mode, where memcpys are far faster than that
     spec's links: the same losses and parameters as eager, within the plan's device budget."""
-    from tensorstow.planner.hardware import Hardware
+    from tensorstow.schema.hardware import Hardware
     from tensorstow.planner.plan import policy_plan
     from tests.test_plan import _PROBED_VM
     o = Options(model="gpt-tiny", hardware="x", policy="stronghold", batch=B, seq=T, precision="fp32", lr=1e-3,

@@ -3,7 +3,7 @@ Runs only where CUDA exists (a GPU machine); skips with the reason everywhere el
 import pytest
 import torch
 
-from tensorstow.planner.hardware import CUDA_WORKSPACE_BYTES
+from tensorstow.schema.hardware import CUDA_WORKSPACE_BYTES
 from tests.test_executor import B, PRESETS, STEPS, T, VOCAB, GPT, batches, get_plan, executor
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -124,8 +124,9 @@ def test_fp16_loss_scaling_with_cpu_optimizer_steps_on_cuda(tmp_path):
     """fp16-mixed with subgroups updated on the CPU: the scaler lives on the GPU, the unscale
     runs on the host gradients (guards against mixing devices in the unscale)."""
     from tensorstow.executor.runtime import Executor
-    from tensorstow.planner.hardware import load_hardware
-    from tensorstow.planner.plan import Options, make_plan
+    from tensorstow.planner.presets import load_hardware
+    from tensorstow.schema.options import Options
+    from tensorstow.planner.plan import make_plan
     o = Options(model="gpt-tiny", hardware="lohan-rtx4090", policy="lohan", batch=B, seq=T, precision="fp16-mixed",
                 lr=1e-3, init_scale=2.0 ** 20, growth_interval=2)
     plan = make_plan(o, load_hardware(o.hardware)).to_plan()

@@ -4,8 +4,11 @@ import itertools
 import numpy as np
 import pytest
 
-from tensorstow.planner.hardware import load_hardware
-from tensorstow.planner.plan import Options, build_problem, heuristic_plans, plan_problem
+from tensorstow.planner.presets import load_hardware
+from tensorstow.schema.options import Options
+from tensorstow.planner.plan import plan_problem
+from tensorstow.planner.problem import build_problem
+from tensorstow.planner.policies import heuristic_plans
 from tensorstow.planner.policies import ilp
 
 SMALL = {"act": ("keep", "recompute"), "ck": ("gpu", "dram"), "ph": ("gpu", "dram"), "sh": ("dram",),
@@ -86,7 +89,7 @@ def test_the_block_updated_last_takes_a_dram_home_when_the_replay_shows_its_tail
     block already lives in DRAM."""
     import dataclasses
 
-    from tensorstow.planner.plan import schedule
+    from tensorstow.planner.problem import schedule
     from tensorstow.planner.policies import lohan
     hw = load_hardware("lohan-rtx4090")  # a slow device (compute-bound) and a sync per write: a tail
     hw = dataclasses.replace(hw, ssd=dataclasses.replace(hw.ssd, flush_bw=2e9),
@@ -117,7 +120,7 @@ def test_ssd_homes_move_into_the_dram_the_plan_leaves_free_where_the_replay_is_n
     DRAM has no room; with room for everything every home is DRAM."""
     import dataclasses
 
-    from tensorstow.planner.plan import schedule
+    from tensorstow.planner.problem import schedule
     from tensorstow.planner.policies import lohan
     base_hw = load_hardware("lohan-rtx4090")
 

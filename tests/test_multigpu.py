@@ -22,7 +22,9 @@ from tensorstow.executor.distributed import agree_on_step
 from tensorstow.executor.runtime import Executor
 from tensorstow.executor.ssd import SSDStore
 from tensorstow.ir.models import GPT, PRESETS
-from tensorstow.planner.plan import Options, hardware_for, make_plan
+from tensorstow.schema.options import Options
+from tensorstow.planner.plan import make_plan
+from tensorstow.calibrate import hardware_for
 from tests.oracle import train_eager
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -174,11 +176,11 @@ def test_a_run_stopped_inside_its_first_commit_starts_again(tmp_path):
 
 
 def test_transport_errors_name_a_lost_peer_and_others_their_own_cause():
-    from tensorstow.executor.distributed import _peer_lost
-    assert _peer_lost(RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error: "
+    from tensorstow.executor.distributed import peer_lost
+    assert peer_lost(RuntimeError("[third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error: "
                                    "Connection reset by peer"))
-    assert _peer_lost(ConnectionResetError())
-    assert not _peer_lost(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    assert peer_lost(ConnectionResetError())
+    assert not peer_lost(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
 
 
 def test_the_rank_to_blame_is_not_one_the_launcher_stopped():

@@ -7,10 +7,12 @@ import functools
 
 import pytest
 
-from tensorstow.planner.hardware import load_hardware
-from tensorstow.planner.plan import Options, build_problem, plan_problem, schedule
+from tensorstow.planner.presets import load_hardware
+from tensorstow.schema.options import Options
+from tensorstow.planner.plan import plan_problem
+from tensorstow.planner.problem import build_problem, schedule
 from tensorstow.planner.policies import lohan
-from tensorstow.planner.schedule import BlockDecision, Decisions
+from tensorstow.schema.schedule import BlockDecision, Decisions
 
 
 @functools.lru_cache(maxsize=None)

@@ -8,11 +8,16 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tensorstow import TensorstowError
 from tensorstow.planner import cost
-from tensorstow.planner.hardware import CPU_GPU_NAME, GPU, load_hardware
-from tensorstow.planner.plan import Options, build_problem, hardware_for, make_plan, policy_plan, schedule
+from tensorstow.schema.hardware import CPU_GPU_NAME, GPU
+from tensorstow.planner.presets import load_hardware
+from tensorstow.schema.options import Options
+from tensorstow.planner.plan import make_plan, policy_plan
+from tensorstow.planner.problem import build_problem, schedule
+from tensorstow.calibrate import hardware_for
 from tensorstow.planner.policies import mobius
-from tensorstow.planner.schedule import Pipeline
-from tensorstow.planner.simulate import contention, resource_of
+from tensorstow.schema.schedule import Pipeline
+from tensorstow.planner.simulate import contention
+from tensorstow.schema.schedule import resource_of
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,7 +108,7 @@ def _max_overlap(spans) -> int:
 def _replay_memory(plan) -> dict[str, int]:
     """Bytes per tier over the step from the instructions and their simulated times: allocations
     and copies count from their start, a workspace until its end, a free from its start."""
-    from tensorstow.planner.pipeline import home_tiers
+    from tensorstow.schema.schedule import home_tiers
     sim, bufs = plan.sim, plan.buffers
     live = set(home_tiers(bufs, plan.decisions, plan.problem.order).items())
     ev = []

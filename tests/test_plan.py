@@ -5,11 +5,14 @@ import json
 import pytest
 
 from tensorstow import TensorstowError
-from tensorstow.planner.hardware import Hardware, load_hardware
-from tensorstow.planner.plan import Options, build_problem, make_plan, schedule
+from tensorstow.schema.hardware import Hardware
+from tensorstow.planner.presets import load_hardware
+from tensorstow.schema.options import Options
+from tensorstow.planner.plan import make_plan
+from tensorstow.planner.problem import build_problem, schedule
 from tensorstow.planner.policies import all_gpu, zero_infinity
-from tensorstow.planner.schedule import Instr
-from tensorstow.planner.schema import Plan
+from tensorstow.schema.schedule import Instr
+from tensorstow.schema.plan import Plan
 
 
 def tiny_options(**kw):
@@ -298,9 +301,9 @@ def test_the_blocks_updated_last_write_back_at_the_start_of_the_next_step():
     and states in DRAM into the next step, which writes them home beside its first forwards and
     takes the embedding's P from DRAM; the commit of the step before comes once they are home,
     and every update and SSD write of the step waits for it."""
-    from tensorstow.planner.plan import hardware_for
-    from tensorstow.planner.pipeline import initial_residency
-    from tensorstow.planner.schedule import carried_buffers
+    from tensorstow.calibrate import hardware_for
+    from tensorstow.schema.schedule import initial_residency
+    from tensorstow.schema.schedule import carried_buffers
     o = Options(model="gpt-small", hardware="lohan-rtx4090", policy="lohan", batch=4, precision="fp32",
                 gpu_mem=90 * 10**6, dram=80 * 10**6, ssds=1)
     r = make_plan(o, hardware_for(o))
@@ -332,7 +335,7 @@ def test_reads_stay_in_program_order_where_running_them_first_does_not_fit():
     """gpt-medium through 200 MB of DRAM: parameter reads that keep pausing write-backs hold the
     DRAM those write-backs would free, past the budget; the plan keeps every SSD read in program
     order on `ssd.read` and fits (tests/test_scale.py trains it)."""
-    from tensorstow.planner.plan import hardware_for
+    from tensorstow.calibrate import hardware_for
     o = Options(model="gpt-medium", hardware="lohan-rtx4090", policy="lohan", batch=1, seq=128, precision="fp32",
                 gpu_mem=80 * 10**6, dram=200 * 10**6, ssds=1)
     r = make_plan(o, hardware_for(o))
@@ -372,7 +375,7 @@ def test_a_plan_fits_whatever_the_links_speed_prefetches_wait_for_room():
     # fastest of them, not the least-overflowing of those that do not fit)
     assert any("unless copies wait for room; searched among those" in n for n in pl.decisions.notes)
     from tensorstow.planner.simulate import simulate
-    from tensorstow.planner.pipeline import initial_residency
+    from tensorstow.schema.schedule import initial_residency
     sizes = {n: b.bytes for n, b in pl.buffers.items()}
     initial = initial_residency(pl.buffers, pl.decisions, p.order)
     for scale in (0.01, 0.3, 3.0):  # copies much faster or slower than planned

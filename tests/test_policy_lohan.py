@@ -4,8 +4,9 @@ import functools
 
 import pytest
 
-from tensorstow.planner.hardware import load_hardware
-from tensorstow.planner.plan import Options, build_problem, schedule
+from tensorstow.planner.presets import load_hardware
+from tensorstow.schema.options import Options
+from tensorstow.planner.problem import build_problem, schedule
 from tensorstow.planner.policies import lohan, zero_infinity
 
 GB = 10**9
@@ -44,7 +45,7 @@ def test_swapped_layers_spread_over_the_depth_and_overlap_their_transfers():
     both swapping the same number of layers back to back and swapping none."""
     import dataclasses
 
-    from tensorstow.planner.plan import schedule
+    from tensorstow.planner.problem import schedule
     p = problem("gpt3-13b", "lohan-rtx4090", 32)
     s = lohan._Search(p)
     k = 21

@@ -1,4 +1,4 @@
-"""`tensorstow.planner.probe`: measures this machine into a Hardware spec."""
+"""`tensorstow.calibrate`: measures this machine into a Hardware spec."""
 from __future__ import annotations
 
 import errno
@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from tensorstow import TensorstowError
-from tensorstow.planner import probe as probe_mod
-from tensorstow.planner.hardware import GB, Hardware
-from tensorstow.planner.probe import CPU_GPU_NAME, probe
+from tensorstow import calibrate as probe_mod
+from tensorstow.schema.hardware import GB, Hardware
+from tensorstow.calibrate import CPU_GPU_NAME, probe
 
 HAS_CUDA = torch.cuda.is_available()
 

@@ -29,9 +29,11 @@ from tensorstow.executor.runtime import Executor  # noqa: E402
 from tensorstow.ir.models import resolve_model  # noqa: E402
 from tensorstow.ir.trace import trace  # noqa: E402
 from tensorstow.cli import main  # noqa: E402
-from tensorstow.planner.hardware import load_hardware  # noqa: E402
-from tensorstow.planner.plan import Options, build_problem, plan_problem, schedule  # noqa: E402
-from tensorstow.planner.schedule import BlockDecision, Decisions  # noqa: E402
+from tensorstow.planner.presets import load_hardware
+from tensorstow.schema.options import Options
+from tensorstow.planner.plan import plan_problem
+from tensorstow.planner.problem import build_problem, schedule
+from tensorstow.schema.schedule import BlockDecision, Decisions
 from tests.fixtures import real_models  # noqa: E402
 from tests.oracle import train_eager  # noqa: E402
 

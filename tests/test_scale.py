@@ -11,8 +11,10 @@ from tensorstow import TensorstowError
 from tensorstow.executor.data import batches
 from tensorstow.executor.runtime import Executor
 from tensorstow.ir.models import GPT, GPTConfig, PRESETS
-from tensorstow.planner.hardware import load_hardware
-from tensorstow.planner.plan import Options, build_problem, plan_problem
+from tensorstow.planner.presets import load_hardware
+from tensorstow.schema.options import Options
+from tensorstow.planner.plan import plan_problem
+from tensorstow.planner.problem import build_problem
 from tests.oracle import train_eager
 
 B, T, STEPS, LR = 2, 32, 3, 1e-3

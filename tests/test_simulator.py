@@ -5,8 +5,9 @@ import networkx as nx
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from tensorstow.planner.schedule import Instr
-from tensorstow.planner.simulate import ScheduleError, resource_of, simulate
+from tensorstow.schema.schedule import Instr
+from tensorstow.planner.simulate import ScheduleError, simulate
+from tensorstow.schema.schedule import resource_of
 
 STREAMS = ["gpu0.compute", "gpu0.h2d", "gpu0.d2h", "ssd.read", "ssd.write", "cpu.opt"]
 
@@ -163,7 +164,8 @@ def test_op_dispatch_cost_adds_to_every_op_and_stays_out_of_specs_without_it():
     import dataclasses
 
     from tensorstow.planner import cost
-    from tensorstow.planner.hardware import Hardware, load_hardware
+    from tensorstow.schema.hardware import Hardware
+    from tensorstow.planner.presets import load_hardware
     hw = load_hardware("lohan-rtx4090")
     assert "op_s" not in hw.to_json()["gpus"][0]
     slow = dataclasses.replace(hw, gpus=(dataclasses.replace(hw.gpus[0], op_s=2e-5),))
@@ -239,9 +241,10 @@ def test_a_cpu_device_plan_records_the_stretch_its_overlapped_replay_gives_and_s
     import dataclasses as dc
     import json
 
-    from tensorstow.planner.hardware import load_hardware
-    from tensorstow.planner.plan import Options, make_plan
-    from tensorstow.planner.schema import as_plan
+    from tensorstow.planner.presets import load_hardware
+    from tensorstow.schema.options import Options
+    from tensorstow.planner.plan import make_plan
+    from tensorstow.schema.plan import as_plan
     from tensorstow.planner.simulate import plan_commit_s, simulate_plan, sync_step_s
     base = load_hardware("lohan-rtx4090")
     g = base.gpus[0]
@@ -265,7 +268,7 @@ def test_a_write_of_the_state_pays_its_flush_and_a_steps_own_swap_does_not():
     import dataclasses as dc
 
     from tensorstow.planner import cost
-    from tensorstow.planner.hardware import load_hardware
+    from tensorstow.planner.presets import load_hardware
     hw = load_hardware("lohan-rtx4090")
     hw = dc.replace(hw, ssd=dc.replace(hw.ssd, count=1, write_bw=2e9, flush_bw=1e9, request_s=1e-4, sync_s=2e-4))
     n = 10 ** 9

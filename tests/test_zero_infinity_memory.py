@@ -61,7 +61,9 @@ def test_the_baselines_copies_block_its_compute_as_deepspeeds_do():
     its backward starts (CPU_CHECKPOINT's blocking `.to()`), and each gradient's copy to DRAM holds
     up the next backward (`insert_tensor`'s blocking `copy_`): Fuyou Fig. 2a's serialized timeline.
     Other policies' copies overlap the compute."""
-    from tensorstow.planner.plan import Options, hardware_for, make_plan
+    from tensorstow.schema.options import Options
+    from tensorstow.planner.plan import make_plan
+    from tensorstow.calibrate import hardware_for
     o = Options(model="gpt-tiny", hardware="lohan-rtx4090", policy="zero-infinity", batch=2, seq=32)
     plan = make_plan(o, hardware_for(o))
     assert plan.decisions.blocking_copies
@@ -94,7 +96,9 @@ def test_without_ssds_the_baselines_gradient_flush_is_deepspeeds_converting_copy
     16-bit gradient into its fp32 host gradient by the blocking, CPU-converting `copy_` (stage3.py
     `partition_grads`): DOS's measured 2.5 GB/s, not the pinned link (55 GB/s on DOS's H100s, 25 on
     the RTX 4090), on DOS's preset and, as an estimate, on the others (docs/hardware-presets.md)."""
-    from tensorstow.planner.plan import Options, hardware_for, make_plan
+    from tensorstow.schema.options import Options
+    from tensorstow.planner.plan import make_plan
+    from tensorstow.calibrate import hardware_for
     o = Options(model="gpt-tiny", hardware=hardware, policy="zero-infinity", batch=2, seq=32, ssds=0,
                 precision="bf16-mixed")
     hw = hardware_for(o)
@@ -114,7 +118,9 @@ def test_with_ssds_the_gradient_takes_the_same_converting_copy_and_the_next_back
     there, then `swap_out_gradients`): the plan's fp32 G store from the GPU costs the 16-bit bytes
     at `d2h_convert_bw`, and the next block's backward starts only after it (LoHan §II measured
     ZeRO-Infinity's backward stage as its compute plus its transfers, almost serial)."""
-    from tensorstow.planner.plan import Options, hardware_for, make_plan
+    from tensorstow.schema.options import Options
+    from tensorstow.planner.plan import make_plan
+    from tensorstow.calibrate import hardware_for
     o = Options(model="gpt-tiny", hardware="lohan-rtx4090", policy="zero-infinity", batch=2, seq=32,
                 precision="bf16-mixed")
     hw = hardware_for(o)

@@ -1,1 +1,25 @@
-"""One module per policy; all share `plan(problem) -> Decisions` (see planner/policy.py)."""
+"""One module per policy, all with one signature: `plan(problem) -> Decisions` (decisions only;
+`planner.problem.schedule` lowers and simulates them). The heuristics are registered here, so
+the ILP can start from their plans; `planner.plan.POLICIES` lists every policy."""
+from __future__ import annotations
+
+from tensorstow.planner.policies import all_gpu, dos, lohan, stronghold, zero_infinity
+from tensorstow.planner.problem import PlanResult, Problem, defer_writes, schedule
+
+HEURISTICS = {"all-gpu": all_gpu.plan, "zero-infinity": zero_infinity.plan, "lohan": lohan.plan,
+              "stronghold": stronghold.plan, "dos": dos.plan}
+"""The heuristic policies by name, in the order `auto` and the ILP's incumbent search try them."""
+
+
+def planned(problem: Problem, name: str, decide) -> PlanResult:
+    """Policy `name`'s plan for `problem` (`decide(problem)` gives its decisions), scheduled once
+    per problem: `auto` and the ILP's incumbent search both need every heuristic's plan."""
+    cache = problem.__dict__.setdefault("_plans", {})
+    if name not in cache:
+        cache[name] = defer_writes(schedule(problem, decide(problem), wait=True))
+    return cache[name]
+
+
+def heuristic_plans(problem: Problem) -> dict[str, PlanResult]:
+    """Every heuristic policy's plan for `problem` (feasible or not), by policy name."""
+    return {name: planned(problem, name, decide) for name, decide in HEURISTICS.items()}

@@ -1,5 +1,5 @@
 """`all-gpu`: everything resident on the GPU, optimizer on the GPU (the no-offload baseline)."""
-from tensorstow.planner.schedule import BlockDecision, Decisions
+from tensorstow.schema.schedule import BlockDecision, Decisions
 
 
 def plan(problem) -> Decisions:

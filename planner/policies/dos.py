@@ -30,7 +30,8 @@ import dataclasses
 import math
 
 from tensorstow.planner import cost
-from tensorstow.planner.schedule import BlockDecision, Decisions
+from tensorstow.planner.problem import schedule
+from tensorstow.schema.schedule import BlockDecision, Decisions
 
 DOWNCAST_BYTES_PER_PARAM = 6
 """CPU fp32 -> fp16 downcast traffic per parameter: read 4 B, write 2 B (DOS D_c is
@@ -91,7 +92,6 @@ def decisions(problem, k: int | None, params: str, activations: str, resident: f
 
 
 def plan(problem) -> Decisions:
-    from tensorstow.planner.plan import schedule  # plan.py imports the policies: no cycle at import
 
     def fits(d: Decisions) -> bool:
         return not schedule(problem, d).over_capacity()

@@ -51,7 +51,10 @@ import pulp
 from tensorstow.ir.graph import lsum
 from tensorstow.planner import highs
 from tensorstow.planner.cost import GPU_ADAM_BYTES_PER_PARAM, BlockProfile, update_time
-from tensorstow.planner.schedule import ACTIVATION_CHOICES, BlockDecision, Decisions, swap_bytes
+from tensorstow.planner.policies import heuristic_plans
+from tensorstow.planner.problem import defer_writes, fmt_bytes, schedule
+from tensorstow.planner.schedule import swap_bytes
+from tensorstow.schema.schedule import ACTIVATION_CHOICES, BlockDecision, Decisions
 
 MiB = 2**20
 TIME_LIMIT_S = 20.0
@@ -367,7 +370,6 @@ def refine_homes(problem, pl, schedule) -> tuple:
     keeps in DRAM across the step boundary already), as many as the free DRAM holds, bisected for
     the most that still fit and replay no slower. Compared and returned without deferred writes
     (`plan` defers them again). Returns (the plan, notes). [OURS]"""
-    from tensorstow.planner.plan import fmt_bytes
 
     if not any(buf.home == "ssd" for buf in pl.buffers.values()):
         return pl, ()
@@ -422,8 +424,6 @@ def _ssd_traffic(pl) -> int:
 
 
 def plan(problem) -> Decisions:
-    from tensorstow.planner.plan import defer_writes, heuristic_plans, schedule
-
     chosen = _choose(problem, heuristic_plans, schedule)
     refined, notes = refine_homes(problem, chosen, schedule)
     if not notes:

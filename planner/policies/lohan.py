@@ -47,8 +47,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from tensorstow.planner.plan import Problem, fmt_bytes, schedule
-from tensorstow.planner.schedule import BlockDecision, Decisions, swap_bytes
+from tensorstow.planner.problem import Problem, fmt_bytes, schedule
+from tensorstow.planner.schedule import swap_bytes
+from tensorstow.schema.schedule import BlockDecision, Decisions
 
 MAX_PREFETCH = 8
 """Deepest parameter prefetch considered (Fuyou §4.4 FIFO)."""
@@ -115,7 +116,7 @@ class _Search:
         self.split = split
         """Layer blocks run their backward in two parts (`BlockDecision.bwd_cut`)."""
         self.wait = wait
-        """Candidates are replayed with copies that wait for room (`plan.schedule(wait=True)`): the
+        """Candidates are replayed with copies that wait for room (`problem.schedule(wait=True)`): the
         search `plan` makes again where no candidate fits without."""
         self.home = "ssd" if problem.hw.ssd.count > 0 else "dram"
         self.ranked = by_offloading_benefit(problem, reforward)

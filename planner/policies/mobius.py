@@ -19,10 +19,11 @@ import functools
 import itertools
 import math
 
-from tensorstow import TensorstowError
+from tensorstow.errors import TensorstowError
 from tensorstow.planner import cost
-from tensorstow.planner.mobius import StageProblem, _solve_k, cross_mappings, sequential_mapping
-from tensorstow.planner.schedule import BlockDecision, Decisions, Pipeline
+from tensorstow.planner.mobius import StageProblem, cross_mappings, sequential_mapping, solve_stages
+from tensorstow.planner.problem import schedule
+from tensorstow.schema.schedule import BlockDecision, Decisions, Pipeline
 
 MAX_CANDIDATES = 8
 """Partitions (best MIP objective first) lowered and simulated before giving up on fitting."""
@@ -76,7 +77,7 @@ def ties(problem) -> list[tuple[str, str]]:
 def solve_k(sp: StageProblem, K: int):
     """One stage count's MIP, cached: the topology and the mapping do not enter it, so the plans of
     one model on several topologies (or both mappings) share their solves."""
-    return _solve_k(sp, K, time_limit_s=MIP_TIME_LIMIT_S, gap=MIP_GAP)
+    return solve_stages(sp, K, time_limit_s=MIP_TIME_LIMIT_S, gap=MIP_GAP)
 
 
 def _decisions(problem, kind, stages, gpus, M, mapping, block, notes, prefetch=1) -> Decisions:
@@ -95,7 +96,6 @@ policy takes whichever of swapping and recomputing simulates faster."""
 
 
 def plan(problem) -> Decisions:
-    from tensorstow.planner.plan import schedule
     if problem.options.mapping not in ("cross", "sequential"):
         raise TensorstowError(f"unknown --mapping '{problem.options.mapping}': use cross or sequential")
     if problem.options.precision == "fp16-mixed":

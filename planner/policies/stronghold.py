@@ -34,7 +34,8 @@ from dataclasses import dataclass
 
 from tensorstow.ir.graph import lsum
 from tensorstow.planner import cost
-from tensorstow.planner.schedule import BlockDecision, Decisions
+from tensorstow.planner.problem import schedule
+from tensorstow.schema.schedule import BlockDecision, Decisions
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,6 @@ def decisions(problem, m: int, activations: str, pinned_update: str,
 
 
 def plan(problem) -> Decisions:
-    from tensorstow.planner.plan import schedule  # plan.py imports the policies: no cycle at import
 
     layers = [b for b in problem.order if problem.graph.block(b).kind == "layer"]
     times = {a: layer_times(problem, layers, a) for a in ("keep", "recompute")}

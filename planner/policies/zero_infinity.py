@@ -17,7 +17,7 @@ keeps pinned swap buffers and a host copy of every gradient (`deepspeed_host_byt
 """
 import math
 
-from tensorstow.planner.schedule import BlockDecision, Decisions
+from tensorstow.schema.schedule import BlockDecision, Decisions
 
 # DeepSpeed's defaults (deepspeed/runtime/zero/config.py, offload_config.py; the same in 0.9.3,
 # Fuyou's version, and 0.19.8)

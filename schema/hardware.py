@@ -6,12 +6,12 @@ the *measured* peak the papers use (LoHan THP_G), not the datasheet number.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
-from tensorstow import TensorstowError
+from tensorstow.errors import TensorstowError
+from tensorstow.ir.graph import stable_hash
+from tensorstow.schema.typed import decode
 
 GB = 10**9
 GiB = 2**30
@@ -222,14 +222,11 @@ class Hardware:
     @staticmethod
     def from_json(d: dict, where: str = "hardware spec") -> "Hardware":
         """Strict: unknown or missing keys, wrong types and negative numbers name the field."""
-        from tensorstow.planner.typed import decode
         if isinstance(d, dict) and d.get("gpus") == []:
             raise TensorstowError(f"{where}: field 'gpus': expected a non-empty list of GPU objects")
         return decode(Hardware, d, where, nonneg=True)
 
     def fingerprint(self) -> str:
-        from tensorstow.ir.graph import stable_hash
-
         return stable_hash(self.to_json())
 
     def with_overrides(self, *, gpu_mem: int | None = None, dram: int | None = None,
@@ -255,34 +252,6 @@ class Hardware:
                 raise TensorstowError(f"--ssds must be >= 0, got {ssds}")
             hw = dataclasses.replace(hw, ssd=dataclasses.replace(hw.ssd, count=ssds))
         return hw
-
-
-PRESET_DIR = Path(__file__).parent / "hardware_presets"
-
-
-def preset_names() -> list[str]:
-    return sorted(p.stem for p in PRESET_DIR.glob("*.json")) + ["local"]
-
-
-def load_hardware(spec: str) -> Hardware:
-    """`spec` is a preset name, `local` (probe this machine), or a path to a JSON spec file."""
-    if spec == "local":
-        from tensorstow.planner.probe import probe
-
-        return probe()
-    path = PRESET_DIR / f"{spec}.json"
-    if not path.exists():
-        path = Path(spec)
-        if not path.exists() or path.is_dir():
-            raise TensorstowError(
-                f"unknown hardware '{spec}': not a preset ({', '.join(preset_names())}) "
-                f"and not a spec file")
-    try:
-        d = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise TensorstowError(f"hardware spec {path}: not valid JSON ({e}); fix the file or "
-                              f"regenerate it with `tensorstow probe -o {path}`") from None
-    return Hardware.from_json(d, where=f"hardware spec {path}")
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,

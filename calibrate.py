@@ -1,4 +1,7 @@
-"""`tensorstow probe`: measure this machine and return a `Hardware` spec named "local".
+"""Calibration: `tensorstow probe` measures this machine, the executor's own machinery included
+(its copies, SSD store, Adam kernel, the lanes' contention), into a `Hardware` spec named
+"local"; `hardware_for` resolves the hardware an `Options` names. It sits above the planner and
+the executor, whose code it times.
 
 Everything is measured, nothing is looked up in a table:
 
@@ -47,8 +50,10 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from tensorstow import TensorstowError
-from tensorstow.planner.hardware import CPU, CPU_GPU_NAME, CUDA_WORKSPACE_BYTES, DRAM, GPU, SSD, GiB, Hardware
+from tensorstow.errors import TensorstowError
+from tensorstow.planner.presets import load_hardware
+from tensorstow.schema.hardware import CPU, CPU_GPU_NAME, CUDA_WORKSPACE_BYTES, DRAM, GPU, SSD, GiB, Hardware
+from tensorstow.schema.options import Options
 
 MiB = 2**20
 
@@ -904,8 +909,13 @@ def _probe_cuda(p: _Params) -> tuple[tuple[GPU, ...], float, list[str]]:
     return tuple(gpus), p2p, notes
 
 
-if __name__ == "__main__":  # pragma: no cover - manual use: python -m tensorstow.planner.probe
+if __name__ == "__main__":  # pragma: no cover - manual use: python -m tensorstow.calibrate
     import json
     import sys
 
     print(json.dumps(probe(quick="--full" not in sys.argv).to_json(), indent=2))
+
+
+def hardware_for(o: Options) -> Hardware:
+    """The hardware an Options names (preset, spec file or "local"), with its overrides."""
+    return load_hardware(o.hardware).with_overrides(gpu_mem=o.gpu_mem, dram=o.dram, ssds=o.ssds, gpus=o.gpus)

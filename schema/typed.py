@@ -1,6 +1,6 @@
 """Plain data as typed, immutable values: strict decoding of parsed JSON into frozen
 dataclasses (one error naming the field), the inverse encoding, and read-only containers.
-Used by the plan file (`planner.schema`) and hardware specs (`planner.hardware`).
+Used by the plan file (`schema.plan`), its options (`schema.options`) and hardware specs (`schema.hardware`).
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import types
 import typing
 from collections.abc import Mapping
 
-from tensorstow import TensorstowError
+from tensorstow.errors import TensorstowError
 
 
 def decode(tp, value, where: str, path: str = "", nonneg: bool = False):

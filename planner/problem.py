@@ -1,0 +1,368 @@
+"""What every policy plans against: the `Problem` (traced model, hardware, options), and the one
+yardstick every policy's decisions are measured with: `schedule` lowers them, simulates the
+schedule and returns a `PlanResult`, whose `to_plan()` is the typed plan file.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from tensorstow.errors import TensorstowError
+from tensorstow.ir.graph import Graph
+from tensorstow.ir.models import DEFAULT_BATCH, ModelSpec, resolve_model
+from tensorstow.ir.trace import PRECISIONS, model_dims, trace_model, trace_spec
+from tensorstow.planner import cost
+from tensorstow.planner.pipeline import lower_pipeline, pipeline_buffers
+from tensorstow.planner.schedule import buffers_for, lower
+from tensorstow.planner.simulate import SimResult, compute_slowdown, contention, simulate
+from tensorstow.schema.hardware import Hardware
+from tensorstow.schema.options import Options
+from tensorstow.schema.plan import (SCHEMA_VERSION, TIER_NAMES, BlockInfo, HardwareInfo, ModelInfo, Plan, Predicted,
+                                    ProfileInfo)
+from tensorstow.schema.schedule import Buffer, Decisions, Instr, carried_buffers, initial_residency
+
+
+@dataclass
+class Problem:
+    """What every policy sees: the traced model, the hardware and the options."""
+
+    graph: Graph
+    hw: Hardware
+    options: Options
+    profiles: dict[str, cost.BlockProfile]
+    order: list[str]
+    """Block names in forward order."""
+    profile_of: dict[str, str]
+
+    @property
+    def mixed(self) -> bool:
+        return self.options.precision != "fp32"
+
+    def capacity(self) -> dict[str, int]:
+        """Per tier; "gpu" is the smallest GPU's (each GPU's own is `gpu_capacity`)."""
+        return {"gpu": min(g.plan_bytes for g in self.hw.gpus), "dram": self.hw.dram.capacity_bytes,
+                "ssd": self.hw.ssd.count * self.hw.ssd.capacity_bytes}
+
+    def gpu_capacity(self) -> dict[str, int]:
+        return {f"gpu{k}": g.plan_bytes for k, g in enumerate(self.hw.gpus)}
+
+
+def check_options(options: Options, model=None) -> ModelSpec | None:
+    """Raise TensorstowError for options no problem can be built from (the model, the optimizer,
+    the precision); return the model's spec (None for a module given to the Python API). The CLI
+    checks them, and the policy (`check_policy`), before `--hw local` probes the machine, so a
+    typo fails at once, in one line."""
+    if options.optimizer not in ("adam", "adamw"):
+        raise TensorstowError(f"unknown optimizer '{options.optimizer}': use adam or adamw")
+    if options.precision not in PRECISIONS:
+        raise TensorstowError(f"unknown precision '{options.precision}': use one of {sorted(PRECISIONS)}")
+    return resolve_model(options.model) if model is None else None
+
+
+def build_problem(options: Options, hw: Hardware, model=None) -> Problem:
+    """`model`: an nn.Module to trace instead of building `options.model` (the Python API)."""
+    spec = check_options(options, model)
+    batch = options.batch or DEFAULT_BATCH.get(options.model, 1)
+    if model is not None:
+        traced = trace_model(model, batch=batch, seq=options.seq or model_dims(model)[1] or 1,
+                             precision=options.precision, model_name=options.model)
+    else:
+        traced = trace_spec(spec, batch=batch, seq=options.seq or None,
+                            precision=options.precision)
+    g = traced.graph
+    return Problem(graph=g, hw=hw, options=options, profiles=cost.profiles(g, hw),
+                   order=[b.name for b in g.blocks], profile_of={b.name: b.profile for b in g.blocks})
+
+
+@dataclass
+class PlanResult:
+    """What planning found: the problem, the decisions, their schedule and its simulation.
+    `to_plan()` is the plan file's typed content; `dumps()` its text."""
+    problem: Problem
+    decisions: Decisions
+    buffers: dict[str, Buffer]
+    instructions: list[Instr]
+    sim: SimResult
+    durations: list[float]
+    over_unless_waiting: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    """Where copies wait for room (`_wait_for_room`): the tiers its replay without the waits went
+    over, (peak, capacity) as `over_capacity`; empty where nothing waits."""
+
+    @property
+    def samples(self) -> int:
+        """Microbatches of `model.batch` one step trains on."""
+        return self.decisions.pipeline.microbatches if self.decisions.pipeline else 1
+
+    @property
+    def time_per_sample(self) -> float:
+        return self.sim.step_time_s / self.samples
+
+    @property
+    def fits(self) -> bool:
+        return not self.over_capacity()
+
+    def over_capacity(self) -> dict[str, tuple[int, int]]:
+        cap = self.problem.capacity()
+        over = {t: (self.peak(t), cap[t]) for t in TIER_NAMES[1:] if self.peak(t) > cap[t]}
+        gpus = self.problem.gpu_capacity()
+        worst = max(gpus, key=lambda g: (self.sim.peak_bytes.get(g, 0) - gpus[g], g))
+        if self.sim.peak_bytes.get(worst, 0) > gpus[worst]:
+            over = {"gpu": (self.sim.peak_bytes[worst], gpus[worst]), **over}
+        return over
+
+    def peak(self, tier: str) -> int:
+        if tier == "gpu":
+            return max([v for k, v in self.sim.peak_bytes.items() if k.startswith("gpu")] or [0])
+        return self.sim.peak_bytes.get(tier, 0)
+
+    def breakdown(self, tier: str) -> dict[str, int]:
+        """Bytes by kind live on `tier` at its peak (the GPU: the fullest one)."""
+        if tier == "gpu":
+            tier = max(sorted(k for k in self.sim.peak_bytes if k.startswith("gpu")) or ["gpu0"],
+                       key=lambda k: self.sim.peak_bytes[k] if k in self.sim.peak_bytes else 0)
+        snap = self.sim.peak_live.get(tier, [])
+        out: dict[str, int] = {}
+        for b in snap:
+            buf = self.buffers[b]
+            out[buf.kind] = out.get(buf.kind, 0) + buf.bytes
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+    def to_plan(self) -> PlanResult:
+        p, g = self.problem, self.problem.graph
+        tokens = g.batch * g.seq * self.samples
+        flops = 0
+        for b in p.order:
+            prof = p.profiles[p.profile_of[b]]
+            flops += prof.fwd_flops + prof.bwd_flops
+        flops *= self.samples
+        sim = self.sim
+        return Plan(
+            schema_version=SCHEMA_VERSION,
+            model=ModelInfo(
+                name=g.model, fingerprint=g.fingerprint(), params=g.param_count(),
+                layers=len(g.layer_blocks()), traced_layers=g.traced_layers,
+                batch=g.batch, seq=g.seq, precision=g.precision,
+                blocks=tuple(BlockInfo(name=b.name, profile=b.profile, params=b.param_count) for b in g.blocks),
+                profiles={k: _profile_info(v) for k, v in sorted(p.profiles.items())}),
+            hardware=HardwareInfo(name=p.hw.name, fingerprint=p.hw.fingerprint(), spec=p.hw),
+            options=p.options,
+            decisions=self.decisions,
+            buffers=dict(sorted(self.buffers.items())),
+            instructions=tuple(dataclasses.replace(i, est_s=_r(self.durations[i.id]), contended_s=_r(i.contended_s))
+                               for i in self.instructions),
+            pools={t: self.peak(t) for t in TIER_NAMES},
+            predicted=Predicted(
+                step_time_s=_r(sim.step_time_s),
+                tokens_per_s=_r(tokens / sim.step_time_s) if sim.step_time_s else 0.0,
+                model_tflops=_r(flops / sim.step_time_s / 1e12) if sim.step_time_s else 0.0,
+                peak_bytes={t: self.peak(t) for t in TIER_NAMES},
+                capacity_bytes=p.capacity(),
+                bottleneck=sim.bottleneck,
+                busy_s={k: _r(v) for k, v in sorted(sim.busy_s.items())},
+                traffic_bytes=dict(sorted(sim.traffic_bytes.items()))))
+
+    def to_json(self) -> dict:
+        return self.to_plan().to_json()
+
+    def dumps(self) -> str:
+        return self.to_plan().dumps()
+
+
+def _r(x: float) -> float:
+    return float(f"{x:.6g}")
+
+
+def _profile_info(p: cost.BlockProfile) -> ProfileInfo:
+    """The profile as the plan records it: its costs, not its member lists (buffers carry those)."""
+    kept = {f.name for f in dataclasses.fields(ProfileInfo)}
+    d = {k: v for k, v in vars(p).items() if k in kept}
+    d["fwd_time_s"], d["bwd_time_s"] = _r(p.fwd_time_s), _r(p.bwd_time_s)
+    return ProfileInfo(**d)
+
+
+def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer], decisions: Decisions) -> list[float]:
+    hw, out = problem.hw, []
+    pl = decisions.pipeline
+    zero3 = len(pl.gpus) if pl is not None and pl.kind == "data-parallel" else 0  # DeepSpeed ZeRO-3 on N GPUs
+    # DeepSpeed's gradient to the host on one GPU: the same blocking copy_, whether the optimizer's
+    # sub-group is in DRAM or swapped to NVMe (stage3.py `partition_grads`: the fp16 partition to a
+    # host buffer, `.float()` there, then `swap_out_gradients` for NVMe)
+    flushes = zero3 or (1 if decisions.blocking_copies else 0)
+    # what the converting copy reads: the gradient's 16-bit bytes, where G is sized fp32 for SSD
+    half = 2 if problem.mixed and decisions.swap_grads else 1
+    for ins in instrs:
+        if ins.kind in ("compute", "recompute"):
+            phase, b = ins.segment.split(":", 1)
+            prof = problem.profiles[problem.profile_of[b]]
+            out.append({"fwd": prof.fwd_time_s, "bwd": prof.bwd_time_s, "refwd": prof.refwd_time_s,
+                        "bwd1": prof.bwd1_time_s, "bwd2": prof.bwd2_time_s}[phase])
+        elif flushes and ins.kind == "store" and buffers[ins.tensor].kind == "gradient" and ins.src.startswith("gpu"):
+            buf = buffers[ins.tensor]
+            out.append(cost.zero3_grad_flush_time(buf.bytes // half, int(ins.src[3:]), flushes, problem.mixed, hw,
+                                                  tensors=max(1, len(buf.members))))
+        elif ins.kind in ("load", "store", "send"):
+            buf = buffers[ins.tensor]
+            out.append(cost.transfer_time(buf.bytes, ins.src, ins.dst, hw, tensors=max(1, len(buf.members)),
+                                          durable=bool(buf.home)))
+        elif ins.kind == "commit":
+            out.append(cost.commit_time(hw, instrs))
+        elif ins.kind == "optimizer_step":
+            prof = problem.profiles[problem.profile_of[ins.segment]]
+            out.append(cost.update_time(prof, ins.dst, problem)
+                       + (cost.zero3_param_writeback_time(prof.param_bytes, zero3, problem.mixed, hw) if zero3 else 0.0))
+        else:
+            out.append(0.0)
+    return out
+
+
+def schedule(problem: Problem, decisions: Decisions, wait: bool = False) -> PlanResult:
+    """Lower decisions and simulate them: the one yardstick every policy is measured with.
+    `wait` (a policy's final plan, `policy_plan`): a plan over capacity is replayed again with copies
+    that wait for room (`_wait_for_room`) and kept where that fits. Policies search without it: a
+    candidate that fits only by waiting ranks as one that does not, as before, so waiting rescues a
+    plan whose probed timings let a prefetch take the memory of what runs before it, and changes
+    no plan that fits without it.
+    A plan that reads from SSD runs the reads a computation waits for ahead of queued writes
+    (`Decisions.ssd_reads_first`) where that still fits, else keeps every read in program order.
+    An fp32 plan whose CPU updates read parameters from SSD is replayed both ways and keeps the
+    backward's DRAM copy of them for the update (`Decisions.keep_params_for_update`) where
+    that still fits and is not slower; the DeepSpeed baseline reads them again, as DeepSpeed does."""
+    reads_ssd = any("ssd" in (d.params, d.states, d.checkpoint) or d.activations == "swap_ssd"
+                    for d in decisions.blocks.values())
+    if reads_ssd and decisions.pipeline is None and not decisions.ssd_reads_first:
+        first = _schedule_keep(problem, dataclasses.replace(decisions, ssd_reads_first=True))
+        if first.fits:
+            return first
+    r = _schedule_keep(problem, decisions)
+    if wait and not r.fits:
+        waited = _schedule(problem, r.decisions, wait=True)
+        if waited.fits:
+            return waited
+    return r
+
+
+DEFERRED_MAX = 4
+"""Blocks `defer_writes` tries to carry across the step boundary, at most."""
+
+
+def defer_writes(plan: PlanResult) -> PlanResult:
+    """The plan with the write-backs of the blocks updated last run at the start of the next step
+    (`Decisions.deferred_writes`): one block, then two, ... while each is faster and still fits.
+    Their updates end the step after its last backward, and their parameters begin the next one,
+    so the step's tail of SSD writes overlaps the next forward and its first read is gone. One-GPU
+    plans whose updates overlap the backward, fp32 or bf16-mixed (fp16's loss scaling holds every
+    update until the backward ends); not the zero-infinity baseline (DeepSpeed writes every
+    subgroup back before the step ends)."""
+    d, problem = plan.decisions, plan.problem
+    if (d.pipeline is not None or not d.overlap_optimizer or d.policy == "zero-infinity"
+            or problem.options.precision == "fp16-mixed"
+            or d.deferred_writes or not plan.fits):
+        return plan
+    updated = [i.segment for i in plan.instructions if i.kind == "optimizer_step"]
+    blocks = [b for b in reversed(updated)
+              if carried_buffers(dataclasses.replace(d, deferred_writes=(b,)), plan.buffers)]
+    best = plan
+    for k in range(1, min(DEFERRED_MAX, len(blocks)) + 1):
+        r = _schedule(problem, dataclasses.replace(d, deferred_writes=tuple(blocks[:k])))
+        if not r.fits or r.sim.step_time_s >= best.sim.step_time_s:
+            break
+        best = r
+    return best
+
+
+def _schedule_keep(problem: Problem, decisions: Decisions) -> PlanResult:
+    plain = _schedule(problem, decisions)
+    eligible = (not problem.mixed and decisions.pipeline is None and decisions.policy != "zero-infinity"
+                and not decisions.keep_params_for_update
+                and any(d.params == "ssd" and d.optimizer == "cpu" for d in decisions.blocks.values()))
+    if not eligible:
+        return plain
+    kept = _schedule(problem, dataclasses.replace(decisions, keep_params_for_update=True))
+    if kept.fits and (not plain.fits or kept.sim.step_time_s <= plain.sim.step_time_s):
+        return kept
+    return plain
+
+
+def _schedule(problem: Problem, decisions: Decisions, wait: bool = False) -> PlanResult:
+    micro = decisions.pipeline.microbatches if decisions.pipeline else 1
+    inputs = sum(t.nbytes for t in problem.graph.tensors if t.kind == "input")
+    decisions = dataclasses.replace(decisions, device_reserved=micro * inputs)
+    if decisions.pipeline is None:
+        bufs = buffers_for(problem.order, problem.profiles, problem.profile_of, decisions, problem.mixed)
+        instrs = lower(problem.order, problem.profiles, problem.profile_of, decisions, bufs,
+                       loss_scaling=problem.options.precision == "fp16-mixed")
+    else:
+        bufs = pipeline_buffers(problem.order, problem.profiles, problem.profile_of, decisions, problem.mixed)
+        instrs = lower_pipeline(problem.order, problem.profiles, problem.profile_of, decisions, bufs,
+                                problem.gpu_capacity())
+    dur = durations(problem, instrs, bufs, decisions)
+    initial = initial_residency(bufs, decisions, problem.order)
+    sizes = {n: b.bytes for n, b in bufs.items()}
+    reserved = decisions.reserved()
+    commit = cost.commit_time(problem.hw, instrs)
+    sim = simulate(instrs, dur, sizes, initial, links=contention(instrs, problem.hw), reserved=reserved,
+                   commit_s=commit, slowdown=compute_slowdown(problem.hw))
+    over = {}
+    caps = {**problem.gpu_capacity(), "dram": problem.capacity()["dram"]}
+    if wait and any(sim.peak_bytes.get(t, 0) > c for t, c in caps.items()):
+        fitted = _wait_for_room(problem, instrs, dur, sizes, initial, reserved, commit, caps)
+        if fitted is not None:
+            over = {"gpu" if t.startswith("gpu") else t: (sim.peak_bytes[t], c) for t, c in caps.items()
+                    if sim.peak_bytes.get(t, 0) > c}
+            instrs, sim = fitted
+            decisions = dataclasses.replace(decisions, notes=(*decisions.notes, "copies wait for room on " + ", ".join(
+                f"{t} (without the waits {fmt_bytes(n)} at peak > {fmt_bytes(c)})" for t, (n, c) in sorted(over.items()))))
+    # Memory fences: an allocation waits for the releases that preceded it in the replay, so an
+    # executor whose real timing differs (overlap mode) never holds more than the simulated peak.
+    # The fenced replay takes what each instruction took (host contention's stretch included).
+    instrs = [dataclasses.replace(i, deps=tuple(sorted(set(i.deps) | set(sim.fences.get(i.id, ())))),
+                                  contended_s=max(0.0, ran - d))
+              for i, ran, d in zip(instrs, sim.durations, dur)]
+    fenced = simulate(instrs, sim.durations, sizes, initial, links=contention(instrs, problem.hw),
+                      reserved=reserved, commit_s=commit)
+    assert fenced.step_time_s == sim.step_time_s, "memory fences must not change the replay"
+    return PlanResult(problem, decisions, bufs, instrs, fenced, dur, over_unless_waiting=over)
+
+
+def _wait_for_room(problem, instrs, dur, sizes, initial, reserved, commit, caps):
+    """A replay over capacity, again with copies that wait for room (Fuyou §4.4's memory-aware
+    prefetch: a copy that ran ahead of the computations before it in program order took their
+    memory, because the probed timings let it). The waits become dependencies: on the releases that
+    made room (memory fences) and on the instructions it let go first, so the executor keeps them
+    under any timing. The instructions and their replay where that fits, else None."""
+    links = contention(instrs, problem.hw)
+    slow = compute_slowdown(problem.hw)
+    waiting = simulate(instrs, dur, sizes, initial, links=links, reserved=reserved, commit_s=commit, slowdown=slow,
+                       capacity=caps)
+    if any(waiting.peak_bytes.get(t, 0) > c for t, c in caps.items()):
+        return None
+    extra = {i: set(waiting.waited.get(i, ())) | set(waiting.fences.get(i, ())) for i in waiting.waited}
+    waits = [dataclasses.replace(i, deps=tuple(sorted(set(i.deps) | extra[i.id]))) if i.id in extra else i
+             for i in instrs]
+    fitted = simulate(waits, dur, sizes, initial, links=links, reserved=reserved, commit_s=commit, slowdown=slow)
+    if any(fitted.peak_bytes.get(t, 0) > c for t, c in caps.items()):
+        return None
+    return waits, fitted
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def infeasible_message(plan: PlanResult, over: dict[str, tuple[int, int]]) -> str:
+    o = plan.problem.options
+    parts = []
+    for tier, (need, cap) in over.items():
+        kinds = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in plan.breakdown(tier).items())
+        parts.append(f"{tier} needs {fmt_bytes(need)} at peak > {fmt_bytes(cap)} capacity ({kinds})")
+    offload = "an offloading policy (--policy auto, lohan, ilp), " if o.policy == "all-gpu" else ""
+    fp16 = ("; fp16-mixed holds every gradient until the backward ends (the loss-scaling check comes "
+            "before any update): bf16-mixed overlaps the updates with the backward") if o.precision == "fp16-mixed" else ""
+    hint = {"gpu": f"try {offload}a smaller --batch, or more --gpu-mem",
+            "dram": "add --dram, use SSDs (--ssds N), or a smaller --batch" + fp16,
+            "ssd": "add SSDs (--ssds N) or use a smaller model"}
+    return (f"{o.model} does not fit on {plan.problem.hw.name} with policy {o.policy}: "
+            + "; ".join(parts) + "; " + "; ".join(hint[t] for t in over))
