@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch.nn as nn
 
 from tensorstow.executor.runtime import Executor
-from tensorstow.schema.options import Options
 from tensorstow.planner.plan import make_plan
 from tensorstow.planner.problem import PlanResult
+from tensorstow.schema.options import Options
 from tensorstow.schema.plan import Plan
 
 __all__ = ["plan", "Plan", "Executor"]

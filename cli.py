@@ -15,8 +15,9 @@ from pathlib import Path
 from tensorstow.calibrate import hardware_for
 from tensorstow.errors import TensorstowError
 from tensorstow.schema.hardware import parse_size
+from tensorstow.schema.schedule import TIERS
 
-TIERS = ("gpu", "dram", "ssd")
+
 def _fmt(n: float) -> str:
     from tensorstow.planner.problem import fmt_bytes
     return fmt_bytes(n)
@@ -160,9 +161,9 @@ def _ranges(blocks: list[str]) -> str:
 # ---- commands ------------------------------------------------------------------------------
 
 def _options(args):
-    from tensorstow.schema.options import Options
     from tensorstow.planner.plan import check_policy
     from tensorstow.planner.problem import check_options
+    from tensorstow.schema.options import Options
     kw = dict(model=args.model, hardware=args.hw, policy=args.policy, batch=args.batch, seq=args.seq,
               precision=args.precision, optimizer=args.optimizer, lr=args.lr, betas=tuple(args.betas),
               eps=args.eps, weight_decay=args.weight_decay,
@@ -216,9 +217,9 @@ def _sweep(args, o) -> int:
 
 def cmd_fit(args) -> int:
     from tensorstow.planner import report
-    from tensorstow.schema.options import Options
     from tensorstow.planner.plan import POLICIES
     from tensorstow.planner.policies import HEURISTICS
+    from tensorstow.schema.options import Options
     names = [args.policy] if args.policy else [*HEURISTICS, "ilp"]
     print(f"{'policy':<14} {'largest model':<14} {'params':>8} {'batch':>6} {'tokens/s':>10} {'step s':>9}")
     for name in names:

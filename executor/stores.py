@@ -29,6 +29,7 @@ import torch.utils._pytree as pytree
 
 from tensorstow.errors import TensorstowError
 from tensorstow.executor.aio import ALIGN, aligned_empty, huge_empty
+from tensorstow.ir.graph import numel
 
 
 class DeviceMemoryError(TensorstowError):
@@ -56,7 +57,7 @@ class Layout:
         self.slots: dict[str, Slot] = {}
         off = 0
         for key, dtype, shape in order:
-            n = _numel(shape) * _itemsize(dtype)
+            n = numel(shape) * _itemsize(dtype)
             self.slots[key] = Slot(key, dtype, tuple(shape), off, n)
             off += n
         self.nbytes = off
@@ -67,13 +68,6 @@ class Layout:
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 def contiguous_stride(shape) -> tuple[int, ...]:

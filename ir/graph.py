@@ -227,3 +227,11 @@ def flash_eligible(dtypes, q_shape, k_shape, v_shape, masked: bool) -> bool:
     d = q_shape[-1]
     return (q_shape[1] == k_shape[1] == v_shape[1] and k_shape[-1] == v_shape[-1] == d and d % 8 == 0
             and d <= FLASH_MAX_HEAD and q_shape[-2] == k_shape[-2])
+
+
+def numel(shape) -> int:
+    """Elements of a tensor of this shape (1 for a scalar's `()`)."""
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n

@@ -29,7 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 
 from tensorstow.errors import TensorstowError
-from tensorstow.ir.graph import Block, Graph, Op, Tensor, attention_flops, draws_random, stable_hash
+from tensorstow.ir.graph import Block, Graph, Op, Tensor, attention_flops, draws_random, numel, stable_hash
 
 PRECISIONS = {"fp32": torch.float32, "bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
 _DTYPE_NAME = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
@@ -582,7 +582,7 @@ def _build_ir(gm, bounds, n_layers, param_names, trainable, model_name, batch, s
             states = ([".master"] if mixed else []) + [".exp_avg", ".exp_avg_sq"]
             for s in states:
                 tensors[p + s] = Tensor(name=p + s, kind="optimizer_state", dtype="float32", shape=ph.shape,
-                                        nbytes=4 * _numel(ph.shape), block=b, producer=None,
+                                        nbytes=4 * numel(ph.shape), block=b, producer=None,
                                         consumers=(idx,), storage=p + s, param=p)
                 ins.append(p + s)
             ins.append(ph.name)
@@ -627,13 +627,6 @@ def _owners(ops, param_of_ph, grad_of, root, op_index, n_layers) -> dict[str, st
     return owner
 
 
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def _with_consumer(t: Tensor, idx: int) -> Tensor:
     from dataclasses import replace
     return replace(t, consumers=tuple(sorted(set(t.consumers) | {idx})))
@@ -672,7 +665,7 @@ def _blocks(ops, tensors, owner, block_names, n_layers, replicate_to) -> list[Bl
     for b in block_names:
         state = sorted(p for p, ob in owner.items() if ob == b)
         ps = [p for p in state if ph_by_name[p].kind == "parameter"]
-        count = sum(_numel(ph_by_name[p].shape) for p in ps)
+        count = sum(numel(ph_by_name[p].shape) for p in ps)
         sig = _signature(b, ops, tensors, [ph_by_name[p].name for p in state])
         kind = "layer" if b.startswith("b") else b
         info[b] = Block(name=b, kind=kind, params=tuple(ps), param_count=count, signature=sig, profile=b)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tensorstow.ir.graph import FLASH_MIN_CAPABILITY, Graph, attention_flops, draws_random, flash_eligible, lsum
+from tensorstow.ir.graph import FLASH_MIN_CAPABILITY, Graph, attention_flops, draws_random, flash_eligible, lsum, numel
 from tensorstow.schema.hardware import CPU_GPU_NAME, Hardware
+from tensorstow.schema.schedule import gpu_index
 
 # Bytes moved per parameter by one Adam step on the GPU: read param, grad, master, m, v and
 # write master, m, v, param (mixed precision: 2+2+4+4+4 read, 4+4+4+2 written).
@@ -187,7 +188,7 @@ def profiles(graph: Graph, hw: Hardware) -> dict[str, BlockProfile]:
                     nxt.add(t.storage)
         carried, until, handed = _carried(b, bwd, tensors, ops, readers, order)
         swapped, rest, refwd = reforward_split(fwd, set(saved), tensors, ops)
-        largest = max((_numel(t.shape) for t in tensors.values()
+        largest = max((numel(t.shape) for t in tensors.values()
                        if t.kind == "parameter" and t.storage == t.name and t.block == b), default=0)
         planned = set(handed)
         cut = _backward_cut(bwd, saved, readers, tensors, ops, hw, planned, set(carried))
@@ -390,13 +391,6 @@ def _carried(b, bwd, tensors, ops, readers, order) -> tuple[tuple[str, ...], str
     return tuple(sorted(names)), until, tuple(sorted(handed))
 
 
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _workspace(seg, tensors, ops, planned=frozenset()) -> int:
     """Peak live bytes of temporaries (not saved, not parameters/gradients) inside a segment;
     `planned` roots are not counted (a buffer of their own holds them: H)."""
@@ -429,12 +423,12 @@ def transfer_time(nbytes: int, src: str, dst: str, hw: Hardware, tensors: int = 
     if nbytes == 0:
         return 0.0
     if src.startswith("gpu") and dst.startswith("gpu"):
-        bw = hw.gpu_p2p_bw or min(_host_link(int(src[3:]), hw, "d2h"), _host_link(int(dst[3:]), hw, "h2d"))
+        bw = hw.gpu_p2p_bw or min(_host_link(gpu_index(src), hw, "d2h"), _host_link(gpu_index(dst), hw, "h2d"))
         return nbytes / bw
     if src == "dram" and dst.startswith("gpu"):
-        return nbytes / _host_link(int(dst[3:]), hw, "h2d") + tensors * hw.gpus[int(dst[3:])].copy_tensor_s
+        return nbytes / _host_link(gpu_index(dst), hw, "h2d") + tensors * hw.gpus[gpu_index(dst)].copy_tensor_s
     if src.startswith("gpu") and dst == "dram":
-        return nbytes / _host_link(int(src[3:]), hw, "d2h") + tensors * hw.gpus[int(src[3:])].copy_tensor_s
+        return nbytes / _host_link(gpu_index(src), hw, "d2h") + tensors * hw.gpus[gpu_index(src)].copy_tensor_s
     if src == "ssd" and dst == "dram":
         return nbytes / _nonzero(hw.ssd.read_total(), "SSD read bandwidth") + hw.ssd.request_s
     if src == "dram" and dst == "ssd":  # the write, then its early sync (SSD.write_s_per_byte)
@@ -502,7 +496,7 @@ def optimizer_time(params: int, device: str, hw: Hardware, tensors: int = 0) -> 
     on a GPU memory-bound."""
     if device == "cpu":
         return params / hw.cpu.adam_rate + tensors * hw.cpu.adam_tensor_s
-    return params * GPU_ADAM_BYTES_PER_PARAM / hw.gpus[int(device[3:])].mem_bw
+    return params * GPU_ADAM_BYTES_PER_PARAM / hw.gpus[gpu_index(device)].mem_bw
 
 
 def update_time(prof: BlockProfile, device: str, problem) -> float:

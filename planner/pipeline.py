@@ -30,10 +30,7 @@ import dataclasses
 
 from tensorstow.planner.cost import BlockProfile
 from tensorstow.planner.schedule import Emitter, buffers_for, write_new
-from tensorstow.schema.schedule import Buffer, Decisions, Instr, home_tiers
-
-PER_MICRO = ("A", "X", "H", "T")
-"""Buffer kinds with one copy per microbatch."""
+from tensorstow.schema.schedule import PER_MICRO, Buffer, BufferKind, Decisions, Instr, buffer_kind, home_tiers
 
 
 def pipeline_buffers(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str, str],
@@ -41,10 +38,10 @@ def pipeline_buffers(order: list[str], prof: dict[str, BlockProfile], profile_of
     """The single-GPU buffers, with the per-microbatch kinds (and, data-parallel, each GPU's
     gradient) copied per microbatch."""
     pl = decisions.pipeline
-    per = PER_MICRO + (("G",) if pl.kind == "data-parallel" else ())
+    per = PER_MICRO + ((BufferKind.G,) if pl.kind == "data-parallel" else ())
     out = {}
     for n, b in buffers_for(order, prof, profile_of, decisions, mixed).items():
-        if n.split(":")[0] in per:
+        if buffer_kind(n) in per:
             for m in range(pl.microbatches):
                 out[f"{n}@{m}"] = dataclasses.replace(b, name=f"{n}@{m}")
         else:

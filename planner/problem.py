@@ -17,9 +17,8 @@ from tensorstow.planner.schedule import buffers_for, lower
 from tensorstow.planner.simulate import SimResult, compute_slowdown, contention, simulate
 from tensorstow.schema.hardware import Hardware
 from tensorstow.schema.options import Options
-from tensorstow.schema.plan import (SCHEMA_VERSION, TIER_NAMES, BlockInfo, HardwareInfo, ModelInfo, Plan, Predicted,
-                                    ProfileInfo)
-from tensorstow.schema.schedule import Buffer, Decisions, Instr, carried_buffers, initial_residency
+from tensorstow.schema.plan import SCHEMA_VERSION, BlockInfo, HardwareInfo, ModelInfo, Plan, Predicted, ProfileInfo
+from tensorstow.schema.schedule import TIERS, Buffer, Decisions, Instr, carried_buffers, gpu_index, initial_residency
 
 
 @dataclass
@@ -103,7 +102,7 @@ class PlanResult:
 
     def over_capacity(self) -> dict[str, tuple[int, int]]:
         cap = self.problem.capacity()
-        over = {t: (self.peak(t), cap[t]) for t in TIER_NAMES[1:] if self.peak(t) > cap[t]}
+        over = {t: (self.peak(t), cap[t]) for t in TIERS[1:] if self.peak(t) > cap[t]}
         gpus = self.problem.gpu_capacity()
         worst = max(gpus, key=lambda g: (self.sim.peak_bytes.get(g, 0) - gpus[g], g))
         if self.sim.peak_bytes.get(worst, 0) > gpus[worst]:
@@ -150,12 +149,12 @@ class PlanResult:
             buffers=dict(sorted(self.buffers.items())),
             instructions=tuple(dataclasses.replace(i, est_s=_r(self.durations[i.id]), contended_s=_r(i.contended_s))
                                for i in self.instructions),
-            pools={t: self.peak(t) for t in TIER_NAMES},
+            pools={t: self.peak(t) for t in TIERS},
             predicted=Predicted(
                 step_time_s=_r(sim.step_time_s),
                 tokens_per_s=_r(tokens / sim.step_time_s) if sim.step_time_s else 0.0,
                 model_tflops=_r(flops / sim.step_time_s / 1e12) if sim.step_time_s else 0.0,
-                peak_bytes={t: self.peak(t) for t in TIER_NAMES},
+                peak_bytes={t: self.peak(t) for t in TIERS},
                 capacity_bytes=p.capacity(),
                 bottleneck=sim.bottleneck,
                 busy_s={k: _r(v) for k, v in sorted(sim.busy_s.items())},
@@ -198,7 +197,7 @@ def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer],
                         "bwd1": prof.bwd1_time_s, "bwd2": prof.bwd2_time_s}[phase])
         elif flushes and ins.kind == "store" and buffers[ins.tensor].kind == "gradient" and ins.src.startswith("gpu"):
             buf = buffers[ins.tensor]
-            out.append(cost.zero3_grad_flush_time(buf.bytes // half, int(ins.src[3:]), flushes, problem.mixed, hw,
+            out.append(cost.zero3_grad_flush_time(buf.bytes // half, gpu_index(ins.src), flushes, problem.mixed, hw,
                                                   tensors=max(1, len(buf.members))))
         elif ins.kind in ("load", "store", "send"):
             buf = buffers[ins.tensor]

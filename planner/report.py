@@ -7,9 +7,9 @@ from html import escape
 
 from tensorstow.errors import TensorstowError
 from tensorstow.ir.models import PRESETS, gpt_param_count
-from tensorstow.schema.options import Options
 from tensorstow.planner.plan import plan_problem
 from tensorstow.planner.problem import build_problem
+from tensorstow.schema.options import Options
 
 SWEEP_KEYS = {"ssd_count": "ssds", "ssds": "ssds", "dram": "dram", "batch": "batch"}
 

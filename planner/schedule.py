@@ -9,10 +9,8 @@ The buffer kinds and the names they use are `schema.schedule`'s.
 from __future__ import annotations
 
 from tensorstow.planner.cost import BlockProfile
-from tensorstow.schema.schedule import TIERS, BlockDecision, Buffer, Decisions, Instr, carried_buffers
-
-OPTIMIZER_INPUTS = ("M", "OS", "G")
-"""Buffers an SSD read brings for an update: the fp32 master, Adam's states, a swapped gradient."""
+from tensorstow.schema.schedule import (OPTIMIZER_INPUTS, TIERS, BlockDecision, Buffer, Decisions, Instr, buffer_kind,
+                                        carried_buffers, tier_class)
 
 
 def ssd_read_stream(buf: str, first: bool) -> str:
@@ -23,7 +21,7 @@ def ssd_read_stream(buf: str, first: bool) -> str:
     being put off), on a stream of their own so a read that waits for DRAM room there holds up no
     parameter read. Each of those waits for the `ssd.first` read emitted before it
     (`Emitter.emit`), the pace one shared stream gave them. Without: all on `ssd.read`."""
-    return "ssd.first" if first and buf.split(":")[0] not in OPTIMIZER_INPUTS else "ssd.read"
+    return "ssd.first" if first and buffer_kind(buf) not in OPTIMIZER_INPUTS else "ssd.read"
 
 
 def buffers_for(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str, str],
@@ -140,7 +138,7 @@ class Emitter:
         for a, b in zip(path, path[1:]):
             stream = {("ssd", "dram"): ssd_read_stream(buf, self.reads_first), ("dram", "ssd"): "ssd.write",
                       ("dram", g): f"{g}.h2d", (g, "dram"): f"{g}.d2h"}[(a, b)]
-            kind = "load" if TIERS.index(_tier(b)) < TIERS.index(_tier(a)) else "store"
+            kind = "load" if TIERS.index(tier_class(b)) < TIERS.index(tier_class(a)) else "store"
             last = self.emit(kind, stream, (*deps, last, self.where.get((buf, a))), tensor=buf, src=a, dst=b)
             self.where[(buf, b)] = last
             if a != src:  # an intermediate hop: release it once the next hop is done
@@ -160,10 +158,6 @@ class Emitter:
         self.where.pop((buf, tier), None)
         self.freed[(buf, tier)] = i
         return i
-
-
-def _tier(t: str) -> str:
-    return "gpu" if t.startswith("gpu") else t
 
 
 def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str, str],

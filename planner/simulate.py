@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from tensorstow.ir.graph import lsum
 from tensorstow.planner.cost import commit_time
-from tensorstow.schema.schedule import Instr, initial_residency, resource_of
+from tensorstow.schema.schedule import Instr, gpu_index, initial_residency, resource_of
 
 
 class ScheduleError(Exception):
@@ -84,13 +84,13 @@ def contention(instrs: list[Instr], hw) -> tuple[list[tuple[str, ...]], dict[str
     for ins in instrs:
         x: tuple[str, ...] = ()
         if ins.kind == "send" and not hw.gpu_p2p_bw:
-            a, b = int(ins.src[3:]), int(ins.dst[3:])
+            a, b = gpu_index(ins.src), gpu_index(ins.dst)
             x = (f"{ins.src}.d2h", f"{ins.dst}.h2d", *up(a, "d2h"), *up(b, "h2d"), *dram)
         elif ins.kind in ("load", "store") and "ssd" in (ins.src, ins.dst):
             x = dram
         elif ins.kind in ("load", "store"):
             g, way = (ins.dst, "h2d") if ins.dst.startswith("gpu") else (ins.src, "d2h")
-            x = (*up(int(g[3:]), way), *dram)
+            x = (*up(gpu_index(g), way), *dram)
         extra.append(x)
     return extra, slots
 

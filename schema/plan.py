@@ -24,7 +24,6 @@ from tensorstow.schema.typed import decode, encode, freeze
 SCHEMA_VERSION = 3
 """3: autocast semantics: profiles' `param_bytes`/`grad_bytes`, loss-scaling options;
 2: H buffers and profiles' `handed_bytes`; 1: before."""
-TIER_NAMES = ("gpu", "dram", "ssd")
 
 
 # ---- the plan ----------------------------------------------------------------------------------

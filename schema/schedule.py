@@ -18,11 +18,76 @@ an optimizer step's device is `cpu` or `gpuK`.
 """
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from tensorstow.schema.typed import freeze
 
-TIERS = ("gpu", "dram", "ssd")
+
+class Tier(enum.StrEnum):
+    """A memory tier. A plan names GPU K's memory `gpuK` (`gpu_tier`); capacities and peaks say
+    `gpu` for any GPU (`tier_class`)."""
+    GPU = "gpu"
+    DRAM = "dram"
+    SSD = "ssd"
+
+
+TIERS = tuple(t.value for t in Tier)
+"""Fastest first: a copy towards a later tier is a store, towards an earlier one a load."""
+
+
+def gpu_tier(k: int) -> str:
+    """GPU k's tier (and optimizer device, and the prefix of its streams): `gpu3`."""
+    return f"gpu{k}"
+
+
+def gpu_index(tier: str) -> int:
+    """`gpu3` -> 3."""
+    if not (tier.startswith("gpu") and tier[3:].isdigit()):
+        raise ValueError(f"'{tier}' names no GPU (gpuK)")
+    return int(tier[3:])
+
+
+def tier_class(tier: str) -> Tier:
+    """`gpuK` -> Tier.GPU; `dram`, `ssd` -> themselves."""
+    return Tier.GPU if tier.startswith("gpu") else Tier(tier)
+
+
+class BufferKind(enum.StrEnum):
+    """What a buffer holds: the part of its name before the colon (the module docstring lists them)."""
+    P = "P"
+    C = "C"
+    G = "G"
+    M = "M"
+    OS = "OS"
+    A = "A"
+    R = "R"
+    X = "X"
+    T = "T"
+    H = "H"
+    W = "W"
+    AE = "AE"
+    RE = "RE"
+    K = "K"
+
+
+STATE_KINDS = (BufferKind.P, BufferKind.C, BufferKind.M, BufferKind.OS)
+"""The training state: a block's buffers with a home tier, placed before the first step."""
+OPTIMIZER_INPUTS = (BufferKind.M, BufferKind.OS, BufferKind.G)
+"""Buffers an SSD read brings for an update: the fp32 master, Adam's states, a swapped gradient."""
+HELD_KINDS = (BufferKind.P, BufferKind.C, BufferKind.G, BufferKind.A, BufferKind.R, BufferKind.X, BufferKind.T,
+              BufferKind.H, BufferKind.AE, BufferKind.RE, BufferKind.K)
+"""Kinds whose members are joint-graph values a segment may read (all but M, OS and W)."""
+MADE_BY_COMPUTE = (BufferKind.A, BufferKind.R, BufferKind.X, BufferKind.G, BufferKind.T, BufferKind.H,
+                   BufferKind.AE, BufferKind.RE, BufferKind.K)
+"""Kinds a compute or recompute instruction may create on the device."""
+PER_MICRO = (BufferKind.A, BufferKind.X, BufferKind.H, BufferKind.T)
+"""Kinds a pipeline holds one copy of per microbatch (`A:b@m`)."""
+
+
+def buffer_kind(name: str) -> BufferKind:
+    """`A:h.3@1` -> BufferKind.A; `W:fwd:h.3` -> BufferKind.W."""
+    return BufferKind(name.split(":", 1)[0])
 
 
 ACTIVATION_CHOICES = ("keep", "swap_dram", "swap_ssd", "recompute")
