@@ -54,6 +54,7 @@ from pathlib import Path
 
 import torch
 
+from tensorstow.errors import TensorstowError
 from tensorstow.executor import aio
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc" / "adam.cpp"
@@ -252,3 +253,65 @@ def kernel_info() -> str:
     """Which engine `adamw_step_` uses and why (builds or loads the C++ kernel if needed)."""
     _use_kernel()
     return f"adam: {_status}"
+
+
+class SubgroupAdam:
+    """Adam/AdamW of one subgroup, on the tier copies of its tensors.
+
+    exact (plan option `exact_optimizer`): one torch.optim.Adam/AdamW(foreach=False), pointed at
+    the tier copies every step: bit-identical with eager's default CPU path. Otherwise the fast
+    update: CPU tensors go through `executor.adam.adamw_step_` (csrc/adam.cpp: one pass over
+    memory, the fresh 16-bit compute copy written in it; torch's fused kernel if the C++ build
+    is unavailable), device tensors through torch's fused multi-tensor kernel. Both differ from
+    torch's single-tensor step only in the rounding of sqrt (a correctly rounded one instead
+    of MKL's, 1 ulp off for some inputs), see `executor/adam.py`.
+    """
+
+    def __init__(self, options):
+        kind = options.optimizer
+        if kind not in ("adam", "adamw"):
+            raise TensorstowError(f"plan options: unknown optimizer '{kind}' (adam or adamw)")
+        self.exact = options.exact_optimizer
+        self.decoupled = kind == "adamw"
+        self.lr, self.betas, self.eps, self.wd = options.lr, tuple(options.betas), options.eps, options.weight_decay
+        if self.exact:
+            cls = torch.optim.AdamW if self.decoupled else torch.optim.Adam
+            self.opt = cls([torch.zeros(1)], lr=self.lr, betas=self.betas, eps=self.eps,
+                           weight_decay=self.wd, foreach=False)
+
+    def step(self, params, grads, moments, steps_done: int, out16=None) -> None:
+        """One update of `params` (fp32) from `grads`; `steps_done` updates came before it.
+        `out16`: per parameter, a 16-bit tensor to receive its updated value (fast CPU path)."""
+        if not params:
+            return
+        if self.exact:
+            return self._torch_step(params, grads, moments, steps_done)
+        if params[0].device.type == "cpu":
+            adamw_steps_(params, grads, [m for m, _ in moments], [v for _, v in moments], steps_done + 1,
+                         self.lr, self.betas, self.eps, self.wd, out16, decoupled=self.decoupled)
+            return
+        fused = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
+        step = torch.full((), float(steps_done + 1), dtype=torch.float32, device=params[0].device)  # no host copy
+        steps = [step] * len(params)  # read, not written, by the fused kernel
+        grads = [g if g.stride() == p.stride() else torch.empty_like(p).copy_(g) for p, g in zip(params, grads)]
+        fused(params, grads, [m for m, _ in moments], [v for _, v in moments], [], steps,
+              lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], weight_decay=self.wd, eps=self.eps,
+              amsgrad=False, maximize=False)
+
+    def _torch_step(self, params, grads, moments, steps_done: int) -> None:
+        from torch.optim.optimizer import _get_scalar_dtype
+
+        group = self.opt.param_groups[0]
+        group["params"] = params
+        self.opt.state.clear()
+        try:
+            for p, g, (m, v) in zip(params, grads, moments):
+                p.grad = g
+                self.opt.state[p] = {"step": torch.tensor(float(steps_done), dtype=_get_scalar_dtype()),
+                                     "exp_avg": m, "exp_avg_sq": v}
+            self.opt.step()
+        finally:
+            for p in params:
+                p.grad = None
+            self.opt.state.clear()
+            group["params"] = []

@@ -36,8 +36,10 @@ from pathlib import Path
 
 import torch
 
-ALIGN = 4096
-"""O_DIRECT alignment (bytes) of data pointers, sizes and file offsets."""
+from tensorstow.schema.schedule import PAGE_BYTES
+
+ALIGN = PAGE_BYTES
+"""O_DIRECT alignment (bytes) of data pointers, sizes and file offsets: the plan's page."""
 
 DEFAULT_THREADS = 4
 DEFAULT_BLOCK_SIZE = 1 << 20

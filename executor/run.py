@@ -25,7 +25,7 @@ from tensorstow.executor.ssd import SSDStore
 from tensorstow.ir.models import resolve_model
 from tensorstow.planner.simulate import plan_commit_s, sync_step_s
 from tensorstow.schema.plan import Plan
-from tensorstow.schema.schedule import block_gpus
+from tensorstow.schema.schedule import block_gpus, gpu_tier
 
 
 def execute(plan: Plan, *, steps: int, data: str = "synthetic", state_dir: str | None = None,
@@ -42,7 +42,6 @@ def execute(plan: Plan, *, steps: int, data: str = "synthetic", state_dir: str |
     mode = pick_mode(mode, plan)
     if steps < 1:
         raise TensorstowError(f"--steps must be >= 1, got {steps}")
-    m = plan.model
     spec = resolve_model(plan.options.model)
     model, init = build_for_execution(spec, seed)
     store, start, resume = None, 0, False
@@ -52,7 +51,7 @@ def execute(plan: Plan, *, steps: int, data: str = "synthetic", state_dir: str |
     with contextlib.ExitStack() as closing:  # the store's directory lock is released however we leave
         if state_dir is not None:
             d = state.claim(state_dir if comm is None else rank_dir(state_dir, rank), plan)
-            store = closing.enter_context(SSDStore(d, state.store_sizes(plan, None if comm is None else f"gpu{rank}")))
+            store = closing.enter_context(SSDStore(d, state.store_sizes(plan, None if comm is None else gpu_tier(rank))))
             if comm is not None:
                 agree_on_step(store, comm)
             resume = store.committed_step() is not None
@@ -66,58 +65,75 @@ def execute(plan: Plan, *, steps: int, data: str = "synthetic", state_dir: str |
             return {"steps": start, "losses": []}
         if start:
             print(f"resuming from step {start} committed in {state_dir}", file=out)
-        tokens = m.batch * ex.M * m.seq
-        log = open(log_json, "a") if log_json else None
-        times, losses = [], []
-        try:
-            for k, (x, y) in enumerate(batches(data, m.batch * ex.M, m.seq, ex.vocab, steps, seed, start), start):
-                taken = ex.opt_steps
-                t0 = time.perf_counter()
-                loss = ex.step(x, y)
-                dt = time.perf_counter() - t0
-                times.append(dt)
-                losses.append(loss)
-                # fp16-mixed: the loss scale after the step, and whether overflow skipped its update
-                amp = {} if ex.loss_scale is None else {"loss_scale": ex.loss_scale, "skipped": ex.opt_steps == taken}
-                scale = (f"  scale {amp['loss_scale']:g}" + ("  (inf/NaN: update skipped)" if amp["skipped"] else "")
-                         if amp else "")
-                print(f"step {k + 1}/{steps}  loss {loss:.4f}  {dt:.3f} s  {tokens / dt:.4g} tokens/s{scale}",
-                      file=out, flush=True)
-                if log:
-                    log.write(json.dumps({"step": k + 1, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens / dt,
-                                          "device_peak_bytes": ex.peak_bytes.get("gpu", 0), **amp}) + "\n")
-                    log.flush()
-            ex.checkpoint()  # the last step is always committed
-        finally:
-            if log:
-                log.close()
-        pred = plan.predicted
-        steady = times[1:] or times  # the first step warms caches and allocators
-        med = statistics.median(steady)
-        expect = predicted_step(plan, mode)
-        print(f"measured step {med:.4g} s (median of {len(steady)}, {mode} mode) vs predicted {expect:.4g} s "
-              f"(x{med / expect:.3g}); device peak {ex.peak_bytes.get('gpu', 0) / 1e6:.1f} MB of "
-              f"{pred.capacity_bytes['gpu'] / 1e6:.1f} MB budget; dram pool {ex.pool.size / 1e6:.1f} MB "
-              f"(plan peak {pred.peak_bytes['dram'] / 1e6:.1f} MB)"
-              + (f", {ex.pool.overflow_bytes / 1e6:.1f} MB allocated outside it over the run (fragmentation)" if ex.pool.overflow_bytes else ""), file=out)
-        if "gpu_reserved" in ex.peak_bytes:  # CUDA: what the caching allocator really held
-            print(f"CUDA allocator peak: {ex.peak_bytes['gpu_allocated'] / 1e6:.1f} MB allocated, "
-                  f"{ex.peak_bytes['gpu_reserved'] / 1e6:.1f} MB reserved (held to {ex.alloc_limit / 1e6:.1f} MB: "
-                  f"the budget + workspaces)", file=out)
-        busy = ex.lane_busy()
-        print("lane busy, measured (predicted): " + ", ".join(
-            f"{r} {v:.3g} s ({pred.busy_s.get(r, 0):.3g} s)" for r, v in busy.items()), file=out)
-        if trace:
-            with open(trace, "w") as f:
-                json.dump(ex.measured_trace(), f)
-            print(f"wrote {trace}", file=out)
+        times, losses = _train(ex, plan, data, steps, seed, start, log_json, out)
+        med = _report(ex, plan, mode, times, trace, out)
         return {"steps": steps, "losses": losses, "median_step_s": med, "peak": ex.peak_bytes}
+
+
+def _train(ex: Executor, plan: Plan, data: str, steps: int, seed: int, start: int, log_json: str | None,
+           out) -> tuple[list[float], list[float]]:
+    """Steps `start`..`steps` (each printed, and logged as a JSON line to `log_json`), then a
+    commit of the last one; returns the step times and losses."""
+    m = plan.model
+    tokens = m.batch * ex.M * m.seq
+    log = open(log_json, "a") if log_json else None
+    times, losses = [], []
+    try:
+        for k, (x, y) in enumerate(batches(data, m.batch * ex.M, m.seq, ex.vocab, steps, seed, start), start):
+            taken = ex.opt_steps
+            t0 = time.perf_counter()
+            loss = ex.step(x, y)
+            dt = time.perf_counter() - t0
+            times.append(dt)
+            losses.append(loss)
+            # fp16-mixed: the loss scale after the step, and whether overflow skipped its update
+            amp = {} if ex.loss_scale is None else {"loss_scale": ex.loss_scale, "skipped": ex.opt_steps == taken}
+            scale = (f"  scale {amp['loss_scale']:g}" + ("  (inf/NaN: update skipped)" if amp["skipped"] else "")
+                     if amp else "")
+            print(f"step {k + 1}/{steps}  loss {loss:.4f}  {dt:.3f} s  {tokens / dt:.4g} tokens/s{scale}",
+                  file=out, flush=True)
+            if log:
+                log.write(json.dumps({"step": k + 1, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens / dt,
+                                      "device_peak_bytes": ex.peak_bytes.get("gpu", 0), **amp}) + "\n")
+                log.flush()
+        ex.checkpoint()  # the last step is always committed
+    finally:
+        if log:
+            log.close()
+    return times, losses
+
+
+def _report(ex: Executor, plan: Plan, mode: str, times: list[float], trace: str | None, out) -> float:
+    """Measured against predicted: the median step, the tiers' peaks, each lane's busy time;
+    `trace`: the last step's measured timeline (Perfetto JSON). Returns the median step."""
+    pred = plan.predicted
+    steady = times[1:] or times  # the first step warms caches and allocators
+    med = statistics.median(steady)
+    expect = predicted_step(plan, mode)
+    print(f"measured step {med:.4g} s (median of {len(steady)}, {mode} mode) vs predicted {expect:.4g} s "
+          f"(x{med / expect:.3g}); device peak {ex.peak_bytes.get('gpu', 0) / 1e6:.1f} MB of "
+          f"{pred.capacity_bytes['gpu'] / 1e6:.1f} MB budget; dram pool {ex.pool.size / 1e6:.1f} MB "
+          f"(plan peak {pred.peak_bytes['dram'] / 1e6:.1f} MB)"
+          + (f", {ex.pool.overflow_bytes / 1e6:.1f} MB allocated outside it over the run (fragmentation)"
+             if ex.pool.overflow_bytes else ""), file=out)
+    if "gpu_reserved" in ex.peak_bytes:  # CUDA: what the caching allocator really held
+        print(f"CUDA allocator peak: {ex.peak_bytes['gpu_allocated'] / 1e6:.1f} MB allocated, "
+              f"{ex.peak_bytes['gpu_reserved'] / 1e6:.1f} MB reserved (held to {ex.alloc_limit / 1e6:.1f} MB: "
+              f"the budget + workspaces)", file=out)
+    busy = ex.lane_busy()
+    print("lane busy, measured (predicted): " + ", ".join(
+        f"{r} {v:.3g} s ({pred.busy_s.get(r, 0):.3g} s)" for r, v in busy.items()), file=out)
+    if trace:
+        with open(trace, "w") as f:
+            json.dump(ex.measured_trace(), f)
+        print(f"wrote {trace}", file=out)
+    return med
 
 
 def _gpus_of(plan: Plan) -> int:
     """How many processes the plan needs: one per GPU of its hardware when it spans several."""
     used = set(block_gpus(plan).values())
-    return len(plan.hardware.spec.gpus) if used != {"gpu0"} else 1
+    return len(plan.hardware.spec.gpus) if used != {gpu_tier(0)} else 1
 
 
 def _launch(plan: Plan, nproc: int, kw: dict, out) -> dict:

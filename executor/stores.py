@@ -28,8 +28,9 @@ import torch
 import torch.utils._pytree as pytree
 
 from tensorstow.errors import TensorstowError
-from tensorstow.executor.aio import ALIGN, aligned_empty, huge_empty
+from tensorstow.executor.aio import aligned_empty, huge_empty
 from tensorstow.ir.graph import numel
+from tensorstow.planner.pools import BestFit, page
 
 
 class DeviceMemoryError(TensorstowError):
@@ -293,61 +294,37 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
 
 
 class HostPool:
-    """The DRAM tier's memory: one arena allocated up front (pinned with CUDA), carved into
-    4096-aligned ranges best-fit and given back on free, so every step reuses the same bytes
-    and no copy allocates (STRONGHOLD §3.4 buffer pools). A request that fragmentation leaves
-    no room for is served from a fresh allocation and counted in `overflow_bytes`."""
+    """The DRAM tier's memory: one arena allocated up front (pinned with CUDA) as large as the plan
+    says (`Plan.pools`), carved into page-aligned ranges best-fit and given back on free
+    (`planner.pools.BestFit`), so every step reuses the same bytes and no copy allocates
+    (STRONGHOLD §3.4 buffer pools). A request that fragmentation leaves no room for is served from
+    a fresh allocation and counted in `overflow_bytes`."""
 
-    def __init__(self, nbytes: int, pin: bool = False, virtual: bool = False):
-        self.size = _page(nbytes)
-        self.arena = None if virtual else (pinned_empty(self.size) if pin else huge_empty(self.size))
-        self.free: list[list[int]] = [[0, self.size]] if self.size else []
-        """Free ranges [offset, length], by offset, coalesced."""
-        self.high_water = 0
+    def __init__(self, nbytes: int, pin: bool = False):
+        self.size = page(nbytes)
+        self.arena = pinned_empty(self.size) if pin else huge_empty(self.size)
+        self.ranges = BestFit(self.size)
         self.overflow_bytes = 0
         self._lock = threading.Lock()
 
-    def take(self, nbytes: int) -> tuple[int, torch.Tensor | None] | None:
+    @property
+    def free(self) -> list[list[int]]:
+        """Free ranges [offset, length], by offset, coalesced."""
+        return self.ranges.free
+
+    @property
+    def high_water(self) -> int:
+        return self.ranges.high_water
+
+    def take(self, nbytes: int) -> tuple[int, torch.Tensor] | None:
         """(offset, bytes) of a range of at least `nbytes`, or None if no free range is long enough."""
-        n = _page(nbytes)
         with self._lock:
-            fits = [r for r in self.free if r[1] >= n]
-            if not fits:
-                return None
-            r = min(fits, key=lambda r: (r[1], r[0]))
-            off = r[0]
-            r[0], r[1] = r[0] + n, r[1] - n
-            if not r[1]:
-                self.free.remove(r)
-            self.high_water = max(self.high_water, off + n)
-        return off, (None if self.arena is None else self.arena[off:off + nbytes])
+            off = self.ranges.take(nbytes)
+        return None if off is None else (off, self.arena[off:off + nbytes])
 
     def give(self, off: int, nbytes: int) -> None:
-        n = _page(nbytes)
         with self._lock:
-            k = next((i for i, r in enumerate(self.free) if r[0] > off), len(self.free))
-            self.free.insert(k, [off, n])
-            if k + 1 < len(self.free) and off + n == self.free[k + 1][0]:  # merge with the next
-                self.free[k][1] += self.free.pop(k + 1)[1]
-            if k and self.free[k - 1][0] + self.free[k - 1][1] == off:  # and with the previous
-                self.free[k - 1][1] += self.free.pop(k)[1]
-
-    @staticmethod
-    def needed(events) -> int:
-        """Arena bytes for a sequence of ("alloc", name, nbytes) / ("free", name) events replayed
-        best-fit in this order: the DRAM peak plus what fragmentation adds."""
-        pool = HostPool(sum(_page(e[2]) for e in events if e[0] == "alloc"), virtual=True)
-        held = {}
-        for e in events:
-            if e[0] == "alloc":
-                held[e[1]] = (pool.take(e[2])[0], e[2])
-            else:
-                pool.give(*held.pop(e[1]))
-        return pool.high_water
-
-
-def _page(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
+            self.ranges.give(off, nbytes)
 
 
 class HostTier:
@@ -554,3 +531,10 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     if t.device.type != "cpu" or not t.is_contiguous():
         raise TensorstowError("SSD store: tensors must be contiguous CPU tensors")
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
+
+
+def clone_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A contiguous copy of `t` on `device` (the layout every tier copy has)."""
+    out = torch.empty_strided(t.shape, contiguous_stride(t.shape), dtype=t.dtype, device=device)
+    out.copy_(t)
+    return out

@@ -140,7 +140,8 @@ def partition(sp: StageProblem, *, max_stages: int | None = None, time_limit_s: 
 def solve_stages(sp: StageProblem, K: int, time_limit_s: float, gap: float = 0.0, max_nodes: int = 0) -> Partition:
     """The MIP for exactly K stages; `gap`: stop within this relative gap of the optimum (0: exact);
     `max_nodes`: a branch-and-bound node limit (deterministic, unlike the time limit). A solve cut
-    by a limit returns its best integer solution, if it has one."""
+    by a limit returns its best integer solution, if it has one. One function, kept whole: the
+    model reads top to bottom as the paper's formulation, each constraint under its equation."""
     L, N, M, G = sp.layers, sp.gpus, sp.microbatches, sp.capacity
     # Normalise units (STYLE: well-conditioned solver input): time in ms, bytes in MiB
     ms, mib = 1e3, 1 / 2**20

@@ -13,12 +13,15 @@ from tensorstow.ir.models import DEFAULT_BATCH, ModelSpec, resolve_model
 from tensorstow.ir.trace import PRECISIONS, model_dims, trace_model, trace_spec
 from tensorstow.planner import cost
 from tensorstow.planner.pipeline import lower_pipeline, pipeline_buffers
+from tensorstow.planner.pools import host_pools
 from tensorstow.planner.schedule import buffers_for, lower
 from tensorstow.planner.simulate import SimResult, compute_slowdown, contention, simulate
 from tensorstow.schema.hardware import Hardware
 from tensorstow.schema.options import Options
-from tensorstow.schema.plan import SCHEMA_VERSION, BlockInfo, HardwareInfo, ModelInfo, Plan, Predicted, ProfileInfo
-from tensorstow.schema.schedule import TIERS, Buffer, Decisions, Instr, carried_buffers, gpu_index, initial_residency
+from tensorstow.schema.plan import (SCHEMA_VERSION, BlockInfo, HardwareInfo, ModelInfo, Plan, PoolSizes, Predicted,
+                                    ProfileInfo)
+from tensorstow.schema.schedule import (TIERS, Buffer, Decisions, Instr, carried_buffers, gpu_index, gpus_of_blocks,
+                                        initial_residency)
 
 
 @dataclass
@@ -126,6 +129,12 @@ class PlanResult:
             out[buf.kind] = out.get(buf.kind, 0) + buf.bytes
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
+    def pools(self) -> dict[str, PoolSizes]:
+        """Each GPU process's DRAM arena (`planner.pools`), from the schedule and its replay."""
+        order = self.problem.order
+        return host_pools(self.instructions, self.sim.start, self.buffers, self.decisions, order,
+                          gpus_of_blocks(self.decisions, order))
+
     def to_plan(self) -> PlanResult:
         p, g = self.problem, self.problem.graph
         tokens = g.batch * g.seq * self.samples
@@ -149,7 +158,7 @@ class PlanResult:
             buffers=dict(sorted(self.buffers.items())),
             instructions=tuple(dataclasses.replace(i, est_s=_r(self.durations[i.id]), contended_s=_r(i.contended_s))
                                for i in self.instructions),
-            pools={t: self.peak(t) for t in TIERS},
+            pools=self.pools(),
             predicted=Predicted(
                 step_time_s=_r(sim.step_time_s),
                 tokens_per_s=_r(tokens / sim.step_time_s) if sim.step_time_s else 0.0,

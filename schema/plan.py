@@ -21,9 +21,10 @@ from tensorstow.schema.options import Options
 from tensorstow.schema.schedule import Buffer, Decisions, Instr
 from tensorstow.schema.typed import decode, encode, freeze
 
-SCHEMA_VERSION = 3
-"""3: autocast semantics: profiles' `param_bytes`/`grad_bytes`, loss-scaling options;
-2: H buffers and profiles' `handed_bytes`; 1: before."""
+SCHEMA_VERSION = 4
+"""4: `pools` are each GPU process's DRAM arena (`PoolSizes`); 3: autocast semantics: profiles'
+`param_bytes`/`grad_bytes`, loss-scaling options; 2: H buffers and profiles' `handed_bytes`;
+1: before."""
 
 
 # ---- the plan ----------------------------------------------------------------------------------
@@ -107,6 +108,16 @@ class Predicted:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PoolSizes:
+    """The DRAM arena one GPU's executor process preallocates, in bytes (STRONGHOLD §3.4 buffer
+    pools): every DRAM copy of a step is a range of it (`planner.pools`)."""
+    sync: int
+    """For a replay in program order (`execute --mode sync`)."""
+    overlap: int
+    """For lanes that run ahead of program order as the simulated replay does (`--mode overlap`)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     """One training step's static schedule for one model x hardware x options."""
     schema_version: int
@@ -117,8 +128,8 @@ class Plan:
     buffers: Mapping[str, Buffer]
     instructions: tuple[Instr, ...]
     """In program order; `est_s` is each one's modeled duration."""
-    pools: Mapping[str, int]
-    """Per tier: bytes to preallocate (the simulated peak)."""
+    pools: Mapping[str, PoolSizes]
+    """Per GPU process, by its GPU tier (`gpu0`, ...): the DRAM arena it preallocates."""
     predicted: Predicted
 
     def __post_init__(self):

@@ -85,6 +85,11 @@ PER_MICRO = (BufferKind.A, BufferKind.X, BufferKind.H, BufferKind.T)
 """Kinds a pipeline holds one copy of per microbatch (`A:b@m`)."""
 
 
+PAGE_BYTES = 4096
+"""Every host range a plan's buffers take is aligned to this: the SSD tier's O_DIRECT reads and
+writes land in them."""
+
+
 def buffer_kind(name: str) -> BufferKind:
     """`A:h.3@1` -> BufferKind.A; `W:fwd:h.3` -> BufferKind.W."""
     return BufferKind(name.split(":", 1)[0])
@@ -329,14 +334,18 @@ def block_of(name: str) -> str:
     return split_micro(name)[0].split(":")[-1]
 
 
-def home_tiers(buffers: dict[str, Buffer], decisions: Decisions, order: list[str]) -> dict[str, str]:
-    """Buffer -> the tier it lives on between steps: a "gpu" home is its stage's GPU."""
+def gpus_of_blocks(decisions: Decisions, order: list[str]) -> dict[str, str]:
+    """Block -> the GPU tier ("gpuK") that runs it: its stage's GPU in a pipeline, else gpu0
+    (`order`: the blocks in forward order)."""
     pl = decisions.pipeline
     if pl is None or pl.kind == "data-parallel":
-        gpu_of = {b: "gpu0" for b in order}
-    else:
-        stage = pl.stage_of(order)
-        gpu_of = {b: f"gpu{pl.gpus[stage[b]]}" for b in order}
+        return {b: gpu_tier(0) for b in order}
+    return {b: gpu_tier(pl.gpus[j]) for b, j in pl.stage_of(order).items()}
+
+
+def home_tiers(buffers: dict[str, Buffer], decisions: Decisions, order: list[str]) -> dict[str, str]:
+    """Buffer -> the tier it lives on between steps: a "gpu" home is its stage's GPU."""
+    gpu_of = gpus_of_blocks(decisions, order)
     return {n: (gpu_of[b.block] if b.home == "gpu" else b.home) for n, b in buffers.items() if b.home}
 
 
@@ -348,12 +357,23 @@ def initial_residency(buffers: dict[str, Buffer], decisions: Decisions, order: l
 
 
 def block_gpus(plan) -> dict[str, str]:
-    """Block -> the GPU tier ("gpuK") that runs it, for a plan file (`planner.schema.Plan`)."""
-    pl, order = plan.decisions.pipeline, [b.name for b in plan.model.blocks]
-    if pl is None or pl.kind == "data-parallel":
-        return {b: "gpu0" for b in order}
-    return {b: f"gpu{pl.gpus[j]}" for b, j in pl.stage_of(order).items()}
+    """Block -> the GPU tier ("gpuK") that runs it, for a plan file (`schema.plan.Plan`)."""
+    return gpus_of_blocks(plan.decisions, [b.name for b in plan.model.blocks])
 
 
 def resource_of(stream: str) -> str:
     return "ssd" if stream.startswith("ssd.") else stream
+
+
+def runs_on(ins: Instr, gpu: str, block_gpu: dict[str, str], buffers) -> bool:
+    """Whether the process driving GPU tier `gpu` replays `ins`: that GPU's streams, both ends of a
+    send touching it, every commit, and the host work (DRAM, SSD, CPU optimizer) of its blocks
+    (`block_gpu`: block -> its GPU tier)."""
+    if ins.kind == "send":
+        return gpu in (ins.src, ins.dst)
+    if ins.kind == "commit":
+        return True
+    dev = ins.stream.split(".")[0]
+    if dev.startswith("gpu"):
+        return dev == gpu
+    return block_gpu[ins.segment if ins.kind == "optimizer_step" else buffers[ins.tensor].block] == gpu

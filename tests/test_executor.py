@@ -7,6 +7,7 @@ segments run the very aten ops eager autograd runs, in the same order, on tensor
 same strides (buffers move storage roots and views are replayed), and each subgroup's
 update is torch's own single-tensor Adam.
 """
+import copy
 import dataclasses
 import functools
 from collections import Counter
@@ -712,16 +713,16 @@ def test_pinned_host_copies_are_accounted_at_the_caching_allocators_size():
     assert plain.footprint(4097) == 4097
 
 
+@pytest.mark.parametrize("mode", ["sync", "overlap"])
 @pytest.mark.parametrize("name", ["zero-infinity", "swap-gpuopt", "partial-swap", "interleaved"])
-def test_dram_tier_is_one_preallocated_pool_reused_every_step(name, tmp_path):
-    """Every DRAM copy is a range of one arena sized from the plan before the first step; a
-    further step takes and gives back the same ranges and allocates nothing."""
-    from tensorstow.executor.aio import ALIGN
-    ex, _, _ = run(get_plan(name), "sync", tmp_path)
+def test_dram_tier_is_one_preallocated_pool_reused_every_step(name, mode, tmp_path):
+    """Every DRAM copy is a range of one arena, as large as the plan's `pools` say for the mode,
+    allocated before the first step; a further step takes and gives back the same ranges and
+    allocates nothing."""
+    ex, _, _ = run(get_plan(name), mode, tmp_path)
     pool, plan = ex.pool, ex.plan
-    dram = {i.tensor for i in plan.instructions if i.dst == "dram"} | {
-        n for n, b in plan.buffers.items() if b.home == "dram"}
-    assert 0 < pool.size <= plan.pools["dram"] + ALIGN * len(dram)  # the plan's peak, page-rounded
+    sizes = plan.pools["gpu0"]
+    assert pool.size == (sizes.sync if mode == "sync" else sizes.overlap) > 0
     lo = pool.arena.data_ptr()
     held = {n: c.blob.data_ptr() for n, c in ex.host.copies.items()}  # DRAM homes (none if all on SSD)
     assert all(lo <= p < lo + pool.size for p in held.values())
@@ -732,6 +733,28 @@ def test_dram_tier_is_one_preallocated_pool_reused_every_step(name, tmp_path):
     assert pool.overflow_bytes == 0
     assert [list(r) for r in pool.free] == free
     assert {n: c.blob.data_ptr() for n, c in ex.host.copies.items()} == held
+
+
+def test_the_dram_arena_is_what_the_plan_says(tmp_path):
+    """The executor takes the arena's size from the plan, never from a replay of its own: a
+    hand-edited `pools` entry is what it allocates, and a step that the smaller arena cannot
+    hold takes the rest from fresh allocations (counted) and still trains as eager does."""
+    plan = copy.deepcopy(get_plan("zero-infinity"))
+    need = plan["pools"]["gpu0"]["sync"]
+    plan["pools"]["gpu0"]["sync"] = 8 * 4096
+    ex, losses, params = run(plan, "sync", tmp_path)
+    assert ex.pool.size == 8 * 4096 < need
+    assert ex.pool.overflow_bytes > 0
+    assert_same((losses, params), eager())
+    plan["pools"]["gpu0"]["sync"] = need + 10 * 4096 + 1
+    assert executor(plan, tmp_path / "again").pool.size == need + 11 * 4096  # whole pages
+
+
+def test_a_plan_without_this_gpus_pool_is_refused(tmp_path):
+    plan = copy.deepcopy(get_plan("zero-infinity"))
+    plan["pools"] = {"gpu1": plan["pools"]["gpu0"]}
+    with pytest.raises(TensorstowError, match="pools have no entry for gpu0; re-plan it"):
+        executor(plan, tmp_path / "s")
 
 
 def test_a_gpu_smaller_than_the_plans_is_refused_with_both_named(monkeypatch):

@@ -1,0 +1,387 @@
+"""Compiling a plan for one executor process, once, before its first step: the runtime tables the
+dispatch loop reads.
+
+`Program(plan, model)` re-traces `model` exactly as the planner did (or takes that trace), refuses a
+plan whose model fingerprint differs, and turns the plan into tables, checking each against the
+traced model: this process's share of the instructions (validated, numbered 0.. in program order),
+every buffer's layout (its named tensors, dtypes and shapes), which buffers may hold each joint-graph
+value, the values each segment leaves on the device, the recomputed segments that draw random
+numbers, the homes of the training state, and the DRAM arena (`Plan.pools`). It decides nothing:
+every table is read from the plan, and a plan the traced model contradicts is one error naming the
+instruction or buffer and "re-plan it".
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+import torch
+import torch.nn as nn
+
+from tensorstow.errors import TensorstowError
+from tensorstow.executor.segments import Joint
+from tensorstow.executor.stores import Layout
+from tensorstow.ir.trace import Traced, model_dims, trace_model
+from tensorstow.schema.plan import Plan, as_plan
+from tensorstow.schema.schedule import (HELD_KINDS, MADE_BY_COMPUTE, BufferKind, Instr, block_gpus, block_of,
+                                        buffer_kind, carried_buffers, gpu_index, gpu_tier, home_tiers, runs_on,
+                                        split_micro)
+
+KINDS = ("compute", "recompute", "load", "store", "free", "optimizer_step", "send", "commit")
+"""The instruction kinds an executor runs (`runtime.HANDLERS`)."""
+
+
+class Program:
+    """One process's share of a plan, compiled against the traced model (the module docstring)."""
+
+    def __init__(self, plan, model: nn.Module, *, rank: int | None = None, comm=None,
+                 traced: Traced | None = None):
+        """`plan`: a Plan, the planner's result or its JSON dict; `model`: the module it was made
+        for (wrapped: `ir.hf.wrap`); `rank`: the GPU this process drives (None: a one-GPU plan);
+        `comm`: the process group of a multi-GPU run; `traced`: a trace of this very model to skip
+        re-tracing (checked like a fresh one)."""
+        plan = as_plan(plan)  # the typed plan, as its file would read (a dict is validated)
+        self.plan: Plan = plan
+        pl = plan.decisions.pipeline
+        if pl is not None and pl.kind == "data-parallel":
+            raise TensorstowError("a zero3-dp plan is a simulated baseline (the Mobius comparison), not "
+                                  "executable: execute a mobius, gpipe or single-GPU plan")
+        self.M = pl.microbatches if pl else 1
+        """Microbatches per step: `step` takes M x the plan's batch."""
+        self.block_gpu = block_gpus(plan)
+        """Block -> the GPU tier that runs it."""
+        gpus = sorted({gpu_index(g) for g in self.block_gpu.values()})
+        if rank is None:
+            if gpus != [0]:
+                n = len(plan.hardware.spec.gpus)
+                raise TensorstowError(f"this plan runs on {n} GPUs: execute it with one process per GPU "
+                                      f"(`tensorstow execute PLAN --nproc {n}`)")
+            rank = 0
+        self.rank, self.gpu, self.comm = rank, gpu_tier(rank), comm
+        """The GPU this process drives: the plan's tier "gpuK"."""
+        order = [b.name for b in plan.model.blocks]
+        self.homes = {n: t for n, t in home_tiers(dict(plan.buffers), plan.decisions, order).items()
+                      if self.block_gpu[plan.buffers[n].block] == self.gpu}
+        """This process's buffers with a home tier -> that tier: the training state it holds."""
+        self.carried = [x for x in carried_buffers(plan.decisions, dict(plan.buffers)) if x in self.homes]
+        """SSD-homed buffers whose latest version stays in DRAM between steps
+        (`Decisions.deferred_writes`): each step writes them home first, then commits the step
+        before (its `commit` instruction)."""
+        m = plan.model
+        if traced is None:  # a replicated plan runs its block templates (ir.template)
+            traced = trace_model(model, batch=m.batch, seq=m.seq, precision=m.precision,
+                                 model_name=m.name, template=plan.replicated)
+        self.traced = traced
+        _check_model_graph(m, traced)
+        self.graph = traced.graph
+        self.joint = Joint(traced)
+        shapes = {n: tuple(p.shape) for n, p in model_state(model).items()}
+        if sorted(shapes) != self.joint.param_names or any(
+                shapes[n] != self.joint.meta(self.joint.placeholder[n])[1] for n in shapes):
+            raise TensorstowError(f"the model's parameters and buffers do not match the traced graph of "
+                                  f"{m.name}; pass the model the trace was made from")
+        self.vocab = model_dims(model)[0]
+        """The model's vocabulary size (token ids a step may hold), None where it has none."""
+        self.precision = m.precision
+        self.mixed = self.precision != "fp32"
+        self.fp32_grads = plan.decisions.fp32_grads(self.mixed)
+        """G holds fp32 gradients (`Decisions.fp32_grads`: accumulated over microbatches, or on
+        their way to SSD)."""
+        self.instrs = self._read_instructions(plan)
+        self.block_params = {b: ps for b, (ps, _) in self.joint.block_state.items()}
+        """Trainable parameters per block (P, G, M, OS, the optimizer)."""
+        self.block_consts = {b: cs for b, (_, cs) in self.joint.block_state.items() if cs}
+        """Frozen parameters and buffers per block (C: read, never written)."""
+        self.frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+        self.layouts, self.members = self._buffers(plan)
+        self._add_reforwards()
+        self._add_backward_parts()
+        self._check_references()
+        self.holders: dict[str, list[str]] = defaultdict(list)
+        """Joint-graph value -> the buffers whose members include it."""
+        for buf, roots in self.members.items():
+            if buffer_kind(buf) in HELD_KINDS:
+                for r in roots:
+                    self.holders[r].append(buf)
+        self._holders_of: dict[tuple[str, int], list[str]] = {}  # `holders_of`, made once per key
+        recomputed = {i.segment for i in self.instrs if i.kind == "recompute"}
+        self.random_segments = {name for name in recomputed if _draws_random(self.joint.segments[name])}
+        """Recomputed segments that draw random numbers (dropout): their recompute replays the
+        generator state their first run started from, so masks equal the original forward's."""
+        pred = plan.predicted
+        if pred.peak_bytes["gpu"] > pred.capacity_bytes["gpu"]:
+            raise TensorstowError(f"the plan does not fit its GPU ({pred.peak_bytes['gpu']} bytes at peak > "
+                                  f"{pred.capacity_bytes['gpu']} capacity); re-plan it")
+        self.keep = self._kept_values()
+        """Per compute instruction, the values its segment leaves on the device."""
+
+    def pool_bytes(self, mode: str) -> int:
+        """Bytes of the DRAM arena this process preallocates in `mode` (`Plan.pools`)."""
+        sizes = self.plan.pools.get(self.gpu)
+        if sizes is None:
+            raise TensorstowError(f"the plan's pools have no entry for {self.gpu}; re-plan it")
+        return sizes.sync if mode == "sync" else sizes.overlap
+
+    def _read_instructions(self, plan) -> list[Instr]:
+        """This executor's share of the plan's instructions, checked against what it drives (the
+        plan's own consistency, ids, deps and buffer names, `Plan.from_json` has checked), numbered
+        0.. in program order (`plan_id` maps back); dependencies on other ranks' instructions are
+        dropped: what crosses ranks is a `send`, which both ends replay."""
+        g = self.gpu
+        links = {(g, "dram"), ("dram", g), ("dram", "ssd"), ("ssd", "dram")}
+        mine: list[Instr] = []
+        local: dict[int, int] = {}
+        self.plan_id: list[int] = []
+        for k, ins in enumerate(plan.instructions):
+            if ins.kind not in KINDS:
+                raise TensorstowError(f"plan instruction {k}: unknown kind '{ins.kind}' (this executor "
+                                      f"runs {', '.join(KINDS)})")
+            if not runs_on(ins, g, self.block_gpu, plan.buffers):
+                continue
+            if ins.kind in ("compute", "recompute") and not self._known_segment(ins):
+                raise TensorstowError(f"plan instruction {k}: unknown segment '{ins.segment}'")
+            if ins.kind in ("compute", "recompute") and ins.stream != f"{g}.compute":
+                raise TensorstowError(f"plan instruction {k}: segments run on {g}.compute, not "
+                                      f"'{ins.stream}' (one device, one compute stream)")
+            if ins.kind in ("load", "store") and (ins.src, ins.dst) not in links:
+                raise TensorstowError(f"plan instruction {k}: no copy {ins.src} -> {ins.dst} (this executor "
+                                      f"drives {g}, with dram and ssd)")
+            if ins.kind == "send" and (self.comm is None or not (ins.src.startswith("gpu") and ins.dst.startswith("gpu"))):
+                raise TensorstowError(f"plan instruction {k}: a send {ins.src} -> {ins.dst} needs one process "
+                                      f"per GPU (`tensorstow execute PLAN --nproc N`)")
+            if ins.kind == "free" and ins.dst not in (g, "dram", "ssd"):
+                raise TensorstowError(f"plan instruction {k}: unknown tier '{ins.dst}'")
+            if ins.kind == "optimizer_step" and ins.dst not in ("cpu", g):
+                raise TensorstowError(f"plan instruction {k}: optimizer device '{ins.dst}' is not cpu or {g}")
+            if ins.micro >= self.M:
+                raise TensorstowError(f"plan instruction {k}: microbatch {ins.micro} of {self.M}")
+            local[k] = len(mine)
+            self.plan_id.append(k)
+            mine.append(dataclasses.replace(ins, id=local[k], deps=tuple(local[d] for d in ins.deps if d in local)))
+        return mine
+
+    def _known_segment(self, ins: Instr) -> bool:
+        """A traced segment, or a partial swap's re-forward of a block that has a forward (built
+        from the plan's buffers by `_add_reforwards`)."""
+        seg = ins.segment
+        if seg in self.joint.segments:
+            return True
+        phase, _, b = seg.partition(":")
+        if phase in ("bwd1", "bwd2"):  # a cut backward (`_add_backward_parts`)
+            return ins.kind == "compute" and f"bwd:{b}" in self.joint.segments
+        return ins.kind == "recompute" and phase == "refwd" and f"fwd:{b}" in self.joint.segments
+
+    def _add_reforwards(self) -> None:
+        """The `refwd:<b>` segments a partial swap's recompute runs: the part of b's forward that
+        makes R:<b> again from what A:<b> brought back (and X, P)."""
+        for ins in self.instrs:
+            if ins.kind != "recompute" or not ins.segment.startswith("refwd:") or ins.segment in self.joint.segments:
+                continue
+            b = ins.segment.split(":", 1)[1]
+            given = [r for x in (f"A:{b}", f"AE:{b}") for r in self.members.get(x, ())]
+            if not ins.allocs or set(ins.allocs) - {f"R:{b}", f"RE:{b}"} or not given:
+                raise TensorstowError(f"plan instruction {ins.id}: recompute {ins.segment} needs buffers A:{b} "
+                                      f"and R:{b}; re-plan it")
+            seg = self.joint.add_reforward(b, [r for x in ins.allocs for r in self.members[x]], given)
+            if _draws_random(seg):
+                raise TensorstowError(f"plan instruction {ins.id}: {ins.segment} would draw random numbers "
+                                      f"again (dropout); a block that draws them is swapped whole; re-plan it")
+
+    def _add_backward_parts(self) -> None:
+        """The `bwd1:<b>` / `bwd2:<b>` segments of a cut backward: the first `bwd_cut` ops of b's
+        backward in the traced graph's order (`BlockDecision.bwd_cut`, as the planner's profile
+        counted them), and the rest."""
+        cut = {ins.segment.split(":", 1)[1] for ins in self.instrs if ins.segment.startswith("bwd1:")}
+        for b in sorted(cut):
+            if f"bwd1:{b}" in self.joint.segments:
+                continue
+            n = self.plan.decisions.blocks[b].bwd_cut if b in self.plan.decisions.blocks else 0
+            profile = self.joint.inst.profile.get(b, b)
+            ops = [o.name for o in self.graph.ops if o.block == profile and o.phase == "bwd"]
+            if not 0 < n < len(ops):
+                raise TensorstowError(f"the plan runs block {b}'s backward in two parts but cuts it after {n} "
+                                      f"of its {len(ops)} ops; re-plan it")
+            self.joint.add_backward_parts(b, set(ops[:n]))
+
+    def _check_references(self) -> None:
+        """Every buffer an instruction names exists, and each kind creates what it can."""
+        for ins in self.instrs:
+            named = [ins.tensor] if ins.kind in ("load", "store", "free") else []
+            for n in named + list(ins.allocs):
+                if n not in self.layouts:
+                    raise TensorstowError(f"plan instruction {ins.id}: unknown buffer '{n}'; re-plan it")
+            if ins.kind in ("compute", "recompute"):
+                bad = [a for a in ins.allocs if buffer_kind(a) not in MADE_BY_COMPUTE]
+            elif ins.kind == "optimizer_step":
+                if not self.block_params.get(ins.segment):
+                    raise TensorstowError(f"plan instruction {ins.id}: '{ins.segment}' is not a block "
+                                          f"with parameters")
+                bad = [a for a in ins.allocs if a != f"P:{ins.segment}"]
+            else:
+                bad = list(ins.allocs)
+            if bad:
+                raise TensorstowError(f"plan instruction {ins.id} ({ins.kind}) cannot create {bad}")
+
+    def _buffers(self, plan):
+        """Layout (named tensors) of every data buffer, read from the plan's `members` (by the
+        profile's names; a replicated layer's are its own instances), checked against the traced
+        model and the plan's bytes."""
+        j, inst = self.joint, self.joint.inst
+        layouts: dict[str, Layout] = {}
+        members: dict[str, list[str]] = {}
+        for name, spec in sorted(plan.buffers.items()):
+            kind, b = buffer_kind(name), block_of(name)
+            if kind == BufferKind.W:
+                continue  # a workspace: the segment's real temporaries, counted as they are made
+            if kind not in (*HELD_KINDS, "M", "OS") or b not in inst.profile:
+                raise TensorstowError(f"plan buffer {name} names nothing in the traced model; re-plan it")
+            if not spec.members:
+                raise TensorstowError(f"plan buffer {name} does not list its members (a plan of an older "
+                                      f"tensorstow); re-plan it")
+            entries, roots = [], []
+            for m in spec.members:
+                try:
+                    key, meta = self._member(kind, b, m)
+                    dtype, shape = j.meta(meta)
+                except KeyError:
+                    raise TensorstowError(f"plan buffer {name} holds {m}, which the traced model does not "
+                                          f"have; re-plan it") from None
+                fp32 = kind in ("M", "OS") or kind == "G" and self.fp32_grads
+                entries.append((key, torch.float32 if fp32 else dtype, shape))
+                if kind not in ("M", "OS"):
+                    roots.append(key)
+            layouts[name] = Layout(entries)
+            if roots:
+                members[name] = roots
+            if layouts[name].nbytes != spec.bytes:
+                raise TensorstowError(f"plan buffer {name}: {spec.bytes} bytes in the plan, "
+                                      f"{layouts[name].nbytes} in the traced model; re-plan it")
+        for b, params in self.block_params.items():
+            want = {"P": [j.placeholder[p] for p in params], "C": [j.placeholder[c] for c in self.block_consts.get(b, ())],
+                    "G": sorted({r for p in params if p in j.grad for r in j.roots_of(j.grad[p])})}
+            if self.block_gpu[b] != self.gpu:
+                continue
+            for kind, names in want.items():
+                if sorted(members.get(f"{kind}:{b}", [])) != sorted(names):
+                    raise TensorstowError(f"plan buffer {kind}:{b} does not hold what block {b} of the traced "
+                                          f"model has for it; re-plan it")
+        return layouts, members
+
+    def _member(self, kind: str, b: str, m: str) -> tuple[str, str]:
+        """(layout key, traced node giving its dtype and shape) of a plan member of buffer kind:b."""
+        j, inst = self.joint, self.joint.inst
+        if kind in ("P", "C"):
+            ph = j.placeholder[inst.state_name(b, m)]
+            return ph, ph
+        if kind in ("M", "OS"):
+            q, _, suffix = m.rpartition(".")
+            if kind == "M" and suffix != "master" or kind == "OS" and suffix not in ("exp_avg", "exp_avg_sq"):
+                raise KeyError(m)
+            real = inst.state_name(b, q)
+            return (real if kind == "M" else f"{real}.{suffix}"), j.placeholder[real]
+        name = inst.name(b, m)
+        j.node[inst.template_of(name)[0]]  # KeyError: not in the trace
+        return name, name
+
+    def _kept_values(self) -> dict[int, frozenset]:
+        """Per compute instruction, the values its segment leaves on the device: what its
+        `allocs` buffers hold (and the loss). Nothing else outlives a segment: every value read
+        across segments is in a planned buffer (X, A, G, T, H), and this walk over the
+        instructions in program order, tracking which buffers are on the device, refuses a plan under
+        which a segment would read one that is not there.
+        """
+        j, g = self.joint, self.gpu
+        present = set(self.homes.items())
+        last_made: dict[str, int] = {}
+        for ins in self.instrs:
+            if ins.kind in ("load", "store", "send"):
+                present.add((ins.tensor, ins.dst))
+            elif ins.kind == "free":
+                present.discard((ins.tensor, ins.dst))
+            elif ins.kind == "optimizer_step":
+                for a in ins.allocs:
+                    present.add((a, "dram" if ins.dst == "cpu" else ins.dst))
+            elif ins.kind in ("compute", "recompute"):
+                seg = j.segments[ins.segment]
+                need = set(seg.ext_roots)
+                for a in ins.allocs + ins.accum:
+                    need |= set(self.members.get(a, ())) - seg.produced
+                for r in sorted(need):
+                    if r in j.inputs or r in j.constants or any((h, g) in present
+                                                                 for h in self.holders_of(r, ins.micro)):
+                        continue
+                    where = self.holders.get(r)
+                    if where:
+                        why = (f"in {', '.join(where)} but none of them (for microbatch {ins.micro}) is on {g} "
+                               f"at that point of the schedule: the plan is missing a load")
+                    elif r in last_made:
+                        why = (f"made by instruction {last_made[r]} but held by no buffer of the plan in "
+                               f"between (every value that crosses segments is planned: X, A, G, T or H)")
+                    else:
+                        why = ("in no buffer of the plan (X:<b> holds only what the block and the blocks "
+                               "after it read), so a recompute cannot get it")
+                    raise TensorstowError(f"plan instruction {self.plan_id[ins.id]} ({ins.kind} {ins.segment}) reads {r}, "
+                                          f"which is {why}; re-plan it")
+                for r in seg.produced:
+                    last_made[r] = ins.id
+                for a in ins.allocs:
+                    present.add((a, g))
+        keep = {}
+        loss_done: dict[int, bool] = {}
+        for ins in self.instrs:
+            if ins.kind not in ("compute", "recompute"):
+                continue
+            seg = j.segments[ins.segment]
+            k = set()
+            for a in ins.allocs + ins.accum:
+                k |= set(self.members.get(a, ())) & seg.produced
+            if j.loss in seg.produced and ins.kind == "compute" and not loss_done.get(ins.micro):
+                k.add(j.loss)
+                loss_done[ins.micro] = True
+            keep[ins.id] = frozenset(k)
+        if len(loss_done) < self.M and self.block_gpu[self.loss_block()] == self.gpu:
+            raise TensorstowError("the plan never computes the segment that produces the loss; re-plan it")
+        return keep
+
+    def loss_block(self) -> str:
+        """The block whose forward computes the loss."""
+        for name, seg in self.joint.segments.items():
+            if name.startswith("fwd:") and self.joint.loss in seg.produced:
+                return name[4:]
+        raise TensorstowError("the traced model has no segment that produces the loss")
+
+    def holders_of(self, root: str, micro: int) -> list[str]:
+        """The buffers that may hold `root` for microbatch `micro` (per-microbatch copies of the
+        others' microbatches excluded). Every fetch asks: made once per (root, micro)."""
+        out = self._holders_of.get((root, micro))
+        if out is None:
+            out = self._holders_of[root, micro] = [h for h in self.holders.get(root, ())
+                                                   if split_micro(h)[1] in (None, micro)]
+        return out
+
+
+def _check_model_graph(m, traced: Traced) -> None:
+    """The traced model is the one the plan was made for: same graph, same fingerprint. (A
+    replicated plan's trace is its block template, so the fingerprint covers the traced layers;
+    `trace_model` has checked that the other layers share the middle one's structure.)"""
+    depth = len(traced.graph.layer_blocks())
+    if depth != m.layers:
+        raise TensorstowError(f"the model has {depth} layers but the plan for {m.name} describes "
+                              f"{m.layers}; pass the model the plan was made for, or re-plan it")
+    fp = traced.graph.fingerprint()
+    if fp != m.fingerprint:
+        raise TensorstowError(
+            f"plan fingerprint mismatch: the plan was made for model graph {m.fingerprint} but "
+            f"{m.name} (batch {m.batch}, seq {m.seq}, {m.precision}) traces to {fp} here (the model "
+            f"code, its configuration or the torch version changed); re-plan it with "
+            f"`tensorstow plan {m.name} ...`")
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters, then buffers, by qualified name: the state inputs of the traced graph, in
+    its placeholder order."""
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+def _draws_random(seg) -> bool:
+    return any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) for n in seg.nodes)
