@@ -1,54 +1,85 @@
 """What a plan is asked for: the model, the hardware and the training recipe, as one typed,
-keyword-only dataclass (a docstring under each field). The plan file records it."""
+keyword-only dataclass (a docstring under each field). The plan file records it.
+
+`Options` is also the one source of the plan options' defaults and help: `tensorstow plan`'s
+flags and `tensorstow.plan(...)`'s keyword arguments are derived from its fields (`asked`), with
+`ASKED` for what a field's name, type and default do not say."""
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
+import inspect
+import textwrap
+import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+from tensorstow.errors import TensorstowError
+from tensorstow.schema.hardware import parse_size
 from tensorstow.schema.typed import decode
 
 
 @dataclass(frozen=True, kw_only=True)
 class Options:
     model: str
-    """Preset name, `hf:DIR`, `pkg.module:factory`, or `<ClassName>` for a module given to the
-    Python API (such a plan is executed from Python: `tensorstow.Executor(plan, model)`)."""
+    """Preset name (gpt3-13b, gpt-tiny, ...), `hf:DIR`, `pkg.module:factory`, or `<ClassName>` for
+    a module given to the Python API (such a plan is executed from Python:
+    `tensorstow.Executor(plan, model)`)."""
     hardware: str
-    """Preset name, spec file, or "local"."""
+    """Hardware preset name, spec file (`tensorstow probe -o`), or "local": probe this machine."""
     policy: str = "auto"
+    """Placement policy: all-gpu, zero-infinity, lohan, stronghold, dos, ilp, mobius, ... or auto
+    (the fastest feasible one)."""
     batch: int = 0
     """Micro-batch size (0: the preset's default, else 1)."""
     seq: int = 0
     """Sequence length (0: the model's block_size)."""
     precision: str = "bf16-mixed"
     """fp32, bf16-mixed or fp16-mixed: each op in the dtype CUDA autocast gives it, fp32 masters
-    and optimizer states, 16-bit compute copies of the weights autocast only reads cast."""
+    and optimizer states, 16-bit compute copies of the weights autocast only reads cast;
+    fp16-mixed adds dynamic loss scaling."""
     gpu_mem: int | None = None
+    """GPU memory the plan's tensors may fill, in bytes (e.g. 200MB, 24GB); the GPU's reserve for
+    the CUDA context and workspaces comes on top (default: the hardware's)."""
     dram: int | None = None
+    """Host memory (DRAM) capacity in bytes, e.g. 256GB (default: the hardware's)."""
     ssds: int | None = None
+    """Number of SSDs (default: the hardware's)."""
     optimizer: str = "adamw"
-    """Optimizer semantics of torch.optim.Adam / AdamW."""
+    """adam or adamw, with the semantics of torch.optim.Adam / AdamW."""
     lr: float = 1e-4
+    """Learning rate."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """Adam's coefficients for the running averages of the gradient and its square."""
     eps: float = 1e-8
+    """Adam's term added to the denominator for numerical stability."""
     weight_decay: float = 0.0
+    """Weight decay: decoupled from the gradient for adamw, added to it (L2) for adam."""
     exact_optimizer: bool = False
-    """False (default): the fast update (csrc/adam.cpp on the CPU, with the fused downcast of the
-    fresh compute copy; torch's fused kernel on a GPU), within a few ulps of torch's. True:
-    torch.optim.Adam/AdamW(foreach=False), bit-identical with eager's default CPU path."""
+    """Update with torch.optim.Adam/AdamW(foreach=False), bit-identical with eager's default CPU
+    path (slower); otherwise the fast update (csrc/adam.cpp on the CPU, with the fused downcast of
+    the fresh compute copy; torch's fused kernel on a GPU), within a few ulps of torch's."""
     init_scale: float = 65536.0
-    """fp16-mixed: dynamic loss scaling with torch.amp.GradScaler's semantics and defaults
-    (initial scale, growth factor, backoff factor, growth interval); ignored otherwise."""
+    """fp16-mixed: the initial loss scale. Dynamic loss scaling has torch.amp.GradScaler's
+    semantics and defaults; the loss-scaling options are ignored for other precisions."""
     growth_factor: float = 2.0
+    """fp16-mixed: the loss scale is multiplied by this after growth_interval steps without
+    inf/NaN gradients."""
     backoff_factor: float = 0.5
+    """fp16-mixed: the loss scale is multiplied by this after a step with inf/NaN gradients (the
+    step's update is skipped)."""
     growth_interval: int = 2000
+    """fp16-mixed: steps without inf/NaN gradients before the loss scale grows."""
     gpus: int | None = None
-    """Override the hardware's GPU count (the first N GPUs; more repeat the last one)."""
+    """Number of GPUs: the first N of the hardware's; more repeat the last one (default: the
+    hardware's)."""
     microbatches: int = 0
     """Pipelines: microbatches per step (0: as many as GPUs, Mobius §3.1); the step's batch is
     microbatches x batch."""
     mapping: str = "cross"
-    """Pipelines: stage -> GPU mapping, cross (Mobius §3.3) or sequential."""
+    """Pipelines: stage -> GPU mapping, cross (from the root complexes, Mobius §3.3) or
+    sequential."""
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
@@ -64,3 +95,97 @@ class Options:
 
 
 _LATER_OPTIONS = {"gpus": None, "microbatches": 0, "mapping": "cross"}
+
+
+# ---- the options as the command line and the Python API take them -------------------------------
+
+@dataclass(frozen=True)
+class Asked:
+    """How the command line and `tensorstow.plan` take a field, where its name, type and default
+    do not say it all."""
+    name: str = ""
+    """The keyword (`hw=`) and flag (`--hw`), where not the field's name."""
+    default: str | None = None
+    """The default of a field that has none (a plan file must name its value)."""
+    choices: tuple[str, ...] = ()
+    """The values it takes, where they are a few names."""
+    size: bool = False
+    """A byte count, also written as a size ("24GB", `schema.hardware.parse_size`)."""
+
+
+ASKED: Mapping[str, Asked] = {
+    "hardware": Asked(name="hw", default="local"),
+    "precision": Asked(choices=("fp32", "bf16-mixed", "fp16-mixed")),
+    "gpu_mem": Asked(size=True),
+    "dram": Asked(size=True),
+    "optimizer": Asked(choices=("adam", "adamw")),
+    "mapping": Asked(choices=("cross", "sequential")),
+}
+
+
+@dataclass(frozen=True)
+class Option:
+    """One field of `Options` as the command line and `tensorstow.plan` take it."""
+    field: str
+    name: str
+    """The keyword argument; the flag is `--` and the name with `-` for `_`."""
+    type: type
+    """int, float, str, bool or a tuple type (`tuple[float, float]`: that many values)."""
+    optional: bool
+    """None is a value (a field typed `X | None`)."""
+    default: object
+    """`dataclasses.MISSING` for the one required option, the model (a positional argument)."""
+    choices: tuple[str, ...]
+    size: bool
+    doc: str
+    """The field's docstring, on one line."""
+
+
+@functools.cache
+def field_docs(cls: type = Options) -> dict[str, str]:
+    """Each field's attribute docstring (the string literal under it), whitespace collapsed."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return {a.target.id: " ".join(b.value.value.split()) for a, b in zip(body, body[1:])
+            if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
+            and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)}
+
+
+@functools.cache
+def asked() -> tuple[Option, ...]:
+    """Every field of `Options`, in order, as the command line and `tensorstow.plan` take it."""
+    hints, docs = typing.get_type_hints(Options), field_docs()
+    out = []
+    for f in dataclasses.fields(Options):
+        tp, a = hints[f.name], ASKED.get(f.name, Asked())
+        args = typing.get_args(tp)
+        optional = type(None) in args and typing.get_origin(tp) is not tuple
+        if optional:
+            (tp,) = [t for t in args if t is not type(None)]
+        out.append(Option(field=f.name, name=a.name or f.name, type=tp, optional=optional,
+                          default=f.default if a.default is None else a.default,
+                          choices=a.choices, size=a.size, doc=docs.get(f.name, "")))
+    return tuple(out)
+
+
+def from_asked(model: str, values: Mapping[str, object], where: str) -> Options:
+    """Options for `model` from keyword values as the command line and `tensorstow.plan` take them:
+    by their names (`hw` for hardware), sizes as bytes or size strings ("24GB"), a tuple as any
+    sequence; an absent value, or None where the field's type has no None, is the default. A name that is
+    no option is one TensorstowError naming it and listing the valid ones."""
+    options = [o for o in asked() if o.default is not dataclasses.MISSING]
+    unknown = sorted(set(values) - {o.name for o in options})
+    if unknown:
+        raise TensorstowError(f"{where}: unknown option{'s' * (len(unknown) > 1)} "
+                              f"{', '.join(map(repr, unknown))}; the options are "
+                              f"{', '.join(sorted(o.name for o in options))}")
+    kw = {"model": model}
+    for o in options:
+        v = values.get(o.name)
+        if v is None and not o.optional:
+            v = o.default
+        elif o.size and isinstance(v, str):
+            v = parse_size(v)
+        elif typing.get_origin(o.type) is tuple and v is not None:
+            v = tuple(v)
+        kw[o.field] = v
+    return Options(**kw)
