@@ -6,15 +6,18 @@ exit with status 2. Run with no arguments for the built-in demo.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
+import typing
 import warnings
 from pathlib import Path
 
 from tensorstow.calibrate import hardware_for
 from tensorstow.errors import TensorstowError
 from tensorstow.schema.hardware import parse_size
+from tensorstow.schema.options import asked, from_asked
 from tensorstow.schema.schedule import TIERS
 
 
@@ -163,18 +166,8 @@ def _ranges(blocks: list[str]) -> str:
 def _options(args):
     from tensorstow.planner.plan import check_policy
     from tensorstow.planner.problem import check_options
-    from tensorstow.schema.options import Options
-    kw = dict(model=args.model, hardware=args.hw, policy=args.policy, batch=args.batch, seq=args.seq,
-              precision=args.precision, optimizer=args.optimizer, lr=args.lr, betas=tuple(args.betas),
-              eps=args.eps, weight_decay=args.weight_decay,
-              exact_optimizer=args.exact_optimizer, init_scale=args.init_scale,
-              growth_interval=args.growth_interval)
-    for k in ("gpu_mem", "dram"):
-        v = getattr(args, k)
-        kw[k] = parse_size(v) if v is not None else None
-    kw["ssds"] = args.ssds
-    kw.update(gpus=args.gpus, microbatches=args.microbatches, mapping=args.mapping)
-    o = Options(**kw)
+    o = from_asked(args.model, {k.name: getattr(args, k.name) for k in asked() if k.name != "model"},
+                   "tensorstow plan")
     check_options(o)  # before `--hw local` probes: a typo fails at once
     check_policy(o.policy)
     return o
@@ -219,15 +212,12 @@ def cmd_fit(args) -> int:
     from tensorstow.planner import report
     from tensorstow.planner.plan import POLICIES
     from tensorstow.planner.policies import HEURISTICS
-    from tensorstow.schema.options import Options
     names = [args.policy] if args.policy else [*HEURISTICS, "ilp"]
     print(f"{'policy':<14} {'largest model':<14} {'params':>8} {'batch':>6} {'tokens/s':>10} {'step s':>9}")
     for name in names:
         if name not in POLICIES and name != "auto":
             raise TensorstowError(f"unknown policy '{name}': use one of {sorted(POLICIES) + ['auto']}")
-        o = Options(model="gpt3-13b", hardware=args.hw, policy=name, precision=args.precision,
-                    gpu_mem=parse_size(args.gpu_mem) if args.gpu_mem else None,
-                    dram=parse_size(args.dram) if args.dram else None, ssds=args.ssds)
+        o = from_asked("gpt3-13b", {k: getattr(args, k) for k in FIT_OPTIONS} | {"policy": name}, "tensorstow fit")
         r = report.largest_fitting(o, hardware_for(o))
         if r["model"] is None:
             print(f"{name:<14} {'none fits':<14}")
@@ -377,100 +367,194 @@ def cmd_demo() -> int:
     return 0
 
 
+DEMO_LINE = ("With no arguments, `tensorstow` runs the built-in demo: it plans gpt-medium for this "
+             "machine with 80 MB of device memory and 200 MB of DRAM, so its training state lives on "
+             "the SSD, then trains it 4 steps in a temporary directory and prints measured against "
+             "predicted step time.")
+
+FIT_OPTIONS = ("hw", "policy", "precision", "gpu_mem", "dram", "ssds")
+"""The plan options `tensorstow fit` takes (it plans the GPT-3 presets itself)."""
+
+
+def _shown(value) -> str:
+    """A default as the command line writes it."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (tuple, list)):
+        return " ".join(map(str, value))
+    return str(value)
+
+
+def _arg(p, *names, help: str, default=None, required: bool = False, **kw) -> None:
+    """`p.add_argument` with the default at the end of the help: `(default: VALUE)`, `(required)`,
+    or, where the default is None (or a switch's off), what that means, written in `help` as
+    `(default: ...)`."""
+    if kw.get("action") == "store_true":
+        default = False
+    if required or (names[0][0] != "-" and kw.get("nargs") is None):
+        help += " (required)"
+    elif "(default" not in help:
+        help += f" (default: {_shown(default)})"
+    if names[0][0] == "-":
+        kw.update(default=default, required=required)
+    elif default is not None:
+        kw["default"] = default
+    p.add_argument(*names, help=help.replace("%", "%%"), **kw)
+
+
+def _add_option(p, o, **override) -> None:
+    """Plan option `o` (`schema.options.asked`) as an argument of `p`: the model positional, the
+    others `--` and their name with `-` for `_`; typed as the field (a size stays text for
+    `from_asked` to read, "24GB"; a tuple takes that many values; a bool is a switch), its
+    docstring the help, its default the default. `override`: `default=` and `help=` where a
+    command means something else by leaving it out."""
+    kw: dict = {}
+    if o.type is bool:
+        kw["action"] = "store_true"
+    elif typing.get_origin(o.type) is tuple:
+        elems = typing.get_args(o.type)
+        kw.update(type=elems[0], nargs=len(elems))
+    elif o.type in (int, float) and not o.size:
+        kw["type"] = o.type
+    if o.choices:
+        kw["choices"] = list(o.choices)
+    if o.default is dataclasses.MISSING:
+        _arg(p, o.name, help=override.get("help", o.doc), **kw)
+    else:
+        _arg(p, "--" + o.name.replace("_", "-"), dest=o.name, help=override.get("help", o.doc),
+             default=override.get("default", o.default), **kw)
+
+
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="tensorstow", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="tensorstow", description=__doc__.splitlines()[0],
+                                 epilog=DEMO_LINE)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--debug", action="store_true", help="on an error, also print the full traceback")
-    sub = ap.add_subparsers(dest="cmd")
+    _arg(common, "--debug", action="store_true", help="On an error, also print the full traceback.")
+    sub = ap.add_subparsers(dest="cmd", help="`tensorstow COMMAND --help` shows a command's options "
+                            "(required; with no arguments at all, the demo runs).")
     _add = sub.add_parser
     sub.add_parser = lambda *a, **kw: _add(*a, parents=[common], **kw)  # every command takes --debug
+
     p = sub.add_parser("plan", help="trace a model and write its static schedule")
-    p.add_argument("model", help="preset (gpt3-13b, gpt-tiny, ...), hf:DIR or pkg.module:factory")
-    p.add_argument("--hw", default="local", help="hardware preset, spec file, or 'local' (probe this machine)")
-    p.add_argument("--policy", default="auto", help="all-gpu, zero-infinity, ilp, ... or auto (fastest feasible)")
-    p.add_argument("--batch", type=int, default=0, help="micro-batch size (default: preset's, else 1)")
-    p.add_argument("--seq", type=int, default=0, help="sequence length (default: model block_size)")
-    p.add_argument("--precision", default="bf16-mixed", choices=["fp32", "bf16-mixed", "fp16-mixed"],
-                   help="ops in the dtype CUDA autocast gives them, fp32 masters (default bf16-mixed); "
-                        "fp16-mixed adds dynamic loss scaling")
-    p.add_argument("--gpu-mem", dest="gpu_mem", help="GPU memory the plan's tensors may fill (e.g. 200MB, "
-                   "24GB); the GPU's reserve for the CUDA context and workspaces comes on top")
-    p.add_argument("--dram", help="override DRAM capacity (e.g. 256GB)")
-    p.add_argument("--ssds", type=int, help="override the number of SSDs")
-    p.add_argument("--gpus", type=int, help="override the number of GPUs (the first N; more repeat the last)")
-    p.add_argument("--microbatches", type=int, default=0,
-                   help="pipelines (mobius, gpipe): microbatches per step (default: one per GPU)")
-    p.add_argument("--mapping", default="cross", choices=["cross", "sequential"],
-                   help="mobius: stage -> GPU mapping (cross: from the root complexes, Mobius §3.3)")
-    p.add_argument("--optimizer", default="adamw", choices=["adam", "adamw"])
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--betas", type=float, nargs=2, default=[0.9, 0.999])
-    p.add_argument("--eps", type=float, default=1e-8)
-    p.add_argument("--weight-decay", dest="weight_decay", type=float, default=0.0)
-    p.add_argument("--exact-optimizer", dest="exact_optimizer", action="store_true",
-                   help="torch.optim's single-tensor Adam/AdamW, bit-identical with eager (slower); "
-                        "default: the fused kernel, within a few ulps")
-    p.add_argument("--init-scale", dest="init_scale", type=float, default=65536.0,
-                   help="fp16-mixed: initial loss scale (GradScaler's init_scale)")
-    p.add_argument("--growth-interval", dest="growth_interval", type=int, default=2000,
-                   help="fp16-mixed: clean steps before the loss scale doubles (GradScaler's growth_interval)")
-    p.add_argument("-o", "--output", help="write the plan JSON here")
-    p.add_argument("--trace", help="write the simulated timeline as Perfetto/Chrome trace JSON")
-    p.add_argument("--sweep", help="KEY=A..B or KEY=a,b,c over ssd_count, dram (GB) or batch: "
-                                   "print predicted throughput per value and plot it")
-    p.add_argument("--plot", help="SVG file for --sweep (default sweep-KEY.svg)")
+    g = p.add_argument_group("plan options (the plan file records them)")
+    for o in asked():
+        _add_option(p if o.name == "model" else g, o)
+    _arg(p, "-o", "--output", help="Write the plan JSON here (default: not written; the summary is printed).")
+    _arg(p, "--trace", help="Write the simulated timeline as Perfetto/Chrome trace JSON (default: not written).")
+    _arg(p, "--sweep", help="KEY=A..B or KEY=a,b,c over ssd_count, dram (GB) or batch: print predicted "
+                            "throughput per value and plot it (default: plan once).")
+    _arg(p, "--plot", help="SVG file for --sweep (default: sweep-KEY.svg).")
     p.set_defaults(fn=cmd_plan)
+
     f = sub.add_parser("fit", help="largest preset each policy can train on a machine, and its best batch")
-    f.add_argument("--hw", default="local")
-    f.add_argument("--policy")
-    f.add_argument("--precision", default="bf16-mixed", choices=["fp32", "bf16-mixed", "fp16-mixed"],
-                   help="ops in the dtype CUDA autocast gives them, fp32 masters (default bf16-mixed); "
-                        "fp16-mixed adds dynamic loss scaling")
-    f.add_argument("--gpu-mem", dest="gpu_mem")
-    f.add_argument("--dram")
-    f.add_argument("--ssds", type=int)
+    g = f.add_argument_group("plan options")
+    for o in asked():
+        if o.name == "policy":
+            _add_option(g, o, default=None, help="Placement policy (default: each heuristic policy, then ilp).")
+        elif o.name in FIT_OPTIONS:
+            _add_option(g, o)
     f.set_defaults(fn=cmd_fit)
+
     s = sub.add_parser("show", help="summarize a plan, and replay it in the simulator")
-    s.add_argument("plan")
-    s.add_argument("--trace", help="write the replay as a Perfetto/Chrome trace JSON")
+    _arg(s, "plan", help="Plan file.")
+    _arg(s, "--trace", help="Write the replay as a Perfetto/Chrome trace JSON (default: not written).")
     s.set_defaults(fn=cmd_show)
+
     d = sub.add_parser("diff", help="what changed between two plans and why it matters")
-    d.add_argument("a")
-    d.add_argument("b")
+    _arg(d, "a", help="Plan file, before.")
+    _arg(d, "b", help="Plan file, after.")
     d.set_defaults(fn=cmd_diff)
+
     c = sub.add_parser("check", help="re-plan golden plans and fail on drift")
-    c.add_argument("paths", nargs="*", default=["plans"], metavar="PATH",
-                   help="a directory of golden plans (default: plans) or plan files")
-    c.add_argument("--update", action="store_true", help="rewrite drifted plans")
+    _arg(c, "paths", nargs="*", default=["plans"], metavar="PATH",
+         help="A directory of golden plans, or plan files.")
+    _arg(c, "--update", action="store_true", help="Rewrite drifted plans.")
     c.set_defaults(fn=cmd_check)
+
     x = sub.add_parser("execute", help="replay a plan every training step")
-    x.add_argument("plan")
-    x.add_argument("--steps", type=int, required=True, help="train until this many steps are committed")
-    x.add_argument("--data", default="synthetic", help="uint16 token file (nanoGPT train.bin), .npy, or 'synthetic'")
-    x.add_argument("--state-dir", dest="state_dir",
-                   help="checkpoint directory (SSD-resident state lives there); resumes from it")
-    x.add_argument("--mode", default="auto", choices=["auto", "sync", "overlap"],
-                   help="overlap: one worker per stream; sync: one instruction at a time in program "
-                        "order (the reference); auto (default): overlap on CUDA, sync on a CPU-only machine")
-    x.add_argument("--seed", type=int, default=0, help="torch.manual_seed right before the model factory")
-    x.add_argument("--nproc", type=int, default=1,
-                   help="processes, one per GPU: a multi-GPU plan (mobius, gpipe) needs one per GPU of its hardware")
-    x.add_argument("--log-json", dest="log_json", help="append one JSON object per step")
-    x.add_argument("--trace", help="write the measured timeline of the last step (Perfetto JSON)")
-    x.add_argument("--checkpoint-every", dest="checkpoint_every", type=int, default=1,
-                   help="commit a full checkpoint to the state dir every N steps (and after the last)")
+    _arg(x, "plan", help="Plan file.")
+    _arg(x, "--steps", type=int, required=True, help="Train until this many steps are committed.")
+    _arg(x, "--data", default="synthetic", help="uint16 token file (nanoGPT train.bin), .npy, or 'synthetic'.")
+    _arg(x, "--state-dir", dest="state_dir", help="Checkpoint directory (SSD-resident state lives there); "
+         "resumes from it (default: none; a plan that homes state on the SSD needs one).")
+    _arg(x, "--mode", default="auto", choices=["auto", "sync", "overlap"],
+         help="overlap: one worker per stream; sync: one instruction at a time in program order (the "
+              "reference); auto: on CUDA overlap for a plan with SSD traffic, else sync; on a CPU device "
+              "tier overlap where the compute threads leave a core for the other lanes, else sync.")
+    _arg(x, "--seed", type=int, default=0, help="torch.manual_seed right before the model factory.")
+    _arg(x, "--nproc", type=int, default=1,
+         help="Processes, one per GPU: a multi-GPU plan (mobius, gpipe) needs one per GPU of its hardware.")
+    _arg(x, "--log-json", dest="log_json", help="Append one JSON object per step to this file (default: not written).")
+    _arg(x, "--trace", help="Write the measured timeline of the last step (Perfetto JSON) (default: not written).")
+    _arg(x, "--checkpoint-every", dest="checkpoint_every", type=int, default=1,
+         help="Commit a full checkpoint to the state dir every N steps, and after the last.")
     x.set_defaults(fn=cmd_execute)
+
     ex = sub.add_parser("export", help="write a state dir's last committed weights as safetensors")
-    ex.add_argument("state_dir")
-    ex.add_argument("-o", "--output", required=True, help="new directory (from_pretrained-ready for hf: models)")
-    ex.add_argument("--shard-size", dest="shard_size", default="4GB", help="largest safetensors file")
+    _arg(ex, "state_dir", help="State dir of `tensorstow execute --state-dir`.")
+    _arg(ex, "-o", "--output", required=True, help="New directory (from_pretrained-ready for hf: models).")
+    _arg(ex, "--shard-size", dest="shard_size", default="4GB", help="Largest safetensors file.")
     ex.set_defaults(fn=cmd_export)
+
     pr = sub.add_parser("probe", help="measure this machine and write a hardware spec")
-    pr.add_argument("-o", "--output")
-    pr.add_argument("--disk-dir", dest="disk_dir", help="directory on the SSD to measure")
-    pr.add_argument("--full", action="store_true", help="longer, steadier measurements")
+    _arg(pr, "-o", "--output", help="Write the spec here (default: printed).")
+    _arg(pr, "--disk-dir", dest="disk_dir", help="Directory on the SSD to measure (default: the current directory).")
+    _arg(pr, "--full", action="store_true", help="Longer, steadier measurements.")
     pr.set_defaults(fn=cmd_probe)
     return ap
+
+
+REFERENCE_FIX = ("python -c 'from tensorstow.cli import reference_markdown; "
+                 "open(\"docs/cli.md\", \"w\").write(reference_markdown())'")
+"""The command that regenerates docs/cli.md."""
+
+
+def _invocation(a: argparse.Action, short: bool = False) -> str:
+    """An argument as the reference shows it: `-o, --output OUTPUT` (`short`: `-o OUTPUT`),
+    `--betas BETAS BETAS`, `[PATH ...]`."""
+    if a.choices is not None:
+        meta = "{" + ",".join(a.choices) + "}"
+    else:
+        meta = a.metavar or (a.dest.upper() if a.option_strings else a.dest)
+    if a.nargs == 0:
+        value = ""
+    elif a.nargs == "*":
+        value = f"[{meta} ...]"
+    elif isinstance(a.nargs, int):
+        value = " ".join([meta] * a.nargs)
+    else:
+        value = meta
+    names = a.option_strings[:1] if short else a.option_strings
+    return ", ".join(names) + (" " if names and value else "") + value
+
+
+def reference_markdown() -> str:
+    """docs/cli.md: every command's usage and arguments, with their help and defaults, from `parser()`."""
+    ap = parser()
+    (sub,) = [a for a in ap._actions if isinstance(a, argparse._SubParsersAction)]
+    summary = {c.dest: c.help for c in sub._choices_actions}
+    out = ["# Command line reference", "",
+           "<!-- Generated from the parser (tensorstow/cli.py `reference_markdown`); regenerate with",
+           f"     {REFERENCE_FIX} -->", "",
+           ap.description, "", ap.epilog, "",
+           "| command | |", "|---|---|"]
+    out += [f"| [`tensorstow {name}`](#tensorstow-{name}) | {summary[name]} |" for name in sub.choices]
+    for name, p in sub.choices.items():
+        args = [a for a in p._actions if not isinstance(a, argparse._HelpAction)]
+        must = [_invocation(a, short=True) for a in args if a.option_strings and a.required]
+        pos = [_invocation(a) for a in args if not a.option_strings]
+        out += ["", f"## tensorstow {name}", "", summary[name][0].upper() + summary[name][1:] + ".", "",
+                "    " + " ".join([f"tensorstow {name} [options]", *must, *pos]), ""]
+        for group in p._action_groups:
+            rows = [a for a in group._group_actions if a in args]
+            if not rows:
+                continue
+            out += [f"**{group.title}**", "", "| argument | |", "|---|---|"]
+            out += [f"| `{_invocation(a)}` | {(a.help % dict(vars(a), prog=p.prog)).replace('|', '&#124;')} |"
+                    for a in rows]
+            out.append("")
+        out.pop()
+    return "\n".join(out) + "\n"
 
 
 _python_show_warning = warnings.showwarning
