@@ -62,11 +62,15 @@ def lower_pipeline(order: list[str], prof: dict[str, BlockProfile], profile_of: 
     """One step's instruction list for a pipeline (`decisions.pipeline`); `capacity`: bytes the
     plan's tensors may fill on each GPU ("gpuK"), for the prefetch split."""
     if decisions.pipeline.kind == "data-parallel":
-        return _lower_data_parallel(order, prof, profile_of, decisions, buffers)
+        return _DataParallel(order, prof, profile_of, decisions, buffers).lower()
     return _Pipeline(order, prof, profile_of, decisions, buffers, capacity).lower()
 
 
 class _Pipeline:
+    """A pipeline's step (`lower_pipeline`), emitted visit by visit: per GPU its forward stages in
+    order, then its backward stages in reverse, each visit loading its stage's parameters (the
+    next visit's prefetched into what it leaves free) and running every microbatch through it."""
+
     def __init__(self, order, prof, profile_of, decisions, buffers, capacity):
         pl = decisions.pipeline
         self.order, self.prof, self.profile_of, self.dec = order, prof, profile_of, decisions.blocks
@@ -83,13 +87,17 @@ class _Pipeline:
         self.nxt = {b: order[k + 1] for k, b in enumerate(order[:-1])}
         self.prev = {b: order[k - 1] for k, b in enumerate(order) if k}
         self.borrowed: list[str] = []
-        self.ring: dict[str, list[int]] = {}  # gpu -> back-pressure points, one per microbatch x block
+        """Other blocks' P:/C: copies loaded for the segment being emitted, released after it."""
+        self.ring: dict[str, list[int]] = {}
+        """GPU -> back-pressure points, one per microbatch x block."""
 
     # ---- helpers ------------------------------------------------------------------------------
     def has(self, n: str) -> bool:
+        """Whether the plan has the buffer."""
         return n in self.buffers
 
     def state(self, b: str) -> list[str]:
+        """The block's parameter-like buffers (P:, C:)."""
         return [x for x in (f"P:{b}", f"C:{b}") if self.has(x)]
 
     def streamed(self, b: str) -> list[str]:
@@ -97,6 +105,7 @@ class _Pipeline:
         return [x for x in self.state(b) if self.home[x] != self.gpu_of[b]]
 
     def nbytes(self, names) -> int:
+        """Bytes of the named buffers the plan has."""
         return sum(self.buffers[n].bytes for n in names if self.has(n))
 
     def footprint(self, phase: str, j: int) -> int:
@@ -111,6 +120,7 @@ class _Pipeline:
         return fixed + 3 * act + ws
 
     def gate_ring(self, g: str, depth: int = 2):
+        """What GPU g's next copy waits for: the back-pressure point `depth` before the last."""
         q = self.ring.get(g, [])
         return q[-depth] if len(q) >= depth else None
 
@@ -128,11 +138,13 @@ class _Pipeline:
         return ready
 
     def release_foreign(self, g: str, after: int) -> None:
+        """Release on g the copies `load_foreign` brought for the segment `after`."""
         while self.borrowed:
             self.e.free(self.borrowed.pop(), g, (after,))
 
     # ---- the schedule -------------------------------------------------------------------------
     def lower(self) -> list[Instr]:
+        """Every visit in turn: its loads, the next visit's prefetch, its microbatches, its releases."""
         K = len(self.stages)
         visits = [("fwd", j) for j in range(K)] + [("bwd", j) for j in reversed(range(K - 1))]
         per_gpu: dict[str, list[tuple[str, int]]] = {}
@@ -194,6 +206,7 @@ class _Pipeline:
         return out
 
     def load(self, b: str, g: str, gate) -> int | None:
+        """b's streamed parameters onto GPU g after `gate`; returns the last load."""
         last = None
         for x in self.streamed(b):
             last = self.e.move(x, self.home[x], g, (gate,))
@@ -235,6 +248,7 @@ class _Pipeline:
         return last
 
     def send(self, buf: str, src: str, dst: str, after: int) -> int:
+        """`buf` from GPU src to GPU dst after `after` (Mobius Eq. 8)."""
         s = self.e.emit("send", f"{src}.send", (after,), tensor=buf, src=src, dst=dst)
         self.e.where[(buf, dst)] = s
         return s
@@ -332,7 +346,7 @@ class _Pipeline:
                 e.free(x, "dram", (w,))
 
 
-def _lower_data_parallel(order, prof, profile_of, decisions, buffers) -> list[Instr]:
+class _DataParallel:
     """ZeRO-3 with offload, DeepSpeed's data parallelism on these machines: GPU k runs the whole
     model on microbatch k, streaming each block's parameters from DRAM for its forward and again
     for its backward (ZeRO-3 frees gathered parameters after use), recomputing each block from its
@@ -344,84 +358,128 @@ def _lower_data_parallel(order, prof, profile_of, decisions, buffers) -> list[In
     `cost.zero3_grad_flush_time`, includes the reduce-scatter), and the optimizer runs only after
     every GPU's backward, one sub-group (block) at a time, each followed by the blocking write-back
     of its updated parameters (`step`; `cost.zero3_param_writeback_time`)."""
-    pl = decisions.pipeline
-    e = Emitter("gpu0")
-    has = buffers.__contains__
-    home = home_tiers(buffers, decisions, order)
-    for n, t in home.items():
-        e.where[(n, t)] = None
-    gpus = [f"gpu{k}" for k in pl.gpus]
-    mixed = any(n.startswith("M:") for n in buffers)
-    state = {b: [x for x in (f"P:{b}", f"C:{b}") if has(x)] for b in order}
-    arrived: dict[str, list[int]] = {}
-    finished: list[int] = []
-    for k, g in enumerate(gpus):
-        e.gpu = g
-        ring: list[int] = []
-        frees: list[int] = []
-        for b in order:  # forward: stream the parameters in, keep only the input checkpoint
-            gate = frees[-1 - decisions.prefetch] if len(frees) > decisions.prefetch else None
-            deps = [e.move(x, home[x], g, (gate,)) for x in state[b]]
-            deps.append(ring[-2] if len(ring) >= 2 else None)
-            x_in = f"X:{b}@{k}"
-            if has(x_in):
-                deps.append(e.where.get((x_in, g)))
-            nb = order[order.index(b) + 1] if b != order[-1] else None
-            allocs = tuple(x for x in (f"X:{nb}@{k}",) if nb and has(x))
-            c = e.emit("compute", f"{g}.compute", tuple(deps), segment=f"fwd:{b}", micro=k, allocs=allocs,
-                       workspace=f"W:fwd:{b}" if has(f"W:fwd:{b}") else "")
-            for a in allocs:
-                e.where[(a, g)] = c
-            done = [c]
-            if has(x_in):
-                s = e.move(x_in, g, "dram", (c,))
-                done.append(e.free(x_in, g, (s, c)))
-            ring.append(max(done))
-            frees.append(max([e.free(x, g, (c,)) for x in state[b]] or [c]))
-        flushed = None
-        for b in reversed(order):
-            if prof[profile_of[b]].bwd_ops[0] < 0:
+
+    def __init__(self, order, prof, profile_of, decisions, buffers):
+        self.order, self.prof, self.profile_of, self.buffers = order, prof, profile_of, buffers
+        self.prefetch = decisions.prefetch
+        self.e = Emitter("gpu0")
+        self.home = home_tiers(buffers, decisions, order)
+        for n, t in self.home.items():
+            self.e.where[(n, t)] = None
+        self.gpus = [f"gpu{k}" for k in decisions.pipeline.gpus]
+        self.mixed = any(n.startswith("M:") for n in buffers)
+        self.state = {b: [x for x in (f"P:{b}", f"C:{b}") if self.has(x)] for b in order}
+        """Block -> its P:/C: buffers (streamed in for every forward and backward)."""
+        self.arrived: dict[str, list[int]] = {}
+        """Block -> each GPU's gradient copy to DRAM, in GPU order."""
+        self.finished: list[int] = []
+        """Per GPU, its last instruction: every update waits for all of them."""
+        self.ring: list[int] = []
+        """The GPU being emitted: each block's last instruction, forward then backward (back-pressure)."""
+        self.frees: list[int] = []
+        """The GPU being emitted: each block's release of its parameters (the prefetch FIFO)."""
+        self.flushed: int | None = None
+        """The GPU being emitted: its last gradient's blocking copy to DRAM (the next backward waits)."""
+
+    def has(self, n: str) -> bool:
+        """Whether the plan has the buffer."""
+        return n in self.buffers
+
+    def ws(self, phase: str, b: str) -> str:
+        """The workspace buffer of b's `phase` segment, or "" where it needs none."""
+        return f"W:{phase}:{b}" if self.has(f"W:{phase}:{b}") else ""
+
+    def load(self, b: str, g: str) -> list[int]:
+        """b's parameters onto GPU g, `prefetch` blocks ahead of their use."""
+        gate = self.frees[-1 - self.prefetch] if len(self.frees) > self.prefetch else None
+        return [self.e.move(x, self.home[x], g, (gate,)) for x in self.state[b]]
+
+    def ring_gate(self) -> int | None:
+        """What a block's copy waits for: the block two before it done (back-pressure)."""
+        return self.ring[-2] if len(self.ring) >= 2 else None
+
+    def lower(self) -> list[Instr]:
+        """Each GPU's forward and backward, one GPU after the other, then the updates."""
+        for k, g in enumerate(self.gpus):
+            self.e.gpu = g
+            self.ring, self.frees, self.flushed = [], [], None
+            for b in self.order:
+                self.forward(b, k, g)
+            for b in reversed(self.order):
+                if self.prof[self.profile_of[b]].bwd_ops[0] >= 0:
+                    self.backward(b, k, g)
+            self.finished.append(max(self.ring + self.frees))
+        self.updates()
+        return self.e.instrs
+
+    def forward(self, b: str, k: int, g: str) -> None:
+        """b's forward on GPU g for microbatch k: stream the parameters in, keep only the input
+        checkpoint (sent to DRAM)."""
+        e, has = self.e, self.has
+        deps = self.load(b, g)
+        deps.append(self.ring_gate())
+        x_in = f"X:{b}@{k}"
+        if has(x_in):
+            deps.append(e.where.get((x_in, g)))
+        nb = self.order[self.order.index(b) + 1] if b != self.order[-1] else None
+        allocs = tuple(x for x in (f"X:{nb}@{k}",) if nb and has(x))
+        c = e.emit("compute", f"{g}.compute", tuple(deps), segment=f"fwd:{b}", micro=k, allocs=allocs,
+                   workspace=self.ws("fwd", b))
+        for a in allocs:
+            e.where[(a, g)] = c
+        done = [c]
+        if has(x_in):
+            s = e.move(x_in, g, "dram", (c,))
+            done.append(e.free(x_in, g, (s, c)))
+        self.ring.append(max(done))
+        self.frees.append(max([e.free(x, g, (c,)) for x in self.state[b]] or [c]))
+
+    def backward(self, b: str, k: int, g: str) -> None:
+        """b's backward on GPU g for microbatch k: the parameters streamed in again, the block
+        recomputed from its checkpoint, then its gradient's blocking copy to DRAM."""
+        e, has, order = self.e, self.has, self.order
+        deps = self.load(b, g)
+        deps.append(self.flushed)
+        x_in = f"X:{b}@{k}"
+        if has(x_in):
+            deps.append(e.move(x_in, "dram", g, (self.ring_gate(),)))
+            e.free(x_in, "dram", (deps[-1],))
+        if has(f"A:{b}@{k}"):
+            deps.append(e.emit("recompute", f"{g}.compute", tuple(deps), segment=f"fwd:{b}", micro=k,
+                               allocs=(f"A:{b}@{k}",), workspace=self.ws("fwd", b)))
+        nb = order[order.index(b) + 1] if b != order[-1] else None
+        if nb and has(f"H:{nb}@{k}"):
+            deps.append(e.where.get((f"H:{nb}@{k}", g)))
+        allocs = tuple(x for x in (f"G:{b}@{k}", f"T:{b}@{k}", f"H:{b}@{k}") if has(x))
+        c = e.emit("compute", f"{g}.compute", tuple(deps), segment=f"bwd:{b}", micro=k, allocs=allocs,
+                   workspace=self.ws("bwd", b))
+        for a in allocs:
+            e.where[(a, g)] = c
+        done = [c]
+        for x in (f"A:{b}@{k}", f"X:{b}@{k}") + ((f"H:{nb}@{k}",) if nb and has(f"H:{nb}@{k}") else ()):
+            if has(x):
+                done.append(e.free(x, g, (c,)))
+        until = {t for t in order if has(f"T:{t}@{k}")
+                 and self.prof[self.profile_of[t]].carried_until == self.profile_of[b]}
+        for t in sorted(until):
+            done.append(e.free(f"T:{t}@{k}", g, (c,)))
+        self.frees.append(max([e.free(x, g, (c,)) for x in self.state[b]] or [c]))
+        if has(f"G:{b}@{k}"):
+            s = e.move(f"G:{b}@{k}", g, "dram", (c,))
+            done.append(e.free(f"G:{b}@{k}", g, (s,)))
+            self.arrived.setdefault(b, []).append(s)
+            self.flushed = s  # a blocking copy: the backward goes on once it is done
+        self.ring.append(max(done))
+
+    def updates(self) -> None:
+        """After every GPU's backward, sub-group by sub-group (stage3.py `step`): each block's CPU
+        update of the GPUs' summed gradients."""
+        e = self.e
+        for b in reversed(self.order):
+            if b not in self.arrived:
                 continue
-            gate = frees[-1 - decisions.prefetch] if len(frees) > decisions.prefetch else None
-            deps = [e.move(x, home[x], g, (gate,)) for x in state[b]]
-            deps.append(flushed)
-            x_in = f"X:{b}@{k}"
-            if has(x_in):
-                deps.append(e.move(x_in, "dram", g, (ring[-2] if len(ring) >= 2 else None,)))
-                e.free(x_in, "dram", (deps[-1],))
-            if has(f"A:{b}@{k}"):
-                deps.append(e.emit("recompute", f"{g}.compute", tuple(deps), segment=f"fwd:{b}", micro=k,
-                                   allocs=(f"A:{b}@{k}",),
-                                   workspace=f"W:fwd:{b}" if has(f"W:fwd:{b}") else ""))
-            nb = order[order.index(b) + 1] if b != order[-1] else None
-            if nb and has(f"H:{nb}@{k}"):
-                deps.append(e.where.get((f"H:{nb}@{k}", g)))
-            allocs = tuple(x for x in (f"G:{b}@{k}", f"T:{b}@{k}", f"H:{b}@{k}") if has(x))
-            c = e.emit("compute", f"{g}.compute", tuple(deps), segment=f"bwd:{b}", micro=k, allocs=allocs,
-                       workspace=f"W:bwd:{b}" if has(f"W:bwd:{b}") else "")
-            for a in allocs:
-                e.where[(a, g)] = c
-            done = [c]
-            for x in (f"A:{b}@{k}", f"X:{b}@{k}") + ((f"H:{nb}@{k}",) if nb and has(f"H:{nb}@{k}") else ()):
-                if has(x):
-                    done.append(e.free(x, g, (c,)))
-            until = {t for t in order if has(f"T:{t}@{k}") and prof[profile_of[t]].carried_until == profile_of[b]}
-            for t in sorted(until):
-                done.append(e.free(f"T:{t}@{k}", g, (c,)))
-            frees.append(max([e.free(x, g, (c,)) for x in state[b]] or [c]))
-            if has(f"G:{b}@{k}"):
-                s = e.move(f"G:{b}@{k}", g, "dram", (c,))
-                done.append(e.free(f"G:{b}@{k}", g, (s,)))
-                arrived.setdefault(b, []).append(s)
-                flushed = s  # a blocking copy: the backward goes on once it is done
-            ring.append(max(done))
-        finished.append(max(ring + frees))
-    for b in reversed(order):  # after every GPU's backward, sub-group by sub-group (stage3.py `step`)
-        if b not in arrived:
-            continue
-        fresh = (f"P:{b}",) if mixed and home[f"P:{b}"] != "dram" else ()
-        u = e.emit("optimizer_step", "cpu.opt", tuple(arrived[b]) + tuple(finished), segment=b, dst="cpu",
-                   allocs=fresh)
-        for k in range(len(gpus)):
-            e.free(f"G:{b}@{k}", "dram", (u,))
-    return e.instrs
+            fresh = (f"P:{b}",) if self.mixed and self.home[f"P:{b}"] != "dram" else ()
+            u = e.emit("optimizer_step", "cpu.opt", tuple(self.arrived[b]) + tuple(self.finished), segment=b,
+                       dst="cpu", allocs=fresh)
+            for k in range(len(self.gpus)):
+                e.free(f"G:{b}@{k}", "dram", (u,))

@@ -103,18 +103,35 @@ def swap_bytes(p: BlockProfile, reforward: bool) -> int:
 
 
 class Emitter:
+    """Appends instructions to one step's list and tracks where each buffer's copies are, so
+    every copy waits for what it needs: the copy it is made from, and the release of the previous
+    copy of the same buffer on its destination tier (a tier holds one copy of a buffer at a time).
+    The lowerings (`lower`, `planner.pipeline`) decide what runs and in which order; the emitter
+    adds the dependencies that follow from where the copies are."""
+
     def __init__(self, gpu: str, reads_first: bool = False):
         self.gpu = gpu
+        """The tier of the GPU being scheduled (`gpuK`): `move`'s device end, `free`'s default stream."""
         self.reads_first = reads_first
         """`Decisions.ssd_reads_first`."""
         self.instrs: list[Instr] = []
-        self.where: dict[tuple[str, str], int] = {}   # (buffer, tier) -> instr that made it present
-        self.freed: dict[tuple[str, str], int] = {}   # (buffer, tier) -> the free that released it
-        self.last_first: int | None = None  # the latest `ssd.first` so far: `ssd.read` loads follow it
-        self.commit: int | None = None  # `Decisions.deferred_writes`: updates and SSD writes follow it
+        """The step's instructions so far; an instruction's id is its index."""
+        self.where: dict[tuple[str, str], int | None] = {}
+        """(buffer, tier) -> the instruction that made that copy present (None: present from the
+        step's start, a home copy); absent: no copy there."""
+        self.freed: dict[tuple[str, str], int] = {}
+        """(buffer, tier) -> the free that released the latest copy there."""
+        self.last_first: int | None = None
+        """The latest `ssd.first` read so far: `ssd.read` loads follow it."""
+        self.commit: int | None = None
+        """`Decisions.deferred_writes`: the commit of the previous step, which updates and SSD
+        writes follow."""
 
     def emit(self, kind, stream, deps=(), **kw) -> int:
-        # A copy may only appear where the previous copy of the same buffer is gone.
+        """Append one instruction (an `Instr`'s fields in `kw`) after `deps`; returns its id.
+        A copy may only appear where the previous copy of the same buffer is gone, so it also waits
+        for that copy's free; an `ssd.read` waits for the latest `ssd.first` read
+        (`ssd_read_stream`), and an update or SSD write for the previous step's commit."""
         made = [(a, stream.split(".")[0] if stream != "cpu.opt" else "dram") for a in kw.get("allocs", ())]
         if kind in ("load", "store", "send"):
             made.append((kw["tensor"], kw["dst"]))
@@ -169,265 +186,393 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
     (executor.amp), so every optimizer step waits for the last backward instead of overlapping
     it, and the subgroups' state reads are double-buffered (a read waits for the write-back of
     the subgroup two before it) so DRAM never holds more than two subgroups' states in flight."""
-    e = Emitter(gpu, decisions.ssd_reads_first)
-    comp = f"{gpu}.compute"
-    has = buffers.__contains__
-    home = {n: (gpu if b.home == "gpu" else b.home) for n, b in buffers.items() if b.home}
-    for n, t in home.items():
-        e.where[(n, t)] = None
-    dec = decisions.blocks
+    return _Lowering(order, prof, profile_of, decisions, buffers, gpu, loss_scaling).lower()
 
-    def state(b: str) -> list[str]:
+
+class _Lowering:
+    """One GPU's step, emitted phase by phase (`lower`): the previous step's deferred write-backs,
+    the forward block by block, the backward block by block in reverse with each block's update
+    right after it (overlapped), else every update after the backward.
+
+    Per block the forward loads its streamed parameters (a FIFO `prefetch` blocks ahead: each load
+    waits for the release of the block `prefetch` + 1 before it, Fuyou §4.4), runs, and sends its
+    activations and input checkpoint where the decisions keep them; the backward brings them back
+    (or recomputes them), runs, sends its gradient to the update's device, and releases what it read."""
+
+    def __init__(self, order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str, str],
+                 decisions: Decisions, buffers: dict[str, Buffer], gpu: str, loss_scaling: bool):
+        self.order, self.prof, self.profile_of, self.buffers = order, prof, profile_of, buffers
+        self.decisions = decisions
+        self.dec = decisions.blocks
+        """Block -> its `BlockDecision`."""
+        self.gpu = gpu
+        self.comp = f"{gpu}.compute"
+        """The GPU's compute stream."""
+        self.loss_scaling = loss_scaling
+        """fp16-mixed: updates wait for the last backward, state reads double-buffered (`lower`)."""
+        self.e = Emitter(gpu, decisions.ssd_reads_first)
+        self.home = {n: (gpu if b.home == "gpu" else b.home) for n, b in buffers.items() if b.home}
+        """Buffer -> its home tier (`gpuK` for a GPU-resident one), for the buffers that have one."""
+        for n, t in self.home.items():
+            self.e.where[(n, t)] = None
+        self.streamed = [b for b in order if self.streams(b)]
+        """Blocks whose P:/C: are loaded for each use, in forward order (the forward's prefetch FIFO)."""
+        self.bwd_streamed = self.streamed[::-1]
+        """The same in backward order (the backward's prefetch FIFO)."""
+        self.last_fwd = order[-1]
+        """The last block's forward and backward run back to back: its parameters stay between."""
+        self.mixed = any(n.startswith("M:") for n in buffers)
+        """Mixed precision: an fp32 master M:<b> beside the compute-precision P:<b>."""
+        self.keep = decisions.keep_params_for_update and not self.mixed
+        """`Decisions.keep_params_for_update` (fp32 only)."""
+        self.overlap = decisions.overlap_optimizer and not loss_scaling
+        """Each block's update runs once its gradient is ready, during the backward (LoHan's active
+        gradient offloading); else all of them after the last backward."""
+        self.carried = carried_buffers(decisions, buffers)
+        """Buffers the previous step left in DRAM, written home at this step's start
+        (`Decisions.deferred_writes`)."""
+        self.written_back: dict[str, int] = {}
+        """Carried buffer -> its write home (a carried P's DRAM copy goes once it is also home)."""
+        self.borrowed: list[str] = []
+        """Other blocks' P:/C: copies loaded for the segment being emitted, released after it."""
+        self.frees_fwd: dict[str, int] = {}
+        """Streamed block -> the release of its parameters after its forward (gates later loads)."""
+        self.swap_outs: dict[str, int] = {}
+        """Block -> the last release of its activations or checkpoint on the GPU after its forward
+        (back-pressure: a forward runs at most prefetch + 1 blocks ahead of them)."""
+        self.frees_bwd: dict[str, int] = {}
+        """Streamed block -> the release of its parameters after its backward."""
+        self.grads_ready: dict[str, int] = {}
+        """Block -> the instruction after which its gradient is where its update reads it."""
+        self.cpu_grads: list[str] = []
+        """CPU-updated blocks whose gradient took a DRAM slot (`Decisions.grad_buffers`), in order."""
+        self.g_freed: dict[str, int] = {}
+        """Block -> the release of its gradient by its update (frees a gradient slot)."""
+        self.writes: list[int] = []
+        """Each update's last write-back, in update order."""
+        self.carry_until = {b: prof[profile_of[b]].carried_until for b in order if self.has(f"T:{b}")}
+        """Block with a T:<b> -> the profile whose backward last reads it (then T:<b> is released)."""
+        self.handed_to = {order[order.index(b) - 1]: f"H:{b}" for b in order[1:] if self.has(f"H:{b}")}
+        """Block -> the H: buffer the next block's backward hands to it (released after its backward)."""
+        self.held: int | None = None
+        """`Decisions.blocking_copies`: what the next backward waits for (the last gradient's copy
+        to DRAM, else the last backward)."""
+        self.room: int | None = None
+        """A cut backward's release of its early part: the next swapped-in block's load waits for it."""
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def has(self, name: str) -> bool:
+        """Whether the plan has the buffer."""
+        return name in self.buffers
+
+    def ws(self, phase: str, b: str) -> str:
+        """The workspace buffer of b's `phase` segment, or "" where it needs none."""
+        return f"W:{phase}:{b}" if self.has(f"W:{phase}:{b}") else ""
+
+    def state(self, b: str) -> list[str]:
         """The block's parameter-like buffers: what its segments read of its own state."""
-        return [x for x in (f"P:{b}", f"C:{b}") if has(x)]
+        return [x for x in (f"P:{b}", f"C:{b}") if self.has(x)]
 
-    streamed = [b for b in order if state(b) and dec[b].params != "gpu"]
-    last_fwd = order[-1]
-    mixed = any(n.startswith("M:") for n in buffers)
+    def streams(self, b: str) -> bool:
+        """Whether the block's P:/C: live off the GPU and are loaded for each use."""
+        return bool(self.state(b)) and self.dec[b].params != "gpu"
 
-    keep = decisions.keep_params_for_update and not mixed
+    def gate(self, done: dict[str, int], seq: list[str], b: str, lag: int) -> int | None:
+        """`done` of the block `lag` places before b in `seq` (None where there is none): what a
+        FIFO of depth `lag` makes b's copy wait for."""
+        k = seq.index(b) - lag
+        return done.get(seq[k]) if k >= 0 else None
 
-    # ---- the previous step's deferred write-backs (Decisions.deferred_writes) ----------------
-    carried = carried_buffers(decisions, buffers)
-    written_back: dict[str, int] = {}
-    for x in carried:  # Adam's states first: their DRAM is released as soon as they are home
-        e.where[(x, "dram")] = None
-        written_back[x] = e.move(x, "dram", "ssd")
-        if not x.startswith("P:"):
-            e.free(x, "dram", (written_back[x],))
-    if carried:
-        e.commit = e.emit("commit", "ssd.commit", tuple(written_back.values()))
-
-    def load_state(b: str, *gates, for_update: bool = False) -> int | None:
-        """`for_update`: the block's last load before its update; with `keep` an fp32 P read from
-        SSD for a CPU update stays in DRAM for it (opt_step finds it there). A carried P is taken
+    def load_state(self, b: str, *gates, for_update: bool = False) -> int | None:
+        """Bring the block's P:/C: to the GPU after `gates`; returns the last load.
+        `for_update`: the block's last load before its update; with `keep` an fp32 P read from
+        SSD for a CPU update stays in DRAM for it (`update` finds it there). A carried P is taken
         from its DRAM copy, which goes once it is also home."""
+        e, gpu = self.e, self.gpu
         last = None
-        for x in state(b):
-            if x in written_back and (x, "dram") in e.where:
+        for x in self.state(b):
+            if x in self.written_back and (x, "dram") in e.where:
                 last = e.move(x, "dram", gpu, gates)
-                e.free(x, "dram", (last,), on=written_back[x])
-            elif for_update and keep and x == f"P:{b}" and home[x] == "ssd" and dec[b].optimizer == "cpu":
+                e.free(x, "dram", (last,), on=self.written_back[x])
+            elif (for_update and self.keep and x == f"P:{b}" and self.home[x] == "ssd"
+                  and self.dec[b].optimizer == "cpu"):
                 last = e.move(x, "dram", gpu, (e.move(x, "ssd", "dram", gates),))
             else:
-                last = e.move(x, home[x], gpu, gates)
+                last = e.move(x, self.home[x], gpu, gates)
         return last
 
-    def free_state(b: str, after: int) -> int | None:
+    def free_state(self, b: str, after: int) -> int | None:
+        """Release the block's P:/C: on the GPU after `after`; returns the last release."""
         last = None
-        for x in state(b):
-            last = e.free(x, gpu, (after,))
+        for x in self.state(b):
+            last = self.e.free(x, self.gpu, (after,))
         return last
 
-    borrowed: list[str] = []  # other blocks' P:/C: copies loaded for the segment being emitted
-
-    def load_foreign(b: str) -> list[int]:
+    def load_foreign(self, b: str) -> list[int]:
         """Bring the other blocks' P:/C: buffers that b reads (tied or shared weights); returns
         the loads, to wait for, and records which copies b must release after it runs."""
+        e, gpu = self.e, self.gpu
         ready = []
-        for o in prof[profile_of[b]].reads:
-            for x in state(o):
+        for o in self.prof[self.profile_of[b]].reads:
+            for x in self.state(o):
                 if (x, gpu) in e.where:  # resident, or loaded and not yet released by its owner
                     if e.where[(x, gpu)] is not None:
                         ready.append(e.where[(x, gpu)])
                     continue
-                ready.append(e.move(x, home[x], gpu))
-                borrowed.append(x)
+                ready.append(e.move(x, self.home[x], gpu))
+                self.borrowed.append(x)
         return ready
 
-    def release_foreign(after: int) -> None:
-        while borrowed:
-            e.free(borrowed.pop(), gpu, (after,))
+    def release_foreign(self, after: int) -> None:
+        """Release the copies `load_foreign` brought for the segment `after`."""
+        while self.borrowed:
+            self.e.free(self.borrowed.pop(), self.gpu, (after,))
 
-    # ---- forward ----------------------------------------------------------------------------
-    frees_fwd: dict[str, int] = {}
-    swap_outs: dict[str, int] = {}
-    for b in order:
-        d = dec[b]
+    # ---- the step -----------------------------------------------------------------------------
+    def lower(self) -> list[Instr]:
+        """The step's instructions, phase after phase."""
+        self.write_back_carried()
+        for b in self.order:
+            self.forward(b)
+        for b in reversed(self.order):
+            self.backward(b)
+        if not self.overlap:
+            self.optimizer()
+        return self.e.instrs
+
+    def write_back_carried(self) -> None:
+        """The previous step's deferred write-backs (`Decisions.deferred_writes`), then the commit
+        every update and SSD write of this step waits for. Adam's states first: their DRAM is
+        released as soon as they are home."""
+        e = self.e
+        for x in self.carried:
+            e.where[(x, "dram")] = None
+            self.written_back[x] = e.move(x, "dram", "ssd")
+            if not x.startswith("P:"):
+                e.free(x, "dram", (self.written_back[x],))
+        if self.carried:
+            e.commit = e.emit("commit", "ssd.commit", tuple(self.written_back.values()))
+
+    def forward(self, b: str) -> None:
+        """Block b's forward: its loads, its compute, then its activations and input checkpoint
+        sent to the tiers the decisions keep them on."""
+        e, gpu, d, has = self.e, self.gpu, self.dec[b], self.has
+        prefetch = self.decisions.prefetch
         p_ready = checkpointed = None
-        if decisions.blocking_copies and has(f"X:{b}") and d.checkpoint != "gpu":  # before b runs
+        if self.decisions.blocking_copies and has(f"X:{b}") and d.checkpoint != "gpu":  # before b runs
             checkpointed = e.move(f"X:{b}", gpu, d.checkpoint)
-        if state(b) and d.params != "gpu":
-            k = streamed.index(b)
-            gate = frees_fwd.get(streamed[k - 1 - decisions.prefetch]) if k - 1 - decisions.prefetch >= 0 else None
-            p_ready = load_state(b, gate, checkpointed, for_update=b == last_fwd)
-        foreign = load_foreign(b)
+        if self.streams(b):
+            gate = self.gate(self.frees_fwd, self.streamed, b, 1 + prefetch)
+            p_ready = self.load_state(b, gate, checkpointed, for_update=b == self.last_fwd)
+        foreign = self.load_foreign(b)
         acts, _ = activation_buffers(b, has)
         allocs = list(acts) if d.activations != "recompute" else []
-        nxt = order[order.index(b) + 1] if b != last_fwd else None
+        nxt = self.order[self.order.index(b) + 1] if b != self.last_fwd else None
         if nxt and has(f"X:{nxt}"):
             allocs.append(f"X:{nxt}")
         # Back-pressure: a forward may run at most prefetch+1 blocks ahead of the swap-outs.
-        k_fwd = order.index(b)
-        gate_swap = swap_outs.get(order[k_fwd - 2 - decisions.prefetch]) if k_fwd - 2 - decisions.prefetch >= 0 else None
-        c = e.emit("compute", comp, (p_ready, gate_swap, checkpointed, *foreign), segment=f"fwd:{b}",
-                   allocs=tuple(allocs), workspace=f"W:fwd:{b}" if has(f"W:fwd:{b}") else "")
-        release_foreign(c)
+        gate_swap = self.gate(self.swap_outs, self.order, b, 2 + prefetch)
+        c = e.emit("compute", self.comp, (p_ready, gate_swap, checkpointed, *foreign), segment=f"fwd:{b}",
+                   allocs=tuple(allocs), workspace=self.ws("fwd", b))
+        self.release_foreign(c)
         for a in allocs:
             e.where[(a, gpu)] = c
-        if state(b) and d.params != "gpu" and b != last_fwd:
-            frees_fwd[b] = free_state(b, c)
+        if self.streams(b) and b != self.last_fwd:
+            self.frees_fwd[b] = self.free_state(b, c)
+        self.offload(b, acts, c, checkpointed)
+
+    def offload(self, b: str, acts: list[str], c: int, checkpointed: int | None) -> None:
+        """After b's forward `c`: its swapped activations and its input checkpoint to their tiers,
+        their GPU copies released (`checkpointed`: the checkpoint's copy made before b ran)."""
+        e, gpu, d = self.e, self.gpu, self.dec[b]
         if d.activations in ("swap_dram", "swap_ssd"):
             for x in acts:
                 s = e.move(x, gpu, "dram" if d.activations == "swap_dram" else "ssd", (c,))
-                swap_outs[b] = e.free(x, gpu, (s,))
-        if has(f"X:{b}") and d.checkpoint != "gpu":
+                self.swap_outs[b] = e.free(x, gpu, (s,))
+        if self.has(f"X:{b}") and d.checkpoint != "gpu":
             s = checkpointed if checkpointed is not None else e.move(f"X:{b}", gpu, d.checkpoint, (c,))
             f = e.free(f"X:{b}", gpu, (s, c))
-            swap_outs[b] = max(f, swap_outs.get(b, f))
+            self.swap_outs[b] = max(f, self.swap_outs.get(b, f))
 
-    # ---- backward (+ optimizer) -------------------------------------------------------------
-    bwd_order = list(reversed(order))
-    frees_bwd: dict[str, int] = {}
-    bwd_streamed = [b for b in bwd_order if b in streamed]
-    grads_ready: dict[str, int] = {}
-    cpu_grads: list[str] = []
-    g_freed: dict[str, int] = {}
-    prev_write = [None]
+    def backward(self, b: str) -> None:
+        """Block b's backward: what it reads brought back, its compute, the releases after it, its
+        gradient sent to its update's device and, overlapped, its update."""
+        if self.prof[self.profile_of[b]].bwd_ops[0] < 0:
+            return  # nothing below needs a gradient and nothing here trains (frozen embeddings)
+        deps = self.backward_inputs(b)
+        c, allocs = self.backward_compute(b, deps)
+        self.backward_release(b, c, allocs)
+        flushed = self.send_gradient(b, c)
+        if self.decisions.blocking_copies:  # the gradient's copy to DRAM, else the backward itself
+            self.held = flushed if flushed is not None else c
 
-    writes: list[int] = []
-    overlap = decisions.overlap_optimizer and not loss_scaling
-
-    def opt_step(b: str, start: tuple) -> None:
-        """One subgroup's update: bring its states to the device, update, write results home."""
-        d = dec[b]
-        if decisions.serialize_optimizer:
-            start = (*start, prev_write[0])
-        elif loss_scaling and len(writes) >= 2:
-            start = (*start, writes[-2])
-        dev = "cpu" if d.optimizer == "cpu" else gpu
-        tier = "dram" if dev == "cpu" else gpu
-        states = [s for s in (f"M:{b}", f"OS:{b}") if has(s)]
-        p_here = not mixed  # fp32: P is the master and is updated in place
-        ready = list(start)
-        # Overlapped: read the states while the block's backward still runs (Fuyou §4.3);
-        # only the serialized baseline waits for the gradient before reading.
-        read_after = start[1:] if decisions.overlap_optimizer else start
-        for s in states + ([f"P:{b}"] if p_here or home[f"P:{b}"] == tier else []):
-            if home[s] != tier and (s, tier) not in e.where:
-                ready.append(e.move(s, home[s], tier, read_after))
-            elif home[s] != tier:  # kept from the backward's load (keep_params_for_update)
-                ready.append(e.where[(s, tier)])
-        if decisions.swap_grads and dev == "cpu":  # the gradient comes back from SSD with the states
-            g_in = e.move(f"G:{b}", "ssd", "dram", start)
-            e.free(f"G:{b}", "ssd", (g_in,))
-            ready.append(g_in)
-        fresh = (f"P:{b}",) if mixed and home[f"P:{b}"] != tier else ()
-        u = e.emit("optimizer_step", "cpu.opt" if dev == "cpu" else comp, tuple(ready), segment=b,
-                   dst=dev, allocs=fresh, workspace=f"W:opt:{b}" if has(f"W:opt:{b}") else "")
-        g_freed[b] = e.free(f"G:{b}", tier, (u,))
-        last = u
-        for s in states + [f"P:{b}"]:
-            if home[s] == tier:
-                continue
-            if s in carried:  # stays in DRAM: the next step writes it home
-                e.where[(s, tier)] = u
-                continue
-            if s == f"P:{b}" and mixed:
-                # LoHan Table II: the optimizer produces P16 from P32; send it to P's home.
-                last = write_new(e, s, tier, home[s], u, gpu)
-            else:
-                last = e.move(s, tier, home[s], (u,))
-                e.free(s, tier, (last,))
-        prev_write[0] = last
-        writes.append(last)
-
-    carry_until = {b: prof[profile_of[b]].carried_until for b in order if has(f"T:{b}")}
-    handed_to = {order[order.index(b) - 1]: f"H:{b}" for b in order[1:] if has(f"H:{b}")}
-    held = None  # blocking_copies: what the next backward waits for
-    room = None  # a cut backward's release of its early part: the next swapped block's load waits for it
-    for b in bwd_order:
-        d = dec[b]
-        if prof[profile_of[b]].bwd_ops[0] < 0:
-            continue  # nothing below needs a gradient and nothing here trains (frozen embeddings)
-        deps = [held] if held is not None else []
-        x_in = flushed = None
-        if decisions.blocking_copies and has(f"X:{b}") and d.checkpoint != "gpu":  # first, as b's backward starts
-            x_in = e.move(f"X:{b}", d.checkpoint, gpu, (held,))
-        if state(b) and d.params != "gpu" and b != last_fwd:
-            k = bwd_streamed.index(b)
-            gate = frees_bwd.get(bwd_streamed[k - 1 - decisions.prefetch]) if k - 1 - decisions.prefetch >= 0 else None
-            deps.append(load_state(b, gate, x_in, for_update=True))
-        deps += load_foreign(b)
+    def backward_inputs(self, b: str) -> list[int]:
+        """Bring what b's backward reads: its parameters (FIFO prefetch), other blocks' weights, its
+        input checkpoint, its activations (swapped in, or recomputed from the checkpoint, and a
+        partial swap's rest re-forwarded); returns what the backward waits for."""
+        e, gpu, d, has = self.e, self.gpu, self.dec[b], self.has
+        deps = [self.held] if self.held is not None else []
+        x_in = None
+        if self.decisions.blocking_copies and has(f"X:{b}") and d.checkpoint != "gpu":  # first, as b's backward starts
+            x_in = e.move(f"X:{b}", d.checkpoint, gpu, (self.held,))
+        if self.streams(b) and b != self.last_fwd:
+            gate = self.gate(self.frees_bwd, self.bwd_streamed, b, 1 + self.decisions.prefetch)
+            deps.append(self.load_state(b, gate, x_in, for_update=True))
+        deps += self.load_foreign(b)
         if has(f"X:{b}") and d.checkpoint != "gpu":
             deps.append(x_in if x_in is not None else e.move(f"X:{b}", d.checkpoint, gpu))
         acts, rests = activation_buffers(b, has)
         if acts:
             if d.activations in ("swap_dram", "swap_ssd"):
-                src = "dram" if d.activations == "swap_dram" else "ssd"
-                for x in acts:
-                    if room is None:
-                        deps.append(e.move(x, src, gpu))
-                    else:  # into the room the cut backward before this one left: the DRAM hop waits for it
-                        if src == "ssd":
-                            e.move(x, "ssd", "dram")
-                        deps.append(e.move(x, "dram", gpu, (room,)))
-                        if src == "ssd":
-                            e.free(x, "dram", (deps[-1],))
-                    e.free(x, src, (deps[-1],))
+                self.swap_in(b, acts, deps)
                 if rests:  # the rest of what the backward reads, made again from X and A
-                    deps.append(e.emit("recompute", comp, tuple(deps), segment=f"refwd:{b}", allocs=tuple(rests),
-                                       workspace=f"W:refwd:{b}" if has(f"W:refwd:{b}") else ""))
+                    deps.append(e.emit("recompute", self.comp, tuple(deps), segment=f"refwd:{b}", allocs=tuple(rests),
+                                       workspace=self.ws("refwd", b)))
             elif d.activations == "recompute":
-                r = e.emit("recompute", comp, tuple(deps), segment=f"fwd:{b}", allocs=tuple(acts),
-                           workspace=f"W:fwd:{b}" if has(f"W:fwd:{b}") else "")
+                r = e.emit("recompute", self.comp, tuple(deps), segment=f"fwd:{b}", allocs=tuple(acts),
+                           workspace=self.ws("fwd", b))
                 deps.append(r)
         if has(f"X:{b}") and d.checkpoint != "gpu":
             e.free(f"X:{b}", d.checkpoint, (deps[-1] if deps else None,))
+        return deps
+
+    def swap_in(self, b: str, acts: list[str], deps: list[int]) -> None:
+        """Bring b's swapped activations back to the GPU, appending each load to `deps`; after a cut
+        backward (`room`) the DRAM hop waits for the room its early part left."""
+        e, gpu = self.e, self.gpu
+        src = "dram" if self.dec[b].activations == "swap_dram" else "ssd"
+        for x in acts:
+            if self.room is None:
+                deps.append(e.move(x, src, gpu))
+            else:  # into the room the cut backward before this one left: the DRAM hop waits for it
+                if src == "ssd":
+                    e.move(x, "ssd", "dram")
+                deps.append(e.move(x, "dram", gpu, (self.room,)))
+                if src == "ssd":
+                    e.free(x, "dram", (deps[-1],))
+            e.free(x, src, (deps[-1],))
+
+    def backward_compute(self, b: str, deps: list[int]) -> tuple[int, tuple[str, ...]]:
+        """b's backward after `deps` (a cut one in two parts, LoHan §IV-D, releasing what only the
+        first part reads between them); returns its last compute and the buffers it makes."""
+        e, gpu, d, has = self.e, self.gpu, self.dec[b], self.has
         allocs = tuple(x for x in (f"G:{b}", f"T:{b}", f"H:{b}") if has(x))
-        if decisions.grad_buffers and has(f"G:{b}") and d.optimizer == "cpu":
-            if len(cpu_grads) >= decisions.grad_buffers and overlap:
-                deps.append(g_freed[cpu_grads[-decisions.grad_buffers]])
-            cpu_grads.append(b)
-        room = None
-        if split_backward(prof[profile_of[b]], d):  # LoHan §IV-D: release what only the first part reads
-            c1 = e.emit("compute", comp, tuple(deps), segment=f"bwd1:{b}", allocs=(f"K:{b}",) if has(f"K:{b}") else (),
-                        workspace=f"W:bwd1:{b}" if has(f"W:bwd1:{b}") else "")
-            room = c1
+        grad_buffers = self.decisions.grad_buffers
+        if grad_buffers and has(f"G:{b}") and d.optimizer == "cpu":
+            if len(self.cpu_grads) >= grad_buffers and self.overlap:
+                deps.append(self.g_freed[self.cpu_grads[-grad_buffers]])
+            self.cpu_grads.append(b)
+        self.room = None
+        if split_backward(self.prof[self.profile_of[b]], d):  # LoHan §IV-D: release what only the first part reads
+            c1 = e.emit("compute", self.comp, tuple(deps), segment=f"bwd1:{b}",
+                        allocs=(f"K:{b}",) if has(f"K:{b}") else (), workspace=self.ws("bwd1", b))
+            self.room = c1
             for x in (f"AE:{b}", f"RE:{b}"):
                 if has(x):
-                    room = e.free(x, gpu, (c1,))
-            c = e.emit("compute", comp, (c1,), segment=f"bwd2:{b}", allocs=allocs,
-                       workspace=f"W:bwd2:{b}" if has(f"W:bwd2:{b}") else "")
+                    self.room = e.free(x, gpu, (c1,))
+            c = e.emit("compute", self.comp, (c1,), segment=f"bwd2:{b}", allocs=allocs, workspace=self.ws("bwd2", b))
             if has(f"K:{b}"):
                 e.free(f"K:{b}", gpu, (c,))
         else:
-            c = e.emit("compute", comp, tuple(deps), segment=f"bwd:{b}", allocs=allocs,
-                       workspace=f"W:bwd:{b}" if has(f"W:bwd:{b}") else "")
-        release_foreign(c)
+            c = e.emit("compute", self.comp, tuple(deps), segment=f"bwd:{b}", allocs=allocs,
+                       workspace=self.ws("bwd", b))
+        return c, allocs
+
+    def backward_release(self, b: str, c: int, allocs: tuple[str, ...]) -> None:
+        """After b's backward `c`: release what it read (borrowed weights, activations, checkpoint,
+        values carried or handed to it, its parameters) and record what it made."""
+        e, gpu, has = self.e, self.gpu, self.has
+        self.release_foreign(c)
         for a in allocs:
             e.where[(a, gpu)] = c
         for x in (f"A:{b}", f"R:{b}", f"X:{b}"):
             if has(x):
                 e.free(x, gpu, (c,))
-        for t in sorted(t for t, until in carry_until.items() if until == profile_of[b]):
+        for t in sorted(t for t, until in self.carry_until.items() if until == self.profile_of[b]):
             e.free(f"T:{t}", gpu, (c,))
-            del carry_until[t]
-        if b in handed_to:  # the gradient the next block's backward handed to this one
-            e.free(handed_to.pop(b), gpu, (c,))
-        if state(b) and d.params != "gpu":
-            frees_bwd[b] = free_state(b, c)
-        if has(f"G:{b}"):
-            if d.optimizer == "cpu":
-                s = e.move(f"G:{b}", gpu, "dram", (c,))
-                e.free(f"G:{b}", gpu, (s,))
-                flushed = s
-                if decisions.swap_grads:
-                    s = e.move(f"G:{b}", "dram", "ssd", (s,))
-                    e.free(f"G:{b}", "dram", (s,))
-                grads_ready[b] = s
+            del self.carry_until[t]
+        if b in self.handed_to:  # the gradient the next block's backward handed to this one
+            e.free(self.handed_to.pop(b), gpu, (c,))
+        if self.streams(b):
+            self.frees_bwd[b] = self.free_state(b, c)
+
+    def send_gradient(self, b: str, c: int) -> int | None:
+        """b's gradient to its update's device (a CPU update: to DRAM, and on to SSD with
+        `swap_grads`), then, overlapped, the update; returns the gradient's copy to DRAM."""
+        e, gpu, d = self.e, self.gpu, self.dec[b]
+        if not self.has(f"G:{b}"):
+            return None
+        flushed = None
+        if d.optimizer == "cpu":
+            s = e.move(f"G:{b}", gpu, "dram", (c,))
+            e.free(f"G:{b}", gpu, (s,))
+            flushed = s
+            if self.decisions.swap_grads:
+                s = e.move(f"G:{b}", "dram", "ssd", (s,))
+                e.free(f"G:{b}", "dram", (s,))
+            self.grads_ready[b] = s
+        else:
+            self.grads_ready[b] = c
+        if self.overlap:
+            self.update(b, (self.grads_ready[b],))
+        return flushed
+
+    def optimizer(self) -> None:
+        """Every update after the last backward, in backward order (not overlapped)."""
+        last_bwd = len(self.e.instrs) - 1
+        for b in reversed(self.order):
+            if self.has(f"G:{b}"):
+                self.update(b, (self.grads_ready[b], last_bwd))
+
+    def update(self, b: str, start: tuple) -> None:
+        """One subgroup's update after `start` (its gradient first): bring its states to the
+        update's device, update, write the results home."""
+        e, gpu, d, has, home = self.e, self.gpu, self.dec[b], self.has, self.home
+        if self.decisions.serialize_optimizer:
+            start = (*start, self.writes[-1] if self.writes else None)
+        elif self.loss_scaling and len(self.writes) >= 2:
+            start = (*start, self.writes[-2])
+        dev = "cpu" if d.optimizer == "cpu" else gpu
+        tier = "dram" if dev == "cpu" else gpu
+        states = [s for s in (f"M:{b}", f"OS:{b}") if has(s)]
+        p_here = not self.mixed  # fp32: P is the master and is updated in place
+        ready = list(start)
+        # Overlapped: read the states while the block's backward still runs (Fuyou §4.3);
+        # only the serialized baseline waits for the gradient before reading.
+        read_after = start[1:] if self.decisions.overlap_optimizer else start
+        for s in states + ([f"P:{b}"] if p_here or home[f"P:{b}"] == tier else []):
+            if home[s] != tier and (s, tier) not in e.where:
+                ready.append(e.move(s, home[s], tier, read_after))
+            elif home[s] != tier:  # kept from the backward's load (keep_params_for_update)
+                ready.append(e.where[(s, tier)])
+        if self.decisions.swap_grads and dev == "cpu":  # the gradient comes back from SSD with the states
+            g_in = e.move(f"G:{b}", "ssd", "dram", start)
+            e.free(f"G:{b}", "ssd", (g_in,))
+            ready.append(g_in)
+        fresh = (f"P:{b}",) if self.mixed and home[f"P:{b}"] != tier else ()
+        u = e.emit("optimizer_step", "cpu.opt" if dev == "cpu" else self.comp, tuple(ready), segment=b,
+                   dst=dev, allocs=fresh, workspace=self.ws("opt", b))
+        self.g_freed[b] = e.free(f"G:{b}", tier, (u,))
+        self.writes.append(self.write_home(b, states, tier, u))
+
+    def write_home(self, b: str, states: list[str], tier: str, u: int) -> int:
+        """After b's update `u` on `tier`: its states and parameters home (a carried one stays in
+        DRAM for the next step to write); returns the last write."""
+        e, home = self.e, self.home
+        last = u
+        for s in states + [f"P:{b}"]:
+            if home[s] == tier:
+                continue
+            if s in self.carried:  # stays in DRAM: the next step writes it home
+                e.where[(s, tier)] = u
+                continue
+            if s == f"P:{b}" and self.mixed:
+                # LoHan Table II: the optimizer produces P16 from P32; send it to P's home.
+                last = write_new(e, s, tier, home[s], u, self.gpu)
             else:
-                grads_ready[b] = c
-            if overlap:
-                opt_step(b, (grads_ready[b],))
-        if decisions.blocking_copies:  # the gradient's copy to DRAM, else the backward itself
-            held = flushed if flushed is not None else c
-    if not overlap:
-        last_bwd = len(e.instrs) - 1
-        for b in bwd_order:
-            if has(f"G:{b}"):
-                opt_step(b, (grads_ready[b], last_bwd))
-    return e.instrs
+                last = e.move(s, tier, home[s], (u,))
+                e.free(s, tier, (last,))
+        return last
 
 
 def write_new(e: Emitter, buf: str, at: str, home: str, after: int, gpu: str) -> int:
