@@ -96,7 +96,7 @@ def contention(instrs: list[Instr], hw) -> tuple[list[tuple[str, ...]], dict[str
 
 
 def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
-             initial: dict[tuple[str, str], None] | set, tier_of_device=lambda t: t,
+             initial: dict[tuple[str, str], None] | set,
              links: tuple[list[tuple[str, ...]], dict[str, int]] | None = None,
              reserved: dict[str, int] | None = None, commit_s: float = 0.0,
              slowdown: dict[str, tuple[float, float]] | None = None,
@@ -121,111 +121,178 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
     (those come first: a prefetch must not take the memory of the computation it runs ahead of).
     The copies that waited are in `SimResult.waited`. Where nothing could free room, the copy
     starts anyway and the peak shows the overflow.
+
+    The replay's parts: `_Dispatch` (the event loop over streams and resources), `_usage` (busy
+    time and traffic per resource), `_memory_events` and `_Ledger` (bytes live per tier, the peaks,
+    the memory fences), and the commit that ends the step.
     """
     n = len(instrs)
-    streams: dict[str, list[int]] = {}
     for ins in instrs:
         for d in ins.deps:
             if not 0 <= d < n or d == ins.id:
                 raise ScheduleError(f"instruction {ins.id} depends on invalid id {d}")
-        streams.setdefault(ins.stream, []).append(ins.id)
     extra, slots = links or ([()] * n, {})
     if any(i.kind == "commit" for i in instrs):
         commit_s = 0.0  # the plan commits the previous step itself, where its state is whole on SSD
     background = commit_background(instrs)
-    ssd_write_after = commit_s if background else 0.0
-
-    def uses(i: int) -> tuple[str, ...]:
-        return (resource_of(instrs[i].stream), *extra[i])
-
+    uses = [(resource_of(instrs[i].stream), *extra[i]) for i in range(n)]
     mem = _Memory(instrs, nbytes, initial, reserved, capacity) if capacity else None
+    dispatch = _Dispatch(instrs, uses, slots, mem, ssd_write_after=commit_s if background else 0.0)
 
-    def replay(duration: list[float]) -> tuple[list, list, list[int]]:
-        """(start, end, dispatch order) of every instruction."""
-        if mem is not None:
-            mem.reset()
-        head = {s: 0 for s in streams}
-        stream_free = {s: 0.0 for s in streams}
-        res_free: dict[str, list[float]] = {r: [0.0] * k for r, k in slots.items()}
-        end = [None] * n
-        start = [None] * n
-        order = []
-        done = 0
-        writing = None  # the SSD write last started (reads may pause it)
-        reads_until = 0.0  # the end of the last read that paused it
-        now = 0.0  # start of the last instruction dispatched (dispatch is in start-time order)
-        while done < n:
-            cands = []
-            for s in sorted(streams):
-                if head[s] >= len(streams[s]):
-                    continue
-                i = streams[s][head[s]]
-                if any(end[d] is None for d in instrs[i].deps):
-                    continue
-                t = max([stream_free[s]] + [end[d] for d in instrs[i].deps]
-                        + [min(res_free.get(r, (0.0,))) for r in uses(i) if r != "ssd"])
-                if "ssd" in uses(i):
-                    ssd = min(res_free.get("ssd", (0.0,)))
-                    if (reads_ssd_first(instrs[i]) and writing is not None and end[writing] == ssd
-                            and start[writing] <= t < ssd):
-                        t = max(t, reads_until)  # pauses the write (the aio engine runs it first)
-                    else:
-                        t = max(t, ssd)
-                if writes_ssd(instrs[i]):  # over the files the background commit is syncing
-                    t = max(t, ssd_write_after)
-                cands.append((t, i, s))
-            if not cands:
-                stuck = sorted(streams[s][head[s]] for s in streams if head[s] < len(streams[s]))
-                raise ScheduleError(f"deadlock: instructions {stuck[:8]} wait on each other")
-            cands.sort()
-            best = cands[0]
-            if mem is not None:
-                best = mem.pick(cands, now)
-            t, i, s = best
-            now = t
-            start[i], end[i] = t, t + duration[i]
-            stream_free[s] = end[i]
-            paused = reads_ssd_first(instrs[i]) and writing is not None and t < end[writing]
-            if paused:  # the write finishes later by the read's time, on every resource it holds
-                old, end[writing] = end[writing], end[writing] + duration[i]
-                stream_free[instrs[writing].stream] = end[writing]
-                for r in uses(writing):
-                    free = res_free[r]
-                    free[free.index(old)] = end[writing]
-                reads_until = end[i]
-            for r in uses(i):
-                if not (paused and r == "ssd"):  # a pausing read runs inside the write's SSD slot
-                    free = res_free.setdefault(r, [0.0])
-                    free[free.index(min(free))] = end[i]
-            if writes_ssd(instrs[i]):
-                writing = i
-            if mem is not None:
-                mem.start(i, t, end[i])
-            head[s] += 1
-            order.append(i)
-            done += 1
-        return start, end, order
-
-    start, end, order = replay(duration)
+    start, end, order = dispatch.run(duration)
     stretched = _stretched(instrs, duration, start, end, slowdown)
     if stretched is not None:
         duration = stretched
-        start, end, order = replay(duration)
+        start, end, order = dispatch.run(duration)
 
+    busy, traffic = _usage(instrs, duration, uses, extra, slots, nbytes)
+    ledger = _Ledger(instrs, nbytes, initial, reserved)
+    ledger.replay(_memory_events(instrs, order, start, end))
+    if background:
+        makespan = max([commit_s, *end])
+        if commit_s:
+            busy["ssd.commit"] = commit_s
+    else:
+        makespan = max((e for e in end), default=0.0) + commit_s
+        if commit_s:
+            busy["ssd"] = busy.get("ssd", 0.0) + commit_s
+    return SimResult(step_time_s=makespan, start=start, end=end, busy_s=busy, traffic_bytes=traffic,
+                     peak_bytes=ledger.peak, timeline=ledger.timeline, order=order, peak_live=ledger.peak_live,
+                     durations=list(duration),
+                     fences={i: tuple(sorted(f)) for i, f in sorted(ledger.fences.items()) if f},
+                     waited={i: tuple(sorted(w)) for i, w in sorted(mem.waited.items())} if mem else {})
+
+
+class _Dispatch:
+    """The event loop: instructions start in start-time order, each at the head of its stream once
+    the stream is free, its dependencies have ended and each resource it uses (`uses`) has a free
+    slot. SSD reads and writes share the SSD's slot, but a read on `ssd.first` pauses the write in
+    progress (`reads_ssd_first`), which then ends later by the read's time; an SSD write waits for
+    the background commit (`ssd_write_after`). With `mem` (`simulate`'s capacity) a copy also waits
+    for room."""
+
+    def __init__(self, instrs: list[Instr], uses: list[tuple[str, ...]], slots: dict[str, int],
+                 mem: _Memory | None, ssd_write_after: float):
+        self.instrs, self.uses, self.slots, self.mem = instrs, uses, slots, mem
+        self.ssd_write_after = ssd_write_after
+        """When SSD writes may start: after the background commit of the previous step (0: none)."""
+        self.streams: dict[str, list[int]] = {}
+        """Stream -> its instructions in program order (FIFO)."""
+        for ins in instrs:
+            self.streams.setdefault(ins.stream, []).append(ins.id)
+
+    def run(self, duration: list[float]) -> tuple[list, list, list[int]]:
+        """(start, end, dispatch order) of every instruction."""
+        n = len(self.instrs)
+        if self.mem is not None:
+            self.mem.reset()
+        self.head = {s: 0 for s in self.streams}
+        """Stream -> the position of its next instruction."""
+        self.stream_free = {s: 0.0 for s in self.streams}
+        """Stream -> when its last started instruction ends."""
+        self.res_free: dict[str, list[float]] = {r: [0.0] * k for r, k in self.slots.items()}
+        """Resource -> when each of its slots is free."""
+        self.end: list = [None] * n
+        self.start: list = [None] * n
+        self.order: list[int] = []
+        self.writing = None
+        """The SSD write last started (reads may pause it)."""
+        self.reads_until = 0.0
+        """The end of the last read that paused it."""
+        now = 0.0  # start of the last instruction dispatched (dispatch is in start-time order)
+        while len(self.order) < n:
+            cands = self.candidates()
+            if not cands:
+                stuck = sorted(self.streams[s][self.head[s]] for s in self.streams
+                               if self.head[s] < len(self.streams[s]))
+                raise ScheduleError(f"deadlock: instructions {stuck[:8]} wait on each other")
+            cands.sort()
+            best = cands[0]
+            if self.mem is not None:
+                best = self.mem.pick(cands, now)
+            t, i, s = best
+            now = t
+            self.dispatch(t, i, s, duration)
+        return self.start, self.end, self.order
+
+    def candidates(self) -> list[tuple[float, int, str]]:
+        """(earliest start, instruction, stream) of each stream's head whose dependencies have ended."""
+        cands = []
+        for s in sorted(self.streams):
+            if self.head[s] >= len(self.streams[s]):
+                continue
+            i = self.streams[s][self.head[s]]
+            if any(self.end[d] is None for d in self.instrs[i].deps):
+                continue
+            cands.append((self.ready_time(i, s), i, s))
+        return cands
+
+    def ready_time(self, i: int, s: str) -> float:
+        """When instruction i, the head of stream s, can start: its stream free, its dependencies
+        ended, a slot of each resource free; on the SSD, a read on `ssd.first` may go inside the
+        write in progress (pausing it) rather than after it."""
+        ins, end, res_free, uses = self.instrs[i], self.end, self.res_free, self.uses[i]
+        t = max([self.stream_free[s]] + [end[d] for d in ins.deps]
+                + [min(res_free.get(r, (0.0,))) for r in uses if r != "ssd"])
+        if "ssd" in uses:
+            ssd = min(res_free.get("ssd", (0.0,)))
+            w = self.writing
+            if reads_ssd_first(ins) and w is not None and end[w] == ssd and self.start[w] <= t < ssd:
+                t = max(t, self.reads_until)  # pauses the write (the aio engine runs it first)
+            else:
+                t = max(t, ssd)
+        if writes_ssd(ins):  # over the files the background commit is syncing
+            t = max(t, self.ssd_write_after)
+        return t
+
+    def dispatch(self, t: float, i: int, s: str, duration: list[float]) -> None:
+        """Start instruction i of stream s at t: its stream and a slot of each resource it uses are
+        busy until it ends; a read on `ssd.first` that starts inside a write pauses it."""
+        start, end, w = self.start, self.end, self.writing
+        start[i], end[i] = t, t + duration[i]
+        self.stream_free[s] = end[i]
+        paused = reads_ssd_first(self.instrs[i]) and w is not None and t < end[w]
+        if paused:  # the write finishes later by the read's time, on every resource it holds
+            old, end[w] = end[w], end[w] + duration[i]
+            self.stream_free[self.instrs[w].stream] = end[w]
+            for r in self.uses[w]:
+                free = self.res_free[r]
+                free[free.index(old)] = end[w]
+            self.reads_until = end[i]
+        for r in self.uses[i]:
+            if not (paused and r == "ssd"):  # a pausing read runs inside the write's SSD slot
+                free = self.res_free.setdefault(r, [0.0])
+                free[free.index(min(free))] = end[i]
+        if writes_ssd(self.instrs[i]):
+            self.writing = i
+        if self.mem is not None:
+            self.mem.start(i, t, end[i])
+        self.head[s] += 1
+        self.order.append(i)
+
+
+def _usage(instrs: list[Instr], duration: list[float], uses: list[tuple[str, ...]], extra: list[tuple[str, ...]],
+           slots: dict[str, int], nbytes: dict[str, int]) -> tuple[dict[str, float], dict[str, int]]:
+    """(busy seconds per resource, bytes per copy direction and per root-complex link). A shared
+    link's busy time is per slot; DRAM's is not reported."""
     busy: dict[str, float] = {}
     traffic: dict[str, int] = {}
     for ins in instrs:
-        for r in uses(ins.id):  # a shared link's busy time is per slot; DRAM's is not reported
+        for r in uses[ins.id]:
             if r != "dram":
                 busy[r] = busy.get(r, 0.0) + duration[ins.id] / slots.get(r, 1)
         if ins.kind in ("load", "store", "send"):
             for key in (f"{ins.src}->{ins.dst}", *(r for r in extra[ins.id] if r.startswith("rc"))):
                 traffic[key] = traffic.get(key, 0) + nbytes[ins.tensor]
+    return busy, traffic
 
-    # Memory events in causal order: at one instant, workspaces of instructions that ended
-    # are released first, then instructions start in dispatch order (a dependent instruction
-    # is always dispatched after what it depends on); a zero-length instruction releases its
-    # workspace right after it starts.
+
+def _memory_events(instrs: list[Instr], order: list[int], start: list, end: list) -> list[tuple]:
+    """The replay's memory events in causal order, each ((time, rank, rank), what, buffer, tier,
+    source tier, instruction): at one instant, workspaces of instructions that ended are released
+    first, then instructions start in dispatch order (a dependent instruction is always dispatched
+    after what it depends on); a zero-length instruction releases its workspace right after it
+    starts."""
     events = []
     for k, i in enumerate(order):
         ins = instrs[i]
@@ -241,57 +308,78 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
             key = (end[i], k, 1) if end[i] == start[i] else (end[i], -1, k)
             events.append((key, "free", ins.workspace, dev, None, i))
     events.sort(key=lambda e: e[0])
-    live = set(initial)
-    use: dict[str, int] = {t: v for t, v in (reserved or {}).items() if v}
-    for (b, t) in live:
-        use[t] = use.get(t, 0) + nbytes[b]
-    peak = dict(use)
-    peak_live = {t: sorted(b for b, tt in live if tt == t) for t in use}
-    timeline = {t: [(0.0, v)] for t, v in use.items()}
-    fences: dict[int, set[int]] = {}
-    last_release: dict[str, dict[str, int]] = {}  # tier -> stream -> latest releasing instruction
-    for key, what, buf, tier, src, owner in events:
-        time = key[0]
-        if what == "free":
-            last_release.setdefault(tier, {})[instrs[owner].stream] = owner
-        else:
-            fences.setdefault(owner, set()).update(
-                r for r in last_release.get(tier, {}).values() if r < owner and r not in instrs[owner].deps)
-        if what == "free":
-            if (buf, tier) not in live:
-                raise ScheduleError(f"free of {buf} on {tier}, which does not hold it")
-            live.remove((buf, tier))
-            use[tier] -= nbytes[buf]
-        else:
-            if what == "copy" and (buf, src) not in live:
-                raise ScheduleError(f"{buf} moved from {src}, which does not hold it")
-            if (buf, tier) in live:
-                if what == "alloc":
-                    raise ScheduleError(f"{buf} allocated twice on {tier}")
+    return events
+
+
+class _Ledger:
+    """Bytes live per tier as `simulate`'s memory events replay (`_memory_events`): the peaks, what
+    is live at them, the timeline and the memory fences; it checks that every copy is made from a
+    present one, nothing is allocated twice, and the step ends where it began."""
+
+    def __init__(self, instrs: list[Instr], nbytes: dict[str, int], initial, reserved: dict[str, int] | None):
+        self.instrs, self.nbytes, self.initial = instrs, nbytes, initial
+        self.live = set(initial)
+        """The (buffer, tier) pairs present."""
+        self.use: dict[str, int] = {t: v for t, v in (reserved or {}).items() if v}
+        """Tier -> bytes live there (reserved bytes included)."""
+        for (b, t) in self.live:
+            self.use[t] = self.use.get(t, 0) + nbytes[b]
+        self.peak = dict(self.use)
+        """Tier -> its peak bytes."""
+        self.peak_live = {t: sorted(b for b, tt in self.live if tt == t) for t in self.use}
+        """Tier -> the buffers live at its peak."""
+        self.timeline = {t: [(0.0, v)] for t, v in self.use.items()}
+        """Tier -> (time, bytes live from then on), one point per change."""
+        self.fences: dict[int, set[int]] = {}
+        """Allocating instruction -> the latest release per stream before it (`SimResult.fences`)."""
+        self.last_release: dict[str, dict[str, int]] = {}
+        """Tier -> stream -> the latest instruction that released bytes there."""
+
+    def replay(self, events: list[tuple]) -> None:
+        """Apply the events in order, then check the step returned to its initial state."""
+        for key, what, buf, tier, src, owner in events:
+            self.fence(what, tier, owner)
+            if what == "free":
+                self.release(buf, tier)
+            elif not self.make(what, buf, tier, src):
                 continue  # overwrite in place
-            live.add((buf, tier))
-            use[tier] = use.get(tier, 0) + nbytes[buf]
-            if use[tier] > peak.get(tier, -1) or tier not in peak_live:
-                peak[tier] = use[tier]
-                peak_live[tier] = sorted(b for b, t in live if t == tier)
-        timeline.setdefault(tier, [(0.0, 0)]).append((time, use[tier]))
-    leftover = sorted(live - set(initial))
-    missing = sorted(set(initial) - live)
-    if leftover or missing:
-        raise ScheduleError(f"the step does not return to its initial state: left {leftover[:5]}, "
-                            f"lost {missing[:5]}")
-    if background:
-        makespan = max([commit_s, *end])
-        if commit_s:
-            busy["ssd.commit"] = commit_s
-    else:
-        makespan = max((e for e in end), default=0.0) + commit_s
-        if commit_s:
-            busy["ssd"] = busy.get("ssd", 0.0) + commit_s
-    return SimResult(step_time_s=makespan, start=start, end=end, busy_s=busy, traffic_bytes=traffic,
-                     peak_bytes=peak, timeline=timeline, order=order, peak_live=peak_live, durations=list(duration),
-                     fences={i: tuple(sorted(f)) for i, f in sorted(fences.items()) if f},
-                     waited={i: tuple(sorted(w)) for i, w in sorted(mem.waited.items())} if mem else {})
+            self.timeline.setdefault(tier, [(0.0, 0)]).append((key[0], self.use[tier]))
+        leftover = sorted(self.live - set(self.initial))
+        missing = sorted(set(self.initial) - self.live)
+        if leftover or missing:
+            raise ScheduleError(f"the step does not return to its initial state: left {leftover[:5]}, "
+                                f"lost {missing[:5]}")
+
+    def fence(self, what: str, tier: str, owner: int) -> None:
+        """A release is recorded per stream; an allocation fences on the latest ones before it in
+        program order that it does not already depend on."""
+        if what == "free":
+            self.last_release.setdefault(tier, {})[self.instrs[owner].stream] = owner
+        else:
+            self.fences.setdefault(owner, set()).update(
+                r for r in self.last_release.get(tier, {}).values() if r < owner and r not in self.instrs[owner].deps)
+
+    def release(self, buf: str, tier: str) -> None:
+        """A free: the copy must be there."""
+        if (buf, tier) not in self.live:
+            raise ScheduleError(f"free of {buf} on {tier}, which does not hold it")
+        self.live.remove((buf, tier))
+        self.use[tier] -= self.nbytes[buf]
+
+    def make(self, what: str, buf: str, tier: str, src: str | None) -> bool:
+        """An allocation or a copy's destination: False where the copy overwrites one already there."""
+        if what == "copy" and (buf, src) not in self.live:
+            raise ScheduleError(f"{buf} moved from {src}, which does not hold it")
+        if (buf, tier) in self.live:
+            if what == "alloc":
+                raise ScheduleError(f"{buf} allocated twice on {tier}")
+            return False
+        self.live.add((buf, tier))
+        self.use[tier] = self.use.get(tier, 0) + self.nbytes[buf]
+        if self.use[tier] > self.peak.get(tier, -1) or tier not in self.peak_live:
+            self.peak[tier] = self.use[tier]
+            self.peak_live[tier] = sorted(b for b, t in self.live if t == tier)
+        return True
 
 
 def simulate_plan(plan) -> SimResult:
