@@ -28,8 +28,9 @@ import torch
 import torch.fx as fx
 from torch.fx.node import map_arg
 
+from tensorstow.ir.build import view_source
 from tensorstow.ir.template import Instances, instances
-from tensorstow.ir.trace import Traced, view_source
+from tensorstow.ir.trace import Traced
 
 _MISSING = object()
 
