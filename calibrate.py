@@ -174,6 +174,9 @@ class _OtherLoad:
 
 @functools.lru_cache(maxsize=None)
 def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
+    """Measure this machine (`probe`): the disk first, then the host's CPU figures, then the GPUs
+    (without CUDA: the CPU device tier), into a `Hardware` named "local" whose `source` says how each
+    figure was measured."""
     import torch
 
     p = _QUICK if quick else _FULL
@@ -185,16 +188,7 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
 
     # Host measurements first (the GPU path needs nothing from them, the no-CUDA path does). The
     # disk goes first of all: see `_disk_bw` on memory freed just before.
-    disk_dir = base
-    try:
-        disk = _disk_bw(base, p.disk_bytes, p.disk_chunk, p.disk_reps)
-    except TensorstowError:
-        if not default_dir:
-            raise
-        # The current directory is not writable: measure the system temp dir instead.
-        disk_dir = os.path.realpath(tempfile.gettempdir())
-        disk = _disk_bw(disk_dir, p.disk_bytes, p.disk_chunk, p.disk_reps)
-        notes.append(f"current directory {base} not writable, measured {disk_dir}")
+    disk, disk_dir = _probe_disk(base, default_dir, p, notes)
     other = _OtherLoad()  # what else runs while the CPU is timed (the disk's I/O is left out)
     with other:
         copy_bw = _cpu_memcpy_bw(p.memcpy_bytes, p.memcpy_reps)  # bytes moved per second
@@ -214,49 +208,92 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
         gpus, p2p_bw, gpu_notes = gpu_result
         notes += gpu_notes
     else:
-        with other:
-            flops = _cpu_block_flops(p.cpu_block_reps)
-            bf16 = _cpu_bf16_ratio()
-            op_s = _op_dispatch_s(p.cpu_block_reps)
-            per_tensor = _copy_tensor_s(p.memcpy_reps)
-            contention = _host_contention(p.cpu_block_reps)
-            ssd_contention = _ssd_contention(p.cpu_block_reps, disk_dir)
-        budget = total_ram // CPU_GPU_FRACTION
-        gpus = (GPU(name=CPU_GPU_NAME, memory_bytes=budget, flops=flops * bf16, flops_fp32=flops, mem_bw=2 * copy_bw,
-                    h2d_bw=copy_bw, d2h_bw=copy_bw, op_s=op_s, copy_tensor_s=per_tensor,
-                    host_contention=contention, ssd_contention=ssd_contention),)
+        gpus, dram = _cpu_device_tier(p, total_ram, copy_bw, dram, disk_dir, other, notes)
         p2p_bw = 0.0
-        # Device tier and DRAM tier share the same RAM: do not count it twice.
-        dram = DRAM(capacity_bytes=max(0, avail_ram - budget), bandwidth=dram.bandwidth)
-        notes.append(f"no CUDA: device tier = CPU memory, 1/{CPU_GPU_FRACTION} of RAM "
-                     f"({budget / GiB:.1f} GiB, taken out of DRAM capacity); "
-                     f"flops_fp32 = fp32 GPT block (d {CPU_BLOCK[0]}, batch {CPU_BLOCK[2]} x seq {CPU_BLOCK[3]}) "
-                     f"forward + backward on {torch.get_num_threads()} thread(s), flops = that x a bf16 "
-                     f"{'x'.join(map(str, MM16))} matmul's rate / an fp32 one's ({bf16:.3g}); op_s = the executor's "
-                     f"segment runner per op on a tiny GPT ({op_s * 1e6:.1f} us); copy_tensor_s = the executor's "
-                     f"stores per tensor of a copy ({per_tensor * 1e6:.1f} us); host_contention = that block beside a "
-                     f"{CONTENTION_COPY_BYTES // MiB} MiB copy loop / alone, less 1 ({contention:.3f}); "
-                     f"ssd_contention = the same beside verified 16 MiB SSD store reads ({ssd_contention:.3f})")
     if nvml_note:
         notes.append(nvml_note)
-    if other.cores > BUSY_CORES_WARN:
-        busy = (f"other processes kept {other.cores:.2f} of {cores} cores busy while the probe timed the CPU, "
-                f"so its CPU figures (AdamW, memcpy{'' if gpu_result else ', the device tier FLOPS and host_contention'})"
-                f" may be pessimistic")
-        notes.append(busy)
-        warnings.warn(ProbeWarning(f"{busy}: probe again when the machine is idle (`tensorstow probe -o spec.json`, "
-                                   f"then plan with `--hw spec.json`)"), stacklevel=2)
+    _note_other_load(other, cores, gpu_result is not None, notes)
 
     ssd = SSD(count=1, read_bw=disk.read_bw, write_bw=disk.write_bw, capacity_bytes=disk.capacity,
               request_s=disk.request_s, commit_s=disk.commit_s, sync_s=disk.sync_s, flush_bw=disk.flush_bw)
     cpu = CPU(cores=cores, adam_rate=adam_rate, adam_tensor_s=adam_tensor_s)
+    source = _source(p, quick, t0, notes, mem, disk, adam_kind, adam_tensor_s)
+    return Hardware(name="local", gpus=gpus, dram=dram, ssd=ssd, cpu=cpu,
+                    gpu_p2p_bw=p2p_bw, source=source)
+
+
+def _probe_disk(base: str, default_dir: bool, p: _Params, notes: list[str]) -> tuple[_DiskResult, str]:
+    """The disk under `base` (`_disk_bw`) and the directory measured: where the current directory
+    (`default_dir`) is not writable, the system temp dir's disk instead, with a note."""
+    try:
+        return _disk_bw(base, p.disk_bytes, p.disk_chunk, p.disk_reps), base
+    except TensorstowError:
+        if not default_dir:
+            raise
+    # The current directory is not writable: measure the system temp dir instead.
+    disk_dir = os.path.realpath(tempfile.gettempdir())
+    disk = _disk_bw(disk_dir, p.disk_bytes, p.disk_chunk, p.disk_reps)
+    notes.append(f"current directory {base} not writable, measured {disk_dir}")
+    return disk, disk_dir
+
+
+def _cpu_device_tier(p: _Params, total_ram: int, copy_bw: float, dram: DRAM, disk_dir: str, other: _OtherLoad,
+                     notes: list[str]) -> tuple[tuple[GPU, ...], DRAM]:
+    """Without CUDA: the pseudo-GPU (budgeted CPU memory, the FLOP/s of a GPT block, the executor's
+    per-op and per-tensor costs, its contention beside copies and SSD reads) and the DRAM tier less
+    its budget, with a note on how each was measured."""
+    import torch
+
+    with other:
+        flops = _cpu_block_flops(p.cpu_block_reps)
+        bf16 = _cpu_bf16_ratio()
+        op_s = _op_dispatch_s(p.cpu_block_reps)
+        per_tensor = _copy_tensor_s(p.memcpy_reps)
+        contention = _host_contention(p.cpu_block_reps)
+        ssd_contention = _ssd_contention(p.cpu_block_reps, disk_dir)
+    budget = total_ram // CPU_GPU_FRACTION
+    gpus = (GPU(name=CPU_GPU_NAME, memory_bytes=budget, flops=flops * bf16, flops_fp32=flops, mem_bw=2 * copy_bw,
+                h2d_bw=copy_bw, d2h_bw=copy_bw, op_s=op_s, copy_tensor_s=per_tensor,
+                host_contention=contention, ssd_contention=ssd_contention),)
+    # Device tier and DRAM tier share the same RAM: do not count it twice.
+    dram = DRAM(capacity_bytes=max(0, dram.capacity_bytes - budget), bandwidth=dram.bandwidth)
+    notes.append(f"no CUDA: device tier = CPU memory, 1/{CPU_GPU_FRACTION} of RAM "
+                 f"({budget / GiB:.1f} GiB, taken out of DRAM capacity); "
+                 f"flops_fp32 = fp32 GPT block (d {CPU_BLOCK[0]}, batch {CPU_BLOCK[2]} x seq {CPU_BLOCK[3]}) "
+                 f"forward + backward on {torch.get_num_threads()} thread(s), flops = that x a bf16 "
+                 f"{'x'.join(map(str, MM16))} matmul's rate / an fp32 one's ({bf16:.3g}); op_s = the executor's "
+                 f"segment runner per op on a tiny GPT ({op_s * 1e6:.1f} us); copy_tensor_s = the executor's "
+                 f"stores per tensor of a copy ({per_tensor * 1e6:.1f} us); host_contention = that block beside a "
+                 f"{CONTENTION_COPY_BYTES // MiB} MiB copy loop / alone, less 1 ({contention:.3f}); "
+                 f"ssd_contention = the same beside verified 16 MiB SSD store reads ({ssd_contention:.3f})")
+    return gpus, dram
+
+
+def _note_other_load(other: _OtherLoad, cores: int, cuda: bool, notes: list[str]) -> None:
+    """Where other processes kept more than `BUSY_CORES_WARN` cores busy while the CPU was timed: a
+    note, and a `ProbeWarning` (reported at `probe`, as from the cached probe it calls)."""
+    if other.cores <= BUSY_CORES_WARN:
+        return
+    busy = (f"other processes kept {other.cores:.2f} of {cores} cores busy while the probe timed the CPU, "
+            f"so its CPU figures (AdamW, memcpy{'' if cuda else ', the device tier FLOPS and host_contention'})"
+            f" may be pessimistic")
+    notes.append(busy)
+    warnings.warn(ProbeWarning(f"{busy}: probe again when the machine is idle (`tensorstow probe -o spec.json`, "
+                               f"then plan with `--hw spec.json`)"), stacklevel=3)
+
+
+def _source(p: _Params, quick: bool, t0: float, notes: list[str], mem: dict[str, int], disk: _DiskResult,
+            adam_kind: str, adam_tensor_s: float) -> str:
+    """`Hardware.source` of a probe that started at `t0`: when, how long, the notes, and how the
+    DRAM, SSD and CPU figures were measured."""
+    import torch
 
     stamp = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-    source = "; ".join([
+    return "; ".join([
         f"tensorstow probe {stamp} ({'quick' if quick else 'full'}, torch {torch.__version__}, "
         f"{time.perf_counter() - t0:.1f} s)",
         *notes,
-        f"DRAM: MemAvailable {avail_ram / GiB:.1f} of {total_ram / GiB:.1f} GiB, "
+        f"DRAM: MemAvailable {mem['available'] / GiB:.1f} of {mem['total'] / GiB:.1f} GiB, "
         f"bandwidth = 2x memcpy of {p.memcpy_bytes // MiB} MiB (read+write traffic)",
         f"SSD: {disk.method} on {disk.fs_dir}, through the executor's store, buffers in huge pages: "
         f"reads and writes of {', '.join(f'{n / MiB:g}' for n in LONE_REQUEST_SIZES if n <= p.disk_chunk)} MiB "
@@ -270,8 +307,6 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
         f"update per tensor besides its elements, through its host copies and kernel ({adam_tensor_s * 1e6:.1f} us)",
         f"host timings the median of {p.memcpy_reps}/{p.adam_reps} reps (memcpy/adam), the disk's of {p.disk_reps}",
     ])
-    return Hardware(name="local", gpus=gpus, dram=dram, ssd=ssd, cpu=cpu,
-                    gpu_p2p_bw=p2p_bw, source=source)
 
 
 # --------------------------------------------------------------------------------------
