@@ -5,8 +5,10 @@ Every DRAM copy a step makes is a page-aligned range of one arena, carved best-f
 on free (`BestFit`), so a step allocates nothing. The arena must hold the best-fit high-water mark
 of the process's DRAM allocations: placing the homes block by block (an SSD or GPU home is staged
 through DRAM), the buffers carried across steps, then two steps, the second the steady state. The
-instructions run in program order in sync mode, and in overlap mode lanes run ahead of it, so
-DRAM holds what the simulated replay holds: the order of the simulated start times.
+instructions run in program order in sync mode; in overlap mode lanes run ahead of it, so DRAM
+also holds what the simulated replay holds (the order of the simulated start times): the overlap
+arena is the larger of the two. (Lanes whose real timing differs from both can fragment the arena
+otherwise; what does not fit comes from a fresh allocation, counted in `HostPool.overflow_bytes`.)
 """
 from __future__ import annotations
 
@@ -117,5 +119,6 @@ def host_pools(instrs: list[Instr], start: list[float], buffers: dict[str, Buffe
         def need(order):
             return max(arena_bytes(dram_events(order, blocks, buffers, homes, carried, resume))
                        for resume in (False, True))
-        out[gpu] = PoolSizes(sync=need(mine), overlap=need(simulated))
+        sync = need(mine)
+        out[gpu] = PoolSizes(sync=sync, overlap=max(sync, need(simulated)))
     return out

@@ -114,7 +114,8 @@ class PoolSizes:
     sync: int
     """For a replay in program order (`execute --mode sync`)."""
     overlap: int
-    """For lanes that run ahead of program order as the simulated replay does (`--mode overlap`)."""
+    """For lanes that run ahead of program order as the simulated replay does (`--mode overlap`): at
+    least `sync`."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -70,7 +70,7 @@ def _edit(d, path, value):
     (("instructions", 0, "est_s"), None, "field 'instructions[0].est_s': expected a number, got None"),
     (("options", "betas"), [0.9], "field 'options.betas': expected a list of 2, got 1 items"),
     (("predicted", "peak_bytes"), [1], "field 'predicted.peak_bytes': expected a JSON object, got list"),
-    (("schema_version",), 7, "has schema_version 7, this tensorstow reads 3; re-plan it"),
+    (("schema_version",), 7, "has schema_version 7, this tensorstow reads 4; re-plan it"),
 ])
 def test_malformed_plans_name_the_field(path, value, message):
     d = make_plan(tiny_options(policy="zero-infinity"), load_hardware("lohan-rtx4090")).to_json()
