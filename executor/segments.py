@@ -353,101 +353,142 @@ def _compile(seg: Segment, joint: Joint, device: torch.device | None) -> _Compil
     in a local: the buffer holding one is not freed or replaced while the segment runs) or views
     of them (replayed at the first use), which kernel runs (a portable one off the CPU), where a
     `device=` keyword points, and when each value is released (`_view_holders`: views are not
-    counted)."""
-    inside = {n.name for n in seg.nodes}
-    holder = _view_holders(seg)
-    consts: dict[str, object] = {}
-    fetched: dict[str, int] = {}
-    var: dict[str, str] = {}     # node -> its local
-    held: list[str] = []         # locals released in the cleanup (every held value)
-    lines: list[str] = []
-    produced = {n.name for n in seg.nodes if joint.is_root(n.name)}  # what `keep` may name (template names)
+    counted). `_SegmentSource` writes it; here it is compiled (`_code`) and bound to its constants."""
+    src = _SegmentSource(seg, joint, device)
+    scope = dict(src.consts)
+    exec(_code(src.text, f"<segment {seg.name}>"), scope)
+    return _Compiled(fn=scope["_segment"], fetched=tuple(sorted(src.fetched, key=src.fetched.get)))
 
-    def const(v) -> str:
+
+class _SegmentSource:
+    """The source of one compiled segment (`_compile`): a function
+    `_segment(fetch, hold, release, keep, sink, _names, outer, device)` with one statement per
+    node, its releases after the node of each value's last use, the kept roots handed to `sink`
+    at the end, and a cleanup that releases every value still held."""
+
+    INDENT = "        "
+    """The body's indentation: inside the function's `try`."""
+
+    def __init__(self, seg: Segment, joint: Joint, device: torch.device | None):
+        self.seg, self.joint, self.device = seg, joint, device
+        self.inside = {n.name for n in seg.nodes}
+        """The segment's own nodes."""
+        self.holder = _view_holders(seg)
+        """View -> the node holding its storage (None: an outside root's)."""
+        self.consts: dict[str, object] = {}
+        """Name in the source -> a value that has no literal (the scope the source runs in)."""
+        self.fetched: dict[str, int] = {}
+        """Outside root -> k: fetched into local `_f<k>` as `_names[k]`."""
+        self.var: dict[str, str] = {}
+        """Node -> its local: `h<k>` for a held value, `a<k>` for an uncounted view."""
+        self.held: list[str] = []
+        """Locals released in the cleanup (every held value)."""
+        self.lines: list[str] = []
+        """The body's lines so far."""
+        self.produced = {n.name for n in seg.nodes if joint.is_root(n.name)}
+        """The roots the segment makes: what `keep` may name (template names)."""
+        self.write()
+
+    def write(self) -> None:
+        """The body: each node, then the releases of the values it used last; at the end the kept
+        roots to the sink."""
+        for i, n in enumerate(self.seg.nodes):
+            self.emit(n, self.INDENT)
+            for name in sorted(self.release_points[i]):
+                self.release(name)
+        for name in sorted(self.produced):  # a kept root goes to the sink with its hold
+            v = self.var[name]
+            self.lines += [f"{self.INDENT}if {name!r} in keep:", f"{self.INDENT}    _v = {v}",
+                           f"{self.INDENT}    del {v}", f"{self.INDENT}    sink(outer({name!r}), _v)"]
+
+    @property
+    def text(self) -> str:
+        """The whole function."""
+        src = ["def _segment(fetch, hold, release, keep, sink, _names, outer, device):",
+               "    try:"]
+        src += self.lines
+        src += ["    finally:",
+                "        for k, v in list(locals().items()):",
+                "            if k[0] == 'h' and k[1:].isdigit():",
+                "                release(v)"]
+        return "\n".join(src)
+
+    @functools.cached_property
+    def release_points(self) -> list[list[str]]:
+        """Per node, the values whose last use it is (a holder's goes with its views' last use)."""
+        last = {name: i for i, names in enumerate(self.seg.release_after) for name in names}
+        for view, h in self.holder.items():  # a holder is released once its views are done with too
+            if h is not None:
+                last[h] = max(last[h], last[view])
+        release_at: list[list[str]] = [[] for _ in self.seg.nodes]
+        for name, i in last.items():
+            release_at[i].append(name)
+        return release_at
+
+    def const(self, v) -> str:
+        """A value in the source: its literal where it is a safe one, else a named constant."""
         if type(v) in _SAFE_LITERALS:
             return repr(v)
-        k = f"_c{len(consts)}"
-        consts[k] = v
+        k = f"_c{len(self.consts)}"
+        self.consts[k] = v
         return k
 
-    def arg(a, indent: str) -> str:
+    def arg(self, a, indent: str) -> str:
+        """An argument in the source: a local, an outside root (fetched at its first use), a view
+        of one (replayed here, before the node that reads it), a structure of those, a constant."""
         if isinstance(a, fx.Node):
-            if a.name in var:
-                return var[a.name]
-            if a.name in inside:
-                raise RuntimeError(f"internal: {seg.name} uses {a.name} before making it")
-            if joint.is_root(a.name):  # an outside root: fetched at its first use, kept in a local
-                if a.name in fetched:
-                    return f"_f{fetched[a.name]}"
-                k = fetched[a.name] = len(fetched)
+            if a.name in self.var:
+                return self.var[a.name]
+            if a.name in self.inside:
+                raise RuntimeError(f"internal: {self.seg.name} uses {a.name} before making it")
+            if self.joint.is_root(a.name):  # an outside root: fetched at its first use, kept in a local
+                if a.name in self.fetched:
+                    return f"_f{self.fetched[a.name]}"
+                k = self.fetched[a.name] = len(self.fetched)
                 return f"(_f{k} := fetch(_names[{k}]))"
-            emit(a, indent)  # a view of an outside root: replayed here, kept until its last use
-            return var[a.name]
+            self.emit(a, indent)  # a view of an outside root: replayed here, kept until its last use
+            return self.var[a.name]
         if isinstance(a, (list, tuple)) and _arg_nodes(a):
-            items = ", ".join(arg(x, indent) for x in a)
+            items = ", ".join(self.arg(x, indent) for x in a)
             return f"[{items}]" if isinstance(a, list) else f"({items}{',' if len(a) == 1 else ''})"
         if isinstance(a, dict) and _arg_nodes(a):
-            return "{" + ", ".join(f"{k!r}: {arg(v, indent)}" for k, v in a.items()) + "}"
-        return const(a)
+            return "{" + ", ".join(f"{k!r}: {self.arg(v, indent)}" for k, v in a.items()) + "}"
+        return self.const(a)
 
-    def emit(n: fx.Node, indent: str) -> None:
-        args = [arg(a, indent) for a in n.args]
-        kwargs = {k: arg(v, indent) for k, v in n.kwargs.items()}
-        if device is not None and isinstance(n.kwargs.get("device"), torch.device):
+    def emit(self, n: fx.Node, indent: str) -> None:
+        """The node's call, bound to a new local: held, unless a view (`_view_holders`)."""
+        args = [self.arg(a, indent) for a in n.args]
+        kwargs = {k: self.arg(v, indent) for k, v in n.kwargs.items()}
+        if self.device is not None and isinstance(n.kwargs.get("device"), torch.device):
             kwargs["device"] = "device"
-        portable = joint.targets.get(n.target) if joint.targets else None
+        portable = self.joint.targets.get(n.target) if self.joint.targets else None
         if portable is not None:
-            kwargs["_like"] = const(n.meta.get("val"))
-        target = const(_callable(portable if portable is not None else n.target))
+            kwargs["_like"] = self.const(n.meta.get("val"))
+        target = self.const(_callable(portable if portable is not None else n.target))
         call = ", ".join(args + [f"{k}={x}" for k, x in kwargs.items()])
-        if n.name in holder or n.name not in inside and view_source(n) is not None:  # nothing to count (_view_holders)
-            var[n.name] = v = f"a{len(var)}"
-            lines.append(f"{indent}{v} = {target}({call})")
+        uncounted = n.name in self.holder or n.name not in self.inside and view_source(n) is not None
+        if uncounted:  # a view: nothing to count (_view_holders)
+            self.var[n.name] = v = f"a{len(self.var)}"
+            self.lines.append(f"{indent}{v} = {target}({call})")
             return
-        v = f"h{len(held)}"
-        held.append(v)
-        var[n.name] = v
-        lines.append(f"{indent}hold(_v := {target}({call}), {n.name!r})")  # held, then bound: the cleanup
-        lines.append(f"{indent}{v} = _v")                                    # releases only what was held
+        v = f"h{len(self.held)}"
+        self.held.append(v)
+        self.var[n.name] = v
+        self.lines.append(f"{indent}hold(_v := {target}({call}), {n.name!r})")  # held, then bound: the cleanup
+        self.lines.append(f"{indent}{v} = _v")                                    # releases only what was held
 
-    body = "        "
-    last = {name: i for i, names in enumerate(seg.release_after) for name in names}
-    for view, h in holder.items():  # a holder is released once its views are done with too
-        if h is not None:
-            last[h] = max(last[h], last[view])
-    release_at: list[list[str]] = [[] for _ in seg.nodes]
-    for name, i in last.items():
-        release_at[i].append(name)
-    for i, n in enumerate(seg.nodes):
-        emit(n, body)
-        for name in sorted(release_at[i]):
-            v = var.get(name)
-            if v is None:
-                continue  # an outside root: never held here
-            if v[0] == "a":  # a view: drop the reference; its storage's holder keeps the count
-                lines.append(f"{body}del {v}")
-                continue
-            if name in produced:  # the caller may keep it
-                lines.append(f"{body}if {name!r} not in keep:")
-                lines.append(f"{body}    release({v})")
-                lines.append(f"{body}    del {v}")
-            else:
-                lines.append(f"{body}release({v})")
-                lines.append(f"{body}del {v}")
-    for name in sorted(produced):  # a kept root goes to the sink with its hold
-        v = var[name]
-        lines += [f"{body}if {name!r} in keep:", f"{body}    _v = {v}", f"{body}    del {v}",
-                  f"{body}    sink(outer({name!r}), _v)"]
-    src = ["def _segment(fetch, hold, release, keep, sink, _names, outer, device):",
-           "    try:"]
-    src += lines
-    src += ["    finally:",
-            "        for k, v in list(locals().items()):",
-            "            if k[0] == 'h' and k[1:].isdigit():",
-            "                release(v)"]
-    scope = dict(consts)
-    exec(_code("\n".join(src), f"<segment {seg.name}>"), scope)
-    return _Compiled(fn=scope["_segment"], fetched=tuple(sorted(fetched, key=fetched.get)))
+    def release(self, name: str) -> None:
+        """The value's release after its last use (a produced root only where the caller does not
+        keep it); a view only drops its reference: its storage's holder keeps the count."""
+        v, body = self.var.get(name), self.INDENT
+        if v is None:
+            return  # an outside root: never held here
+        if v[0] == "a":
+            self.lines.append(f"{body}del {v}")
+        elif name in self.produced:  # the caller may keep it
+            self.lines += [f"{body}if {name!r} not in keep:", f"{body}    release({v})", f"{body}    del {v}"]
+        else:
+            self.lines += [f"{body}release({v})", f"{body}del {v}"]
 
 
 @functools.lru_cache(maxsize=1024)
