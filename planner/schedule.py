@@ -211,6 +211,7 @@ class _Lowering:
         self.loss_scaling = loss_scaling
         """fp16-mixed: updates wait for the last backward, state reads double-buffered (`lower`)."""
         self.e = Emitter(gpu, decisions.ssd_reads_first)
+        """The instructions so far, and where each buffer's copies are."""
         self.home = {n: (gpu if b.home == "gpu" else b.home) for n, b in buffers.items() if b.home}
         """Buffer -> its home tier (`gpuK` for a GPU-resident one), for the buffers that have one."""
         for n, t in self.home.items():
