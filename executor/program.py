@@ -21,6 +21,7 @@ import torch.nn as nn
 from tensorstow.errors import TensorstowError
 from tensorstow.executor.segments import Joint
 from tensorstow.executor.stores import Layout
+from tensorstow.ir.models import IGNORE_INDEX
 from tensorstow.ir.trace import Traced, model_dims, trace_model
 from tensorstow.schema.plan import Plan, as_plan
 from tensorstow.schema.schedule import (HELD_KINDS, MADE_BY_COMPUTE, BufferKind, Instr, block_gpus, block_of,
@@ -82,6 +83,8 @@ class Program:
                                   f"{m.name}; pass the model the trace was made from")
         self.vocab = model_dims(model)[0]
         """The model's vocabulary size (token ids a step may hold), None where it has none."""
+        self.ignore_index = ignored_labels(traced)
+        """Label values the model's loss leaves out (nanoGPT's -1, Hugging Face's -100)."""
         self.precision = m.precision
         self.mixed = self.precision != "fp32"
         self.fp32_grads = plan.decisions.fp32_grads(self.mixed)
@@ -381,6 +384,15 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """Parameters, then buffers, by qualified name: the state inputs of the traced graph, in
     its placeholder order."""
     return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+def ignored_labels(traced: Traced) -> frozenset[int]:
+    """The `ignore_index` of every negative-log-likelihood loss in the traced step (what
+    `F.cross_entropy(..., ignore_index=...)` becomes), else F.cross_entropy's default, -100 (a
+    loss written without nll_loss, as the fused head, leaves out -100: `ir.models.IGNORE_INDEX`)."""
+    losses = (torch.ops.aten.nll_loss_forward.default, torch.ops.aten.nll_loss2d_forward.default)
+    found = {int(n.args[4]) for n in traced.gm.graph.nodes if n.op == "call_function" and n.target in losses}
+    return frozenset(found or {IGNORE_INDEX})
 
 
 def _draws_random(seg) -> bool:

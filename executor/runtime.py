@@ -337,10 +337,12 @@ class Executor:
                                       + f"as planned, got {getattr(t, 'dtype', type(t))} "
                                       f"{tuple(getattr(t, 'shape', ()))}")
         if self.vocab is not None:
-            ok = (idx >= 0) & (idx < self.vocab)
-            if not bool(ok.all()) or not bool((((targets >= 0) & (targets < self.vocab)) | (targets == -100)).all()):
+            ignored = torch.tensor(sorted(self.program.ignore_index), dtype=torch.long)
+            token = (targets >= 0) & (targets < self.vocab)
+            if not bool(((idx >= 0) & (idx < self.vocab)).all()) or not bool((token | torch.isin(targets, ignored)).all()):
                 raise TensorstowError(f"idx/targets hold token ids outside the model's vocabulary "
-                                      f"[0, {self.vocab})")
+                                      f"[0, {self.vocab}) (labels its loss ignores: "
+                                      f"{', '.join(map(str, ignored.tolist()))})")
         tdtype, tshape = j.meta(j.inputs[2])
         tangent = (self.scaler.tangent(tshape, tdtype) if self.scaler is not None
                    else torch.ones(tshape, dtype=tdtype, device=self.device))

@@ -228,6 +228,30 @@ def test_nanogpt_style_trains_exactly_like_eager(factory, tmp_path):
         assert_equal(run_executor(pj, build, tmp_path / name), want)
 
 
+
+def test_nanogpt_ignore_index_leaves_padding_out_of_the_loss(tmp_path):
+    """nanoGPT's `F.cross_entropy(..., ignore_index=-1)`: the executor accepts -1 targets (the
+    model's own ignore index, read from its traced loss) and trains through an offloaded plan
+    exactly as eager does; -100, which this loss does not ignore, is refused in one line."""
+    ref = "tests.fixtures.real_models:nano_gpt"
+    pj = offloaded_plans(ref, policies=("lohan",))["lohan"]
+    padded = torch.arange(T) >= T - 5  # the last 5 targets of every row are padding
+    steps = [(x, torch.where(padded, -1, y)) for x, y in data()]
+    torch.manual_seed(0)
+    model = real_models.nano_gpt()
+    ex = Executor(pj, model, state_dir=tmp_path / "s", traced=traced(ref, model))
+    assert ex.program.ignore_index == {-1}
+    torch.manual_seed(DROPOUT_SEED)
+    got = ([ex.step(x, y) for x, y in steps], ex.parameters())
+    with pytest.raises(tensorstow.TensorstowError, match=r"labels its loss ignores: -1\)"):
+        ex.step(steps[0][0], torch.full_like(steps[0][1], -100))
+    ex.close()
+    torch.manual_seed(0)
+    model = real_models.nano_gpt()
+    torch.manual_seed(DROPOUT_SEED)
+    want = train_eager(model, steps, lr=LR, loss=lambda m, x, y: m(x, y)[1])
+    assert_equal(got, want)
+
 def _frozen_state_is_read_only(pj: dict, frozen_blocks: set[str]) -> None:
     """Frozen state lives in C:<b> buffers that are only ever loaded, never stored back, and
     blocks with nothing to train have no gradient, optimizer state or update."""
