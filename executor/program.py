@@ -96,6 +96,9 @@ class Program:
         self.block_consts = {b: cs for b, (_, cs) in self.joint.block_state.items() if cs}
         """Frozen parameters and buffers per block (C: read, never written)."""
         self.frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+        self.decayed = {p for ps in self.block_params.values() for p in ps
+                        if plan.options.decay_all or len(self.joint.meta(self.joint.placeholder[p])[1]) >= 2}
+        """Trainable parameters the weight decay applies to (`Options.weight_decay`, `decay_all`)."""
         self.layouts, self.members = self._buffers(plan)
         self._add_reforwards()
         self._add_backward_parts()

@@ -680,7 +680,8 @@ class Executor:
             # torch's single-tensor Adam allocates two parameter-sized temporaries (sqrt, denom)
             scratch = 2 * max((t.numel() * 4 for t in params), default=0) if on_dev and self.adam[b].exact else 0
             with self.dev.reserve(scratch, f"Adam scratch of {b}") if scratch else contextlib.nullcontext():
-                self.adam[b].step(params, grads, moments, self.opt_steps, out16)
+                self.adam[b].step(params, grads, moments, self.opt_steps, out16,
+                                  decay=[p in self.program.decayed for p in trained])
         finally:
             for g in held:
                 self.dev.release(g)

@@ -55,7 +55,12 @@ class Options:
     eps: float = 1e-8
     """Adam's term added to the denominator for numerical stability."""
     weight_decay: float = 0.0
-    """Weight decay: decoupled from the gradient for adamw, added to it (L2) for adam."""
+    """Weight decay: decoupled from the gradient for adamw, added to it (L2) for adam. It applies to
+    the parameters with two or more dimensions (matrices, embeddings), not to biases and norm
+    weights: nanoGPT's `configure_optimizers` and, for these models, the Hugging Face Trainer's
+    rule."""
+    decay_all: bool = False
+    """Apply the weight decay to every parameter, biases and norm weights too."""
     exact_optimizer: bool = False
     """Update with torch.optim.Adam/AdamW(foreach=False), bit-identical with eager's default CPU
     path (slower); otherwise the fast update (csrc/adam.cpp on the CPU, with the fused downcast of
@@ -94,7 +99,7 @@ class Options:
         return decode(Options, d, where)
 
 
-_LATER_OPTIONS = {"gpus": None, "microbatches": 0, "mapping": "cross"}
+_LATER_OPTIONS = {"gpus": None, "microbatches": 0, "mapping": "cross", "decay_all": False}
 
 
 # ---- the options as the command line and the Python API take them -------------------------------

@@ -7,10 +7,23 @@ from tensorstow.ir.autocast import gpu_autocast
 from tensorstow.ir.trace import PRECISIONS
 
 
+def param_groups(model, weight_decay: float, decay_all: bool = False) -> list[dict]:
+    """torch.optim parameter groups of the trainable parameters: weight decay on those with two or
+    more dimensions, none on biases and norm weights (nanoGPT's `configure_optimizers`), or on
+    every one (`decay_all`)."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    if decay_all:
+        return [{"params": trained, "weight_decay": weight_decay}]
+    groups = [{"params": [p for p in trained if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in trained if p.dim() < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
 def train_eager(model, data, *, lr, weight_decay=0.0, optimizer="adamw", loss=lambda m, x, y: m(x, y),
-                precision="fp32", scaler=None, microbatches=1):
+                precision="fp32", scaler=None, microbatches=1, decay_all=False, make_optimizer=None):
     """Train `model` on `data` ((x, y) batches) with torch.optim.Adam/AdamW over its trainable
-    parameters; returns (losses, parameters by name).
+    parameters (`param_groups`: weight decay on those with two or more dimensions, unless
+    `decay_all`), or the one `make_optimizer(model)` returns; returns (losses, parameters by name).
 
     Mixed precision is eager AMP: fp32 parameters, the forward under autocast with CUDA's op
     lists (`gpu_autocast`: what torch.autocast("cuda") does, on CPU tensors), and for fp16 a
@@ -18,8 +31,8 @@ def train_eager(model, data, *, lr, weight_decay=0.0, optimizer="adamw", loss=la
     the scale after every step). `microbatches` M > 1: gradient accumulation, each batch cut into
     M equal microbatches in order, each one's loss / M back-propagated, one update per batch."""
     cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.Adam
-    opt = cls([p for p in model.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.999), eps=1e-8,
-              weight_decay=weight_decay)
+    opt = (make_optimizer(model) if make_optimizer is not None
+           else cls(param_groups(model, weight_decay, decay_all), lr=lr, betas=(0.9, 0.999), eps=1e-8))
     kw = dict(scaler or {})
     scales = kw.pop("scales", None)
     amp = torch.amp.GradScaler("cpu", **kw) if precision == "fp16-mixed" else None

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tensorstow.schema.hardware import CUDA_WORKSPACE_BYTES
+from tests.oracle import param_groups
 from tests.test_executor import B, PRESETS, STEPS, T, VOCAB, GPT, batches, get_plan, executor
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -21,7 +22,7 @@ def lift_the_allocator_cap():
 def eager_cuda():
     torch.manual_seed(0)
     model = GPT(PRESETS["gpt-tiny"]).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3, foreach=False)
     losses = []
     for x, y in batches("synthetic", B, T, VOCAB, STEPS, seed=0):
         opt.zero_grad()

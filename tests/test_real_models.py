@@ -35,7 +35,7 @@ from tensorstow.planner.plan import plan_problem
 from tensorstow.planner.problem import build_problem, schedule
 from tensorstow.schema.schedule import BlockDecision, Decisions
 from tests.fixtures import real_models  # noqa: E402
-from tests.oracle import train_eager  # noqa: E402
+from tests.oracle import param_groups, train_eager  # noqa: E402
 
 B, T, STEPS, LR, VOCAB = 2, 16, 3, 1e-3, 128
 DROPOUT_SEED = 1234
@@ -153,9 +153,9 @@ def traced(ref, model, precision="fp32"):
     return _traces[ref, precision]
 
 
-def run_eager(model, loss_fn, precision="fp32") -> tuple[list[float], dict]:
+def run_eager(model, loss_fn, precision="fp32", make_optimizer=None) -> tuple[list[float], dict]:
     torch.manual_seed(DROPOUT_SEED)
-    return train_eager(model, data(), lr=LR, loss=loss_fn, precision=precision)
+    return train_eager(model, data(), lr=LR, loss=loss_fn, precision=precision, make_optimizer=make_optimizer)
 
 
 def hf_loss(model, x, y):
@@ -251,6 +251,32 @@ def test_nanogpt_ignore_index_leaves_padding_out_of_the_loss(tmp_path):
     torch.manual_seed(DROPOUT_SEED)
     want = train_eager(model, steps, lr=LR, loss=lambda m, x, y: m(x, y)[1])
     assert_equal(got, want)
+
+
+@pytest.mark.parametrize("decay_all", [False, True])
+def test_nanogpt_configure_optimizers_groups_train_like_eager(decay_all, tmp_path):
+    """Weight decay 0.1 through an offloaded plan: by default only on the parameters of two or more
+    dimensions, as nanoGPT's own `configure_optimizers` groups them (biases and layer norms not
+    decayed); `decay_all` on every parameter, as one torch.optim group."""
+    ref = "tests.fixtures.real_models:nano_gpt"
+    hw = load_hardware("lohan-rtx4090")
+    o = Options(model=ref, hardware="lohan-rtx4090", policy="lohan", batch=B, seq=T, precision="fp32", lr=LR,
+                weight_decay=0.1, decay_all=decay_all, exact_optimizer=True, gpu_mem=2_000_000)
+    pj = json.loads(plan_problem(build_problem(o, hw.with_overrides(gpu_mem=o.gpu_mem)), "lohan").dumps())
+    assert any(b["home"] not in ("gpu", "") for b in pj["buffers"].values())
+    got = run_executor(pj, real_models.nano_gpt, tmp_path / "s")
+    torch.manual_seed(0)
+    model = real_models.nano_gpt()
+    if decay_all:
+        make = lambda m: torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.1)  # noqa: E731
+    else:
+        make = lambda m: real_models.configure_optimizers(m, 0.1, LR, (0.9, 0.999))  # noqa: E731
+    want = run_eager(model, lambda m, x, y: m(x, y)[1], make_optimizer=make)
+    assert_equal(got, want)
+    torch.manual_seed(0)  # the other grouping trains differently: the groups matter
+    other = run_eager(real_models.nano_gpt(), lambda m, x, y: m(x, y)[1],
+                      make_optimizer=lambda m: torch.optim.AdamW(param_groups(m, 0.1, not decay_all), lr=LR))
+    assert any(not torch.equal(got[1][n], other[1][n]) for n in got[1])
 
 def _frozen_state_is_read_only(pj: dict, frozen_blocks: set[str]) -> None:
     """Frozen state lives in C:<b> buffers that are only ever loaded, never stored back, and
