@@ -17,7 +17,7 @@ from pathlib import Path
 from tensorstow.calibrate import hardware_for
 from tensorstow.errors import TensorstowError
 from tensorstow.schema.hardware import parse_size
-from tensorstow.schema.options import asked, from_asked
+from tensorstow.schema.options import LR_SCHEDULERS, asked, from_asked
 from tensorstow.schema.schedule import TIERS
 
 
@@ -324,11 +324,16 @@ def cmd_execute(args) -> int:
         from tensorstow.executor.run import worker
         return worker(dict(plan=args.plan, steps=args.steps, data=args.data, state_dir=args.state_dir,
                            mode=args.mode, seed=args.seed, log_json=args.log_json, trace=args.trace,
-                           checkpoint_every=args.checkpoint_every))
+                           checkpoint_every=args.checkpoint_every, **_schedule_args(args)))
     execute(load_plan(args.plan), steps=args.steps, data=args.data, state_dir=args.state_dir,
             mode=args.mode, seed=args.seed, log_json=args.log_json, trace=args.trace,
-            checkpoint_every=args.checkpoint_every, nproc=args.nproc)
+            checkpoint_every=args.checkpoint_every, nproc=args.nproc, **_schedule_args(args))
     return 0
+
+
+def _schedule_args(args) -> dict:
+    """execute's learning-rate options (None: the plan's)."""
+    return {k: getattr(args, k) for k in ("lr", "lr_scheduler", "warmup_steps", "min_lr_ratio")}
 
 
 def cmd_export(args) -> int:
@@ -488,6 +493,14 @@ def parser() -> argparse.ArgumentParser:
     _arg(x, "--trace", help="Write the measured timeline of the last step (Perfetto JSON) (default: not written).")
     _arg(x, "--checkpoint-every", dest="checkpoint_every", type=int, default=1,
          help="Commit a full checkpoint to the state dir every N steps, and after the last.")
+    _arg(x, "--lr", type=float, help="Peak learning rate (default: the plan's).")
+    _arg(x, "--lr-scheduler", dest="lr_scheduler", choices=list(LR_SCHEDULERS),
+         help="The learning rate over the --steps optimizer steps, transformers' get_scheduler semantics "
+              "(default: the plan's).")
+    _arg(x, "--warmup-steps", dest="warmup_steps", type=int,
+         help="Optimizer steps of linear warmup from 0 (default: the plan's).")
+    _arg(x, "--min-lr-ratio", dest="min_lr_ratio", type=float,
+         help="linear and cosine end at this fraction of the peak instead of 0 (default: the plan's).")
     x.set_defaults(fn=cmd_execute)
 
     ex = sub.add_parser("export", help="write a state dir's last committed weights as safetensors")

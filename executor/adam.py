@@ -313,7 +313,7 @@ class SubgroupAdam:
         from torch.optim.optimizer import _get_scalar_dtype
 
         group = self.opt.param_groups[0]
-        group["params"], group["weight_decay"] = params, wd
+        group["params"], group["weight_decay"], group["lr"] = params, wd, self.lr
         self.opt.state.clear()
         try:
             for p, g, (m, v) in zip(params, grads, moments):

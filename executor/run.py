@@ -20,6 +20,7 @@ from tensorstow.executor.cuda import resolve_device
 from tensorstow.executor.data import batches
 from tensorstow.executor.distributed import (LOST, TIMEOUT_S, Comm, agree_on_step, launch, peer_lost, rank_cores,
                                              rank_dir)
+from tensorstow.executor.lr import LRSchedule
 from tensorstow.executor.runtime import Executor, lane_cores
 from tensorstow.executor.ssd import SSDStore
 from tensorstow.ir.models import resolve_model
@@ -30,18 +31,28 @@ from tensorstow.schema.schedule import block_gpus, gpu_tier
 
 def execute(plan: Plan, *, steps: int, data: str = "synthetic", state_dir: str | None = None,
             mode: str = "auto", seed: int = 0, log_json: str | None = None, trace: str | None = None,
-            checkpoint_every: int = 1, out=None, nproc: int = 1, rank: int | None = None, comm=None) -> dict:
+            checkpoint_every: int = 1, out=None, nproc: int = 1, rank: int | None = None, comm=None,
+            lr: float | None = None, lr_scheduler: str | None = None, warmup_steps: int | None = None,
+            min_lr_ratio: float | None = None) -> dict:
     """Run the plan until `steps` steps are committed; resume from `state_dir` if it holds some.
     With a state dir every `checkpoint_every` steps (and the last) are a full checkpoint.
     `nproc` > 1: one process per GPU (executor.distributed.launch runs this in each, with its
-    `rank` and `comm`; each keeps its state in `state_dir/rank<K>`)."""
+    `rank` and `comm`; each keeps its state in `state_dir/rank<K>`). `lr`, `lr_scheduler`,
+    `warmup_steps`, `min_lr_ratio`: the learning rate schedule over the `steps` optimizer steps
+    (executor.lr), each None for the plan's."""
     out = out or sys.stdout  # looked up per call: the stream of the caller (tests swap it)
     if nproc > 1 or (nproc == 1 and rank is None and _gpus_of(plan) > 1):
         return _launch(plan, nproc, dict(steps=steps, data=data, state_dir=state_dir, mode=mode, seed=seed,
-                                         log_json=log_json, trace=trace, checkpoint_every=checkpoint_every), out)
+                                         log_json=log_json, trace=trace, checkpoint_every=checkpoint_every, lr=lr,
+                                         lr_scheduler=lr_scheduler, warmup_steps=warmup_steps,
+                                         min_lr_ratio=min_lr_ratio), out)
     mode = pick_mode(mode, plan)
     if steps < 1:
         raise TensorstowError(f"--steps must be >= 1, got {steps}")
+    o = plan.options
+    schedule = LRSchedule(o.lr_scheduler if lr_scheduler is None else lr_scheduler, o.lr if lr is None else lr,
+                          o.warmup_steps if warmup_steps is None else warmup_steps, steps,
+                          o.min_lr_ratio if min_lr_ratio is None else min_lr_ratio)
     spec = resolve_model(plan.options.model)
     model, init = build_for_execution(spec, seed)
     store, start, resume = None, 0, False
@@ -57,7 +68,7 @@ def execute(plan: Plan, *, steps: int, data: str = "synthetic", state_dir: str |
             resume = store.committed_step() is not None
             start = store.committed_step() or 0
         ex = Executor(plan, model, mode=mode, ssd_store=store, resume=resume, checkpoint_every=checkpoint_every,
-                      init_values=init, rank=rank, comm=comm)
+                      init_values=init, rank=rank, comm=comm, lr_schedule=schedule)
         if store is not None:
             describe(d, ex, model)
         if start >= steps:
@@ -90,10 +101,10 @@ def _train(ex: Executor, plan: Plan, data: str, steps: int, seed: int, start: in
             amp = {} if ex.loss_scale is None else {"loss_scale": ex.loss_scale, "skipped": ex.opt_steps == taken}
             scale = (f"  scale {amp['loss_scale']:g}" + ("  (inf/NaN: update skipped)" if amp["skipped"] else "")
                      if amp else "")
-            print(f"step {k + 1}/{steps}  loss {loss:.4f}  {dt:.3f} s  {tokens / dt:.4g} tokens/s{scale}",
+            print(f"step {k + 1}/{steps}  loss {loss:.4f}  lr {ex.lr:.4g}  {dt:.3f} s  {tokens / dt:.4g} tokens/s{scale}",
                   file=out, flush=True)
             if log:
-                log.write(json.dumps({"step": k + 1, "loss": loss, "step_time_s": dt, "tokens_per_s": tokens / dt,
+                log.write(json.dumps({"step": k + 1, "loss": loss, "lr": ex.lr, "step_time_s": dt, "tokens_per_s": tokens / dt,
                                       "device_peak_bytes": ex.peak_bytes.get("gpu", 0), **amp}) + "\n")
                 log.flush()
         ex.checkpoint()  # the last step is always committed

@@ -55,6 +55,7 @@ from tensorstow.executor.amp import LossScaler
 from tensorstow.executor.cuda import cap_allocator, check_device, lanes_for, out_of_memory, resolve_device
 from tensorstow.executor.device_ops import check_portable, targets_for
 from tensorstow.executor.homes import Homes
+from tensorstow.executor.lr import LRSchedule
 from tensorstow.executor.malloc import tune as tune_malloc
 from tensorstow.executor.program import Program
 from tensorstow.executor.ssd import SSDStore
@@ -185,7 +186,8 @@ class Executor:
     def __init__(self, plan, model: nn.Module, *, mode: str = "sync", state_dir=None,
                  ssd_store=None, resume: bool = False, device_budget: int | None = None,
                  traced: Traced | None = None, checkpoint_every: int = 1, init_values=None,
-                 device: str | torch.device | None = None, rank: int | None = None, comm=None):
+                 device: str | torch.device | None = None, rank: int | None = None, comm=None,
+                 lr_schedule: LRSchedule | None = None, total_steps: int | None = None):
         """`state_dir`: directory for the fallback `FileStore` when the plan uses the SSD tier and
         no `ssd_store` is given. `resume`: continue from the step the SSD store committed last
         (every P/M/OS buffer must live on SSD; the model's values are then not used); without
@@ -203,7 +205,9 @@ class Executor:
         when there is one. `rank`, `comm`: a multi-GPU plan runs one executor per GPU: this one
         replays GPU `rank`'s share of the plan (its stages' instructions, their DRAM and SSD work,
         both ends of its `send`s) and moves stage boundaries through `comm`
-        (executor.distributed.Comm)."""
+        (executor.distributed.Comm). `lr_schedule`: each update's learning rate (executor.lr);
+        default the plan's (`Options.lr_scheduler`, its warmup and min lr ratio, peak `lr`), whose
+        linear and cosine forms need the run's length in optimizer steps, `total_steps`."""
         self._lane_threads = _LaneThreads()  # overlap mode's lanes, kept from step to step
         # collected: its lanes end; at exit they are daemons (a step interrupted there never joins)
         weakref.finalize(self, self._lane_threads.close).atexit = False
@@ -225,6 +229,13 @@ class Executor:
         """Per recomputed segment that draws random numbers, the generator state its first run
         started from (`Program.random_segments`)."""
         self._open_tiers(device, device_budget, state_dir, ssd_store)
+        o = self.plan.options
+        self.lr_schedule = lr_schedule or LRSchedule(o.lr_scheduler, o.lr, o.warmup_steps, total_steps or 0,
+                                                     o.min_lr_ratio)
+        """Each update's learning rate, from the updates taken before it (`opt_steps`); None: the
+        rate `set_lr` gave."""
+        self.lr = self.lr_schedule(0)
+        """The learning rate of the last step's update (of the next one before the first step)."""
         self.adam = {b: SubgroupAdam(self.plan.options) for b in self.block_params if self.block_params[b]}
         self.scaler = LossScaler(self.plan.options, self.device) if prog.precision == "fp16-mixed" else None
         """fp16-mixed: dynamic loss scaling (executor.amp, GradScaler's semantics)."""
@@ -356,6 +367,8 @@ class Executor:
                 self.dev.hold(v, name)
                 self.inputs.setdefault(name, []).append(v)
         self.loss, self._loss = None, [None] * self.M
+        if self.lr_schedule is not None:
+            self._apply_lr(self.lr_schedule(self.opt_steps))
         if self.scaler is not None:
             self.scaler.begin_step()
         self.commit_s = 0.0
@@ -407,6 +420,17 @@ class Executor:
         if self.comm is not None:
             return self.comm.share(here, gpu_index(self.block_gpu[self.program.loss_block()]))
         return here
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate of the next updates: the rate is the caller's from here (the schedule
+        is dropped; `ex.lr_schedule = LRSchedule(...)` sets one again)."""
+        self.lr_schedule = None
+        self._apply_lr(lr)
+
+    def _apply_lr(self, lr: float) -> None:
+        self.lr = lr
+        for adam in self.adam.values():
+            adam.lr = lr
 
     def checkpoint(self, wait: bool = True) -> bool:
         """Commit the current step to the store (a full checkpoint writes the off-SSD state too);

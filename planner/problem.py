@@ -17,7 +17,7 @@ from tensorstow.planner.pools import host_pools
 from tensorstow.planner.schedule import buffers_for, lower
 from tensorstow.planner.simulate import SimResult, compute_slowdown, contention, simulate
 from tensorstow.schema.hardware import Hardware
-from tensorstow.schema.options import Options
+from tensorstow.schema.options import LR_SCHEDULERS, Options
 from tensorstow.schema.plan import (SCHEMA_VERSION, BlockInfo, HardwareInfo, ModelInfo, Plan, PoolSizes, Predicted,
                                     ProfileInfo)
 from tensorstow.schema.schedule import (TIERS, Buffer, Decisions, Instr, carried_buffers, gpu_index, gpus_of_blocks,
@@ -58,6 +58,11 @@ def check_options(options: Options, model=None) -> ModelSpec | None:
         raise TensorstowError(f"unknown optimizer '{options.optimizer}': use adam or adamw")
     if options.precision not in PRECISIONS:
         raise TensorstowError(f"unknown precision '{options.precision}': use one of {sorted(PRECISIONS)}")
+    if options.lr_scheduler not in LR_SCHEDULERS:
+        raise TensorstowError(f"unknown lr scheduler '{options.lr_scheduler}': use one of {', '.join(LR_SCHEDULERS)}")
+    if options.warmup_steps < 0 or not 0 <= options.min_lr_ratio <= 1:
+        raise TensorstowError(f"need --warmup-steps >= 0 and 0 <= --min-lr-ratio <= 1, got {options.warmup_steps} "
+                              f"and {options.min_lr_ratio}")
     return resolve_model(options.model) if model is None else None
 
 

@@ -61,6 +61,14 @@ class Options:
     rule."""
     decay_all: bool = False
     """Apply the weight decay to every parameter, biases and norm weights too."""
+    lr_scheduler: str = "constant"
+    """The learning rate over the run, transformers' `get_scheduler` semantics (executor/lr.py):
+    constant, constant_with_warmup, linear or cosine (to 0, or to min_lr_ratio x lr, at the run's
+    last step). A runtime input of the optimizer: `execute` may override it."""
+    warmup_steps: int = 0
+    """Optimizer steps over which the learning rate rises linearly from 0 to lr."""
+    min_lr_ratio: float = 0.0
+    """linear and cosine end at this fraction of lr instead of 0."""
     exact_optimizer: bool = False
     """Update with torch.optim.Adam/AdamW(foreach=False), bit-identical with eager's default CPU
     path (slower); otherwise the fast update (csrc/adam.cpp on the CPU, with the fused downcast of
@@ -99,7 +107,11 @@ class Options:
         return decode(Options, d, where)
 
 
-_LATER_OPTIONS = {"gpus": None, "microbatches": 0, "mapping": "cross", "decay_all": False}
+LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
+"""Learning rate schedules by transformers' `get_scheduler` names (`executor.lr`)."""
+
+_LATER_OPTIONS = {"gpus": None, "microbatches": 0, "mapping": "cross", "decay_all": False,
+                  "lr_scheduler": "constant", "warmup_steps": 0, "min_lr_ratio": 0.0}
 
 
 # ---- the options as the command line and the Python API take them -------------------------------
@@ -125,6 +137,7 @@ ASKED: Mapping[str, Asked] = {
     "dram": Asked(size=True),
     "optimizer": Asked(choices=("adam", "adamw")),
     "mapping": Asked(choices=("cross", "sequential")),
+    "lr_scheduler": Asked(choices=LR_SCHEDULERS),
 }
 
 

@@ -20,10 +20,12 @@ def param_groups(model, weight_decay: float, decay_all: bool = False) -> list[di
 
 
 def train_eager(model, data, *, lr, weight_decay=0.0, optimizer="adamw", loss=lambda m, x, y: m(x, y),
-                precision="fp32", scaler=None, microbatches=1, decay_all=False, make_optimizer=None):
+                precision="fp32", scaler=None, microbatches=1, decay_all=False, make_optimizer=None,
+                scheduler=None):
     """Train `model` on `data` ((x, y) batches) with torch.optim.Adam/AdamW over its trainable
     parameters (`param_groups`: weight decay on those with two or more dimensions, unless
-    `decay_all`), or the one `make_optimizer(model)` returns; returns (losses, parameters by name).
+    `decay_all`), or the one `make_optimizer(model)` returns; `scheduler(optimizer)`: a learning
+    rate scheduler stepped after each update; returns (losses, parameters by name).
 
     Mixed precision is eager AMP: fp32 parameters, the forward under autocast with CUDA's op
     lists (`gpu_autocast`: what torch.autocast("cuda") does, on CPU tensors), and for fp16 a
@@ -33,6 +35,7 @@ def train_eager(model, data, *, lr, weight_decay=0.0, optimizer="adamw", loss=la
     cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.Adam
     opt = (make_optimizer(model) if make_optimizer is not None
            else cls(param_groups(model, weight_decay, decay_all), lr=lr, betas=(0.9, 0.999), eps=1e-8))
+    sched = scheduler(opt) if scheduler is not None else None
     kw = dict(scaler or {})
     scales = kw.pop("scales", None)
     amp = torch.amp.GradScaler("cpu", **kw) if precision == "fp16-mixed" else None
@@ -47,6 +50,8 @@ def train_eager(model, data, *, lr, weight_decay=0.0, optimizer="adamw", loss=la
                 value.backward()
                 total += value.item()
             opt.step()
+            if sched is not None:
+                sched.step()
             losses.append(total)
             continue
         with gpu_autocast(PRECISIONS[precision]) if precision != "fp32" else contextlib.nullcontext():
@@ -54,6 +59,8 @@ def train_eager(model, data, *, lr, weight_decay=0.0, optimizer="adamw", loss=la
         if amp is None:
             value.backward()
             opt.step()
+            if sched is not None:
+                sched.step()
         else:
             amp.scale(value).backward()
             amp.step(opt)

@@ -61,16 +61,40 @@ def test_log_json_and_measured_trace(ssd_plan, tmp_path):
     assert again.returncode == 0 and "nothing to do" in again.stdout
 
 
+SCHEDULE = ("--lr", "1e-3", "--lr-scheduler", "cosine", "--warmup-steps", "2")
+
+
+def test_log_records_each_steps_learning_rate_as_transformers_schedules_it(ssd_plan, tmp_path):
+    """`--lr-scheduler cosine --warmup-steps 2`: the rate of every logged step is the one
+    transformers' `get_cosine_schedule_with_warmup` gives the optimizer for that step."""
+    transformers = pytest.importorskip("transformers")
+    log = tmp_path / "log.jsonl"
+    r = execute(ssd_plan, tmp_path / "s", *SCHEDULE, "--log-json", str(log))
+    assert r.returncode == 0, r.stderr
+    opt = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    sched = transformers.get_cosine_schedule_with_warmup(opt, num_warmup_steps=2, num_training_steps=STEPS)
+    want = []
+    for _ in range(STEPS):
+        want.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert [json.loads(line)["lr"] for line in log.read_text().splitlines()] == want
+    assert want[0] == 0.0 and len(set(want)) == STEPS
+    assert "lr 0  " in r.stdout and "lr 0.001  " in r.stdout
+
+
 def test_sigkill_then_resume_equals_uninterrupted(ssd_plan, tmp_path):
+    """Killed at random moments and resumed, a run with a warmup + cosine schedule commits the
+    same state as an uninterrupted one: the schedule continues where the commit left it."""
     ref = tmp_path / "ref"
-    r = execute(ssd_plan, ref)
+    r = execute(ssd_plan, ref, *SCHEDULE)
     assert r.returncode == 0, r.stderr
     ref_step, ref_state = committed_state(ssd_plan, ref)
     assert ref_step == STEPS
     rng = random.Random(1234)
     for trial in range(2):
         state = tmp_path / f"killed{trial}"
-        p = execute(ssd_plan, state, wait=False)
+        p = execute(ssd_plan, state, *SCHEDULE, wait=False)
         # wait until a random step has been printed, then kill at a random moment inside the next
         target = rng.randint(1, STEPS - 2)
         seen = 0
@@ -86,7 +110,7 @@ def test_sigkill_then_resume_equals_uninterrupted(ssd_plan, tmp_path):
         # "step N" printed: step N-1 is durable, N's commit may still be in the background; the
         # child may have run to the end before its output was read (a loaded machine)
         assert step is not None and target - 1 <= step <= STEPS
-        r = execute(ssd_plan, state)
+        r = execute(ssd_plan, state, *SCHEDULE)
         assert r.returncode == 0, r.stderr
         assert (f"resuming from step {step}" if step < STEPS else "nothing to do") in r.stdout
         final_step, final = committed_state(ssd_plan, state)

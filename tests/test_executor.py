@@ -350,6 +350,58 @@ def test_overlap_moves_other_threads_off_the_compute_core_during_a_step(tmp_path
     assert after == set(cores)
 
 
+
+@pytest.mark.parametrize("schedule", ["constant_with_warmup", "linear", "cosine"])
+def test_learning_rate_schedules_equal_transformers(schedule, tmp_path):
+    """Each update's rate follows the schedule as transformers' schedulers drive torch.optim (2
+    warmup steps over 6; cosine down to 0.1 of the peak): an offloaded plan with its state on SSD
+    trains bit for bit like eager with that scheduler."""
+    transformers = pytest.importorskip("transformers")
+    from tensorstow.executor.lr import LRSchedule
+    steps, warmup = 6, 2
+    data = list(batches("synthetic", B, T, VOCAB, steps, seed=0))
+    make = {"constant_with_warmup": lambda o: transformers.get_constant_schedule_with_warmup(o, warmup),
+            "linear": lambda o: transformers.get_linear_schedule_with_warmup(o, warmup, steps),
+            "cosine": lambda o: transformers.get_cosine_with_min_lr_schedule_with_warmup(o, warmup, steps,
+                                                                                      min_lr_rate=0.1)}[schedule]
+    sched = LRSchedule(schedule, 1e-3, warmup, steps, 0.1 if schedule == "cosine" else 0.0)
+    torch.manual_seed(0)
+    ex = Executor(get_plan("zero-infinity"), GPT(PRESETS["gpt-tiny"]), state_dir=tmp_path / "s", lr_schedule=sched)
+    rates, losses = [], []
+    for x, y in data:
+        losses.append(ex.step(x, y))
+        rates.append(ex.lr)
+    got = (losses, ex.parameters())
+    ex.close()
+    torch.manual_seed(0)
+    want = train_eager(GPT(PRESETS["gpt-tiny"]), data, lr=1e-3, weight_decay=0.1, scheduler=make)
+    assert_same(got, want)
+    assert rates[0] == 0.0 and len(set(rates)) > 2
+
+
+def test_a_resumed_run_continues_the_schedule(tmp_path):
+    """Three steps, then a new executor resuming from the SSD store for three more, equal six
+    steps in one: the rate follows the updates the store committed."""
+    transformers = pytest.importorskip("transformers")
+    from tensorstow.executor.lr import LRSchedule
+    from tensorstow.executor.ssd import SSDStore
+    from tensorstow.executor.state import store_sizes
+    plan = get_plan("zero-infinity")
+    data = list(batches("synthetic", B, T, VOCAB, 6, seed=0))
+    sched = LRSchedule("cosine", 1e-3, 2, 6)
+    losses = []
+    for part, resume in ((data[:3], False), (data[3:], True)):
+        torch.manual_seed(0)
+        store = SSDStore(tmp_path / "s", store_sizes(plan))
+        ex = Executor(plan, GPT(PRESETS["gpt-tiny"]), ssd_store=store, resume=resume, lr_schedule=sched)
+        losses += [ex.step(x, y) for x, y in part]
+        params = ex.parameters()
+        ex.close()
+    torch.manual_seed(0)
+    want = train_eager(GPT(PRESETS["gpt-tiny"]), data, lr=1e-3, weight_decay=0.1,
+                       scheduler=lambda o: transformers.get_cosine_schedule_with_warmup(o, 2, 6))
+    assert_same((losses, params), want)
+
 def test_adam_with_l2_weight_decay(tmp_path):
     o = dict(optimizer="adam")
     p = problem(**o)
