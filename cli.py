@@ -332,8 +332,9 @@ def cmd_execute(args) -> int:
 
 
 def _schedule_args(args) -> dict:
-    """execute's learning-rate options (None: the plan's)."""
-    return {k: getattr(args, k) for k in ("lr", "lr_scheduler", "warmup_steps", "min_lr_ratio")}
+    """execute's learning-rate options (None: the plan's) and its examples' options."""
+    return {k: getattr(args, k) for k in ("lr", "lr_scheduler", "warmup_steps", "min_lr_ratio", "epochs", "tokenizer",
+                                          "packing", "shuffle")}
 
 
 def cmd_export(args) -> int:
@@ -478,8 +479,19 @@ def parser() -> argparse.ArgumentParser:
 
     x = sub.add_parser("execute", help="replay a plan every training step")
     _arg(x, "plan", help="Plan file.")
-    _arg(x, "--steps", type=int, required=True, help="Train until this many steps are committed.")
-    _arg(x, "--data", default="synthetic", help="uint16 token file (nanoGPT train.bin), .npy, or 'synthetic'.")
+    _arg(x, "--steps", type=int, help="Train until this many optimizer steps are committed (default: --epochs "
+         "epochs of --data examples; one of the two is needed).")
+    _arg(x, "--data", default="synthetic",
+         help="Token file (uint16 nanoGPT train.bin, or .npy), 'synthetic', or examples with labels: JSONL "
+              "(input_ids/labels, prompt/completion or text per line) or a `datasets` save_to_disk directory "
+              "(docs/training.md).")
+    _arg(x, "--epochs", type=int, help="With examples and no --steps: the run is this many epochs (default: none).")
+    _arg(x, "--tokenizer", help="Tokenizer directory for text examples (default: the hf: model's directory).")
+    _arg(x, "--packing", action="store_true",
+         help="Concatenate examples into windows of seq + 1 tokens instead of one example a row, padded.")
+    _arg(x, "--shuffle", action=argparse.BooleanOptionalAction, default=True,
+         help="Each epoch visits the examples in torch.randperm order (seeded seed + epoch); --no-shuffle: in "
+              "file order.")
     _arg(x, "--state-dir", dest="state_dir", help="Checkpoint directory (SSD-resident state lives there); "
          "resumes from it (default: none; a plan that homes state on the SSD needs one).")
     _arg(x, "--mode", default="auto", choices=["auto", "sync", "overlap"],

@@ -9,6 +9,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -20,6 +21,7 @@ from tensorstow.executor.cuda import resolve_device
 from tensorstow.executor.data import batches
 from tensorstow.executor.distributed import (LOST, TIMEOUT_S, Comm, agree_on_step, launch, peer_lost, rank_cores,
                                              rank_dir)
+from tensorstow.executor.examples import Examples, is_examples
 from tensorstow.executor.lr import LRSchedule
 from tensorstow.executor.runtime import Executor, lane_cores
 from tensorstow.executor.ssd import SSDStore
@@ -29,30 +31,33 @@ from tensorstow.schema.plan import Plan
 from tensorstow.schema.schedule import block_gpus, gpu_tier
 
 
-def execute(plan: Plan, *, steps: int, data: str = "synthetic", state_dir: str | None = None,
+def execute(plan: Plan, *, steps: int | None = None, data: str = "synthetic", state_dir: str | None = None,
             mode: str = "auto", seed: int = 0, log_json: str | None = None, trace: str | None = None,
             checkpoint_every: int = 1, out=None, nproc: int = 1, rank: int | None = None, comm=None,
             lr: float | None = None, lr_scheduler: str | None = None, warmup_steps: int | None = None,
-            min_lr_ratio: float | None = None) -> dict:
+            min_lr_ratio: float | None = None, epochs: int | None = None, tokenizer: str | None = None,
+            packing: bool = False, shuffle: bool = True) -> dict:
     """Run the plan until `steps` steps are committed; resume from `state_dir` if it holds some.
     With a state dir every `checkpoint_every` steps (and the last) are a full checkpoint.
     `nproc` > 1: one process per GPU (executor.distributed.launch runs this in each, with its
     `rank` and `comm`; each keeps its state in `state_dir/rank<K>`). `lr`, `lr_scheduler`,
-    `warmup_steps`, `min_lr_ratio`: the learning rate schedule over the `steps` optimizer steps
-    (executor.lr), each None for the plan's."""
+    `warmup_steps`, `min_lr_ratio`: the learning rate schedule over the run's optimizer steps
+    (executor.lr), each None for the plan's. `data`: a token file, "synthetic", or examples (JSONL
+    or a `datasets` directory: executor.examples, with `tokenizer`, `packing`, `shuffle`); with
+    examples and no `steps`, the run is `epochs` epochs."""
     out = out or sys.stdout  # looked up per call: the stream of the caller (tests swap it)
+    run = dict(steps=steps, data=data, state_dir=state_dir, mode=mode, seed=seed, log_json=log_json, trace=trace,
+               checkpoint_every=checkpoint_every, lr=lr, lr_scheduler=lr_scheduler, warmup_steps=warmup_steps,
+               min_lr_ratio=min_lr_ratio, epochs=epochs, tokenizer=tokenizer, packing=packing, shuffle=shuffle)
     if nproc > 1 or (nproc == 1 and rank is None and _gpus_of(plan) > 1):
-        return _launch(plan, nproc, dict(steps=steps, data=data, state_dir=state_dir, mode=mode, seed=seed,
-                                         log_json=log_json, trace=trace, checkpoint_every=checkpoint_every, lr=lr,
-                                         lr_scheduler=lr_scheduler, warmup_steps=warmup_steps,
-                                         min_lr_ratio=min_lr_ratio), out)
+        return _launch(plan, nproc, run, out)
     mode = pick_mode(mode, plan)
-    if steps < 1:
+    if steps is not None and steps < 1:
         raise TensorstowError(f"--steps must be >= 1, got {steps}")
-    o = plan.options
-    schedule = LRSchedule(o.lr_scheduler if lr_scheduler is None else lr_scheduler, o.lr if lr is None else lr,
-                          o.warmup_steps if warmup_steps is None else warmup_steps, steps,
-                          o.min_lr_ratio if min_lr_ratio is None else min_lr_ratio)
+    if steps is None and (epochs is None or not is_examples(data)):
+        raise TensorstowError("give --steps, or --epochs with --data examples (JSONL or a datasets directory)")
+    if epochs is not None and epochs < 1:
+        raise TensorstowError(f"--epochs must be >= 1, got {epochs}")
     spec = resolve_model(plan.options.model)
     model, init = build_for_execution(spec, seed)
     store, start, resume = None, 0, False
@@ -67,30 +72,80 @@ def execute(plan: Plan, *, steps: int, data: str = "synthetic", state_dir: str |
                 agree_on_step(store, comm)
             resume = store.committed_step() is not None
             start = store.committed_step() or 0
+        o = plan.options
         ex = Executor(plan, model, mode=mode, ssd_store=store, resume=resume, checkpoint_every=checkpoint_every,
-                      init_values=init, rank=rank, comm=comm, lr_schedule=schedule)
+                      init_values=init, rank=rank, comm=comm, lr_schedule=LRSchedule("constant", o.lr))
         if store is not None:
             describe(d, ex, model)
+        steps, feed = _feed(ex, plan, data, steps, epochs, seed, start, tokenizer, packing, shuffle)
+        # the schedule needs the run's length, known once the data is read
+        ex.lr_schedule = LRSchedule(o.lr_scheduler if lr_scheduler is None else lr_scheduler,
+                                    o.lr if lr is None else lr, o.warmup_steps if warmup_steps is None else warmup_steps,
+                                    steps, o.min_lr_ratio if min_lr_ratio is None else min_lr_ratio)
         if start >= steps:
-            print(f"state dir {state_dir} already holds step {start} >= --steps {steps}: nothing to do", file=out)
+            print(f"state dir {state_dir} already holds step {start} >= {steps} steps: nothing to do", file=out)
             return {"steps": start, "losses": []}
         if start:
             print(f"resuming from step {start} committed in {state_dir}", file=out)
-        times, losses = _train(ex, plan, data, steps, seed, start, log_json, out)
+        times, losses = _train(ex, plan, feed, steps, start, log_json, out)
         med = _report(ex, plan, mode, times, trace, out)
         return {"steps": steps, "losses": losses, "median_step_s": med, "peak": ex.peak_bytes}
 
 
-def _train(ex: Executor, plan: Plan, data: str, steps: int, seed: int, start: int, log_json: str | None,
+def _feed(ex: Executor, plan: Plan, data: str, steps: int | None, epochs: int | None, seed: int, start: int,
+          tokenizer: str | None, packing: bool, shuffle: bool) -> tuple[int, Iterator]:
+    """(the run's steps, an iterator of (epoch, example, x, y) from step `start` on): examples
+    (executor.examples) or tokens (executor.data; epoch and example None)."""
+    m = plan.model
+    rows = m.batch * ex.M
+    if not is_examples(data):
+        return steps, ((None, None, x, y) for x, y in batches(data, rows, m.seq, ex.vocab, steps, seed, start))
+    ignored = ex.program.ignore_index
+    examples = Examples.load(data, m.seq, ex.vocab, tokenizer=_tokenizer(tokenizer, plan.options.model),
+                             ignore=-100 if -100 in ignored else min(ignored), packing=packing)
+    if steps is None:
+        steps = epochs * examples.steps_per_epoch(rows)
+    return steps, examples.batches(rows, steps, seed, start, shuffle)
+
+
+def _tokenizer(path: str | None, model: str):
+    """`AutoTokenizer` of `--tokenizer DIR`, else of an `hf:` model's directory where it holds
+    one, else None (pre-tokenized examples need none)."""
+    from tensorstow.ir import hf
+    if path is None and not model.startswith(hf.PREFIX):
+        return None
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise TensorstowError("tokenizing examples needs transformers (pip install 'tensorstow[hf]')") from None
+    try:
+        return AutoTokenizer.from_pretrained(path or model[len(hf.PREFIX):])
+    except (OSError, ValueError) as e:
+        if path is None:
+            return None  # the model's directory has no tokenizer: text examples will say so
+        raise TensorstowError(f"--tokenizer {path}: no tokenizer there ({str(e).splitlines()[0]})") from None
+
+
+def _train(ex: Executor, plan: Plan, feed: Iterator, steps: int, start: int, log_json: str | None,
            out) -> tuple[list[float], list[float]]:
     """Steps `start`..`steps` (each printed, and logged as a JSON line to `log_json`), then a
-    commit of the last one; returns the step times and losses."""
+    commit of the last one; returns the step times and losses. A step whose labels are all left
+    out (`Executor.skip_step`) trains nothing and says so."""
     m = plan.model
     tokens = m.batch * ex.M * m.seq
+    ignored = torch.tensor(sorted(ex.program.ignore_index))
     log = open(log_json, "a") if log_json else None
     times, losses = [], []
     try:
-        for k, (x, y) in enumerate(batches(data, m.batch * ex.M, m.seq, ex.vocab, steps, seed, start), start):
+        for k, (epoch, example, x, y) in enumerate(feed, start):
+            where = "" if epoch is None else f"  epoch {epoch}  example {example}"
+            row = {"step": k + 1, **({} if epoch is None else {"epoch": epoch, "example": example})}
+            if bool(torch.isin(y, ignored).all()):
+                ex.skip_step()
+                print(f"step {k + 1}/{steps}{where}  every label is ignored: no update", file=out, flush=True)
+                if log:
+                    log.write(json.dumps({**row, "skipped": "no labels"}) + "\n")
+                continue
             taken = ex.opt_steps
             t0 = time.perf_counter()
             loss = ex.step(x, y)
@@ -101,10 +156,10 @@ def _train(ex: Executor, plan: Plan, data: str, steps: int, seed: int, start: in
             amp = {} if ex.loss_scale is None else {"loss_scale": ex.loss_scale, "skipped": ex.opt_steps == taken}
             scale = (f"  scale {amp['loss_scale']:g}" + ("  (inf/NaN: update skipped)" if amp["skipped"] else "")
                      if amp else "")
-            print(f"step {k + 1}/{steps}  loss {loss:.4f}  lr {ex.lr:.4g}  {dt:.3f} s  {tokens / dt:.4g} tokens/s{scale}",
-                  file=out, flush=True)
+            print(f"step {k + 1}/{steps}{where}  loss {loss:.4f}  lr {ex.lr:.4g}  {dt:.3f} s  {tokens / dt:.4g} "
+                  f"tokens/s{scale}", file=out, flush=True)
             if log:
-                log.write(json.dumps({"step": k + 1, "loss": loss, "lr": ex.lr, "step_time_s": dt, "tokens_per_s": tokens / dt,
+                log.write(json.dumps({**row, "loss": loss, "lr": ex.lr, "step_time_s": dt, "tokens_per_s": tokens / dt,
                                       "device_peak_bytes": ex.peak_bytes.get("gpu", 0), **amp}) + "\n")
                 log.flush()
         ex.checkpoint()  # the last step is always committed
@@ -118,6 +173,9 @@ def _report(ex: Executor, plan: Plan, mode: str, times: list[float], trace: str 
     """Measured against predicted: the median step, the tiers' peaks, each lane's busy time;
     `trace`: the last step's measured timeline (Perfetto JSON). Returns the median step."""
     pred = plan.predicted
+    if not times:
+        print("no step trained: nothing measured", file=out)
+        return 0.0
     steady = times[1:] or times  # the first step warms caches and allocators
     med = statistics.median(steady)
     expect = predicted_step(plan, mode)

@@ -421,6 +421,14 @@ class Executor:
             return self.comm.share(here, gpu_index(self.block_gpu[self.program.loss_block()]))
         return here
 
+    def skip_step(self) -> None:
+        """Count a step that trains nothing (every label of its batch left out of the loss, as the
+        Trainer's step with no items): the step counter advances, and commits as `step` does; no
+        update is taken, so the schedule does not advance."""
+        self.steps_done += 1
+        if self.steps_done % self.checkpoint_every == 0:
+            self.checkpoint(wait=not self.state.commits_in_background)
+
     def set_lr(self, lr: float) -> None:
         """The learning rate of the next updates: the rate is the caller's from here (the schedule
         is dropped; `ex.lr_schedule = LRSchedule(...)` sets one again)."""

@@ -1,0 +1,212 @@
+"""Fine-tuning data: examples with labels (JSONL, a `datasets` directory), tokenized with a real
+tokenizer trained here, padded or packed, epochs in a reproducible shuffled order; and a pretrained
+tiny LLaMA fine-tuned from prompt/completion pairs through an offloaded plan by `tensorstow
+execute`, killed and resumed, exported, equal to an eager Hugging Face loop with the same
+semantics."""
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+tokenizers = pytest.importorskip("tokenizers")
+
+from tensorstow import TensorstowError  # noqa: E402
+from tensorstow.cli import main  # noqa: E402
+from tensorstow.executor.examples import Examples  # noqa: E402
+from tests.oracle import param_groups  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+WORDS = ("the cat sat on a mat while a dog ran to the park and the bird sang over the quiet green hill "
+         "under a warm sun").split()
+
+
+def make_tokenizer(path: Path):
+    """A byte-level BPE of 200 tokens trained on a few sentences, with <s>, </s> and <pad>, saved
+    as a transformers tokenizer that adds <s> in front (as LLaMA's)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers, decoders
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [" ".join(WORDS[i:] + WORDS[:i]) for i in range(len(WORDS))]
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=200, special_tokens=["<pad>", "<s>", "</s>"]))
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.save_pretrained(path)
+    return transformers.AutoTokenizer.from_pretrained(path)
+
+
+def pairs(n: int, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        w = [WORDS[int(i)] for i in torch.randint(len(WORDS), (int(torch.randint(2, 9, (1,), generator=g)),),
+                                                 generator=g)]
+        k = max(1, len(w) // 2)
+        out.append({"prompt": " ".join(w[:k]) + ":", "completion": " " + " ".join(w[k:])})
+    return out
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return make_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def test_prompt_completion_is_tokenized_with_the_prompt_left_out_of_the_labels(tok, tmp_path):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "the cat sat:", "completion": " on a mat"}])
+    ex = Examples.load(str(data), seq=15, vocab=len(tok), tokenizer=tok)
+    prompt = tok("the cat sat:")["input_ids"]
+    completion = tok(" on a mat", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    n = len(prompt) + len(completion)
+    assert prompt[0] == tok.bos_token_id and n <= 16
+    assert ex.ids[0, :n].tolist() == prompt + completion
+    assert ex.labels[0, :n].tolist() == [-100] * len(prompt) + completion
+    assert ex.ids[0, n:].tolist() == [tok.pad_token_id] * (16 - n) and set(ex.labels[0, n:].tolist()) == {-100}
+    _, _, x, y = next(ex.batches(1, 1, seed=0))
+    assert x[0].tolist() == ex.ids[0, :-1].tolist() and y[0].tolist() == ex.labels[0, 1:].tolist()
+
+
+def test_text_and_pretokenized_examples_truncate_and_pack(tok, tmp_path):
+    text = "the cat sat on a mat while a dog ran to the park"
+    ids = tok(text)["input_ids"] + [tok.eos_token_id]
+    data = write_jsonl(tmp_path / "d.jsonl", [{"text": text}, {"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}])
+    ex = Examples.load(str(data), seq=4, vocab=len(tok), tokenizer=tok)
+    assert ex.ids[0].tolist() == ids[:5] and ex.labels[0].tolist() == ids[:5]  # truncated to seq + 1
+    assert ex.ids[1].tolist()[:3] == [5, 6, 7] and ex.labels[1].tolist() == [-100, 6, 7, -100, -100]
+    packed = Examples.load(str(data), seq=4, vocab=len(tok), tokenizer=tok, packing=True)
+    flat = ids + [5, 6, 7]
+    assert packed.ids.reshape(-1).tolist() == flat[:len(flat) // 5 * 5]
+    assert packed.labels.reshape(-1).tolist() == (ids + [-100, 6, 7])[:len(flat) // 5 * 5]
+
+
+def test_a_datasets_directory_reads_like_its_jsonl(tok, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = pairs(6)
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    a = Examples.load(str(tmp_path / "ds"), seq=12, vocab=len(tok), tokenizer=tok)
+    b = Examples.load(str(write_jsonl(tmp_path / "d.jsonl", rows)), seq=12, vocab=len(tok), tokenizer=tok)
+    assert (a.ids == b.ids).all() and (a.labels == b.labels).all()
+
+
+def test_epochs_visit_every_example_once_in_a_seeded_order_and_resume_in_place(tok, tmp_path):
+    ex = Examples.load(str(write_jsonl(tmp_path / "d.jsonl", pairs(11))), seq=8, vocab=len(tok), tokenizer=tok)
+    rows, steps = 2, 3 * (11 // 2)  # three epochs of 5 steps (the 11th example is dropped each epoch)
+    run = list(ex.batches(rows, steps, seed=7))
+    for e in range(3):
+        order = torch.randperm(11, generator=torch.Generator().manual_seed(7 + e))
+        seen = [x for (ep, _, x, _) in run if ep == e]
+        assert torch.equal(torch.cat(seen), torch.from_numpy(ex.ids[order[:10].numpy(), :-1]))
+    resumed = list(ex.batches(rows, steps, seed=7, start=8))
+    assert all(a[:2] == b[:2] and torch.equal(a[2], b[2]) and torch.equal(a[3], b[3]) for a, b in zip(run[8:], resumed))
+    assert [k for (_, k, _, _) in run[:5]] == [0, 2, 4, 6, 8]
+    in_order = list(ex.batches(rows, 5, seed=7, shuffle=False))
+    assert torch.equal(torch.cat([x for (_, _, x, _) in in_order]), torch.from_numpy(ex.ids[:10, :-1]))
+
+
+def test_bad_examples_name_the_line(tok, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "completion": "b"}\n{"prompt": "oops"\n')
+    with pytest.raises(TensorstowError, match=r"bad.jsonl:2: not a JSON object"):
+        Examples.load(str(bad), seq=8, vocab=len(tok), tokenizer=tok)
+    with pytest.raises(TensorstowError, match="give input_ids"):
+        Examples.load(str(write_jsonl(tmp_path / "k.jsonl", [{"question": "a"}])), seq=8, vocab=len(tok), tokenizer=tok)
+    with pytest.raises(TensorstowError, match="pass --tokenizer"):
+        Examples.load(str(write_jsonl(tmp_path / "t.jsonl", [{"text": "a"}])), seq=8, vocab=len(tok))
+    with pytest.raises(TensorstowError, match="outside the model's vocabulary"):
+        Examples.load(str(write_jsonl(tmp_path / "v.jsonl", [{"input_ids": [1, 999]}])), seq=8, vocab=len(tok))
+
+
+# ---- a whole fine-tune, against eager Hugging Face ---------------------------------------------
+
+SEQ, BATCH, EPOCHS, LR, WD, WARMUP = 24, 2, 2, 3e-3, 0.1, 2
+
+
+def eager_finetune(ckpt: Path, tok, rows: list[dict], steps_per_epoch: int):
+    """The semantics `tensorstow execute` documents, written out for eager Hugging Face: the same
+    tokens and labels, each epoch in randperm(seed + epoch) order, AdamW with decay on the 2-D
+    parameters, warmup + cosine as transformers schedules it, HF's loss (the mean over labels
+    that are not -100)."""
+    enc = []
+    for r in rows:
+        p = tok(r["prompt"])["input_ids"]
+        c = tok(r["completion"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        ids, labels = (p + c)[:SEQ + 1], ([-100] * len(p) + c)[:SEQ + 1]
+        enc.append((ids + [tok.pad_token_id] * (SEQ + 1 - len(ids)), labels + [-100] * (SEQ + 1 - len(labels))))
+    ids = torch.tensor([e[0] for e in enc])
+    labels = torch.tensor([e[1] for e in enc])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
+    model.config.use_cache = False
+    model.train()
+    opt = torch.optim.AdamW(param_groups(model, WD), lr=LR)
+    sched = transformers.get_cosine_schedule_with_warmup(opt, WARMUP, EPOCHS * steps_per_epoch)
+    losses = []
+    for e in range(EPOCHS):
+        order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(e))
+        for k in range(steps_per_epoch):
+            at = order[k * BATCH:(k + 1) * BATCH]
+            x, y = ids[at, :-1], labels[at, 1:]
+            opt.zero_grad()
+            loss = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
+            loss.backward()
+            opt.step()
+            sched.step()
+            losses.append(loss.item())
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def test_pretrained_llama_finetunes_from_prompt_completion_like_eager(tmp_path):
+    """A LLaMA checkpoint (safetensors) and its tokenizer in one directory, prompt/completion JSONL:
+    planned with its state on SSD, `execute --epochs 2` (shuffled, right-padded, warmup + cosine,
+    weight decay on 2-D parameters), SIGKILL-ed mid-epoch and run again, exported: the losses and
+    the exported weights equal the eager loop's bit for bit (fp32, --exact-optimizer)."""
+    ckpt = tmp_path / "ckpt"
+    torch.manual_seed(3)
+    tok = make_tokenizer(ckpt)
+    config = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                                      eos_token_id=tok.eos_token_id)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(ckpt)
+    rows = pairs(9)
+    data = write_jsonl(tmp_path / "train.jsonl", rows)
+    plan = tmp_path / "plan.json"
+    assert main(["plan", f"hf:{ckpt}", "--hw", "lohan-rtx4090", "--policy", "zero-infinity", "--precision", "fp32",
+                 "--batch", str(BATCH), "--seq", str(SEQ), "--gpu-mem", "1MB", "--lr", str(LR), "--weight-decay", str(WD),
+                 "--exact-optimizer", "--lr-scheduler", "cosine", "--warmup-steps", str(WARMUP), "-o", str(plan)]) == 0
+    assert any(b["home"] == "ssd" for b in json.loads(plan.read_text())["buffers"].values())
+    log, state = tmp_path / "log.jsonl", tmp_path / "state"
+    cmd = [sys.executable, "-m", "tensorstow.cli", "execute", str(plan), "--data", str(data), "--epochs", str(EPOCHS),
+           "--state-dir", str(state), "--log-json", str(log)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+    for line in p.stdout:
+        if line.startswith("step 6/"):  # epoch 1 has begun (4 steps an epoch)
+            break
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "resuming from step" in r.stdout and "epoch 1" in r.stdout
+    assert main(["export", str(state), "-o", str(tmp_path / "out")]) == 0
+    want_losses, want = eager_finetune(ckpt, tok, rows, len(rows) // BATCH)
+    logged = {}
+    for line in log.read_text().splitlines():  # a step the kill cut short is logged again after the resume
+        row = json.loads(line)
+        logged[row["step"]] = row
+    assert sorted(logged) == list(range(1, len(want_losses) + 1))
+    assert [logged[k]["loss"] for k in sorted(logged)] == want_losses
+    assert [logged[k]["epoch"] for k in sorted(logged)] == [0] * 4 + [1] * 4
+    got = dict(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").named_parameters())
+    assert got.keys() == want.keys()
+    bad = [n for n in want if not torch.equal(got[n].detach(), want[n])]
+    assert not bad, f"exported weights differ from eager: {bad[:4]}"
