@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import sys
+import tomllib
 import typing
 import warnings
 from pathlib import Path
@@ -17,7 +18,9 @@ from pathlib import Path
 from tensorstow.calibrate import hardware_for
 from tensorstow.errors import TensorstowError
 from tensorstow.schema.hardware import parse_size
-from tensorstow.schema.options import LR_SCHEDULERS, asked, from_asked
+from tensorstow.schema.options import asked, field_docs, from_asked
+from tensorstow.schema.run import CHOICES as RUN_CHOICES
+from tensorstow.schema.run import Run
 from tensorstow.schema.schedule import TIERS
 
 
@@ -164,10 +167,19 @@ def _ranges(blocks: list[str]) -> str:
 # ---- commands ------------------------------------------------------------------------------
 
 def _options(args):
+    """The plan options: each the first of its flag, the `--config` recipe's value, its default."""
     from tensorstow.planner.plan import check_policy
     from tensorstow.planner.problem import check_options
-    o = from_asked(args.model, {k.name: getattr(args, k.name) for k in asked() if k.name != "model"},
-                   "tensorstow plan")
+    names = [k.name for k in asked() if k.name != "model"]
+    values = {k: getattr(args, k) for k in names}
+    model = getattr(args, "model", None)
+    if getattr(args, "config", None):
+        recipe = _recipe(args.config)[0]
+        values = {**values, **{k: v for k, v in recipe.items() if k != "model"}, **_given(args, names)}
+        model = model or recipe.get("model")
+    if not model:
+        raise TensorstowError("name the model: tensorstow plan MODEL, or model = \"...\" in the --config recipe")
+    o = from_asked(model, values, "tensorstow plan")
     check_options(o)  # before `--hw local` probes: a typo fails at once
     check_policy(o.policy)
     return o
@@ -181,6 +193,8 @@ def cmd_plan(args) -> int:
         return _sweep(args, o)
     plan = make_plan(o, hardware_for(o))
     typed = plan.to_plan()
+    if args.config:  # the plan records how to run it
+        typed = dataclasses.replace(typed, run=Run.from_json(_recipe(args.config)[1]))
     if args.output:
         Path(args.output).write_text(typed.dumps())
     if args.trace:
@@ -320,21 +334,76 @@ DEMO = ["plan", "gpt-medium", "--hw", "local", "--gpu-mem", "80MB", "--dram", "2
 
 def cmd_execute(args) -> int:
     from tensorstow.executor.run import execute
+    plan = load_plan(args.plan)
+    run = _run(args, plan)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:  # one rank under torchrun
         from tensorstow.executor.run import worker
-        return worker(dict(plan=args.plan, steps=args.steps, data=args.data, state_dir=args.state_dir,
-                           mode=args.mode, seed=args.seed, log_json=args.log_json, trace=args.trace,
-                           checkpoint_every=args.checkpoint_every, **_schedule_args(args)))
-    execute(load_plan(args.plan), steps=args.steps, data=args.data, state_dir=args.state_dir,
-            mode=args.mode, seed=args.seed, log_json=args.log_json, trace=args.trace,
-            checkpoint_every=args.checkpoint_every, nproc=args.nproc, **_schedule_args(args))
+        kw = dataclasses.asdict(run)
+        kw.pop("nproc")
+        return worker(dict(plan=args.plan, **kw))
+    execute(plan, **dataclasses.asdict(run))
     return 0
 
 
-def _schedule_args(args) -> dict:
-    """execute's learning-rate options (None: the plan's) and its examples' options."""
-    return {k: getattr(args, k) for k in ("lr", "lr_scheduler", "warmup_steps", "min_lr_ratio", "epochs", "tokenizer",
-                                          "packing", "shuffle")}
+def _run(args, plan) -> Run:
+    """execute's options: each the first of its flag, the `--config` recipe's [execute] table, the
+    plan's recorded recipe (`Plan.run`), and `Run`'s default."""
+    values = dict(plan.run.to_json() if plan.run is not None else {})
+    if args.config:
+        values.update(_recipe(args.config)[1])
+    values.update(_given(args, RUN_FIELDS))
+    return Run.from_json(values, where="execute options")
+
+
+RUN_FIELDS = tuple(f.name for f in dataclasses.fields(Run))
+
+
+def _given(args, names) -> dict:
+    """The options of `names` the command line gave explicitly (not left at their defaults)."""
+    argv = args.argv
+    out = {}
+    for a in args.parser_actions:
+        if a.dest in names and any(t == o or t.startswith(o + "=") for o in a.option_strings for t in argv):
+            out[a.dest] = getattr(args, a.dest)
+    return out
+
+
+def _recipe(path) -> tuple[dict, dict]:
+    """(plan options, execute options) of a recipe file: plan options (as `tensorstow plan` names
+    them: model, hw, batch, ...) at the top level, execute options in an [execute] table."""
+    p = Path(path)
+    if not p.is_file():
+        raise TensorstowError(f"recipe file {path} does not exist")
+    try:
+        d = tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise TensorstowError(f"recipe file {path}: not valid TOML ({e})") from None
+    run = d.pop("execute", {})
+    plan_names = {o.name for o in asked()}
+    norm = {k.replace("-", "_"): v for k, v in d.items()}
+    unknown = sorted(set(norm) - plan_names)
+    if unknown:
+        raise TensorstowError(f"recipe file {path}: unknown plan option(s) {unknown} (execute options go in its "
+                              f"[execute] table); the plan options are {sorted(plan_names)}")
+    if not isinstance(run, dict):
+        raise TensorstowError(f"recipe file {path}: 'execute' must be a table ([execute])")
+    run = {k.replace("-", "_"): v for k, v in run.items()}
+    Run.from_json(run, where=f"recipe file {path}: [execute]")  # names and types checked here
+    for o in asked():
+        if o.name in norm:
+            _check_type(o, norm[o.name], path)
+    return norm, run
+
+
+def _check_type(o, v, path) -> None:
+    """A recipe's value for plan option `o` has the option's type (a size may be a string)."""
+    tp = o.type
+    ok = (v is None and o.optional) or (isinstance(v, str) and (tp is str or o.size)) or (
+        tp is bool and isinstance(v, bool)) or (tp in (int, float) and isinstance(v, (int, float))
+                                                 and not isinstance(v, bool) and (tp is float or isinstance(v, int))) or (
+        typing.get_origin(tp) is tuple and isinstance(v, list) and len(v) == len(typing.get_args(tp)))
+    if not ok:
+        raise TensorstowError(f"recipe file {path}: {o.name} = {v!r} is not a valid {getattr(tp, '__name__', tp)}")
 
 
 def cmd_export(args) -> int:
@@ -424,11 +493,30 @@ def _add_option(p, o, **override) -> None:
         kw["type"] = o.type
     if o.choices:
         kw["choices"] = list(o.choices)
-    if o.default is dataclasses.MISSING:
-        _arg(p, o.name, help=override.get("help", o.doc), **kw)
+    if o.default is dataclasses.MISSING:  # the model: or the recipe's
+        _arg(p, o.name, nargs="?", help=override.get("help", o.doc) + " (default: the --config recipe's model; "
+             "one of the two is needed)", **kw)
     else:
         _arg(p, "--" + o.name.replace("_", "-"), dest=o.name, help=override.get("help", o.doc),
              default=override.get("default", o.default), **kw)
+
+
+def _add_run_options(p) -> None:
+    """execute's options from `schema.run.Run`'s fields: `--` and the name with `-` for `_`,
+    typed as the field (a bool switch; shuffle, on by default, also `--no-shuffle`), its docstring
+    the help, its default the default."""
+    hints, docs = typing.get_type_hints(Run), field_docs(Run)
+    for f in dataclasses.fields(Run):
+        tp = hints[f.name]
+        args = [t for t in typing.get_args(tp) if t is not type(None)] or [tp]
+        kw: dict = {}
+        if args[0] is bool:
+            kw["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
+        elif args[0] in (int, float):
+            kw["type"] = args[0]
+        if f.name in RUN_CHOICES:
+            kw["choices"] = list(RUN_CHOICES[f.name])
+        _arg(p, "--" + f.name.replace("_", "-"), dest=f.name, help=docs.get(f.name, ""), default=f.default, **kw)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -445,6 +533,8 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("plan options (the plan file records them)")
     for o in asked():
         _add_option(p if o.name == "model" else g, o)
+    _arg(p, "--config", help="Recipe file (TOML): plan options at its top level, execute options in its "
+                             "[execute] table, which the plan records; flags override it (default: none).")
     _arg(p, "-o", "--output", help="Write the plan JSON here (default: not written; the summary is printed).")
     _arg(p, "--trace", help="Write the simulated timeline as Perfetto/Chrome trace JSON (default: not written).")
     _arg(p, "--sweep", help="KEY=A..B or KEY=a,b,c over ssd_count, dram (GB) or batch: print predicted "
@@ -479,40 +569,9 @@ def parser() -> argparse.ArgumentParser:
 
     x = sub.add_parser("execute", help="replay a plan every training step")
     _arg(x, "plan", help="Plan file.")
-    _arg(x, "--steps", type=int, help="Train until this many optimizer steps are committed (default: --epochs "
-         "epochs of --data examples; one of the two is needed).")
-    _arg(x, "--data", default="synthetic",
-         help="Token file (uint16 nanoGPT train.bin, or .npy), 'synthetic', or examples with labels: JSONL "
-              "(input_ids/labels, prompt/completion or text per line) or a `datasets` save_to_disk directory "
-              "(docs/training.md).")
-    _arg(x, "--epochs", type=int, help="With examples and no --steps: the run is this many epochs (default: none).")
-    _arg(x, "--tokenizer", help="Tokenizer directory for text examples (default: the hf: model's directory).")
-    _arg(x, "--packing", action="store_true",
-         help="Concatenate examples into windows of seq + 1 tokens instead of one example a row, padded.")
-    _arg(x, "--shuffle", action=argparse.BooleanOptionalAction, default=True,
-         help="Each epoch visits the examples in torch.randperm order (seeded seed + epoch); --no-shuffle: in "
-              "file order.")
-    _arg(x, "--state-dir", dest="state_dir", help="Checkpoint directory (SSD-resident state lives there); "
-         "resumes from it (default: none; a plan that homes state on the SSD needs one).")
-    _arg(x, "--mode", default="auto", choices=["auto", "sync", "overlap"],
-         help="overlap: one worker per stream; sync: one instruction at a time in program order (the "
-              "reference); auto: on CUDA overlap for a plan with SSD traffic, else sync; on a CPU device "
-              "tier overlap where the compute threads leave a core for the other lanes, else sync.")
-    _arg(x, "--seed", type=int, default=0, help="torch.manual_seed right before the model factory.")
-    _arg(x, "--nproc", type=int, default=1,
-         help="Processes, one per GPU: a multi-GPU plan (mobius, gpipe) needs one per GPU of its hardware.")
-    _arg(x, "--log-json", dest="log_json", help="Append one JSON object per step to this file (default: not written).")
-    _arg(x, "--trace", help="Write the measured timeline of the last step (Perfetto JSON) (default: not written).")
-    _arg(x, "--checkpoint-every", dest="checkpoint_every", type=int, default=1,
-         help="Commit a full checkpoint to the state dir every N steps, and after the last.")
-    _arg(x, "--lr", type=float, help="Peak learning rate (default: the plan's).")
-    _arg(x, "--lr-scheduler", dest="lr_scheduler", choices=list(LR_SCHEDULERS),
-         help="The learning rate over the --steps optimizer steps, transformers' get_scheduler semantics "
-              "(default: the plan's).")
-    _arg(x, "--warmup-steps", dest="warmup_steps", type=int,
-         help="Optimizer steps of linear warmup from 0 (default: the plan's).")
-    _arg(x, "--min-lr-ratio", dest="min_lr_ratio", type=float,
-         help="linear and cosine end at this fraction of the peak instead of 0 (default: the plan's).")
+    _add_run_options(x)
+    _arg(x, "--config", help="Recipe file (TOML): its [execute] table gives these options' values where no "
+                             "flag does (docs/training.md, Recipe files) (default: the plan's recipe, if any).")
     x.set_defaults(fn=cmd_execute)
 
     ex = sub.add_parser("export", help="write a state dir's last committed weights as safetensors")
@@ -595,6 +654,12 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
         _python_show_warning(message, category, filename, lineno, file, line)
 
 
+def _command_actions(ap: argparse.ArgumentParser, cmd: str | None) -> list:
+    """The arguments of command `cmd` (none without one)."""
+    subs = [a for a in ap._actions if isinstance(a, argparse._SubParsersAction)]
+    return list(subs[0].choices[cmd]._actions) if cmd and subs else []
+
+
 def main(argv: list[str] | None = None) -> int:
     with warnings.catch_warnings():  # restores Python's own display when main returns
         warnings.showwarning = _show_warning
@@ -608,7 +673,10 @@ def _main(argv: list[str]) -> int:
         except TensorstowError as e:
             print(f"tensorstow: error: {e}", file=sys.stderr)
             return 2
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
+    args.argv = argv
+    args.parser_actions = _command_actions(ap, getattr(args, "cmd", None))
     if not getattr(args, "fn", None):
         parser().print_help()
         return 2

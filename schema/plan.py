@@ -18,6 +18,7 @@ from pathlib import Path
 from tensorstow.errors import TensorstowError
 from tensorstow.schema.hardware import Hardware
 from tensorstow.schema.options import Options
+from tensorstow.schema.run import Run
 from tensorstow.schema.schedule import Buffer, Decisions, Instr
 from tensorstow.schema.typed import decode, encode, freeze
 
@@ -132,6 +133,9 @@ class Plan:
     pools: Mapping[str, PoolSizes]
     """Per GPU process, by its GPU tier (`gpu0`, ...): the DRAM arena it preallocates."""
     predicted: Predicted
+    run: Run | None = None
+    """How `tensorstow execute` runs it, where the plan was made from a recipe file (its
+    `[execute]` table); absent otherwise."""
 
     def __post_init__(self):
         freeze(self)
@@ -168,6 +172,8 @@ class Plan:
 
     def to_json(self) -> dict:
         d = {f.name: encode(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        if self.run is None:
+            del d["run"]
         d["buffers"] = {k: {"bytes": b.bytes, "kind": b.kind, "block": b.block, "home": b.home,
                             **({"members": list(b.members)} if b.members else {})}
                         for k, b in sorted(self.buffers.items())}
@@ -191,7 +197,7 @@ class Plan:
                                   f"`tensorstow plan`") from None
         if not isinstance(d, dict):
             raise TensorstowError(f"plan file {path}: expected a JSON object at the top level")
-        missing = [f.name for f in dataclasses.fields(Plan) if f.name not in d]
+        missing = [f.name for f in dataclasses.fields(Plan) if f.name not in d and f.default is dataclasses.MISSING]
         if missing:
             raise TensorstowError(f"plan file {path} lacks {missing}; it is not a tensorstow plan or "
                                   f"is truncated")

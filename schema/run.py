@@ -1,0 +1,75 @@
+"""How `tensorstow execute` runs a plan: the data, the run's length, the learning-rate schedule,
+checkpoints and logs, as one typed, keyword-only dataclass (a docstring under each field).
+
+`execute`'s flags are derived from it. A recipe file's `[execute]` table holds the same keys; a
+plan made from a recipe records them (`Plan.run`), and `execute` takes, for each field, the
+first of: its flag, the recipe file it is given, the plan's record, the default below.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from tensorstow.schema.options import LR_SCHEDULERS
+from tensorstow.schema.typed import decode
+
+MODES = ("auto", "sync", "overlap")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Run:
+    data: str = "synthetic"
+    """Token file (uint16 nanoGPT train.bin, or .npy), 'synthetic', or examples with labels: JSONL
+    (input_ids/labels, prompt/completion or text per line) or a `datasets` save_to_disk directory
+    (docs/training.md)."""
+    steps: int | None = None
+    """Train until this many optimizer steps are committed (default: epochs epochs of the data's
+    examples; one of the two is needed)."""
+    epochs: int | None = None
+    """With examples and no steps: the run is this many epochs (default: none)."""
+    tokenizer: str | None = None
+    """Tokenizer directory for text examples (default: the hf: model's directory)."""
+    packing: bool = False
+    """Concatenate examples into windows of seq + 1 tokens instead of one example a row, padded."""
+    shuffle: bool = True
+    """Each epoch visits the examples in torch.randperm order (seeded seed + epoch); --no-shuffle:
+    in file order."""
+    seed: int = 0
+    """torch.manual_seed right before the model factory; also seeds the epochs' order."""
+    mode: str = "auto"
+    """overlap: one worker per stream; sync: one instruction at a time in program order (the
+    reference); auto: on CUDA overlap for a plan with SSD traffic, else sync; on a CPU device tier
+    overlap where the compute threads leave a core for the other lanes, else sync."""
+    state_dir: str | None = None
+    """Checkpoint directory (SSD-resident state lives there); resumes from it (default: none; a
+    plan that homes state on the SSD needs one)."""
+    checkpoint_every: int = 1
+    """Commit a full checkpoint to the state dir every N steps, and after the last."""
+    log_json: str | None = None
+    """Append one JSON object per step to this file (default: not written)."""
+    trace: str | None = None
+    """Write the measured timeline of the last step (Perfetto JSON) (default: not written)."""
+    nproc: int = 1
+    """Processes, one per GPU: a multi-GPU plan (mobius, gpipe) needs one per GPU of its hardware."""
+    lr: float | None = None
+    """Peak learning rate (default: the plan's)."""
+    lr_scheduler: str | None = None
+    """The learning rate over the run's optimizer steps, transformers' get_scheduler semantics
+    (default: the plan's)."""
+    warmup_steps: int | None = None
+    """Optimizer steps of linear warmup from 0 (default: the plan's)."""
+    min_lr_ratio: float | None = None
+    """linear and cosine end at this fraction of the peak instead of 0 (default: the plan's)."""
+
+    def to_json(self) -> dict:
+        """The fields that differ from their defaults."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != f.default}
+
+    @staticmethod
+    def from_json(d: dict, where: str = "run") -> "Run":
+        return decode(Run, d, where)
+
+
+CHOICES = {"mode": MODES, "lr_scheduler": LR_SCHEDULERS}
+"""The fields that take one of a few names."""

@@ -1,0 +1,74 @@
+"""One recipe file (TOML) for a whole run: `tensorstow plan --config` takes its plan options and
+records its [execute] table in the plan; `tensorstow execute` runs that record; flags override
+both; a bad key or value is one error line naming it."""
+import json
+
+import pytest
+
+from tensorstow.cli import main
+
+RECIPE = """
+model = "gpt-tiny"
+hw = "lohan-rtx4090"
+policy = "zero-infinity"
+precision = "fp32"
+batch = 2
+seq = 32
+gpu-mem = "2MB"
+lr = 1e-3
+weight_decay = 0.1
+
+[execute]
+steps = 3
+lr_scheduler = "cosine"
+warmup_steps = 1
+"""
+
+
+def write(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+def test_plan_takes_the_recipe_and_records_its_execute_table(tmp_path, capsys):
+    recipe = write(tmp_path / "r.toml", RECIPE)
+    assert main(["plan", "--config", recipe, "--batch", "4", "-o", str(tmp_path / "p.json")]) == 0
+    pj = json.loads((tmp_path / "p.json").read_text())
+    o = pj["options"]
+    assert (o["model"], o["hardware"], o["policy"], o["precision"], o["seq"], o["gpu_mem"], o["lr"]) == \
+        ("gpt-tiny", "lohan-rtx4090", "zero-infinity", "fp32", 32, 2_000_000, 1e-3)
+    assert o["batch"] == 4  # the flag overrides the recipe
+    assert pj["run"] == {"steps": 3, "lr_scheduler": "cosine", "warmup_steps": 1}
+
+
+def test_execute_runs_the_plans_recipe_and_flags_override_it(tmp_path, capsys):
+    recipe = write(tmp_path / "r.toml", RECIPE)
+    plan = str(tmp_path / "p.json")
+    assert main(["plan", "--config", recipe, "-o", plan]) == 0
+    log = tmp_path / "log.jsonl"
+    assert main(["execute", plan, "--state-dir", str(tmp_path / "s"), "--log-json", str(log)]) == 0
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]  # steps = 3 from the plan's recipe
+    assert rows[0]["lr"] == 0.0 and rows[1]["lr"] == 1e-3  # one warmup step, then the cosine from the peak
+    more = write(tmp_path / "more.toml", "[execute]\nsteps = 5\n")
+    assert main(["execute", plan, "--config", more, "--state-dir", str(tmp_path / "s"), "--log-json", str(log)]) == 0
+    assert "resuming from step 3" in capsys.readouterr().out
+    assert main(["execute", plan, "--config", more, "--steps", "6", "--state-dir", str(tmp_path / "s"),
+                 "--log-json", str(log)]) == 0  # the flag over the file over the plan
+    assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("text, where", [
+    ("batchsize = 2\n" + RECIPE, "unknown plan option(s) ['batchsize']"),
+    (RECIPE.replace("batch = 2", 'batch = "two"'), "batch = 'two' is not a valid int"),
+    (RECIPE + "stepz = 2\n", "[execute]: unknown key(s) ['stepz']"),
+    (RECIPE.replace("steps = 3", 'steps = "3"'), "[execute]: field 'steps': expected an integer"),
+    ("model = \"gpt-tiny\"\n[execute\n", "not valid TOML"),
+    ("hw = \"lohan-rtx4090\"\n", "name the model"),
+])
+def test_a_bad_recipe_is_one_line_naming_the_key(text, where, tmp_path, capsys):
+    recipe = write(tmp_path / "r.toml", text)
+    assert main(["plan", "--config", recipe, "-o", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tensorstow: error: ") and where in err and err.count("\n") == 1
+    assert not (tmp_path / "p.json").exists()
