@@ -25,7 +25,7 @@ from tensorstow.executor.examples import Examples, is_examples
 from tensorstow.executor.lr import LRSchedule
 from tensorstow.executor.runtime import Executor, lane_cores
 from tensorstow.executor.ssd import SSDStore
-from tensorstow.ir.models import resolve_model
+from tensorstow.ir.models import build_for_execution, resolve_model
 from tensorstow.planner.simulate import plan_commit_s, sync_step_s
 from tensorstow.schema.plan import Plan
 from tensorstow.schema.schedule import block_gpus, gpu_tier
@@ -243,25 +243,6 @@ def pick_mode(mode: str, plan: Plan | None = None) -> str:
     if device.type == "cuda":
         return "overlap" if plan is None or plan.ssd_sizes() else "sync"
     return "overlap" if lane_cores(device, torch.get_num_threads()) else "sync"
-
-
-def build_for_execution(spec, seed: int):
-    """(model, initial values) with the weights `torch.manual_seed(seed); factory()` gives.
-    Presets are built on the meta device and their values streamed block by block into their
-    home tiers (never the whole model in host memory); so are `hf:` models with safetensors
-    weights, read tensor by tensor from the checkpoint; other models are built whole."""
-    from tensorstow.ir import hf
-    from tensorstow.ir.models import gpt_init_stream
-    if spec.name.startswith(hf.PREFIX):  # from its safetensors, one tensor at a time, if it has some
-        torch.manual_seed(seed)
-        return hf.load_streaming(spec.name)
-    if spec.config is not None:
-        with torch.device("meta"):
-            model = spec.build()
-        torch.manual_seed(seed)
-        return model, gpt_init_stream(spec.config)
-    torch.manual_seed(seed)  # immediately before the factory: same initial weights as eager
-    return spec.build(), None
 
 
 def describe(d: Path, ex: Executor, model) -> None:

@@ -62,6 +62,7 @@ from tensorstow.executor.ssd import SSDStore
 from tensorstow.executor.state import rng_bytes
 from tensorstow.executor.stores import DeviceMemoryError, DeviceTier, FileStore, HostCopy, HostPool, HostTier, SSDTier
 from tensorstow.ir.hf import wrap
+from tensorstow.ir.models import build_for_execution, resolve_model
 from tensorstow.ir.trace import Traced
 from tensorstow.planner.simulate import SimResult, perfetto_trace
 from tensorstow.schema.schedule import BufferKind, Instr, gpu_index, resource_of
@@ -187,7 +188,7 @@ class Executor:
                  ssd_store=None, resume: bool = False, device_budget: int | None = None,
                  traced: Traced | None = None, checkpoint_every: int = 1, init_values=None,
                  device: str | torch.device | None = None, rank: int | None = None, comm=None,
-                 lr_schedule: LRSchedule | None = None, total_steps: int | None = None):
+                 lr_schedule: LRSchedule | None = None, total_steps: int | None = None, seed: int = 0):
         """`state_dir`: directory for the fallback `FileStore` when the plan uses the SSD tier and
         no `ssd_store` is given. `resume`: continue from the step the SSD store committed last
         (every P/M/OS buffer must live on SSD; the model's values are then not used); without
@@ -205,7 +206,10 @@ class Executor:
         when there is one. `rank`, `comm`: a multi-GPU plan runs one executor per GPU: this one
         replays GPU `rank`'s share of the plan (its stages' instructions, their DRAM and SSD work,
         both ends of its `send`s) and moves stage boundaries through `comm`
-        (executor.distributed.Comm). `lr_schedule`: each update's learning rate (executor.lr);
+        (executor.distributed.Comm). `model` may also be a model as plans name it (a preset,
+        `hf:DIR`, `pkg.module:factory`): built as `tensorstow execute` builds it, with the weights
+        `torch.manual_seed(seed); factory()` gives, or an `hf:` checkpoint's, streamed into the
+        tiers block by block (never the whole model in host memory). `lr_schedule`: each update's learning rate (executor.lr);
         default the plan's (`Options.lr_scheduler`, its warmup and min lr ratio, peak `lr`), whose
         linear and cosine forms need the run's length in optimizer steps, `total_steps`."""
         self._lane_threads = _LaneThreads()  # overlap mode's lanes, kept from step to step
@@ -214,6 +218,10 @@ class Executor:
         if mode not in MODES:
             raise TensorstowError(f"unknown executor mode '{mode}': use one of {list(MODES)}")
         tune_malloc()  # freed buffers are reused, not unmapped and faulted in again each step
+        if isinstance(model, str):
+            if init_values is not None:
+                raise TensorstowError("init_values is for a model object; a model named by a string brings its own")
+            model, init_values = build_for_execution(resolve_model(model), seed)
         model = wrap(model)
         self.program = prog = Program(plan, model, rank=rank, comm=comm, traced=traced)
         """The plan compiled against the traced model: every table below is its."""

@@ -305,3 +305,21 @@ def resolve_model(name: str) -> ModelSpec:
         return ModelSpec(name, None)
     raise TensorstowError(f"unknown model '{name}': use a preset ({', '.join(sorted(PRESETS))}), "
                           f"hf:DIR (a save_pretrained directory) or a factory as 'pkg.module:function'")
+
+
+def build_for_execution(spec, seed: int):
+    """(model, initial values) with the weights `torch.manual_seed(seed); factory()` gives.
+    Presets are built on the meta device and their values streamed block by block into their
+    home tiers (never the whole model in host memory); so are `hf:` models with safetensors
+    weights, read tensor by tensor from the checkpoint; other models are built whole."""
+    from tensorstow.ir import hf
+    if spec.name.startswith(hf.PREFIX):  # from its safetensors, one tensor at a time, if it has some
+        torch.manual_seed(seed)
+        return hf.load_streaming(spec.name)
+    if spec.config is not None:
+        with torch.device("meta"):
+            model = spec.build()
+        torch.manual_seed(seed)
+        return model, gpt_init_stream(spec.config)
+    torch.manual_seed(seed)  # immediately before the factory: same initial weights as eager
+    return spec.build(), None

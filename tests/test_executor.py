@@ -402,6 +402,17 @@ def test_a_resumed_run_continues_the_schedule(tmp_path):
                        scheduler=lambda o: transformers.get_cosine_schedule_with_warmup(o, 2, 6))
     assert_same((losses, params), want)
 
+
+def test_a_model_named_by_a_string_is_built_as_execute_builds_it(tmp_path):
+    """`Executor(plan, "gpt-tiny")`: the preset built on the meta device and its initial values
+    streamed into the tiers, the weights `torch.manual_seed(0); GPT(config)` gives: trains as eager."""
+    ex = Executor(get_plan("zero-infinity"), "gpt-tiny", state_dir=tmp_path / "s")
+    losses = [ex.step(x, y) for x, y in batches("synthetic", B, T, VOCAB, STEPS, seed=0)]
+    assert_same((losses, ex.parameters()), eager())
+    ex.close()
+    with pytest.raises(TensorstowError, match="init_values is for a model object"):
+        Executor(get_plan("zero-infinity"), "gpt-tiny", state_dir=tmp_path / "t", init_values={})
+
 def test_adam_with_l2_weight_decay(tmp_path):
     o = dict(optimizer="adam")
     p = problem(**o)

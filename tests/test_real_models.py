@@ -422,6 +422,11 @@ def test_hf_dir_with_safetensors_weights_starts_from_them(tmp_path):
     want = run_eager(eager_model, hf_loss)
     got = run_executor(pj, resolve_model(ref).build, tmp_path / "state2")
     assert_equal(got, want, prefix="model.")
+    # the API given the model as the plan names it: the checkpoint streamed in, as `execute` does
+    ex = Executor(pj, ref, state_dir=tmp_path / "state3")
+    torch.manual_seed(DROPOUT_SEED)
+    assert_equal(([ex.step(x, y) for x, y in data()], ex.parameters()), want, prefix="model.")
+    ex.close()
 
 
 @pytest.mark.parametrize("ref", ["llama-tied", "tests.fixtures.real_models:nano_gpt_dropout"])
@@ -470,7 +475,7 @@ def test_hf_checkpoint_streams_into_the_tiers_and_trains_like_eager(tmp_path):
     on the meta device and reads each block's tensors from the checkpoint as it places the block;
     GPT-2 (dropout 0.1) then trains like `torch.manual_seed(0); from_pretrained(DIR)` eagerly, so
     the random stream is where eager leaves it too."""
-    from tensorstow.executor.run import build_for_execution
+    from tensorstow.ir.models import build_for_execution
     cls, kw = FAMILIES["gpt2"]
     torch.manual_seed(7)
     transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**kw)).save_pretrained(tmp_path / "ckpt")
