@@ -408,7 +408,7 @@ def _check_type(o, v, path) -> None:
 
 def cmd_export(args) -> int:
     from tensorstow.executor.export import export
-    r = export(args.state_dir, args.output, shard_bytes=parse_size(args.shard_size))
+    r = export(args.state_dir, args.output, shard_bytes=parse_size(args.shard_size), merge=args.merge)
     print(f"exported step {r['step']}: {r['tensors']} tensors, {_fmt(r['bytes'])} in {r['files']} file(s) "
           f"to {args.output}")
     return 0
@@ -578,6 +578,9 @@ def parser() -> argparse.ArgumentParser:
     _arg(ex, "state_dir", help="State dir of `tensorstow execute --state-dir`.")
     _arg(ex, "-o", "--output", required=True, help="New directory (from_pretrained-ready for hf: models).")
     _arg(ex, "--shard-size", dest="shard_size", default="4GB", help="Largest safetensors file.")
+    _arg(ex, "--merge", action="store_true",
+         help="A PEFT (LoRA) model: write the base model with the adapters merged into its weights "
+              "(from_pretrained) instead of the adapter (PeftModel.from_pretrained onto the base).")
     ex.set_defaults(fn=cmd_export)
 
     pr = sub.add_parser("probe", help="measure this machine and write a hardware spec")

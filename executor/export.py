@@ -14,6 +14,7 @@ dir is refused rather than read mid-commit.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from pathlib import Path
@@ -43,10 +44,13 @@ def _weight_buffers(plan, layout: dict) -> list[tuple[str, list[dict]]]:
     return out
 
 
-def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES) -> dict:
+def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, merge: bool = False) -> dict:
     """Write the committed weights of `state_dir` to `out_dir`; returns a summary. The state dir
     of a multi-process run (`rank<K>/` per GPU) exports as one model at the last step every rank
-    committed (a rank one commit ahead is rolled back to it, as a resumed run would)."""
+    committed (a rank one commit ahead is rolled back to it, as a resumed run would). A PEFT
+    (LoRA) model exports as its adapter (`adapter_config.json` + `adapter_model.safetensors`,
+    for `PeftModel.from_pretrained` onto the base), or with `merge` as the base model with the
+    adapters merged into its weights (`from_pretrained`)."""
     from safetensors.torch import save_file
 
     d, out = Path(state_dir), Path(out_dir)
@@ -60,7 +64,7 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES) -> dict:
                                   f"GPUs (rank0..rank{n - 1}): a rank's state is missing; restore it")
     if out.exists() and any(out.iterdir()):
         raise TensorstowError(f"export: {out} exists and is not empty; choose a new directory")
-    stores = []
+    stores, tmp = [], None
     try:
         for x, (plan, _) in zip(dirs, described):
             gpu = f"gpu{x.name[4:]}" if x is not d else None
@@ -78,31 +82,136 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES) -> dict:
         tmp = out.with_name(out.name + ".tmp-export")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        prefix = described[0][1]["name_prefix"]
+        layout0 = described[0][1]
+        prefix, adapter = layout0["name_prefix"], layout0.get("peft_adapter")
+        peft = json.loads((dirs[0] / state.ADAPTER_CONFIG).read_text()) if adapter else None
+        if merge and peft is None:
+            raise TensorstowError(f"export --merge: {d} trains no PEFT (LoRA) model; export it without --merge")
         shards: list[dict[str, torch.Tensor]] = [{}]
         sizes = [0]
+        merger = _Merger(adapter, peft) if merge else None
         for (plan, layout), store in zip(described, stores):
-            for buf, slots in _weight_buffers(plan, layout):
-                blob = aligned_empty(store.sizes[buf])
-                store.read(buf, blob)
-                for s in slots:
-                    t = blob[s["offset"]:s["offset"] + s["nbytes"]].view(getattr(torch, s["dtype"]))
-                    name = s["name"][len(prefix):] if prefix and s["name"].startswith(prefix) else s["name"]
-                    if sizes[-1] and sizes[-1] + s["nbytes"] > shard_bytes:
+            for block in _blocks(plan, layout, store, prefix):
+                if peft is not None:
+                    block = merger(block) if merge else _adapter(block, adapter)
+                _check_names(block, d, adapter=peft is not None and not merge)
+                for name, t in block.items():
+                    n = t.numel() * t.element_size()
+                    if sizes[-1] and sizes[-1] + n > shard_bytes:
                         _flush(shards, tmp, save_file)
                         sizes.append(0)
-                    shards[-1][name] = t.reshape(s["shape"]).clone()
-                    sizes[-1] += s["nbytes"]
-        total = _finish(shards, sizes, tmp, save_file)
-        if (dirs[0] / state.CONFIG).exists():
-            shutil.copyfile(dirs[0] / state.CONFIG, tmp / "config.json")
+                    shards[-1][name] = t
+                    sizes[-1] += n
+        if merger is not None:
+            merger.close()
+        if peft is not None and not merge:  # PEFT's adapter files
+            total = len(shards[0])
+            if len(shards) > 1:
+                raise TensorstowError("export: the adapter is larger than --shard-size; raise it")
+            save_file(shards[0], str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+            shutil.copyfile(dirs[0] / state.ADAPTER_CONFIG, tmp / "adapter_config.json")
+        else:
+            total = _finish(shards, sizes, tmp, save_file)
+            if (dirs[0] / state.CONFIG).exists():
+                shutil.copyfile(dirs[0] / state.CONFIG, tmp / "config.json")
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
+    except BaseException:
+        if tmp is not None:  # an export that failed leaves nothing behind
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     finally:
         for st in stores:
             st.close()
     return {"step": step, "tensors": total, "bytes": sum(sizes), "files": len(sizes)}
+
+
+def _blocks(plan, layout: dict, store, prefix: str):
+    """Per block, in forward order, its weights by name ({name: tensor}): read one buffer at a
+    time, so only one block's weights are in memory."""
+    current, out = None, {}
+    for buf, slots in _weight_buffers(plan, layout):  # a block's buffers come one after another
+        b = buf.split(":", 1)[1]
+        if b != current and out:
+            yield out
+            out = {}
+        current = b
+        blob = aligned_empty(store.sizes[buf])
+        store.read(buf, blob)
+        for s in slots:
+            t = blob[s["offset"]:s["offset"] + s["nbytes"]].view(getattr(torch, s["dtype"]))
+            name = s["name"][len(prefix):] if prefix and s["name"].startswith(prefix) else s["name"]
+            out[name] = t.reshape(s["shape"]).clone()
+    if out:
+        yield out
+
+
+LORA = (".lora_A.", ".lora_B.")
+PEFT_ROOT = "base_model.model."
+
+
+def _adapter(block: dict, adapter: str) -> dict:
+    """The LoRA tensors of a block as PEFT saves an adapter: `...q_proj.lora_A.weight` (the
+    adapter's name dropped). A trained tensor that is no LoRA factor (PEFT's modules_to_save) is
+    refused: its saved name would differ from what PeftModel.from_pretrained loads."""
+    out = {}
+    for name, t in block.items():
+        if any(k in name for k in LORA):
+            out[name.replace(f".{adapter}.", ".")] = t
+    return out
+
+
+class _Merger:
+    """The weights with each LoRA pair merged into its base weight as PEFT's `merge_and_unload`
+    does: W + transpose(B @ A, fan_in_fan_out) * scaling (scaling = alpha / r, or alpha / sqrt(r)
+    with rslora), under the base model's own names. A base weight and its factors may sit in
+    neighbouring blocks: each waits (alone in memory) until the other part arrives."""
+
+    def __init__(self, adapter: str, peft: dict):
+        if peft.get("rank_pattern") or peft.get("alpha_pattern"):
+            raise TensorstowError("export --merge: per-module LoRA ranks or alphas (rank_pattern, alpha_pattern) "
+                                  "are not supported; export the adapter and merge it with PEFT")
+        r, alpha = peft["r"], peft["lora_alpha"]
+        self.scaling = alpha / math.sqrt(r) if peft.get("use_rslora") else alpha / r
+        self.adapter, self.fan_in_fan_out = adapter, bool(peft.get("fan_in_fan_out"))
+        self.pending: dict[str, torch.Tensor] = {}
+
+    def __call__(self, block: dict) -> dict:
+        self.pending.update(block)
+        out = {}
+        for name in list(self.pending):
+            if any(k in name for k in LORA):
+                continue
+            module = name[:-len(".base_layer.weight")] if name.endswith(".base_layer.weight") else None
+            a_name, b_name = f"{module}.lora_A.{self.adapter}.weight", f"{module}.lora_B.{self.adapter}.weight"
+            if module is not None and not (a_name in self.pending and b_name in self.pending):
+                continue  # its factors are in a block still to come
+            t = self.pending.pop(name)
+            if module is not None:
+                delta = self.pending.pop(b_name) @ self.pending.pop(a_name)
+                t = t + (delta.T if self.fan_in_fan_out else delta) * self.scaling
+            base = name.replace(".base_layer.", ".")
+            out[base[len(PEFT_ROOT):] if base.startswith(PEFT_ROOT) else base] = t
+        return out
+
+    def close(self) -> None:
+        if self.pending:
+            raise TensorstowError(f"export --merge: {sorted(self.pending)[0]} has no LoRA counterpart in the state "
+                                  f"dir; export the adapter instead")
+
+
+def _check_names(block: dict, d: Path, adapter: bool) -> None:
+    """No export writes names its loader would skip (and load random weights instead): PEFT's
+    wrapper names in a model's weights, or anything but LoRA factors in an adapter."""
+    if adapter:
+        bad = [n for n in block if not (n.startswith(PEFT_ROOT) and any(k in n for k in LORA))]
+    else:
+        bad = [n for n in block if n.startswith(PEFT_ROOT) or any(k in n for k in LORA)
+               or ".base_layer." in n or ".modules_to_save." in n or ".original_module." in n]
+    if bad:
+        raise TensorstowError(f"export: {d} holds {bad[0]}, a name no from_pretrained loads (a PEFT model whose "
+                              f"state dir lacks its adapter config, or modules_to_save); refusing to write it")
 
 
 def _flush(shards: list[dict], tmp: Path, save_file) -> None:

@@ -252,8 +252,13 @@ def describe(d: Path, ex: Executor, model) -> None:
     names = {ph: name for name, ph in ex.joint.placeholder.items()}
     layouts = {n: ex.layouts[n] for n in sorted(ex.homes)}
     hf = isinstance(model, CausalLM)
+    inner = model.model if hf else model
+    peft = None
+    if hasattr(inner, "peft_config") and hasattr(inner, "active_adapter"):  # a PEFT model: its adapter's config
+        name = inner.active_adapter if isinstance(inner.active_adapter, str) else inner.active_adapter[0]
+        peft = (name, inner.peft_config[name].to_dict())
     state.write_description(d, layouts, names, ex.frozen, "model." if hf else "",
-                            model.model.config if hf else None)
+                            model.model.config if hf else None, peft)
 
 
 def worker(kw: dict) -> int:

@@ -24,7 +24,7 @@ from tensorstow.executor.amp import AMP
 from tensorstow.schema.plan import Plan, as_plan
 from tensorstow.schema.schedule import block_gpus
 
-PLAN, LAYOUT, CONFIG = "plan.json", "layout.json", "config.json"
+PLAN, LAYOUT, CONFIG, ADAPTER_CONFIG = "plan.json", "layout.json", "config.json", "adapter_config.json"
 RNG = "RNG"
 """Store buffer holding the CPU generator state (and CUDA's, with a GPU) at the commit."""
 
@@ -97,10 +97,14 @@ def claim(state_dir, plan: Plan) -> Path:
 
 
 def write_description(d: Path, layouts: dict, names: dict[str, str], frozen: set[str], prefix: str,
-                      hf_config=None) -> None:
-    """layout.json (and config.json for an `hf:` model), unless already there."""
+                      hf_config=None, peft=None) -> None:
+    """layout.json (and config.json for an `hf:` model; for a PEFT model its adapter_config.json
+    and, in the layout, its adapter's name), unless already there. `peft`: (adapter name, its
+    config as a dict)."""
+    if peft is not None and not (d / ADAPTER_CONFIG).exists():
+        _write_atomic(d / ADAPTER_CONFIG, json.dumps(peft[1], indent=2, sort_keys=True, default=_jsonable) + "\n")
     if not (d / LAYOUT).exists():
-        desc = {"name_prefix": prefix, "buffers": {}}
+        desc = {"name_prefix": prefix, "buffers": {}, **({"peft_adapter": peft[0]} if peft else {})}
         for buf, layout in sorted(layouts.items()):
             desc["buffers"][buf] = [
                 {"key": s.key, "name": names.get(s.key, s.key), "dtype": str(s.dtype).replace("torch.", ""),
@@ -110,6 +114,13 @@ def write_description(d: Path, layouts: dict, names: dict[str, str], frozen: set
         _write_atomic(d / LAYOUT, json.dumps(desc, indent=1, sort_keys=True) + "\n")
     if hf_config is not None and not (d / CONFIG).exists():
         _write_atomic(d / CONFIG, hf_config.to_json_string())
+
+
+def _jsonable(v):
+    """PEFT configs hold sets (target_modules) and enums: as PEFT writes them, a sorted list, a value."""
+    if isinstance(v, (set, frozenset)):
+        return sorted(v)
+    return getattr(v, "value", str(v))
 
 
 def read(d) -> tuple[Plan, dict]:

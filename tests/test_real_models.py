@@ -328,6 +328,47 @@ def test_lora_llama_trains_only_its_adapters(tmp_path):
             assert torch.equal(got[1]["model." + n], initial[n]), f"frozen {n} changed"
 
 
+
+def test_lora_exports_as_a_peft_adapter_and_merged(tmp_path):
+    """A PEFT LoRA model trained by `tensorstow execute` (SSD state) exports as its adapter, which
+    `PeftModel.from_pretrained` loads onto the base with the adapters eager training gives, and
+    with `--merge` as merged weights `from_pretrained` loads, equal to PEFT's merge_and_unload of
+    the eager model."""
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    ref = "tests.fixtures.real_models:lora_llama"
+    pj = offloaded_plans(ref, policies=("zero-infinity",))["zero-infinity"]
+    (tmp_path / "plan.json").write_text(json.dumps(pj))
+    assert main(["execute", str(tmp_path / "plan.json"), "--steps", str(STEPS), "--state-dir", str(tmp_path / "s")]) == 0
+    assert main(["export", str(tmp_path / "s"), "-o", str(tmp_path / "adapter")]) == 0
+    assert main(["export", str(tmp_path / "s"), "-o", str(tmp_path / "merged"), "--merge"]) == 0
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    torch.manual_seed(0)
+    eager = real_models.lora_llama()
+    _, want = run_eager(eager, hf_loss)
+    torch.manual_seed(0)  # the base the factory adapts, with its initial weights
+    loaded = peft.PeftModel.from_pretrained(real_models.llama_base(), tmp_path / "adapter")
+    got = dict(loaded.named_parameters())
+    assert got.keys() == want.keys()
+    bad = [n for n in want if not torch.equal(got[n].detach(), want[n])]
+    assert not bad, f"the loaded adapter differs from eager: {bad[:4]}"
+    merged = dict(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").named_parameters())
+    reference = dict(eager.merge_and_unload().named_parameters())
+    assert merged.keys() == reference.keys()
+    bad = [n for n in reference if not torch.equal(merged[n].detach(), reference[n].detach())]
+    assert not bad, f"merged weights differ from PEFT's merge_and_unload: {bad[:4]}"
+    torch.manual_seed(0)
+    initial = dict(real_models.llama_base().named_parameters())
+    assert all(not torch.equal(merged[n], initial[n]) for n in merged if "q_proj" in n)  # the adapters moved them
+    assert all(torch.equal(merged[n], initial[n]) for n in merged if "mlp" in n)  # frozen, not adapted
+    # a state dir that does not say it holds a PEFT model: refused, never written under names
+    # from_pretrained would skip (loading random weights)
+    (tmp_path / "s" / "adapter_config.json").unlink()
+    layout = json.loads((tmp_path / "s" / "layout.json").read_text())
+    del layout["peft_adapter"]
+    (tmp_path / "s" / "layout.json").write_text(json.dumps(layout))
+    assert main(["export", str(tmp_path / "s"), "-o", str(tmp_path / "plain")]) == 2
+    assert not (tmp_path / "plain").exists() and not (tmp_path / "plain.tmp-export").exists()
+
 def test_python_api_with_an_hf_module(hf_root, tmp_path):
     """tensorstow.plan(module) and tensorstow.Executor(plan, module): an HF model given as a
     Python object gets the loss contract."""
