@@ -3,6 +3,7 @@ tokenizer trained here, padded or packed, epochs in a reproducible shuffled orde
 tiny LLaMA fine-tuned from prompt/completion pairs through an offloaded plan by `tensorstow
 execute`, killed and resumed, exported, equal to an eager Hugging Face loop with the same
 semantics."""
+import contextlib
 import json
 import signal
 import subprocess
@@ -19,6 +20,7 @@ tokenizers = pytest.importorskip("tokenizers")
 from tensorstow import TensorstowError  # noqa: E402
 from tensorstow.cli import main  # noqa: E402
 from tensorstow.executor.examples import Examples  # noqa: E402
+from tensorstow.ir.autocast import gpu_autocast  # noqa: E402
 from tests.oracle import param_groups  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,7 +133,7 @@ def test_bad_examples_name_the_line(tok, tmp_path):
 SEQ, BATCH, EPOCHS, LR, WD, WARMUP = 24, 2, 2, 3e-3, 0.1, 2
 
 
-def eager_finetune(ckpt: Path, tok, rows: list[dict], steps_per_epoch: int):
+def eager_finetune(ckpt: Path, tok, rows: list[dict], steps_per_epoch: int, precision: str = "fp32"):
     """The semantics `tensorstow execute` documents, written out for eager Hugging Face: the same
     tokens and labels, each epoch in randperm(seed + epoch) order, AdamW with decay on the 2-D
     parameters, warmup + cosine as transformers schedules it, HF's loss (the mean over labels
@@ -157,12 +159,53 @@ def eager_finetune(ckpt: Path, tok, rows: list[dict], steps_per_epoch: int):
             at = order[k * BATCH:(k + 1) * BATCH]
             x, y = ids[at, :-1], labels[at, 1:]
             opt.zero_grad()
-            loss = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
+            with gpu_autocast(torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext():
+                loss = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
             loss.backward()
             opt.step()
             sched.step()
             losses.append(loss.item())
     return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def pretrained(ckpt: Path):
+    """A tiny LLaMA checkpoint (safetensors) and its tokenizer in one directory."""
+    torch.manual_seed(3)
+    tok = make_tokenizer(ckpt)
+    config = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                      pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                                      eos_token_id=tok.eos_token_id)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(ckpt)
+    return tok
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_the_python_api_is_the_same_fine_tune(precision, tmp_path):
+    """The recipe through the API: `tensorstow.plan`, `Executor(plan, "hf:DIR")` streaming the
+    checkpoint, `Examples` for the data, an `LRSchedule`: fp32 bit-identical to the eager loop,
+    bf16-mixed (PyTorch AMP) with every loss within 1% of eager autocast's."""
+    import tensorstow
+    from tensorstow.executor.lr import LRSchedule
+    ckpt = tmp_path / "ckpt"
+    tok = pretrained(ckpt)
+    rows = pairs(9)
+    per = len(rows) // BATCH
+    plan = tensorstow.plan(f"hf:{ckpt}", hw="lohan-rtx4090", policy="zero-infinity", precision=precision, batch=BATCH,
+                           seq=SEQ, gpu_mem="1MB", lr=LR, weight_decay=WD, exact_optimizer=True)
+    data = Examples.load(str(write_jsonl(tmp_path / "train.jsonl", rows)), SEQ, len(tok), tokenizer=tok)
+    torch.manual_seed(0)
+    ex = tensorstow.Executor(plan, f"hf:{ckpt}", state_dir=tmp_path / "s",
+                             lr_schedule=LRSchedule("cosine", LR, WARMUP, EPOCHS * per))
+    losses = [ex.step(x, y) for _, _, x, y in data.batches(BATCH, EPOCHS * per, seed=0)]
+    got = ex.parameters()
+    ex.close()
+    want_losses, want = eager_finetune(ckpt, tok, rows, per, precision)
+    if precision == "fp32":
+        assert losses == want_losses
+        assert all(torch.equal(got["model." + n], p) for n, p in want.items())
+    else:
+        assert losses == pytest.approx(want_losses, rel=0.01)
 
 
 def test_pretrained_llama_finetunes_from_prompt_completion_like_eager(tmp_path):
@@ -171,13 +214,7 @@ def test_pretrained_llama_finetunes_from_prompt_completion_like_eager(tmp_path):
     weight decay on 2-D parameters), SIGKILL-ed mid-epoch and run again, exported: the losses and
     the exported weights equal the eager loop's bit for bit (fp32, --exact-optimizer)."""
     ckpt = tmp_path / "ckpt"
-    torch.manual_seed(3)
-    tok = make_tokenizer(ckpt)
-    config = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                      pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
-                                      eos_token_id=tok.eos_token_id)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(ckpt)
+    tok = pretrained(ckpt)
     rows = pairs(9)
     data = write_jsonl(tmp_path / "train.jsonl", rows)
     plan = tmp_path / "plan.json"
