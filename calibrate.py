@@ -944,13 +944,15 @@ def _probe_cuda(p: _Params) -> tuple[tuple[GPU, ...], float, list[str]]:
     return tuple(gpus), p2p, notes
 
 
+def hardware_for(o: Options) -> Hardware:
+    """The hardware an Options names, with its overrides: a preset, a spec file, or "local" (a
+    probe of this machine)."""
+    hw = probe() if o.hardware == "local" else load_hardware(o.hardware)
+    return hw.with_overrides(gpu_mem=o.gpu_mem, dram=o.dram, ssds=o.ssds, gpus=o.gpus)
+
+
 if __name__ == "__main__":  # pragma: no cover - manual use: python -m tensorstow.calibrate
     import json
     import sys
 
     print(json.dumps(probe(quick="--full" not in sys.argv).to_json(), indent=2))
-
-
-def hardware_for(o: Options) -> Hardware:
-    """The hardware an Options names (preset, spec file or "local"), with its overrides."""
-    return load_hardware(o.hardware).with_overrides(gpu_mem=o.gpu_mem, dram=o.dram, ssds=o.ssds, gpus=o.gpus)

@@ -192,6 +192,16 @@ def test_probe_writes_a_spec_and_reports_native_engines(tmp_path, capsys):
     assert hw.name == "local" and hw.gpu.memory_bytes > 0 and hw.cpu.adam_rate > 0
 
 
+def test_hw_local_plans_for_a_probe_of_this_machine(tmp_path, capsys):
+    """`--hw local` (the default) probes this machine: the plan's hardware is the probe's spec
+    (guards against resolving "local" as a preset or file name)."""
+    out = tmp_path / "p.json"
+    assert main(["plan", "gpt-tiny", "--hw", "local", "--policy", "all-gpu", "--precision", "fp32",
+                 "-o", str(out)]) == 0, capsys.readouterr().err
+    spec = json.loads(out.read_text())["hardware"]["spec"]
+    assert spec["name"] == "local" and "tensorstow probe" in spec["source"]
+
+
 def test_a_reader_that_stops_early_gets_no_traceback():
     """`tensorstow check A B | head -1`: the command stops quietly when its reader goes away."""
     tiny = [f"plans/gpt-tiny__lohan-rtx4090__{p}.json" for p in ("all-gpu", "zero-infinity", "lohan")]
