@@ -233,6 +233,7 @@ class Executor:
         self.homes, self.carried, self.block_gpu = prog.homes, prog.carried, prog.block_gpu
         self.block_params, self.block_consts, self.frozen = prog.block_params, prog.block_consts, prog.frozen
         self.mixed, self.fp32_grads, self.keep, self.vocab = prog.mixed, prog.fp32_grads, prog.keep, prog.vocab
+        self._ignored = torch.tensor(sorted(prog.ignore_index), dtype=torch.long)  # labels the loss leaves out
         self.rng_states: dict[str, torch.Tensor] = {}
         """Per recomputed segment that draws random numbers, the generator state its first run
         started from (`Program.random_segments`)."""
@@ -356,7 +357,7 @@ class Executor:
                                       + f"as planned, got {getattr(t, 'dtype', type(t))} "
                                       f"{tuple(getattr(t, 'shape', ()))}")
         if self.vocab is not None:
-            ignored = torch.tensor(sorted(self.program.ignore_index), dtype=torch.long)
+            ignored = self._ignored
             token = (targets >= 0) & (targets < self.vocab)
             if not bool(((idx >= 0) & (idx < self.vocab)).all()) or not bool((token | torch.isin(targets, ignored)).all()):
                 raise TensorstowError(f"idx/targets hold token ids outside the model's vocabulary "
