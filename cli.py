@@ -338,10 +338,8 @@ def cmd_execute(args) -> int:
     run = _run(args, plan)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:  # one rank under torchrun
         from tensorstow.executor.run import worker
-        kw = dataclasses.asdict(run)
-        kw.pop("nproc")
-        return worker(dict(plan=args.plan, **kw))
-    execute(plan, **dataclasses.asdict(run))
+        return worker(dict(dataclasses.replace(run, nproc=1).to_json(), plan=args.plan))
+    execute(plan, run)
     return 0
 
 
@@ -438,7 +436,7 @@ def cmd_demo() -> int:
             return rc
         print(f"\ntensorstow demo: tensorstow execute {plan_path} --steps 4 --state-dir {tmp}/state", flush=True)
         # its plan is SSD-bound: overlap hides the compute behind the I/O (1.17 vs 1.40 s per step here)
-        execute(load_plan(plan_path), steps=4, state_dir=str(Path(tmp) / "state"), mode="overlap")
+        execute(load_plan(plan_path), Run(steps=4, state_dir=str(Path(tmp) / "state"), mode="overlap"))
     return 0
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import json
 import os
@@ -28,38 +29,29 @@ from tensorstow.executor.ssd import SSDStore
 from tensorstow.ir.models import build_for_execution, resolve_model
 from tensorstow.planner.simulate import plan_commit_s, sync_step_s
 from tensorstow.schema.plan import Plan
+from tensorstow.schema.run import Run
 from tensorstow.schema.schedule import block_gpus, gpu_tier
 
 
-def execute(plan: Plan, *, steps: int | None = None, data: str = "synthetic", state_dir: str | None = None,
-            mode: str = "auto", seed: int = 0, log_json: str | None = None, trace: str | None = None,
-            checkpoint_every: int = 1, out=None, nproc: int = 1, rank: int | None = None, comm=None,
-            lr: float | None = None, lr_scheduler: str | None = None, warmup_steps: int | None = None,
-            min_lr_ratio: float | None = None, epochs: int | None = None, tokenizer: str | None = None,
-            packing: bool = False, shuffle: bool = True) -> dict:
-    """Run the plan until `steps` steps are committed; resume from `state_dir` if it holds some.
-    With a state dir every `checkpoint_every` steps (and the last) are a full checkpoint.
-    `nproc` > 1: one process per GPU (executor.distributed.launch runs this in each, with its
-    `rank` and `comm`; each keeps its state in `state_dir/rank<K>`). `lr`, `lr_scheduler`,
-    `warmup_steps`, `min_lr_ratio`: the learning rate schedule over the run's optimizer steps
-    (executor.lr), each None for the plan's. `data`: a token file, "synthetic", or examples (JSONL
-    or a `datasets` directory: executor.examples, with `tokenizer`, `packing`, `shuffle`); with
-    examples and no `steps`, the run is `epochs` epochs."""
+def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, comm=None) -> dict:
+    """Run the plan as `run` says (schema.run.Run: the data, the run's length, the learning-rate
+    schedule, checkpoints, logs) until its steps are committed; resume from its state dir if that
+    holds some. With a state dir every `checkpoint_every` steps (and the last) are a full
+    checkpoint. `run.nproc` > 1: one process per GPU (executor.distributed.launch runs this in
+    each, with its `rank` and `comm`; each keeps its state in `state_dir/rank<K>`)."""
     out = out or sys.stdout  # looked up per call: the stream of the caller (tests swap it)
-    run = dict(steps=steps, data=data, state_dir=state_dir, mode=mode, seed=seed, log_json=log_json, trace=trace,
-               checkpoint_every=checkpoint_every, lr=lr, lr_scheduler=lr_scheduler, warmup_steps=warmup_steps,
-               min_lr_ratio=min_lr_ratio, epochs=epochs, tokenizer=tokenizer, packing=packing, shuffle=shuffle)
-    if nproc > 1 or (nproc == 1 and rank is None and _gpus_of(plan) > 1):
-        return _launch(plan, nproc, run, out)
-    mode = pick_mode(mode, plan)
+    if run.nproc > 1 or (run.nproc == 1 and rank is None and _gpus_of(plan) > 1):
+        return _launch(plan, run, out)
+    mode = pick_mode(run.mode, plan)
+    steps, state_dir = run.steps, run.state_dir
     if steps is not None and steps < 1:
         raise TensorstowError(f"--steps must be >= 1, got {steps}")
-    if steps is None and (epochs is None or not is_examples(data)):
+    if steps is None and (run.epochs is None or not is_examples(run.data)):
         raise TensorstowError("give --steps, or --epochs with --data examples (JSONL or a datasets directory)")
-    if epochs is not None and epochs < 1:
-        raise TensorstowError(f"--epochs must be >= 1, got {epochs}")
+    if run.epochs is not None and run.epochs < 1:
+        raise TensorstowError(f"--epochs must be >= 1, got {run.epochs}")
     spec = resolve_model(plan.options.model)
-    model, init = build_for_execution(spec, seed)
+    model, init = build_for_execution(spec, run.seed)
     store, start, resume = None, 0, False
     if state_dir is None and plan.ssd_sizes():
         raise TensorstowError("this plan keeps training state on the SSD tier: pass --state-dir DIR "
@@ -72,40 +64,46 @@ def execute(plan: Plan, *, steps: int | None = None, data: str = "synthetic", st
                 agree_on_step(store, comm)
             resume = store.committed_step() is not None
             start = store.committed_step() or 0
-        o = plan.options
-        ex = Executor(plan, model, mode=mode, ssd_store=store, resume=resume, checkpoint_every=checkpoint_every,
-                      init_values=init, rank=rank, comm=comm, lr_schedule=LRSchedule("constant", o.lr))
+        # a constant rate until the data is read: the schedule needs the run's length
+        ex = Executor(plan, model, mode=mode, ssd_store=store, resume=resume, checkpoint_every=run.checkpoint_every,
+                      init_values=init, rank=rank, comm=comm, lr_schedule=LRSchedule("constant", plan.options.lr))
         if store is not None:
             describe(d, ex, model)
-        steps, feed = _feed(ex, plan, data, steps, epochs, seed, start, tokenizer, packing, shuffle)
-        # the schedule needs the run's length, known once the data is read
-        ex.lr_schedule = LRSchedule(o.lr_scheduler if lr_scheduler is None else lr_scheduler,
-                                    o.lr if lr is None else lr, o.warmup_steps if warmup_steps is None else warmup_steps,
-                                    steps, o.min_lr_ratio if min_lr_ratio is None else min_lr_ratio)
+        steps, feed = _feed(ex, plan, run, start)
+        ex.lr_schedule = _lr_schedule(plan, run, steps)
         if start >= steps:
             print(f"state dir {state_dir} already holds step {start} >= {steps} steps: nothing to do", file=out)
             return {"steps": start, "losses": []}
         if start:
             print(f"resuming from step {start} committed in {state_dir}", file=out)
-        times, losses = _train(ex, plan, feed, steps, start, log_json, out)
-        med = _report(ex, plan, mode, times, trace, out)
+        times, losses = _train(ex, plan, feed, steps, start, run.log_json, out)
+        med = _report(ex, plan, mode, times, run.trace, out)
         return {"steps": steps, "losses": losses, "median_step_s": med, "peak": ex.peak_bytes}
 
 
-def _feed(ex: Executor, plan: Plan, data: str, steps: int | None, epochs: int | None, seed: int, start: int,
-          tokenizer: str | None, packing: bool, shuffle: bool) -> tuple[int, Iterator]:
+def _feed(ex: Executor, plan: Plan, run: Run, start: int) -> tuple[int, Iterator]:
     """(the run's steps, an iterator of (epoch, example, x, y) from step `start` on): examples
     (executor.examples) or tokens (executor.data; epoch and example None)."""
     m = plan.model
     rows = m.batch * ex.M
-    if not is_examples(data):
-        return steps, ((None, None, x, y) for x, y in batches(data, rows, m.seq, ex.vocab, steps, seed, start))
+    if not is_examples(run.data):
+        return run.steps, ((None, None, x, y)
+                           for x, y in batches(run.data, rows, m.seq, ex.vocab, run.steps, run.seed, start))
     ignored = ex.program.ignore_index
-    examples = Examples.load(data, m.seq, ex.vocab, tokenizer=_tokenizer(tokenizer, plan.options.model),
-                             ignore=-100 if -100 in ignored else min(ignored), packing=packing)
-    if steps is None:
-        steps = epochs * examples.steps_per_epoch(rows)
-    return steps, examples.batches(rows, steps, seed, start, shuffle)
+    examples = Examples.load(run.data, m.seq, ex.vocab, tokenizer=_tokenizer(run.tokenizer, plan.options.model),
+                             ignore=-100 if -100 in ignored else min(ignored), packing=run.packing)
+    steps = run.steps if run.steps is not None else run.epochs * examples.steps_per_epoch(rows)
+    return steps, examples.batches(rows, steps, run.seed, start, run.shuffle)
+
+
+def _lr_schedule(plan: Plan, run: Run, steps: int) -> LRSchedule:
+    """The learning rate over the run's `steps`: each of the run's settings, else the plan's."""
+    o = plan.options
+
+    def pick(given, planned):
+        return planned if given is None else given
+    return LRSchedule(pick(run.lr_scheduler, o.lr_scheduler), pick(run.lr, o.lr), pick(run.warmup_steps, o.warmup_steps),
+                      steps, pick(run.min_lr_ratio, o.min_lr_ratio))
 
 
 def _tokenizer(path: str | None, model: str):
@@ -205,16 +203,16 @@ def _gpus_of(plan: Plan) -> int:
     return len(plan.hardware.spec.gpus) if used != {gpu_tier(0)} else 1
 
 
-def _launch(plan: Plan, nproc: int, kw: dict, out) -> dict:
-    need = _gpus_of(plan)
+def _launch(plan: Plan, run: Run, out) -> dict:
+    need, nproc = _gpus_of(plan), run.nproc
     if nproc != need:
         raise TensorstowError(f"this plan runs on {need} GPU(s) ({plan.hardware.name}): execute it with "
                               f"--nproc {need}, one process per GPU")
     with tempfile.TemporaryDirectory(prefix="tensorstow-plan-") as tmp:
         path = Path(tmp) / "plan.json"
         path.write_text(plan.dumps())
-        launch(nproc, dict(kw, plan=str(path)), out)
-    return {"steps": kw["steps"], "losses": []}
+        launch(nproc, dict(dataclasses.replace(run, nproc=1).to_json(), plan=str(path)), out)
+    return {"steps": run.steps, "losses": []}
 
 
 def predicted_step(plan: Plan, mode: str) -> float:
@@ -290,7 +288,7 @@ def worker(kw: dict) -> int:
         out = sys.stdout if rank == 0 else open(os.devnull, "w")
         if rank:  # one log and one trace, rank 0's
             kw = dict(kw, log_json=None, trace=None)
-        execute(plan, **kw, rank=rank, comm=Comm(rank, world, on_device=nccl), out=out)
+        execute(plan, Run.from_json(kw, where="rank options"), rank=rank, comm=Comm(rank, world, on_device=nccl), out=out)
         # every rank done before any leaves: gloo aborts a process (SIGABRT) whose peer closed its
         # connections while it was still tearing its own down
         dist.barrier()
