@@ -7,8 +7,10 @@ Everything is measured, nothing is looked up in a table:
 
 * GPU (torch.cuda available): memory from the device properties (NVML, when it loads, only
   adds names and driver info to `source`), matmul FLOP/s at bf16 (fp16 where bf16 is not
-  supported), device-to-device copy bandwidth, pinned host<->device bandwidth per direction,
-  and GPU->GPU bandwidth when peer access exists.
+  supported): the peak of a large square matmul, and the rates a training step's kernels reach
+  at its sizes (a linear layer's three matmuls and causal attention's forward + backward over a
+  sweep of transformer shapes, the per-kernel launch floor), device-to-device copy bandwidth,
+  pinned host<->device bandwidth per direction, and GPU->GPU bandwidth when peer access exists.
 * No CUDA: the "device tier" is budgeted CPU memory, so the spec holds one pseudo-GPU
   "cpu (no CUDA)" with a quarter of total RAM (the CLI usually overrides it with --gpu-mem),
   the FLOP/s a GPT block's fp32 forward + backward reaches (LoHan's THP_G is a block peak, not
@@ -51,6 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from tensorstow.errors import TensorstowError
+from tensorstow.ir.graph import attention_flops
 from tensorstow.planner.presets import load_hardware
 from tensorstow.schema.hardware import CPU, CPU_GPU_NAME, CUDA_WORKSPACE_BYTES, DRAM, GPU, SSD, GiB, Hardware
 from tensorstow.schema.options import Options
@@ -855,6 +858,83 @@ def _cuda_best(fn, reps: int, warmup: int = 1) -> float:
     return max(best, 1e-9)
 
 
+GPU_LINEAR_SHAPES = tuple((m, k, n) for m in (2048, 8192) for d in (512, 1024, 2048, 4096, 8192)
+                          for k, n in ((d, d), (d, 4 * d)))
+"""(tokens, in features, out features) of the linear layers whose matmuls give `GPU.matmul_rates`:
+transformer projections and MLPs (d -> d, d -> 4d) from 512 to 8192 wide at 2 K and 8 K tokens."""
+GPU_ATTENTION_SHAPES = ((8, 8, 512, 64), (8, 12, 1024, 64), (8, 16, 1024, 128), (4, 32, 2048, 128), (2, 32, 4096, 128))
+"""(batch, heads, seq, head dim) of the causal attentions that give `GPU.attention_rates`."""
+KERNEL_FLOOR_OPS = 500
+"""Tiny ops launched back to back whose time per op gives `GPU.kernel_s`."""
+
+
+def _curve(points) -> tuple[tuple[float, float], ...]:
+    """(FLOPs, seconds) measurements as ascending (FLOPs, FLOP/s) points, one per distinct size
+    (shapes of equal FLOPs pooled)."""
+    pooled: dict[float, list[float]] = {}
+    for flops, secs in points:
+        pooled.setdefault(float(flops), []).append(secs)
+    return tuple((f, f * len(ts) / sum(ts)) for f, ts in sorted(pooled.items()))
+
+
+def _linear_rates(device, dtype, shapes, timer) -> tuple[tuple[float, float], ...]:
+    """`GPU.matmul_rates`: for each (tokens, in, out), a linear layer's three matmuls (forward,
+    input gradient, weight gradient: the layouts a training step runs) timed together by
+    `timer(fn) -> seconds`, keyed by one matmul's FLOPs."""
+    import torch
+
+    points = []
+    for m, k, n in shapes:
+        x = torch.randn(m, k, device=device, dtype=dtype)
+        w = torch.randn(n, k, device=device, dtype=dtype)
+        dy = torch.randn(m, n, device=device, dtype=dtype)
+
+        def step(x=x, w=w, dy=dy):
+            torch.mm(x, w.t())
+            torch.mm(dy, w)
+            torch.mm(dy.t(), x)
+
+        points.append((2 * m * k * n, timer(step) / 3))
+        del x, w, dy
+    return _curve(points)
+
+
+def _attention_rates(device, dtype, shapes, timer) -> tuple[tuple[float, float], ...]:
+    """`GPU.attention_rates`: for each (batch, heads, seq, head dim), a causal scaled-dot-product
+    attention's forward and backward timed together, FLOPs as `ir.graph.attention_flops` counts
+    them, keyed by the forward's."""
+    import torch
+    import torch.nn.functional as F
+
+    points = []
+    for b, h, s, d in shapes:
+        q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+        g = torch.randn(b, h, s, d, device=device, dtype=dtype)
+
+        def step(q=q, k=k, v=v, g=g):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            torch.autograd.grad(out, (q, k, v), g)
+
+        fwd = attention_flops(q.shape, k.shape, v.shape)
+        both = fwd + attention_flops(q.shape, k.shape, v.shape, backward=True)
+        points.append((fwd, timer(step) * fwd / both))
+        del q, k, v, g
+    return _curve(points)
+
+
+def _kernel_floor(device, timer) -> float:
+    """`GPU.kernel_s`: seconds per tiny op launched back to back from Python."""
+    import torch
+
+    x = torch.zeros(1, device=device)
+
+    def step():
+        for _ in range(KERNEL_FLOOR_OPS):
+            x.add_(1)
+
+    return timer(step) / KERNEL_FLOOR_OPS
+
+
 def _probe_one_cuda(dev: int, p: _Params) -> tuple[GPU, str]:
     import torch
 
@@ -878,6 +958,11 @@ def _probe_one_cuda(dev: int, p: _Params) -> tuple[GPU, str]:
 
         flops = 2 * n**3 * p.gpu_mm_iters / _cuda_best(mm, p.gpu_mm_reps, warmup=2)
         del a, b, c
+        timer = functools.partial(_cuda_best, reps=p.gpu_mm_reps, warmup=2)
+        linear = _linear_rates(dev, dtype, [(m, k, n) for m, k, n in GPU_LINEAR_SHAPES if 2 * (m * k + n * k + m * n) < free // 4], timer)
+        attention = _attention_rates(dev, dtype, GPU_ATTENTION_SHAPES, timer)
+        kernel_s = _kernel_floor(dev, timer)
+        torch.cuda.empty_cache()
 
         d_src = torch.empty(nbytes, dtype=torch.uint8, device=dev).fill_(1)
         d_dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
@@ -904,7 +989,12 @@ def _probe_one_cuda(dev: int, p: _Params) -> tuple[GPU, str]:
             f"copies {nbytes // MiB} MiB (pinned host; converting fp32 <-> 16-bit blocking copies "
             f"{nbytes // 4 // MiB} Mi elements); context and other processes {context / MiB:.0f} MiB "
             f"+ {CUDA_WORKSPACE_BYTES // MiB} MiB workspaces reserved")
+    note += (f"; matmul_rates: a linear layer's three matmuls at {len(linear)} sizes "
+             f"({linear[0][1] / 1e12:.0f}-{max(r for _, r in linear) / 1e12:.0f} TFLOPS); attention_rates: causal "
+             f"attention forward + backward at {len(attention)} sizes ({attention[0][1] / 1e12:.0f}-"
+             f"{max(r for _, r in attention) / 1e12:.0f} TFLOPS); kernel_s {kernel_s * 1e6:.1f} us")
     return GPU(name=props.name, memory_bytes=int(props.total_memory), flops=flops, mem_bw=mem_bw, h2d_bw=h2d,
+               matmul_rates=linear, attention_rates=attention, kernel_s=kernel_s,
                d2h_bw=d2h, d2h_convert_bw=d2h_conv, h2d_convert_bw=h2d_conv, copy_tensor_s=per_tensor,
                reserved_bytes=context + CUDA_WORKSPACE_BYTES,
                compute_capability=float(f"{props.major}.{props.minor}")), note

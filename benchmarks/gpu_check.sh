@@ -11,9 +11,11 @@
 #   DEADLINE  seconds from the start by which every stage has ended (default 420)
 #   HW        a spec file from `tensorstow probe` instead of probing
 #   DEVICE    cuda (default) or cpu, to try the script itself on a machine without a GPU
-# A machine without network access needs the wheels its Python lacks, made once where pip works:
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl pulp==3.3.2 highspy==1.16.0
+# A machine without network access needs the wheels its Python may lack, made once where pip works
+# (the test extras too for the suite stage; the script installs only those it lacks):
+#   python3 -m pip download --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl pulp==3.3.2 highspy==1.16.0 \
+#     transformers peft datasets hypothesis pytest-xdist   (then drop numpy, torch and what the machine has)
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
@@ -30,9 +32,23 @@ budget() { local left=$(( DEADLINE - ($(date +%s) - T0) )); [ "$left" -lt 20 ] &
            [ "$1" -lt "$left" ] && echo "$1" || echo "$left"; }
 
 if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "wheel install failed"; exit 1; }
-  export PYTHONPATH=/tmp/site
+  # only the wheels whose distribution this Python lacks (what it has stays as it is)
+  missing=$(python3 - <<'PY'
+import glob, importlib.metadata as md, os
+for w in sorted(glob.glob(".whl/*.whl")):
+    dist = os.path.basename(w).split("-")[0]
+    try:
+        md.version(dist)
+    except md.PackageNotFoundError:
+        print(w)
+PY
+)
+  if [ -n "$missing" ]; then
+    echo "installing $(echo "$missing" | wc -l) wheel(s) this Python lacks"
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site $missing \
+      || { echo "wheel install failed"; exit 1; }
+    export PYTHONPATH=/tmp/site
+  fi
 fi
 python3 -c "import tensorstow" 2>/dev/null || python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . \
   >"$OUT/install.log" 2>&1 || { echo "editable install failed:"; tail -5 "$OUT/install.log"; exit 1; }

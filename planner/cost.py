@@ -1,13 +1,15 @@
 """Cost model: block profiles from the IR, and the duration of every instruction.
 
 Op time is a roofline: max(FLOPs / THP_G, bytes / memory bandwidth), summed over a
-segment's ops. Transfers take bytes / link bandwidth; the host link is duplex (H2D and D2H
+segment's ops; a probed GPU's matmuls and attention run at the rates measured at their sizes,
+and every kernel takes at least its launch floor. Transfers take bytes / link bandwidth; the host link is duplex (H2D and D2H
 are separate resources), SSD traffic is simplex across N drives (Fuyou Eq. 3-4, LoHan
 Eq. 2: reads and writes share the SSDs' bandwidth). The CPU optimizer updates
 `cpu.adam_rate` parameters per second; the GPU optimizer is memory-bound.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tensorstow.ir.graph import FLASH_MIN_CAPABILITY, Graph, attention_flops, draws_random, flash_eligible, lsum, numel
@@ -38,10 +40,10 @@ class BlockProfile:
     """Bytes of their compute copies P (mixed precision: 16-bit where autocast only reads them
     cast, fp32 where it reads them in fp32: norm weights, embeddings)."""
     grad_bytes: int
+    """Bytes of their gradients' storages G (the dtype of the compute copy)."""
     grad_fp32_bytes: int
     """Bytes of the gradients' storages in fp32: what eager's fp32 `.grad` accumulates in (a
     mixed-precision pipeline's G over several microbatches)."""
-    """Bytes of their gradients' storages G (the dtype of the compute copy)."""
     const_bytes: int
     """Frozen parameters and buffers the block owns (read-only: C:<b>)."""
     reads: tuple[str, ...]
@@ -125,12 +127,60 @@ def commit_time(hw, instrs) -> float:
     return hw.ssd.commit_s if any(i.kind == "store" and i.dst == "ssd" for i in instrs) else 0.0
 
 
-def op_time(flops: int, nbytes: int, hw: Hardware, gpu: int = 0, fp32: bool = False) -> float:
+def op_time(flops: int, nbytes: int, hw: Hardware, gpu: int = 0, fp32: bool = False, kind: str = "") -> float:
     """Roofline time of one op, plus the host's dispatch cost per op (`GPU.op_s`); `fp32`: its math
-    runs in fp32 (at `flops_fp32` where the GPU has one)."""
+    runs in fp32 (at `flops_fp32` where the GPU has one). `kind` ("matmul", "attention",
+    "attention_bwd" from `op_kind`): its FLOPs run at the rate the GPU's probe measured at that
+    size (`GPU.matmul_rates`, `attention_rates`) where it has one, else at `flops`. An op that
+    touches memory takes at least `GPU.kernel_s`."""
     g = hw.gpus[gpu]
-    peak = g.flops_fp32 if fp32 and g.flops_fp32 else g.flops
-    return max(flops / peak, nbytes / g.mem_bw) + g.op_s
+    if fp32 and g.flops_fp32:
+        rate = g.flops_fp32
+    else:
+        rate = (measured_rate(g, kind, flops) if kind and not fp32 else 0.0) or g.flops
+    t = max(flops / rate, nbytes / g.mem_bw)
+    if flops or nbytes:
+        t = max(t, g.kernel_s)
+    return t + g.op_s
+
+
+_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear"})
+_ATTENTION_BWD_PER_FWD = 2.5
+"""An attention backward's FLOPs over its forward's (`attention_flops`, head dims equal): where a
+backward op looks up `GPU.attention_rates`, which are keyed by the forward's FLOPs."""
+
+
+def op_kind(target: str) -> str:
+    """What rate an op's FLOPs run at (`op_time`), by its aten name: "matmul", "attention" (a
+    fused scaled-dot-product forward), "attention_bwd", or "" (the peak)."""
+    if "_attention" in target or "scaled_dot_product" in target:
+        return "attention_bwd" if "backward" in target else "attention"
+    return "matmul" if target.removeprefix("aten.").split(".")[0] in _MATMULS else ""
+
+
+def measured_rate(g, kind: str, flops: float) -> float:
+    """FLOP/s of an op of `kind` and `flops` from the GPU's probed curves, interpolated log-log
+    between their points and held at their ends; 0 where the GPU has none."""
+    curve = g.matmul_rates
+    if kind.startswith("attention") and g.attention_rates:
+        curve = g.attention_rates
+        if kind == "attention_bwd":
+            flops /= _ATTENTION_BWD_PER_FWD
+    if not curve or flops <= 0:
+        return 0.0
+    if flops <= curve[0][0]:
+        return curve[0][1]
+    for (f0, r0), (f1, r1) in zip(curve, curve[1:]):
+        if flops <= f1:
+            w = math.log(flops / f0) / math.log(f1 / f0)
+            return math.exp(math.log(r0) + w * math.log(r1 / r0))
+    return curve[-1][1]
+
+
+def ops_time(ops, tensors, hw: Hardware) -> float:
+    """Roofline time of a sequence of IR ops on GPU 0 (each at its precision and kind)."""
+    return lsum(op_time(o.flops, o.bytes_in + o.bytes_out, hw, fp32=_in_fp32(o, tensors), kind=op_kind(o.target))
+                for o in ops)
 
 
 def _in_fp32(o, tensors) -> bool:
@@ -197,8 +247,8 @@ def profiles(graph: Graph, hw: Hardware) -> dict[str, BlockProfile]:
             fwd_ops=(fwd[0].index, fwd[-1].index) if fwd else (-1, -1),
             bwd_ops=(bwd[0].index, bwd[-1].index) if bwd else (-1, -1),
             fwd_flops=sum(o.flops for o in fwd), bwd_flops=sum(o.flops for o in bwd),
-            fwd_time_s=lsum(op_time(o.flops, o.bytes_in + o.bytes_out, hw, fp32=_in_fp32(o, tensors)) for o in fwd),
-            bwd_time_s=lsum(op_time(o.flops, o.bytes_in + o.bytes_out, hw, fp32=_in_fp32(o, tensors)) for o in bwd)
+            fwd_time_s=ops_time(fwd, tensors, hw),
+            bwd_time_s=ops_time(bwd, tensors, hw)
             + lsum(_attention_recompute_time(o, tensors, hw) for o in bwd),
             param_count=next(blk.param_count for blk in graph.blocks if blk.name == b),
             const_bytes=sum(t.nbytes for t in tensors.values() if t.kind == "constant" and t.block == b
@@ -216,15 +266,15 @@ def profiles(graph: Graph, hw: Hardware) -> dict[str, BlockProfile]:
             inputs=tuple(sorted(inputs)), carried=carried, handed=handed, **_state(b, tensors),
             swapped=swapped, swap_bytes=sum(tensors[n].nbytes for n in swapped),
             rest=rest, rest_bytes=sum(tensors[n].nbytes for n in rest),
-            refwd_time_s=lsum(op_time(o.flops, o.bytes_in + o.bytes_out, hw, fp32=_in_fp32(o, tensors)) for o in refwd),
+            refwd_time_s=ops_time(refwd, tensors, hw),
             refwd_workspace=_workspace(refwd, tensors, ops),
             sizes=tuple(sorted((n, tensors[n].nbytes) for n in {*saved, *swapped, *rest})), **cut)
     return out
 
 
 def _op_times(seg, tensors, hw: Hardware) -> float:
-    return lsum(op_time(o.flops, o.bytes_in + o.bytes_out, hw, fp32=_in_fp32(o, tensors))
-               + _attention_recompute_time(o, tensors, hw) for o in seg)
+    return lsum(op_time(o.flops, o.bytes_in + o.bytes_out, hw, fp32=_in_fp32(o, tensors), kind=op_kind(o.target))
+                + _attention_recompute_time(o, tensors, hw) for o in seg)
 
 
 def _backward_cut(bwd, saved: dict, readers, tensors, ops, hw: Hardware, handed: set, carried: set) -> dict:
@@ -328,7 +378,8 @@ def _attention_recompute_time(o, tensors, hw: Hardware) -> float:
             and flash_eligible({q.dtype, k.dtype, v.dtype}, q.shape, k.shape, v.shape, masked=False)):
         return 0.0
     flops = attention_flops(q.shape, k.shape, v.shape)
-    return op_time(flops, q.nbytes + k.nbytes + v.nbytes + tensors[o.inputs[0]].nbytes, hw, fp32=q.dtype == "float32")
+    return op_time(flops, q.nbytes + k.nbytes + v.nbytes + tensors[o.inputs[0]].nbytes, hw, fp32=q.dtype == "float32",
+                   kind="attention")
 
 
 def _state(b: str, tensors: dict) -> dict:

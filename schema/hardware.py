@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from tensorstow.errors import TensorstowError
 from tensorstow.ir.graph import stable_hash
-from tensorstow.schema.typed import decode
+from tensorstow.schema.typed import decode, encode
 
 GB = 10**9
 GiB = 2**30
@@ -34,7 +34,7 @@ CPU_GPU_NAME = "cpu (no CUDA)"
 (`tensorstow probe` there): the device tier the executor emulates on the CPU."""
 
 
-OMITTED_WHEN_ZERO = ("op_s", "d2h_convert_bw", "h2d_convert_bw", "copy_tensor_s", "host_contention", "ssd_contention",
+OMITTED_WHEN_ZERO = ("op_s", "matmul_rates", "attention_rates", "kernel_s", "d2h_convert_bw", "h2d_convert_bw", "copy_tensor_s", "host_contention", "ssd_contention",
                      "compute_capability", "request_s", "commit_s", "sync_s", "flush_bw", "adam_tensor_s")
 """GPU, SSD and CPU fields a spec's JSON leaves out when 0 (added after specs existed: their
 fingerprints stay)."""
@@ -105,6 +105,24 @@ class GPU:
     at 1 / 2 torch threads on a 2-core CPU VM, benchmarks/RESULTS.md "The probe"). 0 in the
     presets and in specs probed before it existed (their SSD transfers then stretch nothing).
     Left out of the spec's JSON when 0."""
+    matmul_rates: tuple[tuple[float, float], ...] = ()
+    """(FLOPs of one matmul, FLOP/s it runs at), ascending: what a 16-bit matmul of that size gets
+    on this GPU. `tensorstow probe` times the three matmuls of linear layers of transformer shapes
+    (forward, input gradient, weight gradient) at the compute precision; a plan's matmul is priced
+    at the rate interpolated at its FLOPs (log-log, held at the ends). Small matmuls run far below
+    the peak `flops` (on an H200: 160 model TFLOPS for gpt3-125m against a 723 TFLOPS 4096^2
+    matmul, benchmarks/RESULTS.md "On a GPU"). Empty: `flops` (the papers' presets, whose `flops`
+    are measured block rates). Left out of the spec's JSON when empty."""
+    attention_rates: tuple[tuple[float, float], ...] = ()
+    """(FLOPs of one attention forward, FLOP/s of its forward and backward together), ascending,
+    as `matmul_rates`: causal scaled-dot-product attention (flash where the GPU runs it) timed by
+    `tensorstow probe` at the compute precision, its FLOPs counted as torch's flop counter counts
+    them (the whole score matrix). Empty: `matmul_rates`, then `flops`."""
+    kernel_s: float = 0.0
+    """Seconds an op that touches memory takes at least on the device's compute stream: tiny ops
+    launched back to back from Python (kernel launch and the dispatcher; `tensorstow probe` times
+    500 of them). 0: no floor (the presets, the CPU device tier, whose `op_s` holds its per-op
+    cost). Left out of the spec's JSON when 0."""
     compute_capability: float = 0.0
     """CUDA compute capability, major.minor (8.9 for an RTX 4090); 0: not stated (the papers'
     presets of Ampere and newer GPUs, the CPU device tier). It decides which attention kernels run:
@@ -213,7 +231,7 @@ class Hardware:
         return self.gpus[0]
 
     def to_json(self) -> dict:
-        d = dataclasses.asdict(self)
+        d = {f.name: encode(getattr(self, f.name)) for f in dataclasses.fields(self)}  # JSON's lists
         d["gpus"] = [{k: v for k, v in g.items() if k not in OMITTED_WHEN_ZERO or v} for g in d["gpus"]]
         for part in ("ssd", "cpu"):
             d[part] = {k: v for k, v in d[part].items() if k not in OMITTED_WHEN_ZERO or v}

@@ -1,0 +1,129 @@
+"""The GPU compute model a probe calibrates: matmuls and attention at the rates measured at their
+sizes (`GPU.matmul_rates`, `GPU.attention_rates`), every kernel at least the launch floor
+(`GPU.kernel_s`); specs without them (the papers' presets) priced as before."""
+import dataclasses
+import math
+import time
+
+import pytest
+import torch
+
+from tensorstow import calibrate
+from tensorstow.ir.graph import attention_flops
+from tensorstow.planner import cost
+from tensorstow.planner.presets import load_hardware
+from tensorstow.planner.problem import build_problem
+from tensorstow.schema.hardware import Hardware
+from tensorstow.schema.options import Options
+
+
+def _with(hw, **gpu):
+    return dataclasses.replace(hw, gpus=(dataclasses.replace(hw.gpus[0], **gpu),))
+
+
+def test_a_matmul_runs_at_the_rate_interpolated_at_its_size():
+    """Log-log interpolation between the probed points, held at the ends; fp32 ops and ops that
+    are not matmuls keep the peak."""
+    hw = load_hardware("lohan-rtx4090")
+    peak = hw.gpus[0].flops
+    probed = _with(hw, matmul_rates=((1e9, peak / 8), (1e11, peak / 2)))
+    t = lambda flops, **kw: cost.op_time(flops, 0, probed, **kw)  # noqa: E731
+    assert t(1e9, kind="matmul") == pytest.approx(1e9 / (peak / 8))
+    assert t(1e8, kind="matmul") == pytest.approx(1e8 / (peak / 8))  # held below the first point
+    assert t(1e12, kind="matmul") == pytest.approx(1e12 / (peak / 2))  # held above the last
+    # halfway in log FLOPs: the geometric mean of the two rates
+    assert t(1e10, kind="matmul") == pytest.approx(1e10 / math.sqrt(peak / 8 * peak / 2))
+    assert t(1e10) == pytest.approx(1e10 / peak)
+    assert t(1e10, kind="matmul", fp32=True) == pytest.approx(1e10 / hw.gpus[0].flops_fp32)
+
+
+def test_attention_uses_its_own_curve_keyed_by_the_forward():
+    """A backward op looks the rate up at its forward's FLOPs (2.5x fewer, head dims equal); with
+    no attention curve, attention runs at the matmul rates."""
+    hw = load_hardware("lohan-rtx4090")
+    peak = hw.gpus[0].flops
+    q = (8, 12, 1024, 64)
+    fwd, bwd = attention_flops(q, q, q), attention_flops(q, q, q, backward=True)
+    assert bwd == 2.5 * fwd
+    probed = _with(hw, matmul_rates=((1.0, peak / 2),), attention_rates=((fwd / 10, peak / 8), (fwd * 10, peak / 4)))
+    rate = cost.measured_rate(probed.gpus[0], "attention", fwd)
+    assert rate == pytest.approx(math.sqrt(peak / 8 * peak / 4))
+    assert cost.op_time(bwd, 0, probed, kind="attention_bwd") == pytest.approx(bwd / rate)
+    only_mm = _with(hw, matmul_rates=((1.0, peak / 2),))
+    assert cost.op_time(fwd, 0, only_mm, kind="attention") == pytest.approx(fwd / (peak / 2))
+
+
+def test_every_kernel_takes_at_least_the_launch_floor():
+    hw = load_hardware("lohan-rtx4090")
+    floored = _with(hw, kernel_s=5e-6)
+    assert cost.op_time(0, 0, floored) == 0.0  # a view launches nothing
+    assert cost.op_time(0, 1024, floored) == 5e-6
+    assert cost.op_time(10 ** 13, 0, floored) == cost.op_time(10 ** 13, 0, hw) > 5e-6
+
+
+@pytest.mark.parametrize("target, kind", [("aten.mm.default", "matmul"), ("aten.addmm.default", "matmul"),
+                                          ("aten.bmm.default", "matmul"), ("aten.add.Tensor", ""),
+                                          ("aten._scaled_dot_product_flash_attention_for_cpu.default", "attention"),
+                                          ("aten._scaled_dot_product_flash_attention_for_cpu_backward.default",
+                                           "attention_bwd"),
+                                          ("aten._scaled_dot_product_efficient_attention.default", "attention")])
+def test_op_kind_by_aten_name(target, kind):
+    assert cost.op_kind(target) == kind
+
+
+def test_a_block_is_priced_at_the_probed_rates():
+    """A GPT block's forward time on a spec with curves: each op's roofline computed here from the
+    IR (matmuls at the matmul rate, the attention at its own, the rest at memory bandwidth, all
+    floored) equals the profile's."""
+    hw = load_hardware("lohan-rtx4090")
+    g = hw.gpus[0]
+    probed = _with(hw, matmul_rates=((1.0, g.flops / 5),), attention_rates=((1.0, g.flops / 9),), kernel_s=3e-6)
+    o = Options(model="gpt-tiny", hardware="lohan-rtx4090", batch=2, seq=32, precision="bf16-mixed")
+    p, base = build_problem(o, probed), build_problem(o, hw)
+    b = "b1"
+    ops = [op for op in p.graph.ops if op.block == b and op.phase == "fwd"]
+    mm = [op for op in ops if op.target.startswith(("aten.mm", "aten.addmm"))]
+    attn = [op for op in ops if "attention" in op.target]
+    assert mm and attn
+    expect = 0.0
+    for op in ops:
+        rate = g.flops / 5 if op in mm else g.flops / 9 if op in attn else g.flops
+        mem = (op.bytes_in + op.bytes_out) / g.mem_bw
+        t = max(op.flops / rate, mem)
+        expect += max(t, 3e-6) if op.flops or op.bytes_in + op.bytes_out else t
+    assert p.profiles[b].fwd_time_s == pytest.approx(expect, rel=1e-9)
+    assert p.profiles[b].fwd_time_s > base.profiles[b].fwd_time_s
+
+
+def test_the_curves_travel_in_the_spec_and_stay_out_when_empty():
+    hw = load_hardware("lohan-rtx4090")
+    j = hw.to_json()["gpus"][0]
+    assert not {"matmul_rates", "attention_rates", "kernel_s"} & set(j)
+    probed = _with(hw, matmul_rates=((1e9, 1e14), (1e12, 3e14)), attention_rates=((1e9, 5e13),), kernel_s=4e-6)
+    assert Hardware.from_json(probed.to_json()) == probed
+
+
+def _wall(fn) -> float:
+    fn()
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def test_the_probe_sweeps_give_ascending_positive_curves():
+    """The probe's sweeps (run on the CPU at tiny shapes with a wall-clock timer; on CUDA they
+    time `GPU_LINEAR_SHAPES` and `GPU_ATTENTION_SHAPES` with CUDA events): one point per
+    distinct FLOP count, shapes of equal FLOPs pooled."""
+    shapes = [(64, 32, 32), (64, 32, 128), (64, 128, 32), (128, 64, 256)]
+    linear = calibrate._linear_rates("cpu", torch.float32, shapes, _wall)
+    assert [f for f, _ in linear] == sorted({2.0 * m * k * n for m, k, n in shapes})
+    assert all(r > 0 for _, r in linear)
+    attn = calibrate._attention_rates("cpu", torch.float32, [(1, 2, 64, 16), (2, 2, 128, 32)], _wall)
+    assert [f for f, _ in attn] == [attention_flops(s, s, s) for s in [(1, 2, 64, 16), (2, 2, 128, 32)]]
+    assert all(r > 0 for _, r in attn)
+    assert 0 < calibrate._kernel_floor("cpu", _wall) < 1e-2
+
+
+def test_pooled_points_average_their_times():
+    """Two shapes of equal FLOPs make one point at their FLOPs over their mean time."""
+    assert calibrate._curve([(100, 1.0), (100, 3.0), (10, 1.0)]) == ((10.0, 10.0), (100.0, 50.0))
