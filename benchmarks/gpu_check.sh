@@ -97,7 +97,8 @@ for s in $STAGES; do
     suite)
       t=$(budget 600); [ "$t" -lt 60 ] && { echo "skipped: out of time"; continue; }
       # CI's shape: 2 torch threads per worker
-      OMP_NUM_THREADS=2 timeout "$t" python3 -m pytest -o addopts="" -n 8 --dist worksteal -p no:cacheprovider \
+      # SIGINT at the limit: pytest stops and still prints what passed and failed
+      OMP_NUM_THREADS=2 timeout -s INT -k 20 "$t" python3 -m pytest -o addopts="" -n 8 --dist worksteal -p no:cacheprovider \
         -q --tb=line -rf >"$OUT/suite.log" 2>&1
       echo "rc $?"; grep -E "(FAILED|ERROR) |passed|failed" "$OUT/suite.log" | tail -40 ;;
     *) echo "unknown stage $s" ;;
