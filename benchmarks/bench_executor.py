@@ -10,8 +10,9 @@ Usage: python benchmarks/bench_executor.py [--model gpt-small] [--batch 4] [--st
                                           [--precision fp32|bf16-mixed|fp16-mixed] [--device cpu|cuda]
 On a GPU (`--device cuda`) eager is all-GPU PyTorch (the model and AdamW on the GPU, CUDA
 autocast), the executor's device tier is the GPU, and each line also prints model TFLOPS (the
-plan's FLOPs without recomputation, as the papers count them) and the peak of
-`torch.cuda.max_memory_allocated`. `--trace-dir DIR` writes each offloaded run's measured last
+plan's FLOPs without recomputation, as the papers count them), the peak of
+`torch.cuda.max_memory_allocated`, and the caching allocator's cudaMalloc / cudaFree calls and
+retries (frees of its cache to satisfy a request at the device budget) over the run. `--trace-dir DIR` writes each offloaded run's measured last
 step next to its simulated schedule (Perfetto JSON).
 Mixed precision: eager is PyTorch AMP (the forward under autocast with CUDA's op lists, AdamW on
 fp32 parameters, a GradScaler for fp16), the executor runs the plan's autocast graph.
@@ -126,8 +127,11 @@ def main():
         if not cuda:
             return ""
         m = torch.cuda.max_memory_allocated(device)
+        st = torch.cuda.memory_stats(device)  # the caching allocator's cudaMalloc / cudaFree over the run
         torch.cuda.reset_peak_memory_stats(device)
-        return f"   max_memory_allocated {m / 2**30:.2f} GiB"
+        torch.cuda.reset_accumulated_memory_stats(device)
+        return (f"   max_memory_allocated {m / 2**30:.2f} GiB   cudaMalloc {st.get('num_device_alloc', 0)} "
+                f"cudaFree {st.get('num_device_free', 0)} alloc retries {st.get('num_alloc_retries', 0)}")
 
     eager = eager_step(spec, device, a.precision)
     t_eager = median_step(eager, data)
