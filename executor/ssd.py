@@ -438,7 +438,10 @@ class SSDStore:
             return
         self._closed = True
         if getattr(self, "_durable", None) is not None:
-            self._durable.join()  # its files close below; an error it had was the caller's to collect
+            # its files close below; an error it had was the caller's to collect. A store whose
+            # last reference was the background commit's closes on that thread, which has ended
+            if self._durable is not threading.current_thread():
+                self._durable.join()
             self._durable = None
         self._drain_syncer()
         if getattr(self, "_syncer", None) is not None:

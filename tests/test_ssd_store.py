@@ -757,3 +757,29 @@ def test_transient_buffers_are_neither_synced_nor_committed(tmp_path, monkeypatc
         assert torch.equal(out, data["w"])
         with pytest.raises(TensorstowError, match="has no data yet"):
             store.read("a", torch.empty_like(data["a"]))
+
+
+def test_a_store_dropped_during_its_background_commit_closes_quietly(tmp_path, monkeypatch):
+    """An executor left unclosed drops its store while the background commit runs: the commit's
+    thread then holds the last reference, and the store closes on it (`__del__`), which must not
+    try to join that very thread."""
+    import sys
+    errors = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: errors.append(u.exc_value))
+    real = SSDStore._sync_and_record
+
+    def sync_and_record(self, *args):
+        time.sleep(0.2)  # the caller lets go of the store meanwhile
+        return real(self, *args)
+
+    monkeypatch.setattr(SSDStore, "_sync_and_record", sync_and_record)
+    store = SSDStore(tmp_path, {"a": 4096})
+    store.write("a", torch.ones(1024))
+    store.commit(1, wait=False)
+    thread = store._durable
+    del store  # the commit's thread keeps the store alive until it ends
+    thread.join()
+    import gc
+    gc.collect()
+    assert errors == []
+    assert SSDStore(tmp_path, {"a": 4096}).committed_step() == 1  # committed, and the lock released
