@@ -68,7 +68,7 @@ def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, 
         ex = Executor(plan, model, mode=mode, ssd_store=store, resume=resume, checkpoint_every=run.checkpoint_every,
                       init_values=init, rank=rank, comm=comm, lr_schedule=LRSchedule("constant", plan.options.lr))
         if store is not None:
-            describe(d, ex, model)
+            ex.describe(d, model)
         steps, feed = _feed(ex, plan, run, start)
         ex.lr_schedule = _lr_schedule(plan, run, steps)
         if start >= steps:
@@ -140,9 +140,10 @@ def _train(ex: Executor, plan: Plan, feed: Iterator, steps: int, start: int, log
             row = {"step": k + 1, **({} if epoch is None else {"epoch": epoch, "example": example})}
             if bool(torch.isin(y, ignored).all()):
                 ex.skip_step()
-                print(f"step {k + 1}/{steps}{where}  every label is ignored: no update", file=out, flush=True)
                 if log:
                     log.write(json.dumps({**row, "skipped": "no labels"}) + "\n")
+                    log.flush()
+                print(f"step {k + 1}/{steps}{where}  every label is ignored: no update", file=out, flush=True)
                 continue
             taken = ex.opt_steps
             t0 = time.perf_counter()
@@ -154,12 +155,12 @@ def _train(ex: Executor, plan: Plan, feed: Iterator, steps: int, start: int, log
             amp = {} if ex.loss_scale is None else {"loss_scale": ex.loss_scale, "skipped": ex.opt_steps == taken}
             scale = (f"  scale {amp['loss_scale']:g}" + ("  (inf/NaN: update skipped)" if amp["skipped"] else "")
                      if amp else "")
-            print(f"step {k + 1}/{steps}{where}  loss {loss:.4f}  lr {ex.lr:.4g}  {dt:.3f} s  {tokens / dt:.4g} "
-                  f"tokens/s{scale}", file=out, flush=True)
-            if log:
+            if log:  # first: a run killed once the progress line is out has the step logged
                 log.write(json.dumps({**row, "loss": loss, "lr": ex.lr, "step_time_s": dt, "tokens_per_s": tokens / dt,
                                       "device_peak_bytes": ex.peak_bytes.get("gpu", 0), **amp}) + "\n")
                 log.flush()
+            print(f"step {k + 1}/{steps}{where}  loss {loss:.4f}  lr {ex.lr:.4g}  {dt:.3f} s  {tokens / dt:.4g} "
+                  f"tokens/s{scale}", file=out, flush=True)
         ex.checkpoint()  # the last step is always committed
     finally:
         if log:
@@ -241,22 +242,6 @@ def pick_mode(mode: str, plan: Plan | None = None) -> str:
     if device.type == "cuda":
         return "overlap" if plan is None or plan.ssd_sizes() else "sync"
     return "overlap" if lane_cores(device, torch.get_num_threads()) else "sync"
-
-
-def describe(d: Path, ex: Executor, model) -> None:
-    """layout.json (what each persistent buffer holds, by the model's own names) and, for an
-    `hf:` model, its config.json: what `tensorstow export` needs besides the store."""
-    from tensorstow.ir.hf import CausalLM
-    names = {ph: name for name, ph in ex.joint.placeholder.items()}
-    layouts = {n: ex.layouts[n] for n in sorted(ex.homes)}
-    hf = isinstance(model, CausalLM)
-    inner = model.model if hf else model
-    peft = None
-    if hasattr(inner, "peft_config") and hasattr(inner, "active_adapter"):  # a PEFT model: its adapter's config
-        name = inner.active_adapter if isinstance(inner.active_adapter, str) else inner.active_adapter[0]
-        peft = (name, inner.peft_config[name].to_dict())
-    state.write_description(d, layouts, names, ex.frozen, "model." if hf else "",
-                            model.model.config if hf else None, peft)
 
 
 def worker(kw: dict) -> int:
