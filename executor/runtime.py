@@ -45,6 +45,7 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -59,8 +60,9 @@ from tensorstow.executor.lr import LRSchedule
 from tensorstow.executor.malloc import tune as tune_malloc
 from tensorstow.executor.program import Program
 from tensorstow.executor.ssd import SSDStore
+from tensorstow.executor import state
 from tensorstow.executor.state import rng_bytes
-from tensorstow.executor.stores import DeviceMemoryError, DeviceTier, FileStore, HostCopy, HostPool, HostTier, SSDTier
+from tensorstow.executor.stores import DeviceMemoryError, DeviceTier, HostCopy, HostPool, HostTier, SSDTier
 from tensorstow.ir.hf import wrap
 from tensorstow.ir.models import build_for_execution, resolve_model
 from tensorstow.ir.trace import Traced
@@ -189,8 +191,11 @@ class Executor:
                  traced: Traced | None = None, checkpoint_every: int = 1, init_values=None,
                  device: str | torch.device | None = None, rank: int | None = None, comm=None,
                  lr_schedule: LRSchedule | None = None, total_steps: int | None = None, seed: int = 0):
-        """`state_dir`: directory for the fallback `FileStore` when the plan uses the SSD tier and
-        no `ssd_store` is given. `resume`: continue from the step the SSD store committed last
+        """`state_dir`: the run's directory, as `tensorstow execute --state-dir` keeps it, for any
+        plan: the SSD tier's buffers and a full checkpoint every `checkpoint_every` steps in a
+        crash-safe `SSDStore` (`checkpoint()` commits on demand), the plan and a description of
+        the state that `tensorstow export` reads. `ssd_store`: a store of your own instead (then
+        no description is written). `resume`: continue from the step the SSD store committed last
         (every P/M/OS buffer must live on SSD; the model's values are then not used); without
         it a store holding committed state is refused rather than overwritten.
         `device_budget`: bytes the device tier may hold (default: the plan's GPU capacity).
@@ -237,7 +242,29 @@ class Executor:
         self.rng_states: dict[str, torch.Tensor] = {}
         """Per recomputed segment that draws random numbers, the generator state its first run
         started from (`Program.random_segments`)."""
-        self._open_tiers(device, device_budget, state_dir, ssd_store)
+        self.state_dir = None
+        """Where `state_dir=` keeps the run: a crash-safe store of every checkpoint, described for
+        `tensorstow export` (None: no state dir, or the caller's `ssd_store`)."""
+        if state_dir is not None and ssd_store is None:
+            if comm is not None:
+                raise TensorstowError("state_dir= keeps one process's state: a multi-GPU plan's ranks each pass "
+                                      "ssd_store= (tensorstow execute --state-dir does)")
+            self.state_dir = state.claim(state_dir, prog.plan)
+            ssd_store = SSDStore(self.state_dir, state.store_sizes(prog.plan))
+        try:
+            self._init(model, device, device_budget, ssd_store, lr_schedule, total_steps, resume, init_values,
+                       checkpoint_every, state_dir or ssd_store)
+        except BaseException:
+            if self.state_dir is not None:  # its directory lock
+                ssd_store.close()
+            raise
+        if self.state_dir is not None:
+            self.describe(self.state_dir, model)
+
+    def _init(self, model, device, device_budget, ssd_store, lr_schedule, total_steps, resume, init_values,
+              checkpoint_every, where) -> None:
+        prog = self.program
+        self._open_tiers(device, device_budget, ssd_store)
         o = self.plan.options
         self.lr_schedule = lr_schedule or LRSchedule(o.lr_scheduler, o.lr, o.warmup_steps, total_steps or 0,
                                                      o.min_lr_ratio)
@@ -269,11 +296,27 @@ class Executor:
         if checkpoint_every < 1:
             raise TensorstowError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
         self.checkpoint_every = checkpoint_every
-        self._start(model, resume, init_values, state_dir or ssd_store)
+        self._start(model, resume, init_values, where)
+
+    def describe(self, d, model: nn.Module) -> None:
+        """layout.json (what each persistent buffer holds, by the model's own names) and, for an
+        `hf:` model, its config.json, in state dir `d`: what `tensorstow export` needs besides the
+        store."""
+        from tensorstow.ir.hf import CausalLM
+        names = {ph: name for name, ph in self.joint.placeholder.items()}
+        layouts = {n: self.layouts[n] for n in sorted(self.homes)}
+        hf = isinstance(model, CausalLM)
+        inner = model.model if hf else model
+        peft = None
+        if hasattr(inner, "peft_config") and hasattr(inner, "active_adapter"):  # a PEFT model: its adapter's config
+            name = inner.active_adapter if isinstance(inner.active_adapter, str) else inner.active_adapter[0]
+            peft = (name, inner.peft_config[name].to_dict())
+        state.write_description(Path(d), layouts, names, self.frozen, "model." if hf else "",
+                                model.model.config if hf else None, peft)
 
 
     # ---- the step ---------------------------------------------------------------------------
-    def _open_tiers(self, device, device_budget: int | None, state_dir, ssd_store) -> None:
+    def _open_tiers(self, device, device_budget: int | None, ssd_store) -> None:
         """The device tier under the plan's budget, the DRAM arena the plan sizes, the SSD tier
         (a store also for checkpoints where nothing lives on SSD), and the lanes."""
         pred = self.plan.predicted
@@ -299,10 +342,8 @@ class Executor:
         self.host = HostTier(pin=cuda, pool=self.pool)
         uses_ssd = bool(self.plan.ssd_sizes())
         if ssd_store is None and uses_ssd:
-            if state_dir is None:
-                raise TensorstowError("the plan keeps buffers on the SSD tier: pass state_dir= "
-                                      "(a directory on the SSD) or ssd_store=")
-            ssd_store = FileStore(state_dir)
+            raise TensorstowError("the plan keeps buffers on the SSD tier: pass state_dir= "
+                                  "(a directory on the SSD) or ssd_store=")
         self.ssd = SSDTier(ssd_store)  # a checkpoint store also when nothing lives on SSD
         if isinstance(ssd_store, SSDStore):  # what a step swaps out and reads back is not its state
             bufs = self.plan.buffers

@@ -203,3 +203,33 @@ def test_sigkills_then_resume_equal_an_uninterrupted_run(policy, plans, tmp_path
     got = load_file(out / "model.safetensors")
     want = exported(tmp_path / "ref", tmp_path / "ref-out")
     assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
+
+
+@pytest.mark.parametrize("policy", ["stronghold", "zero-infinity"])
+def test_the_api_state_dir_checkpoints_resumes_and_exports_any_plan(policy, plans, tmp_path):
+    """`tensorstow.Executor(plan, model, state_dir=D)` keeps the run as `execute --state-dir` does,
+    for a plan with DRAM-resident state (stronghold) as for one on SSD: 2 steps, `checkpoint()`,
+    a new executor resuming from D for 2 more, then `tensorstow export D` equals 4 eager steps."""
+    import tensorstow
+    from tensorstow.executor.data import batches
+    from tests.fixtures import real_models
+    data = list(batches("synthetic", 2, 16, 128, 4, seed=0))
+    torch.manual_seed(0)
+    ex = tensorstow.Executor(tensorstow.Plan.load(plans[policy]), real_models.nano_gpt_dropout(), state_dir=tmp_path / "s")
+    for x, y in data[:2]:
+        ex.step(x, y)
+    ex.checkpoint()
+    ex.close()
+    with pytest.raises(Exception, match="resume=True"):
+        tensorstow.Executor(tensorstow.Plan.load(plans[policy]), real_models.nano_gpt_dropout(), state_dir=tmp_path / "s")
+    torch.manual_seed(1)  # its values must not be used
+    ex = tensorstow.Executor(tensorstow.Plan.load(plans[policy]), real_models.nano_gpt_dropout(), state_dir=tmp_path / "s", resume=True)
+    assert ex.steps_done == 2
+    for x, y in data[2:]:
+        ex.step(x, y)
+    ex.checkpoint()
+    ex.close()
+    got, want = exported(tmp_path / "s", tmp_path / "e"), eager_params(4)
+    assert got.keys() == want.keys() - {"lm_head.weight"}
+    for n in got:
+        assert torch.equal(got[n], want[n]), n
