@@ -36,8 +36,14 @@ def policy_plan(problem: Problem, name: str) -> PlanResult:
 def plan_problem(problem: Problem, policy: str) -> PlanResult:
     """Plan with one policy, or with `auto`: every policy, keeping the fastest feasible."""
     table = POLICIES
-    if policy == "auto":  # Mobius only where there are several GPUs; baselines never
-        names = [n for n in sorted(table) if n not in BASELINES + SUBSUMED and (n != "mobius" or len(problem.hw.gpus) > 1)]
+    micro = problem.options.microbatches
+    if micro > 1 and policy not in ("auto", "mobius"):  # refused, never ignored
+        raise TensorstowError(f"--microbatches {micro}: the {policy} policy trains one microbatch a step; gradient "
+                              f"accumulation over microbatches is the mobius policy's (--policy mobius, or auto), "
+                              f"or leave --microbatches out")
+    if policy == "auto":  # Mobius only where there are several GPUs or microbatches; baselines never
+        names = [n for n in sorted(table) if n not in BASELINES + SUBSUMED
+                 and (n != "mobius" or len(problem.hw.gpus) > 1 or micro > 1) and (n == "mobius" or micro <= 1)]
         plans = {name: policy_plan(problem, name) for name in names}
         feasible = {n: p for n, p in plans.items() if p.fits}
         if not feasible:

@@ -89,7 +89,8 @@ class Options:
     hardware's)."""
     microbatches: int = 0
     """Pipelines: microbatches per step (0: as many as GPUs, Mobius §3.1); the step's batch is
-    microbatches x batch."""
+    microbatches x batch, its gradients accumulated. Above 1, only the mobius policy (also on one
+    GPU, and what auto then picks) honours it; other policies refuse it."""
     mapping: str = "cross"
     """Pipelines: stage -> GPU mapping, cross (from the root complexes, Mobius §3.3) or
     sequential."""

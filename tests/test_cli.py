@@ -202,6 +202,19 @@ def test_hw_local_plans_for_a_probe_of_this_machine(tmp_path, capsys):
     assert spec["name"] == "local" and "tensorstow probe" in spec["source"]
 
 
+def test_microbatches_are_refused_by_a_policy_that_cannot_accumulate_and_honoured_by_auto(tmp_path, capsys):
+    """`--microbatches K` (gradient accumulation) under a one-microbatch policy is one error line,
+    never ignored; under auto on one GPU it plans mobius with K microbatches."""
+    common = ["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--precision", "fp32", "--microbatches", "2"]
+    assert main([*common, "--policy", "lohan", "-o", str(tmp_path / "a.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tensorstow: error: --microbatches 2: the lohan policy") and err.count("\n") == 1
+    assert not (tmp_path / "a.json").exists()
+    assert main([*common, "-o", str(tmp_path / "b.json")]) == 0
+    d = json.loads((tmp_path / "b.json").read_text())
+    assert d["decisions"]["policy"] == "mobius" and d["decisions"]["pipeline"]["microbatches"] == 2
+
+
 def test_a_reader_that_stops_early_gets_no_traceback():
     """`tensorstow check A B | head -1`: the command stops quietly when its reader goes away."""
     tiny = [f"plans/gpt-tiny__lohan-rtx4090__{p}.json" for p in ("all-gpu", "zero-infinity", "lohan")]
