@@ -399,7 +399,9 @@ def _check_type(o, v, path) -> None:
     ok = (v is None and o.optional) or (isinstance(v, str) and (tp is str or o.size)) or (
         tp is bool and isinstance(v, bool)) or (tp in (int, float) and isinstance(v, (int, float))
                                                  and not isinstance(v, bool) and (tp is float or isinstance(v, int))) or (
-        typing.get_origin(tp) is tuple and isinstance(v, list) and len(v) == len(typing.get_args(tp)))
+        typing.get_origin(tp) is tuple and isinstance(v, list) and (
+            len(v) == len(typing.get_args(tp)) or (typing.get_args(tp)[-1] is Ellipsis and all(
+                isinstance(x, typing.get_args(tp)[0]) for x in v))))
     if not ok:
         raise TensorstowError(f"recipe file {path}: {o.name} = {v!r} is not a valid {getattr(tp, '__name__', tp)}")
 
@@ -454,7 +456,7 @@ def _shown(value) -> str:
     if isinstance(value, bool):
         return "on" if value else "off"
     if isinstance(value, (tuple, list)):
-        return " ".join(map(str, value))
+        return " ".join(map(str, value)) or "none"
     return str(value)
 
 
@@ -486,7 +488,7 @@ def _add_option(p, o, **override) -> None:
         kw["action"] = "store_true"
     elif typing.get_origin(o.type) is tuple:
         elems = typing.get_args(o.type)
-        kw.update(type=elems[0], nargs=len(elems))
+        kw.update(type=elems[0], nargs="+" if elems[-1] is Ellipsis else len(elems))
     elif o.type in (int, float) and not o.size:
         kw["type"] = o.type
     if o.choices:
@@ -605,6 +607,8 @@ def _invocation(a: argparse.Action, short: bool = False) -> str:
         value = ""
     elif a.nargs == "*":
         value = f"[{meta} ...]"
+    elif a.nargs == "+":
+        value = f"{meta} [{meta} ...]"
     elif isinstance(a.nargs, int):
         value = " ".join([meta] * a.nargs)
     else:

@@ -279,41 +279,44 @@ class SubgroupAdam:
             self.opt = cls([torch.zeros(1)], lr=self.lr, betas=self.betas, eps=self.eps,
                            weight_decay=self.wd, foreach=False)
 
-    def step(self, params, grads, moments, steps_done: int, out16=None, decay=None) -> None:
+    def step(self, params, grads, moments, steps_done: int, out16=None, groups=None, lr_of=None) -> None:
         """One update of `params` (fp32) from `grads`; `steps_done` updates came before it.
         `out16`: per parameter, a 16-bit tensor to receive its updated value (fast CPU path).
-        `decay`: per parameter, whether the weight decay applies to it (default: to all), as
-        torch.optim's parameter groups: one update of the decayed ones, one of the rest."""
+        `groups`: per parameter, its group's (learning rate scale, weight decay) (default: (1,
+        the options' weight decay) for all), as torch.optim's parameter groups: one update per
+        group. `lr_of(scale)`: a group's learning rate (default: `lr` x scale)."""
         if not params:
             return
-        if decay is None or self.wd == 0 or all(decay):
-            return self._update(params, grads, moments, steps_done, out16, self.wd)
-        for wd, keep in ((self.wd, True), (0.0, False)):
-            at = [k for k, d in enumerate(decay) if bool(d) == keep]
-            if at:
-                self._update([params[k] for k in at], [grads[k] for k in at], [moments[k] for k in at], steps_done,
-                             None if out16 is None else [out16[k] for k in at], wd)
+        if groups is None:
+            groups = [(1.0, self.wd)] * len(params)
+        for scale, wd in dict.fromkeys(groups):
+            at = [k for k, g in enumerate(groups) if g == (scale, wd)]
+            lr = self.lr if scale == 1.0 else lr_of(scale) if lr_of is not None else self.lr * scale
+            if len(at) == len(params):
+                return self._update(params, grads, moments, steps_done, out16, wd, lr)
+            self._update([params[k] for k in at], [grads[k] for k in at], [moments[k] for k in at], steps_done,
+                         None if out16 is None else [out16[k] for k in at], wd, lr)
 
-    def _update(self, params, grads, moments, steps_done: int, out16, wd: float) -> None:
+    def _update(self, params, grads, moments, steps_done: int, out16, wd: float, lr: float) -> None:
         if self.exact:
-            return self._torch_step(params, grads, moments, steps_done, wd)
+            return self._torch_step(params, grads, moments, steps_done, wd, lr)
         if params[0].device.type == "cpu":
             adamw_steps_(params, grads, [m for m, _ in moments], [v for _, v in moments], steps_done + 1,
-                         self.lr, self.betas, self.eps, wd, out16, decoupled=self.decoupled)
+                         lr, self.betas, self.eps, wd, out16, decoupled=self.decoupled)
             return
         fused = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
         step = torch.full((), float(steps_done + 1), dtype=torch.float32, device=params[0].device)  # no host copy
         steps = [step] * len(params)  # read, not written, by the fused kernel
         grads = [g if g.stride() == p.stride() else torch.empty_like(p).copy_(g) for p, g in zip(params, grads)]
         fused(params, grads, [m for m, _ in moments], [v for _, v in moments], [], steps,
-              lr=self.lr, beta1=self.betas[0], beta2=self.betas[1], weight_decay=wd, eps=self.eps,
+              lr=lr, beta1=self.betas[0], beta2=self.betas[1], weight_decay=wd, eps=self.eps,
               amsgrad=False, maximize=False)
 
-    def _torch_step(self, params, grads, moments, steps_done: int, wd: float) -> None:
+    def _torch_step(self, params, grads, moments, steps_done: int, wd: float, lr: float) -> None:
         from torch.optim.optimizer import _get_scalar_dtype
 
         group = self.opt.param_groups[0]
-        group["params"], group["weight_decay"], group["lr"] = params, wd, self.lr
+        group["params"], group["weight_decay"], group["lr"] = params, wd, lr
         self.opt.state.clear()
         try:
             for p, g, (m, v) in zip(params, grads, moments):

@@ -23,6 +23,7 @@ from tensorstow.executor.segments import Joint
 from tensorstow.executor.stores import Layout
 from tensorstow.ir.models import IGNORE_INDEX
 from tensorstow.ir.trace import Traced, model_dims, trace_model
+from tensorstow.schema.options import param_groups_of
 from tensorstow.schema.plan import Plan, as_plan
 from tensorstow.schema.schedule import (HELD_KINDS, MADE_BY_COMPUTE, BufferKind, Instr, block_gpus, block_of,
                                         buffer_kind, carried_buffers, gpu_index, gpu_tier, home_tiers, runs_on,
@@ -99,6 +100,14 @@ class Program:
         self.decayed = {p for ps in self.block_params.values() for p in ps
                         if plan.options.decay_all or len(self.joint.meta(self.joint.placeholder[p])[1]) >= 2}
         """Trainable parameters the weight decay applies to (`Options.weight_decay`, `decay_all`)."""
+        o = plan.options
+        named = param_groups_of(o.param_groups, [p for ps in self.block_params.values() for p in ps])
+        self.groups: dict[str, tuple[float, float]] = {
+            p: (g.lr_scale if g else 1.0,
+                g.weight_decay if g and g.weight_decay is not None else o.weight_decay if p in self.decayed else 0.0)
+            for ps in self.block_params.values() for p in ps for g in (named.get(p),)}
+        """Per trainable parameter, its group's (learning rate scale, weight decay): the first of
+        `Options.param_groups` it matches, else (1, the weight decay rule)."""
         self.layouts, self.members = self._buffers(plan)
         self._add_reforwards()
         self._add_backward_parts()

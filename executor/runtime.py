@@ -270,6 +270,7 @@ class Executor:
                                                      o.min_lr_ratio)
         """Each update's learning rate, from the updates taken before it (`opt_steps`); None: the
         rate `set_lr` gave."""
+        self._lr_step = 0  # the update the schedule last gave its rate for
         self.lr = self.lr_schedule(0)
         """The learning rate of the last step's update (of the next one before the first step)."""
         self.adam = {b: SubgroupAdam(self.plan.options) for b in self.block_params if self.block_params[b]}
@@ -418,6 +419,7 @@ class Executor:
                 self.inputs.setdefault(name, []).append(v)
         self.loss, self._loss = None, [None] * self.M
         if self.lr_schedule is not None:
+            self._lr_step = self.opt_steps
             self._apply_lr(self.lr_schedule(self.opt_steps))
         if self.scaler is not None:
             self.scaler.begin_step()
@@ -484,6 +486,12 @@ class Executor:
         is dropped; `ex.lr_schedule = LRSchedule(...)` sets one again)."""
         self.lr_schedule = None
         self._apply_lr(lr)
+
+    def _group_lr(self, scale: float) -> float:
+        """The learning rate of a parameter group whose rate is lr x `scale` (`Options.param_groups`):
+        as torch's LambdaLR, the group's base rate times the schedule's factor."""
+        s = self.lr_schedule
+        return self.lr * scale if s is None else (s.lr * scale) * s.factor(self._lr_step)
 
     def _apply_lr(self, lr: float) -> None:
         self.lr = lr
@@ -763,7 +771,7 @@ class Executor:
             scratch = 2 * max((t.numel() * 4 for t in params), default=0) if on_dev and self.adam[b].exact else 0
             with self.dev.reserve(scratch, f"Adam scratch of {b}") if scratch else contextlib.nullcontext():
                 self.adam[b].step(params, grads, moments, self.opt_steps, out16,
-                                  decay=[p in self.program.decayed for p in trained])
+                                  groups=[self.program.groups[p] for p in trained], lr_of=self._group_lr)
         finally:
             for g in held:
                 self.dev.release(g)

@@ -17,7 +17,7 @@ from tensorstow.planner.pools import host_pools
 from tensorstow.planner.schedule import buffers_for, lower
 from tensorstow.planner.simulate import SimResult, compute_slowdown, contention, simulate
 from tensorstow.schema.hardware import Hardware
-from tensorstow.schema.options import LR_SCHEDULERS, Options
+from tensorstow.schema.options import LR_SCHEDULERS, Options, parse_param_group
 from tensorstow.schema.plan import (SCHEMA_VERSION, BlockInfo, HardwareInfo, ModelInfo, Plan, PoolSizes, Predicted,
                                     ProfileInfo)
 from tensorstow.schema.schedule import (TIERS, Buffer, Decisions, Instr, carried_buffers, gpu_index, gpus_of_blocks,
@@ -63,6 +63,8 @@ def check_options(options: Options, model=None) -> ModelSpec | None:
     if options.warmup_steps < 0 or not 0 <= options.min_lr_ratio <= 1:
         raise TensorstowError(f"need --warmup-steps >= 0 and 0 <= --min-lr-ratio <= 1, got {options.warmup_steps} "
                               f"and {options.min_lr_ratio}")
+    for spec in options.param_groups:  # their patterns are matched when the executor starts
+        parse_param_group(spec)
     return resolve_model(options.model) if model is None else None
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import fnmatch
 import functools
 import inspect
 import textwrap
@@ -61,6 +62,12 @@ class Options:
     rule."""
     decay_all: bool = False
     """Apply the weight decay to every parameter, biases and norm weights too."""
+    param_groups: tuple[str, ...] = ()
+    """Parameter groups as torch.optim takes them: each "PATTERN:lr_scale=X,weight_decay=Y"
+    (either key may be left out), PATTERN an fnmatch pattern of the model's parameter names; a
+    parameter takes the first group it matches, its learning rate lr x lr_scale (the schedule
+    scales it as LambdaLR scales a group's), its weight decay Y (without it, the weight_decay rule).
+    A pattern that matches no trainable parameter is an error."""
     lr_scheduler: str = "constant"
     """The learning rate over the run, transformers' `get_scheduler` semantics (executor/lr.py):
     constant, constant_with_warmup, linear or cosine (to 0, or to min_lr_ratio x lr, at the run's
@@ -108,10 +115,55 @@ class Options:
         return decode(Options, d, where)
 
 
+@dataclass(frozen=True)
+class ParamGroup:
+    """One of `Options.param_groups`, parsed."""
+    pattern: str
+    lr_scale: float = 1.0
+    weight_decay: float | None = None
+    """None: the `weight_decay` rule (decay_all, or 2-D and larger)."""
+
+
+def parse_param_group(spec: str) -> ParamGroup:
+    """"PATTERN[:lr_scale=X][,weight_decay=Y]" as a ParamGroup; one TensorstowError naming the fault."""
+    pattern, _, rest = spec.partition(":")
+    values: dict[str, float] = {}
+    for item in filter(None, (x.strip() for x in rest.split(","))):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if key not in ("lr_scale", "weight_decay") or not eq:
+            raise TensorstowError(f"param group {spec!r}: {item!r} is not lr_scale=X or weight_decay=Y")
+        try:
+            values[key] = float(value)
+        except ValueError:
+            raise TensorstowError(f"param group {spec!r}: {key} must be a number, got {value.strip()!r}") from None
+        if values[key] < 0:
+            raise TensorstowError(f"param group {spec!r}: {key} must be >= 0")
+    if not pattern.strip():
+        raise TensorstowError(f"param group {spec!r}: no parameter name pattern before ':'")
+    return ParamGroup(pattern.strip(), **values)
+
+
+def param_groups_of(specs, names) -> dict[str, ParamGroup]:
+    """The group each parameter of `names` takes (the first whose pattern matches; unmatched
+    names are left out). A group that matches no name is an error listing a few names."""
+    groups = [parse_param_group(s) for s in specs]
+    names = list(names)
+    out: dict[str, ParamGroup] = {}
+    for g in groups:
+        hits = [n for n in names if fnmatch.fnmatchcase(n, g.pattern)]
+        if not hits:
+            raise TensorstowError(f"param group {g.pattern!r} matches no trainable parameter; they are named "
+                                  f"like {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}")
+        for n in hits:
+            out.setdefault(n, g)
+    return out
+
+
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 """Learning rate schedules by transformers' `get_scheduler` names (`executor.lr`)."""
 
-_LATER_OPTIONS = {"gpus": None, "microbatches": 0, "mapping": "cross", "decay_all": False,
+_LATER_OPTIONS = {"gpus": None, "microbatches": 0, "mapping": "cross", "decay_all": False, "param_groups": (),
                   "lr_scheduler": "constant", "warmup_steps": 0, "min_lr_ratio": 0.0}
 
 

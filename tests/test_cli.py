@@ -215,6 +215,24 @@ def test_microbatches_are_refused_by_a_policy_that_cannot_accumulate_and_honoure
     assert d["decisions"]["policy"] == "mobius" and d["decisions"]["pipeline"]["microbatches"] == 2
 
 
+def test_param_groups_from_the_command_line_and_a_recipe(tmp_path, capsys):
+    """`--param-groups` takes one or more "PATTERN:key=value,..." groups (as does a recipe's list);
+    the plan records them; a malformed group is one error line."""
+    common = ["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--policy", "all-gpu", "--precision", "fp32"]
+    assert main([*common, "--param-groups", "*.bias:weight_decay=0", "h.0.*:lr_scale=0.3", "-o", str(tmp_path / "a.json")]) == 0
+    assert json.loads((tmp_path / "a.json").read_text())["options"]["param_groups"] == ["*.bias:weight_decay=0",
+                                                                                      "h.0.*:lr_scale=0.3"]
+    recipe = tmp_path / "r.toml"
+    recipe.write_text('model = "gpt-tiny"\nparam_groups = ["*.bias:weight_decay=0"]\n')
+    assert main(["plan", "--config", str(recipe), "--hw", "lohan-rtx4090", "--policy", "all-gpu", "--precision", "fp32",
+                 "-o", str(tmp_path / "b.json")]) == 0
+    assert json.loads((tmp_path / "b.json").read_text())["options"]["param_groups"] == ["*.bias:weight_decay=0"]
+    capsys.readouterr()
+    assert main([*common, "--param-groups", "*.bias:decay=0", "-o", str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tensorstow: error: param group '*.bias:decay=0'") and err.count("\n") == 1
+
+
 def test_a_reader_that_stops_early_gets_no_traceback():
     """`tensorstow check A B | head -1`: the command stops quietly when its reader goes away."""
     tiny = [f"plans/gpt-tiny__lohan-rtx4090__{p}.json" for p in ("all-gpu", "zero-infinity", "lohan")]

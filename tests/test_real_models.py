@@ -278,6 +278,53 @@ def test_nanogpt_configure_optimizers_groups_train_like_eager(decay_all, tmp_pat
                       make_optimizer=lambda m: torch.optim.AdamW(param_groups(m, 0.1, not decay_all), lr=LR))
     assert any(not torch.equal(got[1][n], other[1][n]) for n in got[1])
 
+
+def test_param_groups_train_like_torch_param_groups_under_a_schedule(tmp_path):
+    """`param_groups`: the first matching pattern gives a parameter its lr scale and weight decay
+    (the rest follow the decay rule), as torch.optim param groups; under a cosine schedule each
+    group's rate is its base rate times the schedule's factor, as LambdaLR steps it: bit-identical
+    to eager through an offloaded plan. A pattern that matches nothing is one error."""
+    import fnmatch
+
+    from tensorstow.executor.lr import LRSchedule
+    ref = "tests.fixtures.real_models:nano_gpt"
+    groups = ("*.bias:weight_decay=0.05", "h.0.*:lr_scale=0.3", "wte.*:lr_scale=3,weight_decay=0")
+    hw = load_hardware("lohan-rtx4090")
+    o = Options(model=ref, hardware="lohan-rtx4090", policy="lohan", batch=B, seq=T, precision="fp32", lr=LR,
+                weight_decay=0.1, param_groups=groups, exact_optimizer=True, gpu_mem=2_000_000)
+    pj = json.loads(plan_problem(build_problem(o, hw.with_overrides(gpu_mem=o.gpu_mem)), "lohan").dumps())
+    assert pj["options"]["param_groups"] == list(groups)
+    torch.manual_seed(0)
+    model = real_models.nano_gpt()
+    ex = Executor(pj, model, state_dir=tmp_path / "s", traced=traced(ref, model),
+                  lr_schedule=LRSchedule("cosine", LR, 0, STEPS))
+    torch.manual_seed(DROPOUT_SEED)
+    got = ([ex.step(x, y) for x, y in data()], ex.parameters())
+    ex.close()
+
+    def make(m):  # the same groups by hand, as a nanoGPT user writes them for torch.optim
+        rules = [(pat.split(":")[0], dict(kv.split("=") for kv in pat.split(":")[1].split(","))) for pat in groups]
+        by_group: dict = {}
+        for n, p in m.named_parameters():
+            rule = next((r for pat, r in rules if fnmatch.fnmatchcase(n, pat)), {})
+            lr = LR * float(rule.get("lr_scale", 1.0))
+            wd = float(rule["weight_decay"]) if "weight_decay" in rule else 0.1 if p.dim() >= 2 else 0.0
+            by_group.setdefault((lr, wd), []).append(p)
+        return torch.optim.AdamW([{"params": ps, "lr": lr, "weight_decay": wd} for (lr, wd), ps in by_group.items()],
+                                 lr=LR)
+
+    torch.manual_seed(0)
+    model = real_models.nano_gpt()
+    torch.manual_seed(DROPOUT_SEED)
+    want = train_eager(model, data(), lr=LR, loss=lambda m, x, y: m(x, y)[1], make_optimizer=make,
+                       scheduler=lambda opt: transformers.get_cosine_schedule_with_warmup(opt, 0, STEPS))
+    assert_equal(got, want)
+    bad = json.loads(json.dumps(pj))
+    bad["options"]["param_groups"] = ["*.nothing:lr_scale=2"]
+    with pytest.raises(tensorstow.TensorstowError, match="matches no trainable parameter"):
+        Executor(bad, real_models.nano_gpt(), state_dir=tmp_path / "t")
+
+
 def _frozen_state_is_read_only(pj: dict, frozen_blocks: set[str]) -> None:
     """Frozen state lives in C:<b> buffers that are only ever loaded, never stored back, and
     blocks with nothing to train have no gradient, optimizer state or update."""
