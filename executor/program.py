@@ -97,6 +97,9 @@ class Program:
         self.block_consts = {b: cs for b, (_, cs) in self.joint.block_state.items() if cs}
         """Frozen parameters and buffers per block (C: read, never written)."""
         self.frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+        self.param_order = [n for n, p in model.named_parameters() if p.requires_grad]
+        """Trainable parameters in the model's order (`model.parameters()`, a tied one once): the
+        order torch's clip_grad_norm_ stacks their norms in."""
         self.decayed = {p for ps in self.block_params.values() for p in ps
                         if plan.options.decay_all or len(self.joint.meta(self.joint.placeholder[p])[1]) >= 2}
         """Trainable parameters the weight decay applies to (`Options.weight_decay`, `decay_all`)."""

@@ -155,12 +155,15 @@ def _train(ex: Executor, plan: Plan, feed: Iterator, steps: int, start: int, log
             amp = {} if ex.loss_scale is None else {"loss_scale": ex.loss_scale, "skipped": ex.opt_steps == taken}
             scale = (f"  scale {amp['loss_scale']:g}" + ("  (inf/NaN: update skipped)" if amp["skipped"] else "")
                      if amp else "")
+            norm = {} if ex.grad_norm is None else {"grad_norm": ex.grad_norm}  # the Trainer's grad_norm
             if log:  # first: a run killed once the progress line is out has the step logged
-                log.write(json.dumps({**row, "loss": loss, "lr": ex.lr, "step_time_s": dt, "tokens_per_s": tokens / dt,
+                log.write(json.dumps({**row, "loss": loss, **norm, "lr": ex.lr, "step_time_s": dt,
+                                      "tokens_per_s": tokens / dt,
                                       "device_peak_bytes": ex.peak_bytes.get("gpu", 0), **amp}) + "\n")
                 log.flush()
-            print(f"step {k + 1}/{steps}{where}  loss {loss:.4f}  lr {ex.lr:.4g}  {dt:.3f} s  {tokens / dt:.4g} "
-                  f"tokens/s{scale}", file=out, flush=True)
+            shown = "" if ex.grad_norm is None else f"  grad_norm {ex.grad_norm:.4g}"
+            print(f"step {k + 1}/{steps}{where}  loss {loss:.4f}{shown}  lr {ex.lr:.4g}  {dt:.3f} s  "
+                  f"{tokens / dt:.4g} tokens/s{scale}", file=out, flush=True)
         ex.checkpoint()  # the last step is always committed
     finally:
         if log:

@@ -276,6 +276,13 @@ class Executor:
         self.adam = {b: SubgroupAdam(self.plan.options) for b in self.block_params if self.block_params[b]}
         self.scaler = LossScaler(self.plan.options, self.device) if prog.precision == "fp16-mixed" else None
         """fp16-mixed: dynamic loss scaling (executor.amp, GradScaler's semantics)."""
+        self.max_grad_norm = self.plan.options.max_grad_norm
+        self._norms: dict[str, torch.Tensor] = {}
+        """This step's gradient norms by parameter, as each block's backward makes them."""
+        self._clip: torch.Tensor | None = None
+        self.grad_norm: float | None = None
+        """The last step's global gradient norm (clip_grad_norm_'s total_norm, before clipping;
+        fp16-mixed: of the unscaled gradients); None before the first step."""
         self.state = Homes(prog, self.dev, self.host, self.ssd, self.scaler)
         """The training state between steps: homes, checkpoints, resume (executor.homes)."""
         self.steps_done = 0
@@ -423,6 +430,8 @@ class Executor:
             self._apply_lr(self.lr_schedule(self.opt_steps))
         if self.scaler is not None:
             self.scaler.begin_step()
+        self._norms.clear()
+        self._clip, self.grad_norm = None, None
         self.commit_s = 0.0
         synced = self._early_sync_total()
         if isinstance(self.ssd.store, SSDStore):  # sync writes early only in a step that commits
@@ -447,6 +456,8 @@ class Executor:
                         self.dev.release(v)
                 self.inputs.clear()
         self.loss = self._mean_loss()
+        if self._norms:
+            self.grad_norm = float(self._total_norm())
         self._check_end_state()
         if self.carried and self.state.full_checkpoint:  # what the next step's commit records of this one
             self._rng_at_end = rng_bytes()
@@ -486,6 +497,38 @@ class Executor:
         is dropped; `ex.lr_schedule = LRSchedule(...)` sets one again)."""
         self.lr_schedule = None
         self._apply_lr(lr)
+
+    def _record_norms(self, b: str, grads: dict[str, torch.Tensor]) -> None:
+        """Block b's gradients' 2-norms as torch.nn.utils.clip_grad_norm_ takes them
+        (`torch._foreach_norm` of fp32 gradients; a 16-bit gradient's in fp32; fp16-mixed: of the
+        unscaled gradient), for the step's global norm (`_total_norm`)."""
+        j = self.joint
+        trained = [p for p in self.block_params.get(b, ()) if p in j.grad]
+        if not trained:
+            return
+        gs = [j.materialize(j.grad[p], grads.__getitem__) for p in trained]
+        if all(g.dtype == torch.float32 for g in gs):
+            norms = torch._foreach_norm(gs, 2.0)
+        else:
+            norms = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g in gs]
+        if self.scaler is not None:
+            inv = self.scaler.scale.double().reciprocal().float()
+            norms = [n * inv.to(n.device) for n in norms]
+        self._norms.update(zip(trained, norms))
+
+    def _total_norm(self) -> torch.Tensor:
+        """clip_grad_norm_'s total_norm: the 2-norm of the parameters' norms stacked in the model's
+        parameter order."""
+        norms = [self._norms[p] for p in self.program.param_order if p in self._norms]
+        dev = norms[0].device
+        return torch.linalg.vector_norm(torch.stack([n.to(dev) for n in norms]), 2.0)
+
+    def _clip_coef(self) -> torch.Tensor:
+        """clip_grad_norm_'s clip_coef_clamped, once a step (every gradient is in by the first
+        update: the plan makes the updates wait for the last backward)."""
+        if self._clip is None:
+            self._clip = torch.clamp(self.max_grad_norm / (self._total_norm() + 1e-6), max=1.0)
+        return self._clip
 
     def _group_lr(self, scale: float) -> float:
         """The learning rate of a parameter group whose rate is lr x `scale` (`Options.param_groups`):
@@ -646,6 +689,8 @@ class Executor:
                 passed |= ours
                 if self.scaler is not None and a.startswith("G:"):  # GradScaler's inf/NaN check
                     self.scaler.check(list(self.dev.get(a).values()))
+                if a.startswith("G:"):
+                    self._record_norms(a[2:], self.dev.get(a))
             for a in ins.accum:  # a later microbatch: eager's AccumulateGrad, .grad += this one's
                 into = self.dev.get(a)
                 for r in self.members[a]:
@@ -763,6 +808,9 @@ class Executor:
                 moments.append((states[f"{p}.exp_avg"], states[f"{p}.exp_avg_sq"]))
             if self.scaler is not None:
                 self.scaler.unscale_(grads)
+            if self.max_grad_norm > 0:  # clip_grad_norm_: every gradient times min(1, max / (norm + 1e-6))
+                unique = _distinct(grads)
+                torch._foreach_mul_(unique, self._clip_coef().to(unique[0].device))
             out16, written = None, set()
             if self.mixed and not on_dev and not self.adam[b].exact:
                 out16 = [fresh_p[ph[p]] if fresh_p[ph[p]].dtype != torch.float32 else None for p in trained]
@@ -859,3 +907,14 @@ def _describe(ins: Instr) -> str:
     if ins.kind == "send":
         return f"send {ins.tensor} {ins.src}->{ins.dst}"
     return f"{ins.kind} {ins.tensor} {ins.src}->{ins.dst}"
+
+
+def _distinct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`tensors` without repeats of the same memory (a tied weight's gradient is scaled once)."""
+    seen, out = set(), []
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+        if key not in seen:
+            seen.add(key)
+            out.append(t)
+    return out

@@ -49,6 +49,12 @@ class Problem:
         return {f"gpu{k}": g.plan_bytes for k, g in enumerate(self.hw.gpus)}
 
 
+def waits_for_every_gradient(options: Options) -> bool:
+    """Whether every update waits for the backward's last gradient: fp16 loss scaling (the skip
+    decision) and clipping by the global norm (the factor) need all of them."""
+    return options.precision == "fp16-mixed" or options.max_grad_norm > 0
+
+
 def check_options(options: Options, model=None) -> ModelSpec | None:
     """Raise TensorstowError for options no problem can be built from (the model, the optimizer,
     the precision); return the model's spec (None for a module given to the Python API). The CLI
@@ -63,6 +69,8 @@ def check_options(options: Options, model=None) -> ModelSpec | None:
     if options.warmup_steps < 0 or not 0 <= options.min_lr_ratio <= 1:
         raise TensorstowError(f"need --warmup-steps >= 0 and 0 <= --min-lr-ratio <= 1, got {options.warmup_steps} "
                               f"and {options.min_lr_ratio}")
+    if options.max_grad_norm < 0:
+        raise TensorstowError(f"--max-grad-norm must be >= 0 (0: no clipping), got {options.max_grad_norm}")
     for spec in options.param_groups:  # their patterns are matched when the executor starts
         parse_param_group(spec)
     return resolve_model(options.model) if model is None else None
@@ -270,7 +278,7 @@ def defer_writes(plan: PlanResult) -> PlanResult:
     subgroup back before the step ends)."""
     d, problem = plan.decisions, plan.problem
     if (d.pipeline is not None or not d.overlap_optimizer or d.policy == "zero-infinity"
-            or problem.options.precision == "fp16-mixed"
+            or waits_for_every_gradient(problem.options)
             or d.deferred_writes or not plan.fits):
         return plan
     updated = [i.segment for i in plan.instructions if i.kind == "optimizer_step"]
@@ -305,7 +313,7 @@ def _schedule(problem: Problem, decisions: Decisions, wait: bool = False) -> Pla
     if decisions.pipeline is None:
         bufs = buffers_for(problem.order, problem.profiles, problem.profile_of, decisions, problem.mixed)
         instrs = lower(problem.order, problem.profiles, problem.profile_of, decisions, bufs,
-                       loss_scaling=problem.options.precision == "fp16-mixed")
+                       loss_scaling=waits_for_every_gradient(problem.options))
     else:
         bufs = pipeline_buffers(problem.order, problem.profiles, problem.profile_of, decisions, problem.mixed)
         instrs = lower_pipeline(problem.order, problem.profiles, problem.profile_of, decisions, bufs,

@@ -68,6 +68,11 @@ class Options:
     parameter takes the first group it matches, its learning rate lr x lr_scale (the schedule
     scales it as LambdaLR scales a group's), its weight decay Y (without it, the weight_decay rule).
     A pattern that matches no trainable parameter is an error."""
+    max_grad_norm: float = 0.0
+    """Clip the gradients by their global norm (torch.nn.utils.clip_grad_norm_: norm 2 over every
+    trainable parameter; fp16-mixed unscales first, as GradScaler.unscale_ then clip); 0: no
+    clipping. Every update then waits for the backward's last gradient (the factor needs all of
+    them), as fp16 loss scaling does. The step's norm is logged either way."""
     lr_scheduler: str = "constant"
     """The learning rate over the run, transformers' `get_scheduler` semantics (executor/lr.py):
     constant, constant_with_warmup, linear or cosine (to 0, or to min_lr_ratio x lr, at the run's
@@ -163,7 +168,7 @@ def param_groups_of(specs, names) -> dict[str, ParamGroup]:
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 """Learning rate schedules by transformers' `get_scheduler` names (`executor.lr`)."""
 
-_LATER_OPTIONS = {"gpus": None, "microbatches": 0, "mapping": "cross", "decay_all": False, "param_groups": (),
+_LATER_OPTIONS = {"gpus": None, "microbatches": 0, "mapping": "cross", "decay_all": False, "param_groups": (), "max_grad_norm": 0.0,
                   "lr_scheduler": "constant", "warmup_steps": 0, "min_lr_ratio": 0.0}
 
 

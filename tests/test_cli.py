@@ -233,6 +233,15 @@ def test_param_groups_from_the_command_line_and_a_recipe(tmp_path, capsys):
     assert err.startswith("tensorstow: error: param group '*.bias:decay=0'") and err.count("\n") == 1
 
 
+def test_clipping_is_refused_where_it_is_not_built_and_when_negative(tmp_path, capsys):
+    common = ["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--precision", "fp32", "-o", str(tmp_path / "p.json")]
+    assert main([*common, "--policy", "mobius", "--microbatches", "2", "--max-grad-norm", "1"]) == 2
+    assert capsys.readouterr().err.startswith("tensorstow: error: the mobius policy does not clip gradients")
+    assert main([*common, "--max-grad-norm", "-1"]) == 2
+    assert capsys.readouterr().err.startswith("tensorstow: error: --max-grad-norm must be >= 0")
+    assert not (tmp_path / "p.json").exists()
+
+
 def test_a_reader_that_stops_early_gets_no_traceback():
     """`tensorstow check A B | head -1`: the command stops quietly when its reader goes away."""
     tiny = [f"plans/gpt-tiny__lohan-rtx4090__{p}.json" for p in ("all-gpu", "zero-infinity", "lohan")]

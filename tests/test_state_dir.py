@@ -233,3 +233,60 @@ def test_the_api_state_dir_checkpoints_resumes_and_exports_any_plan(policy, plan
     assert got.keys() == want.keys() - {"lm_head.weight"}
     for n in got:
         assert torch.equal(got[n], want[n]), n
+
+
+def eager_clipped(steps: int, max_norm: float) -> tuple[list[float], list[float], dict[str, torch.Tensor]]:
+    """Eager training with `clip_grad_norm_(model.parameters(), max_norm)` before each AdamW step:
+    (losses, the norms it returned, parameters)."""
+    from tensorstow.executor.data import batches
+    from tests.fixtures import real_models
+    from tests.oracle import param_groups
+    torch.manual_seed(0)
+    model = real_models.nano_gpt_dropout()
+    opt = torch.optim.AdamW(param_groups(model, 0.0), lr=1e-3, foreach=False)
+    losses, norms = [], []
+    for x, y in batches("synthetic", 2, 16, 128, steps, seed=0):
+        opt.zero_grad()
+        loss = model(x, y)[1]
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+        losses.append(loss.item())
+    return losses, norms, {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("policy", ["lohan", "zero-infinity"])
+@pytest.mark.parametrize("max_norm", [1.0, 9.3, 1e6], ids=["every-step", "some-steps", "never"])
+def test_clipping_by_the_global_norm_equals_eager_clip_grad_norm(policy, max_norm, tmp_path):
+    """`--max-grad-norm`: through offloaded plans with SSD state, the losses, the logged norms
+    (the Trainer's grad_norm) and the weights equal eager `clip_grad_norm_` + AdamW bit for bit,
+    whether the clip fires on every step (norms ~9 > 1), on some, or on none; every update waits
+    for the last backward (its factor needs every gradient)."""
+    plan = tmp_path / "p.json"
+    extra = ["--dram", "600KB"] if policy == "lohan" else []
+    assert main(["plan", MODEL, *COMMON, "--policy", policy, "--gpu-mem", "400KB", *extra,
+                 "--max-grad-norm", str(max_norm), "-o", str(plan)]) == 0
+    p = json.loads(plan.read_text())
+    assert p["options"]["max_grad_norm"] == max_norm and not p["decisions"].get("deferred_writes")
+    ins = p["instructions"]
+    last_bwd = max(i["id"] for i in ins if i["kind"] == "compute" and i.get("segment", "").startswith("bwd"))
+    ancestors, todo = set(), [i["id"] for i in ins if i["kind"] == "optimizer_step"]
+    by_id = {i["id"]: i for i in ins}
+    while todo:
+        k = todo.pop()
+        for d in by_id[k]["deps"]:
+            if d not in ancestors:
+                ancestors.add(d)
+                todo.append(d)
+    assert last_bwd in ancestors  # the updates wait for the backward's end
+    log = tmp_path / "log.jsonl"
+    assert execute(plan, tmp_path / "s", 4, "--log-json", str(log)) == 0
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    losses, norms, want = eager_clipped(4, max_norm)
+    assert [r["loss"] for r in rows] == losses and [r["grad_norm"] for r in rows] == norms
+    got = exported(tmp_path / "s", tmp_path / "e")
+    assert got.keys() == want.keys() - {"lm_head.weight"}
+    for n in got:
+        assert torch.equal(got[n], want[n]), n
+    if max_norm == 1.0:
+        assert all(n > max_norm for n in norms)  # it did clip every step

@@ -101,6 +101,7 @@ def plan(problem) -> Decisions:
     if problem.options.precision == "fp16-mixed":
         raise TensorstowError("the mobius policy does not do fp16 loss scaling over microbatches yet: "
                               "use --precision bf16-mixed or fp32")
+    _no_clipping(problem, "mobius")
     hw, M = problem.hw, microbatches(problem)
     N = len(hw.gpus)
     sp = stage_problem(problem, M)
@@ -179,6 +180,12 @@ def _split(problem, pl) -> list[tuple[str, str]]:
     return [(a, b) for a, b in ties(problem) if gpu[a] != gpu[b]]
 
 
+def _no_clipping(problem, policy: str) -> None:
+    if problem.options.max_grad_norm > 0:
+        raise TensorstowError(f"the {policy} policy does not clip gradients over microbatches and GPUs yet: "
+                              f"leave --max-grad-norm out, or plan one GPU with another policy")
+
+
 def gpipe(problem, strict: bool = True) -> Decisions:
     """One stage per GPU, contiguous, balanced by forward + backward time (the classic linear
     partition, by dynamic programming); sequential mapping; everything resident. `strict`: refuse
@@ -186,6 +193,8 @@ def gpipe(problem, strict: bool = True) -> Decisions:
     if strict and problem.options.precision == "fp16-mixed":
         raise TensorstowError("the gpipe policy does not do fp16 loss scaling over microbatches: "
                               "use --precision bf16-mixed or fp32")
+    if strict:
+        _no_clipping(problem, "gpipe")
     hw, M = problem.hw, microbatches(problem)
     N = min(len(hw.gpus), len(problem.order))
     t = [problem.profiles[problem.profile_of[b]].fwd_time_s + problem.profiles[problem.profile_of[b]].bwd_time_s
@@ -204,6 +213,7 @@ def gpipe(problem, strict: bool = True) -> Decisions:
 
 
 def zero3_dp(problem) -> Decisions:
+    _no_clipping(problem, "zero3-dp")
     N = len(problem.hw.gpus)
     layer = {b: problem.graph.block(b).kind == "layer" for b in problem.order}
     blocks = {b: BlockDecision(params="dram", states="dram", optimizer="cpu",
