@@ -282,7 +282,8 @@ class Executor:
         self._clip: torch.Tensor | None = None
         self.grad_norm: float | None = None
         """The last step's global gradient norm (clip_grad_norm_'s total_norm, before clipping;
-        fp16-mixed: of the unscaled gradients); None before the first step."""
+        fp16-mixed: of the unscaled gradients); None before the first step, and for pipelines
+        (microbatches, several processes: not computed yet)."""
         self.state = Homes(prog, self.dev, self.host, self.ssd, self.scaler)
         """The training state between steps: homes, checkpoints, resume (executor.homes)."""
         self.steps_done = 0
@@ -689,7 +690,7 @@ class Executor:
                 passed |= ours
                 if self.scaler is not None and a.startswith("G:"):  # GradScaler's inf/NaN check
                     self.scaler.check(list(self.dev.get(a).values()))
-                if a.startswith("G:"):
+                if a.startswith("G:") and self.M == 1 and self.comm is None:  # final gradients, all here
                     self._record_norms(a[2:], self.dev.get(a))
             for a in ins.accum:  # a later microbatch: eager's AccumulateGrad, .grad += this one's
                 into = self.dev.get(a)
