@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import datetime
 import json
+import math
 import os
 import statistics
 import sys
@@ -76,7 +77,8 @@ def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, 
             return {"steps": start, "losses": []}
         if start:
             print(f"resuming from step {start} committed in {state_dir}", file=out)
-        times, losses = _train(ex, plan, feed, steps, start, run.log_json, out)
+        held_out = _eval_batches(ex, plan, run) if run.eval_data is not None else None
+        times, losses = _train(ex, plan, feed, steps, start, run.log_json, out, held_out, run.eval_every)
         med = _report(ex, plan, mode, times, run.trace, out)
         return {"steps": steps, "losses": losses, "median_step_s": med, "peak": ex.peak_bytes}
 
@@ -94,6 +96,30 @@ def _feed(ex: Executor, plan: Plan, run: Run, start: int) -> tuple[int, Iterator
                              ignore=-100 if -100 in ignored else min(ignored), packing=run.packing)
     steps = run.steps if run.steps is not None else run.epochs * examples.steps_per_epoch(rows)
     return steps, examples.batches(rows, steps, run.seed, start, run.shuffle)
+
+
+def _eval_batches(ex: Executor, plan: Plan, run: Run) -> list:
+    """`--eval-data` as (x, y) batches of the plan's shape, in file order: `--eval-batches` of
+    them, or (examples) all its examples (a last partial batch dropped); synthetic: drawn with
+    seed + 1, apart from the training data."""
+    m = plan.model
+    rows = m.batch * ex.M
+    if run.eval_batches is not None and run.eval_batches < 1:
+        raise TensorstowError(f"--eval-batches must be >= 1, got {run.eval_batches}")
+    if run.eval_every < 0:
+        raise TensorstowError(f"--eval-every must be >= 0, got {run.eval_every}")
+    if not is_examples(run.eval_data):
+        if run.eval_batches is None and run.eval_data != "synthetic":
+            raise TensorstowError(f"--eval-data {run.eval_data} is a token file: give --eval-batches N")
+        seed = run.seed + 1 if run.eval_data == "synthetic" else run.seed
+        return list(batches(run.eval_data, rows, m.seq, ex.vocab, run.eval_batches or 1, seed, 0))
+    ignored = ex.program.ignore_index
+    examples = Examples.load(run.eval_data, m.seq, ex.vocab, tokenizer=_tokenizer(run.tokenizer, plan.options.model),
+                             ignore=-100 if -100 in ignored else min(ignored), packing=run.packing)
+    n = run.eval_batches or examples.steps_per_epoch(rows)
+    if n < 1:
+        raise TensorstowError(f"--eval-data {run.eval_data} holds fewer examples than one batch of {rows}")
+    return [(x, y) for _, _, x, y in examples.batches(rows, n, run.seed, 0, False)]
 
 
 def _lr_schedule(plan: Plan, run: Run, steps: int) -> LRSchedule:
@@ -125,7 +151,7 @@ def _tokenizer(path: str | None, model: str):
 
 
 def _train(ex: Executor, plan: Plan, feed: Iterator, steps: int, start: int, log_json: str | None,
-           out) -> tuple[list[float], list[float]]:
+           out, held_out: list | None = None, eval_every: int = 0) -> tuple[list[float], list[float]]:
     """Steps `start`..`steps` (each printed, and logged as a JSON line to `log_json`), then a
     commit of the last one; returns the step times and losses. A step whose labels are all left
     out (`Executor.skip_step`) trains nothing and says so."""
@@ -164,11 +190,27 @@ def _train(ex: Executor, plan: Plan, feed: Iterator, steps: int, start: int, log
             shown = "" if ex.grad_norm is None else f"  grad_norm {ex.grad_norm:.4g}"
             print(f"step {k + 1}/{steps}{where}  loss {loss:.4f}{shown}  lr {ex.lr:.4g}  {dt:.3f} s  "
                   f"{tokens / dt:.4g} tokens/s{scale}", file=out, flush=True)
+            if held_out and ((eval_every and (k + 1) % eval_every == 0) or k + 1 == steps):
+                _evaluate(ex, held_out, k + 1, steps, log, out)
         ex.checkpoint()  # the last step is always committed
     finally:
         if log:
             log.close()
     return times, losses
+
+
+def _evaluate(ex: Executor, held_out: list, step: int, steps: int, log, out) -> None:
+    """One evaluation of the held-out batches after `step`: logged and printed."""
+    t0 = time.perf_counter()
+    value = ex.evaluate(held_out)
+    dt = time.perf_counter() - t0
+    ppl = math.exp(value) if value < 700 else float("inf")
+    if log:
+        log.write(json.dumps({"step": step, "eval_loss": value, "eval_perplexity": ppl, "eval_batches": len(held_out),
+                              "eval_time_s": dt}) + "\n")
+        log.flush()
+    print(f"eval after step {step}/{steps}  loss {value:.4f}  perplexity {ppl:.4g}  ({len(held_out)} batches, "
+          f"{dt:.3f} s)", file=out, flush=True)
 
 
 def _report(ex: Executor, plan: Plan, mode: str, times: list[float], trace: str | None, out) -> float:

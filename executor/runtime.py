@@ -61,7 +61,7 @@ from tensorstow.executor.malloc import tune as tune_malloc
 from tensorstow.executor.program import Program
 from tensorstow.executor.ssd import SSDStore
 from tensorstow.executor import state
-from tensorstow.executor.state import rng_bytes
+from tensorstow.executor.state import rng_bytes, set_rng
 from tensorstow.executor.stores import DeviceMemoryError, DeviceTier, HostCopy, HostPool, HostTier, SSDTier
 from tensorstow.ir.hf import wrap
 from tensorstow.ir.models import build_for_execution, resolve_model
@@ -276,6 +276,8 @@ class Executor:
         self.adam = {b: SubgroupAdam(self.plan.options) for b in self.block_params if self.block_params[b]}
         self.scaler = LossScaler(self.plan.options, self.device) if prog.precision == "fp16-mixed" else None
         """fp16-mixed: dynamic loss scaling (executor.amp, GradScaler's semantics)."""
+        self._evaluating = False
+        """Within `evaluate`: steps leave their updates out."""
         self.max_grad_norm = self.plan.options.max_grad_norm
         self._norms: dict[str, torch.Tensor] = {}
         """This step's gradient norms by parameter, as each block's backward makes them."""
@@ -395,6 +397,34 @@ class Executor:
         with torch.inference_mode():
             return self._step(idx, targets)
 
+    def evaluate(self, batches) -> float:
+        """The mean loss over `batches` ((idx, targets) pairs of the plan's shape) with the current
+        parameters, as eager computes it under `model.eval()` and `torch.no_grad()` (the mean of
+        the batches' losses; the perplexity is its exp). Nothing changes: no update, no step
+        counted, no commit, the random generator as it was.
+
+        Each batch runs the training step's schedule with its updates left out (a forward-only
+        program is not built yet: an evaluation batch costs a training step). So the model's
+        forward must not draw random numbers (dropout > 0 trains differently from eval mode):
+        such a model is refused."""
+        if any(_draws_random_node(n) for seg in self.joint.segments.values() for n in seg.nodes):
+            raise TensorstowError("evaluate: the model's forward draws random numbers (dropout), which eval mode "
+                                  "turns off; set its dropout to 0 to evaluate it here")
+        rng, norm, clip = rng_bytes(), self.grad_norm, self._clip
+        losses = []
+        self._evaluating = True
+        try:
+            with torch.inference_mode():
+                for x, y in batches:
+                    losses.append(self._step(x, y))
+        finally:
+            self._evaluating = False
+            set_rng(rng)
+            self.grad_norm, self._clip = norm, clip
+        if not losses:
+            raise TensorstowError("evaluate: no batches")
+        return sum(losses) / len(losses)  # as an eager loop sums them
+
     def _step(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
         j = self.joint
         m = self.plan.model
@@ -457,6 +487,9 @@ class Executor:
                         self.dev.release(v)
                 self.inputs.clear()
         self.loss = self._mean_loss()
+        if self._evaluating:  # `evaluate`: nothing of the step is kept
+            self._check_end_state()
+            return self.loss
         if self._norms:
             self.grad_norm = float(self._total_norm())
         self._check_end_state()
@@ -774,7 +807,7 @@ class Executor:
         elif self.mixed and not on_dev:
             fresh_p = self.host.alloc(f"P:{b}", self.layouts[f"P:{b}"])
         written: set[str] = set()
-        if not (self.scaler is not None and self.scaler.skip()):  # fp16: a step with inf/NaN changes nothing
+        if not (self._evaluating or self.scaler is not None and self.scaler.skip()):  # fp16: inf/NaN changes nothing
             written = self._adam_update(b, ins, trained, master, fresh_p)
         if not self.mixed:
             return
@@ -919,3 +952,18 @@ def _distinct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             seen.add(key)
             out.append(t)
     return out
+
+
+def _draws_random_node(n) -> bool:
+    """Whether a traced op draws random numbers: a seeded op, unless its dropout probability is 0
+    (attention kernels carry the tag whatever their dropout_p; native_dropout with p = 0)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ()):
+        return False
+    schema = getattr(n.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    for arg in ("dropout_p", "p"):
+        if arg in names:
+            k = names.index(arg)
+            p = n.kwargs.get(arg, n.args[k] if k < len(n.args) else schema.arguments[k].default_value)
+            return bool(p)
+    return True

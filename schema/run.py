@@ -51,6 +51,14 @@ class Run:
     """Write the measured timeline of the last step (Perfetto JSON) (default: not written)."""
     nproc: int = 1
     """Processes, one per GPU: a multi-GPU plan (mobius, gpipe) needs one per GPU of its hardware."""
+    eval_data: str | None = None
+    """Held-out data, in any form --data takes, evaluated every eval_every steps: its mean loss and
+    perplexity logged (`Executor.evaluate`; default: none)."""
+    eval_every: int = 0
+    """Evaluate eval_data after every N optimizer steps (0: only after the last step)."""
+    eval_batches: int | None = None
+    """Batches of eval_data per evaluation, in file order (default: all of its examples; a token
+    file needs it)."""
     lr: float | None = None
     """Peak learning rate (default: the plan's)."""
     lr_scheduler: str | None = None

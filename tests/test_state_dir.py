@@ -290,3 +290,95 @@ def test_clipping_by_the_global_norm_equals_eager_clip_grad_norm(policy, max_nor
         assert torch.equal(got[n], want[n]), n
     if max_norm == 1.0:
         assert all(n > max_norm for n in norms)  # it did clip every step
+
+
+@pytest.mark.parametrize("policy", ["stronghold", "zero-infinity", "lohan"])
+def test_evaluate_between_steps_equals_eager_eval_and_changes_nothing(policy, tmp_path):
+    """`ex.evaluate(batches)` after 2 steps: the mean loss equals eager's under `model.eval()` and
+    `torch.no_grad()` bit for bit, and training on for 2 more steps gives eager's 4-step weights
+    (no update, step, commit or random draw leaks from the evaluation), through plans with state
+    in DRAM, on SSD, and with deferred write-backs (lohan)."""
+    import tensorstow
+    from tensorstow.executor.data import batches
+    from tests.fixtures import real_models
+    from tests.oracle import param_groups
+    ref = "tests.fixtures.real_models:nano_gpt"  # no dropout: eval mode computes what training does
+    plan = tmp_path / "p.json"
+    extra = ["--dram", "600KB"] if policy == "lohan" else []
+    assert main(["plan", ref, *COMMON, "--policy", policy, "--gpu-mem", "400KB", *extra, "-o", str(plan)]) == 0
+    if policy == "lohan":
+        assert json.loads(plan.read_text())["decisions"]["deferred_writes"]
+    train = list(batches("synthetic", 2, 16, 128, 4, seed=0))
+    held_out = list(batches("synthetic", 2, 16, 128, 3, seed=7))
+    torch.manual_seed(0)
+    ex = tensorstow.Executor(tensorstow.Plan.load(plan), real_models.nano_gpt(), state_dir=tmp_path / "s")
+    losses = [ex.step(x, y) for x, y in train[:2]]
+    got_eval = ex.evaluate(held_out)
+    assert ex.steps_done == 2
+    losses += [ex.step(x, y) for x, y in train[2:]]
+    got = ex.parameters()
+    ex.close()
+
+    torch.manual_seed(0)
+    model = real_models.nano_gpt()
+    opt = torch.optim.AdamW(param_groups(model, 0.0), lr=1e-3, foreach=False)
+    want_losses, want_eval = [], None
+    for k, (x, y) in enumerate(train):
+        if k == 2:
+            model.eval()
+            with torch.no_grad():
+                want_eval = sum(model(a, b)[1].item() for a, b in held_out) / len(held_out)
+            model.train()
+        opt.zero_grad()
+        loss = model(x, y)[1]
+        loss.backward()
+        opt.step()
+        want_losses.append(loss.item())
+    assert got_eval == want_eval and losses == want_losses
+    for n, p in model.named_parameters():
+        assert torch.equal(got[n], p.detach()), n
+
+
+def test_evaluate_refuses_a_model_whose_forward_draws_random_numbers(plans, tmp_path):
+    import tensorstow
+    from tests.fixtures import real_models
+    ex = tensorstow.Executor(tensorstow.Plan.load(plans["stronghold"]), real_models.nano_gpt_dropout(),
+                             state_dir=tmp_path / "s")
+    with pytest.raises(tensorstow.TensorstowError, match="dropout"):
+        ex.evaluate([])
+    ex.close()
+
+
+def test_execute_evaluates_held_out_data_every_n_steps_like_eager(tmp_path, capsys):
+    """`execute --eval-data synthetic --eval-every 2 --eval-batches 2`: after steps 2 and 4 the
+    JSON log holds eval_loss (and its perplexity) equal to eager's eval-mode mean loss over the same
+    batches (drawn with seed + 1) at that point of the same training."""
+    import math
+
+    from tensorstow.executor.data import batches
+    from tests.fixtures import real_models
+    from tests.oracle import param_groups
+    ref = "tests.fixtures.real_models:nano_gpt"
+    plan = tmp_path / "p.json"
+    assert main(["plan", ref, *COMMON, "--policy", "zero-infinity", "--gpu-mem", "400KB", "-o", str(plan)]) == 0
+    log = tmp_path / "log.jsonl"
+    assert execute(plan, tmp_path / "s", 4, "--log-json", str(log), "--eval-data", "synthetic", "--eval-every", "2",
+                   "--eval-batches", "2") == 0
+    assert "eval after step 2/4  loss" in capsys.readouterr().out
+    evals = [json.loads(line) for line in log.read_text().splitlines() if "eval_loss" in line]
+    held_out = list(batches("synthetic", 2, 16, 128, 2, seed=1))
+    torch.manual_seed(0)
+    model = real_models.nano_gpt()
+    opt = torch.optim.AdamW(param_groups(model, 0.0), lr=1e-3, foreach=False)
+    want = []
+    for k, (x, y) in enumerate(batches("synthetic", 2, 16, 128, 4, seed=0), 1):
+        opt.zero_grad()
+        model(x, y)[1].backward()
+        opt.step()
+        if k % 2 == 0:
+            model.eval()
+            with torch.no_grad():
+                want.append(sum(model(a, b)[1].item() for a, b in held_out) / len(held_out))
+            model.train()
+    assert [e["step"] for e in evals] == [2, 4] and [e["eval_loss"] for e in evals] == want
+    assert all(e["eval_perplexity"] == math.exp(e["eval_loss"]) and e["eval_batches"] == 2 for e in evals)
