@@ -343,6 +343,13 @@ def cmd_execute(args) -> int:
     return 0
 
 
+def cmd_evaluate(args) -> int:
+    from tensorstow.executor.run import evaluate_state
+    evaluate_state(load_plan(args.plan), Run(state_dir=args.state_dir, eval_data=args.data, eval_batches=args.batches,
+                                             tokenizer=args.tokenizer, packing=args.packing, seed=args.seed))
+    return 0
+
+
 def _run(args, plan) -> Run:
     """execute's options: each the first of its flag, the `--config` recipe's [execute] table, the
     plan's recorded recipe (`Plan.run`), and `Run`'s default."""
@@ -573,6 +580,17 @@ def parser() -> argparse.ArgumentParser:
     _arg(x, "--config", help="Recipe file (TOML): its [execute] table gives these options' values where no "
                              "flag does (docs/training.md, Recipe files) (default: the plan's recipe, if any).")
     x.set_defaults(fn=cmd_execute)
+
+    ev = sub.add_parser("evaluate", help="the held-out loss of a state dir's last committed weights")
+    _arg(ev, "plan", help="Plan file the state dir trains.")
+    _arg(ev, "--state-dir", dest="state_dir", required=True, help="State dir of `tensorstow execute --state-dir`.")
+    _arg(ev, "--data", required=True, help="Held-out data, in any form execute's --data takes.")
+    _arg(ev, "--batches", type=int, help="Batches to evaluate, in file order (default: all of the examples; a "
+                                         "token file needs it).")
+    _arg(ev, "--tokenizer", help="Tokenizer directory for text examples (default: the hf: model's directory).")
+    _arg(ev, "--packing", action="store_true", help="Concatenate examples into windows of seq + 1 tokens.")
+    _arg(ev, "--seed", type=int, default=0, help="Seeds synthetic data (seed + 1) and the model factory.")
+    ev.set_defaults(fn=cmd_evaluate)
 
     ex = sub.add_parser("export", help="write a state dir's last committed weights as safetensors")
     _arg(ex, "state_dir", help="State dir of `tensorstow execute --state-dir`.")

@@ -98,6 +98,36 @@ def _feed(ex: Executor, plan: Plan, run: Run, start: int) -> tuple[int, Iterator
     return steps, examples.batches(rows, steps, run.seed, start, run.shuffle)
 
 
+def evaluate_state(plan: Plan, run: Run, *, out=None) -> dict:
+    """`tensorstow evaluate`: the mean loss of `run.eval_data` with the weights the state dir
+    `run.state_dir` committed last (`Executor.evaluate`); the state is read, never written."""
+    out = out or sys.stdout
+    if run.state_dir is None or run.eval_data is None:
+        raise TensorstowError("evaluate needs --state-dir DIR (of tensorstow execute) and --data F")
+    d = Path(run.state_dir)
+    if not (d / state.PLAN).is_file():
+        raise TensorstowError(f"{d} is not a tensorstow state dir (no {state.PLAN}); pass the --state-dir "
+                              f"of a tensorstow execute run")
+    state.claim(d, plan)  # the plan it trains
+    model, init = build_for_execution(resolve_model(plan.options.model), run.seed)
+    with SSDStore(d, state.store_sizes(plan)) as store:
+        step = store.committed_step()
+        if step is None:
+            raise TensorstowError(f"state dir {d} holds no committed step yet")
+        ex = Executor(plan, model, mode=pick_mode(run.mode, plan), ssd_store=store, resume=True, init_values=init)
+        try:
+            held_out = _eval_batches(ex, plan, run)
+            t0 = time.perf_counter()
+            value = ex.evaluate(held_out)
+            dt = time.perf_counter() - t0
+        finally:
+            ex.close()
+    ppl = math.exp(value) if value < 700 else float("inf")
+    print(f"step {step}: eval loss {value:.6g}  perplexity {ppl:.6g}  ({len(held_out)} batches of "
+          f"{plan.model.batch} x {plan.model.seq}, {dt:.3f} s)", file=out)
+    return {"step": step, "eval_loss": value, "eval_perplexity": ppl, "eval_batches": len(held_out)}
+
+
 def _eval_batches(ex: Executor, plan: Plan, run: Run) -> list:
     """`--eval-data` as (x, y) batches of the plan's shape, in file order: `--eval-batches` of
     them, or (examples) all its examples (a last partial batch dropped); synthetic: drawn with

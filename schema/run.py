@@ -53,7 +53,7 @@ class Run:
     """Processes, one per GPU: a multi-GPU plan (mobius, gpipe) needs one per GPU of its hardware."""
     eval_data: str | None = None
     """Held-out data, in any form --data takes, evaluated every eval_every steps: its mean loss and
-    perplexity logged (`Executor.evaluate`; default: none)."""
+    perplexity logged, as `Executor.evaluate` computes them (default: none)."""
     eval_every: int = 0
     """Evaluate eval_data after every N optimizer steps (0: only after the last step)."""
     eval_batches: int | None = None

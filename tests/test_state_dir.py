@@ -382,3 +382,29 @@ def test_execute_evaluates_held_out_data_every_n_steps_like_eager(tmp_path, caps
             model.train()
     assert [e["step"] for e in evals] == [2, 4] and [e["eval_loss"] for e in evals] == want
     assert all(e["eval_perplexity"] == math.exp(e["eval_loss"]) and e["eval_batches"] == 2 for e in evals)
+
+
+def test_evaluate_command_reads_a_state_dirs_last_commit(tmp_path, capsys):
+    """`tensorstow evaluate PLAN --state-dir D --data F`: the held-out loss of the weights D
+    committed last equals the loss `execute --eval-data` logged after that step (a lohan plan with
+    deferred write-backs), and D is left as it was (a second evaluate gives the same); a directory
+    that is not a state dir is one error line."""
+    from tensorstow.executor.run import evaluate_state
+    from tensorstow.schema.plan import Plan
+    from tensorstow.schema.run import Run
+    ref = "tests.fixtures.real_models:nano_gpt"
+    plan = tmp_path / "p.json"
+    assert main(["plan", ref, *COMMON, "--policy", "lohan", "--gpu-mem", "400KB", "--dram", "600KB", "-o", str(plan)]) == 0
+    log = tmp_path / "log.jsonl"
+    assert execute(plan, tmp_path / "s", 3, "--log-json", str(log), "--eval-data", "synthetic", "--eval-batches", "2") == 0
+    logged = [json.loads(line) for line in log.read_text().splitlines() if "eval_loss" in line]
+    assert [e["step"] for e in logged] == [3]
+    run = Run(state_dir=str(tmp_path / "s"), eval_data="synthetic", eval_batches=2)
+    first = evaluate_state(Plan.load(plan), run)
+    assert first["step"] == 3 and first["eval_loss"] == logged[0]["eval_loss"]
+    assert evaluate_state(Plan.load(plan), run)["eval_loss"] == first["eval_loss"]
+    capsys.readouterr()
+    assert main(["evaluate", str(plan), "--state-dir", str(tmp_path / "s"), "--data", "synthetic", "--batches", "2"]) == 0
+    assert capsys.readouterr().out.startswith(f"step 3: eval loss {first['eval_loss']:.6g}")
+    assert main(["evaluate", str(plan), "--state-dir", str(tmp_path / "none"), "--data", "synthetic"]) == 2
+    assert "is not a tensorstow state dir" in capsys.readouterr().err
