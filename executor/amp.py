@@ -64,12 +64,7 @@ class LossScaler:
         gradient is the same memory are unscaled once."""
         if not grads32:
             return
-        seen, unique = set(), []
-        for g in grads32:
-            key = (g.untyped_storage().data_ptr(), g.storage_offset(), tuple(g.shape), g.stride())
-            if key not in seen:
-                seen.add(key)
-                unique.append(g)
+        unique = distinct(grads32)
         dev = grads32[0].device
         inv = self.scale.double().reciprocal().float().to(dev)
         torch._amp_foreach_non_finite_check_and_unscale_(unique, torch.zeros(1, device=dev), inv)
@@ -95,3 +90,14 @@ class LossScaler:
         self.scale.copy_(blob[:4].clone().view(torch.float32))
         self.growth_tracker.copy_(blob[4:8].clone().view(torch.int32))
         return int(blob[8:].clone().view(torch.int64))
+
+
+def distinct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`tensors` without repeats of the same memory (a tied weight's gradient is scaled once)."""
+    seen, out = set(), []
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+        if key not in seen:
+            seen.add(key)
+            out.append(t)
+    return out

@@ -52,7 +52,7 @@ import torch.nn as nn
 
 from tensorstow.errors import TensorstowError
 from tensorstow.executor.adam import SubgroupAdam
-from tensorstow.executor.amp import LossScaler
+from tensorstow.executor.amp import LossScaler, distinct
 from tensorstow.executor.cuda import cap_allocator, check_device, lanes_for, out_of_memory, resolve_device
 from tensorstow.executor.device_ops import check_portable, targets_for
 from tensorstow.executor.homes import Homes
@@ -843,7 +843,7 @@ class Executor:
             if self.scaler is not None:
                 self.scaler.unscale_(grads)
             if self.max_grad_norm > 0:  # clip_grad_norm_: every gradient times min(1, max / (norm + 1e-6))
-                unique = _distinct(grads)
+                unique = distinct(grads)
                 torch._foreach_mul_(unique, self._clip_coef().to(unique[0].device))
             out16, written = None, set()
             if self.mixed and not on_dev and not self.adam[b].exact:
@@ -942,16 +942,6 @@ def _describe(ins: Instr) -> str:
         return f"send {ins.tensor} {ins.src}->{ins.dst}"
     return f"{ins.kind} {ins.tensor} {ins.src}->{ins.dst}"
 
-
-def _distinct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """`tensors` without repeats of the same memory (a tied weight's gradient is scaled once)."""
-    seen, out = set(), []
-    for t in tensors:
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
-        if key not in seen:
-            seen.add(key)
-            out.append(t)
-    return out
 
 
 def _draws_random_node(n) -> bool:
