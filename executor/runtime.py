@@ -533,22 +533,19 @@ class Executor:
         self._apply_lr(lr)
 
     def _record_norms(self, b: str, grads: dict[str, torch.Tensor]) -> None:
-        """Block b's gradients' 2-norms as torch.nn.utils.clip_grad_norm_ takes them
-        (`torch._foreach_norm` of fp32 gradients; a 16-bit gradient's in fp32; fp16-mixed: of the
-        unscaled gradient), for the step's global norm (`_total_norm`)."""
+        """Block b's gradients' 2-norms as torch.nn.utils.clip_grad_norm_ takes them from eager's
+        fp32 `.grad` (`torch._foreach_norm`): a 16-bit gradient cast to fp32, fp16-mixed's unscaled
+        as GradScaler.unscale_ computes it (times 1/scale in fp32), one temporary copy at a time;
+        for the step's global norm (`_total_norm`)."""
         j = self.joint
-        trained = [p for p in self.block_params.get(b, ()) if p in j.grad]
-        if not trained:
-            return
-        gs = [j.materialize(j.grad[p], grads.__getitem__) for p in trained]
-        if all(g.dtype == torch.float32 for g in gs):
-            norms = torch._foreach_norm(gs, 2.0)
-        else:
-            norms = [torch.linalg.vector_norm(g, 2.0, dtype=torch.float32) for g in gs]
-        if self.scaler is not None:
-            inv = self.scaler.scale.double().reciprocal().float()
-            norms = [n * inv.to(n.device) for n in norms]
-        self._norms.update(zip(trained, norms))
+        inv = None if self.scaler is None else self.scaler.scale.double().reciprocal().float()
+        for p in self.block_params.get(b, ()):
+            if p not in j.grad:
+                continue
+            g = j.materialize(j.grad[p], grads.__getitem__).float()
+            if inv is not None:
+                g = g * inv.to(g.device)  # a copy: G itself is unscaled at its update
+            self._norms[p] = torch._foreach_norm([g], 2.0)[0]
 
     def _total_norm(self) -> torch.Tensor:
         """clip_grad_norm_'s total_norm: the 2-norm of the parameters' norms stacked in the model's

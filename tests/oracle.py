@@ -21,7 +21,7 @@ def param_groups(model, weight_decay: float, decay_all: bool = False) -> list[di
 
 def train_eager(model, data, *, lr, weight_decay=0.0, optimizer="adamw", loss=lambda m, x, y: m(x, y),
                 precision="fp32", scaler=None, microbatches=1, decay_all=False, make_optimizer=None,
-                scheduler=None):
+                scheduler=None, max_grad_norm=None, norms=None):
     """Train `model` on `data` ((x, y) batches) with torch.optim.Adam/AdamW over its trainable
     parameters (`param_groups`: weight decay on those with two or more dimensions, unless
     `decay_all`), or the one `make_optimizer(model)` returns; `scheduler(optimizer)`: a learning
@@ -31,7 +31,9 @@ def train_eager(model, data, *, lr, weight_decay=0.0, optimizer="adamw", loss=la
     lists (`gpu_autocast`: what torch.autocast("cuda") does, on CPU tensors), and for fp16 a
     `torch.amp.GradScaler` (`scaler`: its keyword arguments; `scaler["scales"]`, a list, receives
     the scale after every step). `microbatches` M > 1: gradient accumulation, each batch cut into
-    M equal microbatches in order, each one's loss / M back-propagated, one update per batch."""
+    M equal microbatches in order, each one's loss / M back-propagated, one update per batch.
+    `max_grad_norm`: `clip_grad_norm_` before each update (after GradScaler.unscale_); `norms`, a
+    list, receives the norm it returns each step."""
     cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.Adam
     opt = (make_optimizer(model) if make_optimizer is not None
            else cls(param_groups(model, weight_decay, decay_all), lr=lr, betas=(0.9, 0.999), eps=1e-8))
@@ -58,11 +60,16 @@ def train_eager(model, data, *, lr, weight_decay=0.0, optimizer="adamw", loss=la
             value = loss(model, x, y)
         if amp is None:
             value.backward()
+            if max_grad_norm is not None:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)))
             opt.step()
             if sched is not None:
                 sched.step()
         else:
             amp.scale(value).backward()
+            if max_grad_norm is not None:
+                amp.unscale_(opt)
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)))
             amp.step(opt)
             amp.update()
             if scales is not None:

@@ -12,6 +12,7 @@ import dataclasses
 import functools
 from collections import Counter
 import json
+import math
 import os
 import textwrap
 import threading
@@ -996,3 +997,34 @@ def test_a_plan_whose_copies_wait_for_room_trains_exactly_like_eager(tmp_path):
     ex, losses, params = run(json.loads(pl.dumps()), "overlap", tmp_path, device_budget=1_200_000)
     assert_same((losses, params), eager())
     assert ex.peak_bytes["gpu"] <= 1_200_000
+
+
+@pytest.mark.parametrize("precision", ["fp16-mixed", "bf16-mixed"])
+def test_clipping_under_mixed_precision_matches_eager_amp(precision, tmp_path):
+    """`max_grad_norm` with eager AMP's order: the norm of the unscaled fp32 gradients
+    (GradScaler.unscale_, then clip_grad_norm_), the clipped update, and for fp16 the steps whose
+    gradients overflow (a first scale of 2^20 overflows until it backs off) skipped with their norm
+    inf: losses, norms and weights bit-identical with the exact optimizer, through an SSD plan."""
+    steps = 6
+    o = Options(model="gpt-tiny", hardware="lohan-rtx4090", policy="lohan", batch=B, seq=T, precision=precision,
+                lr=1e-3, gpu_mem=1_000_000, exact_optimizer=True, max_grad_norm=0.5, init_scale=2.0 ** 20)
+    plan = json.loads(make_plan(o, load_hardware(o.hardware).with_overrides(gpu_mem=o.gpu_mem)).dumps())
+    assert any(b["home"] == "ssd" for b in plan["buffers"].values())
+    data = list(batches("synthetic", B, T, VOCAB, steps, seed=0))
+    torch.manual_seed(0)
+    want_norms = []
+    ref = train_eager(GPT(PRESETS["gpt-tiny"]), data, lr=1e-3, precision=precision,
+                      scaler={"init_scale": 2.0 ** 20} if precision == "fp16-mixed" else None,
+                      max_grad_norm=0.5, norms=want_norms)
+    torch.manual_seed(0)
+    ex = Executor(plan, GPT(PRESETS["gpt-tiny"]), state_dir=tmp_path / "s")
+    losses, norms = [], []
+    for x, y in data:
+        losses.append(ex.step(x, y))
+        norms.append(ex.grad_norm)
+    assert_same((losses, ex.parameters()), ref)
+    assert norms == want_norms
+    if precision == "fp16-mixed":
+        assert math.isinf(norms[0]) and not math.isinf(norms[-1])  # overflow steps, then clipped ones
+    assert max(n for n in norms if not math.isinf(n)) > 0.5
+    ex.close()
