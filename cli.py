@@ -714,6 +714,13 @@ def _main(argv: list[str]) -> int:
     except BrokenPipeError:  # the reader went away (`tensorstow check plans | head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except OSError as e:  # a path the command cannot read or write: which, and why
+        if args.debug:
+            import traceback
+            traceback.print_exception(e)
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"tensorstow: error: {where}{e.strerror or e} (check the path and its permissions)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

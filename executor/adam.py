@@ -56,6 +56,7 @@ import torch
 
 from tensorstow.errors import TensorstowError
 from tensorstow.executor import aio
+from tensorstow.schema.options import check_values
 
 _CSRC = Path(__file__).resolve().parent.parent / "csrc" / "adam.cpp"
 _EXT_NAME = "tensorstow_adam"
@@ -271,6 +272,7 @@ class SubgroupAdam:
         kind = options.optimizer
         if kind not in ("adam", "adamw"):
             raise TensorstowError(f"plan options: unknown optimizer '{kind}' (adam or adamw)")
+        check_values(options)  # a plan file edited by hand: one line, not the kernel's ValueError
         self.exact = options.exact_optimizer
         self.decoupled = kind == "adamw"
         self.lr, self.betas, self.eps, self.wd = options.lr, tuple(options.betas), options.eps, options.weight_decay

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -71,6 +72,29 @@ def _write_atomic(path: Path, text: str) -> None:
         os.close(fd)
 
 
+def _create_atomic(path: Path, text: str) -> None:
+    """Create `path` holding `text`, whole or not at all, unless it exists: written under a name
+    of this call's own, then linked into place (a link fails where the name exists), so two
+    processes claiming one directory at once never see a torn file or each other's temporary."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            return
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    finally:
+        os.unlink(tmp)
+
+
 def claim(state_dir, plan: Plan) -> Path:
     """Make `state_dir` the home of `plan`'s training, or check that it already is."""
     d = Path(state_dir)
@@ -80,19 +104,18 @@ def claim(state_dir, plan: Plan) -> Path:
         raise TensorstowError(f"cannot create the state dir {d}: {e.strerror or e}") from None
     text = plan.dumps()
     held = d / PLAN
-    if held.exists():
-        try:
-            old = json.loads(held.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise TensorstowError(f"state dir {d}: {PLAN} is unreadable ({e}); it is not a tensorstow state "
-                                  f"dir, or it was damaged") from None
-        if old != json.loads(text):
-            raise TensorstowError(
-                f"state dir {d} trains another plan ({old.get('model', {}).get('name')}, policy "
-                f"{old.get('decisions', {}).get('policy')}, fingerprint {old.get('model', {}).get('fingerprint')}); "
-                f"use an empty --state-dir, or execute the plan it holds ({held})")
-        return d
-    _write_atomic(held, text)
+    if not held.exists():
+        _create_atomic(held, text)  # two claims at once: one creates it, the other reads it below
+    try:
+        old = json.loads(held.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise TensorstowError(f"state dir {d}: {PLAN} is unreadable ({e}); it is not a tensorstow state "
+                              f"dir, or it was damaged") from None
+    if old != json.loads(text):
+        raise TensorstowError(
+            f"state dir {d} trains another plan ({old.get('model', {}).get('name')}, policy "
+            f"{old.get('decisions', {}).get('policy')}, fingerprint {old.get('model', {}).get('fingerprint')}); "
+            f"use an empty --state-dir, or execute the plan it holds ({held})")
     return d
 
 

@@ -17,7 +17,7 @@ from tensorstow.planner.pools import host_pools
 from tensorstow.planner.schedule import buffers_for, lower
 from tensorstow.planner.simulate import SimResult, compute_slowdown, contention, simulate
 from tensorstow.schema.hardware import Hardware
-from tensorstow.schema.options import LR_SCHEDULERS, Options, parse_param_group
+from tensorstow.schema.options import LR_SCHEDULERS, Options, check_values, parse_param_group
 from tensorstow.schema.plan import (SCHEMA_VERSION, BlockInfo, HardwareInfo, ModelInfo, Plan, PoolSizes, Predicted,
                                     ProfileInfo)
 from tensorstow.schema.schedule import (TIERS, Buffer, Decisions, Instr, carried_buffers, gpu_index, gpus_of_blocks,
@@ -69,6 +69,7 @@ def check_options(options: Options, model=None) -> ModelSpec | None:
     if options.warmup_steps < 0 or not 0 <= options.min_lr_ratio <= 1:
         raise TensorstowError(f"need --warmup-steps >= 0 and 0 <= --min-lr-ratio <= 1, got {options.warmup_steps} "
                               f"and {options.min_lr_ratio}")
+    check_values(options)
     if options.max_grad_norm < 0:
         raise TensorstowError(f"--max-grad-norm must be >= 0 (0: no clipping), got {options.max_grad_norm}")
     for spec in options.param_groups:  # their patterns are matched when the executor starts

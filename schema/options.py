@@ -11,6 +11,7 @@ import dataclasses
 import fnmatch
 import functools
 import inspect
+import math
 import textwrap
 import typing
 from collections.abc import Mapping
@@ -118,6 +119,19 @@ class Options:
     @staticmethod
     def from_json(d: dict, where: str = "plan options") -> "Options":
         return decode(Options, d, where)
+
+
+def check_values(o: Options) -> None:
+    """One TensorstowError for sizes and optimizer settings no step can run with (torch.optim's
+    own rules for Adam: lr, eps, weight decay >= 0, each beta in [0, 1))."""
+    bad = [f"--{name.replace('_', '-')} {value}" for name, value, ok in (
+        ("batch", o.batch, o.batch >= 0), ("seq", o.seq, o.seq >= 0),
+        ("lr", o.lr, math.isfinite(o.lr) and o.lr >= 0), ("eps", o.eps, math.isfinite(o.eps) and o.eps >= 0),
+        ("weight_decay", o.weight_decay, math.isfinite(o.weight_decay) and o.weight_decay >= 0),
+        ("betas", " ".join(map(str, o.betas)), all(math.isfinite(b) and 0 <= b < 1 for b in o.betas))) if not ok]
+    if bad:
+        raise TensorstowError(f"plan options: {', '.join(bad)}: batch and seq must be >= 0 (0: the default), lr, eps "
+                              f"and weight decay finite and >= 0, each beta in [0, 1)")
 
 
 @dataclass(frozen=True)

@@ -408,3 +408,55 @@ def test_evaluate_command_reads_a_state_dirs_last_commit(tmp_path, capsys):
     assert capsys.readouterr().out.startswith(f"step 3: eval loss {first['eval_loss']:.6g}")
     assert main(["evaluate", str(plan), "--state-dir", str(tmp_path / "none"), "--data", "synthetic"]) == 2
     assert "is not a tensorstow state dir" in capsys.readouterr().err
+
+
+def test_claims_racing_for_one_state_dir_leave_one_plan_and_one_clear_error(plans, tmp_path):
+    """Two runs claiming one new state dir at once with different plans: one plan is written whole,
+    the run with the other gets the one-line "trains another plan" error, never a file error on a
+    temporary the other run moved (each writes under a name of its own, then links it into place)."""
+    import threading
+
+    from tensorstow.errors import TensorstowError
+    from tensorstow.executor.state import claim
+    from tensorstow.schema.plan import Plan
+    a, b = Plan.load(plans["stronghold"]), Plan.load(plans["zero-infinity"])
+    for k in range(20):
+        d = tmp_path / f"d{k}"
+        start, results = threading.Barrier(2), {}
+
+        def run(name, plan, d=d, start=start, results=results):
+            start.wait()
+            try:
+                claim(d, plan)
+                results[name] = "ok"
+            except TensorstowError as e:
+                results[name] = str(e)
+        threads = [threading.Thread(target=run, args=("a", a)), threading.Thread(target=run, args=("b", b))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(v == "ok" for v in results.values()) == [False, True], results
+        loser = next(v for v in results.values() if v != "ok")
+        assert "trains another plan" in loser
+        assert sorted(p.name for p in d.iterdir()) == ["plan.json"]  # no temporary left behind
+        held = json.loads((d / "plan.json").read_text())
+        assert held in (json.loads(a.dumps()), json.loads(b.dumps()))
+
+
+def test_bad_optimizer_values_and_unwritable_paths_are_one_line(plans, tmp_path, capsys):
+    """A negative or NaN learning rate, a beta of 1, a negative batch: refused when planned, and a
+    beta of 1 in an edited plan file when it reaches the executor (not the kernel's ValueError); a
+    --log-json in a missing directory is one line naming the path."""
+    common = ["plan", MODEL, *COMMON[:-1], "--policy", "stronghold", "--gpu-mem", "400KB"]
+    for bad in (["--lr=-1e-3"], ["--lr", "nan"], ["--betas", "0.9", "1.0"], ["--batch=-2"]):
+        assert main([*common, *bad, "-o", str(tmp_path / "x.json")]) == 2, bad
+        assert capsys.readouterr().err.startswith("tensorstow: error: plan options: --")
+    edited = json.loads(Path(plans["stronghold"]).read_text())
+    edited["options"]["betas"] = [0.9, 1.0]
+    (tmp_path / "edited.json").write_text(json.dumps(edited))
+    assert main(["execute", str(tmp_path / "edited.json"), "--steps", "1"]) == 2
+    assert capsys.readouterr().err.startswith("tensorstow: error: plan options: --betas 0.9 1.0")
+    assert execute(plans["stronghold"], tmp_path / "s", 1, "--log-json", str(tmp_path / "no" / "log.jsonl")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tensorstow: error: {tmp_path / 'no' / 'log.jsonl'}: No such file") and err.count("\n") == 1
