@@ -234,7 +234,9 @@ _default_info: str | None = None
 
 
 def ext_cache_dir(name: str, source: Path) -> Path:
-    """Where a C++ extension is built and cached: keyed by torch, Python and the source's own
+    """Where a C++ extension is built and cached: keyed by torch, Python, the environment (its
+    prefix and torch's install path: a build records them, and `cpp_extension.load` from another
+    venv would rebuild it, each undoing the other's, 14-30 s a first step) and the source's own
     hash, so checkouts with different sources never rebuild (or load) each other's builds."""
     if os.environ.get("TENSORSTOW_CACHE"):
         root = Path(os.environ["TENSORSTOW_CACHE"])
@@ -244,7 +246,8 @@ def ext_cache_dir(name: str, source: Path) -> Path:
         root = Path.home() / ".cache" / "tensorstow"
     import hashlib
     digest = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
-    tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info.major}{sys.version_info.minor}"
+    env = hashlib.sha256(f"{sys.prefix}|{Path(torch.__file__).parent}".encode()).hexdigest()[:8]
+    tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info.major}{sys.version_info.minor}-{env}"
     return root / "torch_extensions" / tag / f"{name}-{digest}"
 
 

@@ -180,7 +180,8 @@ def test_request_fit_recovers_a_fixed_cost_and_a_rate_and_survives_noise():
 
 def test_extension_cache_is_keyed_by_the_source(tmp_path, monkeypatch):
     """Two checkouts with different C++ sources build into different directories; the same
-    source maps to the same one (so a second checkout reuses the build)."""
+    source maps to the same one (so a second checkout reuses the build); another venv builds its
+    own (a build records its environment's paths: sharing one, each venv rebuilt it for itself)."""
     from tensorstow.executor import aio
     monkeypatch.setenv("TENSORSTOW_CACHE", str(tmp_path / "cache"))
     a, b = tmp_path / "a.cpp", tmp_path / "b.cpp"
@@ -190,6 +191,9 @@ def test_extension_cache_is_keyed_by_the_source(tmp_path, monkeypatch):
     b.write_text(a.read_text())
     assert aio.ext_cache_dir("x", a) == aio.ext_cache_dir("x", b)
     assert str(aio.cache_dir()).startswith(str(tmp_path / "cache"))
+    here = aio.ext_cache_dir("x", a)
+    monkeypatch.setattr("sys.prefix", str(tmp_path / "other-venv"))  # another environment: its own build
+    assert aio.ext_cache_dir("x", a) != here
 
 
 def test_a_builder_killed_mid_build_does_not_wedge_later_builds():
