@@ -14,6 +14,10 @@ import torch
 from tensorstow.errors import TensorstowError
 
 
+TEXT_SUFFIXES = (".txt", ".text", ".md", ".csv", ".tsv")
+"""Files `--data` takes for text, which a token file never is."""
+
+
 def tokens(source: str, need: int, vocab: int, seed: int = 0) -> np.ndarray:
     """At least `need` token ids: "synthetic" (numpy default_rng(seed), uniform in [0, vocab))
     or a file: `.npy`, else flat little-endian uint16 (nanoGPT's train.bin)."""
@@ -23,6 +27,10 @@ def tokens(source: str, need: int, vocab: int, seed: int = 0) -> np.ndarray:
     if not path.is_file():
         raise TensorstowError(f"data file {source} does not exist; pass a token file (uint16 .bin "
                               f"or .npy) or 'synthetic'")
+    if path.suffix.lower() in TEXT_SUFFIXES:  # read as uint16 it would be noise in the vocabulary's range
+        raise TensorstowError(f"data file {source} is text, not token ids: write it as JSONL examples "
+                              f"({{\"text\": ...}} a line, tokenized with the model's tokenizer; docs/training.md) "
+                              f"or tokenize it into a .npy / uint16 .bin file")
     try:
         data = np.load(path, mmap_mode="r") if path.suffix == ".npy" else np.memmap(path, dtype="<u2", mode="r")
     except (ValueError, OSError) as e:

@@ -561,6 +561,9 @@ def test_batches_synthetic_and_files(tmp_path):
         list(batches(str(tmp_path / "train.bin"), 4, 9, 200, 5))
     with pytest.raises(TensorstowError, match="does not exist"):
         list(batches(str(tmp_path / "nope.bin"), 2, 4, 200, 1))
+    (tmp_path / "my.txt").write_text("plain text is not token ids\n" * 20)
+    with pytest.raises(TensorstowError, match=r"is text, not token ids: write it as JSONL"):
+        list(batches(str(tmp_path / "my.txt"), 2, 4, 30000, 1))
     with pytest.raises(TensorstowError, match="vocabulary"):
         list(batches(str(tmp_path / "train.bin"), 2, 4, 10, 2))
 
