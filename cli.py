@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tensorstow.calibrate import hardware_for
 from tensorstow.errors import TensorstowError
+from tensorstow.planner.simulate import ScheduleError
 from tensorstow.schema.hardware import parse_size
 from tensorstow.schema.options import asked, field_docs, from_asked
 from tensorstow.schema.run import CHOICES as RUN_CHOICES
@@ -714,6 +715,13 @@ def _main(argv: list[str]) -> int:
     except BrokenPipeError:  # the reader went away (`tensorstow check plans | head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except ScheduleError as e:  # a plan file whose instructions were edited or damaged
+        if args.debug:
+            import traceback
+            traceback.print_exception(e)
+        print(f"tensorstow: error: the plan's instructions are inconsistent ({e}); re-plan it with tensorstow plan "
+              f"(a golden plan: tensorstow check --update)", file=sys.stderr)
+        return 2
     except OSError as e:  # a path the command cannot read or write: which, and why
         if args.debug:
             import traceback

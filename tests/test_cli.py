@@ -242,6 +242,27 @@ def test_clipping_is_refused_where_it_is_not_built_and_when_negative(tmp_path, c
     assert not (tmp_path / "p.json").exists()
 
 
+def test_a_plan_with_an_instruction_dropped_is_one_line_for_show_and_execute(tmp_path, capsys):
+    """An edited plan file whose instruction list no longer replays (a load dropped, the ids
+    renumbered) is one line in show (the simulator's ScheduleError, which was a traceback) and in
+    execute (the instruction that finds nothing to move)."""
+    d = json.loads((ROOT / "plans" / "gpt-tiny__lohan-rtx4090__lohan.json").read_text())
+    load = next(i for i in d["instructions"] if i["kind"] == "load" and i["tensor"].startswith("P:b1"))
+    kept = [i for i in d["instructions"] if i["id"] != load["id"]]
+    new_id = {i["id"]: k for k, i in enumerate(kept)}  # renumbered: the file itself stays well formed
+    for i in kept:
+        i["id"], i["deps"] = new_id[i["id"]], [new_id[k] for k in i["deps"] if k in new_id]
+    d["instructions"] = kept
+    bad = tmp_path / "edited.json"
+    bad.write_text(json.dumps(d))
+    assert main(["show", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tensorstow: error: the plan's instructions are inconsistent") and err.count("\n") == 1, err
+    assert main(["execute", str(bad), "--steps", "1", "--state-dir", str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err  # the executor stops at the instruction that finds nothing to move
+    assert err.startswith("tensorstow: error: instruction ") and "P:b1" in err and err.count("\n") == 1, err
+
+
 def test_a_reader_that_stops_early_gets_no_traceback():
     """`tensorstow check A B | head -1`: the command stops quietly when its reader goes away."""
     tiny = [f"plans/gpt-tiny__lohan-rtx4090__{p}.json" for p in ("all-gpu", "zero-infinity", "lohan")]
