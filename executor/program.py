@@ -98,6 +98,9 @@ class Program:
         """Frozen parameters and buffers per block (C: read, never written)."""
         self.frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
         self.param_order = [n for n, p in model.named_parameters() if p.requires_grad]
+        self.forward_draws_random = any(draws_random_node(n) for seg in self.joint.segments.values() for n in seg.nodes)
+        """Whether the step draws random numbers (dropout above 0: eval mode would not): `evaluate`
+        refuses such a model."""
         """Trainable parameters in the model's order (`model.parameters()`, a tied one once): the
         order torch's clip_grad_norm_ stacks their norms in."""
         self.decayed = {p for ps in self.block_params.values() for p in ps
@@ -412,3 +415,19 @@ def ignored_labels(traced: Traced) -> frozenset[int]:
 
 def _draws_random(seg) -> bool:
     return any(torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()) for n in seg.nodes)
+
+
+def draws_random_node(n) -> bool:
+    """Whether a traced op draws random numbers: a seeded op, unless its dropout probability is 0
+    (attention kernels carry the tag whatever their dropout_p; native_dropout with p = 0)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ()):
+        return False
+    schema = getattr(n.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    for arg in ("dropout_p", "p"):
+        if arg in names:
+            k = names.index(arg)
+            p = n.kwargs.get(arg, n.args[k] if k < len(n.args) else schema.arguments[k].default_value)
+            return bool(p)
+    return True
+

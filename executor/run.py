@@ -91,11 +91,17 @@ def _feed(ex: Executor, plan: Plan, run: Run, start: int) -> tuple[int, Iterator
     if not is_examples(run.data):
         return run.steps, ((None, None, x, y)
                            for x, y in batches(run.data, rows, m.seq, ex.vocab, run.steps, run.seed, start))
-    ignored = ex.program.ignore_index
-    examples = Examples.load(run.data, m.seq, ex.vocab, tokenizer=_tokenizer(run.tokenizer, plan.options.model),
-                             ignore=-100 if -100 in ignored else min(ignored), packing=run.packing)
+    examples = _examples(run.data, ex, plan, run)
     steps = run.steps if run.steps is not None else run.epochs * examples.steps_per_epoch(rows)
     return steps, examples.batches(rows, steps, run.seed, start, run.shuffle)
+
+
+def _examples(source: str, ex: Executor, plan: Plan, run: Run) -> Examples:
+    """`source`'s examples at the plan's seq, tokenized as the run says, padding labelled with the
+    model's own ignore index."""
+    ignored = ex.program.ignore_index
+    return Examples.load(source, plan.model.seq, ex.vocab, tokenizer=_tokenizer(run.tokenizer, plan.options.model),
+                         ignore=-100 if -100 in ignored else min(ignored), packing=run.packing)
 
 
 def evaluate_state(plan: Plan, run: Run, *, out=None) -> dict:
@@ -143,9 +149,7 @@ def _eval_batches(ex: Executor, plan: Plan, run: Run) -> list:
             raise TensorstowError(f"--eval-data {run.eval_data} is a token file: give --eval-batches N")
         seed = run.seed + 1 if run.eval_data == "synthetic" else run.seed
         return list(batches(run.eval_data, rows, m.seq, ex.vocab, run.eval_batches or 1, seed, 0))
-    ignored = ex.program.ignore_index
-    examples = Examples.load(run.eval_data, m.seq, ex.vocab, tokenizer=_tokenizer(run.tokenizer, plan.options.model),
-                             ignore=-100 if -100 in ignored else min(ignored), packing=run.packing)
+    examples = _examples(run.eval_data, ex, plan, run)
     n = run.eval_batches or examples.steps_per_epoch(rows)
     if n < 1:
         raise TensorstowError(f"--eval-data {run.eval_data} holds fewer examples than one batch of {rows}")

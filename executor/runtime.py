@@ -407,7 +407,7 @@ class Executor:
         program is not built yet: an evaluation batch costs a training step). So the model's
         forward must not draw random numbers (dropout > 0 trains differently from eval mode):
         such a model is refused."""
-        if any(_draws_random_node(n) for seg in self.joint.segments.values() for n in seg.nodes):
+        if self.program.forward_draws_random:
             raise TensorstowError("evaluate: the model's forward draws random numbers (dropout), which eval mode "
                                   "turns off; set its dropout to 0 to evaluate it here")
         rng, norm, clip = rng_bytes(), self.grad_norm, self._clip
@@ -940,17 +940,3 @@ def _describe(ins: Instr) -> str:
     return f"{ins.kind} {ins.tensor} {ins.src}->{ins.dst}"
 
 
-
-def _draws_random_node(n) -> bool:
-    """Whether a traced op draws random numbers: a seeded op, unless its dropout probability is 0
-    (attention kernels carry the tag whatever their dropout_p; native_dropout with p = 0)."""
-    if torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ()):
-        return False
-    schema = getattr(n.target, "_schema", None)
-    names = [a.name for a in schema.arguments] if schema is not None else []
-    for arg in ("dropout_p", "p"):
-        if arg in names:
-            k = names.index(arg)
-            p = n.kwargs.get(arg, n.args[k] if k < len(n.args) else schema.arguments[k].default_value)
-            return bool(p)
-    return True
