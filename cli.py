@@ -66,9 +66,14 @@ def summary(plan, sim=None) -> str:
 
 
 def _pipeline_lines(plan, sim=None) -> list[str]:
-    """Stages, their GPUs and root complexes, and each GPU's simulated peak (multi-GPU plans)."""
-    pl = plan.decisions.pipeline
+    """Stages, their GPUs and root complexes, and each GPU's simulated peak (multi-GPU plans); one
+    GPU's gradient accumulation."""
+    pl, dec = plan.decisions.pipeline, plan.decisions
     if pl is None:
+        if dec.grad_accum > 1:
+            tiers = sorted({d.accum for d in dec.blocks.values()})
+            return [f"gradient accumulation: {dec.grad_accum} microbatches of batch {plan.model.batch}, accumulated "
+                    f"gradients on {', '.join(tiers)}"]
         return []
     from tensorstow.planner.simulate import simulate_plan
     names = [b.name for b in plan.model.blocks]
@@ -98,6 +103,8 @@ def _placement(dec) -> str:
     counts: dict[str, dict[str, int]] = {}
     for bd in dec.blocks.values():
         for k, v in vars(bd).items():
+            if k == "accum" and not v:
+                continue
             counts.setdefault(k, {})
             counts[k][v] = counts[k].get(v, 0) + 1
     return "; ".join(f"{k}: " + ", ".join(f"{v} x{n}" for v, n in sorted(c.items())) for k, c in counts.items())

@@ -48,8 +48,9 @@ class Program:
         if pl is not None and pl.kind == "data-parallel":
             raise TensorstowError("a zero3-dp plan is a simulated baseline (the Mobius comparison), not "
                                   "executable: execute a mobius, gpipe or single-GPU plan")
-        self.M = pl.microbatches if pl else 1
-        """Microbatches per step: `step` takes M x the plan's batch."""
+        self.M = plan.decisions.microbatches()
+        """Microbatches per step (a pipeline's, or gradient accumulation's): `step` takes M x the
+        plan's batch."""
         self.block_gpu = block_gpus(plan)
         """Block -> the GPU tier that runs it."""
         gpus = sorted({gpu_index(g) for g in self.block_gpu.values()})

@@ -51,7 +51,7 @@ def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, 
         raise TensorstowError("give --steps, or --epochs with --data examples (JSONL or a datasets directory)")
     if run.epochs is not None and run.epochs < 1:
         raise TensorstowError(f"--epochs must be >= 1, got {run.epochs}")
-    spec = resolve_model(plan.options.model)
+    spec = resolve_model(plan.options.model, plan.options.lora)
     model, init = build_for_execution(spec, run.seed)
     store, start, resume = None, 0, False
     if state_dir is None and plan.ssd_sizes():
@@ -115,7 +115,7 @@ def evaluate_state(plan: Plan, run: Run, *, out=None) -> dict:
         raise TensorstowError(f"{d} is not a tensorstow state dir (no {state.PLAN}); pass the --state-dir "
                               f"of a tensorstow execute run")
     state.claim(d, plan)  # the plan it trains
-    model, init = build_for_execution(resolve_model(plan.options.model), run.seed)
+    model, init = build_for_execution(resolve_model(plan.options.model, plan.options.lora), run.seed)
     with SSDStore(d, state.store_sizes(plan)) as store:
         step = store.committed_step()
         if step is None:
@@ -130,7 +130,7 @@ def evaluate_state(plan: Plan, run: Run, *, out=None) -> dict:
             ex.close()
     ppl = math.exp(value) if value < 700 else float("inf")
     print(f"step {step}: eval loss {value:.6g}  perplexity {ppl:.6g}  ({len(held_out)} batches of "
-          f"{plan.model.batch} x {plan.model.seq}, {dt:.3f} s)", file=out)
+          f"{plan.model.batch * plan.decisions.microbatches()} x {plan.model.seq}, {dt:.3f} s)", file=out)
     return {"step": step, "eval_loss": value, "eval_perplexity": ppl, "eval_batches": len(held_out)}
 
 

@@ -67,6 +67,7 @@ from tensorstow.ir.hf import wrap
 from tensorstow.ir.models import build_for_execution, resolve_model
 from tensorstow.ir.trace import Traced
 from tensorstow.planner.simulate import SimResult, perfetto_trace
+from tensorstow.schema.plan import as_plan
 from tensorstow.schema.schedule import BufferKind, Instr, gpu_index, resource_of
 
 MODES = ("sync", "overlap")
@@ -226,7 +227,8 @@ class Executor:
         if isinstance(model, str):
             if init_values is not None:
                 raise TensorstowError("init_values is for a model object; a model named by a string brings its own")
-            model, init_values = build_for_execution(resolve_model(model), seed)
+            o = as_plan(plan).options  # the plan's LoRA adapters go on the model it names
+            model, init_values = build_for_execution(resolve_model(model, o.lora if model == o.model else ""), seed)
         model = wrap(model)
         self.program = prog = Program(plan, model, rank=rank, comm=comm, traced=traced)
         """The plan compiled against the traced model: every table below is its."""
@@ -284,8 +286,8 @@ class Executor:
         self._clip: torch.Tensor | None = None
         self.grad_norm: float | None = None
         """The last step's global gradient norm (clip_grad_norm_'s total_norm, before clipping;
-        fp16-mixed: of the unscaled gradients); None before the first step, and for pipelines
-        (microbatches, several processes: not computed yet)."""
+        fp16-mixed: of the unscaled gradients; with microbatches, of their sum); None before
+        the first step, and for plans on several processes (not computed yet)."""
         self.state = Homes(prog, self.dev, self.host, self.ssd, self.scaler)
         """The training state between steps: homes, checkpoints, resume (executor.homes)."""
         self.steps_done = 0
@@ -301,6 +303,8 @@ class Executor:
         self.loss: float | None = None
         self._rng_at_end: torch.Tensor | None = None
         self._loss: list[torch.Tensor] = []
+        self._weights: list[float] = [1.0]
+        """This step's microbatch weights (`micro_weights`)."""
         self.inputs: dict[str, list[torch.Tensor]] = {}
         """Per graph input, its value for each microbatch."""
         self._sends: list = []  # this step's transfers in flight to other ranks
@@ -446,12 +450,12 @@ class Executor:
         tdtype, tshape = j.meta(j.inputs[2])
         tangent = (self.scaler.tangent(tshape, tdtype) if self.scaler is not None
                    else torch.ones(tshape, dtype=tdtype, device=self.device))
-        if self.M > 1:
-            tangent = tangent / self.M  # eager's (loss / M).backward(): DivBackward hands 1 / M on
+        self._weights = self.micro_weights(targets)
         consts = tuple(c.to(self.device, copy=True) for c in j.constants.values())
         for k in range(self.M):
             rows_k = slice(k * m.batch, (k + 1) * m.batch)
-            vals = (idx[rows_k].to(self.device, copy=True), targets[rows_k].to(self.device, copy=True), tangent)
+            t_k = tangent if self.M == 1 else tangent * self._weights[k]  # eager's (loss * w_k).backward()
+            vals = (idx[rows_k].to(self.device, copy=True), targets[rows_k].to(self.device, copy=True), t_k)
             for name, v in zip((*j.inputs, *j.constants), vals + consts):
                 self.dev.hold(v, name)
                 self.inputs.setdefault(name, []).append(v)
@@ -508,12 +512,26 @@ class Executor:
     def _early_sync_total(self) -> float:
         return getattr(self.ssd.store, "early_sync_s", 0.0)
 
+    def micro_weights(self, targets: torch.Tensor) -> list[float]:
+        """Per microbatch k of a step's `targets`, the weight w_k of its loss (the mean over its
+        labels) in the step's: its count of labels the loss does not ignore over the step's count,
+        so the step's loss is the sum of every token loss over the count of labels in all M
+        microbatches (the Hugging Face Trainer's `num_items_in_batch` normalisation; eager:
+        `(loss_k * w_k).backward()` per microbatch). 1/M each where no label counts; [1.0] for one."""
+        if self.M == 1:
+            return [1.0]
+        counts = [int((~torch.isin(t, self._ignored)).sum()) for t in targets.chunk(self.M)]
+        total = sum(counts)
+        return [n / total if total else 1 / self.M for n in counts]
+
     def _mean_loss(self) -> float:
-        """The step's loss: the microbatches' mean (eager's sum of loss / M, in microbatch order);
-        on a rank without the loss, the one the loss's rank sends."""
+        """The step's loss: sum over its microbatches of loss_k * w_k (`micro_weights`), in
+        microbatch order, leaving out those whose every label is ignored (their mean is 0 / 0 and
+        their weight 0); on a rank without the loss, the one the loss's rank sends."""
         here = None
         if all(v is not None for v in self._loss):
-            here = float(self._loss[0]) if self.M == 1 else sum(float(v / self.M) for v in self._loss)
+            here = float(self._loss[0]) if self.M == 1 else sum(
+                float(v * w) for v, w in zip(self._loss, self._weights) if w)
         if self.comm is not None:
             return self.comm.share(here, gpu_index(self.block_gpu[self.program.loss_block()]))
         return here
@@ -724,8 +742,12 @@ class Executor:
                     self._record_norms(a[2:], self.dev.get(a))
             for a in ins.accum:  # a later microbatch: eager's AccumulateGrad, .grad += this one's
                 into = self.dev.get(a)
-                for r in self.members[a]:
-                    into[r].add_(kept[r])
+                for r in self.members[a]:  # a cut backward's first part hands some on (K:<b>)
+                    into[r].add_(kept[r] if r in kept else self._fetch(r, ins.micro, besides=a))
+                if self.scaler is not None:
+                    self.scaler.check(list(into.values()))
+                if ins.micro == self.M - 1 and self.comm is None:  # the sum is whole
+                    self._record_norms(a[2:], into)
             if j.loss in kept:
                 self._loss[ins.micro] = kept[j.loss]  # read when the step ends: no host wait here
         finally:
@@ -733,11 +755,13 @@ class Executor:
                 if r not in passed:
                     self.dev.release(v)
 
-    def _fetch(self, root: str, micro: int = 0) -> torch.Tensor:
+    def _fetch(self, root: str, micro: int = 0, besides: str = "") -> torch.Tensor:
+        """`root`'s value for microbatch `micro`: a step input, else the copy of a buffer on the
+        device that holds it (but `besides`)."""
         v = self.inputs.get(root)
         if v is None:
             for h in self.program.holders_of(root, micro):
-                c = self.dev.copies.get(h)
+                c = self.dev.copies.get(h) if h != besides else None
                 if c is not None:
                     return c[root]
             raise ExecutionError(

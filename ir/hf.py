@@ -76,10 +76,69 @@ def has_weights(d: Path) -> bool:
     return any(d.glob("*.safetensors"))
 
 
-def load(ref: str, *, weights: bool = True) -> CausalLM:
+def lora_config(spec: str):
+    """`Options.lora` ("r=8,alpha=16,targets=q_proj,v_proj[,dropout=0.1]") as a peft LoraConfig;
+    one TensorstowError naming the fault."""
+    try:
+        import peft
+    except ImportError:
+        raise TensorstowError("--lora needs the peft package: pip install 'tensorstow[hf]'") from None
+    keys = {"r": "r", "alpha": "lora_alpha", "targets": "target_modules", "dropout": "lora_dropout"}
+    given: dict[str, list[str]] = {}
+    key = None
+    for item in (x.strip() for x in spec.split(",")):
+        name, eq, value = item.partition("=")
+        if eq:
+            key = name.strip()
+            if key not in keys:
+                raise TensorstowError(f"--lora {spec}: unknown key '{key}'; use r, alpha, targets and dropout")
+            given[key] = [value.strip()]
+        elif key == "targets" and item:  # targets=q_proj,v_proj: the names after the first
+            given[key].append(item)
+        else:
+            raise TensorstowError(f"--lora {spec}: '{item}' is not key=value (r=8,alpha=16,targets=q_proj,v_proj)")
+    if "r" not in given or "targets" not in given:
+        raise TensorstowError(f"--lora {spec}: give at least r and targets (r=8,alpha=16,targets=q_proj,v_proj)")
+    try:
+        kw = {"r": int(given["r"][0]), "target_modules": given["targets"]}
+        if "alpha" in given:
+            kw["lora_alpha"] = float(given["alpha"][0])
+        if "dropout" in given:
+            kw["lora_dropout"] = float(given["dropout"][0])
+    except ValueError:
+        raise TensorstowError(f"--lora {spec}: r must be an integer, alpha and dropout numbers") from None
+    if kw["r"] < 1 or not 0 <= kw.get("lora_dropout", 0.0) < 1:
+        raise TensorstowError(f"--lora {spec}: need r >= 1 and 0 <= dropout < 1")
+    return peft.LoraConfig(task_type="CAUSAL_LM", **kw)
+
+
+def _with_lora(model: nn.Module, ref: str, lora: str) -> nn.Module:
+    """`get_peft_model(model, lora_config(lora))`, its adapters left where PEFT makes them: on a
+    base whose parameters are on the meta device (`load_streaming`) they keep the values its
+    initialisation drew (PEFT moves each adapter to its base layer's device, where it would
+    have none: those moves are skipped while it builds them)."""
+    import peft
+    to = nn.Module.to
+
+    def not_to_meta(module, *args, **kwargs):
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        return module if device is not None and device.type == "meta" else to(module, *args, **kwargs)
+
+    if any(p.device.type == "meta" for p in model.parameters()):
+        nn.Module.to = not_to_meta
+    try:
+        return peft.get_peft_model(model, lora_config(lora))
+    except ValueError as e:  # a target module the model does not have
+        raise TensorstowError(f"--lora {lora}: {ref}: {str(e).splitlines()[0]}") from None
+    finally:
+        nn.Module.to = to
+
+
+def load(ref: str, *, weights: bool = True, lora: str = "") -> CausalLM:
     """Build the model of `hf:DIR`: from its safetensors weights when there are some (and
     `weights`), else initialised as `AutoModelForCausalLM.from_config(config)` does (the
-    caller seeds torch first). In training mode, generation caches off."""
+    caller seeds torch first); with `lora`, LoRA adapters on it (`Options.lora`). In training
+    mode, generation caches off."""
     d = check_dir(ref)
     tf = _transformers()
     verbosity = tf.logging.get_verbosity()
@@ -96,6 +155,8 @@ def load(ref: str, *, weights: bool = True) -> CausalLM:
                               f"{str(e).splitlines()[0] if str(e) else ''})") from e
     finally:
         tf.logging.set_verbosity(verbosity)
+    if lora:
+        model = _with_lora(model, ref, lora)
     model.train()
     return CausalLM(model)
 
@@ -122,9 +183,12 @@ def parameters_on_meta():
 class Checkpoint:
     """The tensors of a safetensors checkpoint by the wrapped model's parameter names
     (`model.<name>`), read one at a time when asked for: the executor takes each block's
-    parameters as it places the block, so the whole model is never in memory."""
+    parameters as it places the block, so the whole model is never in memory. A PEFT model's
+    base weights are found under their checkpoint names (`base_model.model.` and `.base_layer`
+    left out); `own` holds what the model made itself (LoRA adapters)."""
 
-    def __init__(self, d: Path):
+    def __init__(self, d: Path, own: dict[str, torch.Tensor] | None = None):
+        self.own = own or {}
         index = d / "model.safetensors.index.json"
         if index.is_file():
             files = {n: d / f for n, f in json.loads(index.read_text())["weight_map"].items()}
@@ -138,22 +202,31 @@ class Checkpoint:
 
     def __getitem__(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
+        if name in self.own:
+            return self.own[name]
         key = name[len("model."):]
+        if key.startswith("base_model.model."):
+            key = key[len("base_model.model."):].replace(".base_layer.", ".")
         if key not in self.files:
             raise TensorstowError(f"the checkpoint has no tensor {key} (the model's parameter {name})")
         with safe_open(str(self.files[key]), framework="pt") as sf:
             return sf.get_tensor(key)
 
 
-def load_streaming(ref: str) -> tuple[CausalLM, "Checkpoint | None"]:
+def load_streaming(ref: str, lora: str = "") -> tuple[CausalLM, "Checkpoint | None"]:
     """`hf:DIR` for execution: with safetensors weights, the model with its parameters on the
-    meta device and the checkpoint to stream them from; without, as `load` builds it."""
+    meta device and the checkpoint to stream them from; without, as `load` builds it. With
+    `lora`, the adapters are made for real (the values `get_peft_model` of the loaded base
+    gives, the caller seeding torch first) and streamed with the base."""
     d = check_dir(ref)
     if not has_weights(d):
-        return load(ref), None
+        return load(ref, lora=lora), None
     with parameters_on_meta():
         model = load(ref, weights=False)
-    return model, Checkpoint(d)
+    if lora:
+        model = CausalLM(_with_lora(model.model, ref, lora).train())
+    own = {n: p.detach() for n, p in model.named_parameters() if p.device.type != "meta"}
+    return model, Checkpoint(d, own)
 
 
 def wrap(model: nn.Module) -> nn.Module:

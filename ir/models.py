@@ -258,6 +258,8 @@ class ModelSpec:
     """Preset name, `hf:DIR` or `pkg.module:factory`."""
     config: GPTConfig | None
     """Set for built-in presets (enables tracing a few blocks and replicating by similarity)."""
+    lora: str = ""
+    """`Options.lora`: LoRA adapters on an `hf:` model."""
 
     def build(self, n_layer: int | None = None, *, weights: bool = True) -> nn.Module:
         """The model. `weights=False`: a Hugging Face checkpoint is built from its config alone
@@ -269,7 +271,7 @@ class ModelSpec:
             return GPT(c)
         from tensorstow.ir import hf
         if self.name.startswith(hf.PREFIX):
-            return hf.load(self.name, weights=weights)
+            return hf.load(self.name, weights=weights, lora=self.lora)
         m = _load_factory(self.name)()
         if not isinstance(m, nn.Module):
             raise TensorstowError(f"model '{self.name}': the factory returned {type(m).__name__}, "
@@ -290,7 +292,16 @@ def _load_factory(ref: str):
     return fn
 
 
-def resolve_model(name: str) -> ModelSpec:
+def resolve_model(name: str, lora: str = "") -> ModelSpec:
+    """The spec of a model reference; `lora` (`Options.lora`) only for an `hf:` model."""
+    from tensorstow.ir import hf
+    if lora and not name.startswith(hf.PREFIX):
+        raise TensorstowError(f"--lora {lora}: LoRA from the command line adapts an hf:DIR checkpoint, not '{name}'; "
+                              f"for another model give a PEFT model to the Python API (tensorstow.plan(model))")
+    if lora:
+        hf.check_dir(name)
+        hf.lora_config(lora)  # fail early with a clear message
+        return ModelSpec(name, None, lora)
     if name in PRESETS:
         return ModelSpec(name, PRESETS[name])
     if name.startswith("<"):
@@ -315,7 +326,7 @@ def build_for_execution(spec, seed: int):
     from tensorstow.ir import hf
     if spec.name.startswith(hf.PREFIX):  # from its safetensors, one tensor at a time, if it has some
         torch.manual_seed(seed)
-        return hf.load_streaming(spec.name)
+        return hf.load_streaming(spec.name, spec.lora)
     if spec.config is not None:
         with torch.device("meta"):
             model = spec.build()

@@ -41,9 +41,16 @@ def plan_problem(problem: Problem, policy: str) -> PlanResult:
         raise TensorstowError(f"--microbatches {micro}: the {policy} policy trains one microbatch a step; gradient "
                               f"accumulation over microbatches is the mobius policy's (--policy mobius, or auto), "
                               f"or leave --microbatches out")
+    accum = problem.options.grad_accum
+    if accum > 1 and (micro > 1 or policy in ("mobius", *BASELINES)):
+        raise TensorstowError(f"--grad-accum {accum}: " + (
+            "a pipeline accumulates over --microbatches instead; give one of the two" if micro > 1 else
+            f"the {policy} policy pipelines microbatches over GPUs; accumulate with its --microbatches, or plan "
+            f"--grad-accum with a one-GPU policy (auto, lohan, zero-infinity, ...)"))
     if policy == "auto":  # Mobius only where there are several GPUs or microbatches; baselines never
         names = [n for n in sorted(table) if n not in BASELINES + SUBSUMED
-                 and (n != "mobius" or len(problem.hw.gpus) > 1 or micro > 1) and (n == "mobius" or micro <= 1)]
+                 and (n != "mobius" or (len(problem.hw.gpus) > 1 and accum == 1) or micro > 1)
+                 and (n == "mobius" or micro <= 1)]
         plans = {name: policy_plan(problem, name) for name in names}
         feasible = {n: p for n, p in plans.items() if p.fits}
         if not feasible:

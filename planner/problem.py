@@ -74,7 +74,9 @@ def check_options(options: Options, model=None) -> ModelSpec | None:
         raise TensorstowError(f"--max-grad-norm must be >= 0 (0: no clipping), got {options.max_grad_norm}")
     for spec in options.param_groups:  # their patterns are matched when the executor starts
         parse_param_group(spec)
-    return resolve_model(options.model) if model is None else None
+    if model is not None and options.lora:
+        raise TensorstowError("lora: a model object brings its own adapters (get_peft_model); leave lora out")
+    return resolve_model(options.model, options.lora) if model is None else None
 
 
 def build_problem(options: Options, hw: Hardware, model=None) -> Problem:
@@ -109,7 +111,7 @@ class PlanResult:
     @property
     def samples(self) -> int:
         """Microbatches of `model.batch` one step trains on."""
-        return self.decisions.pipeline.microbatches if self.decisions.pipeline else 1
+        return self.decisions.microbatches()
 
     @property
     def time_per_sample(self) -> float:
@@ -250,7 +252,18 @@ def schedule(problem: Problem, decisions: Decisions, wait: bool = False) -> Plan
     (`Decisions.ssd_reads_first`) where that still fits, else keeps every read in program order.
     An fp32 plan whose CPU updates read parameters from SSD is replayed both ways and keeps the
     backward's DRAM copy of them for the update (`Decisions.keep_params_for_update`) where
-    that still fits and is not slower; the DeepSpeed baseline reads them again, as DeepSpeed does."""
+    that still fits and is not slower; the DeepSpeed baseline reads them again, as DeepSpeed does.
+    With gradient accumulation (`Options.grad_accum`) the accumulated gradients wait between
+    microbatches on the GPU, else in DRAM, else on SSD: the first of those that fits (each moves
+    more than the one before it), unless the decisions already place them."""
+    candidates = accumulating(problem, decisions)
+    if len(candidates) > 1:
+        for d in candidates:
+            r = schedule(problem, d, wait)
+            if r.fits:
+                return r
+        return r
+    decisions = candidates[0]
     reads_ssd = any("ssd" in (d.params, d.states, d.checkpoint) or d.activations == "swap_ssd"
                     for d in decisions.blocks.values())
     if reads_ssd and decisions.pipeline is None and not decisions.ssd_reads_first:
@@ -263,6 +276,20 @@ def schedule(problem: Problem, decisions: Decisions, wait: bool = False) -> Plan
         if waited.fits:
             return waited
     return r
+
+
+def accumulating(problem: Problem, decisions: Decisions) -> list[Decisions]:
+    """The decisions with `Options.grad_accum`: as they are where they place every accumulated
+    gradient already (or there is no accumulation), else one candidate per tier the accumulated
+    gradients may wait on (`BlockDecision.accum`), fastest first."""
+    k = problem.options.grad_accum
+    if k <= 1 or decisions.pipeline is not None:
+        return [decisions]
+    if decisions.grad_accum == k and all(d.accum for d in decisions.blocks.values()):
+        return [decisions]
+    return [dataclasses.replace(decisions, grad_accum=k,
+                                blocks={b: dataclasses.replace(d, accum=t) for b, d in decisions.blocks.items()})
+            for t in TIERS]
 
 
 DEFERRED_MAX = 4
@@ -308,7 +335,7 @@ def _schedule_keep(problem: Problem, decisions: Decisions) -> PlanResult:
 
 
 def _schedule(problem: Problem, decisions: Decisions, wait: bool = False) -> PlanResult:
-    micro = decisions.pipeline.microbatches if decisions.pipeline else 1
+    micro = decisions.microbatches()
     inputs = sum(t.nbytes for t in problem.graph.tensors if t.kind == "input")
     decisions = dataclasses.replace(decisions, device_reserved=micro * inputs)
     if decisions.pipeline is None:

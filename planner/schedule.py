@@ -73,6 +73,10 @@ def buffers_for(order: list[str], prof: dict[str, BlockProfile], profile_of: dic
         for ph, ws in (("fwd", p.fwd_workspace), *phases, ("opt", ws_opt)):
             if ws:
                 out[f"W:{ph}:{b}"] = Buffer(f"W:{ph}:{b}", ws, "temporary", b)
+        if decisions.grad_accum > 1 and n:
+            # A later microbatch's backward makes its gradient (compute dtype) before adding it into
+            # G: one more gradient in the workspace of the segment that makes G.
+            out[f"W:acc:{b}"] = Buffer(f"W:acc:{b}", phases[-1][1] + p.grad_bytes, "temporary", b)
     return out
 
 
@@ -192,7 +196,10 @@ def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str,
 class _Lowering:
     """One GPU's step, emitted phase by phase (`lower`): the previous step's deferred write-backs,
     the forward block by block, the backward block by block in reverse with each block's update
-    right after it (overlapped), else every update after the backward.
+    right after it (overlapped), else every update after the backward. With gradient accumulation
+    (`Decisions.grad_accum` K) the forward and backward run K times, microbatch after microbatch;
+    each backward but the first adds into G, which waits on its `BlockDecision.accum` tier between
+    them, and only the last one's gradients go on to the updates.
 
     Per block the forward loads its streamed parameters (a FIFO `prefetch` blocks ahead: each load
     waits for the release of the block `prefetch` + 1 before it, Fuyou §4.4), runs, and sends its
@@ -260,6 +267,12 @@ class _Lowering:
         to DRAM, else the last backward)."""
         self.room: int | None = None
         """A cut backward's release of its early part: the next swapped-in block's load waits for it."""
+        self.micro = 0
+        """The microbatch being emitted (`Decisions.grad_accum`)."""
+        self.last_micro = True
+        """Whether it is the step's last: its gradients are whole and go on to the updates."""
+        self.last_comp: int | None = None
+        """The latest computation emitted: an accumulated gradient's load back waits for it."""
 
     # ---- helpers ------------------------------------------------------------------------------
     def has(self, name: str) -> bool:
@@ -333,10 +346,15 @@ class _Lowering:
     def lower(self) -> list[Instr]:
         """The step's instructions, phase after phase."""
         self.write_back_carried()
-        for b in self.order:
-            self.forward(b)
-        for b in reversed(self.order):
-            self.backward(b)
+        carry_until, handed_to = dict(self.carry_until), dict(self.handed_to)
+        k = self.decisions.grad_accum
+        for m in range(k):
+            self.micro, self.last_micro = m, m == k - 1
+            self.carry_until, self.handed_to = dict(carry_until), dict(handed_to)
+            for b in self.order:
+                self.forward(b)
+            for b in reversed(self.order):
+                self.backward(b)
         if not self.overlap:
             self.optimizer()
         return self.e.instrs
@@ -364,7 +382,7 @@ class _Lowering:
             checkpointed = e.move(f"X:{b}", gpu, d.checkpoint)
         if self.streams(b):
             gate = self.gate(self.frees_fwd, self.streamed, b, 1 + prefetch)
-            p_ready = self.load_state(b, gate, checkpointed, for_update=b == self.last_fwd)
+            p_ready = self.load_state(b, gate, checkpointed, for_update=b == self.last_fwd and self.last_micro)
         foreign = self.load_foreign(b)
         acts, _ = activation_buffers(b, has)
         allocs = list(acts) if d.activations != "recompute" else []
@@ -373,8 +391,9 @@ class _Lowering:
             allocs.append(f"X:{nxt}")
         # Back-pressure: a forward may run at most prefetch+1 blocks ahead of the swap-outs.
         gate_swap = self.gate(self.swap_outs, self.order, b, 2 + prefetch)
-        c = e.emit("compute", self.comp, (p_ready, gate_swap, checkpointed, *foreign), segment=f"fwd:{b}",
-                   allocs=tuple(allocs), workspace=self.ws("fwd", b))
+        c = self.last_comp = e.emit("compute", self.comp, (p_ready, gate_swap, checkpointed, *foreign),
+                                    segment=f"fwd:{b}", allocs=tuple(allocs), workspace=self.ws("fwd", b),
+                                    micro=self.micro)
         self.release_foreign(c)
         for a in allocs:
             e.where[(a, gpu)] = c
@@ -418,7 +437,7 @@ class _Lowering:
             x_in = e.move(f"X:{b}", d.checkpoint, gpu, (self.held,))
         if self.streams(b) and b != self.last_fwd:
             gate = self.gate(self.frees_bwd, self.bwd_streamed, b, 1 + self.decisions.prefetch)
-            deps.append(self.load_state(b, gate, x_in, for_update=True))
+            deps.append(self.load_state(b, gate, x_in, for_update=self.last_micro))
         deps += self.load_foreign(b)
         if has(f"X:{b}") and d.checkpoint != "gpu":
             deps.append(x_in if x_in is not None else e.move(f"X:{b}", d.checkpoint, gpu))
@@ -428,13 +447,16 @@ class _Lowering:
                 self.swap_in(b, acts, deps)
                 if rests:  # the rest of what the backward reads, made again from X and A
                     deps.append(e.emit("recompute", self.comp, tuple(deps), segment=f"refwd:{b}", allocs=tuple(rests),
-                                       workspace=self.ws("refwd", b)))
+                                       workspace=self.ws("refwd", b), micro=self.micro))
             elif d.activations == "recompute":
                 r = e.emit("recompute", self.comp, tuple(deps), segment=f"fwd:{b}", allocs=tuple(acts),
-                           workspace=self.ws("fwd", b))
+                           workspace=self.ws("fwd", b), micro=self.micro)
                 deps.append(r)
         if has(f"X:{b}") and d.checkpoint != "gpu":
             e.free(f"X:{b}", d.checkpoint, (deps[-1] if deps else None,))
+        if self.micro and has(f"G:{b}") and d.accum != "gpu":  # the sum so far, back to be added into
+            deps.append(e.move(f"G:{b}", d.accum, gpu, (self.last_comp,)))
+            e.free(f"G:{b}", d.accum, (deps[-1],))
         return deps
 
     def swap_in(self, b: str, acts: list[str], deps: list[int]) -> None:
@@ -457,26 +479,30 @@ class _Lowering:
         """b's backward after `deps` (a cut one in two parts, LoHan §IV-D, releasing what only the
         first part reads between them); returns its last compute and the buffers it makes."""
         e, gpu, d, has = self.e, self.gpu, self.dec[b], self.has
-        allocs = tuple(x for x in (f"G:{b}", f"T:{b}", f"H:{b}") if has(x))
+        adds = self.micro > 0 and has(f"G:{b}")
+        allocs = tuple(x for x in (f"G:{b}", f"T:{b}", f"H:{b}") if has(x) and not (adds and x == f"G:{b}"))
+        accum = (f"G:{b}",) if adds else ()
         grad_buffers = self.decisions.grad_buffers
-        if grad_buffers and has(f"G:{b}") and d.optimizer == "cpu":
+        if grad_buffers and has(f"G:{b}") and d.optimizer == "cpu" and self.last_micro:
             if len(self.cpu_grads) >= grad_buffers and self.overlap:
                 deps.append(self.g_freed[self.cpu_grads[-grad_buffers]])
             self.cpu_grads.append(b)
         self.room = None
         if split_backward(self.prof[self.profile_of[b]], d):  # LoHan §IV-D: release what only the first part reads
             c1 = e.emit("compute", self.comp, tuple(deps), segment=f"bwd1:{b}",
-                        allocs=(f"K:{b}",) if has(f"K:{b}") else (), workspace=self.ws("bwd1", b))
+                        allocs=(f"K:{b}",) if has(f"K:{b}") else (), workspace=self.ws("bwd1", b), micro=self.micro)
             self.room = c1
             for x in (f"AE:{b}", f"RE:{b}"):
                 if has(x):
                     self.room = e.free(x, gpu, (c1,))
-            c = e.emit("compute", self.comp, (c1,), segment=f"bwd2:{b}", allocs=allocs, workspace=self.ws("bwd2", b))
+            c = e.emit("compute", self.comp, (c1,), segment=f"bwd2:{b}", allocs=allocs, accum=accum,
+                       workspace=self.ws("acc" if adds else "bwd2", b), micro=self.micro)
             if has(f"K:{b}"):
                 e.free(f"K:{b}", gpu, (c,))
         else:
-            c = e.emit("compute", self.comp, tuple(deps), segment=f"bwd:{b}", allocs=allocs,
-                       workspace=self.ws("bwd", b))
+            c = e.emit("compute", self.comp, tuple(deps), segment=f"bwd:{b}", allocs=allocs, accum=accum,
+                       workspace=self.ws("acc" if adds else "bwd", b), micro=self.micro)
+        self.last_comp = c
         return c, allocs
 
     def backward_release(self, b: str, c: int, allocs: tuple[str, ...]) -> None:
@@ -503,6 +529,12 @@ class _Lowering:
         e, gpu, d = self.e, self.gpu, self.dec[b]
         if not self.has(f"G:{b}"):
             return None
+        if not self.last_micro:  # a partial sum: to where it waits for the next microbatch
+            if d.accum == "gpu":
+                return None
+            s = e.move(f"G:{b}", gpu, d.accum, (c,))
+            e.free(f"G:{b}", gpu, (s,))
+            return s
         flushed = None
         if d.optimizer == "cpu":
             s = e.move(f"G:{b}", gpu, "dram", (c,))

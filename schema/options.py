@@ -104,6 +104,19 @@ class Options:
     """Pipelines: microbatches per step (0: as many as GPUs, Mobius §3.1); the step's batch is
     microbatches x batch, its gradients accumulated. Above 1, only the mobius policy (also on one
     GPU, and what auto then picks) honours it; other policies refuse it."""
+    lora: str = ""
+    """Train LoRA adapters (PEFT) on an `hf:` checkpoint instead of every weight, as
+    "r=8,alpha=16,targets=q_proj,v_proj[,dropout=0.1]" (LoraConfig's r, lora_alpha,
+    target_modules, lora_dropout): `get_peft_model(AutoModelForCausalLM.from_pretrained(DIR),
+    LoraConfig(...))`, the frozen base streamed from the checkpoint; `export` writes the adapter
+    (or, with --merge, merged weights)."""
+    grad_accum: int = 1
+    """Gradient accumulation on one GPU: an optimizer step runs the forward and backward of K
+    microbatches of `batch` rows one after the other, their gradients summed in fp32 where the
+    planner keeps them between microbatches (GPU, DRAM or SSD: the fastest that fits), and updates
+    once, overlapped with the last microbatch's backward. The step's loss is the Hugging Face
+    Trainer's: the token losses of all K microbatches over their count of labels. Pipelines
+    accumulate over `microbatches` instead."""
     mapping: str = "cross"
     """Pipelines: stage -> GPU mapping, cross (from the root complexes, Mobius §3.3) or
     sequential."""
@@ -125,12 +138,12 @@ def check_values(o: Options) -> None:
     """One TensorstowError for sizes and optimizer settings no step can run with (torch.optim's
     own rules for Adam: lr, eps, weight decay >= 0, each beta in [0, 1))."""
     bad = [f"--{name.replace('_', '-')} {value}" for name, value, ok in (
-        ("batch", o.batch, o.batch >= 0), ("seq", o.seq, o.seq >= 0),
+        ("batch", o.batch, o.batch >= 0), ("seq", o.seq, o.seq >= 0), ("grad_accum", o.grad_accum, o.grad_accum >= 1),
         ("lr", o.lr, math.isfinite(o.lr) and o.lr >= 0), ("eps", o.eps, math.isfinite(o.eps) and o.eps >= 0),
         ("weight_decay", o.weight_decay, math.isfinite(o.weight_decay) and o.weight_decay >= 0),
         ("betas", " ".join(map(str, o.betas)), all(math.isfinite(b) and 0 <= b < 1 for b in o.betas))) if not ok]
     if bad:
-        raise TensorstowError(f"plan options: {', '.join(bad)}: batch and seq must be >= 0 (0: the default), lr, eps "
+        raise TensorstowError(f"plan options: {', '.join(bad)}: batch and seq must be >= 0 (0: the default), grad accum >= 1, lr, eps "
                               f"and weight decay finite and >= 0, each beta in [0, 1)")
 
 
@@ -182,7 +195,7 @@ def param_groups_of(specs, names) -> dict[str, ParamGroup]:
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 """Learning rate schedules by transformers' `get_scheduler` names (`executor.lr`)."""
 
-_LATER_OPTIONS = {"gpus": None, "microbatches": 0, "mapping": "cross", "decay_all": False, "param_groups": (), "max_grad_norm": 0.0,
+_LATER_OPTIONS = {"gpus": None, "microbatches": 0, "grad_accum": 1, "lora": "", "mapping": "cross", "decay_all": False, "param_groups": (), "max_grad_norm": 0.0,
                   "lr_scheduler": "constant", "warmup_steps": 0, "min_lr_ratio": 0.0}
 
 

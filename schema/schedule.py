@@ -121,6 +121,10 @@ class BlockDecision:
     between them, so the swapped block before it can load its activations into that room while the
     second part runs: LoHan's layer-by-layer swapping (§IV-D) at the granularity of the block's
     profile cut (`BlockProfile.bwd_cut`). 0: one segment, `bwd:<b>`."""
+    accum: str = ""
+    """`Decisions.grad_accum` > 1: the tier holding the block's accumulated gradient G:<b> between
+    its microbatches' backwards ("gpu": it stays there; "dram" or "ssd": it goes there after each
+    backward and comes back for the next one, which adds into it); "" without accumulation."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,6 +213,12 @@ class Decisions:
     the DRAM peak: the zero-infinity baseline's DeepSpeed pinned swap buffers and host gradient
     buffers (planner/policies/zero_infinity.py). The executor does not allocate it."""
 
+    grad_accum: int = 1
+    """One GPU: the step runs the forward and backward of this many microbatches of `model.batch`
+    rows one after the other (microbatch k's compute instructions say `micro` k), every later one
+    adding its gradients into G (`accum`); the updates run in the last one's backward, as the
+    policy decided them (`Options.grad_accum`)."""
+
     device_reserved: int = 0
     """Bytes each GPU holds all step besides the plan's buffers: the step's inputs (token ids,
     targets, the loss tangent) of every microbatch, which the executor puts on the device when the
@@ -219,10 +229,15 @@ class Decisions:
 
     def fp32_grads(self, mixed: bool) -> bool:
         """Whether a mixed-precision plan's G buffers hold fp32 gradients: accumulated over
-        microbatches (as eager's fp32 `.grad`; not the data-parallel baseline's per-GPU ones), or on
+        microbatches (as eager's fp32 `.grad`, `grad_accum` or a pipeline's; not the data-parallel baseline's per-GPU ones), or on
         their way to SSD (`swap_grads`). The planner sizes G by it and the executor casts to it."""
         pl = self.pipeline
-        return mixed and (self.swap_grads or (pl is not None and pl.microbatches > 1 and pl.kind != "data-parallel"))
+        return mixed and (self.swap_grads or self.grad_accum > 1
+                          or (pl is not None and pl.microbatches > 1 and pl.kind != "data-parallel"))
+
+    def microbatches(self) -> int:
+        """Microbatches of `model.batch` rows one step trains on: a pipeline's, else `grad_accum`."""
+        return self.pipeline.microbatches if self.pipeline is not None else self.grad_accum
 
     def reserved(self) -> dict[str, int]:
         """Tier -> bytes held all step outside the plan's buffers (the simulator's starting use)."""
@@ -236,12 +251,14 @@ class Decisions:
         d = {"policy": self.policy, "prefetch": self.prefetch, "grad_buffers": self.grad_buffers,
              "overlap_optimizer": self.overlap_optimizer,
              "serialize_optimizer": self.serialize_optimizer, "notes": list(self.notes),
-             "blocks": {b: {k: v for k, v in vars(d).items() if k not in ("reforward", "bwd_cut") or v}
+             "blocks": {b: {k: v for k, v in vars(d).items() if k not in ("reforward", "bwd_cut", "accum") or v}
                         for b, d in self.blocks.items()}}
         if self.pipeline is not None:
             d["pipeline"] = self.pipeline.to_json()
         if self.swap_grads:
             d["swap_grads"] = True
+        if self.grad_accum > 1:
+            d["grad_accum"] = self.grad_accum
         if self.blocking_copies:
             d["blocking_copies"] = True
         if self.keep_params_for_update:

@@ -21,7 +21,7 @@ def param_groups(model, weight_decay: float, decay_all: bool = False) -> list[di
 
 def train_eager(model, data, *, lr, weight_decay=0.0, optimizer="adamw", loss=lambda m, x, y: m(x, y),
                 precision="fp32", scaler=None, microbatches=1, decay_all=False, make_optimizer=None,
-                scheduler=None, max_grad_norm=None, norms=None):
+                scheduler=None, max_grad_norm=None, norms=None, ignore=(-100,)):
     """Train `model` on `data` ((x, y) batches) with torch.optim.Adam/AdamW over its trainable
     parameters (`param_groups`: weight decay on those with two or more dimensions, unless
     `decay_all`), or the one `make_optimizer(model)` returns; `scheduler(optimizer)`: a learning
@@ -31,7 +31,9 @@ def train_eager(model, data, *, lr, weight_decay=0.0, optimizer="adamw", loss=la
     lists (`gpu_autocast`: what torch.autocast("cuda") does, on CPU tensors), and for fp16 a
     `torch.amp.GradScaler` (`scaler`: its keyword arguments; `scaler["scales"]`, a list, receives
     the scale after every step). `microbatches` M > 1: gradient accumulation, each batch cut into
-    M equal microbatches in order, each one's loss / M back-propagated, one update per batch.
+    M equal microbatches in order, each one's loss x (its labels / the batch's labels, labels
+    in `ignore` left out: the Hugging Face Trainer's num_items_in_batch) back-propagated, one
+    update per batch.
     `max_grad_norm`: `clip_grad_norm_` before each update (after GradScaler.unscale_); `norms`, a
     list, receives the norm it returns each step."""
     cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.Adam
@@ -44,29 +46,24 @@ def train_eager(model, data, *, lr, weight_decay=0.0, optimizer="adamw", loss=la
     losses = []
     for x, y in data:
         opt.zero_grad()
-        if microbatches > 1:
-            total = 0.0
-            for xm, ym in zip(x.chunk(microbatches), y.chunk(microbatches)):
-                with gpu_autocast(PRECISIONS[precision]) if precision != "fp32" else contextlib.nullcontext():
-                    value = loss(model, xm, ym) / microbatches
-                value.backward()
+        xs, ys = x.chunk(microbatches), y.chunk(microbatches)
+        counts = [int((~torch.isin(ym, torch.tensor(ignore))).sum()) for ym in ys]
+        total = 0.0
+        for xm, ym, n in zip(xs, ys, counts):
+            with gpu_autocast(PRECISIONS[precision]) if precision != "fp32" else contextlib.nullcontext():
+                value = loss(model, xm, ym)
+            if microbatches > 1:  # the Trainer's num_items_in_batch: token losses over the step's labels
+                value = value * (n / sum(counts) if sum(counts) else 1 / microbatches)
+            (value if amp is None else amp.scale(value)).backward()
+            if n or microbatches == 1:
                 total += value.item()
-            opt.step()
-            if sched is not None:
-                sched.step()
-            losses.append(total)
-            continue
-        with gpu_autocast(PRECISIONS[precision]) if precision != "fp32" else contextlib.nullcontext():
-            value = loss(model, x, y)
         if amp is None:
-            value.backward()
             if max_grad_norm is not None:
                 norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)))
             opt.step()
             if sched is not None:
                 sched.step()
         else:
-            amp.scale(value).backward()
             if max_grad_norm is not None:
                 amp.unscale_(opt)
                 norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)))
@@ -74,5 +71,5 @@ def train_eager(model, data, *, lr, weight_decay=0.0, optimizer="adamw", loss=la
             amp.update()
             if scales is not None:
                 scales.append(amp.get_scale())
-        losses.append(value.item())
+        losses.append(total)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}

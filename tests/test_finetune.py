@@ -133,39 +133,82 @@ def test_bad_examples_name_the_line(tok, tmp_path):
 SEQ, BATCH, EPOCHS, LR, WD, WARMUP = 24, 2, 2, 3e-3, 0.1, 2
 
 
-def eager_finetune(ckpt: Path, tok, rows: list[dict], steps_per_epoch: int, precision: str = "fp32"):
-    """The semantics `tensorstow execute` documents, written out for eager Hugging Face: the same
-    tokens and labels, each epoch in randperm(seed + epoch) order, AdamW with decay on the 2-D
-    parameters, warmup + cosine as transformers schedules it, HF's loss (the mean over labels
-    that are not -100)."""
+def encode(tok, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's completion-only encoding, right-padded to SEQ + 1: (ids, labels)."""
     enc = []
     for r in rows:
         p = tok(r["prompt"])["input_ids"]
         c = tok(r["completion"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         ids, labels = (p + c)[:SEQ + 1], ([-100] * len(p) + c)[:SEQ + 1]
         enc.append((ids + [tok.pad_token_id] * (SEQ + 1 - len(ids)), labels + [-100] * (SEQ + 1 - len(labels))))
-    ids = torch.tensor([e[0] for e in enc])
-    labels = torch.tensor([e[1] for e in enc])
+    return torch.tensor([e[0] for e in enc]), torch.tensor([e[1] for e in enc])
+
+
+def eager_finetune(ckpt: Path, tok, rows: list[dict], steps_per_epoch: int, precision: str = "fp32", accum: int = 1,
+                   max_grad_norm: float | None = None, held_out: list[dict] = (), eval_at=(), lora: dict | None = None):
+    """The semantics `tensorstow execute` documents, written out for eager Hugging Face: the same
+    tokens and labels, each epoch in randperm(seed + epoch) order, AdamW with decay on the 2-D
+    parameters, warmup + cosine as transformers schedules it, HF's loss (the mean over labels
+    that are not -100); with `accum` K, each step's BATCH x K rows as K microbatches, each one's
+    loss weighted by its share of the step's labels (the Trainer's num_items_in_batch), clipped to
+    `max_grad_norm`; after the steps `eval_at` the eval-mode loss of `held_out`, its batches of
+    BATCH x K rows weighted alike; `lora`: LoraConfig's arguments, the model PEFT's
+    `get_peft_model` of the checkpoint. Returns (losses, eval losses, the model)."""
+    ids, labels = encode(tok, rows)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
     model.config.use_cache = False
+    if lora is not None:
+        import peft
+        model = peft.get_peft_model(model, peft.LoraConfig(task_type="CAUSAL_LM", **lora))
     model.train()
     opt = torch.optim.AdamW(param_groups(model, WD), lr=LR)
     sched = transformers.get_cosine_schedule_with_warmup(opt, WARMUP, EPOCHS * steps_per_epoch)
-    losses = []
+
+    def amp():
+        return gpu_autocast(torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext()
+    rows_a_step = BATCH * accum
+
+    def weighted(x, y):
+        """The step's loss terms: each microbatch's mean loss x its share of the labels."""
+        counts = [int((y_k != -100).sum()) for y_k in y.chunk(accum)]
+        for x_k, y_k, n in zip(x.chunk(accum), y.chunk(accum), counts):
+            with amp():
+                loss = F.cross_entropy(model(input_ids=x_k).logits.flatten(0, 1).float(), y_k.flatten())
+            yield (loss if accum == 1 else loss * (n / sum(counts))), n
+
+    def evaluate():
+        ev_ids, ev_labels = encode(tok, held_out)
+        model.eval()
+        with torch.no_grad():
+            per = [sum(v.item() for v, n in weighted(ev_ids[k:k + rows_a_step, :-1], ev_labels[k:k + rows_a_step, 1:])
+                       if n) for k in range(0, len(held_out) - rows_a_step + 1, rows_a_step)]
+        model.train()
+        return sum(per) / len(per)
+
+    losses, evals = [], []
     for e in range(EPOCHS):
         order = torch.randperm(len(rows), generator=torch.Generator().manual_seed(e))
         for k in range(steps_per_epoch):
-            at = order[k * BATCH:(k + 1) * BATCH]
-            x, y = ids[at, :-1], labels[at, 1:]
+            at = order[k * rows_a_step:(k + 1) * rows_a_step]
             opt.zero_grad()
-            with gpu_autocast(torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext():
-                loss = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
-            loss.backward()
+            total = 0.0
+            for value, n in weighted(ids[at, :-1], labels[at, 1:]):
+                value.backward()
+                if n:
+                    total += value.item()
+            if max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
             opt.step()
             sched.step()
-            losses.append(loss.item())
-    return losses, {n: p.detach() for n, p in model.named_parameters()}
+            losses.append(total)
+            if len(losses) in eval_at:
+                evals.append(evaluate())
+    return losses, evals, model
+
+
+def weights(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach() for n, p in model.named_parameters()}
 
 
 def pretrained(ckpt: Path):
@@ -180,54 +223,77 @@ def pretrained(ckpt: Path):
     return tok
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
-def test_the_python_api_is_the_same_fine_tune(precision, tmp_path):
-    """The recipe through the API: `tensorstow.plan`, `Executor(plan, "hf:DIR")` streaming the
-    checkpoint, `Examples` for the data, an `LRSchedule`: fp32 bit-identical to the eager loop,
-    bf16-mixed (PyTorch AMP) with every loss within 1% of eager autocast's."""
-    import tensorstow
-    from tensorstow.executor.lr import LRSchedule
+ACCUM, CLIP, EVAL_EVERY = 4, 1.0, 3
+"""The Trainer's recipe on top: 4 microbatches a step, gradients clipped to norm 1, an evaluation
+every 3 steps."""
+
+
+def recipe(tmp_path: Path):
+    """The checkpoint, its tokenizer, 40 training pairs (5 steps of 2 x 4 rows an epoch) and 8 held
+    out (one evaluation batch of 2 x 4 rows), as JSONL."""
     ckpt = tmp_path / "ckpt"
     tok = pretrained(ckpt)
-    rows = pairs(9)
-    per = len(rows) // BATCH
+    rows, held_out = pairs(40), pairs(8, seed=1)
+    return (ckpt, tok, rows, held_out, write_jsonl(tmp_path / "train.jsonl", rows),
+            write_jsonl(tmp_path / "eval.jsonl", held_out))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_the_python_api_is_the_same_fine_tune(precision, tmp_path):
+    """The recipe through the API: `tensorstow.plan` (accumulation, clipping), `Executor(plan,
+    "hf:DIR")` streaming the checkpoint, `Examples` for the data, an `LRSchedule`, `ex.evaluate`
+    every 3 steps: fp32 bit-identical to the eager loop (losses, eval losses, weights), bf16-mixed
+    (PyTorch AMP) with every loss within 1% of eager autocast's."""
+    import tensorstow
+    from tensorstow.executor.lr import LRSchedule
+    ckpt, tok, rows, held_out, train, evals = recipe(tmp_path)
+    per = len(rows) // (BATCH * ACCUM)
     plan = tensorstow.plan(f"hf:{ckpt}", hw="lohan-rtx4090", policy="zero-infinity", precision=precision, batch=BATCH,
-                           seq=SEQ, gpu_mem="1MB", lr=LR, weight_decay=WD, exact_optimizer=True)
-    data = Examples.load(str(write_jsonl(tmp_path / "train.jsonl", rows)), SEQ, len(tok), tokenizer=tok)
+                           seq=SEQ, gpu_mem="1MB", lr=LR, weight_decay=WD, exact_optimizer=True, grad_accum=ACCUM,
+                           max_grad_norm=CLIP)
+    data = Examples.load(str(train), SEQ, len(tok), tokenizer=tok)
+    ev = [(x, y) for _, _, x, y in Examples.load(str(evals), SEQ, len(tok), tokenizer=tok).batches(
+        BATCH * ACCUM, 1, seed=0, shuffle=False)]
     torch.manual_seed(0)
     ex = tensorstow.Executor(plan, f"hf:{ckpt}", state_dir=tmp_path / "s",
                              lr_schedule=LRSchedule("cosine", LR, WARMUP, EPOCHS * per))
-    losses = [ex.step(x, y) for _, _, x, y in data.batches(BATCH, EPOCHS * per, seed=0)]
+    losses, got_evals = [], []
+    for _, _, x, y in data.batches(BATCH * ACCUM, EPOCHS * per, seed=0):
+        losses.append(ex.step(x, y))
+        if len(losses) % EVAL_EVERY == 0:
+            got_evals.append(ex.evaluate(ev))
     got = ex.parameters()
     ex.close()
-    want_losses, want = eager_finetune(ckpt, tok, rows, per, precision)
+    want_losses, want_evals, model = eager_finetune(ckpt, tok, rows, per, precision, ACCUM, CLIP, held_out, (3, 6, 9))
+    want = weights(model)
+    assert len(got_evals) == 3
     if precision == "fp32":
-        assert losses == want_losses
+        assert losses == want_losses and got_evals == want_evals
         assert all(torch.equal(got["model." + n], p) for n, p in want.items())
     else:
-        assert losses == pytest.approx(want_losses, rel=0.01)
+        assert losses == pytest.approx(want_losses, rel=0.01) and got_evals == pytest.approx(want_evals, rel=0.01)
 
 
 def test_pretrained_llama_finetunes_from_prompt_completion_like_eager(tmp_path):
-    """A LLaMA checkpoint (safetensors) and its tokenizer in one directory, prompt/completion JSONL:
-    planned with its state on SSD, `execute --epochs 2` (shuffled, right-padded, warmup + cosine,
-    weight decay on 2-D parameters), SIGKILL-ed mid-epoch and run again, exported: the losses and
-    the exported weights equal the eager loop's bit for bit (fp32, --exact-optimizer)."""
-    ckpt = tmp_path / "ckpt"
-    tok = pretrained(ckpt)
-    rows = pairs(9)
-    data = write_jsonl(tmp_path / "train.jsonl", rows)
+    """The issue's recipe by the command line. A LLaMA checkpoint (safetensors) and its tokenizer in
+    one directory, prompt/completion JSONL: planned with its state on SSD, `--grad-accum 4`,
+    `--max-grad-norm 1`, warmup + cosine, weight decay on 2-D parameters; `execute --epochs 2`
+    (shuffled, right-padded) evaluating held-out pairs every 3 steps, SIGKILL-ed mid-epoch and run
+    again, exported, reloaded with `from_pretrained`: the losses, eval losses and exported weights
+    equal the eager loop's bit for bit (fp32, --exact-optimizer)."""
+    ckpt, tok, rows, held_out, data, evals = recipe(tmp_path)
     plan = tmp_path / "plan.json"
     assert main(["plan", f"hf:{ckpt}", "--hw", "lohan-rtx4090", "--policy", "zero-infinity", "--precision", "fp32",
                  "--batch", str(BATCH), "--seq", str(SEQ), "--gpu-mem", "1MB", "--lr", str(LR), "--weight-decay", str(WD),
-                 "--exact-optimizer", "--lr-scheduler", "cosine", "--warmup-steps", str(WARMUP), "-o", str(plan)]) == 0
+                 "--exact-optimizer", "--lr-scheduler", "cosine", "--warmup-steps", str(WARMUP),
+                 "--grad-accum", str(ACCUM), "--max-grad-norm", str(CLIP), "-o", str(plan)]) == 0
     assert any(b["home"] == "ssd" for b in json.loads(plan.read_text())["buffers"].values())
     log, state = tmp_path / "log.jsonl", tmp_path / "state"
     cmd = [sys.executable, "-m", "tensorstow.cli", "execute", str(plan), "--data", str(data), "--epochs", str(EPOCHS),
-           "--state-dir", str(state), "--log-json", str(log)]
+           "--eval-data", str(evals), "--eval-every", str(EVAL_EVERY), "--state-dir", str(state), "--log-json", str(log)]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     for line in p.stdout:
-        if line.startswith("step 6/"):  # epoch 1 has begun (4 steps an epoch)
+        if line.startswith("step 7/"):  # epoch 1 has begun (5 steps an epoch)
             break
     p.send_signal(signal.SIGKILL)
     p.wait()
@@ -235,15 +301,55 @@ def test_pretrained_llama_finetunes_from_prompt_completion_like_eager(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "resuming from step" in r.stdout and "epoch 1" in r.stdout
     assert main(["export", str(state), "-o", str(tmp_path / "out")]) == 0
-    want_losses, want = eager_finetune(ckpt, tok, rows, len(rows) // BATCH)
-    logged = {}
+    want_losses, want_evals, model = eager_finetune(ckpt, tok, rows, len(rows) // (BATCH * ACCUM), "fp32", ACCUM,
+                                                    CLIP, held_out, (3, 6, 9, 10))
+    want = weights(model)
+    logged, evaluated = {}, {}
     for line in log.read_text().splitlines():  # a step the kill cut short is logged again after the resume
         row = json.loads(line)
-        logged[row["step"]] = row
+        (evaluated if "eval_loss" in row else logged)[row["step"]] = row
     assert sorted(logged) == list(range(1, len(want_losses) + 1))
     assert [logged[k]["loss"] for k in sorted(logged)] == want_losses
-    assert [logged[k]["epoch"] for k in sorted(logged)] == [0] * 4 + [1] * 4
+    assert [logged[k]["epoch"] for k in sorted(logged)] == [0] * 5 + [1] * 5
+    assert sorted(evaluated) == [3, 6, 9, 10]  # and after the last step
+    assert [evaluated[k]["eval_loss"] for k in sorted(evaluated)] == want_evals
     got = dict(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").named_parameters())
     assert got.keys() == want.keys()
     bad = [n for n in want if not torch.equal(got[n].detach(), want[n])]
     assert not bad, f"exported weights differ from eager: {bad[:4]}"
+
+
+def test_lora_from_the_command_line_exports_an_adapter_and_merged_weights(tmp_path):
+    """`plan hf:DIR --lora r=4,alpha=8,targets=q_proj,v_proj` with the recipe (accumulation,
+    clipping, warmup + cosine), `execute`, `export`: the adapter loads with
+    `PeftModel.from_pretrained` onto the base and equals eager PEFT's trained adapters (the frozen
+    base streamed from the checkpoint, the adapters initialised as get_peft_model of the loaded
+    checkpoint does); `export --merge` loads with `from_pretrained` and equals merge_and_unload."""
+    peft = pytest.importorskip("peft")
+    ckpt, tok, rows, _, data, _ = recipe(tmp_path)
+    plan = tmp_path / "plan.json"
+    lora = {"r": 4, "lora_alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
+    assert main(["plan", f"hf:{ckpt}", "--hw", "lohan-rtx4090", "--policy", "lohan", "--precision", "fp32",
+                 "--batch", str(BATCH), "--seq", str(SEQ), "--gpu-mem", "1MB", "--lr", str(LR), "--weight-decay", str(WD),
+                 "--exact-optimizer", "--lr-scheduler", "cosine", "--warmup-steps", str(WARMUP),
+                 "--grad-accum", str(ACCUM), "--max-grad-norm", str(CLIP),
+                 "--lora", "r=4,alpha=8,targets=q_proj,v_proj", "-o", str(plan)]) == 0
+    state, log = tmp_path / "state", tmp_path / "log.jsonl"
+    assert main(["execute", str(plan), "--data", str(data), "--epochs", str(EPOCHS), "--state-dir", str(state),
+                 "--log-json", str(log)]) == 0
+    assert main(["export", str(state), "-o", str(tmp_path / "adapter")]) == 0
+    assert main(["export", str(state), "--merge", "-o", str(tmp_path / "merged")]) == 0
+    want_losses, _, model = eager_finetune(ckpt, tok, rows, len(rows) // (BATCH * ACCUM), "fp32", ACCUM, CLIP,
+                                           lora=lora)
+    assert [json.loads(line)["loss"] for line in log.read_text().splitlines()] == want_losses
+    want = weights(model)
+    loaded = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(ckpt), tmp_path / "adapter")
+    got = weights(loaded)
+    assert got.keys() == want.keys()
+    bad = [n for n in want if not torch.equal(got[n], want[n])]
+    assert not bad, f"adapter differs from eager PEFT's: {bad[:4]}"
+    merged = weights(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged"))
+    eager_merged = weights(model.merge_and_unload())
+    assert merged.keys() == eager_merged.keys()
+    bad = [n for n in eager_merged if not torch.equal(merged[n], eager_merged[n])]
+    assert not bad, f"merged weights differ from merge_and_unload: {bad[:4]}"
