@@ -60,6 +60,9 @@ def summary(plan, sim=None) -> str:
     for ins in plan.instructions:
         kinds[ins.kind] = kinds.get(ins.kind, 0) + 1
     lines.append(f"instructions: {len(plan.instructions)} (" + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) + ")")
+    if plan.eval_instructions:
+        lines.append(f"evaluation: a forward-only program of {len(plan.eval_instructions)} instructions, predicted "
+                     f"{plan.predicted.eval_step_s:.4g} s a batch")
     lines += _pipeline_lines(plan, sim)
     lines += [f"note: {n}" for n in dec.notes]
     return "\n".join(lines)

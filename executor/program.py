@@ -92,7 +92,11 @@ class Program:
         self.fp32_grads = plan.decisions.fp32_grads(self.mixed)
         """G holds fp32 gradients (`Decisions.fp32_grads`: accumulated over microbatches, or on
         their way to SSD)."""
-        self.instrs = self._read_instructions(plan)
+        self.instrs, self.plan_id = self._read_instructions(plan.instructions)
+        """This process's share of the step's instructions; `plan_id`: each one's id in the plan."""
+        self.eval_instrs, self.eval_plan_id = self._read_instructions(plan.eval_instructions)
+        """The same of the forward-only program an evaluation batch runs (`Plan.eval_instructions`;
+        empty: evaluation runs the step's, updates left out)."""
         self.block_params = {b: ps for b, (ps, _) in self.joint.block_state.items()}
         """Trainable parameters per block (P, G, M, OS, the optimizer)."""
         self.block_consts = {b: cs for b, (_, cs) in self.joint.block_state.items() if cs}
@@ -118,7 +122,8 @@ class Program:
         self.layouts, self.members = self._buffers(plan)
         self._add_reforwards()
         self._add_backward_parts()
-        self._check_references()
+        self._check_references(self.instrs)
+        self._check_references(self.eval_instrs)
         self.holders: dict[str, list[str]] = defaultdict(list)
         """Joint-graph value -> the buffers whose members include it."""
         for buf, roots in self.members.items():
@@ -134,8 +139,9 @@ class Program:
         if pred.peak_bytes["gpu"] > pred.capacity_bytes["gpu"]:
             raise TensorstowError(f"the plan does not fit its GPU ({pred.peak_bytes['gpu']} bytes at peak > "
                                   f"{pred.capacity_bytes['gpu']} capacity); re-plan it")
-        self.keep = self._kept_values()
+        self.keep = self._kept_values(self.instrs, self.plan_id)
         """Per compute instruction, the values its segment leaves on the device."""
+        self.eval_keep = self._kept_values(self.eval_instrs, self.eval_plan_id) if self.eval_instrs else {}
 
     def pool_bytes(self, mode: str) -> int:
         """Bytes of the DRAM arena this process preallocates in `mode` (`Plan.pools`)."""
@@ -144,17 +150,18 @@ class Program:
             raise TensorstowError(f"the plan's pools have no entry for {self.gpu}; re-plan it")
         return sizes.sync if mode == "sync" else sizes.overlap
 
-    def _read_instructions(self, plan) -> list[Instr]:
-        """This executor's share of the plan's instructions, checked against what it drives (the
+    def _read_instructions(self, instructions) -> tuple[list[Instr], list[int]]:
+        """This executor's share of a plan's instruction list, checked against what it drives (the
         plan's own consistency, ids, deps and buffer names, `Plan.from_json` has checked), numbered
-        0.. in program order (`plan_id` maps back); dependencies on other ranks' instructions are
-        dropped: what crosses ranks is a `send`, which both ends replay."""
+        0.. in program order, and each one's id in the plan; dependencies on other ranks'
+        instructions are dropped: what crosses ranks is a `send`, which both ends replay."""
+        plan = self.plan
         g = self.gpu
         links = {(g, "dram"), ("dram", g), ("dram", "ssd"), ("ssd", "dram")}
         mine: list[Instr] = []
         local: dict[int, int] = {}
-        self.plan_id: list[int] = []
-        for k, ins in enumerate(plan.instructions):
+        plan_id: list[int] = []
+        for k, ins in enumerate(instructions):
             if ins.kind not in KINDS:
                 raise TensorstowError(f"plan instruction {k}: unknown kind '{ins.kind}' (this executor "
                                       f"runs {', '.join(KINDS)})")
@@ -178,9 +185,9 @@ class Program:
             if ins.micro >= self.M:
                 raise TensorstowError(f"plan instruction {k}: microbatch {ins.micro} of {self.M}")
             local[k] = len(mine)
-            self.plan_id.append(k)
+            plan_id.append(k)
             mine.append(dataclasses.replace(ins, id=local[k], deps=tuple(local[d] for d in ins.deps if d in local)))
-        return mine
+        return mine, plan_id
 
     def _known_segment(self, ins: Instr) -> bool:
         """A traced segment, or a partial swap's re-forward of a block that has a forward (built
@@ -225,9 +232,9 @@ class Program:
                                       f"of its {len(ops)} ops; re-plan it")
             self.joint.add_backward_parts(b, set(ops[:n]))
 
-    def _check_references(self) -> None:
+    def _check_references(self, instrs: list[Instr]) -> None:
         """Every buffer an instruction names exists, and each kind creates what it can."""
-        for ins in self.instrs:
+        for ins in instrs:
             named = [ins.tensor] if ins.kind in ("load", "store", "free") else []
             for n in named + list(ins.allocs):
                 if n not in self.layouts:
@@ -305,7 +312,7 @@ class Program:
         j.node[inst.template_of(name)[0]]  # KeyError: not in the trace
         return name, name
 
-    def _kept_values(self) -> dict[int, frozenset]:
+    def _kept_values(self, instrs: list[Instr], plan_id: list[int]) -> dict[int, frozenset]:
         """Per compute instruction, the values its segment leaves on the device: what its
         `allocs` buffers hold (and the loss). Nothing else outlives a segment: every value read
         across segments is in a planned buffer (X, A, G, T, H), and this walk over the
@@ -315,7 +322,7 @@ class Program:
         j, g = self.joint, self.gpu
         present = set(self.homes.items())
         last_made: dict[str, int] = {}
-        for ins in self.instrs:
+        for ins in instrs:
             if ins.kind in ("load", "store", "send"):
                 present.add((ins.tensor, ins.dst))
             elif ins.kind == "free":
@@ -342,7 +349,7 @@ class Program:
                     else:
                         why = ("in no buffer of the plan (X:<b> holds only what the block and the blocks "
                                "after it read), so a recompute cannot get it")
-                    raise TensorstowError(f"plan instruction {self.plan_id[ins.id]} ({ins.kind} {ins.segment}) reads {r}, "
+                    raise TensorstowError(f"plan instruction {plan_id[ins.id]} ({ins.kind} {ins.segment}) reads {r}, "
                                           f"which is {why}; re-plan it")
                 for r in seg.produced:
                     last_made[r] = ins.id
@@ -350,7 +357,7 @@ class Program:
                     present.add((a, g))
         keep = {}
         loss_done: dict[int, bool] = {}
-        for ins in self.instrs:
+        for ins in instrs:
             if ins.kind not in ("compute", "recompute"):
                 continue
             seg = j.segments[ins.segment]

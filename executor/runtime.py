@@ -228,7 +228,7 @@ class Executor:
             if init_values is not None:
                 raise TensorstowError("init_values is for a model object; a model named by a string brings its own")
             o = as_plan(plan).options  # the plan's LoRA adapters go on the model it names
-            model, init_values = build_for_execution(resolve_model(model, o.lora if model == o.model else ""), seed)
+            model, init_values = build_for_execution(resolve_model(model, o.lora if model == o.model else None), seed)
         model = wrap(model)
         self.program = prog = Program(plan, model, rank=rank, comm=comm, traced=traced)
         """The plan compiled against the traced model: every table below is its."""
@@ -345,6 +345,8 @@ class Executor:
         self.dev = DeviceTier(budget if device_budget is None else device_budget, self.device, self.gpu)
         self.lanes = lanes_for(self.instrs, self.device, overlap=self.mode == "overlap")
         """Orders the instructions: host time on the CPU, streams and events on CUDA (executor.cuda)."""
+        self._eval_lanes = None
+        """The same for the evaluation program (`evaluate`), made at its first run."""
         self.alloc_limit: int | None = None
         """CUDA: the bytes the caching allocator may reserve (the plan's budget + workspaces)."""
         self._fraction: float | None = None  # CUDA: the allocator's cap before this executor's
@@ -407,14 +409,23 @@ class Executor:
         the batches' losses; the perplexity is its exp). Nothing changes: no update, no step
         counted, no commit, the random generator as it was.
 
-        Each batch runs the training step's schedule with its updates left out (a forward-only
-        program is not built yet: an evaluation batch costs a training step). So the model's
-        forward must not draw random numbers (dropout > 0 trains differently from eval mode):
-        such a model is refused."""
+        Each batch runs the plan's forward-only program (`Plan.eval_instructions`: the parameters
+        streamed through the tiers as the step streams them, no saved activations, gradients or
+        updates), or for a plan without one (pipelines, older plans) the step's schedule with its
+        updates left out. With microbatches (`grad_accum`) a batch is that many, its loss weighted
+        as the step's. The model's forward must not draw random numbers (dropout > 0 computes
+        differently from eval mode): such a model is refused."""
         if self.program.forward_draws_random:
             raise TensorstowError("evaluate: the model's forward draws random numbers (dropout), which eval mode "
                                   "turns off; set its dropout to 0 to evaluate it here")
         rng, norm, clip = rng_bytes(), self.grad_norm, self._clip
+        step_program = self.instrs, self.keep, self.plan_id, self.lanes, self.timeline
+        prog = self.program
+        if prog.eval_instrs:
+            if self._eval_lanes is None:
+                self._eval_lanes = lanes_for(prog.eval_instrs, self.device, overlap=self.mode == "overlap")
+            self.instrs, self.keep, self.plan_id, self.lanes = (prog.eval_instrs, prog.eval_keep, prog.eval_plan_id,
+                                                                self._eval_lanes)
         losses = []
         self._evaluating = True
         try:
@@ -423,6 +434,7 @@ class Executor:
                     losses.append(self._step(x, y))
         finally:
             self._evaluating = False
+            self.instrs, self.keep, self.plan_id, self.lanes, self.timeline = step_program
             set_rng(rng)
             self.grad_norm, self._clip = norm, clip
         if not losses:

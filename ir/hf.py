@@ -134,7 +134,7 @@ def _with_lora(model: nn.Module, ref: str, lora: str) -> nn.Module:
         nn.Module.to = to
 
 
-def load(ref: str, *, weights: bool = True, lora: str = "") -> CausalLM:
+def load(ref: str, *, weights: bool = True, lora: str | None = None) -> CausalLM:
     """Build the model of `hf:DIR`: from its safetensors weights when there are some (and
     `weights`), else initialised as `AutoModelForCausalLM.from_config(config)` does (the
     caller seeds torch first); with `lora`, LoRA adapters on it (`Options.lora`). In training
@@ -213,7 +213,7 @@ class Checkpoint:
             return sf.get_tensor(key)
 
 
-def load_streaming(ref: str, lora: str = "") -> tuple[CausalLM, "Checkpoint | None"]:
+def load_streaming(ref: str, lora: str | None = None) -> tuple[CausalLM, "Checkpoint | None"]:
     """`hf:DIR` for execution: with safetensors weights, the model with its parameters on the
     meta device and the checkpoint to stream them from; without, as `load` builds it. With
     `lora`, the adapters are made for real (the values `get_peft_model` of the loaded base

@@ -258,7 +258,7 @@ class ModelSpec:
     """Preset name, `hf:DIR` or `pkg.module:factory`."""
     config: GPTConfig | None
     """Set for built-in presets (enables tracing a few blocks and replicating by similarity)."""
-    lora: str = ""
+    lora: str | None = None
     """`Options.lora`: LoRA adapters on an `hf:` model."""
 
     def build(self, n_layer: int | None = None, *, weights: bool = True) -> nn.Module:
@@ -292,7 +292,7 @@ def _load_factory(ref: str):
     return fn
 
 
-def resolve_model(name: str, lora: str = "") -> ModelSpec:
+def resolve_model(name: str, lora: str | None = None) -> ModelSpec:
     """The spec of a model reference; `lora` (`Options.lora`) only for an `hf:` model."""
     from tensorstow.ir import hf
     if lora and not name.startswith(hf.PREFIX):

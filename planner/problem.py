@@ -14,7 +14,7 @@ from tensorstow.ir.trace import PRECISIONS, model_dims, trace_model, trace_spec
 from tensorstow.planner import cost
 from tensorstow.planner.pipeline import lower_pipeline, pipeline_buffers
 from tensorstow.planner.pools import host_pools
-from tensorstow.planner.schedule import buffers_for, lower
+from tensorstow.planner.schedule import buffers_for, lower, lower_eval
 from tensorstow.planner.simulate import SimResult, compute_slowdown, contention, simulate
 from tensorstow.schema.hardware import Hardware
 from tensorstow.schema.options import LR_SCHEDULERS, Options, check_values, parse_param_group
@@ -153,6 +153,13 @@ class PlanResult:
         return host_pools(self.instructions, self.sim.start, self.buffers, self.decisions, order,
                           gpus_of_blocks(self.decisions, order))
 
+    def eval_program(self) -> tuple[list[Instr], float]:
+        """The forward-only program of one evaluation batch (`Plan.eval_instructions`, one GPU:
+        none for a pipeline) with its memory fences, and its simulated time; made once."""
+        if "_eval" not in self.__dict__:
+            self.__dict__["_eval"] = _eval_program(self) if self.decisions.pipeline is None else ([], 0.0)
+        return self.__dict__["_eval"]
+
     def to_plan(self) -> PlanResult:
         p, g = self.problem, self.problem.graph
         tokens = g.batch * g.seq * self.samples
@@ -162,6 +169,7 @@ class PlanResult:
             flops += prof.fwd_flops + prof.bwd_flops
         flops *= self.samples
         sim = self.sim
+        eval_instrs, eval_s = self.eval_program()
         return Plan(
             schema_version=SCHEMA_VERSION,
             model=ModelInfo(
@@ -177,7 +185,9 @@ class PlanResult:
             instructions=tuple(dataclasses.replace(i, est_s=_r(self.durations[i.id]), contended_s=_r(i.contended_s))
                                for i in self.instructions),
             pools=self.pools(),
+            eval_instructions=tuple(eval_instrs),
             predicted=Predicted(
+                eval_step_s=_r(eval_s),
                 step_time_s=_r(sim.step_time_s),
                 tokens_per_s=_r(tokens / sim.step_time_s) if sim.step_time_s else 0.0,
                 model_tflops=_r(flops / sim.step_time_s / 1e12) if sim.step_time_s else 0.0,
@@ -373,6 +383,22 @@ def _schedule(problem: Problem, decisions: Decisions, wait: bool = False) -> Pla
                       reserved=reserved, commit_s=commit)
     assert fenced.step_time_s == sim.step_time_s, "memory fences must not change the replay"
     return PlanResult(problem, decisions, bufs, instrs, fenced, dur, over_unless_waiting=over)
+
+
+def _eval_program(plan: PlanResult) -> tuple[list[Instr], float]:
+    problem, d = plan.problem, plan.decisions
+    instrs = lower_eval(problem.order, problem.profiles, problem.profile_of, d, plan.buffers)
+    dur = durations(problem, instrs, plan.buffers, d)
+    initial = initial_residency(plan.buffers, d, problem.order)
+    sizes = {n: b.bytes for n, b in plan.buffers.items()}
+    links = contention(instrs, problem.hw)
+    sim = simulate(instrs, dur, sizes, initial, links=links, reserved=d.reserved(),
+                   slowdown=compute_slowdown(problem.hw))
+    # memory fences, as the step's (`_schedule`): overlap mode never holds more than the replay
+    instrs = [dataclasses.replace(i, deps=tuple(sorted(set(i.deps) | set(sim.fences.get(i.id, ())))),
+                                  est_s=_r(t), contended_s=_r(max(0.0, ran - t)))
+              for i, t, ran in zip(instrs, dur, sim.durations)]
+    return instrs, sim.step_time_s
 
 
 def _wait_for_room(problem, instrs, dur, sizes, initial, reserved, commit, caps):

@@ -181,6 +181,16 @@ class Emitter:
         return i
 
 
+def lower_eval(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str, str],
+               decisions: Decisions, buffers: dict[str, Buffer], gpu: str = "gpu0") -> list[Instr]:
+    """One evaluation batch's forward-only program (single GPU, `Plan.eval_instructions`): per
+    microbatch, every block's forward with its parameters streamed as the step streams them (the
+    same homes and prefetch FIFO), keeping only the next block's input X (no saved activations,
+    gradients or updates); what the previous step left in DRAM for the next one to write home
+    (`Decisions.deferred_writes`) is read there and left there."""
+    return _Lowering(order, prof, profile_of, decisions, buffers, gpu, False).lower_eval()
+
+
 def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str, str],
           decisions: Decisions, buffers: dict[str, Buffer], gpu: str = "gpu0",
           loss_scaling: bool = False) -> list[Instr]:
@@ -358,6 +368,37 @@ class _Lowering:
         if not self.overlap:
             self.optimizer()
         return self.e.instrs
+
+    def lower_eval(self) -> list[Instr]:
+        """`lower_eval`'s instructions."""
+        e, gpu = self.e, self.gpu
+        for x in self.carried:  # the latest version: read from its DRAM copy, which stays
+            e.where[(x, "dram")] = None
+            self.home[x] = "dram"
+        prefetch = self.decisions.prefetch
+        for m in range(self.decisions.grad_accum):
+            frees: dict[str, int] = {}
+            x_made: dict[str, int] = {}
+            for b in self.order:
+                ready = None
+                if self.streams(b):
+                    gate = self.gate(frees, self.streamed, b, 1 + prefetch)
+                    for x in self.state(b):
+                        ready = e.move(x, self.home[x], gpu, (gate,))
+                foreign = self.load_foreign(b)
+                nxt = self.order[self.order.index(b) + 1] if b != self.last_fwd else None
+                allocs = (f"X:{nxt}",) if nxt and self.has(f"X:{nxt}") else ()
+                c = e.emit("compute", self.comp, (ready, *foreign, x_made.get(b)), segment=f"fwd:{b}",
+                           allocs=allocs, workspace=self.ws("fwd", b), micro=m)
+                self.release_foreign(c)
+                for a in allocs:
+                    e.where[(a, gpu)] = c
+                    x_made[nxt] = c
+                if self.has(f"X:{b}"):
+                    e.free(f"X:{b}", gpu, (c,))
+                if self.streams(b):
+                    frees[b] = self.free_state(b, c)
+        return e.instrs
 
     def write_back_carried(self) -> None:
         """The previous step's deferred write-backs (`Decisions.deferred_writes`), then the commit

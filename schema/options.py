@@ -104,7 +104,7 @@ class Options:
     """Pipelines: microbatches per step (0: as many as GPUs, Mobius §3.1); the step's batch is
     microbatches x batch, its gradients accumulated. Above 1, only the mobius policy (also on one
     GPU, and what auto then picks) honours it; other policies refuse it."""
-    lora: str = ""
+    lora: str | None = None
     """Train LoRA adapters (PEFT) on an `hf:` checkpoint instead of every weight, as
     "r=8,alpha=16,targets=q_proj,v_proj[,dropout=0.1]" (LoraConfig's r, lora_alpha,
     target_modules, lora_dropout): `get_peft_model(AutoModelForCausalLM.from_pretrained(DIR),
@@ -195,7 +195,7 @@ def param_groups_of(specs, names) -> dict[str, ParamGroup]:
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 """Learning rate schedules by transformers' `get_scheduler` names (`executor.lr`)."""
 
-_LATER_OPTIONS = {"gpus": None, "microbatches": 0, "grad_accum": 1, "lora": "", "mapping": "cross", "decay_all": False, "param_groups": (), "max_grad_norm": 0.0,
+_LATER_OPTIONS = {"gpus": None, "microbatches": 0, "grad_accum": 1, "lora": None, "mapping": "cross", "decay_all": False, "param_groups": (), "max_grad_norm": 0.0,
                   "lr_scheduler": "constant", "warmup_steps": 0, "min_lr_ratio": 0.0}
 
 

@@ -103,6 +103,8 @@ class Predicted:
     bottleneck: str
     busy_s: Mapping[str, float]
     traffic_bytes: Mapping[str, int]
+    eval_step_s: float = 0.0
+    """One evaluation batch through `Plan.eval_instructions` (0: the plan has none)."""
 
     def __post_init__(self):
         freeze(self)
@@ -136,6 +138,11 @@ class Plan:
     run: Run | None = None
     """How `tensorstow execute` runs it, where the plan was made from a recipe file (its
     `[execute]` table); absent otherwise."""
+    eval_instructions: tuple[Instr, ...] = ()
+    """The forward-only program an evaluation batch runs (one GPU): the parameters streamed as
+    the step streams them, each block's forward keeping only what the next block reads, no
+    gradient, no update; program order, ids from 0. Empty: evaluation runs the step's
+    instructions with the updates left out."""
 
     def __post_init__(self):
         freeze(self)
@@ -154,8 +161,9 @@ class Plan:
 
     def _check(self, where: str) -> None:
         """What types cannot say: program order and references."""
-        for k, ins in enumerate(self.instructions):
-            at = f"{where}: instruction {k}"
+        for label, k, ins in [*(("instruction", k, i) for k, i in enumerate(self.instructions)),
+                              *(("eval instruction", k, i) for k, i in enumerate(self.eval_instructions))]:
+            at = f"{where}: {label} {k}"
             if ins.id != k or any(not 0 <= x < k for x in ins.deps):
                 raise TensorstowError(f"{at}: id {ins.id} / deps {list(ins.deps)} must be the index "
                                       f"and smaller ids; re-plan it")
@@ -174,6 +182,10 @@ class Plan:
         d = {f.name: encode(getattr(self, f.name)) for f in dataclasses.fields(self)}
         if self.run is None:
             del d["run"]
+        if not self.eval_instructions:
+            del d["eval_instructions"]
+        if not self.predicted.eval_step_s:
+            del d["predicted"]["eval_step_s"]
         d["buffers"] = {k: {"bytes": b.bytes, "kind": b.kind, "block": b.block, "home": b.home,
                             **({"members": list(b.members)} if b.members else {})}
                         for k, b in sorted(self.buffers.items())}

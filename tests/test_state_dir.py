@@ -14,6 +14,7 @@ import torch
 from tensorstow.executor.ssd import SSDStore
 from tensorstow.executor.state import store_sizes
 from tensorstow.cli import main
+from tensorstow.schema.plan import Plan
 
 MODEL = "tests.fixtures.real_models:nano_gpt_dropout"  # tied head, dropout: the RNG must resume too
 COMMON = ["--hw", "lohan-rtx4090", "--batch", "2", "--seq", "16", "--precision", "fp32", "--lr", "1e-3",
@@ -313,7 +314,15 @@ def test_evaluate_between_steps_equals_eager_eval_and_changes_nothing(policy, tm
     torch.manual_seed(0)
     ex = tensorstow.Executor(tensorstow.Plan.load(plan), real_models.nano_gpt(), state_dir=tmp_path / "s")
     losses = [ex.step(x, y) for x, y in train[:2]]
+    ran = []
+    dispatch = ex._dispatch
+    ex._dispatch = lambda ins: (ran.append(ins), dispatch(ins))[1]
     got_eval = ex.evaluate(held_out)
+    del ex._dispatch
+    # the forward-only program: forwards, their parameters' loads, no backward, gradient or update
+    assert len(ran) == 3 * len(ex.program.eval_instrs) > 0
+    assert {i.segment.split(":")[0] for i in ran if i.kind == "compute"} == {"fwd"}
+    assert not [i for i in ran if i.kind in ("optimizer_step", "store", "recompute") or i.tensor.startswith(("G:", "A:"))]
     assert ex.steps_done == 2
     losses += [ex.step(x, y) for x, y in train[2:]]
     got = ex.parameters()
@@ -337,6 +346,40 @@ def test_evaluate_between_steps_equals_eager_eval_and_changes_nothing(policy, tm
     assert got_eval == want_eval and losses == want_losses
     for n, p in model.named_parameters():
         assert torch.equal(got[n], p.detach()), n
+
+
+@pytest.mark.parametrize("policy", ["stronghold", "zero-infinity", "lohan"])
+def test_the_evaluation_program_is_the_forward_streamed_as_the_step_streams_it(policy, tmp_path):
+    """A one-GPU plan carries the forward-only program of an evaluation batch: every block's forward
+    once per microbatch, the parameters loaded from their homes (a deferred write-back's from its
+    DRAM copy), nothing stored, no gradient or update; its predicted time is below the step's and
+    its simulated peaks within the step's; `show` prints it."""
+    from tensorstow.planner.simulate import simulate
+    ref = "tests.fixtures.real_models:nano_gpt"
+    plan = tmp_path / "p.json"
+    extra = ["--dram", "600KB"] if policy == "lohan" else []
+    assert main(["plan", ref, *COMMON, "--policy", policy, "--gpu-mem", "400KB", "--grad-accum", "2", *extra,
+                 "-o", str(plan)]) == 0
+    p = Plan.load(plan)
+    ev = p.eval_instructions
+    computes = [i for i in ev if i.kind == "compute"]
+    assert [(i.segment, i.micro) for i in computes] == [(f"fwd:{b.name}", m) for m in range(2) for b in p.model.blocks]
+    assert {i.kind for i in ev} <= {"load", "free", "compute"}
+    homes = {n: b.home for n, b in p.buffers.items() if b.home}
+    carried = {f"{k}:{b}" for b in p.decisions.deferred_writes for k in ("P",)}
+    assert all(i.tensor.startswith(("P:", "C:")) for i in ev if i.kind == "load")
+    assert all(i.src in ("dram", homes[i.tensor]) for i in ev if i.kind == "load")
+    assert not [i for i in ev if i.tensor in carried and i.src == "ssd"]  # its latest version is in DRAM
+    assert 0 < p.predicted.eval_step_s < p.predicted.step_time_s
+    from tensorstow.schema.schedule import initial_residency
+    sizes = {n: b.bytes for n, b in p.buffers.items()}
+    order = [b.name for b in p.model.blocks]
+    sim = simulate(list(ev), [i.est_s for i in ev], sizes, initial_residency(dict(p.buffers), p.decisions, order),
+                   reserved=p.decisions.reserved())
+    for tier in ("gpu0", "dram"):
+        assert sim.peak_bytes.get(tier, 0) <= p.predicted.peak_bytes["gpu" if tier == "gpu0" else tier]
+    if policy == "lohan":
+        assert carried and any(i.tensor in carried for i in ev if i.kind == "load")
 
 
 def test_evaluate_refuses_a_model_whose_forward_draws_random_numbers(plans, tmp_path):
