@@ -243,7 +243,8 @@ def _evaluate(ex: Executor, held_out: list, step: int, steps: int, log, out) -> 
         log.write(json.dumps({"step": step, "eval_loss": value, "eval_perplexity": ppl, "eval_batches": len(held_out),
                               "eval_time_s": dt}) + "\n")
         log.flush()
-    print(f"eval after step {step}/{steps}  loss {value:.4f}  perplexity {ppl:.4g}  ({len(held_out)} batches, "
+    print(f"eval after step {step}/{steps}  loss {value:.4f}  perplexity {ppl:.4g}  ({len(held_out)} "
+          f"batch{'es' * (len(held_out) != 1)}, "
           f"{dt:.3f} s)", file=out, flush=True)
 
 
@@ -302,6 +303,15 @@ def predicted_step(plan: Plan, mode: str) -> float:
     if mode == "overlap":
         return plan.predicted.step_time_s
     return sync_step_s(list(plan.instructions), plan_commit_s(plan))
+
+
+def predicted_eval(plan: Plan, mode: str) -> float:
+    """One evaluation batch's time the plan predicts for a mode (`Plan.eval_instructions`; 0
+    where the plan has no forward-only program): its simulated replay, or in sync mode the sum of
+    its instructions' modeled durations."""
+    if mode == "overlap":
+        return plan.predicted.eval_step_s
+    return sync_step_s(list(plan.eval_instructions), 0.0)
 
 
 def pick_mode(mode: str, plan: Plan | None = None) -> str:
