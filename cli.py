@@ -60,6 +60,12 @@ def summary(plan, sim=None) -> str:
     for ins in plan.instructions:
         kinds[ins.kind] = kinds.get(ins.kind, 0) + 1
     lines.append(f"instructions: {len(plan.instructions)} (" + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) + ")")
+    if plan.decisions.speculated:
+        lines.append(f"clipping: {len(plan.decisions.speculated)} CPU updates speculate, overlapped with the backward; "
+                     f"a step whose clip fires redoes them from the last commit ({len(plan.redo_instructions)} "
+                     f"instructions, predicted {plan.predicted.redo_s:.4g} s)")
+    elif plan.options.max_grad_norm > 0:
+        lines.append("clipping: every update waits for the backward's last gradient (the norm)")
     if plan.eval_instructions:
         lines.append(f"evaluation: a forward-only program of {len(plan.eval_instructions)} instructions, predicted "
                      f"{plan.predicted.eval_step_s:.4g} s a batch")

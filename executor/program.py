@@ -95,6 +95,11 @@ class Program:
         self.instrs, self.plan_id = self._read_instructions(plan.instructions)
         """This process's share of the step's instructions; `plan_id`: each one's id in the plan."""
         self.eval_instrs, self.eval_plan_id = self._read_instructions(plan.eval_instructions)
+        self.redo_instrs, self.redo_plan_id = self._read_instructions(plan.redo_instructions)
+        """The redo program of a speculating plan (`Plan.redo_instructions`), run after a step whose
+        clip fired."""
+        self.speculated = frozenset(plan.decisions.speculated)
+        """Blocks updated before the step's norm is known (`Decisions.speculated`)."""
         """The same of the forward-only program an evaluation batch runs (`Plan.eval_instructions`;
         empty: evaluation runs the step's, updates left out)."""
         self.block_params = {b: ps for b, (ps, _) in self.joint.block_state.items()}
@@ -124,6 +129,9 @@ class Program:
         self._add_backward_parts()
         self._check_references(self.instrs)
         self._check_references(self.eval_instrs)
+        self._check_references(self.redo_instrs)
+        if self.speculated and not self.redo_instrs:
+            raise TensorstowError("the plan speculates updates but has no redo program; re-plan it")
         self.holders: dict[str, list[str]] = defaultdict(list)
         """Joint-graph value -> the buffers whose members include it."""
         for buf, roots in self.members.items():

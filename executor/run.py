@@ -216,12 +216,16 @@ def _train(ex: Executor, plan: Plan, feed: Iterator, steps: int, start: int, log
             scale = (f"  scale {amp['loss_scale']:g}" + ("  (inf/NaN: update skipped)" if amp["skipped"] else "")
                      if amp else "")
             norm = {} if ex.grad_norm is None else {"grad_norm": ex.grad_norm}  # the Trainer's grad_norm
+            if ex.speculation is not None:  # whether the speculated updates held or were redone clipped
+                norm["speculation"] = ex.speculation
             if log:  # first: a run killed once the progress line is out has the step logged
                 log.write(json.dumps({**row, "loss": loss, **norm, "lr": ex.lr, "step_time_s": dt,
                                       "tokens_per_s": tokens / dt,
                                       "device_peak_bytes": ex.peak_bytes.get("gpu", 0), **amp}) + "\n")
                 log.flush()
             shown = "" if ex.grad_norm is None else f"  grad_norm {ex.grad_norm:.4g}"
+            if ex.speculation == "redone":
+                shown += " (clipped: speculated updates redone)"
             print(f"step {k + 1}/{steps}{where}  loss {loss:.4f}{shown}  lr {ex.lr:.4g}  {dt:.3f} s  "
                   f"{tokens / dt:.4g} tokens/s{scale}", file=out, flush=True)
             if held_out and ((eval_every and (k + 1) % eval_every == 0) or k + 1 == steps):

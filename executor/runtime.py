@@ -305,11 +305,20 @@ class Executor:
         self._loss: list[torch.Tensor] = []
         self._weights: list[float] = [1.0]
         """This step's microbatch weights (`micro_weights`)."""
+        self._redoing = False
+        """Running the redo program: SSD reads take the last commit's version, updates clip."""
+        self.speculation: str | None = None
+        """A speculating plan's last step: "held" (the clip did not fire: the speculated updates
+        stand) or "redone" (they were redone from the last commit with the clipped gradients)."""
         self.inputs: dict[str, list[torch.Tensor]] = {}
         """Per graph input, its value for each microbatch."""
         self._sends: list = []  # this step's transfers in flight to other ranks
         if checkpoint_every < 1:
             raise TensorstowError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+        if checkpoint_every > 1 and prog.speculated:
+            raise TensorstowError(f"checkpoint every {checkpoint_every} steps: this plan redoes its speculated "
+                                  f"updates from the last commit, so it commits every step; leave "
+                                  f"--checkpoint-every out, or plan with --clip-rate 1 (updates wait for the norm)")
         self.checkpoint_every = checkpoint_every
         self._start(model, resume, init_values, where)
 
@@ -347,6 +356,8 @@ class Executor:
         """Orders the instructions: host time on the CPU, streams and events on CUDA (executor.cuda)."""
         self._eval_lanes = None
         """The same for the evaluation program (`evaluate`), made at its first run."""
+        self._redo_lanes = None
+        """The same for a speculating plan's redo program, made at its first run."""
         self.alloc_limit: int | None = None
         """CUDA: the bytes the caching allocator may reserve (the plan's budget + workspaces)."""
         self._fraction: float | None = None  # CUDA: the allocator's cap before this executor's
@@ -508,6 +519,8 @@ class Executor:
             return self.loss
         if self._norms:
             self.grad_norm = float(self._total_norm())
+        if self.program.speculated:
+            self._validate()
         self._check_end_state()
         if self.carried and self.state.full_checkpoint:  # what the next step's commit records of this one
             self._rng_at_end = rng_bytes()
@@ -520,6 +533,39 @@ class Executor:
                 self.commit_s = time.perf_counter() - t0
         self.early_sync_s = self._early_sync_total() - synced
         return self.loss
+
+    def _validate(self) -> None:
+        """A speculating plan's step, its norm now known: where the clip fires (or fp16 gradients
+        overflowed), the redo program restores the speculated updates from the last commit and
+        runs them again with the clipped gradients (after an overflow: leaves them as they were);
+        else they stand and their kept gradients go. Nothing is committed before."""
+        prog = self.program
+        overflow = self.scaler is not None and self.scaler.skip()  # every gradient is checked by now
+        if not overflow and (self.max_grad_norm <= 0 or float(self._clip_coef()) >= 1.0):
+            for b in sorted(prog.speculated):
+                self.host.drop(f"G:{b}")
+            self.speculation = "held"
+            return
+        store = self.ssd.store
+        if not isinstance(store, SSDStore):
+            raise TensorstowError("this plan redoes speculated updates from the last commit, which needs the "
+                                  "crash-safe SSD store: pass state_dir=")
+        store.wait_background()  # the last commit is durable: its slots are the version to restore
+        if self._redo_lanes is None:
+            self._redo_lanes = lanes_for(prog.redo_instrs, self.device, overlap=self.mode == "overlap")
+        saved = self.instrs, self.keep, self.plan_id, self.lanes
+        self.instrs, self.keep, self.plan_id, self.lanes = prog.redo_instrs, {}, prog.redo_plan_id, self._redo_lanes
+        self._redoing = True
+        try:
+            self.lanes.begin()
+            try:
+                (self._run_sync if self.mode == "sync" else self._run_overlap)()
+            finally:
+                self.lanes.end()
+        finally:
+            self._redoing = False
+            self.instrs, self.keep, self.plan_id, self.lanes = saved
+        self.speculation = "redone"
 
     def _early_sync_total(self) -> float:
         return getattr(self.ssd.store, "early_sync_s", 0.0)
@@ -791,7 +837,7 @@ class Executor:
         elif (src, dst) == ("dram", "ssd"):
             self.ssd.write(buf, self.host.get(buf))
         else:
-            self.ssd.read(buf, self.host, layout, first=ins.stream == "ssd.first")
+            self.ssd.read(buf, self.host, layout, first=ins.stream == "ssd.first", committed=self._redoing)
 
     def _send(self, ins: Instr) -> None:
         """A stage boundary: the sender stages the buffer in host memory and sends it with its
@@ -840,7 +886,9 @@ class Executor:
         elif self.mixed and not on_dev:
             fresh_p = self.host.alloc(f"P:{b}", self.layouts[f"P:{b}"])
         written: set[str] = set()
-        if not (self._evaluating or self.scaler is not None and self.scaler.skip()):  # fp16: inf/NaN changes nothing
+        speculative = b in self.program.speculated and not self._redoing  # validated after the step
+        if not (self._evaluating or self.scaler is not None and not speculative and self.scaler.skip()):
+            # fp16: inf/NaN changes nothing
             written = self._adam_update(b, ins, trained, master, fresh_p)
         if not self.mixed:
             return
@@ -862,9 +910,13 @@ class Executor:
         grads_copy = tier.get(f"G:{b}")
         states = tier.get(f"OS:{b}")
         params, grads, moments, held = [], [], [], []
+        # a speculated update's gradients are kept for a redo: unscaled on copies, never in place
+        kept = self.scaler is not None and b in self.program.speculated and not self._redoing
         try:
             for p in trained:
                 g = j.materialize(j.grad[p], grads_copy.__getitem__)
+                if kept and g.dtype == torch.float32:
+                    g = g.clone()
                 if self.mixed and g.dtype != torch.float32:
                     g = g.float()
                     if on_dev:
@@ -875,7 +927,9 @@ class Executor:
                 moments.append((states[f"{p}.exp_avg"], states[f"{p}.exp_avg_sq"]))
             if self.scaler is not None:
                 self.scaler.unscale_(grads)
-            if self.max_grad_norm > 0:  # clip_grad_norm_: every gradient times min(1, max / (norm + 1e-6))
+            if self.max_grad_norm > 0 and (self._redoing or b not in self.program.speculated):
+                # clip_grad_norm_: every gradient times min(1, max / (norm + 1e-6)); a speculated
+                # update runs with factor 1 before the norm is known (`_validate`)
                 unique = distinct(grads)
                 torch._foreach_mul_(unique, self._clip_coef().to(unique[0].device))
             out16, written = None, set()

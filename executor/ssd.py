@@ -250,10 +250,11 @@ class SSDStore:
         """Write `tensor`'s bytes as the new version of buffer `name` (shadow slot)."""
         self.write_async(name, tensor).wait()
 
-    def read(self, name: str, out: torch.Tensor, first: bool = False) -> None:
-        """Fill `out` with the latest version of `name`: this step's write, else the committed one.
-        `first`: a computation waits for it; it goes ahead of queued writes (`aio` engines)."""
-        self.read_async(name, out, first).wait()
+    def read(self, name: str, out: torch.Tensor, first: bool = False, committed: bool = False) -> None:
+        """Fill `out` with the latest version of `name`: this step's write, else the committed one
+        (`committed`: the committed one even after a write). `first`: a computation waits for it;
+        it goes ahead of queued writes (`aio` engines)."""
+        self.read_async(name, out, first, committed).wait()
 
     def write_async(self, name: str, tensor: torch.Tensor) -> _Op:
         buf = self._checked(name, tensor, "write")
@@ -288,10 +289,10 @@ class SSDStore:
                 buf.synced = (op, self._syncer.submit(self._sync_written, op, fd))
             return op
 
-    def read_async(self, name: str, out: torch.Tensor, first: bool = False) -> _Op:
+    def read_async(self, name: str, out: torch.Tensor, first: bool = False, committed: bool = False) -> _Op:
         buf = self._checked(name, out, "read into")
         with buf.io_lock:
-            if buf.last_write is not None:
+            if buf.last_write is not None and not committed:
                 buf.last_write._complete()
                 if buf.last_write.error is not None:
                     raise TensorstowError(f"SSD store {self.dir}: cannot read buffer '{name}': its write in "

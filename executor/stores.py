@@ -413,13 +413,17 @@ class SSDTier:
         self.store.write(buf, src.blob)
         self.copies[buf] = dict(src.strides)
 
-    def read(self, buf: str, host: HostTier, layout: Layout, first: bool = False) -> None:
+    def read(self, buf: str, host: HostTier, layout: Layout, first: bool = False, committed: bool = False) -> None:
         """`first`: a computation waits for it (the plan's `ssd.first` stream): it goes ahead of
-        the store's queued writes."""
+        the store's queued writes. `committed`: the version the last commit holds, not this
+        step's write (a speculative update's redo restores from it; `executor.ssd.SSDStore`)."""
         if buf not in self.copies:
             raise TensorstowError(f"load of {buf} from ssd, which does not hold it")
         dst = host.alloc(buf, layout)
-        self.store.read(buf, dst.blob, first=first)
+        if committed:
+            self.store.read(buf, dst.blob, first=first, committed=True)
+        else:
+            self.store.read(buf, dst.blob, first=first)
         dst.strides = dict(self.copies[buf])
 
     def drop(self, buf: str) -> None:

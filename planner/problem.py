@@ -14,14 +14,14 @@ from tensorstow.ir.trace import PRECISIONS, model_dims, trace_model, trace_spec
 from tensorstow.planner import cost
 from tensorstow.planner.pipeline import lower_pipeline, pipeline_buffers
 from tensorstow.planner.pools import host_pools
-from tensorstow.planner.schedule import buffers_for, lower, lower_eval
+from tensorstow.planner.schedule import buffers_for, lower, lower_eval, lower_redo
 from tensorstow.planner.simulate import SimResult, compute_slowdown, contention, simulate
 from tensorstow.schema.hardware import Hardware
 from tensorstow.schema.options import LR_SCHEDULERS, Options, check_values, parse_param_group
 from tensorstow.schema.plan import (SCHEMA_VERSION, BlockInfo, HardwareInfo, ModelInfo, Plan, PoolSizes, Predicted,
                                     ProfileInfo)
-from tensorstow.schema.schedule import (TIERS, Buffer, Decisions, Instr, carried_buffers, gpu_index, gpus_of_blocks,
-                                        initial_residency)
+from tensorstow.schema.schedule import (TIERS, Buffer, Decisions, Instr, carried_buffers, final_residency, gpu_index,
+                                        gpus_of_blocks, initial_residency)
 
 
 @dataclass
@@ -70,6 +70,9 @@ def check_options(options: Options, model=None) -> ModelSpec | None:
         raise TensorstowError(f"need --warmup-steps >= 0 and 0 <= --min-lr-ratio <= 1, got {options.warmup_steps} "
                               f"and {options.min_lr_ratio}")
     check_values(options)
+    if not 0 <= options.clip_rate <= 1:
+        raise TensorstowError(f"--clip-rate must be in [0, 1] (the fraction of steps whose clip fires), got "
+                              f"{options.clip_rate}")
     if options.max_grad_norm < 0:
         raise TensorstowError(f"--max-grad-norm must be >= 0 (0: no clipping), got {options.max_grad_norm}")
     for spec in options.param_groups:  # their patterns are matched when the executor starts
@@ -153,11 +156,18 @@ class PlanResult:
         return host_pools(self.instructions, self.sim.start, self.buffers, self.decisions, order,
                           gpus_of_blocks(self.decisions, order))
 
+    def redo_program(self) -> tuple[list[Instr], float]:
+        """A speculating plan's redo program (`Plan.redo_instructions`) and its simulated time;
+        made once."""
+        if "_redo" not in self.__dict__:
+            self.__dict__["_redo"] = _side_program(self, lower_redo, redo=True) if self.decisions.speculated else ([], 0.0)
+        return self.__dict__["_redo"]
+
     def eval_program(self) -> tuple[list[Instr], float]:
         """The forward-only program of one evaluation batch (`Plan.eval_instructions`, one GPU:
         none for a pipeline) with its memory fences, and its simulated time; made once."""
         if "_eval" not in self.__dict__:
-            self.__dict__["_eval"] = _eval_program(self) if self.decisions.pipeline is None else ([], 0.0)
+            self.__dict__["_eval"] = _side_program(self, lower_eval) if self.decisions.pipeline is None else ([], 0.0)
         return self.__dict__["_eval"]
 
     def to_plan(self) -> PlanResult:
@@ -170,6 +180,7 @@ class PlanResult:
         flops *= self.samples
         sim = self.sim
         eval_instrs, eval_s = self.eval_program()
+        redo_instrs, redo_s = self.redo_program()
         return Plan(
             schema_version=SCHEMA_VERSION,
             model=ModelInfo(
@@ -186,8 +197,10 @@ class PlanResult:
                                for i in self.instructions),
             pools=self.pools(),
             eval_instructions=tuple(eval_instrs),
+            redo_instructions=tuple(redo_instrs),
             predicted=Predicted(
                 eval_step_s=_r(eval_s),
+                redo_s=_r(redo_s),
                 step_time_s=_r(sim.step_time_s),
                 tokens_per_s=_r(tokens / sim.step_time_s) if sim.step_time_s else 0.0,
                 model_tflops=_r(flops / sim.step_time_s / 1e12) if sim.step_time_s else 0.0,
@@ -274,6 +287,14 @@ def schedule(problem: Problem, decisions: Decisions, wait: bool = False) -> Plan
                 return r
         return r
     decisions = candidates[0]
+    spec = speculating(problem, decisions)
+    if spec is not None:
+        return _speculate_or_wait(problem, spec, dataclasses.replace(decisions, speculated=()), wait)
+    return _schedule_decided(problem, dataclasses.replace(decisions, speculated=()), wait)
+
+
+def _schedule_decided(problem: Problem, decisions: Decisions, wait: bool) -> PlanResult:
+    """`schedule` once the accumulation tiers and the speculation are decided."""
     reads_ssd = any("ssd" in (d.params, d.states, d.checkpoint) or d.activations == "swap_ssd"
                     for d in decisions.blocks.values())
     if reads_ssd and decisions.pipeline is None and not decisions.ssd_reads_first:
@@ -300,6 +321,42 @@ def accumulating(problem: Problem, decisions: Decisions) -> list[Decisions]:
     return [dataclasses.replace(decisions, grad_accum=k,
                                 blocks={b: dataclasses.replace(d, accum=t) for b, d in decisions.blocks.items()})
             for t in TIERS]
+
+
+def speculating(problem: Problem, decisions: Decisions) -> Decisions | None:
+    """With clipping or fp16 loss scaling (whose updates would wait for every gradient), the
+    decisions that update speculatively every block whose update can be redone exactly
+    (`Decisions.speculated`: CPU updates of state whose home is SSD, so the last commit still holds
+    it: fp32's P, OS, mixed precision's M, OS); None where none can, or the plan cannot speculate
+    (pipelines, updates after the backward by design)."""
+    o = problem.options
+    if (not waits_for_every_gradient(o) or decisions.pipeline is not None
+            or not decisions.overlap_optimizer or decisions.deferred_writes):
+        return None
+    bufs = buffers_for(problem.order, problem.profiles, problem.profile_of, decisions, problem.mixed)
+    state = ("M", "OS") if problem.mixed else ("P", "OS")
+    blocks = tuple(b for b in problem.order if f"G:{b}" in bufs and decisions.blocks[b].optimizer == "cpu"
+                   and all(bufs[f"{k}:{b}"].home == "ssd" for k in state))
+    return dataclasses.replace(decisions, speculated=blocks) if blocks else None
+
+
+def _speculate_or_wait(problem: Problem, spec: Decisions, waiting: Decisions, wait: bool) -> PlanResult:
+    """The faster of the two clipping forms, by simulated time: every update waiting for the
+    norm, or the speculated ones overlapped with the backward at the price of the redo program
+    in the expected fraction of steps whose clip fires (`Options.clip_rate`)."""
+    a = _schedule_decided(problem, waiting, wait)
+    b = _schedule_decided(problem, spec, wait)
+    if not b.fits:
+        return a
+    redo = b.redo_program()[1]
+    expected = b.sim.step_time_s + problem.options.clip_rate * redo
+    if a.fits and a.sim.step_time_s <= expected:
+        return a
+    note = (f"clipping: {len(spec.speculated)} CPU updates speculate (overlapped with the backward, redone from "
+            f"the last commit when the clip fires or fp16 gradients overflow): step {b.sim.step_time_s:.4g} s + clip rate "
+            f"{problem.options.clip_rate:g} x redo {redo:.4g} s = {expected:.4g} s expected, against "
+            f"{a.sim.step_time_s:.4g} s with every update waiting for the norm" + ("" if a.fits else " (does not fit)"))
+    return dataclasses.replace(b, decisions=dataclasses.replace(b.decisions, notes=(*b.decisions.notes, note)))
 
 
 DEFERRED_MAX = 4
@@ -361,12 +418,13 @@ def _schedule(problem: Problem, decisions: Decisions, wait: bool = False) -> Pla
     sizes = {n: b.bytes for n, b in bufs.items()}
     reserved = decisions.reserved()
     commit = cost.commit_time(problem.hw, instrs)
+    final = final_residency(bufs, decisions, problem.order)
     sim = simulate(instrs, dur, sizes, initial, links=contention(instrs, problem.hw), reserved=reserved,
-                   commit_s=commit, slowdown=compute_slowdown(problem.hw))
+                   commit_s=commit, slowdown=compute_slowdown(problem.hw), final=final)
     over = {}
     caps = {**problem.gpu_capacity(), "dram": problem.capacity()["dram"]}
     if wait and any(sim.peak_bytes.get(t, 0) > c for t, c in caps.items()):
-        fitted = _wait_for_room(problem, instrs, dur, sizes, initial, reserved, commit, caps)
+        fitted = _wait_for_room(problem, instrs, dur, sizes, initial, reserved, commit, caps, final)
         if fitted is not None:
             over = {"gpu" if t.startswith("gpu") else t: (sim.peak_bytes[t], c) for t, c in caps.items()
                     if sim.peak_bytes.get(t, 0) > c}
@@ -380,20 +438,26 @@ def _schedule(problem: Problem, decisions: Decisions, wait: bool = False) -> Pla
                                   contended_s=max(0.0, ran - d))
               for i, ran, d in zip(instrs, sim.durations, dur)]
     fenced = simulate(instrs, sim.durations, sizes, initial, links=contention(instrs, problem.hw),
-                      reserved=reserved, commit_s=commit)
+                      reserved=reserved, commit_s=commit, final=final)
     assert fenced.step_time_s == sim.step_time_s, "memory fences must not change the replay"
     return PlanResult(problem, decisions, bufs, instrs, fenced, dur, over_unless_waiting=over)
 
 
-def _eval_program(plan: PlanResult) -> tuple[list[Instr], float]:
+def _side_program(plan: PlanResult, lowering, redo: bool = False) -> tuple[list[Instr], float]:
+    """A program the plan runs besides its step (evaluation, a speculating plan's redo), lowered
+    from its decisions, with memory fences from its own replay, and that replay's time. The redo
+    program starts where the step ends: the homes, and the gradients the speculated updates kept."""
     problem, d = plan.problem, plan.decisions
-    instrs = lower_eval(problem.order, problem.profiles, problem.profile_of, d, plan.buffers)
+    instrs = lowering(problem.order, problem.profiles, problem.profile_of, d, plan.buffers)
     dur = durations(problem, instrs, plan.buffers, d)
     initial = initial_residency(plan.buffers, d, problem.order)
+    final = set(initial)
+    if redo:
+        initial = final_residency(plan.buffers, d, problem.order)
     sizes = {n: b.bytes for n, b in plan.buffers.items()}
     links = contention(instrs, problem.hw)
     sim = simulate(instrs, dur, sizes, initial, links=links, reserved=d.reserved(),
-                   slowdown=compute_slowdown(problem.hw))
+                   slowdown=compute_slowdown(problem.hw), final=final)
     # memory fences, as the step's (`_schedule`): overlap mode never holds more than the replay
     instrs = [dataclasses.replace(i, deps=tuple(sorted(set(i.deps) | set(sim.fences.get(i.id, ())))),
                                   est_s=_r(t), contended_s=_r(max(0.0, ran - t)))
@@ -401,7 +465,7 @@ def _eval_program(plan: PlanResult) -> tuple[list[Instr], float]:
     return instrs, sim.step_time_s
 
 
-def _wait_for_room(problem, instrs, dur, sizes, initial, reserved, commit, caps):
+def _wait_for_room(problem, instrs, dur, sizes, initial, reserved, commit, caps, final):
     """A replay over capacity, again with copies that wait for room (Fuyou §4.4's memory-aware
     prefetch: a copy that ran ahead of the computations before it in program order took their
     memory, because the probed timings let it). The waits become dependencies: on the releases that
@@ -410,13 +474,14 @@ def _wait_for_room(problem, instrs, dur, sizes, initial, reserved, commit, caps)
     links = contention(instrs, problem.hw)
     slow = compute_slowdown(problem.hw)
     waiting = simulate(instrs, dur, sizes, initial, links=links, reserved=reserved, commit_s=commit, slowdown=slow,
-                       capacity=caps)
+                       capacity=caps, final=final)
     if any(waiting.peak_bytes.get(t, 0) > c for t, c in caps.items()):
         return None
     extra = {i: set(waiting.waited.get(i, ())) | set(waiting.fences.get(i, ())) for i in waiting.waited}
     waits = [dataclasses.replace(i, deps=tuple(sorted(set(i.deps) | extra[i.id]))) if i.id in extra else i
              for i in instrs]
-    fitted = simulate(waits, dur, sizes, initial, links=links, reserved=reserved, commit_s=commit, slowdown=slow)
+    fitted = simulate(waits, dur, sizes, initial, links=links, reserved=reserved, commit_s=commit, slowdown=slow,
+                      final=final)
     if any(fitted.peak_bytes.get(t, 0) > c for t, c in caps.items()):
         return None
     return waits, fitted

@@ -191,6 +191,16 @@ def lower_eval(order: list[str], prof: dict[str, BlockProfile], profile_of: dict
     return _Lowering(order, prof, profile_of, decisions, buffers, gpu, False).lower_eval()
 
 
+def lower_redo(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str, str],
+               decisions: Decisions, buffers: dict[str, Buffer], gpu: str = "gpu0") -> list[Instr]:
+    """A speculating plan's redo program (`Plan.redo_instructions`, `Decisions.speculated`): after
+    a step whose clip fired, each speculated block in update order reads its state back from its
+    SSD home (the executor reads the last commit's version, from before the step), updates it
+    again with the gradient it kept in DRAM (now clipped), writes it home and releases the
+    gradient."""
+    return _Lowering(order, prof, profile_of, decisions, buffers, gpu, True).lower_redo()
+
+
 def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str, str],
           decisions: Decisions, buffers: dict[str, Buffer], gpu: str = "gpu0",
           loss_scaling: bool = False) -> list[Instr]:
@@ -283,6 +293,11 @@ class _Lowering:
         """Whether it is the step's last: its gradients are whole and go on to the updates."""
         self.last_comp: int | None = None
         """The latest computation emitted: an accumulated gradient's load back waits for it."""
+        self.spec = set(decisions.speculated)
+        """Blocks updated as their gradient arrives before the norm is known (`Decisions.speculated`):
+        they keep their gradient in DRAM for the redo program."""
+        self.redoing = False
+        """Emitting the redo program (`lower_redo`): the kept gradients are released."""
 
     # ---- helpers ------------------------------------------------------------------------------
     def has(self, name: str) -> bool:
@@ -399,6 +414,15 @@ class _Lowering:
                 if self.streams(b):
                     frees[b] = self.free_state(b, c)
         return e.instrs
+
+    def lower_redo(self) -> list[Instr]:
+        """`lower_redo`'s instructions."""
+        self.redoing = True
+        for b in reversed(self.order):
+            if b in self.spec:
+                self.e.where[(f"G:{b}", "dram")] = None
+                self.update(b, ())
+        return self.e.instrs
 
     def write_back_carried(self) -> None:
         """The previous step's deferred write-backs (`Decisions.deferred_writes`), then the commit
@@ -587,7 +611,7 @@ class _Lowering:
             self.grads_ready[b] = s
         else:
             self.grads_ready[b] = c
-        if self.overlap:
+        if self.overlap or b in self.spec:
             self.update(b, (self.grads_ready[b],))
         return flushed
 
@@ -595,7 +619,7 @@ class _Lowering:
         """Every update after the last backward, in backward order (not overlapped)."""
         last_bwd = len(self.e.instrs) - 1
         for b in reversed(self.order):
-            if self.has(f"G:{b}"):
+            if self.has(f"G:{b}") and b not in self.spec:
                 self.update(b, (self.grads_ready[b], last_bwd))
 
     def update(self, b: str, start: tuple) -> None:
@@ -626,7 +650,8 @@ class _Lowering:
         fresh = (f"P:{b}",) if self.mixed and home[f"P:{b}"] != tier else ()
         u = e.emit("optimizer_step", "cpu.opt" if dev == "cpu" else self.comp, tuple(ready), segment=b,
                    dst=dev, allocs=fresh, workspace=self.ws("opt", b))
-        self.g_freed[b] = e.free(f"G:{b}", tier, (u,))
+        if b not in self.spec or self.redoing:  # a speculated update's gradient waits for the norm
+            self.g_freed[b] = e.free(f"G:{b}", tier, (u,))
         self.writes.append(self.write_home(b, states, tier, u))
 
     def write_home(self, b: str, states: list[str], tier: str, u: int) -> int:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from tensorstow.ir.graph import lsum
 from tensorstow.planner.cost import commit_time
-from tensorstow.schema.schedule import Instr, gpu_index, initial_residency, resource_of
+from tensorstow.schema.schedule import Instr, final_residency, gpu_index, initial_residency, resource_of
 
 
 class ScheduleError(Exception):
@@ -100,7 +100,7 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
              links: tuple[list[tuple[str, ...]], dict[str, int]] | None = None,
              reserved: dict[str, int] | None = None, commit_s: float = 0.0,
              slowdown: dict[str, tuple[float, float]] | None = None,
-             capacity: dict[str, int] | None = None) -> SimResult:
+             capacity: dict[str, int] | None = None, final: set | None = None) -> SimResult:
     """Replay `instrs` with `duration[i]` seconds each.
 
     nbytes: buffer -> bytes. initial: the (buffer, tier) pairs present at the start. links:
@@ -121,6 +121,8 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
     (those come first: a prefetch must not take the memory of the computation it runs ahead of).
     The copies that waited are in `SimResult.waited`. Where nothing could free room, the copy
     starts anyway and the peak shows the overflow.
+    final: the (buffer, tier) pairs present at the end, where not `initial` (a speculating step
+    ends with the gradients it keeps for its redo: `schema.schedule.final_residency`).
 
     The replay's parts: `_Dispatch` (the event loop over streams and resources), `_usage` (busy
     time and traffic per resource), `_memory_events` and `_Ledger` (bytes live per tier, the peaks,
@@ -146,7 +148,7 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
         start, end, order = dispatch.run(duration)
 
     busy, traffic = _usage(instrs, duration, uses, extra, slots, nbytes)
-    ledger = _Ledger(instrs, nbytes, initial, reserved)
+    ledger = _Ledger(instrs, nbytes, initial, reserved, final)
     ledger.replay(_memory_events(instrs, order, start, end))
     if background:
         makespan = max([commit_s, *end])
@@ -316,8 +318,11 @@ class _Ledger:
     is live at them, the timeline and the memory fences; it checks that every copy is made from a
     present one, nothing is allocated twice, and the step ends where it began."""
 
-    def __init__(self, instrs: list[Instr], nbytes: dict[str, int], initial, reserved: dict[str, int] | None):
+    def __init__(self, instrs: list[Instr], nbytes: dict[str, int], initial, reserved: dict[str, int] | None,
+                 final=None):
         self.instrs, self.nbytes, self.initial = instrs, nbytes, initial
+        self.final = set(initial if final is None else final)
+        """What is present when the step ends."""
         self.live = set(initial)
         """The (buffer, tier) pairs present."""
         self.use: dict[str, int] = {t: v for t, v in (reserved or {}).items() if v}
@@ -336,7 +341,7 @@ class _Ledger:
         """Tier -> stream -> the latest instruction that released bytes there."""
 
     def replay(self, events: list[tuple]) -> None:
-        """Apply the events in order, then check the step returned to its initial state."""
+        """Apply the events in order, then check the step ended where it should (`final`)."""
         for key, what, buf, tier, src, owner in events:
             self.fence(what, tier, owner)
             if what == "free":
@@ -344,10 +349,10 @@ class _Ledger:
             elif not self.make(what, buf, tier, src):
                 continue  # overwrite in place
             self.timeline.setdefault(tier, [(0.0, 0)]).append((key[0], self.use[tier]))
-        leftover = sorted(self.live - set(self.initial))
-        missing = sorted(set(self.initial) - self.live)
+        leftover = sorted(self.live - self.final)
+        missing = sorted(self.final - self.live)
         if leftover or missing:
-            raise ScheduleError(f"the step does not return to its initial state: left {leftover[:5]}, "
+            raise ScheduleError(f"the step does not end in its final state: left {leftover[:5]}, "
                                 f"lost {missing[:5]}")
 
     def fence(self, what: str, tier: str, owner: int) -> None:
@@ -391,7 +396,7 @@ def simulate_plan(plan) -> SimResult:
     instrs = list(plan.instructions)
     return simulate(instrs, [i.est_s + i.contended_s for i in instrs], {n: b.bytes for n, b in plan.buffers.items()},
                     initial, links=contention(instrs, plan.hardware.spec), reserved=plan.decisions.reserved(),
-                    commit_s=plan_commit_s(plan))
+                    commit_s=plan_commit_s(plan), final=final_residency(dict(plan.buffers), plan.decisions, order))
 
 
 def compute_slowdown(hw) -> dict[str, tuple[float, float]]:

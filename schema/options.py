@@ -74,6 +74,11 @@ class Options:
     trainable parameter; fp16-mixed unscales first, as GradScaler.unscale_ then clip); 0: no
     clipping. Every update then waits for the backward's last gradient (the factor needs all of
     them), as fp16 loss scaling does. The step's norm is logged either way."""
+    clip_rate: float = 0.5
+    """With clipping (or fp16 loss scaling): the fraction of steps whose clip is expected to fire
+    (or whose gradients overflow). The planner weighs speculating (updates overlapped with the
+    backward, redone when the clip fires) against waiting for the norm by step + clip_rate x redo,
+    simulated."""
     lr_scheduler: str = "constant"
     """The learning rate over the run, transformers' `get_scheduler` semantics (executor/lr.py):
     constant, constant_with_warmup, linear or cosine (to 0, or to min_lr_ratio x lr, at the run's
@@ -195,7 +200,7 @@ def param_groups_of(specs, names) -> dict[str, ParamGroup]:
 LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 """Learning rate schedules by transformers' `get_scheduler` names (`executor.lr`)."""
 
-_LATER_OPTIONS = {"gpus": None, "microbatches": 0, "grad_accum": 1, "lora": None, "mapping": "cross", "decay_all": False, "param_groups": (), "max_grad_norm": 0.0,
+_LATER_OPTIONS = {"gpus": None, "microbatches": 0, "grad_accum": 1, "lora": None, "clip_rate": 0.5, "mapping": "cross", "decay_all": False, "param_groups": (), "max_grad_norm": 0.0,
                   "lr_scheduler": "constant", "warmup_steps": 0, "min_lr_ratio": 0.0}
 
 

@@ -105,6 +105,8 @@ class Predicted:
     traffic_bytes: Mapping[str, int]
     eval_step_s: float = 0.0
     """One evaluation batch through `Plan.eval_instructions` (0: the plan has none)."""
+    redo_s: float = 0.0
+    """`Plan.redo_instructions` after a step whose clip fired (0: the plan speculates nothing)."""
 
     def __post_init__(self):
         freeze(self)
@@ -138,6 +140,11 @@ class Plan:
     run: Run | None = None
     """How `tensorstow execute` runs it, where the plan was made from a recipe file (its
     `[execute]` table); absent otherwise."""
+    redo_instructions: tuple[Instr, ...] = ()
+    """A plan that speculates (`Decisions.speculated`): what runs after a step whose clip fires,
+    before its commit: each speculated block's state read back from the last commit, updated
+    again with the clipped gradient it kept, written home, the gradient released; program
+    order, ids from 0."""
     eval_instructions: tuple[Instr, ...] = ()
     """The forward-only program an evaluation batch runs (one GPU): the parameters streamed as
     the step streams them, each block's forward keeping only what the next block reads, no
@@ -162,7 +169,8 @@ class Plan:
     def _check(self, where: str) -> None:
         """What types cannot say: program order and references."""
         for label, k, ins in [*(("instruction", k, i) for k, i in enumerate(self.instructions)),
-                              *(("eval instruction", k, i) for k, i in enumerate(self.eval_instructions))]:
+                              *(("eval instruction", k, i) for k, i in enumerate(self.eval_instructions)),
+                              *(("redo instruction", k, i) for k, i in enumerate(self.redo_instructions))]:
             at = f"{where}: {label} {k}"
             if ins.id != k or any(not 0 <= x < k for x in ins.deps):
                 raise TensorstowError(f"{at}: id {ins.id} / deps {list(ins.deps)} must be the index "
@@ -182,10 +190,12 @@ class Plan:
         d = {f.name: encode(getattr(self, f.name)) for f in dataclasses.fields(self)}
         if self.run is None:
             del d["run"]
-        if not self.eval_instructions:
-            del d["eval_instructions"]
-        if not self.predicted.eval_step_s:
-            del d["predicted"]["eval_step_s"]
+        for key in ("eval_instructions", "redo_instructions"):
+            if not getattr(self, key):
+                del d[key]
+        for key in ("eval_step_s", "redo_s"):
+            if not getattr(self.predicted, key):
+                del d["predicted"][key]
         d["buffers"] = {k: {"bytes": b.bytes, "kind": b.kind, "block": b.block, "home": b.home,
                             **({"members": list(b.members)} if b.members else {})}
                         for k, b in sorted(self.buffers.items())}

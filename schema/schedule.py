@@ -213,6 +213,13 @@ class Decisions:
     the DRAM peak: the zero-infinity baseline's DeepSpeed pinned swap buffers and host gradient
     buffers (planner/policies/zero_infinity.py). The executor does not allocate it."""
 
+    speculated: tuple[str, ...] = ()
+    """With clipping (`Options.max_grad_norm`): the blocks whose CPU update runs as their gradient
+    arrives, before the global norm is known, with factor 1 (the other updates wait for the last
+    backward). Their state's home is SSD, so the last commit holds its version from before the
+    step; each keeps its gradient in DRAM until the norm is known. Where the clip fires, the
+    plan's redo program (`Plan.redo_instructions`) reads that version back and updates again with
+    the clipped gradients, before anything is committed (exact: no algebraic inversion)."""
     grad_accum: int = 1
     """One GPU: the step runs the forward and backward of this many microbatches of `model.batch`
     rows one after the other (microbatch k's compute instructions say `micro` k), every later one
@@ -259,6 +266,8 @@ class Decisions:
             d["swap_grads"] = True
         if self.grad_accum > 1:
             d["grad_accum"] = self.grad_accum
+        if self.speculated:
+            d["speculated"] = list(self.speculated)
         if self.blocking_copies:
             d["blocking_copies"] = True
         if self.keep_params_for_update:
@@ -371,6 +380,13 @@ def initial_residency(buffers: dict[str, Buffer], decisions: Decisions, order: l
     `Decisions.deferred_writes` carries from the step before."""
     return set(home_tiers(buffers, decisions, order).items()) | {
         (x, "dram") for x in carried_buffers(decisions, buffers)}
+
+
+def final_residency(buffers: dict[str, Buffer], decisions: Decisions, order: list[str]) -> set[tuple[str, str]]:
+    """The (buffer, tier) copies present when a step's instructions end: those it began with, and
+    the gradients of the speculated updates, kept in DRAM for the redo program until the norm
+    is known (`Decisions.speculated`)."""
+    return initial_residency(buffers, decisions, order) | {(f"G:{b}", "dram") for b in decisions.speculated}
 
 
 def block_gpus(plan) -> dict[str, str]:

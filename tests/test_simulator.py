@@ -151,7 +151,7 @@ def test_inconsistent_schedules_are_rejected():
     with pytest.raises(ScheduleError, match="does not hold"):
         simulate(free_missing, [0.0], {"x": 1}, set())
     leak = [Instr(id=0, kind="compute", stream="gpu0.compute", deps=(), allocs=("x",))]
-    with pytest.raises(ScheduleError, match="initial state"):
+    with pytest.raises(ScheduleError, match="final state"):
         simulate(leak, [1.0], {"x": 1}, set())
     cycle = [Instr(id=0, kind="compute", stream="a", deps=(1,)), Instr(id=1, kind="compute", stream="b", deps=(0,))]
     with pytest.raises(ScheduleError, match="deadlock"):

@@ -266,9 +266,10 @@ def test_clipping_by_the_global_norm_equals_eager_clip_grad_norm(policy, max_nor
     plan = tmp_path / "p.json"
     extra = ["--dram", "600KB"] if policy == "lohan" else []
     assert main(["plan", MODEL, *COMMON, "--policy", policy, "--gpu-mem", "400KB", *extra,
-                 "--max-grad-norm", str(max_norm), "-o", str(plan)]) == 0
+                 "--max-grad-norm", str(max_norm), "--clip-rate", "1", "-o", str(plan)]) == 0
     p = json.loads(plan.read_text())
     assert p["options"]["max_grad_norm"] == max_norm and not p["decisions"].get("deferred_writes")
+    assert "speculated" not in p["decisions"]  # clip rate 1: waiting for the norm is the faster form
     ins = p["instructions"]
     last_bwd = max(i["id"] for i in ins if i["kind"] == "compute" and i.get("segment", "").startswith("bwd"))
     ancestors, todo = set(), [i["id"] for i in ins if i["kind"] == "optimizer_step"]
