@@ -288,8 +288,8 @@ def schedule(problem: Problem, decisions: Decisions, wait: bool = False) -> Plan
         return r
     decisions = candidates[0]
     spec = speculating(problem, decisions)
-    if spec is not None:
-        return _speculate_or_wait(problem, spec, dataclasses.replace(decisions, speculated=()), wait)
+    if spec is not None:  # deferred write-backs are decided for the speculating form (`_speculate_or_wait`)
+        return _speculate_or_wait(problem, spec, dataclasses.replace(decisions, speculated=(), deferred_writes=()), wait)
     return _schedule_decided(problem, dataclasses.replace(decisions, speculated=()), wait)
 
 
@@ -330,9 +330,9 @@ def speculating(problem: Problem, decisions: Decisions) -> Decisions | None:
     it: fp32's P, OS, mixed precision's M, OS); None where none can, or the plan cannot speculate
     (pipelines, updates after the backward by design)."""
     o = problem.options
-    if (not waits_for_every_gradient(o) or decisions.pipeline is not None
-            or not decisions.overlap_optimizer or decisions.deferred_writes):
+    if not waits_for_every_gradient(o) or decisions.pipeline is not None or not decisions.overlap_optimizer:
         return None
+    decisions = dataclasses.replace(decisions, deferred_writes=())
     bufs = buffers_for(problem.order, problem.profiles, problem.profile_of, decisions, problem.mixed)
     state = ("M", "OS") if problem.mixed else ("P", "OS")
     blocks = tuple(b for b in problem.order if f"G:{b}" in bufs and decisions.blocks[b].optimizer == "cpu"
@@ -343,11 +343,14 @@ def speculating(problem: Problem, decisions: Decisions) -> Decisions | None:
 def _speculate_or_wait(problem: Problem, spec: Decisions, waiting: Decisions, wait: bool) -> PlanResult:
     """The faster of the two clipping forms, by simulated time: every update waiting for the
     norm, or the speculated ones overlapped with the backward at the price of the redo program
-    in the expected fraction of steps whose clip fires (`Options.clip_rate`)."""
+    in the expected fraction of steps whose clip fires (`Options.clip_rate`). For a policy's final
+    plan (`wait`) the speculating one is compared with its write-backs deferred where faster."""
     a = _schedule_decided(problem, waiting, wait)
     b = _schedule_decided(problem, spec, wait)
     if not b.fits:
         return a
+    if wait:  # a policy's final plan: speculating, it may also defer its last write-backs (`defer_writes`)
+        b = defer_writes(b)
     redo = b.redo_program()[1]
     expected = b.sim.step_time_s + problem.options.clip_rate * redo
     if a.fits and a.sim.step_time_s <= expected:
@@ -368,12 +371,12 @@ def defer_writes(plan: PlanResult) -> PlanResult:
     (`Decisions.deferred_writes`): one block, then two, ... while each is faster and still fits.
     Their updates end the step after its last backward, and their parameters begin the next one,
     so the step's tail of SSD writes overlaps the next forward and its first read is gone. One-GPU
-    plans whose updates overlap the backward, fp32 or bf16-mixed (fp16's loss scaling holds every
-    update until the backward ends); not the zero-infinity baseline (DeepSpeed writes every
-    subgroup back before the step ends)."""
+    plans whose updates overlap the backward (with clipping or fp16 loss scaling, speculated ones:
+    a redo restores a carried block from the commit the step made of the one before); not the
+    zero-infinity baseline (DeepSpeed writes every subgroup back before the step ends)."""
     d, problem = plan.decisions, plan.problem
     if (d.pipeline is not None or not d.overlap_optimizer or d.policy == "zero-infinity"
-            or waits_for_every_gradient(problem.options)
+            or (waits_for_every_gradient(problem.options) and not d.speculated)
             or d.deferred_writes or not plan.fits):
         return plan
     updated = [i.segment for i in plan.instructions if i.kind == "optimizer_step"]

@@ -9,8 +9,8 @@ The buffer kinds and the names they use are `schema.schedule`'s.
 from __future__ import annotations
 
 from tensorstow.planner.cost import BlockProfile
-from tensorstow.schema.schedule import (OPTIMIZER_INPUTS, TIERS, BlockDecision, Buffer, Decisions, Instr, buffer_kind,
-                                        carried_buffers, tier_class)
+from tensorstow.schema.schedule import (OPTIMIZER_INPUTS, TIERS, BlockDecision, Buffer, Decisions, Instr, block_of,
+                                        buffer_kind, carried_buffers, tier_class)
 
 
 def ssd_read_stream(buf: str, first: bool) -> str:
@@ -418,11 +418,17 @@ class _Lowering:
     def lower_redo(self) -> list[Instr]:
         """`lower_redo`'s instructions."""
         self.redoing = True
+        e = self.e
+        for x in self.carried:  # the speculated update's result, which the redo replaces
+            e.where[(x, "dram")] = None
         for b in reversed(self.order):
             if b in self.spec:
-                self.e.where[(f"G:{b}", "dram")] = None
+                e.where[(f"G:{b}", "dram")] = None
+                for x in self.carried:
+                    if block_of(x) == b:  # read again from the commit this step made of the one before
+                        e.free(x, "dram")
                 self.update(b, ())
-        return self.e.instrs
+        return e.instrs
 
     def write_back_carried(self) -> None:
         """The previous step's deferred write-backs (`Decisions.deferred_writes`), then the commit
