@@ -59,6 +59,8 @@ def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, 
                               "(a directory on the SSD; it is created if missing)")
     with contextlib.ExitStack() as closing:  # the store's directory lock is released however we leave
         if state_dir is not None:
+            if run.restart:
+                state.clear(state_dir if comm is None else rank_dir(state_dir, rank))
             d = state.claim(state_dir if comm is None else rank_dir(state_dir, rank), plan)
             store = closing.enter_context(SSDStore(d, state.store_sizes(plan, None if comm is None else gpu_tier(rank))))
             if comm is not None:
@@ -76,7 +78,8 @@ def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, 
             print(f"state dir {state_dir} already holds step {start} >= {steps} steps: nothing to do", file=out)
             return {"steps": start, "losses": []}
         if start:
-            print(f"resuming from step {start} committed in {state_dir}", file=out)
+            print(f"resuming from step {start} committed in {state_dir}"
+                  + (f" ({store.recovered})" if store.recovered else ""), file=out)
         held_out = _eval_batches(ex, plan, run) if run.eval_data is not None else None
         times, losses = _train(ex, plan, feed, steps, start, run.log_json, out, held_out, run.eval_every)
         med = _report(ex, plan, mode, times, run.trace, out)

@@ -53,16 +53,25 @@ PREVIOUS = "MANIFEST.prev"
 whose other ranks did not commit the last step). A commit renames MANIFEST to it just before it
 renames the new one in; a crash between the two leaves it alone, and it is the last commit."""
 FORMAT = "tensorstow-ssd-store"
-VERSION = 2
-CHECKSUMS = {1: ("crc32", zlib.crc32), 2: ("xxh3_64", xxhash.xxh3_64_intdigest)}
+VERSION = 3
+CHECKSUMS = {1: ("crc32", zlib.crc32), 2: ("xxh3_64", xxhash.xxh3_64_intdigest), 3: ("xxh3_64", xxhash.xxh3_64_intdigest)}
 """Manifest version -> (name, function) of the block checksum it records. XXH3 runs at 16-27 GB/s
-on one core here (zlib's CRC-32 at 2.1 GB/s); both release the GIL. A store keeps the version it
-was made with, so one made by an older tensorstow resumes as it was written."""
+on one core here (zlib's CRC-32 at 2.1 GB/s); both release the GIL. Version 3 adds the manifest's
+checksum of itself (`SELF_CHECK`). A store keeps the version it was made with, so one made by an
+older tensorstow resumes as it was written."""
 CRC_BLOCK = 16 << 20
 """Bytes covered by one checksum in the manifest."""
+SELF_CHECK = "manifest_xxh3"
+"""The manifest's checksum of itself: XXH3-64 of its other keys as sorted JSON (version 3 on)."""
+
+
+def _manifest_sum(content: dict) -> int:
+    rest = {k: v for k, v in content.items() if k != SELF_CHECK}
+    return xxhash.xxh3_64_intdigest(json.dumps(rest, sort_keys=True).encode())
 
 _crc_pool = ThreadPoolExecutor(max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="tensorstow-crc")
-_OWN_FILE = re.compile(r"(MANIFEST|MANIFEST\.tmp|MANIFEST\.prev|LOCK|\.direct-probe|.+\.slot[01]|(plan|layout|config)\.json(\.tmp)?)")
+OWN_FILE = re.compile(r"(MANIFEST|MANIFEST\.tmp|MANIFEST\.prev|MANIFEST\.damaged|LOCK|\.direct-probe|.+\.slot[01]|"
+                      r"(plan|layout|config|adapter_config)\.json(\.tmp)?)")
 """The store's files, and the state dir's description of them (executor/state.py)."""
 
 
@@ -235,7 +244,11 @@ class SSDStore:
             """Manifest version: the checksum the store records (CHECKSUMS)."""
             self._sum_name, self._sum = CHECKSUMS[self.version]
             self._key = _entry_key(self.version)
-            if manifest is None:
+            self.recovered: str | None = getattr(self, "recovered", None)
+            """How the manifest was recovered (`_load_manifest`), where it had to be; else None."""
+            fresh = manifest is not None and manifest["step"] is None and {
+                k: e["nbytes"] for k, e in manifest["buffers"].items()} == sizes
+            if manifest is None or fresh:  # none, or this plan's store never committed: nothing to keep
                 self._create(sizes)
             else:
                 self._resume(manifest, sizes)
@@ -626,9 +639,11 @@ class SSDStore:
 
     def _write_manifest(self, step: int | None, entries: dict, *, what: str) -> OSError | None:
         """Atomically replace MANIFEST. Raises before the rename; returns a directory-sync error after it."""
-        body = json.dumps({"format": FORMAT, "version": self.version, "step": step, "crc_block": CRC_BLOCK,
-                           "buffers": entries, **({"checksum": self._sum_name} if self.version > 1 else {})},
-                          sort_keys=True, indent=1).encode() + b"\n"
+        content = {"format": FORMAT, "version": self.version, "step": step, "crc_block": CRC_BLOCK,
+                   "buffers": entries, **({"checksum": self._sum_name} if self.version > 1 else {})}
+        if self.version >= 3:  # the manifest checks itself: an edited or torn one is not trusted
+            content[SELF_CHECK] = _manifest_sum(content)
+        body = json.dumps(content, sort_keys=True, indent=1).encode() + b"\n"
         tmp, final = self.dir / (MANIFEST + ".tmp"), self.dir / MANIFEST
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
@@ -703,10 +718,40 @@ class SSDStore:
         return True, "O_DIRECT"
 
     def _load_manifest(self, path: Path | None = None) -> dict | None:
-        if path is None:
-            path = self.dir / MANIFEST
-            if not path.exists() and (self.dir / PREVIOUS).exists():
-                os.replace(self.dir / PREVIOUS, path)  # a crash inside a commit: the last commit stands
+        """The newest valid manifest: MANIFEST, else MANIFEST.prev (a crash inside a commit leaves
+        only it; a damaged or deleted MANIFEST leaves it as the last readable commit: `recovered`
+        says so); None for a directory without a store. One holding store files but no valid
+        manifest is refused: its committed state cannot be read."""
+        if path is not None:
+            return self._read_manifest(path)
+        main, prev = self.dir / MANIFEST, self.dir / PREVIOUS
+        why = f"{MANIFEST} is missing"
+        try:
+            d = self._read_manifest(main)
+            if d is not None:
+                return d
+        except TensorstowError as e:
+            why = str(e)
+        try:
+            d = self._read_manifest(prev)
+        except TensorstowError as e:
+            d, why = None, f"{why}; {e}"
+        if d is not None:
+            if main.exists():
+                os.replace(main, self.dir / (MANIFEST + ".damaged"))
+            os.replace(prev, main)
+            self.recovered = f"{why.rstrip('.')}: resumed from {PREVIOUS} (step {d['step']})"
+            return d
+        slots = sorted(p.name for p in self.dir.glob("*.slot[01]"))
+        if slots or main.exists():
+            raise TensorstowError(
+                f"SSD store {self.dir} holds {len(slots)} store files but no valid manifest ({why}): its committed "
+                f"state cannot be read; restore {MANIFEST} or {PREVIOUS} from a backup, or start over in it "
+                f"deliberately with `tensorstow execute ... --restart` (deletes the store)")
+        return None
+
+    def _read_manifest(self, path: Path) -> dict | None:
+        """The manifest at `path` (None where there is none); TensorstowError where it is invalid."""
         try:
             raw = path.read_bytes()
         except FileNotFoundError:
@@ -724,19 +769,20 @@ class SSDStore:
                 raise ValueError(f"crc_block {d.get('crc_block')!r}, expected {CRC_BLOCK}")
             if not isinstance(d.get("buffers"), dict):
                 raise ValueError("'buffers' is not an object")
+            if d["version"] >= 3 and d.get(SELF_CHECK) != _manifest_sum(d):
+                raise ValueError("it fails its own checksum (edited or torn)")
             for name, e in d["buffers"].items():
                 if not (isinstance(e, dict) and e.get("slot") in (0, 1) and isinstance(e.get("nbytes"), int)
                         and isinstance(e.get("files"), list) and len(e["files"]) == 2
                         and all(isinstance(f, str) and "/" not in f for f in e["files"])
                         and (e.get(key) is None or isinstance(e[key], list))):
                     raise ValueError(f"entry of buffer {name!r} is malformed")
-        except ValueError as e:
-            raise TensorstowError(f"SSD store: {path} is not a valid tensorstow SSD store manifest ({e}); "
-                                  "use a fresh directory") from None
+        except (ValueError, AttributeError, TypeError) as e:  # not JSON, not an object, a wrong type
+            raise TensorstowError(f"{path.name} is not a valid tensorstow SSD store manifest ({e})") from None
         return d
 
     def _create(self, sizes: dict[str, int]) -> None:
-        strangers = sorted(p.name for p in self.dir.iterdir() if not _OWN_FILE.fullmatch(p.name))
+        strangers = sorted(p.name for p in self.dir.iterdir() if not OWN_FILE.fullmatch(p.name))
         if strangers:
             raise TensorstowError(f"SSD store: {self.dir} has no {MANIFEST} but holds other files "
                                   f"({', '.join(strangers[:3])}); give the store an empty directory")
@@ -752,14 +798,16 @@ class SSDStore:
             raise TensorstowError(f"SSD store: {self.dir} needs {_fmt_bytes(need)} more for "
                                   f"{2 * len(self._bufs)} preallocated files but only {_fmt_bytes(free)} is "
                                   "free; free space or choose a larger disk")
-        for b in self._bufs.values():
-            for f in b.files:
-                self._preallocate(self.dir / f, aio.round_up(b.nbytes))
+        # the manifest first: a crash while preallocating leaves a store that never committed, which
+        # the next open creates again (a slot file without any manifest is refused: `_load_manifest`)
         entries = {b.name: {"nbytes": b.nbytes, "files": b.files, "slot": 0, self._key: None}
                    for b in self._bufs.values()}
         err = self._write_manifest(None, entries, what="create the store")
         if err is not None:
             raise TensorstowError(f"SSD store {self.dir}: syncing the directory failed: {_describe_os_error(err)}")
+        for b in self._bufs.values():
+            for f in b.files:
+                self._preallocate(self.dir / f, aio.round_up(b.nbytes))
 
     def _preallocate(self, path: Path, size: int) -> None:
         try:
@@ -799,9 +847,12 @@ class SSDStore:
         self._bufs = {}
         for name, e in manifest["buffers"].items():
             b = _Buffer(name, e["nbytes"], e["files"], e["slot"], e[self._key])
-            for f in b.files:
+            for k, f in enumerate(b.files):
                 p = self.dir / f
                 size = p.stat().st_size if p.exists() else None
+                if k != b.slot and (size is None or size < aio.round_up(b.nbytes)):  # the shadow holds nothing committed
+                    self._preallocate(p, aio.round_up(b.nbytes))
+                    continue
                 if size is None or size < aio.round_up(b.nbytes):
                     state = "is missing" if size is None else f"has {size} bytes, expected {aio.round_up(b.nbytes)}"
                     raise TensorstowError(f"SSD store {self.dir} is damaged: {p} (buffer '{name}') {state}; "

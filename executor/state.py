@@ -95,6 +95,21 @@ def _create_atomic(path: Path, text: str) -> None:
         os.unlink(tmp)
 
 
+def clear(state_dir) -> None:
+    """`execute --restart`: remove what tensorstow keeps in `state_dir` (the store's files, the plan
+    and the description; nothing else), so it starts over there."""
+    from tensorstow.executor.ssd import OWN_FILE
+    d = Path(state_dir)
+    if not d.is_dir():
+        return
+    for p in d.iterdir():
+        if p.is_file() and OWN_FILE.fullmatch(p.name) and p.name != "LOCK":
+            try:
+                p.unlink()
+            except OSError as e:
+                raise TensorstowError(f"--restart: cannot delete {p}: {e.strerror or e}") from None
+
+
 def claim(state_dir, plan: Plan) -> Path:
     """Make `state_dir` the home of `plan`'s training, or check that it already is."""
     d = Path(state_dir)
@@ -126,15 +141,20 @@ def write_description(d: Path, layouts: dict, names: dict[str, str], frozen: set
     config as a dict)."""
     if peft is not None and not (d / ADAPTER_CONFIG).exists():
         _write_atomic(d / ADAPTER_CONFIG, json.dumps(peft[1], indent=2, sort_keys=True, default=_jsonable) + "\n")
-    if not (d / LAYOUT).exists():
-        desc = {"name_prefix": prefix, "buffers": {}, **({"peft_adapter": peft[0]} if peft else {})}
-        for buf, layout in sorted(layouts.items()):
-            desc["buffers"][buf] = [
-                {"key": s.key, "name": names.get(s.key, s.key), "dtype": str(s.dtype).replace("torch.", ""),
-                 "shape": list(s.shape), "offset": s.offset, "nbytes": s.nbytes,
-                 "frozen": names.get(s.key, s.key) in frozen}
-                for s in layout.slots.values()]
-        _write_atomic(d / LAYOUT, json.dumps(desc, indent=1, sort_keys=True) + "\n")
+    desc = {"name_prefix": prefix, "buffers": {}, **({"peft_adapter": peft[0]} if peft else {})}
+    for buf, layout in sorted(layouts.items()):
+        desc["buffers"][buf] = [
+            {"key": s.key, "name": names.get(s.key, s.key), "dtype": str(s.dtype).replace("torch.", ""),
+             "shape": list(s.shape), "offset": s.offset, "nbytes": s.nbytes,
+             "frozen": names.get(s.key, s.key) in frozen}
+            for s in layout.slots.values()]
+    text = json.dumps(desc, indent=1, sort_keys=True) + "\n"
+    try:
+        held = (d / LAYOUT).read_text()
+    except (OSError, UnicodeDecodeError):
+        held = None
+    if held != text:  # missing, damaged or edited: it is derived from the plan, so written again
+        _write_atomic(d / LAYOUT, text)
     if hf_config is not None and not (d / CONFIG).exists():
         _write_atomic(d / CONFIG, hf_config.to_json_string())
 

@@ -45,6 +45,10 @@ class Run:
     plan that homes state on the SSD needs one)."""
     checkpoint_every: int = 1
     """Commit a full checkpoint to the state dir every N steps, and after the last."""
+    restart: bool = False
+    """Start over in the state dir: delete the training state and description tensorstow keeps
+    there (never other files), then train from step 0. Without it a state dir is resumed, and one
+    whose state cannot be read is refused."""
     log_json: str | None = None
     """Append one JSON object per step to this file (default: not written)."""
     trace: str | None = None

@@ -264,7 +264,7 @@ def test_manifest_checksums_are_xxh3_and_stores_of_version_1_resume_with_crc32(t
         store.write("w", data)
         store.commit(1)
     m = json.loads((tmp_path / "new" / "MANIFEST").read_text())
-    assert (m["version"], m["checksum"]) == (2, "xxh3_64")
+    assert (m["version"], m["checksum"]) == (3, "xxh3_64") and m["manifest_xxh3"]
     assert m["buffers"]["w"]["checksums"] == [xxhash.xxh3_64_intdigest(b) for b in blocks]
 
     with monkeypatch.context() as old:  # a version-1 store, as earlier tensorstow releases wrote it

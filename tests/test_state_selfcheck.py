@@ -1,0 +1,87 @@
+"""A state dir that checks itself: the manifest carries its own checksum, the newest valid manifest
+wins (and the resume says which), a dir whose committed state cannot be read is refused in one line
+until `--restart` starts over deliberately, a missing shadow slot or a damaged layout.json is made
+again. Each case trains on and exports the weights eager training gives."""
+import json
+
+import pytest
+import torch
+
+from tensorstow.cli import main
+from tests.test_state_dir import COMMON, MODEL, eager_params, execute, exported
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory):
+    """zero-infinity with its state on SSD."""
+    path = tmp_path_factory.mktemp("plan") / "p.json"
+    assert main(["plan", MODEL, *COMMON, "--policy", "zero-infinity", "--gpu-mem", "400KB", "-o", str(path)]) == 0
+    assert "ssd" in {b["home"] for b in json.loads(path.read_text())["buffers"].values()}
+    return path
+
+
+def assert_eager(state, tmp_path, steps):
+    got, want = exported(state, tmp_path / "e"), eager_params(steps)
+    assert got.keys() == want.keys() - {"lm_head.weight"}
+    assert all(torch.equal(got[n], want[n]) for n in got)
+
+
+def test_deleted_manifests_are_refused_until_restart(plan, tmp_path, capsys):
+    """MANIFEST and MANIFEST.prev deleted: the slot files hold state nothing can read, so execute
+    refuses in one line naming --restart (it used to start over and overwrite 3 committed steps
+    without a word); `--restart` starts over from step 0 and trains as eager does."""
+    s = tmp_path / "s"
+    assert execute(plan, s, 3) == 0
+    (s / "MANIFEST").unlink()
+    (s / "MANIFEST.prev").unlink()
+    capsys.readouterr()
+    assert execute(plan, s, 4) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tensorstow: error: ") and err.count("\n") == 1
+    assert "no valid manifest" in err and "--restart" in err
+    assert len(list(s.glob("*.slot[01]"))) > 0  # nothing was deleted
+    assert execute(plan, s, 2, "--restart") == 0
+    out = capsys.readouterr().out
+    assert "resuming" not in out and "step 1/2" in out
+    assert_eager(s, tmp_path, 2)
+
+
+@pytest.mark.parametrize("damage", ["edited-step", "empty", "deleted"])
+def test_a_damaged_manifest_resumes_from_the_newest_valid_one_and_says_so(damage, plan, tmp_path, capsys):
+    """MANIFEST edited ("step": 3 -> 1, which its own checksum catches; it used to be trusted),
+    emptied, or deleted: the resume takes MANIFEST.prev, the commit before, says so, and training
+    on from there gives eager's weights."""
+    s = tmp_path / "s"
+    assert execute(plan, s, 3) == 0
+    m = s / "MANIFEST"
+    if damage == "edited-step":
+        d = json.loads(m.read_text())
+        assert d["step"] == 3
+        m.write_text(json.dumps({**d, "step": 1}, sort_keys=True, indent=1))
+    elif damage == "empty":
+        m.write_text("")
+    else:
+        m.unlink()
+    capsys.readouterr()
+    assert execute(plan, s, 5) == 0
+    out = capsys.readouterr().out
+    assert "resuming from step 2 committed in" in out and "resumed from MANIFEST.prev (step 2)" in out
+    if damage == "edited-step":
+        assert "fails its own checksum" in out
+    assert_eager(s, tmp_path, 5)
+
+
+def test_a_missing_shadow_slot_and_a_garbage_layout_are_made_again(plan, tmp_path):
+    """A shadow slot file (the one the last commit does not name) deleted, and layout.json
+    overwritten with garbage: the resume preallocates the slot again (it used to refuse the dir as
+    damaged) and writes the description again from the plan; export reads it."""
+    s = tmp_path / "s"
+    assert execute(plan, s, 2) == 0
+    manifest = json.loads((s / "MANIFEST").read_text())
+    name, e = sorted(manifest["buffers"].items())[0]
+    shadow = s / e["files"][1 - e["slot"]]
+    shadow.unlink()
+    (s / "layout.json").write_text("garbage")
+    assert execute(plan, s, 4) == 0
+    assert shadow.exists() and json.loads((s / "layout.json").read_text())["buffers"]
+    assert_eager(s, tmp_path, 4)
