@@ -206,6 +206,8 @@ def cmd_plan(args) -> int:
     from tensorstow.planner.plan import make_plan
     from tensorstow.planner.simulate import perfetto_trace, write_trace
     o = _options(args)
+    if args.clip_rate_from:
+        o = dataclasses.replace(o, clip_rate=clip_rate_of(args.clip_rate_from, o))
     if args.sweep:
         return _sweep(args, o)
     plan = make_plan(o, hardware_for(o))
@@ -220,6 +222,32 @@ def cmd_plan(args) -> int:
     if args.output:
         print(f"wrote {args.output}")
     return 0
+
+
+def clip_rate_of(log: str, o) -> float:
+    """`plan --clip-rate-from LOG`: the fraction of the steps an `execute --log-json` file logged
+    whose clip fired (a speculating run's `speculation: redone`, else `grad_norm` above the plan's
+    `--max-grad-norm`) or whose fp16 update was skipped; each step counted once (its last line)."""
+    try:
+        lines = Path(log).read_text().splitlines()
+    except OSError as e:
+        raise TensorstowError(f"--clip-rate-from {log}: cannot read it ({e.strerror or e})") from None
+    steps = {}
+    for k, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise TensorstowError(f"--clip-rate-from {log}:{k}: not a JSON line of `execute --log-json`") from None
+        if isinstance(row, dict) and "loss" in row and "step" in row:
+            steps[row["step"]] = row
+    if not steps:
+        raise TensorstowError(f"--clip-rate-from {log}: no training steps logged (a file `execute --log-json` wrote)")
+
+    def fired(r):
+        if "speculation" in r:
+            return r["speculation"] == "redone"
+        return bool(r.get("skipped")) or (o.max_grad_norm > 0 and r.get("grad_norm", 0) > o.max_grad_norm)
+    return sum(map(fired, steps.values())) / len(steps)
 
 
 def _sweep(args, o) -> int:
@@ -564,6 +592,9 @@ def parser() -> argparse.ArgumentParser:
     _arg(p, "--sweep", help="KEY=A..B or KEY=a,b,c over ssd_count, dram (GB) or batch: print predicted "
                             "throughput per value and plot it (default: plan once).")
     _arg(p, "--plot", help="SVG file for --sweep (default: sweep-KEY.svg).")
+    _arg(p, "--clip-rate-from", help="Set --clip-rate to the fraction of steps whose clip fired (or fp16 "
+                                     "update was skipped) in this `execute --log-json` file of an earlier run "
+                                     "(default: --clip-rate as given).")
     p.set_defaults(fn=cmd_plan)
 
     f = sub.add_parser("fit", help="largest preset each policy can train on a machine, and its best batch")

@@ -152,6 +152,17 @@ def test_the_planner_weighs_speculation_by_the_clip_rate(tmp_path, capsys):
     assert "commits every step" in capsys.readouterr().err
     assert "speculated" not in plan(tmp_path, "lohan", 1.0, "--clip-rate", "1")["decisions"]
     assert plan(tmp_path, "lohan", 1.0, "--precision", "fp16-mixed")["decisions"]["speculated"]
+    # the rate measured by an earlier run: every step redone, so re-planning from its log waits
+    plan(tmp_path, "lohan", 1.0)
+    assert execute(tmp_path / "p.json", tmp_path / "s2", 2, "--log-json", str(tmp_path / "log.jsonl")) == 0
+    again = plan(tmp_path, "lohan", 1.0, "--clip-rate-from", str(tmp_path / "log.jsonl"))
+    assert again["options"]["clip_rate"] == 1.0 and "speculated" not in again["decisions"]
+    (tmp_path / "bad.jsonl").write_text("{not json\n")
+    capsys.readouterr()
+    assert main(["plan", MODEL, *COMMON, "--policy", "lohan", "--max-grad-norm", "1", "--clip-rate-from",
+                 str(tmp_path / "bad.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tensorstow: error: --clip-rate-from") and "bad.jsonl:1" in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("max_norm", [0.0, 0.5], ids=["loss-scaling-alone", "with-clipping"])
