@@ -23,6 +23,22 @@ def plan(tmp_path, policy: str, max_norm: float, *extra: str, model: str = MODEL
     return json.loads((tmp_path / "p.json").read_text())
 
 
+def run_api(plan: dict, build, data, state) -> tuple[list, list, list, dict]:
+    """The plan through the Python API from `build()`'s weights (seed 0): each step's loss, norm and
+    speculation, and the trained parameters."""
+    from tensorstow.executor.runtime import Executor
+    torch.manual_seed(0)
+    ex = Executor(plan, build(), state_dir=state)
+    losses, norms, held = [], [], []
+    for x, y in data:
+        losses.append(ex.step(x, y))
+        norms.append(ex.grad_norm)
+        held.append(ex.speculation)
+    params = ex.parameters()
+    ex.close()
+    return losses, norms, held, params
+
+
 def assert_trains_like_eager(tmp_path, steps: int, max_norm: float) -> list[dict]:
     """The JSON log's losses and norms and the exported weights equal eager's; returns the log."""
     rows = {}
@@ -84,7 +100,6 @@ def test_speculation_with_accumulation(tmp_path):
     """`--grad-accum 2`: the speculated updates run in the last microbatch's backward, the norm is
     the summed gradients', the redo clips the sums; equal to eager accumulation + clip_grad_norm_."""
     from tensorstow.executor.data import batches
-    from tensorstow.executor.runtime import Executor
     from tests.fixtures import real_models
     from tests.oracle import train_eager
     p = plan(tmp_path, "lohan", 7.9, "--grad-accum", "2", model="tests.fixtures.real_models:nano_gpt")
@@ -94,15 +109,7 @@ def test_speculation_with_accumulation(tmp_path):
     want_norms = []
     want = train_eager(real_models.nano_gpt(), data, lr=1e-3, microbatches=2, max_grad_norm=7.9, norms=want_norms,
                        loss=lambda m, x, y: m(x, y)[1])
-    torch.manual_seed(0)
-    ex = Executor(p, real_models.nano_gpt(), state_dir=tmp_path / "s")
-    losses, norms, held = [], [], []
-    for x, y in data:
-        losses.append(ex.step(x, y))
-        norms.append(ex.grad_norm)
-        held.append(ex.speculation)
-    params = ex.parameters()
-    ex.close()
+    losses, norms, held, params = run_api(p, real_models.nano_gpt, data, tmp_path / "s")
     assert losses == want[0] and norms == want_norms and set(held) == {"held", "redone"}
     assert all(torch.equal(params[n], want[1][n]) for n in want[1])
 
@@ -172,7 +179,6 @@ def test_fp16_overflow_steps_restore_the_speculated_updates(max_norm, tmp_path):
     the later ones clipped or held: losses, norms and weights equal eager GradScaler (+
     clip_grad_norm_) bit for bit, through a lohan plan with SSD state."""
     from tensorstow.executor.data import batches
-    from tensorstow.executor.runtime import Executor
     from tensorstow.ir.models import GPT, PRESETS
     from tensorstow.planner.plan import make_plan
     from tensorstow.planner.presets import load_hardware
@@ -188,15 +194,7 @@ def test_fp16_overflow_steps_restore_the_speculated_updates(max_norm, tmp_path):
     want_norms = []
     want = train_eager(GPT(PRESETS["gpt-tiny"]), data, lr=1e-3, precision="fp16-mixed",
                        scaler={"init_scale": 2.0 ** 20}, max_grad_norm=max_norm or None, norms=want_norms)
-    torch.manual_seed(0)
-    ex = Executor(p, GPT(PRESETS["gpt-tiny"]), state_dir=tmp_path / "s")
-    losses, norms, held = [], [], []
-    for x, y in data:
-        losses.append(ex.step(x, y))
-        norms.append(ex.grad_norm)
-        held.append(ex.speculation)
-    params = ex.parameters()
-    ex.close()
+    losses, norms, held, params = run_api(p, lambda: GPT(PRESETS["gpt-tiny"]), data, tmp_path / "s")
     assert losses == want[0] and all(torch.equal(params[n], want[1][n]) for n in want[1])
     if max_norm:
         assert norms == want_norms and held == ["redone" if n > max_norm else "held" for n in norms]
