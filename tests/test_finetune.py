@@ -274,6 +274,63 @@ def test_the_python_api_is_the_same_fine_tune(precision, tmp_path):
         assert losses == pytest.approx(want_losses, rel=0.01) and got_evals == pytest.approx(want_evals, rel=0.01)
 
 
+API_RUN = """
+import os, signal, sys
+import torch
+import tensorstow
+from tensorstow.executor.examples import Examples
+from tensorstow.executor.lr import LRSchedule
+from transformers import AutoTokenizer
+plan, ckpt, train, state, seq, lr, warmup, rows, total, kill_after = sys.argv[1:]
+tok = AutoTokenizer.from_pretrained(ckpt)
+data = Examples.load(train, int(seq), len(tok), tokenizer=tok)
+torch.manual_seed(0)
+ex = tensorstow.Executor(tensorstow.Plan.load(plan), "hf:" + ckpt, state_dir=state,
+                         lr_schedule=LRSchedule("cosine", float(lr), int(warmup), int(total)))
+for k, (_, _, x, y) in enumerate(data.batches(int(rows), int(total), seed=0), 1):
+    ex.step(x, y)
+    if k == int(kill_after):
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_an_api_run_killed_mid_epoch_resumes_the_same_fine_tune(tmp_path):
+    """The recipe's API loop in a process SIGKILL-ed after step 7 (epoch 1 under way); the same
+    loop with `resume=True` continues from the committed step, its data from that very example:
+    the remaining losses, the evaluation after step 9 and the final weights equal the eager loop's
+    bit for bit (fp32). Through the same plan as the CLI test: state on SSD, accumulation, clipping."""
+    import tensorstow
+    from tensorstow.executor.lr import LRSchedule
+    ckpt, tok, rows, held_out, train, evals = recipe(tmp_path)
+    per, step_rows = len(rows) // (BATCH * ACCUM), BATCH * ACCUM
+    plan = tmp_path / "plan.json"
+    plan.write_text(tensorstow.plan(f"hf:{ckpt}", hw="lohan-rtx4090", policy="zero-infinity", precision="fp32",
+                                    batch=BATCH, seq=SEQ, gpu_mem="1MB", lr=LR, weight_decay=WD, exact_optimizer=True,
+                                    grad_accum=ACCUM, max_grad_norm=CLIP).dumps())
+    state = tmp_path / "s"
+    r = subprocess.run([sys.executable, "-c", API_RUN, str(plan), str(ckpt), str(train), str(state), str(SEQ), str(LR),
+                        str(WARMUP), str(step_rows), str(EPOCHS * per), "7"], capture_output=True, text=True,
+                       timeout=600, cwd=ROOT)
+    assert r.returncode == -9, r.stderr
+    data = Examples.load(str(train), SEQ, len(tok), tokenizer=tok)
+    ev = [(x, y) for _, _, x, y in Examples.load(str(evals), SEQ, len(tok), tokenizer=tok).batches(
+        step_rows, 1, seed=0, shuffle=False)]
+    ex = tensorstow.Executor(tensorstow.Plan.load(plan), f"hf:{ckpt}", state_dir=state, resume=True,
+                             lr_schedule=LRSchedule("cosine", LR, WARMUP, EPOCHS * per))
+    start = ex.steps_done
+    assert start in (6, 7)  # step 7's commit completes in the background, the kill may come first
+    losses, got_evals = [], []
+    for k, (_, _, x, y) in enumerate(data.batches(step_rows, EPOCHS * per, seed=0, start=start), start + 1):
+        losses.append(ex.step(x, y))
+        if k % EVAL_EVERY == 0:
+            got_evals.append(ex.evaluate(ev))
+    got = ex.parameters()
+    ex.close()
+    want_losses, want_evals, model = eager_finetune(ckpt, tok, rows, per, "fp32", ACCUM, CLIP, held_out, (9,))
+    assert losses == want_losses[start:] and got_evals == want_evals
+    assert all(torch.equal(got["model." + n], p) for n, p in weights(model).items())
+
+
 def test_pretrained_llama_finetunes_from_prompt_completion_like_eager(tmp_path):
     """The issue's recipe by the command line. A LLaMA checkpoint (safetensors) and its tokenizer in
     one directory, prompt/completion JSONL: planned with its state on SSD, `--grad-accum 4`,
