@@ -289,6 +289,9 @@ def cmd_fit(args) -> int:
 def cmd_show(args) -> int:
     from tensorstow.planner.simulate import perfetto_trace, simulate_plan, write_trace
     plan = load_plan(args.plan)
+    if not plan.options.model.startswith("<"):  # a model execute can build (an API plan's is the caller's)
+        from tensorstow.ir.models import resolve_model
+        resolve_model(plan.options.model, plan.options.lora)
     sim = simulate_plan(plan)  # once: the summary, the replay line and the trace read it
     print(summary(plan, sim))
     print(replay_line(plan, sim))

@@ -178,6 +178,11 @@ class Plan:
             for name in (ins.tensor, ins.workspace, *ins.allocs):
                 if name and name not in self.buffers:
                     raise TensorstowError(f"{at} uses buffer '{name}', which the plan does not declare")
+        room = sum(self.predicted.capacity_bytes.values())
+        for name, b in self.buffers.items():
+            if not 0 <= b.bytes <= room:
+                raise TensorstowError(f"{where}: buffer {name} has {b.bytes} bytes, outside 0..{room} (the "
+                                      f"hardware's capacity, every tier together); re-plan it")
         names = {b.name for b in self.model.blocks}
         for b in self.model.blocks:
             if b.profile not in self.model.profiles:
@@ -217,6 +222,9 @@ class Plan:
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise TensorstowError(f"plan file {path} is not valid JSON ({e}); re-create it with "
                                   f"`tensorstow plan`") from None
+        except RecursionError:
+            raise TensorstowError(f"plan file {path} nests its JSON deeper than Python reads; it is not a "
+                                  f"tensorstow plan (re-create it with `tensorstow plan`)") from None
         if not isinstance(d, dict):
             raise TensorstowError(f"plan file {path}: expected a JSON object at the top level")
         missing = [f.name for f in dataclasses.fields(Plan) if f.name not in d and f.default is dataclasses.MISSING]

@@ -294,3 +294,26 @@ def test_the_demo_plans_in_fp32_where_16_bit_matmuls_are_slower_than_fp32(monkey
         spec = dataclasses.replace(hw, gpus=(dataclasses.replace(g, flops=flops),))
         monkeypatch.setattr(probe_mod, "probe", lambda spec=spec: spec)
         assert cli._demo_precision() == want
+
+
+@pytest.mark.parametrize("damage", ["negative-buffer", "huge-buffer", "unknown-model", "deep-json"])
+def test_show_refuses_a_plan_execute_could_not_run_in_one_line(damage, tmp_path, capsys):
+    """`show` validates a plan file as `execute` does before it replays it: a buffer of negative or
+    impossible size, a model nothing can build, JSON nested past Python's recursion limit: one
+    line, exit 2 (it used to print a summary and exit 0, or a RecursionError traceback)."""
+    path = tmp_path / "p.json"
+    if damage == "deep-json":
+        path.write_text("[" * 100_000 + "]" * 100_000)
+    else:
+        d = json.loads((ROOT / "plans" / "gpt-tiny__lohan-rtx4090__lohan.json").read_text())
+        if damage == "unknown-model":
+            d["options"]["model"] = "no-such-model"
+        else:
+            name = sorted(d["buffers"])[0]
+            d["buffers"][name]["bytes"] = -4096 if damage == "negative-buffer" else 10 ** 18
+        path.write_text(json.dumps(d))
+    assert main(["show", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tensorstow: error: ") and err.count("\n") == 1, err
+    assert {"negative-buffer": "bytes, outside", "huge-buffer": "bytes, outside", "unknown-model": "unknown model",
+            "deep-json": "nests its JSON"}[damage] in err
