@@ -40,7 +40,7 @@ import time
 import torch
 
 from tensorstow.errors import TensorstowError
-from tensorstow.schema.hardware import CUDA_WORKSPACE_BYTES
+from tensorstow.schema.hardware import CPU_GPU_NAME, CUDA_WORKSPACE_BYTES
 
 
 def on_host(ins) -> bool:
@@ -245,6 +245,24 @@ def out_of_memory(limit: int, device: torch.device) -> str:
             f"reserved, {torch.cuda.memory_allocated(device) / 1e6:.1f} MB allocated; re-plan with a smaller "
             f"--gpu-mem to leave headroom, or set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to cut "
             f"fragmentation")
+
+
+def hardware_differences(plan, device: torch.device, rank: int = 0) -> list[str]:
+    """How the device this process would run `plan` on differs from the hardware the plan was made
+    for (`Plan.hardware`): on CUDA, GPU `rank`'s model and memory; without CUDA, a plan for a real
+    GPU (the device tier is then budgeted CPU memory: `tensorstow probe` here names it
+    `CPU_GPU_NAME`). Empty where they agree."""
+    g = plan.hardware.spec.gpus[rank]
+    if device.type != "cuda":
+        return [] if g.name == CPU_GPU_NAME else [f"GPU {g.name!r} vs this machine's CPU device tier"]
+    index = 0 if device.index is None else device.index
+    here, total = torch.cuda.get_device_name(index), torch.cuda.get_device_properties(index).total_memory
+    out = []
+    if g.name != here:
+        out.append(f"GPU {g.name!r} vs {here!r}")
+    if abs(g.memory_bytes - total) > 0.02 * total:
+        out.append(f"GPU memory {g.memory_bytes / 1e9:.1f} GB vs {total / 1e9:.1f} GB")
+    return out
 
 
 def check_device(plan, device: torch.device | None = None, rank: int = 0) -> None:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from tensorstow.errors import TensorstowError
 from tensorstow.executor import state
-from tensorstow.executor.cuda import resolve_device
+from tensorstow.executor.cuda import hardware_differences, resolve_device
 from tensorstow.executor.data import batches
 from tensorstow.executor.distributed import (LOST, TIMEOUT_S, Comm, agree_on_step, launch, peer_lost, rank_cores,
                                              rank_dir)
@@ -51,6 +51,11 @@ def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, 
         raise TensorstowError("give --steps, or --epochs with --data examples (JSONL or a datasets directory)")
     if run.epochs is not None and run.epochs < 1:
         raise TensorstowError(f"--epochs must be >= 1, got {run.epochs}")
+    differ = hardware_differences(plan, resolve_device(None, rank or 0), rank or 0)
+    if differ and run.hw_mismatch != "ok":
+        raise TensorstowError(f"the plan was made for {plan.hardware.name}, not this machine ({'; '.join(differ)}): "
+                              f"re-plan it for here (--hw local, or a spec from `tensorstow probe`), or pass "
+                              f"--hw-mismatch ok to run it anyway (its predictions do not hold here)")
     spec = resolve_model(plan.options.model, plan.options.lora)
     model, init = build_for_execution(spec, run.seed)
     store, start, resume = None, 0, False

@@ -45,6 +45,10 @@ class Run:
     plan that homes state on the SSD needs one)."""
     checkpoint_every: int = 1
     """Commit a full checkpoint to the state dir every N steps, and after the last."""
+    hw_mismatch: str = "refuse"
+    """A plan made for other hardware than the device it would run on here (a GPU's model or
+    memory, or a GPU plan on a machine without CUDA): refuse (say which fields differ), or ok (run
+    it anyway: its predictions do not hold here)."""
     restart: bool = False
     """Start over in the state dir: delete the training state and description tensorstow keeps
     there (never other files), then train from step 0. Without it a state dir is resumed, and one
@@ -83,5 +87,5 @@ class Run:
         return decode(Run, d, where)
 
 
-CHOICES = {"mode": MODES, "lr_scheduler": LR_SCHEDULERS}
+CHOICES = {"mode": MODES, "lr_scheduler": LR_SCHEDULERS, "hw_mismatch": ("refuse", "ok")}
 """The fields that take one of a few names."""

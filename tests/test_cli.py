@@ -258,7 +258,7 @@ def test_a_plan_with_an_instruction_dropped_is_one_line_for_show_and_execute(tmp
     assert main(["show", str(bad)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("tensorstow: error: the plan's instructions are inconsistent") and err.count("\n") == 1, err
-    assert main(["execute", str(bad), "--steps", "1", "--state-dir", str(tmp_path / "s")]) == 2
+    assert main(["execute", str(bad), "--hw-mismatch", "ok", "--steps", "1", "--state-dir", str(tmp_path / "s")]) == 2
     err = capsys.readouterr().err  # the executor stops at the instruction that finds nothing to move
     assert err.startswith("tensorstow: error: instruction ") and "P:b1" in err and err.count("\n") == 1, err
 
@@ -317,3 +317,17 @@ def test_show_refuses_a_plan_execute_could_not_run_in_one_line(damage, tmp_path,
     assert err.startswith("tensorstow: error: ") and err.count("\n") == 1, err
     assert {"negative-buffer": "bytes, outside", "huge-buffer": "bytes, outside", "unknown-model": "unknown model",
             "deep-json": "nests its JSON"}[damage] in err
+
+
+def test_a_plan_for_other_hardware_is_refused_unless_asked(tmp_path, capsys):
+    """A plan made for an RTX 4090 preset, executed here (a CPU device tier, or another GPU): one
+    line naming what differs and the way out (it used to train without a word and print a
+    prediction off by 6e4x); with `--hw-mismatch ok` it runs."""
+    plan = tmp_path / "p.json"
+    assert main(["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--precision", "fp32", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["execute", str(plan), "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tensorstow: error: the plan was made for lohan-rtx4090, not this machine (GPU ")
+    assert "--hw-mismatch ok" in err and err.count("\n") == 1
+    assert main(["execute", str(plan), "--steps", "1", "--hw-mismatch", "ok"]) == 0

@@ -27,7 +27,7 @@ def ssd_plan(tmp_path_factory):
 
 
 def execute(plan, state, *extra, wait=True):
-    cmd = [sys.executable, "-m", "tensorstow.cli", "execute", str(plan), "--steps", str(STEPS),
+    cmd = [sys.executable, "-m", "tensorstow.cli", "execute", str(plan), "--hw-mismatch", "ok", "--steps", str(STEPS),
            "--state-dir", str(state), *extra]
     if wait:
         return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -120,9 +120,9 @@ def test_sigkill_then_resume_equals_uninterrupted(ssd_plan, tmp_path):
 
 
 def test_execute_errors(ssd_plan, tmp_path, capsys):
-    assert main(["execute", str(ssd_plan), "--steps", "2"]) == 2
+    assert main(["execute", str(ssd_plan), "--hw-mismatch", "ok", "--steps", "2"]) == 2
     assert "--state-dir" in capsys.readouterr().err
-    assert main(["execute", str(ssd_plan), "--steps", "2", "--state-dir", str(tmp_path / "s"),
+    assert main(["execute", str(ssd_plan), "--hw-mismatch", "ok", "--steps", "2", "--state-dir", str(tmp_path / "s"),
                  "--data", str(tmp_path / "nope.bin")]) == 2
     assert "does not exist" in capsys.readouterr().err
 
@@ -133,7 +133,7 @@ def test_fp16_execute_logs_the_loss_scale_and_skipped_updates(tmp_path, capsys):
     assert main(["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--policy", "lohan", "--precision", "fp16-mixed",
                  "--init-scale", str(2 ** 20), "--growth-interval", "2", "--batch", "2", "--seq", "32",
                  "-o", str(plan)]) == 0
-    assert main(["execute", str(plan), "--steps", "4", "--state-dir", str(tmp_path / "st"),
+    assert main(["execute", str(plan), "--hw-mismatch", "ok", "--steps", "4", "--state-dir", str(tmp_path / "st"),
                  "--log-json", str(tmp_path / "log.jsonl")]) == 0
     lines = [l for l in capsys.readouterr().out.splitlines() if l.startswith("step ")]
     records = [json.loads(l) for l in (tmp_path / "log.jsonl").read_text().splitlines()]

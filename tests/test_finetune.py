@@ -346,7 +346,7 @@ def test_pretrained_llama_finetunes_from_prompt_completion_like_eager(tmp_path):
                  "--grad-accum", str(ACCUM), "--max-grad-norm", str(CLIP), "-o", str(plan)]) == 0
     assert any(b["home"] == "ssd" for b in json.loads(plan.read_text())["buffers"].values())
     log, state = tmp_path / "log.jsonl", tmp_path / "state"
-    cmd = [sys.executable, "-m", "tensorstow.cli", "execute", str(plan), "--data", str(data), "--epochs", str(EPOCHS),
+    cmd = [sys.executable, "-m", "tensorstow.cli", "execute", str(plan), "--hw-mismatch", "ok", "--data", str(data), "--epochs", str(EPOCHS),
            "--eval-data", str(evals), "--eval-every", str(EVAL_EVERY), "--state-dir", str(state), "--log-json", str(log)]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     for line in p.stdout:
@@ -392,7 +392,7 @@ def test_lora_from_the_command_line_exports_an_adapter_and_merged_weights(tmp_pa
                  "--grad-accum", str(ACCUM), "--max-grad-norm", str(CLIP),
                  "--lora", "r=4,alpha=8,targets=q_proj,v_proj", "-o", str(plan)]) == 0
     state, log = tmp_path / "state", tmp_path / "log.jsonl"
-    assert main(["execute", str(plan), "--data", str(data), "--epochs", str(EPOCHS), "--state-dir", str(state),
+    assert main(["execute", str(plan), "--hw-mismatch", "ok", "--data", str(data), "--epochs", str(EPOCHS), "--state-dir", str(state),
                  "--log-json", str(log)]) == 0
     assert main(["export", str(state), "-o", str(tmp_path / "adapter")]) == 0
     assert main(["export", str(state), "--merge", "-o", str(tmp_path / "merged")]) == 0

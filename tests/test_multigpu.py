@@ -90,7 +90,7 @@ def test_pipelines_on_n_processes_train_bit_identically_to_eager(gpus, policy, t
     assert any(i.kind == "send" for i in plan.instructions)
     path = tmp_path / "plan.json"
     path.write_text(plan.dumps())
-    rc, out, err = finish(cli("execute", path, "--nproc", gpus, "--steps", 3, "--state-dir", tmp_path / "state",
+    rc, out, err = finish(cli("execute", path, "--hw-mismatch", "ok", "--nproc", gpus, "--steps", 3, "--state-dir", tmp_path / "state",
                               "--log-json", tmp_path / "log.jsonl"))
     assert rc == 0, err
     assert len((tmp_path / "log.jsonl").read_text().splitlines()) == 3  # one log: rank 0's
@@ -105,7 +105,7 @@ def test_a_rank_killed_mid_step_stops_every_rank_and_the_committed_step_resumes(
     plan = mobius_plan(2)
     path = tmp_path / "plan.json"
     path.write_text(plan.dumps())
-    args = ("execute", path, "--nproc", 2, "--steps", 5, "--state-dir", tmp_path / "state")
+    args = ("execute", path, "--hw-mismatch", "ok", "--nproc", 2, "--steps", 5, "--state-dir", tmp_path / "state")
     p = cli(*args)
     for line in p.stdout:
         if line.startswith("step 2/5"):
@@ -198,7 +198,7 @@ def test_torchrun_with_the_wrong_number_of_processes_is_one_line(tmp_path):
     path = tmp_path / "plan.json"
     path.write_text(plan.dumps())
     env = {**os.environ, "PYTHONPATH": str(ROOT), "RANK": "0", "WORLD_SIZE": "3"}
-    p = subprocess.run([sys.executable, "-m", "tensorstow.cli", "execute", str(path), "--steps", "1"], env=env,
+    p = subprocess.run([sys.executable, "-m", "tensorstow.cli", "execute", str(path), "--hw-mismatch", "ok", "--hw-mismatch", "ok", "--steps", "1"], env=env,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode != 0 and "runs on 2 GPU(s)" in p.stderr and "3 processes were started" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1
@@ -231,7 +231,7 @@ def test_a_multi_gpu_plan_needs_one_process_per_gpu(tmp_path):
         Executor(plan, GPT(PRESETS[MODEL]))
     path = tmp_path / "plan.json"
     path.write_text(plan.dumps())
-    rc, _, err = finish(cli("execute", path, "--nproc", 3, "--steps", 1))
+    rc, _, err = finish(cli("execute", path, "--hw-mismatch", "ok", "--nproc", 3, "--steps", 1))
     assert rc != 0 and "--nproc 2, one process per GPU" in err and "Traceback" not in err
 
 
@@ -250,7 +250,7 @@ def test_torchrun_launches_the_same_ranks(tmp_path):
     # TMPDIR: torchrun's rendezvous leaves a torchelastic_* folder behind; keep it in tmp_path
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
     torchrun = Path(sys.executable).with_name("torchrun")
-    p = subprocess.Popen([str(torchrun), "--nproc-per-node", "2", "-m", "tensorstow.cli", "execute", str(path),
+    p = subprocess.Popen([str(torchrun), "--nproc-per-node", "2", "-m", "tensorstow.cli", "execute", str(path), "--hw-mismatch", "ok",
                           "--steps", "2", "--state-dir", str(tmp_path / "state")], env=env, text=True,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     rc, out, err = finish(p)
@@ -270,7 +270,7 @@ def test_a_tied_model_on_two_processes_trains_bit_identically_to_eager(tmp_path)
     assert len(set(pl.gpus)) == 2 and any(i.kind == "send" for i in plan.instructions)
     path = tmp_path / "plan.json"
     path.write_text(plan.dumps())
-    rc, _, err = finish(cli("execute", path, "--nproc", 2, "--steps", 3, "--state-dir", tmp_path / "state"))
+    rc, _, err = finish(cli("execute", path, "--hw-mismatch", "ok", "--nproc", 2, "--steps", 3, "--state-dir", tmp_path / "state"))
     assert rc == 0, err
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -296,7 +296,7 @@ def test_dropout_across_ranks_draws_each_ranks_own_masks_and_resumes_exactly(tmp
     runs = {}
     for name, stops in (("whole", (3,)), ("resumed", (1, 3))):
         for steps in stops:
-            rc, out, err = finish(cli("execute", path, "--nproc", 2, "--steps", steps, "--state-dir", tmp_path / name))
+            rc, out, err = finish(cli("execute", path, "--hw-mismatch", "ok", "--nproc", 2, "--steps", steps, "--state-dir", tmp_path / name))
             assert rc == 0, err
         runs[name] = exported(tmp_path / name, tmp_path / f"x{name}")
     assert_bit_identical(runs["resumed"], runs["whole"])

@@ -385,7 +385,8 @@ def test_lora_exports_as_a_peft_adapter_and_merged(tmp_path):
     ref = "tests.fixtures.real_models:lora_llama"
     pj = offloaded_plans(ref, policies=("zero-infinity",))["zero-infinity"]
     (tmp_path / "plan.json").write_text(json.dumps(pj))
-    assert main(["execute", str(tmp_path / "plan.json"), "--steps", str(STEPS), "--state-dir", str(tmp_path / "s")]) == 0
+    assert main(["execute", str(tmp_path / "plan.json"), "--hw-mismatch", "ok", "--steps", str(STEPS), "--state-dir",
+                 str(tmp_path / "s")]) == 0
     assert main(["export", str(tmp_path / "s"), "-o", str(tmp_path / "adapter")]) == 0
     assert main(["export", str(tmp_path / "s"), "-o", str(tmp_path / "merged"), "--merge"]) == 0
     assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
@@ -543,7 +544,7 @@ def test_export_loads_with_from_pretrained_and_equals_eager(tmp_path):
     ref = f"hf:{tmp_path / 'ckpt'}"
     pj = offloaded_plans(ref, policies=("zero-infinity",))["zero-infinity"]
     (tmp_path / "plan.json").write_text(json.dumps(pj))
-    assert main(["execute", str(tmp_path / "plan.json"), "--steps", str(STEPS), "--state-dir",
+    assert main(["execute", str(tmp_path / "plan.json"), "--hw-mismatch", "ok", "--steps", str(STEPS), "--state-dir",
                  str(tmp_path / "state")]) == 0
     assert main(["export", str(tmp_path / "state"), "-o", str(tmp_path / "out")]) == 0
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
@@ -572,7 +573,7 @@ def test_hf_checkpoint_streams_into_the_tiers_and_trains_like_eager(tmp_path):
     assert {p.device.type for p in model.parameters()} == {"meta"} and source is not None
     pj = offloaded_plans(ref, policies=("zero-infinity",))["zero-infinity"]
     (tmp_path / "plan.json").write_text(json.dumps(pj))
-    assert main(["execute", str(tmp_path / "plan.json"), "--steps", str(STEPS), "--state-dir",
+    assert main(["execute", str(tmp_path / "plan.json"), "--hw-mismatch", "ok", "--steps", str(STEPS), "--state-dir",
                  str(tmp_path / "state")]) == 0
     assert main(["export", str(tmp_path / "state"), "-o", str(tmp_path / "out")]) == 0
     from safetensors.torch import load_file

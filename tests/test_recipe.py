@@ -46,14 +46,14 @@ def test_execute_runs_the_plans_recipe_and_flags_override_it(tmp_path, capsys):
     plan = str(tmp_path / "p.json")
     assert main(["plan", "--config", recipe, "-o", plan]) == 0
     log = tmp_path / "log.jsonl"
-    assert main(["execute", plan, "--state-dir", str(tmp_path / "s"), "--log-json", str(log)]) == 0
+    assert main(["execute", plan, "--hw-mismatch", "ok", "--state-dir", str(tmp_path / "s"), "--log-json", str(log)]) == 0
     rows = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]  # steps = 3 from the plan's recipe
     assert rows[0]["lr"] == 0.0 and rows[1]["lr"] == 1e-3  # one warmup step, then the cosine from the peak
     more = write(tmp_path / "more.toml", "[execute]\nsteps = 5\n")
-    assert main(["execute", plan, "--config", more, "--state-dir", str(tmp_path / "s"), "--log-json", str(log)]) == 0
+    assert main(["execute", plan, "--hw-mismatch", "ok", "--config", more, "--state-dir", str(tmp_path / "s"), "--log-json", str(log)]) == 0
     assert "resuming from step 3" in capsys.readouterr().out
-    assert main(["execute", plan, "--config", more, "--steps", "6", "--state-dir", str(tmp_path / "s"),
+    assert main(["execute", plan, "--hw-mismatch", "ok", "--config", more, "--steps", "6", "--state-dir", str(tmp_path / "s"),
                  "--log-json", str(log)]) == 0  # the flag over the file over the plan
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
 

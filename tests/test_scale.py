@@ -105,7 +105,8 @@ def test_execute_initialises_a_preset_out_of_core_and_trains_like_eager(tmp_path
     from tensorstow.cli import main
     pj = deep_plans(("zero-infinity",))["zero-infinity"]
     (tmp_path / "plan.json").write_text(json.dumps(pj))
-    assert main(["execute", str(tmp_path / "plan.json"), "--steps", str(STEPS), "--state-dir", str(tmp_path / "s")]) == 0
+    assert main(["execute", str(tmp_path / "plan.json"), "--hw-mismatch", "ok", "--steps", str(STEPS), "--state-dir",
+                 str(tmp_path / "s")]) == 0
     assert main(["export", str(tmp_path / "s"), "-o", str(tmp_path / "out")]) == 0
     got = load_file(tmp_path / "out" / "model.safetensors")
     want_losses, want = eager()
@@ -154,7 +155,7 @@ def test_training_state_three_times_dram_trains_within_the_host_budget(tmp_path)
     # peak the measured one (RUSAGE_CHILDREN counts it)
     peak_rss_mb("-c", "from tensorstow.executor import adam, aio; adam.load_kernel(); aio.load_engine()")
     imports_mb = peak_rss_mb("-c", "import tensorstow.cli, tensorstow.executor.run")
-    peak_mb = peak_rss_mb("-m", "tensorstow.cli", "execute", str(plan), "--steps", "2", "--state-dir", str(tmp_path / "s"))
+    peak_mb = peak_rss_mb("-m", "tensorstow.cli", "execute", str(plan), "--hw-mismatch", "ok", "--steps", "2", "--state-dir", str(tmp_path / "s"))
     budgets_mb = (dram + gpu) * 1e6 / 2**20
     assert peak_mb < imports_mb + budgets_mb + RUN_OVERHEAD_MB, \
         f"peak RSS {peak_mb:.0f} MB: imports {imports_mb:.0f} MB, budgets {budgets_mb:.0f} MB"

@@ -136,7 +136,7 @@ def test_a_run_killed_during_a_redo_resumes_exactly(tmp_path):
     nothing of that step was committed, so the same command resumes from the step before and the
     run equals eager's."""
     plan(tmp_path, "lohan", 1.0)
-    args = ["execute", str(tmp_path / "p.json"), "--steps", "4", "--state-dir", str(tmp_path / "s"),
+    args = ["execute", str(tmp_path / "p.json"), "--hw-mismatch", "ok", "--steps", "4", "--state-dir", str(tmp_path / "s"),
             "--log-json", str(tmp_path / "log.jsonl")]
     r = subprocess.run([sys.executable, "-c", KILL_IN_REDO, *args], capture_output=True, text=True, timeout=600)
     assert r.returncode == -9, r.stdout + r.stderr

@@ -41,7 +41,7 @@ def plans(tmp_path_factory):
 
 
 def execute(plan, state, steps, *extra):
-    return main(["execute", str(plan), "--steps", str(steps), "--state-dir", str(state), *extra])
+    return main(["execute", str(plan), "--hw-mismatch", "ok", "--steps", str(steps), "--state-dir", str(state), *extra])
 
 
 def exported(state, out) -> dict[str, torch.Tensor]:
@@ -183,7 +183,7 @@ def test_sigkills_then_resume_equal_an_uninterrupted_run(policy, plans, tmp_path
     import random
     import time
     rng = random.Random(7)
-    args = ["execute", plans[policy], "--steps", 6, "--state-dir"]
+    args = ["execute", plans[policy], "--hw-mismatch", "ok", "--steps", 6, "--state-dir"]
     t0 = time.monotonic()
     p = _cli(*args, tmp_path / "ref")
     assert p.wait() == 0
@@ -499,7 +499,7 @@ def test_bad_optimizer_values_and_unwritable_paths_are_one_line(plans, tmp_path,
     edited = json.loads(Path(plans["stronghold"]).read_text())
     edited["options"]["betas"] = [0.9, 1.0]
     (tmp_path / "edited.json").write_text(json.dumps(edited))
-    assert main(["execute", str(tmp_path / "edited.json"), "--steps", "1"]) == 2
+    assert main(["execute", str(tmp_path / "edited.json"), "--hw-mismatch", "ok", "--steps", "1"]) == 2
     assert capsys.readouterr().err.startswith("tensorstow: error: plan options: --betas 0.9 1.0")
     assert execute(plans["stronghold"], tmp_path / "s", 1, "--log-json", str(tmp_path / "no" / "log.jsonl")) == 2
     err = capsys.readouterr().err
