@@ -178,6 +178,9 @@ class Plan:
             for name in (ins.tensor, ins.workspace, *ins.allocs):
                 if name and name not in self.buffers:
                     raise TensorstowError(f"{at} uses buffer '{name}', which the plan does not declare")
+            missing = _missing_fields(ins)
+            if missing:
+                raise TensorstowError(f"{at} ({ins.kind}) {missing}; re-plan it")
         room = sum(self.predicted.capacity_bytes.values())
         for name, b in self.buffers.items():
             if not 0 <= b.bytes <= room:
@@ -249,6 +252,28 @@ class Plan:
     def persistent(self) -> list[str]:
         """Buffers with a home tier: the training state a checkpoint holds."""
         return sorted(n for n, b in self.buffers.items() if b.home)
+
+
+def _is_tier(t: str) -> bool:
+    return t in ("dram", "ssd") or (t.startswith("gpu") and t[3:].isdigit())
+
+
+def _missing_fields(ins: Instr) -> str:
+    """What an instruction of its kind lacks (a buffer, a tier, a segment); "" when whole."""
+    if ins.kind in ("load", "store", "send"):
+        if not ins.tensor:
+            return "names no buffer"
+        if not (_is_tier(ins.src) and _is_tier(ins.dst)) or ins.src == ins.dst:
+            return f"copies {ins.src or '?'} -> {ins.dst or '?'}, not between two tiers (gpuK, dram, ssd)"
+    elif ins.kind == "free":
+        if not ins.tensor or not _is_tier(ins.dst):
+            return "names no buffer and tier to release"
+    elif ins.kind in ("compute", "recompute", "optimizer_step"):
+        if not ins.segment:
+            return "names no segment"
+        if ins.kind == "optimizer_step" and not (ins.dst == "cpu" or (ins.dst.startswith("gpu") and ins.dst[3:].isdigit())):
+            return f"runs on '{ins.dst}', not cpu or gpuK"
+    return ""
 
 
 def as_plan(plan) -> Plan:

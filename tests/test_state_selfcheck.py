@@ -6,6 +6,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tensorstow.cli import main
 from tests.test_state_dir import COMMON, MODEL, eager_params, execute, exported
@@ -85,3 +87,35 @@ def test_a_missing_shadow_slot_and_a_garbage_layout_are_made_again(plan, tmp_pat
     assert execute(plan, s, 4) == 0
     assert shadow.exists() and json.loads((s / "layout.json").read_text())["buffers"]
     assert_eager(s, tmp_path, 4)
+
+
+KILL_AT = """
+import os, signal, sys
+from tensorstow.cli import main
+from tensorstow.executor.runtime import Executor
+at, seen = int(sys.argv[1]), [0]
+dispatch = Executor._dispatch
+def counting(self, ins):
+    seen[0] += 1
+    if seen[0] == at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return dispatch(self, ins)
+Executor._dispatch = counting
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@given(st.integers(1, 4 * 160))
+def test_a_sigkill_at_any_instruction_then_a_resume_equals_eager(plan, tmp_path_factory, at):
+    """Property: SIGKILL-ed at a random instruction of a random one of its 4 steps (a commit's
+    background part included), the same command resumes and the exported weights equal 4 eager
+    steps; a run the kill never reached finished as it should."""
+    import subprocess
+    import sys
+    tmp = tmp_path_factory.mktemp("kill")
+    args = ["execute", str(plan), "--hw-mismatch", "ok", "--steps", "4", "--state-dir", str(tmp / "s")]
+    r = subprocess.run([sys.executable, "-c", KILL_AT, str(at), *args], capture_output=True, text=True, timeout=600)
+    assert r.returncode in (0, -9), r.stderr
+    assert main(args) == 0
+    assert_eager(tmp / "s", tmp, 4)
