@@ -68,7 +68,7 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, merge: bool = 
     try:
         for x, (plan, _) in zip(dirs, described):
             gpu = f"gpu{x.name[4:]}" if x is not d else None
-            stores.append(SSDStore(x, state.store_sizes(plan, gpu)))
+            stores.append(SSDStore(x, state.store_sizes(plan, gpu), owner=state.fingerprint(plan)))
         steps = [s.committed_step() for s in stores]
         if any(st is None for st in steps):
             raise TensorstowError(f"export: {dirs[steps.index(None)]} holds no committed step yet")

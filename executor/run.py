@@ -67,7 +67,8 @@ def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, 
             if run.restart:
                 state.clear(state_dir if comm is None else rank_dir(state_dir, rank))
             d = state.claim(state_dir if comm is None else rank_dir(state_dir, rank), plan)
-            store = closing.enter_context(SSDStore(d, state.store_sizes(plan, None if comm is None else gpu_tier(rank))))
+            store = closing.enter_context(SSDStore(d, state.store_sizes(plan, None if comm is None else gpu_tier(rank)),
+                                                   owner=state.fingerprint(plan)))
             if comm is not None:
                 agree_on_step(store, comm)
             resume = store.committed_step() is not None
@@ -124,7 +125,7 @@ def evaluate_state(plan: Plan, run: Run, *, out=None) -> dict:
                               f"of a tensorstow execute run")
     state.claim(d, plan)  # the plan it trains
     model, init = build_for_execution(resolve_model(plan.options.model, plan.options.lora), run.seed)
-    with SSDStore(d, state.store_sizes(plan)) as store:
+    with SSDStore(d, state.store_sizes(plan), owner=state.fingerprint(plan)) as store:
         step = store.committed_step()
         if step is None:
             raise TensorstowError(f"state dir {d} holds no committed step yet")

@@ -201,8 +201,12 @@ class SSDStore:
     """
 
     def __init__(self, dir, sizes: dict[str, int], *, direct: bool = True, engine=None, verify: bool = True,
-                 early_sync: bool = True):
+                 early_sync: bool = True, owner: str | None = None):
         self.dir = Path(dir)
+        self.owner = owner
+        """What the store holds the state of (a plan's fingerprint, `executor.state.fingerprint`),
+        recorded in the manifest: a store of another owner is refused. None: any (an older store's,
+        or a caller that does not say)."""
         self.verify = verify
         """Check checksums on every read (committed data and data written in this step)."""
         self._syncer = ThreadPoolExecutor(1, thread_name_prefix="tensorstow-sync") if early_sync else None
@@ -640,7 +644,8 @@ class SSDStore:
     def _write_manifest(self, step: int | None, entries: dict, *, what: str) -> OSError | None:
         """Atomically replace MANIFEST. Raises before the rename; returns a directory-sync error after it."""
         content = {"format": FORMAT, "version": self.version, "step": step, "crc_block": CRC_BLOCK,
-                   "buffers": entries, **({"checksum": self._sum_name} if self.version > 1 else {})}
+                   "buffers": entries, **({"checksum": self._sum_name} if self.version > 1 else {}),
+                   **({"owner": self.owner} if self.owner is not None and self.version >= 3 else {})}
         if self.version >= 3:  # the manifest checks itself: an edited or torn one is not trusted
             content[SELF_CHECK] = _manifest_sum(content)
         body = json.dumps(content, sort_keys=True, indent=1).encode() + b"\n"
@@ -828,6 +833,13 @@ class SSDStore:
                                   f"{_describe_os_error(e)}; free space or choose a larger disk") from None
 
     def _resume(self, manifest: dict, sizes: dict[str, int]) -> None:
+        held = manifest.get("owner")
+        if self.owner is not None and held is not None and held != self.owner:
+            raise TensorstowError(f"SSD store {self.dir} holds the training state of another plan (fingerprint "
+                                  f"{held}, this plan {self.owner}): execute the plan it was trained with, or start "
+                                  f"over in it with `tensorstow execute ... --restart`")
+        if self.owner is None:
+            self.owner = held
         stored = {k: e["nbytes"] for k, e in manifest["buffers"].items()}
         if stored != sizes:
             missing = sorted(set(sizes) - set(stored))

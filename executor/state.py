@@ -95,6 +95,13 @@ def _create_atomic(path: Path, text: str) -> None:
         os.unlink(tmp)
 
 
+def fingerprint(plan: Plan) -> str:
+    """The plan's fingerprint as its state dir's store records it (`SSDStore(owner=...)`): XXH3-64 of
+    its file's text, so any change to the plan (options, decisions, schedule) is another owner."""
+    import xxhash
+    return f"{xxhash.xxh3_64_intdigest(plan.dumps().encode()):016x}"
+
+
 def clear(state_dir) -> None:
     """`execute --restart`: remove what tensorstow keeps in `state_dir` (the store's files, the plan
     and the description; nothing else), so it starts over there."""

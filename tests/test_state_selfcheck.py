@@ -119,3 +119,23 @@ def test_a_sigkill_at_any_instruction_then_a_resume_equals_eager(plan, tmp_path_
     assert r.returncode in (0, -9), r.stderr
     assert main(args) == 0
     assert_eager(tmp / "s", tmp, 4)
+
+
+def test_a_store_of_another_plan_is_refused_even_with_its_plan_json_replaced(plan, tmp_path, capsys):
+    """The manifest records the fingerprint of the plan whose state it holds: 2 steps of the plan,
+    then its plan.json replaced by another plan with the same buffers (another learning rate), and
+    that plan executed: one line (it used to resume the other plan's state silently, since the
+    buffers' sizes agree); export refuses likewise."""
+    other = tmp_path / "other.json"
+    assert main(["plan", MODEL, *[c if c != "1e-3" else "2e-3" for c in COMMON], "--policy", "zero-infinity",
+                 "--gpu-mem", "400KB", "-o", str(other)]) == 0
+    s = tmp_path / "s"
+    assert execute(plan, s, 2) == 0
+    assert json.loads((s / "MANIFEST").read_text())["owner"]
+    (s / "plan.json").write_text(other.read_text())
+    capsys.readouterr()
+    assert execute(other, s, 4) == 2
+    err = capsys.readouterr().err
+    assert "holds the training state of another plan" in err and err.count("\n") == 1
+    assert main(["export", str(s), "-o", str(tmp_path / "e")]) == 2
+    assert "another plan" in capsys.readouterr().err
