@@ -354,10 +354,8 @@ class Executor:
         self.dev = DeviceTier(budget if device_budget is None else device_budget, self.device, self.gpu)
         self.lanes = lanes_for(self.instrs, self.device, overlap=self.mode == "overlap")
         """Orders the instructions: host time on the CPU, streams and events on CUDA (executor.cuda)."""
-        self._eval_lanes = None
-        """The same for the evaluation program (`evaluate`), made at its first run."""
-        self._redo_lanes = None
-        """The same for a speculating plan's redo program, made at its first run."""
+        self._side_lanes: dict[str, object] = {}
+        """The same for the programs run besides the step (`_side_program`), made at their first run."""
         self.alloc_limit: int | None = None
         """CUDA: the bytes the caching allocator may reserve (the plan's budget + workspaces)."""
         self._fraction: float | None = None  # CUDA: the allocator's cap before this executor's
@@ -430,22 +428,17 @@ class Executor:
             raise TensorstowError("evaluate: the model's forward draws random numbers (dropout), which eval mode "
                                   "turns off; set its dropout to 0 to evaluate it here")
         rng, norm, clip = rng_bytes(), self.grad_norm, self._clip
-        step_program = self.instrs, self.keep, self.plan_id, self.lanes, self.timeline
         prog = self.program
-        if prog.eval_instrs:
-            if self._eval_lanes is None:
-                self._eval_lanes = lanes_for(prog.eval_instrs, self.device, overlap=self.mode == "overlap")
-            self.instrs, self.keep, self.plan_id, self.lanes = (prog.eval_instrs, prog.eval_keep, prog.eval_plan_id,
-                                                                self._eval_lanes)
+        program = (self._side_program("eval", prog.eval_instrs, prog.eval_keep, prog.eval_plan_id) if prog.eval_instrs
+                   else contextlib.nullcontext())
         losses = []
         self._evaluating = True
         try:
-            with torch.inference_mode():
+            with program, torch.inference_mode():
                 for x, y in batches:
                     losses.append(self._step(x, y))
         finally:
             self._evaluating = False
-            self.instrs, self.keep, self.plan_id, self.lanes, self.timeline = step_program
             set_rng(rng)
             self.grad_norm, self._clip = norm, clip
         if not losses:
@@ -551,21 +544,32 @@ class Executor:
             raise TensorstowError("this plan redoes speculated updates from the last commit, which needs the "
                                   "crash-safe SSD store: pass state_dir=")
         store.wait_background()  # the last commit is durable: its slots are the version to restore
-        if self._redo_lanes is None:
-            self._redo_lanes = lanes_for(prog.redo_instrs, self.device, overlap=self.mode == "overlap")
-        saved = self.instrs, self.keep, self.plan_id, self.lanes
-        self.instrs, self.keep, self.plan_id, self.lanes = prog.redo_instrs, {}, prog.redo_plan_id, self._redo_lanes
         self._redoing = True
         try:
-            self.lanes.begin()
-            try:
-                (self._run_sync if self.mode == "sync" else self._run_overlap)()
-            finally:
-                self.lanes.end()
+            with self._side_program("redo", prog.redo_instrs, {}, prog.redo_plan_id):
+                self.lanes.begin()
+                try:
+                    (self._run_sync if self.mode == "sync" else self._run_overlap)()
+                finally:
+                    self.lanes.end()
         finally:
             self._redoing = False
-            self.instrs, self.keep, self.plan_id, self.lanes = saved
         self.speculation = "redone"
+
+    @contextlib.contextmanager
+    def _side_program(self, name: str, instrs: list[Instr], keep: dict, plan_id: list[int]):
+        """Within it, the executor replays a program besides the step (`Plan.eval_instructions`,
+        `Plan.redo_instructions`) with lanes of its own; the step's program, lanes and measured
+        timeline are back afterwards."""
+        lanes = self._side_lanes.get(name)
+        if lanes is None:
+            lanes = self._side_lanes[name] = lanes_for(instrs, self.device, overlap=self.mode == "overlap")
+        step = self.instrs, self.keep, self.plan_id, self.lanes, self.timeline
+        self.instrs, self.keep, self.plan_id, self.lanes = instrs, keep, plan_id, lanes
+        try:
+            yield
+        finally:
+            self.instrs, self.keep, self.plan_id, self.lanes, self.timeline = step
 
     def _early_sync_total(self) -> float:
         return getattr(self.ssd.store, "early_sync_s", 0.0)
