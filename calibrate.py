@@ -895,6 +895,9 @@ GPU_LINEAR_SHAPES = tuple((m, k, n) for m in (2048, 8192) for d in (512, 1024, 2
                           for k, n in ((d, d), (d, 4 * d)))
 """(tokens, in features, out features) of the linear layers whose matmuls give `GPU.matmul_rates`:
 transformer projections and MLPs (d -> d, d -> 4d) from 512 to 8192 wide at 2 K and 8 K tokens."""
+GPU_UNALIGNED_SHAPES = ((8192, 512, 8191), (8192, 768, 50257), (8192, 2048, 50257), (8192, 4096, 50257))
+"""(tokens, in features, out features) of linear layers whose output width is not a multiple of
+8, as a vocabulary of 50257: their matmuls give `GPU.matmul_rates_unaligned`."""
 GPU_ATTENTION_SHAPES = ((8, 8, 512, 64), (8, 12, 1024, 64), (8, 16, 1024, 128), (4, 32, 2048, 128), (2, 32, 4096, 128))
 """(batch, heads, seq, head dim) of the causal attentions that give `GPU.attention_rates`."""
 KERNEL_FLOOR_OPS = 500
@@ -992,7 +995,9 @@ def _probe_one_cuda(dev: int, p: _Params) -> tuple[GPU, str]:
         flops = 2 * n**3 * p.gpu_mm_iters / _cuda_best(mm, p.gpu_mm_reps, warmup=2)
         del a, b, c
         timer = functools.partial(_cuda_best, reps=p.gpu_mm_reps, warmup=2)
-        linear = _linear_rates(dev, dtype, [(m, k, n) for m, k, n in GPU_LINEAR_SHAPES if 2 * (m * k + n * k + m * n) < free // 4], timer)
+        fits = lambda shapes: [(m, k, n) for m, k, n in shapes if 2 * (m * k + n * k + m * n) < free // 4]  # noqa: E731
+        linear = _linear_rates(dev, dtype, fits(GPU_LINEAR_SHAPES), timer)
+        unaligned = _linear_rates(dev, dtype, fits(GPU_UNALIGNED_SHAPES), timer)
         attention = _attention_rates(dev, dtype, GPU_ATTENTION_SHAPES, timer)
         kernel_s = _kernel_floor(dev, timer)
         torch.cuda.empty_cache()
@@ -1023,11 +1028,13 @@ def _probe_one_cuda(dev: int, p: _Params) -> tuple[GPU, str]:
             f"{nbytes // 4 // MiB} Mi elements); context and other processes {context / MiB:.0f} MiB "
             f"+ {CUDA_WORKSPACE_BYTES // MiB} MiB workspaces reserved")
     note += (f"; matmul_rates: a linear layer's three matmuls at {len(linear)} sizes "
-             f"({linear[0][1] / 1e12:.0f}-{max(r for _, r in linear) / 1e12:.0f} TFLOPS); attention_rates: causal "
+             f"({linear[0][1] / 1e12:.0f}-{max(r for _, r in linear) / 1e12:.0f} TFLOPS), unaligned ones (out width "
+             f"not a multiple of 8) at {len(unaligned)} ({min((r for _, r in unaligned), default=0) / 1e12:.0f}-"
+             f"{max((r for _, r in unaligned), default=0) / 1e12:.0f}); attention_rates: causal "
              f"attention forward + backward at {len(attention)} sizes ({attention[0][1] / 1e12:.0f}-"
              f"{max(r for _, r in attention) / 1e12:.0f} TFLOPS); kernel_s {kernel_s * 1e6:.1f} us")
     return GPU(name=props.name, memory_bytes=int(props.total_memory), flops=flops, mem_bw=mem_bw, h2d_bw=h2d,
-               matmul_rates=linear, attention_rates=attention, kernel_s=kernel_s,
+               matmul_rates=linear, matmul_rates_unaligned=unaligned, attention_rates=attention, kernel_s=kernel_s,
                d2h_bw=d2h, d2h_convert_bw=d2h_conv, h2d_convert_bw=h2d_conv, copy_tensor_s=per_tensor,
                reserved_bytes=context + CUDA_WORKSPACE_BYTES,
                compute_capability=float(f"{props.major}.{props.minor}")), note

@@ -101,6 +101,8 @@ def main():
                     help="the offloaded plans' policy (zero-infinity: DeepSpeed's schedule; lohan, ilp, ...)")
     ap.add_argument("--offload", default="ssd,dram", help="offloaded plans to run: ssd, dram, both (ssd,dram) or none")
     ap.add_argument("--trace-dir", dest="trace_dir", help="write measured and simulated traces here")
+    ap.add_argument("--resident", default=True, action=argparse.BooleanOptionalAction,
+                    help="also run the all-resident plan (--no-resident: eager and the offloaded plans only)")
     a = ap.parse_args()
     device = torch.device(a.device)
     cuda = device.type == "cuda"
@@ -137,7 +139,7 @@ def main():
     t_eager = median_step(eager, data)
     print(f"eager PyTorch step        {t_eager:.4f} s{rate(t_eager)}{peak()}")
     eager = None  # free the eager copy before the executor builds its own
-    for mode in ("sync", "overlap") if cuda else ("sync",):
+    for mode in (("sync", "overlap") if cuda else ("sync",)) if a.resident else ():
         torch.manual_seed(0)
         ex = Executor(resident, spec.build(), mode=mode, device=device)
         t_res = median_step(ex.step, data)

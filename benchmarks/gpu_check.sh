@@ -8,6 +8,7 @@
 # Usage: bash benchmarks/gpu_check.sh [STAGES]
 #   STAGES    default "env probe bench cuda profile"; also "demo" and "suite"
 #   BENCH     "model:batch:seq:gpu-mem:precision:steps:offload:policy ..." (offload: dram, ssd, ssd,dram, none)
+#   BENCH_ARGS more arguments for every bench_executor.py run (e.g. --no-resident)
 #   DEADLINE  seconds from the start by which every stage has ended (default 420)
 #   HW        a spec file from `tensorstow probe` instead of probing
 #   DEVICE    cuda (default) or cpu, to try the script itself on a machine without a GPU
@@ -78,7 +79,7 @@ for s in $STAGES; do
         echo "## $cfg" >>"$OUT/bench.log"
         timeout "$t" python3 benchmarks/bench_executor.py --device "$DEVICE" --hw "$hw" --model "$model" --batch "$batch" \
           --seq "$seq" --gpu-mem "$mem" --precision "$prec" --steps "${steps:-6}" --offload "${offload:-dram}" \
-          --offload-policy "${policy:-lohan}" --trace-dir /tmp/traces >>"$OUT/bench.log" 2>&1
+          --offload-policy "${policy:-lohan}" --trace-dir /tmp/traces ${BENCH_ARGS:-} >>"$OUT/bench.log" 2>&1
         echo "rc $? ($cfg)" | tee -a "$OUT/bench.log"
       done
       tar czf "$OUT/traces.tgz" -C /tmp traces 2>/dev/null ;;

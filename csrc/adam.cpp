@@ -32,8 +32,11 @@
 // Ops (library `tensorstow`, loaded with torch.ops.load_library; executor/adam.py registers
 // the fake implementation):
 //   adam_step_(param, grad, exp_avg, exp_avg_sq, param16, step, lr, beta1, beta2, eps,
-//              weight_decay, decoupled_weight_decay, match_torch_sqrt) -> ()
-//     param/grad/exp_avg/exp_avg_sq: contiguous fp32 CPU tensors with the same numel;
+//              weight_decay, decoupled_weight_decay, match_torch_sqrt, grad_scale=1.0) -> ()
+//     param/exp_avg/exp_avg_sq: contiguous fp32 CPU tensors with the same numel; grad: contiguous,
+//     that numel, fp32 or the 16-bit gradient of a mixed-precision step (read in its own width
+//     and widened exactly, so the step equals one on `grad.float()`), times grad_scale in fp32
+//     (clip_grad_norm_'s coefficient; 1: none);
 //     param16: None or a contiguous bf16/fp16 CPU tensor with that numel; step: the step
 //     number after this update (>= 1); decoupled_weight_decay: AdamW (true) or Adam (false).
 //   adam_kernel_info() -> str
@@ -46,6 +49,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <iterator>
 #include <utility>
@@ -196,16 +200,61 @@ void run_vml(const Coeffs& c, float* p, const float* g, float* m, float* v, out_
 #endif
 }
 
-template <typename out_t>
-void run(const Coeffs& c, bool vml, float* p, const float* g, float* m, float* v, out_t* out, int64_t numel) {
+// dst[0, n) <- float(g[0, n)) * scale: the gradient the step reads, widened from 16 bits (exact)
+// and scaled in fp32 (one rounding, as `torch._foreach_mul_` of an fp32 gradient rounds).
+template <typename grad_t>
+inline void widen(const grad_t* g, float scale, float* dst, int64_t n) {
+  if constexpr (std::is_same_v<grad_t, float>) {
+    std::copy(g, g + n, dst);
+  } else {
+    at::vec::convert(g, dst, n);
+  }
+  if (scale == 1.0f) return;
+  const Vec s(scale);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) (Vec::loadu(dst + i) * s).store(dst + i);
+  if (i < n) (Vec::loadu(dst + i, n - i) * s).store(dst + i, n - i);
+}
+
+template <typename out_t, typename grad_t>
+void run(const Coeffs& c, bool vml, float* p, const grad_t* g, float grad_scale, float* m, float* v, out_t* out,
+         int64_t numel) {
   at::parallel_for(0, numel, kGrain, [&](int64_t begin, int64_t end) {
-    const int64_t n = end - begin;
-    if (vml) {
-      run_vml<out_t>(c, p + begin, g + begin, m + begin, v + begin, offset(out, begin), n);
-    } else {
-      run_vector<out_t>(c, p + begin, g + begin, m + begin, v + begin, offset(out, begin), n);
+    auto span = [&](int64_t b, int64_t n, const float* gf) {
+      if (vml) {
+        run_vml<out_t>(c, p + b, gf, m + b, v + b, offset(out, b), n);
+      } else {
+        run_vector<out_t>(c, p + b, gf, m + b, v + b, offset(out, b), n);
+      }
+    };
+    if constexpr (std::is_same_v<grad_t, float>) {
+      if (grad_scale == 1.0f) {
+        span(begin, end - begin, g + begin);
+        return;
+      }
+    }
+    // a 16-bit or scaled gradient: widened block by block into L1, so DRAM sees it once, in
+    // its own width (no fp32 copy of the whole gradient is allocated or written)
+    alignas(64) float buf[kBlock];
+    for (int64_t b = begin; b < end; b += kBlock) {
+      const int64_t n = std::min(kBlock, end - b);
+      widen<grad_t>(g + b, grad_scale, buf, n);
+      span(b, n, buf);
     }
   });
+}
+
+template <typename out_t>
+void run_any_grad(const Coeffs& c, bool vml, float* p, const at::Tensor& grad, float grad_scale, float* m, float* v,
+                  out_t* out, int64_t n) {
+  switch (grad.scalar_type()) {
+    case at::kBFloat16:
+      return run<out_t, at::BFloat16>(c, vml, p, grad.data_ptr<at::BFloat16>(), grad_scale, m, v, out, n);
+    case at::kHalf:
+      return run<out_t, at::Half>(c, vml, p, grad.data_ptr<at::Half>(), grad_scale, m, v, out, n);
+    default:
+      return run<out_t, float>(c, vml, p, grad.data_ptr<float>(), grad_scale, m, v, out, n);
+  }
 }
 
 void check_state(const at::Tensor& t, const at::Tensor& param, const char* name) {
@@ -219,9 +268,16 @@ void check_state(const at::Tensor& t, const at::Tensor& param, const char* name)
 void adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                    const at::Tensor& exp_avg_sq, const std::optional<at::Tensor>& param16, int64_t step,
                    double lr, double beta1, double beta2, double eps, double weight_decay,
-                   bool decoupled_weight_decay, bool match_torch_sqrt) {
+                   bool decoupled_weight_decay, bool match_torch_sqrt, double grad_scale) {
   check_state(param, param, "param");
-  check_state(grad, param, "grad");
+  TORCH_CHECK(grad.device().is_cpu(), "adam_step_: grad must be a CPU tensor, got ", grad.device());
+  TORCH_CHECK(grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16 ||
+                  grad.scalar_type() == at::kHalf,
+              "adam_step_: grad must be float32, bfloat16 or float16, got ", grad.scalar_type());
+  TORCH_CHECK(grad.is_contiguous(), "adam_step_: grad must be contiguous");
+  TORCH_CHECK(grad.numel() == param.numel(), "adam_step_: grad has ", grad.numel(), " elements but param has ",
+              param.numel());
+  TORCH_CHECK(std::isfinite(grad_scale), "adam_step_: grad_scale must be finite, got ", grad_scale);
   check_state(exp_avg, param, "exp_avg");
   check_state(exp_avg_sq, param, "exp_avg_sq");
   TORCH_CHECK(step >= 1, "adam_step_: step is the step number after this update and must be >= 1, got ", step);
@@ -272,16 +328,16 @@ void adam_step_cpu(const at::Tensor& param, const at::Tensor& grad, const at::Te
   const bool vml = kHaveVml && match_torch_sqrt;
 
   float* p = param.data_ptr<float>();
-  const float* g = grad.data_ptr<float>();
   float* m = exp_avg.data_ptr<float>();
   float* v = exp_avg_sq.data_ptr<float>();
   const int64_t n = param.numel();
+  const float scale = static_cast<float>(grad_scale);
   if (!param16.has_value()) {
-    run<float>(c, vml, p, g, m, v, nullptr, n);
+    run_any_grad<float>(c, vml, p, grad, scale, m, v, nullptr, n);
   } else if (param16->scalar_type() == at::kBFloat16) {
-    run<at::BFloat16>(c, vml, p, g, m, v, param16->data_ptr<at::BFloat16>(), n);
+    run_any_grad<at::BFloat16>(c, vml, p, grad, scale, m, v, param16->data_ptr<at::BFloat16>(), n);
   } else {
-    run<at::Half>(c, vml, p, g, m, v, param16->data_ptr<at::Half>(), n);
+    run_any_grad<at::Half>(c, vml, p, grad, scale, m, v, param16->data_ptr<at::Half>(), n);
   }
 }
 
@@ -296,7 +352,7 @@ std::string kernel_info() {
 TORCH_LIBRARY(tensorstow, m) {
   m.def("adam_step_(Tensor(a!) param, Tensor grad, Tensor(b!) exp_avg, Tensor(c!) exp_avg_sq, "
         "Tensor(d!)? param16, int step, float lr, float beta1, float beta2, float eps, "
-        "float weight_decay, bool decoupled_weight_decay, bool match_torch_sqrt) -> ()");
+        "float weight_decay, bool decoupled_weight_decay, bool match_torch_sqrt, float grad_scale=1.0) -> ()");
   m.def("adam_kernel_info() -> str", &kernel_info);
 }
 

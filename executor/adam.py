@@ -110,7 +110,7 @@ def load_kernel() -> None:
 
         @torch.library.register_fake("tensorstow::adam_step_")
         def _(param, grad, exp_avg, exp_avg_sq, param16, step, lr, beta1, beta2, eps, weight_decay,
-              decoupled_weight_decay, match_torch_sqrt):
+              decoupled_weight_decay, match_torch_sqrt, grad_scale=1.0):
             return None  # updates its inputs in place; nothing to allocate
 
         _loaded = True
@@ -138,10 +138,16 @@ def _use_kernel() -> bool:
     return True
 
 
+GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""What a gradient may be: fp32, or the 16-bit gradient of a mixed-precision step, which the
+update reads in its own width and widens exactly (the step equals one on `grad.float()`)."""
+
+
 def _check(p32, grad, m, v, step, lr, betas, eps, wd, out16) -> None:
     for name, t in (("p32", p32), ("grad", grad), ("m", m), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dtype != torch.float32:
-            raise ValueError(f"adamw_step_: {name} must be a float32 CPU tensor, got "
+        ok = (torch.float32,) if name != "grad" else GRAD_DTYPES
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.dtype not in ok:
+            raise ValueError(f"adamw_step_: {name} must be a {'float32' if name != 'grad' else 'float32/bfloat16/float16'} CPU tensor, got "
                              f"{getattr(t, 'dtype', type(t).__name__)} on {getattr(t, 'device', '?')}")
         if not t.is_contiguous():
             raise ValueError(f"adamw_step_: {name} must be contiguous")
@@ -198,18 +204,23 @@ def _fused_step_(p32, grad, m, v, step, lr, beta1, beta2, eps, wd, decoupled) ->
 
 def adamw_step_(p32: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch.Tensor, step: int,
                 lr: float, betas: tuple[float, float], eps: float, wd: float,
-                out16: torch.Tensor | None = None, *, decoupled: bool = True, exact: bool = False) -> None:
+                out16: torch.Tensor | None = None, *, decoupled: bool = True, exact: bool = False,
+                grad_scale: float = 1.0) -> None:
     """One AdamW (decoupled=True) or Adam step of `p32`, `m`, `v` in place; `out16` <- p32 in 16 bit.
 
-    All of p32, grad, m, v: contiguous float32 CPU tensors with the same numel; `grad` is only
-    read. `exact=True`: bit-identical to torch.optim.AdamW/Adam(foreach=False) (slower where
-    torch's sqrt is MKL's). Raises ValueError naming the bad argument.
+    All of p32, grad, m, v: contiguous CPU tensors with the same numel, float32 but `grad`, which
+    may be 16-bit (`GRAD_DTYPES`) and is only read. `grad_scale`: the step reads the gradient
+    times it (in fp32, as clip_grad_norm_'s in-place multiply). `exact=True`: bit-identical to
+    torch.optim.AdamW/Adam(foreach=False) (slower where torch's sqrt is MKL's). Raises ValueError
+    naming the bad argument.
     """
     _check(p32, grad, m, v, step, lr, betas, eps, wd, out16)
-    args = (p32, grad, m, v, step, float(lr), float(betas[0]), float(betas[1]), float(eps), float(wd))
     if _use_kernel():
-        torch.ops.tensorstow.adam_step_(*args[:4], out16, *args[4:], decoupled, exact)
+        torch.ops.tensorstow.adam_step_(p32, grad, m, v, out16, step, float(lr), float(betas[0]), float(betas[1]),
+                                        float(eps), float(wd), decoupled, exact, float(grad_scale))
         return
+    grad = _widened(grad, grad_scale)
+    args = (p32, grad, m, v, step, float(lr), float(betas[0]), float(betas[1]), float(eps), float(wd))
     if exact:
         _single_tensor_step_(*args, decoupled)
     else:
@@ -218,18 +229,32 @@ def adamw_step_(p32: torch.Tensor, grad: torch.Tensor, m: torch.Tensor, v: torch
         out16.copy_(p32)
 
 
+def _widened(grad: torch.Tensor, scale: float) -> torch.Tensor:
+    """`grad` as the fp32 gradient the step reads: widened from 16 bits, times `scale` in fp32."""
+    if grad.dtype != torch.float32:
+        grad = grad.float()
+    elif scale != 1.0:
+        grad = grad.clone()
+    if scale != 1.0:
+        grad.mul_(torch.tensor(scale, dtype=torch.float32))
+    return grad
+
+
 def adamw_steps_(params, grads, ms, vs, step: int, lr: float, betas: tuple[float, float], eps: float,
-                 wd: float, out16s=None, *, decoupled: bool = True) -> None:
+                 wd: float, out16s=None, *, decoupled: bool = True, grad_scale: float = 1.0) -> None:
     """`adamw_step_` (exact=False) over a subgroup's tensors, for the executor's hot loop: the
     engine is chosen once and the per-tensor checks are reduced to what can differ between the
     executor's tensors (contiguity: a tensor stored with a kept stride goes through torch's
-    fused kernel instead). Same results as `adamw_step_` tensor by tensor."""
+    fused kernel instead). Same results as `adamw_step_` tensor by tensor; `grads` may be 16-bit
+    and are read times `grad_scale`, never written."""
     if not params:
         return
     _check_scalars(step, lr, betas, eps, wd)
     for name, ts in (("params", params), ("grads", grads), ("exp_avg", ms), ("exp_avg_sq", vs)):
-        if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in ts):
-            raise ValueError(f"adamw_steps_: {name} must be float32 CPU tensors")
+        ok = GRAD_DTYPES if name == "grads" else (torch.float32,)
+        if any(t.dtype not in ok or t.device.type != "cpu" for t in ts):
+            raise ValueError(f"adamw_steps_: {name} must be {'float32/bfloat16/float16' if name == 'grads' else 'float32'} "
+                             f"CPU tensors")
     args = (step, float(lr), float(betas[0]), float(betas[1]), float(eps), float(wd))
     kernel = torch.ops.tensorstow.adam_step_ if _use_kernel() else None
     rest = []
@@ -237,12 +262,13 @@ def adamw_steps_(params, grads, ms, vs, step: int, lr: float, betas: tuple[float
         o = out16s[k] if out16s else None
         if kernel is not None and p.is_contiguous() and g.is_contiguous() and m.is_contiguous() \
                 and v.is_contiguous() and (o is None or o.is_contiguous()):
-            kernel(p, g, m, v, o, *args, decoupled, False)
+            kernel(p, g, m, v, o, *args, decoupled, False, float(grad_scale))
         else:
             rest.append(k)
     if rest:  # no kernel, or a strided tensor: torch's fused multi-tensor step, then the cast
         fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
-        fused([params[k] for k in rest], [grads[k] for k in rest], [ms[k] for k in rest], [vs[k] for k in rest],
+        fused([params[k] for k in rest], [_widened(grads[k], grad_scale) for k in rest], [ms[k] for k in rest],
+              [vs[k] for k in rest],
               [], [torch.tensor(float(step)) for _ in rest], lr=float(lr), beta1=float(betas[0]),
               beta2=float(betas[1]), weight_decay=float(wd), eps=float(eps), amsgrad=False, maximize=False)
         for k in rest:
@@ -281,9 +307,12 @@ class SubgroupAdam:
             self.opt = cls([torch.zeros(1)], lr=self.lr, betas=self.betas, eps=self.eps,
                            weight_decay=self.wd, foreach=False)
 
-    def step(self, params, grads, moments, steps_done: int, out16=None, groups=None, lr_of=None) -> None:
+    def step(self, params, grads, moments, steps_done: int, out16=None, groups=None, lr_of=None,
+             grad_scale: float = 1.0) -> None:
         """One update of `params` (fp32) from `grads`; `steps_done` updates came before it.
         `out16`: per parameter, a 16-bit tensor to receive its updated value (fast CPU path).
+        `grad_scale`: the gradients are read times it (fast CPU path, whose `grads` may be 16-bit:
+        `adamw_steps_`); other paths take it as 1 and their gradients clipped already.
         `groups`: per parameter, its group's (learning rate scale, weight decay) (default: (1,
         the options' weight decay) for all), as torch.optim's parameter groups: one update per
         group. `lr_of(scale)`: a group's learning rate (default: `lr` x scale)."""
@@ -295,17 +324,20 @@ class SubgroupAdam:
             at = [k for k, g in enumerate(groups) if g == (scale, wd)]
             lr = self.lr if scale == 1.0 else lr_of(scale) if lr_of is not None else self.lr * scale
             if len(at) == len(params):
-                return self._update(params, grads, moments, steps_done, out16, wd, lr)
+                return self._update(params, grads, moments, steps_done, out16, wd, lr, grad_scale)
             self._update([params[k] for k in at], [grads[k] for k in at], [moments[k] for k in at], steps_done,
-                         None if out16 is None else [out16[k] for k in at], wd, lr)
+                         None if out16 is None else [out16[k] for k in at], wd, lr, grad_scale)
 
-    def _update(self, params, grads, moments, steps_done: int, out16, wd: float, lr: float) -> None:
+    def _update(self, params, grads, moments, steps_done: int, out16, wd: float, lr: float,
+                grad_scale: float = 1.0) -> None:
+        if params[0].device.type == "cpu" and not self.exact:
+            adamw_steps_(params, grads, [m for m, _ in moments], [v for _, v in moments], steps_done + 1,
+                         lr, self.betas, self.eps, wd, out16, decoupled=self.decoupled, grad_scale=grad_scale)
+            return
+        if grad_scale != 1.0 or any(g.dtype != p.dtype for p, g in zip(params, grads)):
+            raise ValueError("SubgroupAdam: a scaled or 16-bit gradient needs the fast CPU update")
         if self.exact:
             return self._torch_step(params, grads, moments, steps_done, wd, lr)
-        if params[0].device.type == "cpu":
-            adamw_steps_(params, grads, [m for m, _ in moments], [v for _, v in moments], steps_done + 1,
-                         lr, self.betas, self.eps, wd, out16, decoupled=self.decoupled)
-            return
         fused = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
         step = torch.full((), float(steps_done + 1), dtype=torch.float32, device=params[0].device)  # no host copy
         steps = [step] * len(params)  # read, not written, by the fused kernel

@@ -68,7 +68,7 @@ from tensorstow.ir.models import build_for_execution, resolve_model
 from tensorstow.ir.trace import Traced
 from tensorstow.planner.simulate import SimResult, perfetto_trace
 from tensorstow.schema.plan import as_plan
-from tensorstow.schema.schedule import BufferKind, Instr, gpu_index, resource_of
+from tensorstow.schema.schedule import CPU_OPTIMIZER, BufferKind, Instr, gpu_index, resource_of
 
 MODES = ("sync", "overlap")
 
@@ -89,6 +89,19 @@ def lane_cores(device: torch.device, nthreads: int) -> tuple[set[int], set[int]]
     if len(mine) <= nthreads:
         return None
     return set(mine[nthreads:]), set(mine[:nthreads])
+
+
+def optimizer_threads(device: torch.device, nthreads: int, streams: list[str]) -> int:
+    """Intra-op threads of the CPU optimizer's lane in overlap mode. With a GPU, every other lane
+    is a host thread that drives it (launches, copies, SSD requests) beside the update: the
+    update leaves one core to each, else they wait for a core and the GPU idles (H200 host, 16
+    cores, AdamW on 50 M parameters beside a thread launching kernels: 16 threads 3.2 G params/s
+    and 85 k launches/s, 14 threads 3.6 G/s and 104 k/s; benchmarks/RESULTS.md "On a GPU").
+    On a CPU device tier `lane_cores` already keeps the lanes apart: `nthreads`."""
+    if device.type != "cuda":
+        return nthreads
+    others = sum(1 for s in streams if s != CPU_OPTIMIZER)
+    return max(1, min(nthreads, (os.cpu_count() or 1) - others))
 
 
 def pin_off_compute(cores: tuple[set[int], set[int]]) -> dict[int, set[int]]:
@@ -710,11 +723,14 @@ class Executor:
         failures: list[tuple[int, BaseException]] = []
         nthreads = torch.get_num_threads()
         cores = lane_cores(self.device, nthreads)
+        update_threads = optimizer_threads(self.device, nthreads, list(lanes))
 
         def lane(instrs: list[Instr]) -> None:
             k = 0
             try:
-                torch.set_num_threads(nthreads)  # same intra-op split (and reduction order) as sync
+                # same intra-op split (and reduction order) as sync; the CPU optimizer's updates are
+                # elementwise, so a smaller split changes no result
+                torch.set_num_threads(update_threads if instrs[0].stream == CPU_OPTIMIZER else nthreads)
                 if cores:
                     os.sched_setaffinity(0, cores[resource_of(instrs[0].stream).endswith(".compute")])
                 # inference mode is thread-local: as in `step`; CUDA: the lane's stream
@@ -896,13 +912,15 @@ class Executor:
             written = self._adam_update(b, ins, trained, master, fresh_p)
         if not self.mixed:
             return
-        fresh = {ph[p]: master[p].to(j.meta(ph[p])[0], copy=True) for p in self.block_params[b]
-                 if ph[p] not in written}  # a copy also for fp32 ones: P never aliases M
-        if fresh_p is None:
-            self.dev.put(f"P:{b}", fresh)
+        rest = [p for p in self.block_params[b] if ph[p] not in written]
+        if fresh_p is None:  # a copy also for fp32 ones: P never aliases M
+            self.dev.put(f"P:{b}", {ph[p]: master[p].to(j.meta(ph[p])[0], copy=True) for p in rest})
         else:
-            for k, v in fresh.items():
-                fresh_p[k].copy_(v)
+            # straight into P's memory, rounded as `.to` rounds: no temporary the size of the
+            # parameter (an fp32 embedding's 412 MB, allocated and page-faulted each step, took
+            # its update from 27 to 72 ms on an H200 host; benchmarks/RESULTS.md "On a GPU")
+            for p in rest:
+                fresh_p[ph[p]].copy_(master[p])
 
     def _adam_update(self, b: str, ins: Instr, trained: list[str], master, fresh_p) -> set[str]:
         """One Adam/AdamW update of block b's trained parameters; returns the compute-copy
@@ -916,12 +934,17 @@ class Executor:
         params, grads, moments, held = [], [], [], []
         # a speculated update's gradients are kept for a redo: unscaled on copies, never in place
         kept = self.scaler is not None and b in self.program.speculated and not self._redoing
+        # the fast CPU update reads a 16-bit gradient in its width and scales it as it reads
+        # (`adamw_steps_`): no fp32 copy of it is allocated and written first (17.9 ms for 50 M
+        # parameters on an H200 host, the update itself 12; benchmarks/RESULTS.md "On a GPU")
+        direct = self.mixed and not on_dev and not self.adam[b].exact and self.scaler is None
+        clipping = self.max_grad_norm > 0 and (self._redoing or b not in self.program.speculated)
         try:
             for p in trained:
                 g = j.materialize(j.grad[p], grads_copy.__getitem__)
                 if kept and g.dtype == torch.float32:
                     g = g.clone()
-                if self.mixed and g.dtype != torch.float32:
+                if self.mixed and g.dtype != torch.float32 and not direct:
                     g = g.float()
                     if on_dev:
                         self.dev.hold(g, f"{p} fp32 gradient")
@@ -931,7 +954,10 @@ class Executor:
                 moments.append((states[f"{p}.exp_avg"], states[f"{p}.exp_avg_sq"]))
             if self.scaler is not None:
                 self.scaler.unscale_(grads)
-            if self.max_grad_norm > 0 and (self._redoing or b not in self.program.speculated):
+            grad_scale = 1.0
+            if clipping and direct:
+                grad_scale = float(self._clip_coef())
+            elif clipping:
                 # clip_grad_norm_: every gradient times min(1, max / (norm + 1e-6)); a speculated
                 # update runs with factor 1 before the norm is known (`_validate`)
                 unique = distinct(grads)
@@ -944,7 +970,8 @@ class Executor:
             scratch = 2 * max((t.numel() * 4 for t in params), default=0) if on_dev and self.adam[b].exact else 0
             with self.dev.reserve(scratch, f"Adam scratch of {b}") if scratch else contextlib.nullcontext():
                 self.adam[b].step(params, grads, moments, self.opt_steps, out16,
-                                  groups=[self.program.groups[p] for p in trained], lr_of=self._group_lr)
+                                  groups=[self.program.groups[p] for p in trained], lr_of=self._group_lr,
+                                  grad_scale=grad_scale)
         finally:
             for g in held:
                 self.dev.release(g)

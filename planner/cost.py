@@ -130,8 +130,9 @@ def commit_time(hw, instrs) -> float:
 def op_time(flops: int, nbytes: int, hw: Hardware, gpu: int = 0, fp32: bool = False, kind: str = "") -> float:
     """Roofline time of one op, plus the host's dispatch cost per op (`GPU.op_s`); `fp32`: its math
     runs in fp32 (at `flops_fp32` where the GPU has one). `kind` ("matmul", "attention",
-    "attention_bwd" from `op_kind`): its FLOPs run at the rate the GPU's probe measured at that
-    size (`GPU.matmul_rates`, `attention_rates`) where it has one, else at `flops`. An op that
+    "attention_bwd" from `op_kind`, "matmul_unaligned" from `matmul_kind`): its FLOPs run at the
+    rate the GPU's probe measured at that size (`GPU.matmul_rates`, `matmul_rates_unaligned`,
+    `attention_rates`) where it has one, else at `flops`. An op that
     touches memory takes at least `GPU.kernel_s`."""
     g = hw.gpus[gpu]
     if fp32 and g.flops_fp32:
@@ -158,10 +159,29 @@ def op_kind(target: str) -> str:
     return "matmul" if target.removeprefix("aten.").split(".")[0] in _MATMULS else ""
 
 
+TENSOR_CORE_ALIGN = 8
+"""Elements a 16-bit matmul's dimensions are multiples of for the GPU's aligned tensor-core
+kernels (16 bytes); with any other, cuBLAS falls back to slower ones (`matmul_unaligned`)."""
+
+
+def matmul_kind(o, tensors) -> str:
+    """`op_kind` of an IR op, telling a matmul with a dimension that is not a multiple of
+    TENSOR_CORE_ALIGN ("matmul_unaligned": a vocabulary of 50257, whose LM head ran at 94-145
+    TFLOPS against 693-767 at 50304 on an H200, benchmarks/RESULTS.md "On a GPU") from the rest."""
+    kind = op_kind(o.target)
+    if kind == "matmul" and any(d % TENSOR_CORE_ALIGN for name in o.inputs if name in tensors
+                                for d in tensors[name].shape[-2:] if len(tensors[name].shape) >= 2):
+        return "matmul_unaligned"
+    return kind
+
+
 def measured_rate(g, kind: str, flops: float) -> float:
     """FLOP/s of an op of `kind` and `flops` from the GPU's probed curves, interpolated log-log
-    between their points and held at their ends; 0 where the GPU has none."""
+    between their points and held at their ends; 0 where the GPU has none. An unaligned matmul
+    takes `GPU.matmul_rates_unaligned` where the probe measured it, else the aligned curve."""
     curve = g.matmul_rates
+    if kind == "matmul_unaligned" and g.matmul_rates_unaligned:
+        curve = g.matmul_rates_unaligned
     if kind.startswith("attention") and g.attention_rates:
         curve = g.attention_rates
         if kind == "attention_bwd":
@@ -179,7 +199,7 @@ def measured_rate(g, kind: str, flops: float) -> float:
 
 def ops_time(ops, tensors, hw: Hardware) -> float:
     """Roofline time of a sequence of IR ops on GPU 0 (each at its precision and kind)."""
-    return lsum(op_time(o.flops, o.bytes_in + o.bytes_out, hw, fp32=_in_fp32(o, tensors), kind=op_kind(o.target))
+    return lsum(op_time(o.flops, o.bytes_in + o.bytes_out, hw, fp32=_in_fp32(o, tensors), kind=matmul_kind(o, tensors))
                 for o in ops)
 
 
@@ -273,7 +293,7 @@ def profiles(graph: Graph, hw: Hardware) -> dict[str, BlockProfile]:
 
 
 def _op_times(seg, tensors, hw: Hardware) -> float:
-    return lsum(op_time(o.flops, o.bytes_in + o.bytes_out, hw, fp32=_in_fp32(o, tensors), kind=op_kind(o.target))
+    return lsum(op_time(o.flops, o.bytes_in + o.bytes_out, hw, fp32=_in_fp32(o, tensors), kind=matmul_kind(o, tensors))
                 + _attention_recompute_time(o, tensors, hw) for o in seg)
 
 

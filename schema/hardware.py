@@ -34,7 +34,7 @@ CPU_GPU_NAME = "cpu (no CUDA)"
 (`tensorstow probe` there): the device tier the executor emulates on the CPU."""
 
 
-OMITTED_WHEN_ZERO = ("op_s", "matmul_rates", "attention_rates", "kernel_s", "d2h_convert_bw", "h2d_convert_bw", "copy_tensor_s", "host_contention", "ssd_contention",
+OMITTED_WHEN_ZERO = ("op_s", "matmul_rates", "matmul_rates_unaligned", "attention_rates", "kernel_s", "d2h_convert_bw", "h2d_convert_bw", "copy_tensor_s", "host_contention", "ssd_contention",
                      "compute_capability", "request_s", "commit_s", "sync_s", "flush_bw", "adam_tensor_s")
 """GPU, SSD and CPU fields a spec's JSON leaves out when 0 (added after specs existed: their
 fingerprints stay)."""
@@ -113,6 +113,12 @@ class GPU:
     the peak `flops` (on an H200: 160 model TFLOPS for gpt3-125m against a 723 TFLOPS 4096^2
     matmul, benchmarks/RESULTS.md "On a GPU"). Empty: `flops` (the papers' presets, whose `flops`
     are measured block rates). Left out of the spec's JSON when empty."""
+    matmul_rates_unaligned: tuple[tuple[float, float], ...] = ()
+    """As `matmul_rates`, for matmuls with a dimension that is not a multiple of 8 elements (a
+    vocabulary such as GPT-2's 50257), which miss the aligned tensor-core kernels: `tensorstow
+    probe` times linear layers whose output width is such a vocabulary (94-145 TFLOPS on an H200
+    where an aligned one of the same FLOPs ran 693-767). Empty: `matmul_rates`. Left out of the
+    spec's JSON when empty."""
     attention_rates: tuple[tuple[float, float], ...] = ()
     """(FLOPs of one attention forward, FLOP/s of its forward and backward together), ascending,
     as `matmul_rates`: causal scaled-dot-product attention (flash where the GPU runs it) timed by

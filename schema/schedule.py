@@ -394,6 +394,10 @@ def block_gpus(plan) -> dict[str, str]:
     return gpus_of_blocks(plan.decisions, [b.name for b in plan.model.blocks])
 
 
+CPU_OPTIMIZER = "cpu.opt"
+"""The stream of the CPU optimizer's updates."""
+
+
 def resource_of(stream: str) -> str:
     return "ssd" if stream.startswith("ssd.") else stream
 

@@ -168,8 +168,12 @@ def test_kernel_traces_with_fake_tensors(kernel):
 def test_kernel_rejects_bad_tensors(kernel):
     p, g, m, v = (torch.zeros(16) for _ in range(4))
     op = torch.ops.tensorstow.adam_step_
-    with pytest.raises(RuntimeError, match="grad must be float32"):
+    with pytest.raises(RuntimeError, match="grad must be float32, bfloat16 or float16"):
         op(p, g.double(), m, v, None, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True)
+    with pytest.raises(RuntimeError, match="grad must be contiguous"):
+        op(p, torch.zeros(32, dtype=torch.bfloat16)[::2], m, v, None, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True)
+    with pytest.raises(RuntimeError, match="grad_scale must be finite"):
+        op(p, g, m, v, None, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, float("inf"))
     with pytest.raises(RuntimeError, match="exp_avg must be contiguous"):
         op(p, g, torch.zeros(32)[::2], v, None, 1, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True)
     with pytest.raises(RuntimeError, match="param16 must be bfloat16 or float16"):
@@ -181,7 +185,7 @@ def test_kernel_rejects_bad_tensors(kernel):
 
 
 @pytest.mark.parametrize("bad,match", [
-    (dict(grad=torch.zeros(8, dtype=torch.float64)), "grad must be a float32 CPU tensor"),
+    (dict(grad=torch.zeros(8, dtype=torch.float64)), "grad must be a float32/bfloat16/float16 CPU tensor"),
     (dict(m=torch.zeros(9)), "m has 9 elements but p32 has 8"),
     (dict(out16=torch.zeros(8)), "out16 must be a bfloat16 or float16"),
     (dict(out16=torch.zeros(9, dtype=torch.bfloat16)), "out16 must be contiguous with 8 elements"),
@@ -247,3 +251,46 @@ def test_a_subgroup_step_equals_tensor_by_tensor_and_takes_strided_tensors():
     torch._fused_adamw_([pf], [gf], [mf], [vf], [], [torch.tensor(1.0)], lr=1e-3, beta1=0.9, beta2=0.999,
                         weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
     assert torch.equal(strided, pf) and torch.equal(o16, pf.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("engine", ["cpp", "torch"])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("scale", [1.0, 0.3183])
+def test_a_16_bit_or_scaled_gradient_equals_the_step_on_its_widened_product(request, monkeypatch, engine,
+                                                                             grad_dtype, scale):
+    """A mixed-precision step's 16-bit gradient is read in its width, times clip_grad_norm_'s
+    coefficient: the update equals torch.optim.AdamW on `grad.float()` multiplied in place by that
+    coefficient (eager's clip), bit for bit with exact=True, on every engine and on sizes with
+    tails and several threads; the gradient itself is left as it was."""
+    if engine == "cpp":
+        request.getfixturevalue("kernel")
+    monkeypatch.setenv("TENSORSTOW_ADAM", engine)
+    coef = torch.tensor(scale, dtype=torch.float32)
+    for n in (7, 1000, 65537, 300007):
+        gen = torch.Generator().manual_seed(n)
+        p0 = torch.randn(n, generator=gen)
+        grads = [(torch.randn(n, generator=gen) * 0.1).to(grad_dtype) for _ in range(3)]
+        ref = p0.clone().requires_grad_(True)
+        opt = torch.optim.AdamW([ref], lr=1e-3, weight_decay=0.01, foreach=False)
+        p, m, v = p0.clone(), torch.zeros(n), torch.zeros(n)
+        out16 = torch.empty(n, dtype=torch.bfloat16)
+        for step, g in enumerate(grads, start=1):
+            wide = g.to(torch.float32, copy=True)
+            torch._foreach_mul_([wide], coef)
+            ref.grad = wide
+            opt.step()
+            before = g.clone()
+            adam.adamw_step_(p, g, m, v, step, 1e-3, (0.9, 0.999), 1e-8, 0.01, out16, exact=True,
+                             grad_scale=float(coef))
+            assert torch.equal(g, before)
+        assert torch.equal(p, ref.detach()) and torch.equal(out16, p.to(torch.bfloat16))
+        assert torch.equal(m, opt.state[ref]["exp_avg"]) and torch.equal(v, opt.state[ref]["exp_avg_sq"])
+        # the executor's loop (fast sqrt) gives the same as its per-tensor step
+        q, mq, vq = p0.clone(), torch.zeros(n), torch.zeros(n)
+        q2, mq2, vq2 = p0.clone(), torch.zeros(n), torch.zeros(n)
+        for step, g in enumerate(grads, start=1):
+            adam.adamw_steps_([q], [g], [mq], [vq], step, 1e-3, (0.9, 0.999), 1e-8, 0.01, grad_scale=float(coef))
+            wide = g.to(torch.float32, copy=True)
+            torch._foreach_mul_([wide], coef)
+            adam.adamw_step_(q2, wide, mq2, vq2, step, 1e-3, (0.9, 0.999), 1e-8, 0.01)
+        assert torch.equal(q, q2) and torch.equal(mq, mq2) and torch.equal(vq, vq2)

@@ -99,8 +99,10 @@ def test_the_curves_travel_in_the_spec_and_stay_out_when_empty():
     hw = load_hardware("lohan-rtx4090")
     j = hw.to_json()["gpus"][0]
     assert not {"matmul_rates", "attention_rates", "kernel_s"} & set(j)
-    probed = _with(hw, matmul_rates=((1e9, 1e14), (1e12, 3e14)), attention_rates=((1e9, 5e13),), kernel_s=4e-6)
+    probed = _with(hw, matmul_rates=((1e9, 1e14), (1e12, 3e14)), matmul_rates_unaligned=((1e12, 1.2e14),),
+                   attention_rates=((1e9, 5e13),), kernel_s=4e-6)
     assert Hardware.from_json(probed.to_json()) == probed
+    assert "matmul_rates_unaligned" not in _with(hw, matmul_rates=((1e9, 1e14),)).to_json()["gpus"][0]
 
 
 def _wall(fn) -> float:
@@ -114,7 +116,7 @@ def test_the_probe_sweeps_give_ascending_positive_curves():
     """The probe's sweeps (run on the CPU at tiny shapes with a wall-clock timer; on CUDA they
     time `GPU_LINEAR_SHAPES` and `GPU_ATTENTION_SHAPES` with CUDA events): one point per
     distinct FLOP count, shapes of equal FLOPs pooled."""
-    shapes = [(64, 32, 32), (64, 32, 128), (64, 128, 32), (128, 64, 256)]
+    shapes = [(64, 32, 32), (64, 32, 128), (64, 128, 32), (128, 64, 256), (64, 32, 127)]
     linear = calibrate._linear_rates("cpu", torch.float32, shapes, _wall)
     assert [f for f, _ in linear] == sorted({2.0 * m * k * n for m, k, n in shapes})
     assert all(r > 0 for _, r in linear)
@@ -127,3 +129,30 @@ def test_the_probe_sweeps_give_ascending_positive_curves():
 def test_pooled_points_average_their_times():
     """Two shapes of equal FLOPs make one point at their FLOPs over their mean time."""
     assert calibrate._curve([(100, 1.0), (100, 3.0), (10, 1.0)]) == ((10.0, 10.0), (100.0, 50.0))
+
+
+def test_a_matmul_with_a_dimension_off_the_tensor_core_grain_runs_at_the_unaligned_rates():
+    """The LM head of a 50257-token vocabulary (forward and both backward matmuls) is priced at
+    `matmul_rates_unaligned`; the blocks' matmuls, whose dimensions are multiples of 8, at
+    `matmul_rates`; a spec without the unaligned curve prices both at the aligned one."""
+    hw = load_hardware("lohan-rtx4090")
+    g = hw.gpus[0]
+    aligned, slow = g.flops / 2, g.flops / 12
+    probed = _with(hw, matmul_rates=((1.0, aligned),), matmul_rates_unaligned=((1.0, slow),))
+    o = Options(model="gpt3-125m", hardware="lohan-rtx4090", batch=1, seq=32, precision="bf16-mixed")  # vocab 50257
+    p = build_problem(o, probed)
+    tensors = {t.name: t for t in p.graph.tensors}
+    mms = [op for op in p.graph.ops if cost.op_kind(op.target) == "matmul"]
+    head = [op for op in mms if op.block == "post"]
+    blocks = [op for op in mms if op.block.startswith("b")]
+    assert len(head) >= 3 and blocks
+    assert {cost.matmul_kind(op, tensors) for op in head} == {"matmul_unaligned"}
+    assert {cost.matmul_kind(op, tensors) for op in blocks} == {"matmul"}
+    op = head[0]
+    assert cost.op_time(op.flops, 0, probed, kind="matmul_unaligned") == pytest.approx(op.flops / slow)
+    assert cost.op_time(op.flops, 0, _with(hw, matmul_rates=((1.0, aligned),)), kind="matmul_unaligned") == \
+        pytest.approx(op.flops / aligned)
+    # the post block's compute prices its head at the slow curve: slower than with one curve
+    one_curve = build_problem(o, _with(hw, matmul_rates=((1.0, aligned),)))
+    assert p.profiles["post"].fwd_time_s > one_curve.profiles["post"].fwd_time_s
+    assert p.profiles["b0"].fwd_time_s == pytest.approx(one_curve.profiles["b0"].fwd_time_s, rel=1e-12)

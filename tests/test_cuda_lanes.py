@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from tensorstow.executor.cuda import CudaLanes, on_host
 from tests.test_executor import B, STEPS, T, VOCAB, assert_same, batches, eager, executor, get_plan
@@ -199,3 +200,18 @@ def test_the_protocol_check_catches_a_missing_wait(tmp_path):
     ex.step(*next(iter(batches("synthetic", B, T, VOCAB, 1, seed=0))))
     with pytest.raises(AssertionError, match="does not wait for"):
         check_protocol(cuda, ex.instrs, 1)
+
+
+def test_with_a_gpu_the_cpu_update_leaves_a_core_to_each_lane_that_drives_it(monkeypatch):
+    """Overlap mode's CPU optimizer lane: with a GPU it runs on the cores the other lanes' host
+    threads leave (each drives the GPU: launches, copies, SSD requests), at least one thread; on
+    a CPU device tier, where `lane_cores` keeps the lanes apart, on all of the compute's threads."""
+    from tensorstow.executor import runtime
+    monkeypatch.setattr(runtime.os, "cpu_count", lambda: 16)
+    streams = ["gpu0.compute", "gpu0.h2d", "gpu0.d2h", "cpu.opt"]
+    assert runtime.optimizer_threads(torch.device("cuda"), 16, streams) == 13
+    assert runtime.optimizer_threads(torch.device("cuda"), 8, streams) == 8
+    assert runtime.optimizer_threads(torch.device("cuda"), 16, streams + ["ssd.read", "ssd.write"]) == 11
+    assert runtime.optimizer_threads(torch.device("cpu"), 16, streams) == 16
+    monkeypatch.setattr(runtime.os, "cpu_count", lambda: 2)
+    assert runtime.optimizer_threads(torch.device("cuda"), 2, streams) == 1
