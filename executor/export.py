@@ -68,7 +68,8 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, merge: bool = 
     try:
         for x, (plan, _) in zip(dirs, described):
             gpu = f"gpu{x.name[4:]}" if x is not d else None
-            stores.append(SSDStore(x, state.store_sizes(plan, gpu), owner=state.fingerprint(plan)))
+            # read-only: an export changes nothing in the state dir, which may be read-only to it
+            stores.append(SSDStore(x, state.store_sizes(plan, gpu), owner=state.fingerprint(plan), read_only=True))
         steps = [s.committed_step() for s in stores]
         if any(st is None for st in steps):
             raise TensorstowError(f"export: {dirs[steps.index(None)]} holds no committed step yet")
@@ -76,9 +77,13 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, merge: bool = 
         if max(steps) > step + 1:
             raise TensorstowError(f"export: the ranks' committed steps {steps} are more than one commit apart: "
                                   f"{d} was not written by one run")
-        for st in stores:
-            if st.committed_step() > step:
-                st.rollback()  # committed a step another rank did not: not a step of the run
+        for k, st in enumerate(stores):
+            if st.committed_step() > step:  # committed a step another rank did not: not a step of the run
+                st.close()
+                plan = described[k][0]
+                gpu = f"gpu{dirs[k].name[4:]}" if dirs[k] is not d else None
+                stores[k] = st = SSDStore(dirs[k], state.store_sizes(plan, gpu), owner=state.fingerprint(plan))
+                st.rollback()
         tmp = out.with_name(out.name + ".tmp-export")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)

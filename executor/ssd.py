@@ -104,10 +104,20 @@ def _file_names(name: str) -> list[str]:
     return [f"{safe}-{digest}.slot0", f"{safe}-{digest}.slot1"]
 
 
+NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+"""What an open for writing fails with in a directory this user may not write (or a read-only
+filesystem)."""
+
+
 def _describe_os_error(e: OSError) -> str:
     if e.errno == errno.ENOSPC:
         return f"disk full ({e.strerror})"
     return str(e)
+
+
+def _not_writable(path, e: OSError) -> TensorstowError:
+    return TensorstowError(f"SSD store: cannot write in {path} ({e.strerror}): give this user write access to it, "
+                           f"or use another state directory")
 
 
 class _Buffer:
@@ -201,8 +211,12 @@ class SSDStore:
     """
 
     def __init__(self, dir, sizes: dict[str, int], *, direct: bool = True, engine=None, verify: bool = True,
-                 early_sync: bool = True, owner: str | None = None):
+                 early_sync: bool = True, owner: str | None = None, read_only: bool = False):
         self.dir = Path(dir)
+        self.read_only = read_only
+        """Open an existing store to read its committed state only (export, evaluate): nothing in
+        the directory is created or changed, so it may be read-only for this user; writes,
+        commits and rollbacks are refused."""
         self.owner = owner
         """What the store holds the state of (a plan's fingerprint, `executor.state.fingerprint`),
         recorded in the manifest: a store of another owner is refused. None: any (an older store's,
@@ -235,15 +249,22 @@ class SSDStore:
                 raise TensorstowError(f"SSD store: buffer names must be non-empty strings, got {name!r}")
             if not isinstance(n, int) or isinstance(n, bool) or n < 0:
                 raise TensorstowError(f"SSD store: size of buffer '{name}' must be a byte count >= 0, got {n!r}")
+        if read_only and not self.dir.is_dir():
+            raise TensorstowError(f"SSD store: {self.dir} is not a directory")
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
+            if e.errno in NOT_WRITABLE:
+                raise _not_writable(self.dir.parent, e) from None
             raise TensorstowError(f"SSD store: cannot create directory {self.dir}: {e}") from None
         self._acquire_dir_lock()
         self._closed = False
         try:
-            self.direct, self.io_mode_reason = self._probe_direct(direct)
+            self.direct, self.io_mode_reason = (False, "buffered reads: opened read-only") if read_only else \
+                self._probe_direct(direct)
             manifest = self._load_manifest()
+            if manifest is None and read_only:
+                raise TensorstowError(f"SSD store {self.dir} holds no store (no {MANIFEST}): nothing to read")
             self.version = VERSION if manifest is None else manifest["version"]
             """Manifest version: the checksum the store records (CHECKSUMS)."""
             self._sum_name, self._sum = CHECKSUMS[self.version]
@@ -252,7 +273,7 @@ class SSDStore:
             """How the manifest was recovered (`_load_manifest`), where it had to be; else None."""
             fresh = manifest is not None and manifest["step"] is None and {
                 k: e["nbytes"] for k, e in manifest["buffers"].items()} == sizes
-            if manifest is None or fresh:  # none, or this plan's store never committed: nothing to keep
+            if (manifest is None or fresh) and not read_only:  # none, or never committed: nothing to keep
                 self._create(sizes)
             else:
                 self._resume(manifest, sizes)
@@ -371,6 +392,7 @@ class SSDStore:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise TensorstowError(f"SSD store: commit step must be an int >= 0, got {step!r}")
         self._check_open()
+        self._check_writable("commit")
         with self._commit_lock:
             self._wait_durable()
             bufs = [self._bufs[k] for k in sorted(self._bufs)]
@@ -417,6 +439,7 @@ class SSDStore:
         before anything is written after the last commit (its shadow slots still hold that
         commit's bytes): a multi-process run commits, then waits for every rank, then writes."""
         self._check_open()
+        self._check_writable("roll back")
         with self._commit_lock:
             self._wait_durable()
             if any(b.last_write is not None for b in self._bufs.values()):
@@ -435,7 +458,8 @@ class SSDStore:
                 for op in b.pending:  # reads in flight finish before their files close
                     op._complete()
                 for fd in b.fds:
-                    os.close(fd)
+                    if fd >= 0:
+                        os.close(fd)
                 b.fds = []
             self._resume(d, self.sizes)
             self._open_files()
@@ -468,7 +492,8 @@ class SSDStore:
             for op in buf.pending:
                 op._complete()
             for fd in buf.fds:
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
             buf.fds = []
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
@@ -494,8 +519,14 @@ class SSDStore:
         if self._closed:
             raise TensorstowError(f"SSD store {self.dir} is closed")
 
+    def _check_writable(self, verb: str) -> None:
+        if self.read_only:
+            raise TensorstowError(f"SSD store {self.dir} is open read-only: cannot {verb}")
+
     def _checked(self, name: str, tensor: torch.Tensor, verb: str) -> _Buffer:
         self._check_open()
+        if not verb.startswith("read"):
+            self._check_writable(f"{verb} buffer '{name}'")
         buf = self._bufs.get(name)
         if buf is None:
             raise TensorstowError(f"SSD store {self.dir}: unknown buffer '{name}' (the store holds "
@@ -689,7 +720,18 @@ class SSDStore:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
-            raise TensorstowError(f"SSD store: cannot open {path}: {e}") from None
+            if not (self.read_only and e.errno in NOT_WRITABLE):
+                if e.errno in NOT_WRITABLE:
+                    raise _not_writable(self.dir, e) from None
+                raise TensorstowError(f"SSD store: cannot open {path}: {e}") from None
+            # a reader of a directory it may not write: the lock file read-only (flock takes any
+            # open file); without one, no process of this user can be writing the store either
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return
+            except OSError as e2:
+                raise TensorstowError(f"SSD store: cannot open {path}: {e2}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -716,6 +758,8 @@ class SSDStore:
         except OSError as e:
             if e.errno in (errno.ENOSPC, errno.EDQUOT):  # a full disk says nothing of O_DIRECT: the
                 return False, f"buffered I/O + fsync: {self.dir} is full"  # first write reports it
+            if e.errno in NOT_WRITABLE:  # says nothing of O_DIRECT either: the store cannot work here
+                raise _not_writable(self.dir, e) from None
             reason = (f"buffered I/O + fsync: the filesystem of {self.dir} refuses O_DIRECT "
                       f"({e.strerror})")
             log.warning("SSD store: %s", reason)
@@ -742,6 +786,9 @@ class SSDStore:
         except TensorstowError as e:
             d, why = None, f"{why}; {e}"
         if d is not None:
+            if self.read_only:
+                self.recovered = f"{why.rstrip('.')}: read from {PREVIOUS} (step {d['step']})"
+                return d
             if main.exists():
                 os.replace(main, self.dir / (MANIFEST + ".damaged"))
             os.replace(prev, main)
@@ -863,7 +910,8 @@ class SSDStore:
                 p = self.dir / f
                 size = p.stat().st_size if p.exists() else None
                 if k != b.slot and (size is None or size < aio.round_up(b.nbytes)):  # the shadow holds nothing committed
-                    self._preallocate(p, aio.round_up(b.nbytes))
+                    if not self.read_only:
+                        self._preallocate(p, aio.round_up(b.nbytes))
                     continue
                 if size is None or size < aio.round_up(b.nbytes):
                     state = "is missing" if size is None else f"has {size} bytes, expected {aio.round_up(b.nbytes)}"
@@ -872,7 +920,15 @@ class SSDStore:
             self._bufs[name] = b
 
     def _open_files(self) -> None:
-        flags = os.O_RDWR | os.O_CLOEXEC | (os.O_DIRECT if self.direct else 0)
+        flags = (os.O_RDONLY if self.read_only else os.O_RDWR) | os.O_CLOEXEC | (os.O_DIRECT if self.direct else 0)
         for b in self._bufs.values():
-            for f in b.files:
-                b.fds.append(os.open(self.dir / f, flags))
+            for k, f in enumerate(b.files):
+                if self.read_only and k != b.slot:
+                    b.fds.append(-1)  # the shadow: never read
+                    continue
+                try:
+                    b.fds.append(os.open(self.dir / f, flags))
+                except OSError as e:
+                    if e.errno in NOT_WRITABLE:
+                        raise _not_writable(self.dir, e) from None
+                    raise

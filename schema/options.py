@@ -142,14 +142,17 @@ class Options:
 def check_values(o: Options) -> None:
     """One TensorstowError for sizes and optimizer settings no step can run with (torch.optim's
     own rules for Adam: lr, eps, weight decay >= 0, each beta in [0, 1))."""
-    bad = [f"--{name.replace('_', '-')} {value}" for name, value, ok in (
-        ("batch", o.batch, o.batch >= 0), ("seq", o.seq, o.seq >= 0), ("grad_accum", o.grad_accum, o.grad_accum >= 1),
-        ("lr", o.lr, math.isfinite(o.lr) and o.lr >= 0), ("eps", o.eps, math.isfinite(o.eps) and o.eps >= 0),
-        ("weight_decay", o.weight_decay, math.isfinite(o.weight_decay) and o.weight_decay >= 0),
-        ("betas", " ".join(map(str, o.betas)), all(math.isfinite(b) and 0 <= b < 1 for b in o.betas))) if not ok]
+    finite = "must be a finite number >= 0"
+    bad = [f"--{name.replace('_', '-')} {value} {rule}" for name, value, ok, rule in (
+        ("batch", o.batch, o.batch >= 0, "must be >= 1 (0: the model's default)"),
+        ("seq", o.seq, o.seq >= 0, "must be >= 1 (0: the model's default)"),
+        ("grad_accum", o.grad_accum, o.grad_accum >= 1, "must be >= 1"),
+        ("lr", o.lr, math.isfinite(o.lr) and o.lr >= 0, finite), ("eps", o.eps, math.isfinite(o.eps) and o.eps >= 0, finite),
+        ("weight_decay", o.weight_decay, math.isfinite(o.weight_decay) and o.weight_decay >= 0, finite),
+        ("betas", " ".join(map(str, o.betas)), all(math.isfinite(b) and 0 <= b < 1 for b in o.betas),
+         "must each be in [0, 1)")) if not ok]
     if bad:
-        raise TensorstowError(f"plan options: {', '.join(bad)}: batch and seq must be >= 0 (0: the default), grad accum >= 1, lr, eps "
-                              f"and weight decay finite and >= 0, each beta in [0, 1)")
+        raise TensorstowError(f"plan options: {'; '.join(bad)}")
 
 
 @dataclass(frozen=True)

@@ -493,9 +493,12 @@ def test_bad_optimizer_values_and_unwritable_paths_are_one_line(plans, tmp_path,
     beta of 1 in an edited plan file when it reaches the executor (not the kernel's ValueError); a
     --log-json in a missing directory is one line naming the path."""
     common = ["plan", MODEL, *COMMON[:-1], "--policy", "stronghold", "--gpu-mem", "400KB"]
-    for bad in (["--lr=-1e-3"], ["--lr", "nan"], ["--betas", "0.9", "1.0"], ["--batch=-2"]):
+    for bad, rule in ((["--lr=-1e-3"], "--lr -0.001 must be a finite number >= 0"),
+                      (["--lr", "nan"], "--lr nan must be a finite number >= 0"),
+                      (["--betas", "0.9", "1.0"], "--betas 0.9 1.0 must each be in [0, 1)"),
+                      (["--batch=-2"], "--batch -2 must be >= 1 (0: the model's default)")):
         assert main([*common, *bad, "-o", str(tmp_path / "x.json")]) == 2, bad
-        assert capsys.readouterr().err.startswith("tensorstow: error: plan options: --")
+        assert capsys.readouterr().err == f"tensorstow: error: plan options: {rule}\n"
     edited = json.loads(Path(plans["stronghold"]).read_text())
     edited["options"]["betas"] = [0.9, 1.0]
     (tmp_path / "edited.json").write_text(json.dumps(edited))

@@ -2,7 +2,9 @@
 wins (and the resume says which), a dir whose committed state cannot be read is refused in one line
 until `--restart` starts over deliberately, a missing shadow slot or a damaged layout.json is made
 again. Each case trains on and exports the weights eager training gives."""
+import errno
 import json
+import os
 
 import pytest
 import torch
@@ -139,3 +141,98 @@ def test_a_store_of_another_plan_is_refused_even_with_its_plan_json_replaced(pla
     assert "holds the training state of another plan" in err and err.count("\n") == 1
     assert main(["export", str(s), "-o", str(tmp_path / "e")]) == 2
     assert "another plan" in capsys.readouterr().err
+
+
+def _read_only(monkeypatch, root, err=errno.EROFS):
+    """Every call that would create, change or remove something under `root` fails as the kernel
+    fails it on a read-only filesystem (or, EACCES, in a directory this user may not write); a
+    test running as root cannot make the kernel refuse it with permissions alone."""
+    import builtins
+    import pathlib
+    root = os.path.realpath(root)
+
+    def under(path) -> bool:
+        return os.path.realpath(os.fspath(path)).startswith(root)
+
+    def refuse(path):
+        raise OSError(err, os.strerror(err), os.fspath(path))
+
+    real_open = os.open
+
+    def fake_open(path, flags, *a, **kw):
+        if under(path) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC):
+            refuse(path)
+        return real_open(path, flags, *a, **kw)
+
+    def guard(real):
+        def call(path, *a, **kw):
+            if under(path):
+                refuse(path)
+            return real(path, *a, **kw)
+        return call
+
+    real_builtin_open = builtins.open
+
+    def fake_builtin_open(file, mode="r", *a, **kw):
+        if isinstance(file, (str, os.PathLike)) and under(file) and any(c in mode for c in "wax+"):
+            refuse(file)
+        return real_builtin_open(file, mode, *a, **kw)
+
+    monkeypatch.setattr(os, "open", fake_open)
+    monkeypatch.setattr(builtins, "open", fake_builtin_open)
+    for name in ("replace", "rename", "unlink", "remove", "mkdir"):
+        monkeypatch.setattr(os, name, guard(getattr(os, name)))
+    real_mkdir = pathlib.Path.mkdir
+
+    def fake_mkdir(self, *a, **kw):
+        if under(self) and not self.is_dir():
+            refuse(self)
+        return real_mkdir(self, *a, **kw)
+
+    monkeypatch.setattr(pathlib.Path, "mkdir", fake_mkdir)
+
+
+def test_a_read_only_state_dir_exports_and_refuses_execute_in_one_line(plan, tmp_path, monkeypatch, capsys):
+    """A state dir on a read-only filesystem (or one this user may not write): export reads its
+    last commit, taking nothing but reads (it needed write access to LOCK, and ran the O_DIRECT
+    probe's write), and equals eager; execute stops before any step with one line saying the dir
+    is not writable (a permission failure was reported as "refuses O_DIRECT" and a step trained
+    before the commit failed)."""
+    s = tmp_path / "s"
+    assert execute(plan, s, 2) == 0
+    before = {p.name: p.stat().st_mtime_ns for p in s.iterdir()}
+    _read_only(monkeypatch, s)
+    want = eager_params(2)
+    got = exported(s, tmp_path / "e")
+    assert got.keys() == want.keys() - {"lm_head.weight"} and all(torch.equal(got[n], want[n]) for n in got)
+    capsys.readouterr()
+    for err in (errno.EROFS, errno.EACCES):
+        _read_only(monkeypatch, s, err)
+        assert execute(plan, s, 4) == 2
+        out, msg = capsys.readouterr()
+        assert msg.startswith("tensorstow: error: ") and msg.count("\n") == 1, msg
+        assert "cannot write in" in msg and "write access" in msg and "O_DIRECT" not in msg
+        assert "step 3/4" not in out
+    monkeypatch.undo()
+    assert {p.name: p.stat().st_mtime_ns for p in s.iterdir()} == before
+
+
+def test_a_read_only_store_refuses_writes_commits_and_rollbacks(tmp_path):
+    """`SSDStore(read_only=True)` reads the committed state and refuses whatever would change it;
+    a directory without a store is refused, not made into one."""
+    from tensorstow.errors import TensorstowError
+    from tensorstow.executor.ssd import SSDStore
+    with SSDStore(tmp_path / "s", {"a": 4096}) as st:
+        st.write("a", torch.arange(1024, dtype=torch.float32))
+        st.commit(0)
+    with SSDStore(tmp_path / "s", {"a": 4096}, read_only=True) as ro:
+        out = torch.empty(1024)
+        ro.read("a", out)
+        assert torch.equal(out, torch.arange(1024, dtype=torch.float32))
+        for attempt in (lambda: ro.write("a", out), lambda: ro.commit(1), lambda: ro.rollback()):
+            with pytest.raises(TensorstowError, match="open read-only"):
+                attempt()
+    (tmp_path / "none").mkdir()
+    with pytest.raises(TensorstowError, match="holds no store"):
+        SSDStore(tmp_path / "none", {"a": 4096}, read_only=True)
+    assert {p.name for p in (tmp_path / "none").iterdir()} <= {"LOCK"}  # no store made there
