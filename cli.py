@@ -38,6 +38,14 @@ def load_plan(path: str):
     return Plan.load(path)
 
 
+def state_disk_bytes(plan) -> int:
+    """Disk the plan's state dir takes: two preallocated slots of every buffer its store keeps
+    (`executor.state.store_sizes`), each rounded up to the store's page."""
+    from tensorstow.executor.aio import round_up
+    from tensorstow.executor.state import store_sizes
+    return sum(2 * round_up(n) for n in store_sizes(plan).values())
+
+
 def summary(plan, sim=None) -> str:
     """The plan's summary; `sim`: its simulation, when the caller has one (else it is replayed)."""
     m, pred, dec = plan.model, plan.predicted, plan.decisions
@@ -56,6 +64,9 @@ def summary(plan, sim=None) -> str:
         "traffic: " + (", ".join(f"{k} {_fmt(v)}" for k, v in pred.traffic_bytes.items()) or "none"),
         "placement: " + _placement(dec),
     ]
+    lines.append(f"state dir: {_fmt(state_disk_bytes(plan))} of disk (two slots of each buffer the store keeps: "
+                 f"the training state{', the SSD tier' if plan.ssd_sizes() else ''}; --state-dir"
+                 f"{', required' if plan.ssd_sizes() else ', for checkpoints'})")
     kinds: dict[str, int] = {}
     for ins in plan.instructions:
         kinds[ins.kind] = kinds.get(ins.kind, 0) + 1

@@ -193,6 +193,21 @@ def _tokenizer(path: str | None, model: str):
         raise TensorstowError(f"--tokenizer {path}: no tokenizer there ({str(e).splitlines()[0]})") from None
 
 
+def _store_bytes(ex: Executor) -> tuple[int, int] | None:
+    """(bytes read, bytes written) by the executor's SSD store so far; None without one."""
+    store = ex.ssd.store
+    return None if store is None else (store.bytes_read, store.bytes_written)
+
+
+def _io_rates(ex: Executor, before: tuple[int, int] | None, dt: float) -> dict:
+    """The step's SSD traffic for its progress line and log (`ssd_read_bytes`, `ssd_written_bytes`:
+    the buffers the step read and wrote, its checkpoint's writes included)."""
+    now = _store_bytes(ex)
+    if now is None or before is None:
+        return {}
+    return {"ssd_read_bytes": now[0] - before[0], "ssd_written_bytes": now[1] - before[1]}
+
+
 def _train(ex: Executor, plan: Plan, feed: Iterator, steps: int, start: int, log_json: str | None,
            out, held_out: list | None = None, eval_every: int = 0) -> tuple[list[float], list[float]]:
     """Steps `start`..`steps` (each printed, and logged as a JSON line to `log_json`), then a
@@ -215,9 +230,11 @@ def _train(ex: Executor, plan: Plan, feed: Iterator, steps: int, start: int, log
                 print(f"step {k + 1}/{steps}{where}  every label is ignored: no update", file=out, flush=True)
                 continue
             taken = ex.opt_steps
+            moved = _store_bytes(ex)
             t0 = time.perf_counter()
             loss = ex.step(x, y)
             dt = time.perf_counter() - t0
+            io = _io_rates(ex, moved, dt)
             times.append(dt)
             losses.append(loss)
             # fp16-mixed: the loss scale after the step, and whether overflow skipped its update
@@ -229,14 +246,16 @@ def _train(ex: Executor, plan: Plan, feed: Iterator, steps: int, start: int, log
                 norm["speculation"] = ex.speculation
             if log:  # first: a run killed once the progress line is out has the step logged
                 log.write(json.dumps({**row, "loss": loss, **norm, "lr": ex.lr, "step_time_s": dt,
-                                      "tokens_per_s": tokens / dt,
+                                      "tokens_per_s": tokens / dt, **io,
                                       "device_peak_bytes": ex.peak_bytes.get("gpu", 0), **amp}) + "\n")
                 log.flush()
             shown = "" if ex.grad_norm is None else f"  grad_norm {ex.grad_norm:.4g}"
             if ex.speculation == "redone":
                 shown += " (clipped: speculated updates redone)"
+            disk = (f"  ssd read {io['ssd_read_bytes'] / dt / 1e9:.3g} GB/s write {io['ssd_written_bytes'] / dt / 1e9:.3g} GB/s"
+                    if io.get("ssd_read_bytes") or io.get("ssd_written_bytes") else "")
             print(f"step {k + 1}/{steps}{where}  loss {loss:.4f}{shown}  lr {ex.lr:.4g}  {dt:.3f} s  "
-                  f"{tokens / dt:.4g} tokens/s{scale}", file=out, flush=True)
+                  f"{tokens / dt:.4g} tokens/s{disk}{scale}", file=out, flush=True)
             if held_out and ((eval_every and (k + 1) % eval_every == 0) or k + 1 == steps):
                 _evaluate(ex, held_out, k + 1, steps, log, out)
         ex.checkpoint()  # the last step is always committed

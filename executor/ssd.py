@@ -244,6 +244,11 @@ class SSDStore:
         not the early syncs it waited for: `early_sync_s` counts those)."""
         self._lock_fd: int | None = None
         self._closed = True
+        self._moved = threading.Lock()
+        self.bytes_read = 0
+        """Bytes of buffers read so far (data, not the files' padding): per-step I/O rates."""
+        self.bytes_written = 0
+        """Bytes of buffers written so far."""
         for name, n in sizes.items():
             if not isinstance(name, str) or not name:
                 raise TensorstowError(f"SSD store: buffer names must be non-empty strings, got {name!r}")
@@ -296,6 +301,8 @@ class SSDStore:
 
     def write_async(self, name: str, tensor: torch.Tensor) -> _Op:
         buf = self._checked(name, tensor, "write")
+        with self._moved:
+            self.bytes_written += buf.nbytes
         self._wait_durable()  # a background commit's shadow slots are the last committed state until it is durable
         with buf.io_lock:
             for op in buf.pending:  # earlier reads and writes of this buffer finish first
@@ -329,6 +336,8 @@ class SSDStore:
 
     def read_async(self, name: str, out: torch.Tensor, first: bool = False, committed: bool = False) -> _Op:
         buf = self._checked(name, out, "read into")
+        with self._moved:
+            self.bytes_read += buf.nbytes
         with buf.io_lock:
             if buf.last_write is not None and not committed:
                 buf.last_write._complete()

@@ -153,6 +153,44 @@ def test_disk_full_is_one_line_and_keeps_the_last_commit(plans, small_fs, tmp_pa
     assert all(torch.equal(got[n], want[n]) for n in want)
 
 
+def test_a_disk_too_small_for_the_state_dir_is_refused_before_anything_is_written(plans, tmp_path, capsys):
+    """The summary states the disk the state dir takes (two slots of every buffer its store keeps:
+    exactly what the store preallocates); on a filesystem with less free, execute stops before
+    the first step with one line naming both figures and writes no slot (a real tmpfs of half
+    the need); with room, every step's progress line and log give its SSD traffic, the reads
+    exactly the plan's loads from SSD."""
+    from tensorstow.cli import _fmt, load_plan, state_disk_bytes
+    plan = load_plan(str(plans["zero-infinity"]))
+    need = state_disk_bytes(plan)
+    assert main(["show", str(plans["zero-infinity"])]) == 0
+    out = capsys.readouterr().out
+    assert f"state dir: {_fmt(need)} of disk" in out and "--state-dir, required" in out
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    if shutil.which("mount") is None or subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={need // 2 // 1024}k", "tmpfs", str(mnt)],
+            capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    try:
+        assert execute(plans["zero-infinity"], mnt / "s", 2) == 2
+        out, err = capsys.readouterr()
+        assert err.startswith("tensorstow: error: SSD store: ") and err.count("\n") == 1, err
+        assert "needs" in err and "free space or choose a larger disk" in err
+        assert "step 1/2" not in out and not list((mnt / "s").glob("*.slot[01]"))
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+    log = tmp_path / "log.jsonl"
+    assert execute(plans["zero-infinity"], tmp_path / "s", 2, "--log-json", str(log)) == 0
+    slots = sum(p.stat().st_size for p in (tmp_path / "s").glob("*.slot[01]"))
+    assert slots == need
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("step ")]
+    assert len(lines) == 2 and all(" ssd read " in ln and " GB/s write " in ln for ln in lines)
+    loads = sum(plan.buffers[i.tensor].bytes for i in plan.instructions if i.kind == "load" and i.src == "ssd")
+    stores = sum(plan.buffers[i.tensor].bytes for i in plan.instructions if i.kind == "store" and i.dst == "ssd")
+    for row in map(json.loads, log.read_text().splitlines()):
+        assert row["ssd_read_bytes"] == loads and row["ssd_written_bytes"] >= stores > 0
+
+
 def _cli(*args) -> subprocess.Popen:
     import os
     import sys
