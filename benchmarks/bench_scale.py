@@ -1,24 +1,31 @@
 """Train a model whose training state is several times this machine's DRAM budget, from SSD.
 
-    python benchmarks/bench_scale.py [--model gpt3-1.3b] [--dram 6GB] [--gpu-mem 2GB]
-                                     [--batch 1] [--seq 512] [--steps 3] [--dir DIR]
+    python benchmarks/bench_scale.py [--model gpt3-1.3b] [--dram 6GB] [--gpu-mem 2GB] [--batch 1]
+        [--seq 512] [--precision fp32] [--steps 3] [--mode both] [--threads 1] [--dir DIR]
 
-Probes this machine's disk (`tensorstow probe`), plans the model for it with the given DRAM
-and device budgets (the device tier is CPU memory without a GPU), runs `tensorstow execute`
-from a state dir on that disk in a child process, and reports, in one run:
+Probes this machine (`tensorstow probe`, its disk under DIR) with `--threads` torch threads,
+plans the model for it with the given DRAM and device budgets (the device tier is CPU memory
+without a GPU), and runs `tensorstow execute` from a state dir on that disk in a child process,
+in sync mode, then (a fresh state dir) in overlap mode. Reports, per mode:
 
-- step time, measured against the plan's prediction (ratio);
+- step time against the plan's prediction for that mode (ratio);
+- the bound: max(the compute lane alone, the SSD's bytes at the probed read / write rates,
+  the CPU optimizer alone), the lanes "alone" as the sync run measured them (one lane at a
+  time), and the step against it (ratio);
 - bytes the child really read and wrote per step (/proc/PID/io: storage I/O, O_DIRECT
-  included), and the achieved bandwidth against the disk's probed bandwidth (ratio);
+  included) against the plan's, and the achieved bandwidth;
 - the child's peak RSS against --dram + --gpu-mem;
-- the largest GPT preset `tensorstow fit` finds trainable with this box's real DRAM.
+- whether the two modes' losses are equal;
+and the largest GPT preset `tensorstow fit` finds trainable with this box's real DRAM.
 
-Needs about 2.2x the training state in free disk (two store slots per buffer).
+Needs the state dir's disk (`tensorstow show` states it: two store slots per buffer) free once;
+the modes run one after the other.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -27,6 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from tensorstow.executor.run import predicted_step
 from tensorstow.schema.plan import Plan
 
 
@@ -46,6 +54,38 @@ def rss_peak_mb(pid: int) -> float:
     return int(m.group(1)) / 1024 if m else 0.0
 
 
+def run_mode(plan: Path, p: Plan, state: Path, mode: str, steps: int, env: dict) -> dict:
+    """`tensorstow execute` of `plan` in `mode` from a fresh `state`: its log rows, the child's
+    I/O counters per step, and its peak RSS."""
+    log = state.with_name(state.name + ".jsonl")
+    t0 = time.time()
+    child = subprocess.Popen([sys.executable, "-m", "tensorstow.cli", "execute", str(plan), "--steps", str(steps),
+                              "--mode", mode, "--state-dir", str(state), "--log-json", str(log)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    io = (0, 0)
+    peak = 0.0
+    marks = {}  # step -> io counters when its log line appeared
+    while child.poll() is None:
+        try:
+            io = io_counters(child.pid)
+            peak = max(peak, rss_peak_mb(child.pid))
+        except (FileNotFoundError, ProcessLookupError, AttributeError):
+            pass
+        if log.exists():
+            for line in log.read_text().splitlines():
+                marks.setdefault(json.loads(line)["step"], io)
+        time.sleep(0.2)
+    out = child.stdout.read()
+    print(out)
+    if child.returncode:
+        raise SystemExit(f"execute --mode {mode} failed")
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    first, last = min(marks), max(marks)
+    return {"rows": rows, "peak_mb": peak, "wall_s": time.time() - t0,
+            "read": (marks[last][0] - marks[first][0]) / max(last - first, 1),
+            "written": (marks[last][1] - marks[first][1]) / max(last - first, 1)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt3-1.3b")
@@ -53,14 +93,19 @@ def main() -> int:
     ap.add_argument("--gpu-mem", default="2GB")
     ap.add_argument("--batch", default="1")
     ap.add_argument("--seq", default="512")
+    ap.add_argument("--precision", default="fp32")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--policy", default="lohan")
+    ap.add_argument("--mode", default="both", choices=["sync", "overlap", "both"])
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads of the compute (1 on a 2-core box leaves a core to the other lanes)")
     ap.add_argument("--dir", default=None, help="directory on the disk to train from (default: a temp dir here)")
     a = ap.parse_args()
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
     work = Path(tempfile.mkdtemp(prefix="bench-scale-", dir=a.dir or "."))
     try:
         spec = work / "hw.json"
-        r = tensorstow("probe", "--disk-dir", str(work), "-o", str(spec))
+        r = tensorstow("probe", "--disk-dir", str(work), "-o", str(spec), env=env)
         if r.returncode:
             print(r.stderr, file=sys.stderr)
             return 1
@@ -68,59 +113,49 @@ def main() -> int:
         ssd_read, ssd_write = hw["ssd"]["read_bw"], hw["ssd"]["write_bw"]
         plan = work / "plan.json"
         r = tensorstow("plan", a.model, "--hw", str(spec), "--dram", a.dram, "--gpu-mem", a.gpu_mem, "--ssds", "1",
-                       "--policy", a.policy, "--precision", "fp32", "--batch", a.batch, "--seq", a.seq, "-o", str(plan))
+                       "--policy", a.policy, "--precision", a.precision, "--batch", a.batch, "--seq", a.seq,
+                       "-o", str(plan), env=env)
         print(r.stdout)
         if r.returncode:
             print(r.stderr, file=sys.stderr)
             return 1
         p = Plan.load(plan)
         state = sum(b.bytes for n, b in p.buffers.items() if n.split(":")[0] in ("P", "M", "OS", "G"))
-        log = work / "log.jsonl"
-        t0 = time.time()
-        child = subprocess.Popen([sys.executable, "-m", "tensorstow.cli", "execute", str(plan), "--steps",
-                                  str(a.steps), "--state-dir", str(work / "state"), "--log-json", str(log)],
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        io = [(time.time(), (0, 0))]
-        peak = 0.0
-        marks = {}  # step -> io counters when its log line appeared
-        while child.poll() is None:
-            try:
-                io.append((time.time(), io_counters(child.pid)))
-                peak = max(peak, rss_peak_mb(child.pid))
-            except (FileNotFoundError, ProcessLookupError, AttributeError):
-                pass
-            if log.exists():
-                for line in log.read_text().splitlines():
-                    marks.setdefault(json.loads(line)["step"], io[-1][1])
-            time.sleep(0.2)
-        out = child.stdout.read()
-        print(out)
-        if child.returncode:
-            return 1
-        rows = [json.loads(line) for line in log.read_text().splitlines()]
-        steady = rows[1:] or rows
-        step_s = sum(r["step_time_s"] for r in steady) / len(steady)
-        pred = p.predicted.step_time_s
-        first, last = min(marks), max(marks)
-        per_step_r = (marks[last][0] - marks[first][0]) / max(last - first, 1)
-        per_step_w = (marks[last][1] - marks[first][1]) / max(last - first, 1)
+        print(f"{a.model}: {p.model.params / 1e9:.2f}B parameters, {a.precision} training state (P+M+G+OS) "
+              f"{state / 1e9:.1f} GB = {state / p.predicted.capacity_bytes['dram']:.1f}x --dram {a.dram}; "
+              f"{a.threads} torch thread(s)")
         plan_r = p.predicted.traffic_bytes.get("ssd->dram", 0)
         plan_w = p.predicted.traffic_bytes.get("dram->ssd", 0)
-        achieved = (per_step_r + per_step_w) / step_s
         budget_mb = (p.predicted.capacity_bytes["dram"] + p.predicted.capacity_bytes["gpu"]) / 2**20
-        shutil.rmtree(work / "state", ignore_errors=True)  # fit probes the disk's free space
-        fit = tensorstow("fit", "--hw", "local", "--policy", a.policy)
-        print(f"\n{a.model}: {p.model.params / 1e9:.2f}B parameters, fp32 training state (P+G+OS) "
-              f"{state / 1e9:.1f} GB = {state / p.predicted.capacity_bytes['dram']:.1f}x --dram {a.dram}")
-        print(f"step time (mean of steps 2..{a.steps}): {step_s:.1f} s; predicted {pred:.1f} s; "
-              f"measured/predicted {step_s / pred:.2f}")
-        print(f"SSD bytes per step: read {per_step_r / 1e9:.1f} GB (plan {plan_r / 1e9:.1f} GB), written "
-              f"{per_step_w / 1e9:.1f} GB (plan {plan_w / 1e9:.1f} GB)")
-        print(f"achieved I/O {achieved / 1e9:.2f} GB/s over the whole step vs probed disk read {ssd_read / 1e9:.2f} / "
-              f"write {ssd_write / 1e9:.2f} GB/s: ratio {achieved / ((ssd_read + ssd_write) / 2):.2f} of the mean")
-        print(f"peak RSS {peak:.0f} MB vs --dram + --gpu-mem {budget_mb:.0f} MB (+ fixed overhead, "
-              f"tests/test_scale.py: 512 MB)")
-        print(f"total wall time {time.time() - t0:.0f} s")
+        runs = {}
+        for mode in ("sync", "overlap") if a.mode == "both" else (a.mode,):
+            runs[mode] = run_mode(plan, p, work / f"state-{mode}", mode, a.steps, env)
+            shutil.rmtree(work / f"state-{mode}", ignore_errors=True)  # the next mode's room on the disk
+        bound = None
+        if "sync" in runs:  # one lane at a time: each lane's busy time is its time alone
+            alone = runs["sync"]["rows"][-1]["lane_busy_s"]
+            compute = sum(v for k, v in alone.items() if k.endswith(".compute"))
+            disk = plan_r / ssd_read + plan_w / ssd_write
+            bound = max(compute, disk, alone.get("cpu.opt", 0.0))
+            print(f"\nbound: max(compute alone {compute:.3g} s, SSD {plan_r / 1e9:.1f} GB read + {plan_w / 1e9:.1f} GB "
+                  f"written at the probed {ssd_read / 1e9:.2f} / {ssd_write / 1e9:.2f} GB/s {disk:.3g} s, CPU optimizer "
+                  f"alone {alone.get('cpu.opt', 0.0):.3g} s) = {bound:.3g} s")
+        for mode, run in runs.items():
+            steady = run["rows"][1:] or run["rows"]
+            step_s = sum(r["step_time_s"] for r in steady) / len(steady)
+            pred = predicted_step(p, mode)
+            achieved = (run["read"] + run["written"]) / step_s
+            print(f"{mode}: step (mean of steps 2..{a.steps}) {step_s:.3g} s; predicted {pred:.3g} s; measured/predicted "
+                  f"{step_s / pred:.2f}" + (f"; step/bound {step_s / bound:.2f}" if bound else ""))
+            print(f"  SSD bytes per step: read {run['read'] / 1e9:.1f} GB (plan {plan_r / 1e9:.1f}), written "
+                  f"{run['written'] / 1e9:.1f} GB (plan {plan_w / 1e9:.1f}); {achieved / 1e9:.2f} GB/s over the step")
+            print("  lanes, last step: " + ", ".join(f"{k} {v:.3g} s" for k, v in run["rows"][-1]["lane_busy_s"].items()))
+            print(f"  peak RSS {run['peak_mb']:.0f} MB vs --dram + --gpu-mem {budget_mb:.0f} MB; wall {run['wall_s']:.0f} s; "
+                  f"losses {[round(r['loss'], 6) for r in run['rows']]}")
+        if len(runs) == 2:
+            same = [r["loss"] for r in runs["sync"]["rows"]] == [r["loss"] for r in runs["overlap"]["rows"]]
+            print(f"losses of the two modes equal: {same}")
+        fit = tensorstow("fit", "--hw", "local", "--policy", a.policy, env=env)
         print("largest GPT-3 preset per `tensorstow fit --hw local` (this box's real DRAM and disk):")
         print(fit.stdout or fit.stderr)
         return 0

@@ -246,7 +246,7 @@ def _train(ex: Executor, plan: Plan, feed: Iterator, steps: int, start: int, log
                 norm["speculation"] = ex.speculation
             if log:  # first: a run killed once the progress line is out has the step logged
                 log.write(json.dumps({**row, "loss": loss, **norm, "lr": ex.lr, "step_time_s": dt,
-                                      "tokens_per_s": tokens / dt, **io,
+                                      "tokens_per_s": tokens / dt, **io, "lane_busy_s": ex.lane_busy(),
                                       "device_peak_bytes": ex.peak_bytes.get("gpu", 0), **amp}) + "\n")
                 log.flush()
             shown = "" if ex.grad_norm is None else f"  grad_norm {ex.grad_norm:.4g}"
