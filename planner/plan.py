@@ -65,7 +65,7 @@ def plan_problem(problem: Problem, policy: str) -> PlanResult:
     return policy_plan(problem, policy)
 
 
-ARENA_TRIES = 3
+ARENA_TRIES = 6
 """Plannings `make_plan` makes at most to fit the DRAM arenas in the DRAM budget."""
 
 
@@ -87,31 +87,34 @@ def make_plan(options: Options, hw: Hardware, model=None) -> PlanResult:
 def _within_arena(plan: PlanResult, problem: Problem, policy: str) -> PlanResult:
     """`plan`, or where its DRAM arenas (`arena_bytes`: the simulated peak and the pages best-fit
     placement leaves between copies in overlap mode's order) exceed the DRAM budget, a plan made
-    with the excess held back from the DRAM the policy may fill, again until they fit (gpt3-2.7b
-    from SSD under --dram 6GB: 5.91 GB simulated peak, 6.17 GB arena). The plan keeps the budget
-    it was asked for; a note says what was held back."""
+    with DRAM held back from what the policy may fill, until they fit (gpt3-2.7b from SSD under
+    --dram 6GB: 5.91 GB simulated peak, a 6.17 GB arena). The plan keeps the budget it was asked
+    for; a note says what was held back, or, where no plan fits that way, by how much the arena
+    exceeds the budget."""
     cap = problem.capacity()["dram"]
-    held = 0
+    first, held = arena_bytes(plan), 0
+    arena = first
     for _ in range(ARENA_TRIES):
-        arena = arena_bytes(plan)
         if arena <= cap:
             break
-        held += arena - cap
+        # at least the excess more, and at least doubling: a policy fills what it is given, and
+        # the pages between small copies can be a large share of it
+        held = max(held + arena - cap, 2 * held)
+        if held >= cap:
+            break
         dram = dataclasses.replace(problem.hw.dram, capacity_bytes=cap - held)
         tighter = plan_problem(dataclasses.replace(problem, hw=dataclasses.replace(problem.hw, dram=dram)), policy)
         if not tighter.fits:
             break
-        plan = dataclasses.replace(tighter, problem=problem)
+        arena = arena_bytes(tighter)
+        if arena <= cap:
+            plan = dataclasses.replace(tighter, problem=problem)
+    if arena <= cap and held:
+        note = (f"planned with {held / 1e6:.4g} MB of DRAM held back, so the overlap-mode arena "
+                f"({arena / 1e6:.4g} MB) fits --dram")
+    elif first > cap:
+        note = (f"the overlap-mode DRAM arena ({first / 1e6:.4g} MB) exceeds --dram by {(first - cap) / 1e6:.4g} MB: "
+                f"the pages best-fit placement leaves between copies; no plan with DRAM held back fits")
     else:
-        arena = arena_bytes(plan)
-    if arena > cap:
-        raise TensorstowError(f"the plan's DRAM arenas take {arena / 1e9:.3g} GB but --dram is {cap / 1e9:.3g} GB: "
-                              f"its copies fit ({plan.peak('dram') / 1e9:.3g} GB at the peak), not with the pages "
-                              f"placing them leaves free between them; add --dram, or a smaller --batch")
-    if held:
-        plan = dataclasses.replace(plan, decisions=dataclasses.replace(plan.decisions, notes=(
-            *plan.decisions.notes, f"planned with {held / 1e6:.4g} MB of DRAM held back, so the overlap-mode arena "
-                                   f"({arena / 1e6:.4g} MB) fits --dram")))
-    return plan
-
-
+        return plan
+    return dataclasses.replace(plan, decisions=dataclasses.replace(plan.decisions, notes=(*plan.decisions.notes, note)))

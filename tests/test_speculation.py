@@ -16,9 +16,14 @@ from tensorstow.cli import main
 from tests.test_state_dir import COMMON, MODEL, eager_clipped, execute, exported
 
 
+DRAM = {"lohan": "700KB", "ilp": "600KB"}
+"""Budgets tight enough that the Adam states live on SSD (the updates it speculates), and for lohan
+loose enough that the blocks updated last defer their write-backs, with the DRAM arena within."""
+
+
 def plan(tmp_path, policy: str, max_norm: float, *extra: str, model: str = MODEL) -> dict:
     """`policy`'s plan at clip rate 0 (speculating wherever it can), written to tmp_path/p.json."""
-    assert main(["plan", model, *COMMON, "--policy", policy, "--gpu-mem", "400KB", "--dram", "600KB",
+    assert main(["plan", model, *COMMON, "--policy", policy, "--gpu-mem", "400KB", "--dram", DRAM[policy],
                  "--max-grad-norm", str(max_norm), "--clip-rate", "0", *extra, "-o", str(tmp_path / "p.json")]) == 0
     return json.loads((tmp_path / "p.json").read_text())
 
@@ -66,7 +71,8 @@ def test_speculated_updates_are_exact_whether_the_clip_fires_or_not(policy, max_
     first_update = min(i["id"] for i in ins if i["kind"] == "optimizer_step")
     assert first_update < last_bwd  # the CPU optimizer overlaps the backward
     assert set(spec) == {b for b in p["decisions"]["blocks"] if f"G:{b}" in p["buffers"]}  # all on SSD
-    assert p["decisions"]["deferred_writes"]  # a redo restores the blocks carried into the next step too
+    if policy == "lohan":  # a redo restores the blocks carried into the next step too
+        assert p["decisions"]["deferred_writes"]
     assert execute(tmp_path / "p.json", tmp_path / "s", 5, "--log-json", str(tmp_path / "log.jsonl"),
                    "--mode", mode) == 0
     rows = assert_trains_like_eager(tmp_path, 5, max_norm)
