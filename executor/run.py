@@ -346,22 +346,33 @@ def predicted_eval(plan: Plan, mode: str) -> float:
     return sync_step_s(list(plan.eval_instructions), 0.0)
 
 
+OVERLAP_MIN_COMPUTE_S = 1.5e-3
+"""On CUDA, `auto` runs a plan that moves state only through DRAM in overlap mode where its
+computations' median predicted time is at least this: below it the lanes' threads slow the host
+that launches the kernels more than the overlap hides (H200, DRAM-offloaded lohan plans,
+overlap / sync step: gpt3-125m, median 0.70 ms, 0.93-1.13x; gpt3-350m, 0.91 ms, 1.02x; gpt3-1.3b,
+2.29 ms, 0.78x; benchmarks/RESULTS.md "On a GPU")."""
+
+
 def pick_mode(mode: str, plan: Plan | None = None) -> str:
     """`auto`: overlap where the lanes have engines of their own and the plan has work for them to
-    hide. On CUDA: overlap for a plan with SSD traffic, sync otherwise. Measured on an H100
-    (benchmarks/RESULTS.md "On a GPU"), overlap/sync step time: gpt3-125m and gpt3-350m
-    SSD-offloaded 0.92x and 0.79x, but all-resident 2.4x and 1.8x and DRAM-offloaded 1.8x and 1.5x:
-    the lanes' Python threads share one interpreter, and without SSD reads to wait for, that costs
-    more host time than the overlap hides. On a CPU device tier: overlap where the compute threads
-    leave a core for the other lanes (the executor pins them apart: `runtime.lane_cores`); sync
-    where the compute takes every core, as the lanes would then take cores from it (gpt-small, 2
-    threads on 2 cores: sync 0.30 s, overlap 0.38 s; 1 thread, an SSD-bound plan: sync 0.42 s,
-    overlap 0.24 s)."""
+    hide. On CUDA: overlap for a plan with SSD traffic (H100: 0.79-0.92x sync's step); for one that
+    moves state only through DRAM where its computations are long enough that the host keeps ahead
+    of the GPU (`OVERLAP_MIN_COMPUTE_S`); sync otherwise (all-resident plans hide nothing: 0.96-1.53x).
+    On a CPU device tier: overlap where the compute threads leave a core for the other lanes (the
+    executor pins them apart: `runtime.lane_cores`); sync where the compute takes every core, as
+    the lanes would then take cores from it (gpt-small, 2 threads on 2 cores: sync 0.30 s, overlap
+    0.38 s; 1 thread, an SSD-bound plan: sync 0.42 s, overlap 0.24 s)."""
     if mode != "auto":
         return mode
     device = resolve_device(None)
     if device.type == "cuda":
-        return "overlap" if plan is None or plan.ssd_sizes() else "sync"
+        if plan is None or plan.ssd_sizes():
+            return "overlap"
+        dram = any(v for k, v in plan.predicted.traffic_bytes.items() if "dram" in k.split("->"))
+        computes = [i.est_s for i in plan.instructions if i.kind == "compute"]
+        long_enough = bool(computes) and statistics.median(computes) >= OVERLAP_MIN_COMPUTE_S
+        return "overlap" if dram and long_enough else "sync"
     return "overlap" if lane_cores(device, torch.get_num_threads()) else "sync"
 
 

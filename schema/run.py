@@ -38,8 +38,10 @@ class Run:
     """torch.manual_seed right before the model factory; also seeds the epochs' order."""
     mode: str = "auto"
     """overlap: one worker per stream; sync: one instruction at a time in program order (the
-    reference); auto: on CUDA overlap for a plan with SSD traffic, else sync; on a CPU device tier
-    overlap where the compute threads leave a core for the other lanes, else sync."""
+    reference); auto: on CUDA overlap for a plan with SSD traffic, or with DRAM traffic and
+    computations long enough for the host to keep ahead (a median of 1.5 ms predicted), else
+    sync; on a CPU device tier overlap where the compute threads leave a core for the other lanes,
+    else sync."""
     state_dir: str | None = None
     """Checkpoint directory (SSD-resident state lives there); resumes from it (default: none; a
     plan that homes state on the SSD needs one)."""

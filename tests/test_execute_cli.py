@@ -169,6 +169,21 @@ def test_auto_mode_overlaps_where_the_lanes_have_cores_of_their_own(monkeypatch)
     assert pick_mode("auto", on_ssd) == "overlap"
     assert pick_mode("auto", resident) == "sync"
     assert pick_mode("overlap", resident) == "overlap"
+    # a plan that moves state through DRAM only: overlap where its computations are long enough
+    # for the host to keep ahead of the GPU, else sync; an all-resident one stays sync however long
+    import dataclasses
+
+    from tensorstow.executor.run import OVERLAP_MIN_COMPUTE_S
+    from tests.test_executor import policy_plan
+    in_dram = as_plan(policy_plan("stronghold", gpu_mem=2_000_000))
+    assert not in_dram.ssd_sizes() and any(k.endswith("->dram") for k in in_dram.predicted.traffic_bytes)
+
+    def lasting(plan, seconds):
+        return dataclasses.replace(plan, instructions=tuple(
+            dataclasses.replace(i, est_s=seconds) if i.kind == "compute" else i for i in plan.instructions))
+    assert pick_mode("auto", lasting(in_dram, OVERLAP_MIN_COMPUTE_S / 2)) == "sync"
+    assert pick_mode("auto", lasting(in_dram, OVERLAP_MIN_COMPUTE_S)) == "overlap"
+    assert pick_mode("auto", lasting(resident, 10 * OVERLAP_MIN_COMPUTE_S)) == "sync"
 
 
 def test_ranks_on_cpu_devices_get_disjoint_cores():
