@@ -54,7 +54,7 @@ def rss_peak_mb(pid: int) -> float:
     return int(m.group(1)) / 1024 if m else 0.0
 
 
-def run_mode(plan: Path, p: Plan, state: Path, mode: str, steps: int, env: dict) -> dict:
+def run_mode(plan: Path, state: Path, mode: str, steps: int, env: dict) -> dict:
     """`tensorstow execute` of `plan` in `mode` from a fresh `state`: its log rows, the child's
     I/O counters per step, and its peak RSS."""
     log = state.with_name(state.name + ".jsonl")
@@ -129,7 +129,7 @@ def main() -> int:
         budget_mb = (p.predicted.capacity_bytes["dram"] + p.predicted.capacity_bytes["gpu"]) / 2**20
         runs = {}
         for mode in ("sync", "overlap") if a.mode == "both" else (a.mode,):
-            runs[mode] = run_mode(plan, p, work / f"state-{mode}", mode, a.steps, env)
+            runs[mode] = run_mode(plan, work / f"state-{mode}", mode, a.steps, env)
             shutil.rmtree(work / f"state-{mode}", ignore_errors=True)  # the next mode's room on the disk
         bound = None
         if "sync" in runs:  # one lane at a time: each lane's busy time is its time alone

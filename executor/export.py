@@ -64,12 +64,16 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, merge: bool = 
                                   f"GPUs (rank0..rank{n - 1}): a rank's state is missing; restore it")
     if out.exists() and any(out.iterdir()):
         raise TensorstowError(f"export: {out} exists and is not empty; choose a new directory")
+    def store(k: int, read_only: bool) -> SSDStore:
+        plan, x = described[k][0], dirs[k]
+        gpu = f"gpu{x.name[4:]}" if x is not d else None
+        return SSDStore(x, state.store_sizes(plan, gpu), owner=state.fingerprint(plan), read_only=read_only)
+
     stores, tmp = [], None
     try:
-        for x, (plan, _) in zip(dirs, described):
-            gpu = f"gpu{x.name[4:]}" if x is not d else None
-            # read-only: an export changes nothing in the state dir, which may be read-only to it
-            stores.append(SSDStore(x, state.store_sizes(plan, gpu), owner=state.fingerprint(plan), read_only=True))
+        # read-only: an export changes nothing in the state dir, which may be read-only to it
+        for k in range(len(dirs)):  # one at a time: those opened are closed below if another fails
+            stores.append(store(k, read_only=True))
         steps = [s.committed_step() for s in stores]
         if any(st is None for st in steps):
             raise TensorstowError(f"export: {dirs[steps.index(None)]} holds no committed step yet")
@@ -80,10 +84,8 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, merge: bool = 
         for k, st in enumerate(stores):
             if st.committed_step() > step:  # committed a step another rank did not: not a step of the run
                 st.close()
-                plan = described[k][0]
-                gpu = f"gpu{dirs[k].name[4:]}" if dirs[k] is not d else None
-                stores[k] = st = SSDStore(dirs[k], state.store_sizes(plan, gpu), owner=state.fingerprint(plan))
-                st.rollback()
+                stores[k] = store(k, read_only=False)
+                stores[k].rollback()
         tmp = out.with_name(out.name + ".tmp-export")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)

@@ -729,10 +729,10 @@ class SSDStore:
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:
-            if not (self.read_only and e.errno in NOT_WRITABLE):
-                if e.errno in NOT_WRITABLE:
-                    raise _not_writable(self.dir, e) from None
+            if e.errno not in NOT_WRITABLE:
                 raise TensorstowError(f"SSD store: cannot open {path}: {e}") from None
+            if not self.read_only:
+                raise _not_writable(self.dir, e) from None
             # a reader of a directory it may not write: the lock file read-only (flock takes any
             # open file); without one, no process of this user can be writing the store either
             try:

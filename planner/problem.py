@@ -151,10 +151,13 @@ class PlanResult:
         return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
     def pools(self) -> dict[str, PoolSizes]:
-        """Each GPU process's DRAM arena (`planner.pools`), from the schedule and its replay."""
-        order = self.problem.order
-        return host_pools(self.instructions, self.sim.start, self.buffers, self.decisions, order,
-                          gpus_of_blocks(self.decisions, order))
+        """Each GPU process's DRAM arena (`planner.pools`), from the schedule and its replay; made
+        once (`make_plan` checks them against the budget, `to_plan` writes them)."""
+        if "_pools" not in self.__dict__:
+            order = self.problem.order
+            self.__dict__["_pools"] = host_pools(self.instructions, self.sim.start, self.buffers, self.decisions,
+                                                 order, gpus_of_blocks(self.decisions, order))
+        return self.__dict__["_pools"]
 
     def redo_program(self) -> tuple[list[Instr], float]:
         """A speculating plan's redo program (`Plan.redo_instructions`) and its simulated time;
