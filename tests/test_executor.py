@@ -1033,3 +1033,14 @@ def test_clipping_under_mixed_precision_matches_eager_amp(precision, tmp_path):
         assert math.isinf(norms[0]) and not math.isinf(norms[-1])  # overflow steps, then clipped ones
     assert max(n for n in norms if not math.isinf(n)) > 0.5
     ex.close()
+
+
+def test_a_plain_directory_as_data_is_named_as_not_a_datasets_directory(tmp_path):
+    """A directory that `datasets` did not write, passed as data: one error saying so (it was
+    reported as a file that "does not exist")."""
+    pytest.importorskip("datasets")
+    from tensorstow.executor.examples import read_records
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "a.txt").write_text("hello\n")
+    with pytest.raises(TensorstowError, match=r"not a directory `datasets` save_to_disk wrote"):
+        read_records(str(tmp_path / "notes"))
