@@ -149,20 +149,33 @@ def _allocator() -> str:
         return "unknown"
 
 
-def _setup(a: dict):
-    """Model (seeded exactly like `tensorstow execute`) and the warmup+steps batches."""
+def _setup(a: dict, meta: bool = False):
+    """Model (seeded exactly like `tensorstow execute`) and the warmup+steps batches. `meta`: the
+    model on the meta device with the stream of its initial values (tensorstow's out-of-core
+    initialisation: never the whole model in host memory); otherwise built whole, its values
+    drawn by `torch.manual_seed(seed); GPT(cfg)`, the same values."""
     import torch
 
     _import_tensorstow()
     from tensorstow.executor.data import batches
-    from tensorstow.ir.models import GPT, PRESETS
+    from tensorstow.ir.models import PRESETS, build_for_execution, resolve_model
 
     torch.set_num_threads(a["threads"])
     cfg = PRESETS[a["preset"]]
-    torch.manual_seed(a["seed"])
-    model = GPT(cfg)
     data = list(batches("synthetic", a["batch"], a["seq"], cfg.vocab_size, a["warmup"] + a["steps"], a["seed"]))
-    return model, data
+    model, init = build_for_execution(resolve_model(a["preset"]), a["seed"]) if meta else (None, None)
+    if not meta:
+        from tensorstow.ir.models import GPT
+
+        torch.manual_seed(a["seed"])
+        model = GPT(cfg)
+    return model, data, init
+
+
+def _peak_rss_bytes() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
 # ---- the engines, each stepped by a worker process ------------------------------------------------
@@ -172,7 +185,7 @@ class EagerEngine:
     def __init__(self, a: dict):
         import torch
 
-        self.model, self.data = _setup(a)
+        self.model, self.data, _ = _setup(a)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=a["lr"], betas=(0.9, 0.999), eps=1e-8,
                                      weight_decay=0.0)
 
@@ -187,7 +200,7 @@ class EagerEngine:
         pass
 
     def finish(self) -> dict:
-        return {"offload": "none (all in DRAM)"}
+        return {"offload": "none (all in DRAM)", "peak_rss_bytes": _peak_rss_bytes()}
 
 
 class TensorstowEngine:
@@ -200,7 +213,7 @@ class TensorstowEngine:
         from tensorstow.schema.plan import Plan
 
         plan = Plan.load(a["ts_plan"])
-        self.model, self.data = _setup(a)
+        self.model, self.data, init = _setup(a, meta=True)
         state = Path(a["work"]) / f"tensorstow-state-{every}"
         every = every or 2 * len(self.data)
         if a["ts_store"] == "ssd":
@@ -208,10 +221,12 @@ class TensorstowEngine:
 
             state.mkdir()
             self.store = SSDStore(state, plan.ssd_sizes())
-            self.ex = Executor(plan, self.model, mode=a["ts_mode"], ssd_store=self.store, checkpoint_every=every)
+            self.ex = Executor(plan, self.model, mode=a["ts_mode"], ssd_store=self.store, checkpoint_every=every,
+                               init_values=init)
         else:
             self.store = None
-            self.ex = Executor(plan, self.model, mode=a["ts_mode"], state_dir=state, checkpoint_every=every)
+            self.ex = Executor(plan, self.model, mode=a["ts_mode"], state_dir=state, checkpoint_every=every,
+                               init_values=init)
         self.steps = 0
 
     def step(self, x, y) -> float:
@@ -227,7 +242,7 @@ class TensorstowEngine:
 
     def finish(self) -> dict:
         self.ex.close()
-        return {}
+        return {"peak_rss_bytes": _peak_rss_bytes()}
 
 
 class DeepSpeedEngine:
@@ -239,7 +254,7 @@ class DeepSpeedEngine:
         t0 = time.perf_counter()
         self.a = a
         deepspeed.init_distributed(dist_backend="gloo")
-        self.model, self.data = _setup(a)
+        self.model, self.data, _ = _setup(a)
         cfg = ds_config(a, a["nvme_dir"])
         # Convert the already-initialised model (same weights as eager); dtype from the config (fp32).
         deepspeed.zero.Init(module=self.model, config_dict_or_path=cfg)
@@ -262,8 +277,6 @@ class DeepSpeedEngine:
         pass  # DeepSpeed's swapper waits for its own reads and writes inside the step
 
     def finish(self) -> dict:
-        import resource
-
         import deepspeed
         import torch
 
@@ -274,7 +287,7 @@ class DeepSpeedEngine:
                 files[os.path.relpath(root, a["nvme_dir"])] = [len(fs), sum(os.path.getsize(os.path.join(root, f))
                                                                            for f in fs)]
         return {
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
+            "peak_rss_bytes": _peak_rss_bytes(),
             "params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in model.parameters()),
             "init_s": self.init_s,
             "deepspeed_version": deepspeed.__version__,
@@ -441,55 +454,75 @@ def _ts_info(a: dict, work: Path, every: int) -> dict:
 
 
 def run_engines(a: dict, names: list[str], work: Path, order: str) -> dict[str, dict]:
-    """Start every engine's worker, then step them: `rotated` or `interleaved`, batch K on each
-    engine in turn before batch K+1 (a minute when the shared VM runs slow weighs on every engine
-    alike; rotated starts round K with engine K mod E), or `sequential`, all of one engine's steps
-    before the next engine's. Each engine's first a["warmup"] steps are not timed."""
+    """Step every engine: `rotated` or `interleaved`, every worker started first, then batch K on
+    each engine in turn before batch K+1 (a minute when the shared VM runs slow weighs on every
+    engine alike; rotated starts round K with engine K mod E), or `sequential`, one engine at a
+    time: its worker started, all its steps, its worker ended before the next one starts (engines
+    of a billion-parameter model do not fit this box's DRAM side by side). Each engine's first
+    a["warmup"] steps are not timed."""
     n = a["warmup"] + a["steps"]
     workers: dict[str, _Worker] = {}
     res: dict[str, dict] = {}
+
+    def start(name: str) -> None:
+        t0 = time.perf_counter()
+        w = _spawn(name, a, work)
+        if isinstance(w, dict):
+            res[name] = w
+            print(f"  {name}: skipped: {w['skipped'].splitlines()[0]}", flush=True)
+            return
+        workers[name] = w
+        res[name] = {"times_s": [], "drain_s": [], "losses": []}
+        print(f"  {name}: ready ({time.perf_counter() - t0:.0f} s, load {_load()})", flush=True)
+
+    def step(k: int, name: str) -> None:
+        os.sync()  # untimed: no engine's step flushes what another one wrote and never synced
+        r = workers[name].ask(f"step {k}", timeout=a["ds_timeout"])
+        if "error" in r:
+            res[name] = {"skipped": f"{name} failed at step {k}: {r['error']}"}
+            del workers[name]
+            return
+        res[name]["losses"].append(r["loss"])
+        if k >= a["warmup"]:
+            res[name]["times_s"].append(r["s"])
+            res[name]["drain_s"].append(r["drain_s"])
+        print(f"  step {k} {name}: {r['s']:.4f} s (waited {r['drain_s']:.4f} s for its background work; "
+              f"load {_load()})", flush=True)
+
+    def end(name: str) -> None:
+        w = workers.pop(name)
+        r = w.ask("end", timeout=a["ds_timeout"])
+        if "error" in r:
+            res[name] = {"skipped": f"{name} failed at its end: {r['error']}"}
+            return
+        w.stop()
+        times = res[name]["times_s"]
+        res[name].update(r["end"], median_s=statistics.median(times), min_s=min(times))
+        if name.startswith("tensorstow"):
+            res[name].update(_ts_info(a, work, 1 if name == "tensorstow" else 0))
+
     try:
+        if order == "sequential":
+            for name in names:
+                start(name)
+                for k in range(n):
+                    if name in workers:
+                        step(k, name)
+                if name in workers:
+                    end(name)
+            return res
         for name in names:
-            t0 = time.perf_counter()
-            w = _spawn(name, a, work)
-            if isinstance(w, dict):
-                res[name] = w
-                print(f"  {name}: skipped: {w['skipped'].splitlines()[0]}", flush=True)
-                continue
-            workers[name] = w
-            res[name] = {"times_s": [], "drain_s": [], "losses": []}
-            print(f"  {name}: ready ({time.perf_counter() - t0:.0f} s, load {_load()})", flush=True)
+            start(name)
         names = list(workers)
         # rotated: round k starts with engine k mod E, so each engine follows each other one alike
         rounds = [names[k % len(names):] + names[:k % len(names)] if order == "rotated" else names
                   for k in range(n)]
-        plan = [(k, name) for name in names for k in range(n)] if order == "sequential" else \
-               [(k, name) for k in range(n) for name in rounds[k]]
-        for k, name in plan:
-            if name not in workers:
-                continue
-            os.sync()  # untimed: no engine's step flushes what another one wrote and never synced
-            r = workers[name].ask(f"step {k}", timeout=a["ds_timeout"])
-            if "error" in r:
-                res[name] = {"skipped": f"{name} failed at step {k}: {r['error']}"}
-                del workers[name]
-                continue
-            res[name]["losses"].append(r["loss"])
-            if k >= a["warmup"]:
-                res[name]["times_s"].append(r["s"])
-                res[name]["drain_s"].append(r["drain_s"])
-            print(f"  step {k} {name}: {r['s']:.4f} s (waited {r['drain_s']:.4f} s for its background work; "
-                  f"load {_load()})", flush=True)
-        for name, w in list(workers.items()):
-            r = w.ask("end", timeout=a["ds_timeout"])
-            if "error" in r:
-                res[name] = {"skipped": f"{name} failed at its end: {r['error']}"}
-                continue
-            w.stop()
-            times = res[name]["times_s"]
-            res[name].update(r["end"], median_s=statistics.median(times), min_s=min(times))
-            if name.startswith("tensorstow"):
-                res[name].update(_ts_info(a, work, 1 if name == "tensorstow" else 0))
+        for k in range(n):
+            for name in rounds[k]:
+                if name in workers:
+                    step(k, name)
+        for name in list(workers):
+            end(name)
     finally:
         for w in workers.values():
             w.stop()
@@ -527,11 +560,20 @@ def ds_config(a: dict, nvme_dir: str) -> dict:
                       "params": {"lr": a["lr"], "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}},
         "fp16": {"enabled": False},
         "bf16": {"enabled": False},
-        "zero_optimization": {"stage": 3, "offload_param": off(), "offload_optimizer": off()},
+        "zero_optimization": _merged({"stage": 3, "offload_param": off(), "offload_optimizer": off()},
+                                     json.loads(a.get("ds_zero") or "{}")),
         "aio": {},  # block_size, queue_depth, ... at DeepSpeed's defaults
         "steps_per_print": 10 ** 9,
         "wall_clock_breakdown": False,
     }
+
+
+def _merged(base: dict, over: dict) -> dict:
+    """`base` with `over`'s keys set, nested dicts merged key by key."""
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def _free_port() -> int:
@@ -565,6 +607,11 @@ def main() -> None:
     ap.add_argument("--ds-python", default=str(DEFAULT_DS_PYTHON), help="python of the DeepSpeed venv")
     ap.add_argument("--ds-offload", choices=["nvme", "cpu"], default="nvme")
     ap.add_argument("--ds-activation-checkpointing", action="store_true")
+    ap.add_argument("--ds-zero", default="", metavar="JSON",
+                    help="merged into DeepSpeed's zero_optimization config, nested dicts key by key: its host-memory "
+                         "knobs (sub_group_size, stage3_max_live_parameters, reduce_bucket_size, offload_param's "
+                         "buffer_count / buffer_size / max_in_cpu, offload_optimizer's buffer_count), whose defaults "
+                         "take tens of GB for a billion-parameter model")
     ap.add_argument("--ds-timeout", type=int, default=1800, help="seconds (a first run JIT-builds DeepSpeed ops)")
     ap.add_argument("--ts-gpu-mem", default="90MB")
     ap.add_argument("--ts-policy", default="auto", help="the tensorstow plan's policy")
@@ -623,13 +670,15 @@ def main() -> None:
     print()
     allocators = sorted({r["allocator"] for r in res.values() if "allocator" in r})
     print(f"allocator: {', '.join(allocators) or 'unknown'} (each engine's process)")
-    print(f"{'engine':<14} {'offload':<36} {'median s':>9} {'min s':>8} {'tok/s':>8} {'loss@1':>8} {'loss@last':>9}")
+    print(f"{'engine':<14} {'offload':<36} {'median s':>9} {'min s':>8} {'tok/s':>8} {'loss@1':>8} {'loss@last':>9} "
+          f"{'peak RSS':>9}")
     for name, r in res.items():
         if "skipped" in r:
             print(f"{name:<14} SKIPPED: {r['skipped'].splitlines()[0]}")
             continue
         print(f"{name:<14} {r['offload']:<36} {r['median_s']:>9.4f} {r['min_s']:>8.4f} "
-              f"{tokens / r['median_s']:>8.0f} {r['losses'][0]:>8.4f} {r['losses'][-1]:>9.4f}")
+              f"{tokens / r['median_s']:>8.0f} {r['losses'][0]:>8.4f} {r['losses'][-1]:>9.4f} "
+              f"{r['peak_rss_bytes'] / 2**30:>7.2f} GiB")
     for name, r in res.items():
         if "skipped" in r and "\n" in r["skipped"]:
             print(f"\n{name} skipped, details:\n{r['skipped']}")

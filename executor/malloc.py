@@ -8,29 +8,52 @@ again: on the 2-core VM that was 0.03 s of a 0.27 s gpt-small step (benchmarks/R
 `tune()` serves those sizes from the heap and keeps freed memory for reuse, which is what jemalloc
 with `retain:true` and PyTorch's CUDA caching allocator do for their memory.
 
-What it changes: the mmap threshold (fixed at glibc's maximum, 32 MiB on 64-bit: larger tensors
-are still mapped, and given back, each time), the trim threshold (freed heap is kept up to
-128 MiB: at 1 GiB an out-of-core gpt-medium run's peak RSS went from 0.56 to 0.82-1.59 GB, past its
---dram + --gpu-mem budget, tests/test_scale.py, for no measurable speed: gpt-small 0.2192 s per step
-at 128 MiB, 0.2204 s at 1 GiB, same plan) and the top pad (a heap grows 256 MiB at a time: address space, its pages are only resident
-once used). Memory the plan budgets is unaffected: the DRAM tier is one preallocated pool and the
-device tier counts every tensor it holds. Under another allocator (LD_PRELOAD=jemalloc) glibc's
-settings are unused and `tune()` changes nothing. TENSORSTOW_MALLOC=default leaves glibc as it is.
+What it changes:
+- the mmap threshold, fixed at glibc's maximum (32 MiB on 64-bit; larger tensors are still
+  mapped, and given back, each time);
+- the trim threshold: freed heap is kept up to 128 MiB (at 1 GiB an out-of-core gpt-medium run's
+  peak RSS went from 0.56 to 0.82-1.59 GB, past its --dram + --gpu-mem budget, tests/test_scale.py,
+  for no measurable speed: gpt-small 0.2192 s per step at 128 MiB, 0.2204 s at 1 GiB, same plan);
+- the top pad: a heap grows 256 MiB at a time (address space; its pages are resident once used);
+- one arena for every thread (`M_ARENA_MAX` 1). glibc otherwise gives each thread that allocates
+  an arena of its own, up to 8 per core, each keeping its own freed blocks: overlap mode runs each
+  lane on its own thread, and a block one lane freed was not reused by another lane's allocation.
+  A lane allocates a few hundred blocks a step, so the one arena's lock is not contended;
+- CPU tensors from malloc, aligned by hand (`csrc/host_alloc.cpp`), not PyTorch's posix_memalign:
+  glibc before 2.38 does not reuse a freed 64-byte-aligned block of 1-32 MiB once smaller
+  allocations sit between such blocks (glibc bug 14581), so each step's blocks came from fresh
+  heap. The two together: four threads in turn allocating and freeing 96 MiB of 24 MiB blocks
+  leave 386 MiB resident with neither, 122 MiB with both; gpt3-2.7b from SSD in overlap mode,
+  benchmarks/RESULTS.md "Training state larger than DRAM".
+
+Memory the plan budgets is unaffected: the DRAM tier is one preallocated pool and the device tier
+counts every tensor it holds. Under another allocator (LD_PRELOAD=jemalloc) glibc's settings are
+unused. TENSORSTOW_MALLOC=default leaves glibc and PyTorch's allocator as they are.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import os
+import threading
+from pathlib import Path
 
 M_TRIM_THRESHOLD = -1  # <malloc.h>
 M_TOP_PAD = -2
 M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
 MMAP_THRESHOLD_MAX = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX with 8-byte longs
 TRIM_THRESHOLD = 128 << 20
 TOP_PAD = 256 << 20
+ARENAS = 1
+
+_CSRC = Path(__file__).resolve().parent.parent / "csrc" / "host_alloc.cpp"
+_EXT_NAME = "tensorstow_alloc"
 
 _tuned: bool | None = None
+_lock = threading.Lock()
+allocator_status = "torch's (not replaced)"
+"""Which allocator CPU tensors come from: set by `tune()`."""
 
 
 def tune() -> bool:
@@ -46,5 +69,27 @@ def tune() -> bool:
                 return False
             mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
             _tuned = all([mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX), mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD),
-                          mallopt(M_TOP_PAD, TOP_PAD)])
+                          mallopt(M_TOP_PAD, TOP_PAD), mallopt(M_ARENA_MAX, ARENAS)])
+            if _tuned:
+                _use_malloc_allocator()
     return _tuned
+
+
+def _use_malloc_allocator() -> None:
+    """CPU tensors from then on come from malloc, aligned by hand (csrc/host_alloc.cpp: glibc
+    before 2.38 does not reuse freed posix_memalign blocks, which torch's allocator asks for).
+    Where the extension cannot be built (no compiler) torch's allocator stays, and
+    `allocator_status` says why."""
+    global allocator_status
+    import torch
+
+    from tensorstow.executor import aio
+    with _lock:
+        try:
+            _, build_dir = aio.compile_extension(_EXT_NAME, _CSRC, extra_cflags=["-O2"], is_python_module=False)
+            ok = torch.ops.tensorstow_alloc.install() == 1
+        except Exception as e:  # the compiler, ninja, the loader or the disk: torch's allocator stays
+            allocator_status = f"torch's (the malloc allocator in {_CSRC.name} did not build: {aio.first_error_line(e)})"
+            return
+        allocator_status = f"malloc, aligned by hand ({_EXT_NAME}, built/cached in {build_dir})" if ok else \
+            "torch's (another allocator of higher priority is installed)"
