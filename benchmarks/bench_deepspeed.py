@@ -16,7 +16,8 @@ each engine follows each other one as often: the engine that runs right after De
 syncs on a disk still busy with what DeepSpeed wrote (`--order interleaved`, the same order every
 round: tensorstow, always after DeepSpeed, 0.737-0.759 of DeepSpeed's step where rotated gave
 0.716-0.741, benchmarks/RESULTS.md "tensorstow vs DeepSpeed ZeRO-Infinity"). `--order sequential`
-runs all of one engine's steps before the next engine's. The ratios print with the spread of
+starts one engine's worker, runs all its steps and ends it before the next engine's starts: the
+engines of a billion-parameter model do not fit this box's DRAM side by side. The ratios print with the spread of
 the per-round ratios (step K of the two engines): the size of the VM's noise on the median's
 ratio. A step's time includes the wait for the engine's background work (tensorstow's store:
 its early syncs and a commit in the
@@ -81,12 +82,21 @@ Run (from the repo root, in tensorstow's venv):
 
     .venv/bin/python benchmarks/bench_deepspeed.py [--preset gpt-small] [--batch 4] [--warmup 2]
         [--steps 10] [--order rotated|interleaved|sequential] [--dir DIR_ON_THE_SSD] [--ds-python PATH] [--ds-offload nvme|cpu]
-        [--ds-activation-checkpointing] [--threads 1] [--ts-policy auto] [--ts-hw local]
+        [--ds-activation-checkpointing] [--ds-zero JSON] [--threads 1] [--ts-policy auto] [--ts-hw local]
         [--ts-gpu-mem 90MB] [--ts-dram 40MB] [--ts-store ssd|file] [--ts-mode overlap|sync] [--json OUT.json]
     # the defaults are the comparison in benchmarks/RESULTS.md; gpt3-125m there:
     #   --preset gpt3-125m --batch 1 --seq 512 --warmup 1 --steps 5 --ts-gpu-mem 700MB --ts-dram 1GB
     # (compute-bound on a 2-core CPU: 4.8 s a step) and the same with --seq 128 (1.5 s of compute
-    # a step: the SSD traffic is what DeepSpeed's step waits for)
+    # a step: the SSD traffic is what DeepSpeed's step waits for). gpt3-1.3b, one engine at a time,
+    # DeepSpeed's host memory held down by its own knobs (at their defaults it keeps up to 1e9
+    # parameters in DRAM, 4 optimizer buffers of a 1e9-element subgroup, a 5e8-element gradient
+    # bucket; eager's 22.7 GB of fp32 training state does not fit the 24 GiB box):
+    #   --preset gpt3-1.3b --batch 1 --seq 512 --warmup 1 --steps 2 --only deepspeed,tensorstow
+    #   --order sequential --ts-policy lohan --ts-gpu-mem 2GB --ts-dram 6GB --ds-zero '{"sub_group_size": 1e8,
+    #   "stage3_max_live_parameters": 2e8, "stage3_max_reuse_distance": 0, "reduce_bucket_size": 1.1e8,
+    #   "offload_param": {"buffer_count": 8, "buffer_size": 1.1e8, "max_in_cpu": 1e8}}'
+    # (buffer_size must hold the largest parameter, the 103M-element embedding; with 4 or 5 buffers
+    # the second step stops: "Not enough swap in buffers")
 
 DeepSpeed notes (0.19.8, CPU accelerator): the model is built normally and then converted
 with `deepspeed.zero.Init(module=model, config_dict_or_path=cfg)` before
@@ -204,7 +214,8 @@ class EagerEngine:
 
 
 class TensorstowEngine:
-    """The plan at a["ts_plan"] replayed by the Executor with its state on the SSD store;
+    """The plan at a["ts_plan"] replayed by the Executor with its state on the SSD store, the
+    model initialised out of core as `execute` does (same values as the other engines');
     `every`: commit a crash-consistent checkpoint every K steps (0: none but the one after the
     last step, which `execute` also makes: inside that step's time)."""
 
