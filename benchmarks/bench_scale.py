@@ -14,7 +14,7 @@ in sync mode, then (a fresh state dir) in overlap mode. Reports, per mode:
   time), and the step against it (ratio);
 - bytes the child really read and wrote per step (/proc/PID/io: storage I/O, O_DIRECT
   included) against the plan's, and the achieved bandwidth;
-- the child's peak RSS against --dram + --gpu-mem;
+- the child's peak RSS against --dram + --gpu-mem + torch's imports + the stated overhead;
 - whether the two modes' losses are equal;
 and the largest GPT preset `tensorstow fit` finds trainable with this box's real DRAM.
 
@@ -52,6 +52,19 @@ def io_counters(pid: int) -> tuple[int, int]:
 def rss_peak_mb(pid: int) -> float:
     m = re.search(r"^VmHWM:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text(), re.M)
     return int(m.group(1)) / 1024 if m else 0.0
+
+
+HOST_OVERHEAD_MB = 300
+"""Host memory a run takes beyond --dram, --gpu-mem (CPU memory without a GPU) and torch's imports,
+as docs/architecture.md states it (the model's trace, allocator arenas, the optimizer's transients)."""
+
+
+def imports_rss_mb(env: dict) -> float:
+    """Peak RSS of a process that only imports what `tensorstow execute` imports."""
+    code = ("import resource, tensorstow.cli, tensorstow.executor.run; "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+    return int(r.stdout.split()[-1]) / 1024
 
 
 def run_mode(plan: Path, state: Path, mode: str, steps: int, env: dict) -> dict:
@@ -127,6 +140,7 @@ def main() -> int:
         plan_r = p.predicted.traffic_bytes.get("ssd->dram", 0)
         plan_w = p.predicted.traffic_bytes.get("dram->ssd", 0)
         budget_mb = (p.predicted.capacity_bytes["dram"] + p.predicted.capacity_bytes["gpu"]) / 2**20
+        imports_mb = imports_rss_mb(env)
         runs = {}
         for mode in ("sync", "overlap") if a.mode == "both" else (a.mode,):
             runs[mode] = run_mode(plan, work / f"state-{mode}", mode, a.steps, env)
@@ -150,8 +164,10 @@ def main() -> int:
             print(f"  SSD bytes per step: read {run['read'] / 1e9:.1f} GB (plan {plan_r / 1e9:.1f}), written "
                   f"{run['written'] / 1e9:.1f} GB (plan {plan_w / 1e9:.1f}); {achieved / 1e9:.2f} GB/s over the step")
             print("  lanes, last step: " + ", ".join(f"{k} {v:.3g} s" for k, v in run["rows"][-1]["lane_busy_s"].items()))
-            print(f"  peak RSS {run['peak_mb']:.0f} MB vs --dram + --gpu-mem {budget_mb:.0f} MB; wall {run['wall_s']:.0f} s; "
-                  f"losses {[round(r['loss'], 6) for r in run['rows']]}")
+            allowed = budget_mb + imports_mb + HOST_OVERHEAD_MB
+            print(f"  peak RSS {run['peak_mb']:.0f} MiB vs --dram + --gpu-mem {budget_mb:.0f} MiB + imports {imports_mb:.0f} "
+                  f"MiB + {HOST_OVERHEAD_MB} MiB stated = {allowed:.0f} MiB: {'within' if run['peak_mb'] <= allowed else 'OVER'}; "
+                  f"wall {run['wall_s']:.0f} s; losses {[round(r['loss'], 6) for r in run['rows']]}")
         if len(runs) == 2:
             same = [r["loss"] for r in runs["sync"]["rows"]] == [r["loss"] for r in runs["overlap"]["rows"]]
             print(f"losses of the two modes equal: {same}")
