@@ -294,8 +294,10 @@ def _report(ex: Executor, plan: Plan, mode: str, times: list[float], trace: str 
           f"(x{med / expect:.3g}); device peak {ex.peak_bytes.get('gpu', 0) / 1e6:.1f} MB of "
           f"{pred.capacity_bytes['gpu'] / 1e6:.1f} MB budget; dram pool {ex.pool.size / 1e6:.1f} MB "
           f"(plan peak {pred.peak_bytes['dram'] / 1e6:.1f} MB)"
-          + (f", {ex.pool.overflow_bytes / 1e6:.1f} MB allocated outside it over the run (fragmentation)"
-             if ex.pool.overflow_bytes else ""), file=out)
+          + (f", {ex.pool.overflow_bytes / 1e6:.1f} MB allocated outside it over the run (no free range "
+             f"long enough)" if ex.pool.overflow_bytes else "")
+          + (f"; copies waited {ex.pool.room_wait_s:.3g} s for room in it" if ex.pool.room_wait_s >= 1e-3 else ""),
+          file=out)
     if "gpu_reserved" in ex.peak_bytes:  # CUDA: what the caching allocator really held
         print(f"CUDA allocator peak: {ex.peak_bytes['gpu_allocated'] / 1e6:.1f} MB allocated, "
               f"{ex.peak_bytes['gpu_reserved'] / 1e6:.1f} MB reserved (held to {ex.alloc_limit / 1e6:.1f} MB: "

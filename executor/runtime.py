@@ -62,7 +62,7 @@ from tensorstow.executor.program import Program
 from tensorstow.executor.ssd import SSDStore
 from tensorstow.executor import state
 from tensorstow.executor.state import rng_bytes, set_rng
-from tensorstow.executor.stores import DeviceMemoryError, DeviceTier, HostCopy, HostPool, HostTier, SSDTier
+from tensorstow.executor.stores import DeviceMemoryError, DeviceTier, HostCopy, HostPool, HostTier, RoomWait, SSDTier
 from tensorstow.ir.hf import wrap
 from tensorstow.ir.models import build_for_execution, resolve_model
 from tensorstow.ir.trace import Traced
@@ -724,6 +724,7 @@ class Executor:
         nthreads = torch.get_num_threads()
         cores = lane_cores(self.device, nthreads)
         update_threads = optimizer_threads(self.device, nthreads, list(lanes))
+        room = RoomWait(len(lanes))  # a copy the DRAM pool has no range for waits while a lane runs
 
         def lane(instrs: list[Instr]) -> None:
             k = 0
@@ -737,6 +738,9 @@ class Executor:
                 with torch.inference_mode(), self.lanes.lane(instrs[0].stream):
                     for k, ins in enumerate(instrs):
                         for d in ins.deps:  # enqueued (device work) or done (host work)
+                            if not futures[d].done():
+                                with room.stall():
+                                    futures[d].exception()
                             if futures[d].exception() is not None:
                                 raise _Upstream()
                         self._dispatch(ins)
@@ -747,11 +751,15 @@ class Executor:
                 for rest in instrs[k:]:
                     if not futures[rest.id].done():
                         futures[rest.id].set_exception(_Upstream())
+            finally:
+                room.end()
 
         pinned = pin_off_compute(cores) if cores else {}
+        self.host.room = room
         try:
             self._lane_threads.run({s: (lambda v=v: lane(v)) for s, v in lanes.items()})
         finally:
+            self.host.room = None
             unpin(pinned)
         if failures:
             raise min(failures, key=lambda f: f[0])[1]

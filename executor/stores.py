@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -293,19 +294,65 @@ def pinned_empty(nbytes: int) -> torch.Tensor:
     return t
 
 
+class RoomWait:
+    """Overlap mode's lanes as the DRAM pool's waiters see them. A lane runs ahead of the order the
+    planner sized the pool for (the simulated one) as far as its dependencies let it, so a copy can
+    find no free range long enough where the simulated step had one: it waits for another lane to
+    give one back, as long as some lane can still run. Each lane reports when it is stalled (blocked
+    on a dependency, waiting for room, or done); when every lane is, no range can come back and the
+    request is served from a fresh allocation (`HostPool.overflow_bytes`), as after ROOM_WAIT_S."""
+
+    def __init__(self, lanes: int):
+        self.lanes = lanes
+        self.stalled = 0
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def stall(self):
+        """The calling lane waits (a dependency, room) for the duration."""
+        with self._lock:
+            self.stalled += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.stalled -= 1
+
+    def end(self) -> None:
+        """The calling lane has run its last instruction of the step."""
+        with self._lock:
+            self.stalled += 1
+
+    def anyone_running(self) -> bool:
+        return self.stalled < self.lanes
+
+
+ROOM_WAIT_S = 10.0
+"""The longest a copy waits for room in the DRAM pool before it is allocated outside it: a bound
+for a lane blocked where it does not report it (a lane's wait for room normally ends within a
+block's computation)."""
+ROOM_POLL_S = 0.01
+"""How often a waiting copy looks again whether every lane has stalled (a range given back wakes
+it at once)."""
+
+
 class HostPool:
     """The DRAM tier's memory: one arena allocated up front (pinned with CUDA) as large as the plan
     says (`Plan.pools`), carved into page-aligned ranges best-fit and given back on free
     (`planner.pools.BestFit`), so every step reuses the same bytes and no copy allocates
-    (STRONGHOLD §3.4 buffer pools). A request that fragmentation leaves no room for is served from
-    a fresh allocation and counted in `overflow_bytes`."""
+    (STRONGHOLD §3.4 buffer pools). In overlap mode a request that finds no free range long enough
+    waits for one (`RoomWait`); one that cannot get room is served from a fresh allocation and
+    counted in `overflow_bytes`."""
 
     def __init__(self, nbytes: int, pin: bool = False):
         self.size = page(nbytes)
         self.arena = pinned_empty(self.size) if pin else huge_empty(self.size)
         self.ranges = BestFit(self.size)
         self.overflow_bytes = 0
+        self.room_wait_s = 0.0
+        """Time copies waited for room, over the run."""
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)
 
     @property
     def free(self) -> list[list[int]]:
@@ -316,15 +363,24 @@ class HostPool:
     def high_water(self) -> int:
         return self.ranges.high_water
 
-    def take(self, nbytes: int) -> tuple[int, torch.Tensor] | None:
-        """(offset, bytes) of a range of at least `nbytes`, or None if no free range is long enough."""
-        with self._lock:
+    def take(self, nbytes: int, room: RoomWait | None = None) -> tuple[int, torch.Tensor] | None:
+        """(offset, bytes) of a range of at least `nbytes`, or None if no free range is long enough
+        (with `room`: none came back while another lane could run, or within ROOM_WAIT_S)."""
+        with self._room:
             off = self.ranges.take(nbytes)
+            if off is None and room is not None:
+                t0 = time.monotonic()
+                with room.stall():
+                    while off is None and room.anyone_running() and time.monotonic() - t0 < ROOM_WAIT_S:
+                        self._room.wait(ROOM_POLL_S)
+                        off = self.ranges.take(nbytes)
+                self.room_wait_s += time.monotonic() - t0
         return None if off is None else (off, self.arena[off:off + nbytes])
 
     def give(self, off: int, nbytes: int) -> None:
-        with self._lock:
+        with self._room:
             self.ranges.give(off, nbytes)
+            self._room.notify_all()
 
 
 class HostTier:
@@ -340,6 +396,8 @@ class HostTier:
         self.ranges: dict[str, tuple[int, int]] = {}
         self.used = 0
         self.peak = 0
+        self.room: RoomWait | None = None
+        """Set while overlap mode's lanes run: a copy the pool has no range for waits for one."""
         self._lock = threading.Lock()
 
     def has(self, buf: str) -> bool:
@@ -362,7 +420,7 @@ class HostTier:
         if c is not None:
             return c
         # 4096-aligned, so the SSD store's O_DIRECT I/O moves it in place (no staging copy)
-        got = self.pool.take(layout.nbytes) if self.pool is not None and layout.nbytes else None
+        got = self.pool.take(layout.nbytes, self.room) if self.pool is not None and layout.nbytes else None
         if got is not None:
             self.ranges[buf] = (got[0], layout.nbytes)
             blob = got[1]

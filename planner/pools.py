@@ -8,7 +8,7 @@ through DRAM), the buffers carried across steps, then two steps, the second the 
 instructions run in program order in sync mode; in overlap mode lanes run ahead of it, so DRAM
 also holds what the simulated replay holds (the order of the simulated start times): the overlap
 arena is the larger of the two. (Lanes whose real timing differs from both can fragment the arena
-otherwise; what does not fit comes from a fresh allocation, counted in `HostPool.overflow_bytes`.)
+otherwise: a copy that finds no range waits for another lane to give one back, `stores.RoomWait`.)
 """
 from __future__ import annotations
 

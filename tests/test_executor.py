@@ -824,6 +824,41 @@ def test_the_dram_arena_is_what_the_plan_says(tmp_path):
     assert executor(plan, tmp_path / "again").pool.size == need + 11 * 4096  # whole pages
 
 
+def test_a_copy_the_pool_has_no_room_for_waits_while_another_lane_runs():
+    """Overlap mode: a lane whose copy finds no free range long enough waits until another lane
+    gives one back (the range it gets is the arena's, nothing allocated outside it); where every
+    lane has stalled, no range can come back, and the pool says so at once."""
+    import threading
+
+    from tensorstow.executor.stores import HostPool, RoomWait
+    pool = HostPool(2 * 4096)
+    off, _ = pool.take(2 * 4096)
+    room = RoomWait(lanes=2)  # this thread and the waiter
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(pool.take(4096, room)))
+    waiter.start()
+    while room.stalled == 0:  # the waiter found no room and waits
+        threading.Event().wait(0.001)
+    assert waiter.is_alive() and not got
+    pool.give(off, 2 * 4096)
+    waiter.join()
+    assert got[0] is not None and got[0][0] == 0
+    assert pool.room_wait_s > 0 and room.stalled == 0
+    alone = RoomWait(lanes=1)  # the asking lane is the only one: nothing can free a range
+    assert pool.take(2 * 4096, alone) is None and alone.stalled == 0
+
+
+def test_overlap_mode_trains_as_eager_when_its_arena_is_too_small(tmp_path):
+    """With an arena far smaller than the step needs, overlap mode's copies wait for room while
+    another lane runs and are allocated outside the arena once every lane has stalled: the step
+    ends (no lane waits forever) and trains as eager does."""
+    plan = copy.deepcopy(get_plan("zero-infinity"))
+    plan["pools"]["gpu0"]["overlap"] = 8 * 4096
+    ex, losses, params = run(plan, "overlap", tmp_path)
+    assert ex.pool.size == 8 * 4096 and ex.pool.overflow_bytes > 0
+    assert_same((losses, params), eager())
+
+
 def test_a_plan_without_this_gpus_pool_is_refused(tmp_path):
     plan = copy.deepcopy(get_plan("zero-infinity"))
     plan["pools"] = {"gpu1": plan["pools"]["gpu0"]}
