@@ -168,18 +168,16 @@ def _setup(a: dict, meta: bool = False):
 
     _import_tensorstow()
     from tensorstow.executor.data import batches
-    from tensorstow.ir.models import PRESETS, build_for_execution, resolve_model
+    from tensorstow.ir.models import GPT, PRESETS, build_for_execution, resolve_model
 
     torch.set_num_threads(a["threads"])
     cfg = PRESETS[a["preset"]]
     data = list(batches("synthetic", a["batch"], a["seq"], cfg.vocab_size, a["warmup"] + a["steps"], a["seed"]))
-    model, init = build_for_execution(resolve_model(a["preset"]), a["seed"]) if meta else (None, None)
-    if not meta:
-        from tensorstow.ir.models import GPT
-
-        torch.manual_seed(a["seed"])
-        model = GPT(cfg)
-    return model, data, init
+    if meta:
+        model, init = build_for_execution(resolve_model(a["preset"]), a["seed"])
+        return model, data, init
+    torch.manual_seed(a["seed"])
+    return GPT(cfg), data, None
 
 
 def _peak_rss_bytes() -> int:

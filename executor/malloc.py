@@ -23,8 +23,8 @@ What it changes:
   glibc before 2.38 does not reuse a freed 64-byte-aligned block of 1-32 MiB once smaller
   allocations sit between such blocks (glibc bug 14581), so each step's blocks came from fresh
   heap. The two together: four threads in turn allocating and freeing 96 MiB of 24 MiB blocks
-  leave 386 MiB resident with neither, 122 MiB with both; gpt3-2.7b from SSD in overlap mode,
-  benchmarks/RESULTS.md "Training state larger than DRAM".
+  leave 386 MiB resident with neither, 122 MiB with both; malloc alone took gpt3-2.7b's peak RSS
+  from SSD in overlap mode from 8895 to 8211 MiB (same plan, 2-core Xeon VM).
 
 Memory the plan budgets is unaffected: the DRAM tier is one preallocated pool and the device tier
 counts every tensor it holds. Under another allocator (LD_PRELOAD=jemalloc) glibc's settings are
@@ -57,7 +57,12 @@ allocator_status = "torch's (not replaced)"
 
 
 def tune() -> bool:
-    """Set glibc's thresholds once per process; True when they were set."""
+    """Set glibc's thresholds once per process (thread-safe); True when they were set."""
+    with _lock:
+        return _tune()
+
+
+def _tune() -> bool:
     global _tuned
     if _tuned is None:
         _tuned = False
@@ -84,12 +89,11 @@ def _use_malloc_allocator() -> None:
     import torch
 
     from tensorstow.executor import aio
-    with _lock:
-        try:
-            _, build_dir = aio.compile_extension(_EXT_NAME, _CSRC, extra_cflags=["-O2"], is_python_module=False)
-            ok = torch.ops.tensorstow_alloc.install() == 1
-        except Exception as e:  # the compiler, ninja, the loader or the disk: torch's allocator stays
-            allocator_status = f"torch's (the malloc allocator in {_CSRC.name} did not build: {aio.first_error_line(e)})"
-            return
-        allocator_status = f"malloc, aligned by hand ({_EXT_NAME}, built/cached in {build_dir})" if ok else \
-            "torch's (another allocator of higher priority is installed)"
+    try:
+        _, build_dir = aio.compile_extension(_EXT_NAME, _CSRC, extra_cflags=["-O2"], is_python_module=False)
+        ok = torch.ops.tensorstow_alloc.install() == 1
+    except Exception as e:  # the compiler, ninja, the loader or the disk: torch's allocator stays
+        allocator_status = f"torch's (the malloc allocator in {_CSRC.name} did not build: {aio.first_error_line(e)})"
+        return
+    allocator_status = f"malloc, aligned by hand ({_EXT_NAME}, built/cached in {build_dir})" if ok else \
+        "torch's (another allocator of higher priority is installed)"
