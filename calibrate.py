@@ -14,8 +14,9 @@ Everything is measured, nothing is looked up in a table:
 * No CUDA: the "device tier" is budgeted CPU memory, so the spec holds one pseudo-GPU
   "cpu (no CUDA)" with a quarter of total RAM (the CLI usually overrides it with --gpu-mem),
   the FLOP/s a GPT block's fp32 forward + backward reaches (LoHan's THP_G is a block peak, not
-  the matmul peak) and memcpy bandwidth. Its budget is taken out of the DRAM capacity
-  (both tiers live in the same RAM).
+  the matmul peak), the same matmul and attention sweeps as on a GPU at CPU sizes in bf16 and
+  fp32, what the block's other ops reach (`elementwise_bw`) and memcpy bandwidth. Its budget is
+  taken out of the DRAM capacity (both tiers live in the same RAM).
 * DRAM: capacity = MemAvailable, bandwidth = measured memcpy.
 * SSD: sequential O_DIRECT write (+fsync) and read of a temp file in `disk_dir` (default:
   a temp dir on the current directory's filesystem) with a few threads of pwrite/preadv,
@@ -34,7 +35,7 @@ its copies, kernels and updates every step at the machine's typical rate, and th
 ran 2-4% (a GPT block), 5-7% (per-op dispatch) and 7-18% (memcpy) faster than their median on
 a 2-core CPU VM (benchmarks/RESULTS.md "The probe"), an optimism every prediction inherited. GPU
 kernels (CUDA events) are steady and keep the best of their repetitions. A quick probe takes
-~6.5 s on a 2-core CPU VM without CUDA (half of it the device tier's contention figures),
+~11 s on a 2-core CPU VM without CUDA (a third of it the device tier's contention figures),
 including ~1.5 s the first time an optimizer steps in a process (torch imports its compiler
 stack then). Results are cached per (disk_dir, quick) per process.
 """
@@ -250,23 +251,28 @@ def _cpu_device_tier(p: _Params, total_ram: int, copy_bw: float, dram: DRAM, dis
     import torch
 
     with other:
-        flops = _cpu_block_flops(p.cpu_block_reps)
+        block_s = _cpu_block_s(p.cpu_block_reps)
+        flops = CPU_BLOCK_FLOPS / block_s
         bf16 = _cpu_bf16_ratio()
+        curves = _cpu_rate_curves(flops, bf16)
         op_s = _op_dispatch_s(p.cpu_block_reps)
         per_tensor = _copy_tensor_s(p.memcpy_reps)
         contention = _host_contention(p.cpu_block_reps)
         ssd_contention = _ssd_contention(p.cpu_block_reps, disk_dir)
     budget = total_ram // CPU_GPU_FRACTION
-    gpus = (GPU(name=CPU_GPU_NAME, memory_bytes=budget, flops=flops * bf16, flops_fp32=flops, mem_bw=2 * copy_bw,
-                h2d_bw=copy_bw, d2h_bw=copy_bw, op_s=op_s, copy_tensor_s=per_tensor,
-                host_contention=contention, ssd_contention=ssd_contention),)
+    gpu = GPU(name=CPU_GPU_NAME, memory_bytes=budget, flops=flops * bf16, flops_fp32=flops, mem_bw=2 * copy_bw,
+              h2d_bw=copy_bw, d2h_bw=copy_bw, op_s=op_s, copy_tensor_s=per_tensor,
+              host_contention=contention, ssd_contention=ssd_contention, **curves)
+    gpus = (dataclasses.replace(gpu, elementwise_bw=_cpu_elementwise_bw(gpu, block_s)),)
     # Device tier and DRAM tier share the same RAM: do not count it twice.
     dram = DRAM(capacity_bytes=max(0, dram.capacity_bytes - budget), bandwidth=dram.bandwidth)
     notes.append(f"no CUDA: device tier = CPU memory, 1/{CPU_GPU_FRACTION} of RAM "
                  f"({budget / GiB:.1f} GiB, taken out of DRAM capacity); "
                  f"flops_fp32 = fp32 GPT block (d {CPU_BLOCK[0]}, batch {CPU_BLOCK[2]} x seq {CPU_BLOCK[3]}) "
                  f"forward + backward on {torch.get_num_threads()} thread(s), flops = that x a bf16 "
-                 f"{'x'.join(map(str, MM16))} matmul's rate / an fp32 one's ({bf16:.3g}); op_s = the executor's "
+                 f"{'x'.join(map(str, MM16))} matmul's rate / an fp32 one's ({bf16:.3g}); "
+                 f"{_curves_note(curves)}; elementwise_bw = the block's other ops' bytes over its time less its "
+                 f"matmuls' and attention's at those rates ({gpus[0].elementwise_bw / 1e9:.2f} GB/s); op_s = the executor's "
                  f"segment runner per op on a tiny GPT ({op_s * 1e6:.1f} us); copy_tensor_s = the executor's "
                  f"stores per tensor of a copy ({per_tensor * 1e6:.1f} us); host_contention = that block beside a "
                  f"{CONTENTION_COPY_BYTES // MiB} MiB copy loop / alone, less 1 ({contention:.3f}); "
@@ -371,20 +377,46 @@ CPU_BLOCK = (512, 8, 4, 128)
 """(d, heads, batch, seq) of the transformer block whose throughput is the CPU device's `flops`."""
 
 
-def _cpu_block_flops(reps: int) -> float:
-    """LoHan's THP_G for the CPU device tier: the FLOP/s a GPT block's forward and backward reach
-    here (ir.models.Block at CPU_BLOCK, fp32), counted as 3x the forward's 2*(12 d^2 + 2 T d) per
-    token. On a CPU the matmul peak is far from what a block gets: small matmuls, attention and
-    the memory-bound ops between them run below it, 2-3x on this kind of machine (measured in
-    benchmarks/RESULTS.md), as the GPU presets' block peaks sit below their datasheets."""
-    d, _heads, batch, seq = CPU_BLOCK
+CPU_BLOCK_FLOPS = 3 * CPU_BLOCK[2] * CPU_BLOCK[3] * 2 * (12 * CPU_BLOCK[0] ** 2 + 2 * CPU_BLOCK[3] * CPU_BLOCK[0])
+"""FLOPs of CPU_BLOCK's forward and backward, counted as 3x the forward's 2*(12 d^2 + 2 T d) per
+token: CPU_BLOCK_FLOPS / its time is LoHan's THP_G for the CPU device tier (`GPU.flops_fp32`,
+the rate of the ops no curve prices)."""
+
+
+def _cpu_block_s(reps: int) -> float:
+    """Seconds a GPT block's fp32 forward and backward take here (ir.models.Block at CPU_BLOCK).
+    On a CPU the matmul peak is far from what a block gets: small matmuls, attention and the
+    memory-bound ops between them run below it, as the GPU presets' block peaks sit below their
+    datasheets."""
     blk, x = _cpu_block()
 
     def step():
         blk(x).sum().backward()
     step()  # warm-up: allocations, kernel selection
-    flops = 3 * batch * seq * 2 * (12 * d * d + 2 * seq * d)
-    return flops / _typical_time(step, reps)
+    return _typical_time(step, reps)
+
+
+def _cpu_elementwise_bw(gpu: GPU, block_s: float) -> float:
+    """`GPU.elementwise_bw` of the CPU device tier: the bytes CPU_BLOCK's ops without FLOPs move
+    (its IR, traced) over the part of `block_s` its FLOP-bearing ops, priced at `gpu`'s curves,
+    and every op's `op_s` leave; `mem_bw` where they leave less than that takes."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tensorstow.ir.models import GPT, GPTConfig
+    from tensorstow.ir.trace import trace
+    from tensorstow.planner.cost import _in_fp32, device_op_time, matmul_kind
+    d, heads, batch, seq = CPU_BLOCK
+    fm = FakeTensorMode(allow_non_fake_inputs=True)
+    with fm:  # three layers: the middle one's ops are a block's between two others
+        model = GPT(GPTConfig(n_layer=3, n_head=heads, n_embd=d, vocab_size=64, block_size=seq))
+    graph = trace(model, batch=batch, seq=seq, precision="fp32", model_name="probe-block", fake_mode=fm).graph
+    tensors = {t.name: t for t in graph.tensors}
+    ops = [o for o in graph.ops if o.block == graph.blocks[2].name and o.phase in ("fwd", "bwd")]
+    priced = sum(device_op_time(gpu, o.flops, o.bytes_in + o.bytes_out, _in_fp32(o, tensors), matmul_kind(o, tensors))
+                 for o in ops if o.flops) + gpu.op_s * sum(1 for o in ops if not o.flops)
+    moved = sum(o.bytes_in + o.bytes_out for o in ops if not o.flops)
+    left = block_s - priced
+    return moved / left if left > moved / gpu.mem_bw else gpu.mem_bw
 
 
 def _cpu_block():
@@ -403,7 +435,7 @@ as the copies between tiers and the SSD store's staging are."""
 
 
 def _host_contention(reps: int) -> float:
-    """`GPU.host_contention` of the CPU device tier: the GPT block of `_cpu_block_flops` timed alone
+    """`GPU.host_contention` of the CPU device tier: the GPT block of `_cpu_block_s` timed alone
     and beside a thread that copies CONTENTION_COPY_BYTES in a loop (torch `copy_`, as the
     executor's copy lanes do), in alternating rounds; the medians' ratio less 1. The two share the
     memory system (and, with fewer cores than threads, the cores): measured 0.1-0.2 on a 2-core CPU
@@ -547,7 +579,7 @@ shapes overstate bf16 (0.30 at 128x512x512 against 0.047 here)."""
 
 def _cpu_bf16_ratio() -> float:
     """A bf16 matmul's rate over an fp32 one's on this CPU (what a mixed-precision plan's 16-bit
-    matmuls run at on the CPU device tier, relative to the fp32 block rate `_cpu_block_flops`
+    matmuls run at on the CPU device tier, relative to the fp32 block rate `_cpu_block_s`
     measures): near 1 or above with native bf16 (AVX512-BF16, AMX), ~0.05 without (an AMD EPYC
     with AVX2)."""
     import torch
@@ -558,6 +590,50 @@ def _cpu_bf16_ratio() -> float:
         a, b = torch.randn(m, k).to(dt), torch.randn(k, n).to(dt)
         rate[dt] = 1.0 / _typical_time(lambda: torch.mm(a, b), 2)  # ~1 s a bf16 call without native bf16
     return min(1.0, rate[torch.bfloat16] / rate[torch.float32])
+
+
+CPU_LINEAR_SHAPES = ((128, 512, 512), (512, 512, 2048), (512, 2048, 8192))
+"""(tokens, in features, out features) of the linear layers whose matmuls give the CPU device
+tier's `matmul_rates` (bf16) and `matmul_rates_fp32`: from a small model's projection to a
+1.3B model's MLP (one core of a 2-core Xeon VM: fp32 120-155 GFLOP/s, bf16 77-83)."""
+CPU_ATTENTION_SHAPES = ((1, 8, 128, 64), (1, 16, 512, 128), (1, 16, 1024, 128))
+"""(batch, heads, seq, head dim) of the causal attentions that give the CPU device tier's
+`attention_rates` and `attention_rates_fp32`."""
+CPU_CURVE_STEP_S = 1.0
+"""Longest a shape's step may take, estimated from the block's rate and the bf16 ratio, for the
+CPU tier's curves to time it; larger shapes are left out and take the largest timed one's rate
+(the curves hold at their ends). A CPU without native bf16 runs bf16 matmuls ~20x slower than
+fp32 (`MM16`), where timing the 1.3B-wide shape would take ~30 s."""
+CPU_CURVE_REPS = 2
+
+
+def _cpu_rate_curves(block_flops: float, bf16: float) -> dict[str, tuple[tuple[float, float], ...]]:
+    """The CPU device tier's matmul and attention rates at both precisions (`GPU.matmul_rates`,
+    `attention_rates`, `matmul_rates_fp32`, `attention_rates_fp32`): each shape of
+    CPU_LINEAR_SHAPES / CPU_ATTENTION_SHAPES timed as on a GPU, the median of CPU_CURVE_REPS
+    after one warm-up, the smallest always and larger ones while their step is expected to take
+    under CPU_CURVE_STEP_S."""
+    import torch
+
+    timer = functools.partial(_typical_time, reps=CPU_CURVE_REPS)
+    curves = {}
+    for dtype, suffix, rate in ((torch.bfloat16, "", block_flops * bf16), (torch.float32, "_fp32", block_flops)):
+        def quick(shapes, step_flops):
+            return [s for i, s in enumerate(shapes) if i == 0 or step_flops(s) / rate < CPU_CURVE_STEP_S]
+        curves["matmul_rates" + suffix] = _linear_rates(
+            "cpu", dtype, quick(CPU_LINEAR_SHAPES, lambda s: 6 * s[0] * s[1] * s[2]), timer)
+        curves["attention_rates" + suffix] = _attention_rates(
+            "cpu", dtype, quick(CPU_ATTENTION_SHAPES, lambda s: 3.5 * attention_flops(s, s, s)), timer)
+    return curves
+
+
+def _curves_note(curves) -> str:
+    """How the CPU tier's rate curves were measured, with their ranges, for `source`."""
+    def span(c):
+        return f"{min(r for _, r in c) / 1e9:.0f}-{max(r for _, r in c) / 1e9:.0f} GFLOP/s at {len(c)} sizes"
+    return (f"matmul_rates[_fp32] = a linear layer's three matmuls (bf16 {span(curves['matmul_rates'])}, fp32 "
+            f"{span(curves['matmul_rates_fp32'])}), attention_rates[_fp32] = causal attention forward + backward "
+            f"(bf16 {span(curves['attention_rates'])}, fp32 {span(curves['attention_rates_fp32'])})")
 
 
 ADAM_BYTES_PER_PARAM = 16

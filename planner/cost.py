@@ -129,17 +129,21 @@ def commit_time(hw, instrs) -> float:
 
 def op_time(flops: int, nbytes: int, hw: Hardware, gpu: int = 0, fp32: bool = False, kind: str = "") -> float:
     """Roofline time of one op, plus the host's dispatch cost per op (`GPU.op_s`); `fp32`: its math
-    runs in fp32 (at `flops_fp32` where the GPU has one). `kind` ("matmul", "attention",
-    "attention_bwd" from `op_kind`, "matmul_unaligned" from `matmul_kind`): its FLOPs run at the
-    rate the GPU's probe measured at that size (`GPU.matmul_rates`, `matmul_rates_unaligned`,
-    `attention_rates`) where it has one, else at `flops`. An op that
-    touches memory takes at least `GPU.kernel_s`."""
-    g = hw.gpus[gpu]
-    if fp32 and g.flops_fp32:
-        rate = g.flops_fp32
-    else:
-        rate = (measured_rate(g, kind, flops) if kind and not fp32 else 0.0) or g.flops
-    t = max(flops / rate, nbytes / g.mem_bw)
+    runs in fp32. `kind` ("matmul", "attention", "attention_bwd" from `op_kind`,
+    "matmul_unaligned" from `matmul_kind`): its FLOPs run at the rate the GPU's probe measured at
+    that size and precision (`measured_rate`) where it has one, else at `flops_fp32` (fp32, where
+    the GPU has one) or `flops`. An op that touches memory takes at least `GPU.kernel_s`."""
+    return device_op_time(hw.gpus[gpu], flops, nbytes, fp32, kind)
+
+
+def device_op_time(g, flops: int, nbytes: int, fp32: bool = False, kind: str = "") -> float:
+    """`op_time` on GPU `g`. An op without FLOPs moves its bytes at `GPU.elementwise_bw` where the
+    probe measured one, else at `mem_bw`."""
+    rate = measured_rate(g, kind, flops, fp32) if kind else 0.0
+    if not rate:
+        rate = g.flops_fp32 if fp32 and g.flops_fp32 else g.flops
+    bw = g.elementwise_bw if not flops and g.elementwise_bw else g.mem_bw
+    t = max(flops / rate, nbytes / bw)
     if flops or nbytes:
         t = max(t, g.kernel_s)
     return t + g.op_s
@@ -175,15 +179,17 @@ def matmul_kind(o, tensors) -> str:
     return kind
 
 
-def measured_rate(g, kind: str, flops: float) -> float:
-    """FLOP/s of an op of `kind` and `flops` from the GPU's probed curves, interpolated log-log
-    between their points and held at their ends; 0 where the GPU has none. An unaligned matmul
-    takes `GPU.matmul_rates_unaligned` where the probe measured it, else the aligned curve."""
-    curve = g.matmul_rates
-    if kind == "matmul_unaligned" and g.matmul_rates_unaligned:
+def measured_rate(g, kind: str, flops: float, fp32: bool = False) -> float:
+    """FLOP/s of an op of `kind` and `flops` from the GPU's probed curves at its precision
+    (`fp32`: `GPU.matmul_rates_fp32`, `attention_rates_fp32`), interpolated log-log between
+    their points and held at their ends; 0 where the GPU has none. An unaligned matmul takes
+    `GPU.matmul_rates_unaligned` where the probe measured it, else the aligned curve."""
+    matmul, attention = (g.matmul_rates_fp32, g.attention_rates_fp32) if fp32 else (g.matmul_rates, g.attention_rates)
+    curve = matmul
+    if kind == "matmul_unaligned" and g.matmul_rates_unaligned and not fp32:
         curve = g.matmul_rates_unaligned
-    if kind.startswith("attention") and g.attention_rates:
-        curve = g.attention_rates
+    if kind.startswith("attention") and attention:
+        curve = attention
         if kind == "attention_bwd":
             flops /= _ATTENTION_BWD_PER_FWD
     if not curve or flops <= 0:

@@ -34,10 +34,15 @@ CPU_GPU_NAME = "cpu (no CUDA)"
 (`tensorstow probe` there): the device tier the executor emulates on the CPU."""
 
 
-OMITTED_WHEN_ZERO = ("op_s", "matmul_rates", "matmul_rates_unaligned", "attention_rates", "kernel_s", "d2h_convert_bw", "h2d_convert_bw", "copy_tensor_s", "host_contention", "ssd_contention",
+OMITTED_WHEN_ZERO = ("op_s", "matmul_rates", "matmul_rates_unaligned", "attention_rates", "matmul_rates_fp32",
+                     "attention_rates_fp32", "elementwise_bw", "kernel_s", "d2h_convert_bw", "h2d_convert_bw", "copy_tensor_s", "host_contention", "ssd_contention",
                      "compute_capability", "request_s", "commit_s", "sync_s", "flush_bw", "adam_tensor_s")
 """GPU, SSD and CPU fields a spec's JSON leaves out when 0 (added after specs existed: their
 fingerprints stay)."""
+
+
+RATE_CURVES = ("matmul_rates", "matmul_rates_unaligned", "attention_rates", "matmul_rates_fp32", "attention_rates_fp32")
+"""GPU fields that hold (FLOPs, FLOP/s) curves measured by `tensorstow probe`."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,6 +129,21 @@ class GPU:
     as `matmul_rates`: causal scaled-dot-product attention (flash where the GPU runs it) timed by
     `tensorstow probe` at the compute precision, its FLOPs counted as torch's flop counter counts
     them (the whole score matrix). Empty: `matmul_rates`, then `flops`."""
+    matmul_rates_fp32: tuple[tuple[float, float], ...] = ()
+    attention_rates_fp32: tuple[tuple[float, float], ...] = ()
+    """As `matmul_rates` and `attention_rates`, for the ops a plan runs in fp32. The CPU device
+    tier's probe measures both precisions: there a block's matmuls run near one rate at every
+    width (fp32 139-155 GFLOP/s on one core from 128x512x2048 to 512x2560x50304) while the
+    memory-bound ops between them shrink from 17% of a d-512 block to 6% of a d-2048 one, so a
+    block-wide rate probed at one width mispredicts the others (gpt3-2.7b's compute 0.86x its
+    prediction from a d-512 block, benchmarks/RESULTS.md "Training state larger than DRAM").
+    Empty: `flops_fp32`, then `flops`. Left out of the spec's JSON when empty."""
+    elementwise_bw: float = 0.0
+    """Bytes/s the ops without FLOPs (elementwise, norms, softmax, reductions) move, where it is
+    below `mem_bw`. On a CPU they compute per element besides streaming memory: the CPU device
+    tier's probe times a GPT block, prices its matmuls and attention at the curves above, and
+    divides the other ops' bytes by the time left (4-5 GB/s on one core of a 2-core Xeon VM
+    against a 25 GB/s memcpy). 0: `mem_bw`. Left out of the spec's JSON when 0."""
     kernel_s: float = 0.0
     """Seconds an op that touches memory takes at least on the device's compute stream: tiny ops
     launched back to back from Python (kernel launch and the dispatcher; `tensorstow probe` times
@@ -135,6 +155,14 @@ class GPU:
     PyTorch's flash attention needs 8.0 or newer; below that the executor's attention backward
     recomputes the attention forward (`executor.device_ops`), and the planner prices it. Measured
     by `tensorstow probe`. Left out of the spec's JSON when 0."""
+
+    def shared_by(self, n: int) -> "GPU":
+        """This device as one of `n` processes that share its cores and memory: every rate / n."""
+        def curve(c):
+            return tuple((f, r / n) for f, r in c)
+        return dataclasses.replace(self, flops=self.flops / n, flops_fp32=self.flops_fp32 / n, mem_bw=self.mem_bw / n,
+                                   elementwise_bw=self.elementwise_bw / n,
+                                   **{k: curve(getattr(self, k)) for k in RATE_CURVES})
 
     @property
     def plan_bytes(self) -> int:
@@ -262,9 +290,7 @@ class Hardware:
             picked = [hw.gpus[min(k, len(hw.gpus) - 1)] for k in range(gpus)]
             cpu = sum(g.name == CPU_GPU_NAME for g in picked)
             if cpu > 1:  # CPU "devices" (one process each) share the cores and memory the probe measured
-                picked = [dataclasses.replace(g, flops=g.flops / cpu, flops_fp32=g.flops_fp32 / cpu,
-                                              mem_bw=g.mem_bw / cpu) if g.name == CPU_GPU_NAME else g
-                          for g in picked]
+                picked = [g.shared_by(cpu) if g.name == CPU_GPU_NAME else g for g in picked]
             hw = dataclasses.replace(hw, gpus=tuple(picked))
         if gpu_mem is not None:  # the plan's budget; the context and workspaces come on top
             hw = dataclasses.replace(hw, gpus=tuple(dataclasses.replace(g, memory_bytes=gpu_mem + g.reserved_bytes)

@@ -1,6 +1,7 @@
 """The GPU compute model a probe calibrates: matmuls and attention at the rates measured at their
-sizes (`GPU.matmul_rates`, `GPU.attention_rates`), every kernel at least the launch floor
-(`GPU.kernel_s`); specs without them (the papers' presets) priced as before."""
+sizes and precision (`GPU.matmul_rates`, `GPU.attention_rates`, their `_fp32` twins), the other
+ops at `GPU.elementwise_bw`, every kernel at least the launch floor (`GPU.kernel_s`); specs
+without them (the papers' presets) priced as before."""
 import dataclasses
 import math
 import time
@@ -13,7 +14,7 @@ from tensorstow.ir.graph import attention_flops
 from tensorstow.planner import cost
 from tensorstow.planner.presets import load_hardware
 from tensorstow.planner.problem import build_problem
-from tensorstow.schema.hardware import Hardware
+from tensorstow.schema.hardware import CPU_GPU_NAME, Hardware
 from tensorstow.schema.options import Options
 
 
@@ -156,3 +157,73 @@ def test_a_matmul_with_a_dimension_off_the_tensor_core_grain_runs_at_the_unalign
     one_curve = build_problem(o, _with(hw, matmul_rates=((1.0, aligned),)))
     assert p.profiles["post"].fwd_time_s > one_curve.profiles["post"].fwd_time_s
     assert p.profiles["b0"].fwd_time_s == pytest.approx(one_curve.profiles["b0"].fwd_time_s, rel=1e-12)
+
+
+def test_fp32_ops_take_the_fp32_curves_and_never_the_16_bit_ones():
+    """An fp32 matmul or attention runs at `matmul_rates_fp32` / `attention_rates_fp32` where the
+    spec has them, else at `flops_fp32`; a 16-bit curve never prices an fp32 op (a CPU without
+    native bf16 runs the two precisions 20x apart). Guards the CPU device tier, whose block-wide
+    fp32 rate from a d-512 block priced gpt3-2.7b's compute 1.16x too slow."""
+    hw = load_hardware("lohan-rtx4090")
+    g = hw.gpus[0]
+    sixteen = _with(hw, matmul_rates=((1.0, g.flops / 3),), attention_rates=((1.0, g.flops / 5),))
+    assert cost.op_time(1e10, 0, sixteen, fp32=True, kind="matmul") == pytest.approx(1e10 / g.flops_fp32)
+    assert cost.op_time(1e10, 0, sixteen, fp32=True, kind="attention") == pytest.approx(1e10 / g.flops_fp32)
+    both = _with(sixteen, matmul_rates_fp32=((1e9, g.flops_fp32 / 4), (1e11, g.flops_fp32 / 2)),
+                 attention_rates_fp32=((1.0, g.flops_fp32 / 7),))
+    t = lambda flops, **kw: cost.op_time(flops, 0, both, **kw)  # noqa: E731
+    assert t(1e9, fp32=True, kind="matmul") == pytest.approx(1e9 / (g.flops_fp32 / 4))
+    assert t(1e11, fp32=True, kind="matmul_unaligned") == pytest.approx(1e11 / (g.flops_fp32 / 2))
+    assert t(1e10, fp32=True, kind="attention") == pytest.approx(1e10 / (g.flops_fp32 / 7))
+    assert t(1e10, fp32=True) == pytest.approx(1e10 / g.flops_fp32)  # not a matmul: the peak
+    assert t(1e10, kind="matmul") == pytest.approx(1e10 / (g.flops / 3))  # 16-bit: its own curve
+
+
+def test_ops_without_flops_move_their_bytes_at_the_elementwise_bandwidth():
+    """The ops between the matmuls (GELU, norms, softmax, adds) at `elementwise_bw` where the
+    spec has one; a matmul's bytes, and every op of a spec without it, at `mem_bw`."""
+    hw = load_hardware("lohan-rtx4090")
+    g = hw.gpus[0]
+    slow = _with(hw, elementwise_bw=g.mem_bw / 5)
+    assert cost.op_time(0, 10**6, slow) == pytest.approx(10**6 / (g.mem_bw / 5))
+    assert cost.op_time(0, 10**6, hw) == pytest.approx(10**6 / g.mem_bw)
+    assert cost.op_time(1, 10**9, slow, kind="matmul") == pytest.approx(10**9 / g.mem_bw)
+
+
+def test_the_cpu_tiers_elementwise_bandwidth_makes_the_cost_model_price_its_block_as_timed():
+    """`_cpu_elementwise_bw` leaves, after the probed block's FLOP-bearing ops at the curves and
+    every op's `op_s`, the block's measured time to its other ops: the cost model (`ops_time`
+    over the traced block, another code path) then prices that block at the time measured. A
+    block timed faster than its matmuls alone would allow keeps `mem_bw`."""
+    g = dataclasses.replace(load_hardware("lohan-rtx4090").gpus[0], name=CPU_GPU_NAME, op_s=7e-6,
+                            matmul_rates_fp32=((1e6, 1.2e11), (1e9, 1.5e11)),
+                            attention_rates_fp32=((1e6, 8e10), (1e9, 1.1e11)), mem_bw=2.5e10)
+    hw = _with(load_hardware("lohan-rtx4090"), **{f.name: getattr(g, f.name) for f in dataclasses.fields(g)})
+    d, heads, batch, seq = calibrate.CPU_BLOCK
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from tensorstow.ir.models import GPT, GPTConfig
+    from tensorstow.ir.trace import trace
+    fm = FakeTensorMode(allow_non_fake_inputs=True)
+    with fm:
+        model = GPT(GPTConfig(n_layer=3, n_head=heads, n_embd=d, vocab_size=64, block_size=seq))
+    graph = trace(model, batch=batch, seq=seq, precision="fp32", model_name="block", fake_mode=fm).graph
+    tensors = {t.name: t for t in graph.tensors}
+    ops = [op for op in graph.ops if op.block == "b1" and op.phase in ("fwd", "bwd")]
+    at_mem_bw = cost.ops_time(ops, tensors, hw)
+    block_s = 1.5 * at_mem_bw
+    bw = calibrate._cpu_elementwise_bw(g, block_s)
+    assert bw < g.mem_bw
+    assert cost.ops_time(ops, tensors, _with(hw, elementwise_bw=bw)) == pytest.approx(block_s, rel=1e-9)
+    assert calibrate._cpu_elementwise_bw(g, 0.5 * at_mem_bw) == g.mem_bw
+
+
+def test_cpu_devices_that_share_the_machine_split_every_rate():
+    """`--gpus 2` on a CPU spec: two processes share the cores the probe measured, so each gets
+    half of every rate, its curves and elementwise bandwidth included."""
+    hw = _with(load_hardware("lohan-rtx4090"), name=CPU_GPU_NAME, matmul_rates_fp32=((1.0, 8e10),),
+               attention_rates=((1.0, 4e10),), elementwise_bw=4e9)
+    g = hw.gpus[0]
+    for half in hw.with_overrides(gpus=2).gpus:
+        assert half.matmul_rates_fp32 == ((1.0, 4e10),) and half.attention_rates == ((1.0, 2e10),)
+        assert half.elementwise_bw == 2e9 and half.flops == g.flops / 2 and half.mem_bw == g.mem_bw / 2
