@@ -15,8 +15,8 @@ Everything is measured, nothing is looked up in a table:
   "cpu (no CUDA)" with a quarter of total RAM (the CLI usually overrides it with --gpu-mem),
   the FLOP/s a GPT block's fp32 forward + backward reaches (LoHan's THP_G is a block peak, not
   the matmul peak), the same matmul and attention sweeps as on a GPU at CPU sizes in bf16 and
-  fp32, what the block's other ops reach (`elementwise_bw`) and memcpy bandwidth. Its budget is
-  taken out of the DRAM capacity (both tiers live in the same RAM).
+  fp32, what the ops between the matmuls reach in the executor (`elementwise_bw`) and memcpy
+  bandwidth. Its budget is taken out of the DRAM capacity (both tiers live in the same RAM).
 * DRAM: capacity = MemAvailable, bandwidth = measured memcpy.
 * SSD: sequential O_DIRECT write (+fsync) and read of a temp file in `disk_dir` (default:
   a temp dir on the current directory's filesystem) with a few threads of pwrite/preadv,
@@ -251,19 +251,18 @@ def _cpu_device_tier(p: _Params, total_ram: int, copy_bw: float, dram: DRAM, dis
     import torch
 
     with other:
-        block_s = _cpu_block_s(p.cpu_block_reps)
-        flops = CPU_BLOCK_FLOPS / block_s
+        flops = CPU_BLOCK_FLOPS / _cpu_block_s(p.cpu_block_reps)
         bf16 = _cpu_bf16_ratio()
         curves = _cpu_rate_curves(flops, bf16)
+        elementwise_bw = _cpu_elementwise_bw(p.cpu_block_reps)
         op_s = _op_dispatch_s(p.cpu_block_reps)
         per_tensor = _copy_tensor_s(p.memcpy_reps)
         contention = _host_contention(p.cpu_block_reps)
         ssd_contention = _ssd_contention(p.cpu_block_reps, disk_dir)
     budget = total_ram // CPU_GPU_FRACTION
-    gpu = GPU(name=CPU_GPU_NAME, memory_bytes=budget, flops=flops * bf16, flops_fp32=flops, mem_bw=2 * copy_bw,
-              h2d_bw=copy_bw, d2h_bw=copy_bw, op_s=op_s, copy_tensor_s=per_tensor,
-              host_contention=contention, ssd_contention=ssd_contention, **curves)
-    gpus = (dataclasses.replace(gpu, elementwise_bw=_cpu_elementwise_bw(gpu, block_s)),)
+    gpus = (GPU(name=CPU_GPU_NAME, memory_bytes=budget, flops=flops * bf16, flops_fp32=flops, mem_bw=2 * copy_bw,
+                h2d_bw=copy_bw, d2h_bw=copy_bw, op_s=op_s, copy_tensor_s=per_tensor, host_contention=contention,
+                ssd_contention=ssd_contention, elementwise_bw=min(elementwise_bw, 2 * copy_bw), **curves),)
     # Device tier and DRAM tier share the same RAM: do not count it twice.
     dram = DRAM(capacity_bytes=max(0, dram.capacity_bytes - budget), bandwidth=dram.bandwidth)
     notes.append(f"no CUDA: device tier = CPU memory, 1/{CPU_GPU_FRACTION} of RAM "
@@ -271,8 +270,9 @@ def _cpu_device_tier(p: _Params, total_ram: int, copy_bw: float, dram: DRAM, dis
                  f"flops_fp32 = fp32 GPT block (d {CPU_BLOCK[0]}, batch {CPU_BLOCK[2]} x seq {CPU_BLOCK[3]}) "
                  f"forward + backward on {torch.get_num_threads()} thread(s), flops = that x a bf16 "
                  f"{'x'.join(map(str, MM16))} matmul's rate / an fp32 one's ({bf16:.3g}); "
-                 f"{_curves_note(curves)}; elementwise_bw = the block's other ops' bytes over its time less its "
-                 f"matmuls' and attention's at those rates ({gpus[0].elementwise_bw / 1e9:.2f} GB/s); op_s = the executor's "
+                 f"{_curves_note(curves)}; elementwise_bw = the bytes over the time of the ops besides matmuls and "
+                 f"attention in the executor's run of that block's joint graph ({gpus[0].elementwise_bw / 1e9:.2f} GB/s); "
+                 f"op_s = the executor's "
                  f"segment runner per op on a tiny GPT ({op_s * 1e6:.1f} us); copy_tensor_s = the executor's "
                  f"stores per tensor of a copy ({per_tensor * 1e6:.1f} us); host_contention = that block beside a "
                  f"{CONTENTION_COPY_BYTES // MiB} MiB copy loop / alone, less 1 ({contention:.3f}); "
@@ -396,27 +396,82 @@ def _cpu_block_s(reps: int) -> float:
     return _typical_time(step, reps)
 
 
-def _cpu_elementwise_bw(gpu: GPU, block_s: float) -> float:
-    """`GPU.elementwise_bw` of the CPU device tier: the bytes CPU_BLOCK's ops without FLOPs move
-    (its IR, traced) over the part of `block_s` its FLOP-bearing ops, priced at `gpu`'s curves,
-    and every op's `op_s` leave; `mem_bw` where they leave less than that takes."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from tensorstow.ir.models import GPT, GPTConfig
-    from tensorstow.ir.trace import trace
-    from tensorstow.planner.cost import _in_fp32, device_op_time, matmul_kind
+def _cpu_elementwise_bw(reps: int) -> float:
+    """`GPU.elementwise_bw` of the CPU device tier: the executor's segment runner over the joint
+    graph of a one-layer GPT of CPU_BLOCK's width and tokens, each op timed as it dispatches
+    (`_op_timer`); the bytes the ops besides matmuls and attention read and write (as the IR counts
+    them: views move none) over their seconds, the median of `reps` steps. Timed in place, not as
+    the block's time less its matmuls' (that residual swung 4-13 GB/s between probes on a 2-core
+    Xeon VM where this stays within 10%)."""
+    from tensorstow.ir.models import GPTConfig
     d, heads, batch, seq = CPU_BLOCK
-    fm = FakeTensorMode(allow_non_fake_inputs=True)
-    with fm:  # three layers: the middle one's ops are a block's between two others
-        model = GPT(GPTConfig(n_layer=3, n_head=heads, n_embd=d, vocab_size=64, block_size=seq))
-    graph = trace(model, batch=batch, seq=seq, precision="fp32", model_name="probe-block", fake_mode=fm).graph
-    tensors = {t.name: t for t in graph.tensors}
-    ops = [o for o in graph.ops if o.block == graph.blocks[2].name and o.phase in ("fwd", "bwd")]
-    priced = sum(device_op_time(gpu, o.flops, o.bytes_in + o.bytes_out, _in_fp32(o, tensors), matmul_kind(o, tensors))
-                 for o in ops if o.flops) + gpu.op_s * sum(1 for o in ops if not o.flops)
-    moved = sum(o.bytes_in + o.bytes_out for o in ops if not o.flops)
-    left = block_s - priced
-    return moved / left if left > moved / gpu.mem_bw else gpu.mem_bw
+    step = _joint_step(GPTConfig(n_layer=1, n_head=heads, n_embd=d, vocab_size=64, block_size=seq), batch, seq)
+    step()  # warm-up
+    timed = []
+    for _ in range(reps):
+        with _op_timer() as t:
+            step()
+        timed.append(t)
+    return timed[0].bytes / max(statistics.median(t.seconds for t in timed), 1e-9)
+
+
+def _op_timer():
+    """A TorchDispatchMode that sums the seconds and bytes (inputs and outputs) of the aten ops
+    dispatched under it that are not views, matmuls or attention (`cost.op_kind`)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    from tensorstow.planner.cost import op_kind
+
+    class OpTimer(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seconds, self.bytes = 0.0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            t = time.perf_counter()
+            out = func(*args, **(kwargs or {}))
+            dt = time.perf_counter() - t
+            if not func.is_view and not op_kind(str(func)):
+                self.seconds += dt
+                self.bytes += sum(a.nbytes for a in tree_leaves((args, kwargs, out)) if isinstance(a, torch.Tensor))
+            return out
+
+    return OpTimer()
+
+
+def _joint_step(config, batch: int, seq: int):
+    """A callable that runs the traced joint graph of `GPT(config)` (seeded) once, forward and
+    backward, through the executor's segment runner and a device tier of CPU memory."""
+    import torch
+
+    from tensorstow.executor.segments import Joint
+    from tensorstow.executor.stores import DeviceTier
+    from tensorstow.ir.models import GPT
+    from tensorstow.ir.trace import trace
+    torch.manual_seed(0)
+    model = GPT(config)
+    traced = trace(model, batch=batch, seq=seq, precision="fp32", model_name="probe")
+    joint = Joint(traced)
+    start = {joint.placeholder[n]: p.detach() for n, p in model.named_parameters()}
+    idx, targets, tangent = joint.inputs
+    start.update(joint.constants)
+    start.update({idx: torch.zeros(batch, seq, dtype=torch.long), targets: torch.zeros(batch, seq, dtype=torch.long),
+                  tangent: torch.ones(())})
+    blocks = [b.name for b in traced.graph.blocks]
+    order = [s for s in [f"fwd:{b}" for b in blocks] + [f"bwd:{b}" for b in reversed(blocks)]
+             if s in joint.segments]
+    device = DeviceTier(1 << 40, torch.device("cpu"))
+
+    def step():
+        values = dict(start)
+        for name in order:
+            seg = joint.segments[name]
+            joint.run(seg, fetch=values.__getitem__, hold=device.hold, release=device.release,
+                      keep=seg.produced, sink=values.__setitem__)
+    step.ops = sum(1 for o in traced.graph.ops if o.phase in ("fwd", "bwd"))
+    return step
 
 
 def _cpu_block():
@@ -539,34 +594,9 @@ def _op_dispatch_s(reps: int) -> float:
     so small (d 8, 4 tokens) that its kernels take next to nothing, divided by its IR ops, the unit
     the cost model charges it per (`cost.op_time`). It is what makes a narrow model (gpt-small at
     2 x 32 tokens) run well below a block's FLOP rate."""
-    import torch
-
-    from tensorstow.executor.segments import Joint
-    from tensorstow.executor.stores import DeviceTier
-    from tensorstow.ir.models import GPT, GPTConfig
-    from tensorstow.ir.trace import trace
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_head=1, n_embd=8, vocab_size=16, block_size=4))
-    traced = trace(model, batch=1, seq=4, precision="fp32", model_name="probe-dispatch")
-    joint = Joint(traced)
-    start = {joint.placeholder[n]: p.detach() for n, p in model.named_parameters()}
-    idx, targets, tangent = joint.inputs
-    start.update(joint.constants)
-    start.update({idx: torch.zeros(1, 4, dtype=torch.long), targets: torch.zeros(1, 4, dtype=torch.long),
-                  tangent: torch.ones(())})
-    blocks = [b.name for b in traced.graph.blocks]
-    order = [s for s in [f"fwd:{b}" for b in blocks] + [f"bwd:{b}" for b in reversed(blocks)]
-             if s in joint.segments]
-    device = DeviceTier(1 << 30, torch.device("cpu"))
-
-    def step():
-        values = dict(start)
-        for name in order:
-            seg = joint.segments[name]
-            joint.run(seg, fetch=values.__getitem__, hold=device.hold, release=device.release,
-                      keep=seg.produced, sink=values.__setitem__)
-    ops = sum(1 for o in traced.graph.ops if o.phase in ("fwd", "bwd"))
-    return _typical_time(step, reps) / ops
+    from tensorstow.ir.models import GPTConfig
+    step = _joint_step(GPTConfig(n_layer=2, n_head=1, n_embd=8, vocab_size=16, block_size=4), 1, 4)
+    return _typical_time(step, reps) / step.ops
 
 
 MM16 = (128, 512, 2048)

@@ -141,9 +141,9 @@ class GPU:
     elementwise_bw: float = 0.0
     """Bytes/s the ops without FLOPs (elementwise, norms, softmax, reductions) move, where it is
     below `mem_bw`. On a CPU they compute per element besides streaming memory: the CPU device
-    tier's probe times a GPT block, prices its matmuls and attention at the curves above, and
-    divides the other ops' bytes by the time left (4-5 GB/s on one core of a 2-core Xeon VM
-    against a 25 GB/s memcpy). 0: `mem_bw`. Left out of the spec's JSON when 0."""
+    tier's probe runs the executor over a GPT block's joint graph and times each op as it
+    dispatches (11-12 GB/s on one core of a 2-core Xeon VM against a 25 GB/s memcpy). 0:
+    `mem_bw`. Left out of the spec's JSON when 0."""
     kernel_s: float = 0.0
     """Seconds an op that touches memory takes at least on the device's compute stream: tiny ops
     launched back to back from Python (kernel launch and the dispatcher; `tensorstow probe` times
