@@ -34,8 +34,9 @@ Every host timing is the median of several short repetitions, as the disk's is: 
 its copies, kernels and updates every step at the machine's typical rate, and the best of six
 ran 2-4% (a GPT block), 5-7% (per-op dispatch) and 7-18% (memcpy) faster than their median on
 a 2-core CPU VM (benchmarks/RESULTS.md "The probe"), an optimism every prediction inherited. GPU
-kernels (CUDA events) are steady and keep the best of their repetitions. A quick probe takes
-~11 s on a 2-core CPU VM without CUDA (a third of it the device tier's contention figures),
+kernels (CUDA events) are steady and keep the best of their repetitions, as the CPU tier's
+matmul and attention curves do (`CPU_CURVE_REPS`). A quick probe takes
+~12 s on a 2-core CPU VM without CUDA (a quarter of it the device tier's contention figures),
 including ~1.5 s the first time an optimizer steps in a process (torch imports its compiler
 stack then). Results are cached per (disk_dir, quick) per process.
 """

@@ -68,7 +68,7 @@ def test_the_cpu_tier_prices_matmuls_and_attention_at_both_precisions(measured):
 
 
 def test_quick_probe_says_how_long_it_took(measured):
-    # ~11 s on a 2-core CPU VM (plus a one-time ~1.5 s torch import on the first optimizer
+    # ~12 s on a 2-core CPU VM (plus a one-time ~1.5 s torch import on the first optimizer
     # step); no bound asserted: a loaded machine takes longer
     hw, _, seconds = measured
     assert seconds > 0 and "(quick, torch" in hw.source
