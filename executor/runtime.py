@@ -57,6 +57,7 @@ from tensorstow.executor.cuda import cap_allocator, check_device, lanes_for, out
 from tensorstow.executor.device_ops import check_portable, targets_for
 from tensorstow.executor.homes import Homes
 from tensorstow.executor.lr import LRSchedule
+from tensorstow.executor.malloc import give_back_free_heap
 from tensorstow.executor.malloc import tune as tune_malloc
 from tensorstow.executor.program import Program
 from tensorstow.executor.ssd import SSDStore
@@ -489,6 +490,7 @@ class Executor:
                 self.dev.hold(v, name)
                 self.inputs.setdefault(name, []).append(v)
         self.loss, self._loss = None, [None] * self.M
+        self._backward_begun = False
         if self.lr_schedule is not None:
             self._lr_step = self.opt_steps
             self._apply_lr(self.lr_schedule(self.opt_steps))
@@ -812,6 +814,9 @@ class Executor:
         def fetch(root):
             return self._fetch(root, ins.micro)
 
+        if self.device.type == "cpu" and not self._backward_begun and ins.segment.startswith("bwd:"):
+            self._backward_begun = True  # the forward's heap pages go back before the backward's large gradients
+            give_back_free_heap()
         try:
             j.run(seg, fetch=fetch, hold=self.dev.hold, release=self.dev.release,
                   keep=self.keep[ins.id], sink=kept.__setitem__, device=self.device)  # held: ours
