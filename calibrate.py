@@ -252,7 +252,7 @@ def _cpu_device_tier(p: _Params, total_ram: int, copy_bw: float, dram: DRAM, dis
     import torch
 
     with other:
-        flops = CPU_BLOCK_FLOPS / _cpu_block_s(p.cpu_block_reps)
+        flops = _cpu_block_flops(p.cpu_block_reps)
         bf16 = _cpu_bf16_ratio()
         curves = _cpu_rate_curves(flops, bf16)
         elementwise_bw = _cpu_elementwise_bw(p.cpu_block_reps)
@@ -378,23 +378,20 @@ CPU_BLOCK = (512, 8, 4, 128)
 """(d, heads, batch, seq) of the transformer block whose throughput is the CPU device's `flops`."""
 
 
-CPU_BLOCK_FLOPS = 3 * CPU_BLOCK[2] * CPU_BLOCK[3] * 2 * (12 * CPU_BLOCK[0] ** 2 + 2 * CPU_BLOCK[3] * CPU_BLOCK[0])
-"""FLOPs of CPU_BLOCK's forward and backward, counted as 3x the forward's 2*(12 d^2 + 2 T d) per
-token: CPU_BLOCK_FLOPS / its time is LoHan's THP_G for the CPU device tier (`GPU.flops_fp32`,
-the rate of the ops no curve prices)."""
-
-
-def _cpu_block_s(reps: int) -> float:
-    """Seconds a GPT block's fp32 forward and backward take here (ir.models.Block at CPU_BLOCK).
-    On a CPU the matmul peak is far from what a block gets: small matmuls, attention and the
-    memory-bound ops between them run below it, as the GPU presets' block peaks sit below their
-    datasheets."""
+def _cpu_block_flops(reps: int) -> float:
+    """LoHan's THP_G for the CPU device tier (`GPU.flops_fp32`, the rate of the ops no curve
+    prices): the FLOP/s a GPT block's forward and backward reach here (ir.models.Block at
+    CPU_BLOCK, fp32), counted as 3x the forward's 2*(12 d^2 + 2 T d) per token. On a CPU the
+    matmul peak is far from what a block gets: small matmuls, attention and the memory-bound ops
+    between them run below it, as the GPU presets' block peaks sit below their datasheets."""
+    d, _heads, batch, seq = CPU_BLOCK
     blk, x = _cpu_block()
 
     def step():
         blk(x).sum().backward()
     step()  # warm-up: allocations, kernel selection
-    return _typical_time(step, reps)
+    flops = 3 * batch * seq * 2 * (12 * d * d + 2 * seq * d)
+    return flops / _typical_time(step, reps)
 
 
 def _cpu_elementwise_bw(reps: int) -> float:
@@ -491,7 +488,7 @@ as the copies between tiers and the SSD store's staging are."""
 
 
 def _host_contention(reps: int) -> float:
-    """`GPU.host_contention` of the CPU device tier: the GPT block of `_cpu_block_s` timed alone
+    """`GPU.host_contention` of the CPU device tier: the GPT block of `_cpu_block_flops` timed alone
     and beside a thread that copies CONTENTION_COPY_BYTES in a loop (torch `copy_`, as the
     executor's copy lanes do), in alternating rounds; the medians' ratio less 1. The two share the
     memory system (and, with fewer cores than threads, the cores): measured 0.1-0.2 on a 2-core CPU
@@ -610,7 +607,7 @@ shapes overstate bf16 (0.30 at 128x512x512 against 0.047 here)."""
 
 def _cpu_bf16_ratio() -> float:
     """A bf16 matmul's rate over an fp32 one's on this CPU (what a mixed-precision plan's 16-bit
-    matmuls run at on the CPU device tier, relative to the fp32 block rate `_cpu_block_s`
+    matmuls run at on the CPU device tier, relative to the fp32 block rate `_cpu_block_flops`
     measures): near 1 or above with native bf16 (AVX512-BF16, AMX), ~0.05 without (an AMD EPYC
     with AVX2)."""
     import torch

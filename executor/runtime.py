@@ -57,8 +57,7 @@ from tensorstow.executor.cuda import cap_allocator, check_device, lanes_for, out
 from tensorstow.executor.device_ops import check_portable, targets_for
 from tensorstow.executor.homes import Homes
 from tensorstow.executor.lr import LRSchedule
-from tensorstow.executor.malloc import give_back_free_heap
-from tensorstow.executor.malloc import tune as tune_malloc
+from tensorstow.executor.malloc import give_back_free_heap, tune as tune_malloc
 from tensorstow.executor.program import Program
 from tensorstow.executor.ssd import SSDStore
 from tensorstow.executor import state

@@ -132,13 +132,10 @@ def op_time(flops: int, nbytes: int, hw: Hardware, gpu: int = 0, fp32: bool = Fa
     runs in fp32. `kind` ("matmul", "attention", "attention_bwd" from `op_kind`,
     "matmul_unaligned" from `matmul_kind`): its FLOPs run at the rate the GPU's probe measured at
     that size and precision (`measured_rate`) where it has one, else at `flops_fp32` (fp32, where
-    the GPU has one) or `flops`. An op that touches memory takes at least `GPU.kernel_s`."""
-    return device_op_time(hw.gpus[gpu], flops, nbytes, fp32, kind)
-
-
-def device_op_time(g, flops: int, nbytes: int, fp32: bool = False, kind: str = "") -> float:
-    """`op_time` on GPU `g`. An op without FLOPs moves its bytes at `GPU.elementwise_bw` where the
-    probe measured one, else at `mem_bw`."""
+    the GPU has one) or `flops`. An op that touches memory takes at least `GPU.kernel_s`.
+    An op without FLOPs moves its bytes at `GPU.elementwise_bw` where the probe measured one, else
+    at `mem_bw`."""
+    g = hw.gpus[gpu]
     rate = measured_rate(g, kind, flops, fp32) if kind else 0.0
     if not rate:
         rate = g.flops_fp32 if fp32 and g.flops_fp32 else g.flops

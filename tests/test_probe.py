@@ -251,7 +251,7 @@ def _fake_measurements(monkeypatch, tmp_path, calls: list) -> None:
     disk = probe_mod._DiskResult(read_bw=1e9, write_bw=1e9, capacity=1 << 40, method="O_DIRECT",
                                  fs_dir=str(tmp_path))
     monkeypatch.setattr(probe_mod, "_disk_bw", recorder("disk", disk))
-    for fn, result in (("_cpu_memcpy_bw", 1e10), ("_adam_rate", (1e8, "fake")), ("_cpu_block_s", 0.05),
+    for fn, result in (("_cpu_memcpy_bw", 1e10), ("_adam_rate", (1e8, "fake")), ("_cpu_block_flops", 1e10),
                        ("_cpu_rate_curves", {k: ((1e9, 1e10),) for k in ("matmul_rates", "matmul_rates_fp32",
                                                                               "attention_rates", "attention_rates_fp32")}), ("_cpu_elementwise_bw", 4e9),
                        ("_cpu_bf16_ratio", 0.5), ("_op_dispatch_s", 1e-5), ("_copy_tensor_s", 1e-5), ("_adam_tensor_s", 2e-5),
