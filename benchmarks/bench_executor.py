@@ -1,7 +1,8 @@
 """Executor vs eager PyTorch, and an SSD-offloaded plan's measured vs simulated step time.
 
 Prints ratios measured in the same run (the machines are shared and noisy):
-  1. all-resident plan through the executor / eager PyTorch (same model, batch, optimizer)
+  1. all-resident plan through the executor / eager PyTorch (same model, batch, optimizer); on a
+     GPU also with the step replayed as one CUDA graph (executor.graphs)
   2. the zero-infinity plan with its state on SSD and (no SSD) in DRAM, for a probed spec of this
      machine with a small device budget: measured / predicted step time in sync mode (predicted:
      the instructions' modeled durations one after another) and overlap mode (the simulated
@@ -28,6 +29,7 @@ import time
 
 import torch
 
+from tensorstow.executor import graphs
 from tensorstow.executor.data import batches
 from tensorstow.executor.runtime import Executor
 from tensorstow.schema.plan import as_plan
@@ -39,13 +41,14 @@ from tensorstow.planner.plan import make_plan
 from tensorstow.calibrate import _QUICK, _disk_bw
 
 
-def median_step(fn, xs):
+def median_step(fn, xs, skip: int = 1):
+    """The median step time of `fn` over `xs` after the first `skip` (warmup) steps."""
     times = []
     for x, y in xs:
         t0 = time.perf_counter()
         fn(x, y)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:] or times)
+    return statistics.median(times[skip:] or times)
 
 
 def eager_step(spec, device: torch.device, precision: str):
@@ -139,12 +142,16 @@ def main():
     t_eager = median_step(eager, data)
     print(f"eager PyTorch step        {t_eager:.4f} s{rate(t_eager)}{peak()}")
     eager = None  # free the eager copy before the executor builds its own
-    for mode in (("sync", "overlap") if cuda else ("sync",)) if a.resident else ():
+    # on a GPU each mode instruction by instruction, then the step replayed as one CUDA graph
+    # (executor.graphs; timed over the replays, after the eager warmup and the capture)
+    runs = [("sync", "off"), ("overlap", "off"), ("sync", "on")] if cuda else [("sync", "off")]
+    for mode, graphed in runs if a.resident else ():
         torch.manual_seed(0)
-        ex = Executor(resident, spec.build(), mode=mode, device=device)
-        t_res = median_step(ex.step, data)
+        ex = Executor(resident, spec.build(), mode=mode, device=device, graphs=graphed)
+        t_res = median_step(ex.step, data, skip=graphs.WARMUP + 1 if graphed == "on" else 1)
         ex.close()
-        print(f"executor, all-resident {mode:8s} {t_res:.4f} s   ratio executor/eager = {t_res / t_eager:.2f}x"
+        label = "graph" if graphed == "on" else mode
+        print(f"executor, all-resident {label:8s} {t_res:.4f} s   ratio executor/eager = {t_res / t_eager:.2f}x"
               f"{rate(t_res)}{peak()}")
 
     from tensorstow.executor.run import predicted_step

@@ -307,30 +307,34 @@ class SubgroupAdam:
             self.opt = cls([torch.zeros(1)], lr=self.lr, betas=self.betas, eps=self.eps,
                            weight_decay=self.wd, foreach=False)
 
-    def step(self, params, grads, moments, steps_done: int, out16=None, groups=None, lr_of=None,
-             grad_scale: float = 1.0) -> None:
+    def step(self, params, grads, moments, steps_done: int | torch.Tensor, out16=None, groups=None, lr_of=None,
+             grad_scale: float = 1.0, rates: dict[float, torch.Tensor] | None = None) -> None:
         """One update of `params` (fp32) from `grads`; `steps_done` updates came before it.
         `out16`: per parameter, a 16-bit tensor to receive its updated value (fast CPU path).
         `grad_scale`: the gradients are read times it (fast CPU path, whose `grads` may be 16-bit:
         `adamw_steps_`); other paths take it as 1 and their gradients clipped already.
         `groups`: per parameter, its group's (learning rate scale, weight decay) (default: (1,
         the options' weight decay) for all), as torch.optim's parameter groups: one update per
-        group. `lr_of(scale)`: a group's learning rate (default: `lr` x scale)."""
+        group. `lr_of(scale)`: a group's learning rate (default: `lr` x scale).
+        `rates` (a step captured as a graph, executor.graphs): per group lr scale, a device tensor
+        holding its rate, and `steps_done` a device tensor holding this update's number; torch's
+        fused kernel reads both from memory, so a replay takes the values they hold then."""
         if not params:
             return
         if groups is None:
             groups = [(1.0, self.wd)] * len(params)
         for scale, wd in dict.fromkeys(groups):
             at = [k for k, g in enumerate(groups) if g == (scale, wd)]
-            lr = self.lr if scale == 1.0 else lr_of(scale) if lr_of is not None else self.lr * scale
+            lr = (rates[scale] if rates is not None else self.lr if scale == 1.0
+                  else lr_of(scale) if lr_of is not None else self.lr * scale)
             if len(at) == len(params):
                 return self._update(params, grads, moments, steps_done, out16, wd, lr, grad_scale)
             self._update([params[k] for k in at], [grads[k] for k in at], [moments[k] for k in at], steps_done,
                          None if out16 is None else [out16[k] for k in at], wd, lr, grad_scale)
 
-    def _update(self, params, grads, moments, steps_done: int, out16, wd: float, lr: float,
-                grad_scale: float = 1.0) -> None:
-        if params[0].device.type == "cpu" and not self.exact:
+    def _update(self, params, grads, moments, steps_done: int | torch.Tensor, out16, wd: float,
+                lr: float | torch.Tensor, grad_scale: float = 1.0) -> None:
+        if params[0].device.type == "cpu" and not self.exact and not isinstance(lr, torch.Tensor):
             adamw_steps_(params, grads, [m for m, _ in moments], [v for _, v in moments], steps_done + 1,
                          lr, self.betas, self.eps, wd, out16, decoupled=self.decoupled, grad_scale=grad_scale)
             return
@@ -339,7 +343,8 @@ class SubgroupAdam:
         if self.exact:
             return self._torch_step(params, grads, moments, steps_done, wd, lr)
         fused = torch._fused_adamw_ if self.decoupled else torch._fused_adam_
-        step = torch.full((), float(steps_done + 1), dtype=torch.float32, device=params[0].device)  # no host copy
+        step = (steps_done if isinstance(steps_done, torch.Tensor)  # no host copy
+                else torch.full((), float(steps_done + 1), dtype=torch.float32, device=params[0].device))
         steps = [step] * len(params)  # read, not written, by the fused kernel
         grads = [g if g.stride() == p.stride() else torch.empty_like(p).copy_(g) for p, g in zip(params, grads)]
         fused(params, grads, [m for m, _ in moments], [v for _, v in moments], [], steps,

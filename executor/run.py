@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from tensorstow.errors import TensorstowError
-from tensorstow.executor import state
+from tensorstow.executor import graphs, state
 from tensorstow.executor.cuda import hardware_differences, resolve_device
 from tensorstow.executor.data import batches
 from tensorstow.executor.distributed import (LOST, TIMEOUT_S, Comm, agree_on_step, launch, peer_lost, rank_cores,
@@ -75,7 +75,8 @@ def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, 
             start = store.committed_step() or 0
         # a constant rate until the data is read: the schedule needs the run's length
         ex = Executor(plan, model, mode=mode, ssd_store=store, resume=resume, checkpoint_every=run.checkpoint_every,
-                      init_values=init, rank=rank, comm=comm, lr_schedule=LRSchedule("constant", plan.options.lr))
+                      init_values=init, rank=rank, comm=comm, lr_schedule=LRSchedule("constant", plan.options.lr),
+                      graphs=run.graphs)
         if store is not None:
             ex.describe(d, model)
         steps, feed = _feed(ex, plan, run, start)
@@ -302,6 +303,9 @@ def _report(ex: Executor, plan: Plan, mode: str, times: list[float], trace: str 
         print(f"CUDA allocator peak: {ex.peak_bytes['gpu_allocated'] / 1e6:.1f} MB allocated, "
               f"{ex.peak_bytes['gpu_reserved'] / 1e6:.1f} MB reserved (held to {ex.alloc_limit / 1e6:.1f} MB: "
               f"the budget + workspaces)", file=out)
+    if ex.device.type == "cuda":
+        print(f"CUDA graph: the step replayed as one graph after {graphs.WARMUP} eager steps" if ex.graphs_captured
+              else f"CUDA graph: not used ({'; '.join(ex.graph_blockers) or 'too few steps'})", file=out)
     busy = ex.lane_busy()
     print("lane busy, measured (predicted): " + ", ".join(
         f"{r} {v:.3g} s ({pred.busy_s.get(r, 0):.3g} s)" for r, v in busy.items()), file=out)

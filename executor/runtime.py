@@ -53,8 +53,10 @@ import torch.nn as nn
 from tensorstow.errors import TensorstowError
 from tensorstow.executor.adam import SubgroupAdam
 from tensorstow.executor.amp import LossScaler, distinct
-from tensorstow.executor.cuda import cap_allocator, check_device, lanes_for, out_of_memory, resolve_device
+from tensorstow.executor import graphs
+from tensorstow.executor.cuda import HostLanes, cap_allocator, check_device, lanes_for, out_of_memory, resolve_device
 from tensorstow.executor.device_ops import check_portable, targets_for
+from tensorstow.executor.graphs import StepGraph
 from tensorstow.executor.homes import Homes
 from tensorstow.executor.lr import LRSchedule
 from tensorstow.executor.malloc import give_back_free_heap, tune as tune_malloc
@@ -68,6 +70,7 @@ from tensorstow.ir.models import build_for_execution, resolve_model
 from tensorstow.ir.trace import Traced
 from tensorstow.planner.simulate import SimResult, perfetto_trace
 from tensorstow.schema.plan import as_plan
+from tensorstow.schema.run import GRAPHS
 from tensorstow.schema.schedule import CPU_OPTIMIZER, BufferKind, Instr, gpu_index, resource_of
 
 MODES = ("sync", "overlap")
@@ -204,7 +207,8 @@ class Executor:
                  ssd_store=None, resume: bool = False, device_budget: int | None = None,
                  traced: Traced | None = None, checkpoint_every: int = 1, init_values=None,
                  device: str | torch.device | None = None, rank: int | None = None, comm=None,
-                 lr_schedule: LRSchedule | None = None, total_steps: int | None = None, seed: int = 0):
+                 lr_schedule: LRSchedule | None = None, total_steps: int | None = None, seed: int = 0,
+                 graphs: str = "auto"):
         """`state_dir`: the run's directory, as `tensorstow execute --state-dir` keeps it, for any
         plan: the SSD tier's buffers and a full checkpoint every `checkpoint_every` steps in a
         crash-safe `SSDStore` (`checkpoint()` commits on demand), the plan and a description of
@@ -230,7 +234,11 @@ class Executor:
         `torch.manual_seed(seed); factory()` gives, or an `hf:` checkpoint's, streamed into the
         tiers block by block (never the whole model in host memory). `lr_schedule`: each update's learning rate (executor.lr);
         default the plan's (`Options.lr_scheduler`, its warmup and min lr ratio, peak `lr`), whose
-        linear and cosine forms need the run's length in optimizer steps, `total_steps`."""
+        linear and cosine forms need the run's length in optimizer steps, `total_steps`.
+        `graphs`: "auto" captures the step as a CUDA graph after a few eager steps and replays it
+        where nothing in the step needs the host (executor.graphs: every buffer resident, the
+        optimizer on the GPU), "on" refuses a plan where it cannot, "off" never captures."""
+        self._graphs_setting = graphs
         self._lane_threads = _LaneThreads()  # overlap mode's lanes, kept from step to step
         # collected: its lanes end; at exit they are daemons (a step interrupted there never joins)
         weakref.finalize(self, self._lane_threads.close).atexit = False
@@ -334,6 +342,22 @@ class Executor:
                                   f"--checkpoint-every out, or plan with --clip-rate 1 (updates wait for the norm)")
         self.checkpoint_every = checkpoint_every
         self._start(model, resume, init_values, where)
+        self._init_graphs(self._graphs_setting)
+
+    def _init_graphs(self, mode: str) -> None:
+        if mode not in GRAPHS:
+            raise TensorstowError(f"unknown graphs setting '{mode}': use one of {list(GRAPHS)}")
+        self.graph_blockers = ["graphs are off"] if mode == "off" else graphs.blockers(self)
+        """Why the step is not captured as a graph (empty: it is, after `graphs.WARMUP` steps)."""
+        if mode == "on" and self.graph_blockers:
+            raise TensorstowError(f"graphs on: this plan's step cannot be captured as a CUDA graph: "
+                                  f"{'; '.join(self.graph_blockers)}; use graphs auto (captures where it can)")
+        self.graphs_captured = 0
+        """Steps captured as a graph so far (one, unless a persistent buffer moved in between)."""
+        self._graph: StepGraph | None = None
+        self._runs = 0  # training steps this executor ran: the first WARMUP run eagerly
+        self._capturing: StepGraph | None = None  # the graph a step is being recorded into
+        self._replayed: StepGraph | None = None  # the last step was this graph's replay
 
     def describe(self, d, model: nn.Module) -> None:
         """layout.json (what each persistent buffer holds, by the model's own names) and, for an
@@ -459,7 +483,6 @@ class Executor:
         return sum(losses) / len(losses)  # as an eager loop sums them
 
     def _step(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
-        j = self.joint
         m = self.plan.model
         rows = m.batch * self.M
         for what, t in (("idx", idx), ("targets", targets)):
@@ -476,18 +499,7 @@ class Executor:
                 raise TensorstowError(f"idx/targets hold token ids outside the model's vocabulary "
                                       f"[0, {self.vocab}) (labels its loss ignores: "
                                       f"{', '.join(map(str, ignored.tolist()))})")
-        tdtype, tshape = j.meta(j.inputs[2])
-        tangent = (self.scaler.tangent(tshape, tdtype) if self.scaler is not None
-                   else torch.ones(tshape, dtype=tdtype, device=self.device))
         self._weights = self.micro_weights(targets)
-        consts = tuple(c.to(self.device, copy=True) for c in j.constants.values())
-        for k in range(self.M):
-            rows_k = slice(k * m.batch, (k + 1) * m.batch)
-            t_k = tangent if self.M == 1 else tangent * self._weights[k]  # eager's (loss * w_k).backward()
-            vals = (idx[rows_k].to(self.device, copy=True), targets[rows_k].to(self.device, copy=True), t_k)
-            for name, v in zip((*j.inputs, *j.constants), vals + consts):
-                self.dev.hold(v, name)
-                self.inputs.setdefault(name, []).append(v)
         self.loss, self._loss = None, [None] * self.M
         self._backward_begun = False
         if self.lr_schedule is not None:
@@ -501,25 +513,18 @@ class Executor:
         synced = self._early_sync_total()
         if isinstance(self.ssd.store, SSDStore):  # sync writes early only in a step that commits
             self.ssd.store.sync_early = (self.steps_done + 1) % self.checkpoint_every == 0
-        self.lanes.begin()  # after the inputs: the lanes start from here
-        ok = False
-        try:
-            (self._run_sync if self.mode == "sync" else self._run_overlap)()
-            ok = True
-        finally:
-            try:
-                self.timeline = self.lanes.end()  # every lane's work is done (CUDA: joined)
-                for w in self._sends:  # transfers to other ranks complete before their copies go
-                    w.wait()
-            except Exception:
-                if ok:
-                    raise  # else the step's own error is the one to report
-            finally:
-                self._sends.clear()
-                for vs in self.inputs.values():
-                    for v in vs:
-                        self.dev.release(v)
-                self.inputs.clear()
+        graph = self._graph_for_step()
+        self._replayed = None
+        if graph is None:
+            self._run_step(self._step_inputs(idx, targets), self.lanes, self.mode)
+        else:
+            graph.feed(self, idx, targets, self._weights)
+            if not graph.ready:
+                self._capture(graph)
+            else:
+                self._loss, self._norms = list(graph.loss), dict(graph.norms)
+            graph.replay()
+            self._replayed, self.timeline = graph, []
         self.loss = self._mean_loss()
         if self._evaluating:  # `evaluate`: nothing of the step is kept
             self._check_end_state()
@@ -540,6 +545,87 @@ class Executor:
                 self.commit_s = time.perf_counter() - t0
         self.early_sync_s = self._early_sync_total() - synced
         return self.loss
+
+    def _step_inputs(self, idx: torch.Tensor, targets: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+        """The step's inputs on the device, per graph input one value per microbatch: the rows of
+        idx and targets, the loss tangent (eager's (loss * w_k).backward()), the graph's constants."""
+        j, b = self.joint, self.plan.model.batch
+        tdtype, tshape = j.meta(j.inputs[2])
+        tangent = (self.scaler.tangent(tshape, tdtype) if self.scaler is not None
+                   else torch.ones(tshape, dtype=tdtype, device=self.device))
+        consts = tuple(c.to(self.device, copy=True) for c in j.constants.values())
+        inputs: dict[str, list[torch.Tensor]] = {}
+        for k in range(self.M):
+            t_k = tangent if self.M == 1 else tangent * self._weights[k]
+            vals = (idx[k * b:(k + 1) * b].to(self.device, copy=True),
+                    targets[k * b:(k + 1) * b].to(self.device, copy=True), t_k)
+            for name, v in zip((*j.inputs, *j.constants), vals + consts):
+                inputs.setdefault(name, []).append(v)
+        return inputs
+
+    def _run_step(self, inputs: dict[str, list[torch.Tensor]], lanes, mode: str) -> None:
+        """Run the step's instructions on `inputs` through `lanes`, in `mode`'s order."""
+        for name, vs in inputs.items():
+            for v in vs:
+                self.dev.hold(v, name)
+        self.inputs, self.lanes = inputs, lanes
+        lanes.begin()  # after the inputs: the lanes start from here
+        ok = False
+        try:
+            (self._run_sync if mode == "sync" else self._run_overlap)()
+            ok = True
+        finally:
+            try:
+                self.timeline = lanes.end()  # every lane's work is done (CUDA: joined)
+                for w in self._sends:  # transfers to other ranks complete before their copies go
+                    w.wait()
+            except Exception:
+                if ok:
+                    raise  # else the step's own error is the one to report
+            finally:
+                self._sends.clear()
+                for vs in inputs.values():
+                    for v in vs:
+                        self.dev.release(v)
+                self.inputs = {}
+
+    def _graph_for_step(self) -> StepGraph | None:
+        """The graph this step replays (or captures), or None: the step runs instruction by
+        instruction (graphs off or blocked, an evaluation, a warmup step, a graph given up)."""
+        if self.graph_blockers or self._evaluating:
+            return None
+        self._runs += 1
+        if self._runs <= graphs.WARMUP:
+            return None
+        g = self._graph
+        if g is not None and g.bound != graphs.storages(self):  # a buffer moved since the capture: capture anew
+            g = None
+        if g is None:
+            g = self._graph = StepGraph(self, graphs.BACKENDS[self.device.type])
+        return g
+
+    def _capture(self, graph: StepGraph) -> None:
+        """Record this step into `graph`, one instruction after another on the capturing stream
+        (host timings only: no event may be recorded or waited for there). A step that leaves a
+        persistent buffer in other memory than it found it is replayed this once and not again."""
+        lanes = self.lanes
+        self._capturing = graph
+        try:
+            with graph.capture(self):
+                self._run_step(graph.inputs, HostLanes(), "sync")
+        except TensorstowError:
+            raise
+        except Exception as e:
+            raise ExecutionError(f"capturing the step as a CUDA graph failed ({type(e).__name__}: {e}); "
+                                 f"run with graphs off (--graphs off)") from None
+        finally:
+            self._capturing, self.lanes = None, lanes
+        moved = sorted({buf for buf, *_ in set(graph.bound) ^ set(graphs.storages(self))})
+        if moved:
+            self.graph_blockers = [f"the step re-allocates persistent buffers ({', '.join(moved[:3])})"]
+            self._graph = None
+        graph.ready = True
+        self.graphs_captured += 1
 
     def _validate(self) -> None:
         """A speculating plan's step, its norm now known: where the clip fires (or fp16 gradients
@@ -691,6 +777,9 @@ class Executor:
         the SSD's includes the store's early syncs and the part of the step's commit the step
         waited for, and "ssd.commit" the last commit's background part, as the simulator has them)."""
         out: dict[str, float] = {}
+        if self._replayed is not None:  # one replay: its device time, on the lane if there is one
+            lanes = {resource_of(i.stream) for i in self.instrs}
+            out[lanes.pop() if len(lanes) == 1 else "graph"] = self._replayed.seconds()
         for i, t0, t1 in self.timeline:
             r = resource_of(self.instrs[i].stream)
             out[r] = out.get(r, 0.0) + (t1 - t0)
@@ -981,9 +1070,10 @@ class Executor:
             # torch's single-tensor Adam allocates two parameter-sized temporaries (sqrt, denom)
             scratch = 2 * max((t.numel() * 4 for t in params), default=0) if on_dev and self.adam[b].exact else 0
             with self.dev.reserve(scratch, f"Adam scratch of {b}") if scratch else contextlib.nullcontext():
-                self.adam[b].step(params, grads, moments, self.opt_steps, out16,
+                g = self._capturing  # a captured update reads its step count and rates from memory
+                self.adam[b].step(params, grads, moments, self.opt_steps if g is None else g.step_count, out16,
                                   groups=[self.program.groups[p] for p in trained], lr_of=self._group_lr,
-                                  grad_scale=grad_scale)
+                                  grad_scale=grad_scale, rates=None if g is None else g.rates)
         finally:
             for g in held:
                 self.dev.release(g)

@@ -14,6 +14,7 @@ from tensorstow.schema.options import LR_SCHEDULERS
 from tensorstow.schema.typed import decode
 
 MODES = ("auto", "sync", "overlap")
+GRAPHS = ("auto", "on", "off")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +43,10 @@ class Run:
     computations long enough for the host to keep ahead (a median of 1.5 ms predicted), else
     sync; on a CPU device tier overlap where the compute threads leave a core for the other lanes,
     else sync."""
+    graphs: str = "auto"
+    """Capture the step as a CUDA graph after 2 eager steps and replay it, one launch a step:
+    auto where nothing in the step needs the host (every buffer resident on the GPU, the optimizer
+    there, no fp16 loss scaling or dropout), on (refuse a plan where it cannot), off."""
     state_dir: str | None = None
     """Checkpoint directory (SSD-resident state lives there); resumes from it (default: none; a
     plan that homes state on the SSD needs one)."""
@@ -89,5 +94,5 @@ class Run:
         return decode(Run, d, where)
 
 
-CHOICES = {"mode": MODES, "lr_scheduler": LR_SCHEDULERS, "hw_mismatch": ("refuse", "ok")}
+CHOICES = {"mode": MODES, "graphs": GRAPHS, "lr_scheduler": LR_SCHEDULERS, "hw_mismatch": ("refuse", "ok")}
 """The fields that take one of a few names."""

@@ -154,3 +154,45 @@ def test_a_step_over_the_allocator_cap_is_one_clear_error(tmp_path, monkeypatch)
     with pytest.raises(DeviceMemoryError, match=r"instruction \d+ \(compute fwd:.*CUDA out of memory: the caching "
                                                 r"allocator is held to"):
         ex.step(*next(iter(batches("synthetic", B, T, VOCAB, 1, seed=0))))
+
+
+def test_a_resident_step_replays_as_one_cuda_graph_and_trains_as_eager(tmp_path):
+    """The step captured after the warmup and replayed (a new learning rate every step, clipping
+    that fires) trains as eager fused AdamW on the GPU, within the plan's budget."""
+    from tensorstow.executor.lr import LRSchedule
+    from tensorstow.executor.runtime import Executor
+    from tests.test_graphs import STEPS as N, _resident
+
+    plan = _resident(max_grad_norm=0.05)
+    budget = plan["predicted"]["capacity_bytes"]["gpu"]
+    data = list(batches("synthetic", B, T, VOCAB, N, seed=0))
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    torch.manual_seed(0)
+    ex = Executor(plan, GPT(PRESETS["gpt-tiny"]), device="cuda", graphs="on",
+                  lr_schedule=LRSchedule("cosine", 1e-3, 2, N))
+    losses, norms = [], []
+    for x, y in data:
+        losses.append(ex.step(x, y))
+        norms.append(ex.grad_norm)
+    assert ex.graphs_captured == 1 and not ex.graph_blockers
+    assert torch.cuda.max_memory_allocated() - base <= budget + CUDA_WORKSPACE_BYTES
+    got = {n: p.cpu() for n, p in ex.parameters().items()}
+    ex.close()
+    torch.manual_seed(0)
+    model = GPT(PRESETS["gpt-tiny"]).cuda()
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-3, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, LRSchedule("cosine", 1e-3, 2, N).factor)
+    ref_losses, ref_norms = [], []
+    for x, y in data:
+        opt.zero_grad()
+        loss = model(x.cuda(), y.cuda())
+        loss.backward()
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        opt.step()
+        sched.step()
+        ref_losses.append(loss.item())
+    ref = {n: p.detach().cpu() for n, p in model.named_parameters()}
+    assert losses == pytest.approx(ref_losses, rel=1e-4)
+    assert norms == pytest.approx(ref_norms, rel=1e-3)
+    assert_parameters_close(got, ref, lr=1e-3, steps=N)
