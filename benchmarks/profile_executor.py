@@ -3,7 +3,7 @@
 Usage: python benchmarks/profile_executor.py [--model gpt3-125m] [--batch 8] [--seq 1024]
            [--precision bf16-mixed] [--policy all-gpu] [--gpu-mem 8GB] [--hw SPEC] [--device cuda]
            [--modes sync,overlap] [--out DIR] [--depth N]
-For each mode: 3 warm-up steps, the median of 3 timed steps, then one step under cProfile (the
+For each mode (sync, overlap, graph: the step replayed as one CUDA graph): 3 warm-up steps, the median of 3 timed steps, then one step under cProfile (the
 host functions by own time, every thread's merged) and one under torch.profiler (ops by device time; a Chrome trace,
 gzipped, in DIR), eager's step too. Prints the eager step time first, measured in the same run.
 """
@@ -42,7 +42,9 @@ def main():
     ap.add_argument("--gpu-mem", dest="gpu_mem")
     ap.add_argument("--hw", default="local")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--modes", default="sync,overlap")
+    ap.add_argument("--modes", default="sync,overlap,graph",
+                    help="sync and overlap run instruction by instruction; graph: the step replayed as one "
+                         "CUDA graph (executor.graphs), where the plan allows it")
     ap.add_argument("--out", default="profile")
     ap.add_argument("--depth", type=int, help="CudaLanes.DEPTH (device instructions a lane queues ahead)")
     a = ap.parse_args()
@@ -92,7 +94,12 @@ def main():
     eager = None  # free the eager copy before the executor builds its own
     for mode in a.modes.split(","):
         torch.manual_seed(0)
-        ex = Executor(plan, spec.build(), mode=mode, device=device, state_dir=os.path.join(a.out, "state"))
+        ex = Executor(plan, spec.build(), mode="sync" if mode == "graph" else mode, device=device,
+                      state_dir=os.path.join(a.out, "state"), graphs="auto" if mode == "graph" else "off")
+        if mode == "graph" and ex.graph_blockers:
+            print(f"\n## executor graph: not captured ({'; '.join(ex.graph_blockers)})")
+            ex.close()
+            continue
         timed(ex.step, data[:3])
         t = timed(ex.step, data[3:6])
         nodes = sum(len(s.nodes) for s in ex.joint.segments.values())
