@@ -38,19 +38,25 @@ class CudaCapture:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.graph = torch.cuda.CUDAGraph()
-        self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        with torch.cuda.device(device):
+            self.graph = torch.cuda.CUDAGraph()
+            self._stream = torch.cuda.Stream(device)  # the capturing stream, on the executor's GPU
+            self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
 
+    @contextlib.contextmanager
     def capture(self):
         # torch.cuda.graph synchronizes, returns the cached blocks of the eager steps (the graph
-        # allocates from a pool of its own, under the same allocator cap) and captures on a side stream
-        return torch.cuda.graph(self.graph)
+        # allocates from a pool of its own, under the same allocator cap) and captures on the side
+        # stream; all of it on the executor's GPU, whichever is current
+        with torch.cuda.device(self.device), torch.cuda.graph(self.graph, stream=self._stream):
+            yield
 
     def replay(self) -> None:
         start, end = self._events
-        start.record()
-        self.graph.replay()
-        end.record()
+        with torch.cuda.device(self.device):
+            start.record()
+            self.graph.replay()
+            end.record()
 
     def seconds(self) -> float:
         start, end = self._events
@@ -73,6 +79,8 @@ def blockers(ex) -> list[str]:
                    for i in ex.instrs if on_host(i)})
     if host:
         out.append(f"the step has host work ({', '.join(host)})")
+    elif any(i.kind in ("load", "store") for i in ex.instrs):  # a replay would copy at the capture's host addresses
+        out.append("the step copies buffers to and from DRAM")
     if ex.scaler is not None:
         out.append("fp16 loss scaling decides on the host whether a step updates")
     if prog.speculated:
@@ -108,8 +116,9 @@ class StepGraph:
                 self.inputs.setdefault(name, []).append(v)
         for name, c in j.constants.items():
             self.inputs[name] = [c.to(dev, copy=True)] * ex.M
-        # CUDA's fused Adam reads a float32 rate (torch.optim's capturable form); the CPU one reads
-        # its rate as a double, and a float64 tensor gives it the very value a Python float would
+        # CUDA's fused Adam reads a float32 rate (torch.optim's capturable form), where a Python
+        # float reaches it as a double: a replayed update may differ from an eager one in its last
+        # bits. The CPU kernel reads its rate as a double: a float64 tensor gives it the very value
         rate = torch.float32 if dev.type == "cuda" else torch.float64
         self.step_count = torch.zeros((), dtype=torch.float32, device=dev)
         self.rates = {scale: torch.zeros((), dtype=rate, device=dev)

@@ -304,7 +304,8 @@ def _report(ex: Executor, plan: Plan, mode: str, times: list[float], trace: str 
               f"{ex.peak_bytes['gpu_reserved'] / 1e6:.1f} MB reserved (held to {ex.alloc_limit / 1e6:.1f} MB: "
               f"the budget + workspaces)", file=out)
     if ex.device.type == "cuda":
-        print(f"CUDA graph: the step replayed as one graph after {graphs.WARMUP} eager steps" if ex.graphs_captured
+        print(f"CUDA graph: the step replayed as one graph after {graphs.WARMUP} eager steps"
+              if ex.graphs_captured and not ex.graph_blockers
               else f"CUDA graph: not used ({'; '.join(ex.graph_blockers) or 'too few steps'})", file=out)
     busy = ex.lane_busy()
     print("lane busy, measured (predicted): " + ", ".join(

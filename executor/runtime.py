@@ -464,6 +464,8 @@ class Executor:
         if self.program.forward_draws_random:
             raise TensorstowError("evaluate: the model's forward draws random numbers (dropout), which eval mode "
                                   "turns off; set its dropout to 0 to evaluate it here")
+        if self._graph is not None:  # the eager evaluation would stack its memory on the graph's
+            self._drop_graph()
         rng, norm, clip = rng_bytes(), self.grad_norm, self._clip
         prog = self.program
         program = (self._side_program("eval", prog.eval_instrs, prog.eval_keep, prog.eval_plan_id) if prog.eval_instrs
@@ -515,14 +517,15 @@ class Executor:
             self.ssd.store.sync_early = (self.steps_done + 1) % self.checkpoint_every == 0
         graph = self._graph_for_step()
         self._replayed = None
+        if graph is not None:
+            graph.feed(self, idx, targets, self._weights)
+            if graph.ready:
+                self._loss, self._norms = list(graph.loss), dict(graph.norms)
+            elif not self._capture(graph):
+                graph = None
         if graph is None:
             self._run_step(self._step_inputs(idx, targets), self.lanes, self.mode)
         else:
-            graph.feed(self, idx, targets, self._weights)
-            if not graph.ready:
-                self._capture(graph)
-            else:
-                self._loss, self._norms = list(graph.loss), dict(graph.norms)
             graph.replay()
             self._replayed, self.timeline = graph, []
         self.loss = self._mean_loss()
@@ -604,20 +607,29 @@ class Executor:
             g = self._graph = StepGraph(self, graphs.BACKENDS[self.device.type])
         return g
 
-    def _capture(self, graph: StepGraph) -> None:
+    def _capture(self, graph: StepGraph) -> bool:
         """Record this step into `graph`, one instruction after another on the capturing stream
-        (host timings only: no event may be recorded or waited for there). A step that leaves a
-        persistent buffer in other memory than it found it is replayed this once and not again."""
+        (host timings only: no event may be recorded or waited for there); False where the capture
+        failed (graphs auto: the step then runs instruction by instruction, and every step after).
+        A step that leaves a persistent buffer in other memory than it found it is replayed this
+        once and not again."""
         lanes = self.lanes
         self._capturing = graph
         try:
             with graph.capture(self):
                 self._run_step(graph.inputs, HostLanes(), "sync")
-        except TensorstowError:
-            raise
-        except Exception as e:
-            raise ExecutionError(f"capturing the step as a CUDA graph failed ({type(e).__name__}: {e}); "
-                                 f"run with graphs off (--graphs off)") from None
+        except Exception as e:  # nothing ran on the device: the state is the step's start, less what it allocated
+            first = e.__context__  # CUDA reports a call that broke the capture when the capture ends
+            why = f"{type(e).__name__}: {e}" + (f"; first {type(first).__name__}: {first}" if first else "")
+            self._drop_graph(homes_only=True)
+            if graphs.storages(self) != graph.bound:
+                raise ExecutionError(f"capturing the step as a CUDA graph failed ({why}) and moved a persistent "
+                                     f"buffer; resume from the last commit with --graphs off") from None
+            if self._graphs_setting == "on":
+                raise ExecutionError(f"capturing the step as a CUDA graph failed ({why}); run with --graphs off "
+                                     f"or auto") from None
+            self.graph_blockers = [f"capturing the step failed ({why})"]
+            return False
         finally:
             self._capturing, self.lanes = None, lanes
         moved = sorted({buf for buf, *_ in set(graph.bound) ^ set(graphs.storages(self))})
@@ -626,6 +638,19 @@ class Executor:
             self._graph = None
         graph.ready = True
         self.graphs_captured += 1
+        return True
+
+    def _drop_graph(self, homes_only: bool = False) -> None:
+        """Let the captured graph go, and with it the memory its replays keep (the next step
+        captures again). `homes_only`: after a failed capture, also drop the device copies the
+        step made before it failed (a capture runs nothing, so the homes are as the step found them)."""
+        if homes_only:
+            for buf in [b for b in self.dev.copies if self.homes.get(b) != self.gpu]:
+                self.dev.drop(buf)
+        self._graph = self._replayed = None
+        self._loss, self._norms, self._clip = [None] * self.M, {}, None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _validate(self) -> None:
         """A speculating plan's step, its norm now known: where the clip fires (or fp16 gradients
