@@ -351,7 +351,7 @@ class Executor:
         """Why the step is not captured as a graph (empty: it is, after `graphs.WARMUP` steps)."""
         if mode == "on" and self.graph_blockers:
             raise TensorstowError(f"graphs on: this plan's step cannot be captured as a CUDA graph: "
-                                  f"{'; '.join(self.graph_blockers)}; use graphs auto (captures where it can)")
+                                  f"{'; '.join(self.graph_blockers)}; use --graphs auto, which captures where it can")
         self.graphs_captured = 0
         """Steps captured as a graph so far (one, unless a persistent buffer moved in between)."""
         self._graph: StepGraph | None = None

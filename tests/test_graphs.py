@@ -277,7 +277,7 @@ def test_a_failed_capture_runs_the_step_eagerly_from_where_it_began(cpu_graphs, 
 
 
 def test_a_plan_that_needs_the_host_is_refused_with_its_reasons(tmp_path):
-    with pytest.raises(TensorstowError, match=r"graphs on: .*host work \(.*SSD reads.*; use graphs auto"):
+    with pytest.raises(TensorstowError, match=r"graphs on: .*host work \(.*SSD reads.*; use --graphs auto"):
         Executor(get_plan("zero-infinity"), GPT(PRESETS["gpt-tiny"]), traced=tiny_trace(), graphs="on",
                  state_dir=tmp_path / "s")
     # auto: the step runs instruction by instruction, and says why
