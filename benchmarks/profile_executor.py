@@ -96,8 +96,8 @@ def main():
         torch.manual_seed(0)
         ex = Executor(plan, spec.build(), mode="sync" if mode == "graph" else mode, device=device,
                       state_dir=os.path.join(a.out, "state"), graphs="auto" if mode == "graph" else "off")
-        if mode == "graph" and ex.graph_blockers:
-            print(f"\n## executor graph: not captured ({'; '.join(ex.graph_blockers)})")
+        if mode == "graph" and ex.graphs.blockers:
+            print(f"\n## executor graph: not captured ({'; '.join(ex.graphs.blockers)})")
             ex.close()
             continue
         timed(ex.step, data[:3])

@@ -27,6 +27,10 @@ import contextlib
 
 import torch
 
+from tensorstow.errors import TensorstowError
+from tensorstow.executor.cuda import HostLanes, on_host
+from tensorstow.schema.run import GRAPHS
+
 WARMUP = 2
 """Eager steps before the capture: the first runs build the segments' code, the library handles
 and workspaces (cuBLAS, flash attention) that a capture must find in place."""
@@ -70,8 +74,6 @@ BACKENDS: dict[str, type] = {"cuda": CudaCapture}
 
 def blockers(ex) -> list[str]:
     """Why executor `ex`'s step cannot be captured: whatever in it the host decides or does."""
-    from tensorstow.executor.cuda import on_host
-
     prog, out = ex.program, []
     if ex.device.type not in BACKENDS:
         out.append(f"the device tier is {ex.device.type} memory (graphs are CUDA's)")
@@ -97,6 +99,89 @@ def blockers(ex) -> list[str]:
 _HOST_WORK = {("optimizer_step", "cpu"): "the CPU optimizer", ("free", "dram"): "DRAM frees",
               ("free", "ssd"): "SSD frees", ("store", "ssd"): "SSD writes", ("load", "ssd"): "SSD reads",
               ("commit", "ssd"): "SSD commits"}
+
+
+class Graphs:
+    """Whether executor `ex`'s steps replay as a graph (`setting`: auto, on, off), and the graph
+    they replay: the first WARMUP steps run instruction by instruction, the next is captured and
+    replayed, and every one after replayed while the persistent buffers stay where they were."""
+
+    def __init__(self, ex, setting: str):
+        if setting not in GRAPHS:
+            raise TensorstowError(f"unknown graphs setting '{setting}': use one of {list(GRAPHS)}")
+        self.setting = setting
+        self.blockers = ["graphs are off"] if setting == "off" else blockers(ex)
+        """Why the step is not captured (empty: it is, after WARMUP steps)."""
+        if setting == "on" and self.blockers:
+            raise TensorstowError(f"graphs on: this plan's step cannot be captured as a CUDA graph: "
+                                  f"{'; '.join(self.blockers)}; use --graphs auto, which captures where it can")
+        self.captured = 0
+        """Steps captured so far (one, unless an evaluation or a moved buffer came in between)."""
+        self.graph: StepGraph | None = None
+        self.capturing: StepGraph | None = None
+        """The graph a step is being recorded into (its update reads its scalars from memory)."""
+        self.replayed: StepGraph | None = None
+        """The graph the last step replayed (None: it ran instruction by instruction)."""
+        self._runs = 0  # training steps the executor ran
+
+    def for_step(self, ex) -> StepGraph | None:
+        """The graph this step replays (or captures), or None: the step runs instruction by
+        instruction (graphs off or blocked, an evaluation, a warmup step, a graph given up)."""
+        if self.blockers or ex._evaluating:
+            return None
+        self._runs += 1
+        if self._runs <= WARMUP:
+            return None
+        if self.graph is not None and self.graph.bound != storages(ex):  # a buffer moved since: capture anew
+            self.graph = None
+        if self.graph is None:
+            self.graph = StepGraph(ex, BACKENDS[ex.device.type])
+        return self.graph
+
+    def capture(self, ex, graph: StepGraph) -> bool:
+        """Record this step of `ex` into `graph`, one instruction after another on the capturing
+        stream (host timings only: no event may be recorded or waited for there); False where
+        the capture failed (graphs auto: this step and every one after run instruction by
+        instruction). A step that leaves a persistent buffer in other memory than it found it is
+        replayed this once and not again."""
+        lanes = ex.lanes
+        self.capturing = graph
+        try:
+            with graph.capture(ex):
+                ex._run_step(graph.inputs, HostLanes(), "sync")
+        except Exception as e:  # nothing ran on the device: the state is the step's start, less what it allocated
+            first = e.__context__  # CUDA reports a call that broke the capture when the capture ends
+            why = f"{type(e).__name__}: {e}" + (f"; first {type(first).__name__}: {first}" if first else "")
+            self.drop(ex, homes_only=True)
+            if storages(ex) != graph.bound:
+                raise TensorstowError(f"capturing the step as a CUDA graph failed ({why}) and moved a persistent "
+                                      f"buffer; resume from the last commit with --graphs off") from None
+            if self.setting == "on":
+                raise TensorstowError(f"capturing the step as a CUDA graph failed ({why}); run with --graphs off "
+                                      f"or auto") from None
+            self.blockers = [f"capturing the step failed ({why})"]
+            return False
+        finally:
+            self.capturing, ex.lanes = None, lanes
+        moved = sorted({buf for buf, *_ in set(graph.bound) ^ set(storages(ex))})
+        if moved:
+            self.blockers = [f"the step re-allocates persistent buffers ({', '.join(moved[:3])})"]
+            self.graph = None
+        graph.ready = True
+        self.captured += 1
+        return True
+
+    def drop(self, ex, homes_only: bool = False) -> None:
+        """Let the graph go, and with it the memory its replays keep (the next step captures
+        again). `homes_only`: after a failed capture, also drop the device copies the step made
+        before it failed (a capture runs nothing, so the homes are as the step found them)."""
+        if homes_only:
+            for buf in [b for b in ex.dev.copies if ex.homes.get(b) != ex.gpu]:
+                ex.dev.drop(buf)
+        self.graph = self.replayed = None
+        ex._loss, ex._norms, ex._clip = [None] * ex.M, {}, None
+        if ex.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 class StepGraph:

@@ -305,8 +305,8 @@ def _report(ex: Executor, plan: Plan, mode: str, times: list[float], trace: str 
               f"the budget + workspaces)", file=out)
     if ex.device.type == "cuda":
         print(f"CUDA graph: the step replayed as one graph after {graphs.WARMUP} eager steps"
-              if ex.graphs_captured and not ex.graph_blockers
-              else f"CUDA graph: not used ({'; '.join(ex.graph_blockers) or 'too few steps'})", file=out)
+              if ex.graphs.captured and not ex.graphs.blockers
+              else f"CUDA graph: not used ({'; '.join(ex.graphs.blockers) or 'too few steps'})", file=out)
     busy = ex.lane_busy()
     print("lane busy, measured (predicted): " + ", ".join(
         f"{r} {v:.3g} s ({pred.busy_s.get(r, 0):.3g} s)" for r, v in busy.items()), file=out)

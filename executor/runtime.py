@@ -53,10 +53,9 @@ import torch.nn as nn
 from tensorstow.errors import TensorstowError
 from tensorstow.executor.adam import SubgroupAdam
 from tensorstow.executor.amp import LossScaler, distinct
-from tensorstow.executor import graphs
-from tensorstow.executor.cuda import HostLanes, cap_allocator, check_device, lanes_for, out_of_memory, resolve_device
+from tensorstow.executor.cuda import cap_allocator, check_device, lanes_for, out_of_memory, resolve_device
 from tensorstow.executor.device_ops import check_portable, targets_for
-from tensorstow.executor.graphs import StepGraph
+from tensorstow.executor.graphs import Graphs
 from tensorstow.executor.homes import Homes
 from tensorstow.executor.lr import LRSchedule
 from tensorstow.executor.malloc import give_back_free_heap, tune as tune_malloc
@@ -70,7 +69,6 @@ from tensorstow.ir.models import build_for_execution, resolve_model
 from tensorstow.ir.trace import Traced
 from tensorstow.planner.simulate import SimResult, perfetto_trace
 from tensorstow.schema.plan import as_plan
-from tensorstow.schema.run import GRAPHS
 from tensorstow.schema.schedule import CPU_OPTIMIZER, BufferKind, Instr, gpu_index, resource_of
 
 MODES = ("sync", "overlap")
@@ -342,22 +340,8 @@ class Executor:
                                   f"--checkpoint-every out, or plan with --clip-rate 1 (updates wait for the norm)")
         self.checkpoint_every = checkpoint_every
         self._start(model, resume, init_values, where)
-        self._init_graphs(self._graphs_setting)
-
-    def _init_graphs(self, mode: str) -> None:
-        if mode not in GRAPHS:
-            raise TensorstowError(f"unknown graphs setting '{mode}': use one of {list(GRAPHS)}")
-        self.graph_blockers = ["graphs are off"] if mode == "off" else graphs.blockers(self)
-        """Why the step is not captured as a graph (empty: it is, after `graphs.WARMUP` steps)."""
-        if mode == "on" and self.graph_blockers:
-            raise TensorstowError(f"graphs on: this plan's step cannot be captured as a CUDA graph: "
-                                  f"{'; '.join(self.graph_blockers)}; use --graphs auto, which captures where it can")
-        self.graphs_captured = 0
-        """Steps captured as a graph so far (one, unless a persistent buffer moved in between)."""
-        self._graph: StepGraph | None = None
-        self._runs = 0  # training steps this executor ran: the first WARMUP run eagerly
-        self._capturing: StepGraph | None = None  # the graph a step is being recorded into
-        self._replayed: StepGraph | None = None  # the last step was this graph's replay
+        self.graphs = Graphs(self, self._graphs_setting)
+        """Whether the step replays as a captured graph, and the one it replays (executor.graphs)."""
 
     def describe(self, d, model: nn.Module) -> None:
         """layout.json (what each persistent buffer holds, by the model's own names) and, for an
@@ -464,8 +448,8 @@ class Executor:
         if self.program.forward_draws_random:
             raise TensorstowError("evaluate: the model's forward draws random numbers (dropout), which eval mode "
                                   "turns off; set its dropout to 0 to evaluate it here")
-        if self._graph is not None:  # the eager evaluation would stack its memory on the graph's
-            self._drop_graph()
+        if self.graphs.graph is not None:  # the eager evaluation would stack its memory on the graph's
+            self.graphs.drop(self)
         rng, norm, clip = rng_bytes(), self.grad_norm, self._clip
         prog = self.program
         program = (self._side_program("eval", prog.eval_instrs, prog.eval_keep, prog.eval_plan_id) if prog.eval_instrs
@@ -515,19 +499,19 @@ class Executor:
         synced = self._early_sync_total()
         if isinstance(self.ssd.store, SSDStore):  # sync writes early only in a step that commits
             self.ssd.store.sync_early = (self.steps_done + 1) % self.checkpoint_every == 0
-        graph = self._graph_for_step()
-        self._replayed = None
+        graph = self.graphs.for_step(self)
+        self.graphs.replayed = None
         if graph is not None:
             graph.feed(self, idx, targets, self._weights)
             if graph.ready:
                 self._loss, self._norms = list(graph.loss), dict(graph.norms)
-            elif not self._capture(graph):
+            elif not self.graphs.capture(self, graph):
                 graph = None
         if graph is None:
             self._run_step(self._step_inputs(idx, targets), self.lanes, self.mode)
         else:
             graph.replay()
-            self._replayed, self.timeline = graph, []
+            self.graphs.replayed, self.timeline = graph, []
         self.loss = self._mean_loss()
         if self._evaluating:  # `evaluate`: nothing of the step is kept
             self._check_end_state()
@@ -591,66 +575,6 @@ class Executor:
                     for v in vs:
                         self.dev.release(v)
                 self.inputs = {}
-
-    def _graph_for_step(self) -> StepGraph | None:
-        """The graph this step replays (or captures), or None: the step runs instruction by
-        instruction (graphs off or blocked, an evaluation, a warmup step, a graph given up)."""
-        if self.graph_blockers or self._evaluating:
-            return None
-        self._runs += 1
-        if self._runs <= graphs.WARMUP:
-            return None
-        g = self._graph
-        if g is not None and g.bound != graphs.storages(self):  # a buffer moved since the capture: capture anew
-            g = None
-        if g is None:
-            g = self._graph = StepGraph(self, graphs.BACKENDS[self.device.type])
-        return g
-
-    def _capture(self, graph: StepGraph) -> bool:
-        """Record this step into `graph`, one instruction after another on the capturing stream
-        (host timings only: no event may be recorded or waited for there); False where the capture
-        failed (graphs auto: the step then runs instruction by instruction, and every step after).
-        A step that leaves a persistent buffer in other memory than it found it is replayed this
-        once and not again."""
-        lanes = self.lanes
-        self._capturing = graph
-        try:
-            with graph.capture(self):
-                self._run_step(graph.inputs, HostLanes(), "sync")
-        except Exception as e:  # nothing ran on the device: the state is the step's start, less what it allocated
-            first = e.__context__  # CUDA reports a call that broke the capture when the capture ends
-            why = f"{type(e).__name__}: {e}" + (f"; first {type(first).__name__}: {first}" if first else "")
-            self._drop_graph(homes_only=True)
-            if graphs.storages(self) != graph.bound:
-                raise ExecutionError(f"capturing the step as a CUDA graph failed ({why}) and moved a persistent "
-                                     f"buffer; resume from the last commit with --graphs off") from None
-            if self._graphs_setting == "on":
-                raise ExecutionError(f"capturing the step as a CUDA graph failed ({why}); run with --graphs off "
-                                     f"or auto") from None
-            self.graph_blockers = [f"capturing the step failed ({why})"]
-            return False
-        finally:
-            self._capturing, self.lanes = None, lanes
-        moved = sorted({buf for buf, *_ in set(graph.bound) ^ set(graphs.storages(self))})
-        if moved:
-            self.graph_blockers = [f"the step re-allocates persistent buffers ({', '.join(moved[:3])})"]
-            self._graph = None
-        graph.ready = True
-        self.graphs_captured += 1
-        return True
-
-    def _drop_graph(self, homes_only: bool = False) -> None:
-        """Let the captured graph go, and with it the memory its replays keep (the next step
-        captures again). `homes_only`: after a failed capture, also drop the device copies the
-        step made before it failed (a capture runs nothing, so the homes are as the step found them)."""
-        if homes_only:
-            for buf in [b for b in self.dev.copies if self.homes.get(b) != self.gpu]:
-                self.dev.drop(buf)
-        self._graph = self._replayed = None
-        self._loss, self._norms, self._clip = [None] * self.M, {}, None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
 
     def _validate(self) -> None:
         """A speculating plan's step, its norm now known: where the clip fires (or fp16 gradients
@@ -802,9 +726,9 @@ class Executor:
         the SSD's includes the store's early syncs and the part of the step's commit the step
         waited for, and "ssd.commit" the last commit's background part, as the simulator has them)."""
         out: dict[str, float] = {}
-        if self._replayed is not None:  # one replay: its device time, on the lane if there is one
+        if self.graphs.replayed is not None:  # one replay: its device time, on the lane if there is one
             lanes = {resource_of(i.stream) for i in self.instrs}
-            out[lanes.pop() if len(lanes) == 1 else "graph"] = self._replayed.seconds()
+            out[lanes.pop() if len(lanes) == 1 else "graph"] = self.graphs.replayed.seconds()
         for i, t0, t1 in self.timeline:
             r = resource_of(self.instrs[i].stream)
             out[r] = out.get(r, 0.0) + (t1 - t0)
@@ -1095,7 +1019,7 @@ class Executor:
             # torch's single-tensor Adam allocates two parameter-sized temporaries (sqrt, denom)
             scratch = 2 * max((t.numel() * 4 for t in params), default=0) if on_dev and self.adam[b].exact else 0
             with self.dev.reserve(scratch, f"Adam scratch of {b}") if scratch else contextlib.nullcontext():
-                g = self._capturing  # a captured update reads its step count and rates from memory
+                g = self.graphs.capturing  # a captured update reads its step count and rates from memory
                 self.adam[b].step(params, grads, moments, self.opt_steps if g is None else g.step_count, out16,
                                   groups=[self.program.groups[p] for p in trained], lr_of=self._group_lr,
                                   grad_scale=grad_scale, rates=None if g is None else g.rates)

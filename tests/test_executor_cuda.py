@@ -182,7 +182,7 @@ def test_a_resident_step_replays_as_one_cuda_graph_and_trains_as_eager(precision
         norms.append(ex.grad_norm)
         if k == 3:
             ex.evaluate(data[:1])
-    assert ex.graphs_captured == 2 and not ex.graph_blockers
+    assert ex.graphs.captured == 2 and not ex.graphs.blockers
     assert torch.cuda.max_memory_allocated() - base <= budget + CUDA_WORKSPACE_BYTES
     assert torch.cuda.max_memory_reserved() <= ex.alloc_limit
     got = {n: p.cpu() for n, p in ex.parameters().items()}

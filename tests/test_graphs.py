@@ -175,7 +175,7 @@ def test_a_replayed_resident_step_trains_exactly_as_eager_fused_adamw(mode, cpu_
         o, LRSchedule("cosine", 1e-3, 2, STEPS).factor))
     _assert_equal((losses, params), want)
     assert norms == [float(n) for n in eager_norms] and max(norms) > 0.05  # the clip fired
-    assert ex.graphs_captured == 1 and len(cpu_graphs) == 1
+    assert ex.graphs.captured == 1 and len(cpu_graphs) == 1
     assert cpu_graphs[0].replays == STEPS - graphs.WARMUP  # the capture's step is its first replay
     assert ex.lane_busy() == {"gpu0.compute": cpu_graphs[0].seconds()}
 
@@ -201,7 +201,7 @@ def test_bf16_mixed_replays_with_its_compute_copies_written_in_place(cpu_graphs)
     torch.manual_seed(0)
     ex = Executor(_resident(precision="bf16-mixed"), GPT(PRESETS["gpt-tiny"]), graphs="on")
     losses, params, _ = _train(ex)
-    assert ex.graph_blockers == [] and cpu_graphs[0].replays == STEPS - graphs.WARMUP
+    assert ex.graphs.blockers == [] and cpu_graphs[0].replays == STEPS - graphs.WARMUP
     _assert_equal((losses, params), _eager(precision="bf16-mixed"))
 
 
@@ -255,7 +255,7 @@ def test_an_evaluation_or_a_moved_buffer_makes_the_next_step_capture_again(cpu_g
         copies[k] = copies[k].clone()
     losses.append(ex.step(*data[5]))
     _assert_equal((losses, ex.parameters()), _eager(data=data))
-    assert ex.graphs_captured == 3 and [g.replays for g in cpu_graphs] == [2, 1, 1]
+    assert ex.graphs.captured == 3 and [g.replays for g in cpu_graphs] == [2, 1, 1]
 
 
 def test_a_failed_capture_runs_the_step_eagerly_from_where_it_began(cpu_graphs, monkeypatch):
@@ -272,7 +272,7 @@ def test_a_failed_capture_runs_the_step_eagerly_from_where_it_began(cpu_graphs, 
     ex = Executor(_resident(), GPT(PRESETS["gpt-tiny"]), traced=tiny_trace())
     losses, params, _ = _train(ex)
     _assert_equal((losses, params), _eager())
-    assert ex.graphs_captured == 0 and "reads a device value on the host" in ex.graph_blockers[0]
+    assert ex.graphs.captured == 0 and "reads a device value on the host" in ex.graphs.blockers[0]
     assert set(ex.dev.copies) == {b for b, t in ex.homes.items() if t == ex.gpu}
 
 
@@ -282,6 +282,6 @@ def test_a_plan_that_needs_the_host_is_refused_with_its_reasons(tmp_path):
                  state_dir=tmp_path / "s")
     # auto: the step runs instruction by instruction, and says why
     ex = Executor(_resident(), GPT(PRESETS["gpt-tiny"]), traced=tiny_trace())
-    assert ex.graph_blockers == ["the device tier is cpu memory (graphs are CUDA's)"]
+    assert ex.graphs.blockers == ["the device tier is cpu memory (graphs are CUDA's)"]
     with pytest.raises(TensorstowError, match="unknown graphs setting 'yes'"):
         Executor(_resident(), GPT(PRESETS["gpt-tiny"]), traced=tiny_trace(), graphs="yes")
