@@ -439,14 +439,26 @@ def _schedule(problem: Problem, decisions: Decisions, wait: bool = False) -> Pla
                 f"{t} (without the waits {fmt_bytes(n)} at peak > {fmt_bytes(c)})" for t, (n, c) in sorted(over.items()))))
     # Memory fences: an allocation waits for the releases that preceded it in the replay, so an
     # executor whose real timing differs (overlap mode) never holds more than the simulated peak.
-    # The fenced replay takes what each instruction took (host contention's stretch included).
+    # They change no start or end of this replay, which stands for the fenced schedule
+    # (`check_fences` replays a policy's final plan to make sure).
     instrs = [dataclasses.replace(i, deps=tuple(sorted(set(i.deps) | set(sim.fences.get(i.id, ())))),
                                   contended_s=max(0.0, ran - d))
               for i, ran, d in zip(instrs, sim.durations, dur)]
-    fenced = simulate(instrs, sim.durations, sizes, initial, links=contention(instrs, problem.hw),
-                      reserved=reserved, commit_s=commit, final=final)
-    assert fenced.step_time_s == sim.step_time_s, "memory fences must not change the replay"
-    return PlanResult(problem, decisions, bufs, instrs, fenced, dur, over_unless_waiting=over)
+    return PlanResult(problem, decisions, bufs, instrs, sim, dur, over_unless_waiting=over)
+
+
+def check_fences(plan: PlanResult) -> None:
+    """The plan's memory fences change nothing of its replay: its instructions, the fences among
+    their dependencies, replayed with the durations they ran for (host contention's stretch
+    included) start and end as the replay they were taken from."""
+    problem, d, instrs = plan.problem, plan.decisions, plan.instructions
+    sizes = {n: b.bytes for n, b in plan.buffers.items()}
+    fenced = simulate(instrs, plan.sim.durations, sizes, initial_residency(plan.buffers, d, problem.order),
+                      links=contention(instrs, problem.hw), reserved=d.reserved(),
+                      commit_s=cost.commit_time(problem.hw, instrs), final=final_residency(plan.buffers, d, problem.order))
+    if (fenced.start, fenced.end) != (plan.sim.start, plan.sim.end):
+        raise RuntimeError(f"internal: memory fences change the replay of the {d.policy} plan "
+                           f"({fenced.step_time_s} s against {plan.sim.step_time_s} s)")
 
 
 def _side_program(plan: PlanResult, lowering, redo: bool = False) -> tuple[list[Instr], float]:

@@ -182,6 +182,7 @@ class _Dispatch:
         """Stream -> its instructions in program order (FIFO)."""
         for ins in instrs:
             self.streams.setdefault(ins.stream, []).append(ins.id)
+        self.names = sorted(self.streams)
 
     def run(self, duration: list[float]) -> tuple[list, list, list[int]]:
         """(start, end, dispatch order) of every instruction."""
@@ -190,6 +191,8 @@ class _Dispatch:
             self.mem.reset()
         self.head = {s: 0 for s in self.streams}
         """Stream -> the position of its next instruction."""
+        self.active = list(self.names)
+        """The streams with instructions left, by name."""
         self.stream_free = {s: 0.0 for s in self.streams}
         """Stream -> when its last started instruction ends."""
         self.res_free: dict[str, list[float]] = {r: [0.0] * k for r, k in self.slots.items()}
@@ -205,8 +208,7 @@ class _Dispatch:
         while len(self.order) < n:
             cands = self.candidates()
             if not cands:
-                stuck = sorted(self.streams[s][self.head[s]] for s in self.streams
-                               if self.head[s] < len(self.streams[s]))
+                stuck = sorted(self.streams[s][self.head[s]] for s in self.active)
                 raise ScheduleError(f"deadlock: instructions {stuck[:8]} wait on each other")
             cands.sort()
             best = cands[0]
@@ -219,14 +221,14 @@ class _Dispatch:
 
     def candidates(self) -> list[tuple[float, int, str]]:
         """(earliest start, instruction, stream) of each stream's head whose dependencies have ended."""
-        cands = []
-        for s in sorted(self.streams):
-            if self.head[s] >= len(self.streams[s]):
-                continue
-            i = self.streams[s][self.head[s]]
-            if any(self.end[d] is None for d in self.instrs[i].deps):
-                continue
-            cands.append((self.ready_time(i, s), i, s))
+        cands, end, instrs, streams, head = [], self.end, self.instrs, self.streams, self.head
+        for s in self.active:
+            i = streams[s][head[s]]
+            for d in instrs[i].deps:
+                if end[d] is None:
+                    break
+            else:
+                cands.append((self.ready_time(i, s), i, s))
         return cands
 
     def ready_time(self, i: int, s: str) -> float:
@@ -234,8 +236,12 @@ class _Dispatch:
         ended, a slot of each resource free; on the SSD, a read on `ssd.first` may go inside the
         write in progress (pausing it) rather than after it."""
         ins, end, res_free, uses = self.instrs[i], self.end, self.res_free, self.uses[i]
-        t = max([self.stream_free[s]] + [end[d] for d in ins.deps]
-                + [min(res_free.get(r, (0.0,))) for r in uses if r != "ssd"])
+        t = self.stream_free[s]
+        for d in ins.deps:
+            t = max(t, end[d])
+        for r in uses:
+            if r != "ssd":
+                t = max(t, min(res_free.get(r, (0.0,))))
         if "ssd" in uses:
             ssd = min(res_free.get("ssd", (0.0,)))
             w = self.writing
@@ -270,6 +276,8 @@ class _Dispatch:
         if self.mem is not None:
             self.mem.start(i, t, end[i])
         self.head[s] += 1
+        if self.head[s] == len(self.streams[s]):
+            self.active.remove(s)
         self.order.append(i)
 
 

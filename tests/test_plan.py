@@ -409,3 +409,19 @@ def test_the_dram_arena_fits_the_dram_budget_not_only_the_simulated_peak(tmp_pat
         assert ex.pool.size == arena_bytes(r) <= 1_200_000
     finally:
         ex.close()
+
+
+@pytest.mark.parametrize("policy", ["lohan", "zero-infinity"])
+def test_memory_fences_change_no_start_or_end_of_the_replay(policy):
+    """A plan's memory fences come from its replay and are checked against it once the policy has
+    chosen (`check_fences`, in every `planned`); the check fails where the replay it is checked
+    against differs (here the first instruction took longer)."""
+    from tensorstow.planner.problem import check_fences
+    r = make_plan(tiny_options(policy=policy, gpu_mem=2_000_000),
+                  load_hardware("lohan-rtx4090").with_overrides(gpu_mem=2_000_000))
+    assert any(i.deps for i in r.instructions)
+    check_fences(r)
+    first = r.sim.order[0]
+    longer = [2 * d + 1e-3 if k == first else d for k, d in enumerate(r.sim.durations)]
+    with pytest.raises(RuntimeError, match="memory fences change the replay"):
+        check_fences(dataclasses.replace(r, sim=dataclasses.replace(r.sim, durations=longer)))

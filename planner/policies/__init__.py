@@ -4,7 +4,7 @@ the ILP can start from their plans; `planner.plan.POLICIES` lists every policy."
 from __future__ import annotations
 
 from tensorstow.planner.policies import all_gpu, dos, lohan, stronghold, zero_infinity
-from tensorstow.planner.problem import PlanResult, Problem, defer_writes, schedule
+from tensorstow.planner.problem import PlanResult, Problem, check_fences, defer_writes, schedule
 
 HEURISTICS = {"all-gpu": all_gpu.plan, "zero-infinity": zero_infinity.plan, "lohan": lohan.plan,
               "stronghold": stronghold.plan, "dos": dos.plan}
@@ -17,6 +17,7 @@ def planned(problem: Problem, name: str, decide) -> PlanResult:
     cache = problem.__dict__.setdefault("_plans", {})
     if name not in cache:
         cache[name] = defer_writes(schedule(problem, decide(problem), wait=True))
+        check_fences(cache[name])
     return cache[name]
 
 
