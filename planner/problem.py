@@ -441,10 +441,17 @@ def _schedule(problem: Problem, decisions: Decisions, wait: bool = False) -> Pla
     # executor whose real timing differs (overlap mode) never holds more than the simulated peak.
     # They change no start or end of this replay, which stands for the fenced schedule
     # (`check_fences` replays a policy's final plan to make sure).
-    instrs = [dataclasses.replace(i, deps=tuple(sorted(set(i.deps) | set(sim.fences.get(i.id, ())))),
-                                  contended_s=max(0.0, ran - d))
+    instrs = [_with(i, deps=tuple(sorted(set(i.deps) | set(sim.fences.get(i.id, ())))), contended_s=max(0.0, ran - d))
               for i, ran, d in zip(instrs, sim.durations, dur)]
     return PlanResult(problem, decisions, bufs, instrs, sim, dur, over_unless_waiting=over)
+
+
+def _with(ins: Instr, **fields) -> Instr:
+    """`ins` with `fields` replaced; `ins` itself where they hold those values already (most
+    instructions of a search's candidates: no fence, no contention)."""
+    if all(getattr(ins, k) == v for k, v in fields.items()):
+        return ins
+    return dataclasses.replace(ins, **fields)
 
 
 def check_fences(plan: PlanResult) -> None:
