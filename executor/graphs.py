@@ -191,16 +191,10 @@ class StepGraph:
     def __init__(self, ex, backend: type):
         dev = ex.device
         self.backend = backend(dev)
-        j, m = ex.joint, ex.plan.model
-        self.inputs: dict[str, list[torch.Tensor]] = {}
-        for k in range(ex.M):
-            idx = torch.empty((m.batch, m.seq), dtype=torch.long, device=dev)
-            dtype, shape = j.meta(j.inputs[2])
-            tangent = torch.ones(shape, dtype=dtype, device=dev)
-            for name, v in zip(j.inputs, (idx, torch.empty_like(idx), tangent)):
-                self.inputs.setdefault(name, []).append(v)
-        for name, c in j.constants.items():
-            self.inputs[name] = [c.to(dev, copy=True)] * ex.M
+        rows = (ex.plan.model.batch * ex.M, ex.plan.model.seq)
+        blank = torch.zeros(rows, dtype=torch.long)
+        self.inputs = ex._step_inputs(blank, blank)
+        """The step's inputs as the eager path makes them, kept: each step's values are copied in."""
         # CUDA's fused Adam reads a float32 rate (torch.optim's capturable form), where a Python
         # float reaches it as a double: a replayed update may differ from an eager one in its last
         # bits. The CPU kernel reads its rate as a double: a float64 tensor gives it the very value
