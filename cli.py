@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 
 from tensorstow.calibrate import hardware_for
-from tensorstow.errors import TensorstowError
+from tensorstow.errors import Interrupted, TensorstowError
 from tensorstow.planner.simulate import ScheduleError
 from tensorstow.schema.hardware import parse_size
 from tensorstow.schema.options import asked, field_docs, from_asked
@@ -139,10 +139,11 @@ def diff_text(a, b) -> tuple[str, bool]:
             out.append(f"{key}: {x.name} ({x.fingerprint}) -> {y.name} ({y.fingerprint})"
                        + ("; same model and options, so the traced graph itself changed (torch or model code)"
                           if key == "model" and x.name == y.name and a.options == b.options else ""))
-    oa, ob = a.options.to_json(), b.options.to_json()
-    for k in sorted(oa):
-        if oa[k] != ob[k]:
-            out.append(f"option {k}: {oa[k]} -> {ob[k]}")
+    for what, x, y in (("option", dataclasses.asdict(a.options), dataclasses.asdict(b.options)),
+                       ("run option", a.run.to_json() if a.run else {}, b.run.to_json() if b.run else {})):
+        for k in sorted(set(x) | set(y)):  # a recorded run leaves its defaults out ("-")
+            if x.get(k) != y.get(k):
+                out.append(f"{what} {k}: {x.get(k, '-')} -> {y.get(k, '-')}")
     pa, pb = a.predicted, b.predicted
     if pa.step_time_s != pb.step_time_s:
         ch = (pb.step_time_s - pa.step_time_s) / pa.step_time_s * 100 if pa.step_time_s else float("inf")
@@ -773,6 +774,12 @@ def _main(argv: list[str]) -> int:
             traceback.print_exception(e)
         print(f"tensorstow: error: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:  # Ctrl-C, stopped at a safe point: where, and how to go on
+        print(f"tensorstow: {e}", file=sys.stderr)
+        return 130
+    except KeyboardInterrupt:  # Ctrl-C before a run's safe points exist (tracing, planning, loading)
+        print("tensorstow: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # the reader went away (`tensorstow check plans | head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141

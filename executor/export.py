@@ -17,6 +17,7 @@ import json
 import math
 import os
 import shutil
+import stat
 from pathlib import Path
 
 import torch
@@ -121,6 +122,7 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, merge: bool = 
             total = _finish(shards, sizes, tmp, save_file)
             if (dirs[0] / state.CONFIG).exists():
                 shutil.copyfile(dirs[0] / state.CONFIG, tmp / "config.json")
+        _give_new_file_mode(tmp)
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
@@ -132,6 +134,16 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, merge: bool = 
         for st in stores:
             st.close()
     return {"step": step, "tensors": total, "bytes": sum(sizes), "files": len(sizes)}
+
+
+def _give_new_file_mode(tmp: Path) -> None:
+    """Give each file in `tmp` the mode a file `open()` creates there gets (0o666 & ~umask):
+    safetensors writes through a private temporary file, which leaves it 0o600. That mode is
+    read off `tmp`, a directory `mkdir` just made with 0o777 & ~umask: reading the umask itself
+    means setting it (`os.umask`), which changes it for every thread of the process meanwhile."""
+    mode = stat.S_IMODE(tmp.stat().st_mode) & 0o666
+    for f in tmp.iterdir():
+        f.chmod(mode)
 
 
 def _blocks(plan, layout: dict, store, prefix: str):

@@ -9,7 +9,8 @@ instruction), with the semantics and names of transformers' `get_scheduler`:
 k is the number of optimizer updates taken before this one (0 for the first, whose warmup rate is
 0, as LambdaLR's first), so a resumed run, which restores that count, continues the schedule, and
 an fp16 step whose update overflow skipped does not advance it (the Trainer steps its scheduler
-only after an update). `min_lr_ratio` r > 0 ends linear and cosine at r * lr instead of 0:
+only after an update). Past `total` (a run resumed with more steps and its schedule's length
+kept: executor/record.py) linear and cosine stay at their end's rate. `min_lr_ratio` r > 0 ends linear and cosine at r * lr instead of 0:
 factor -> factor * (1 - r) + r after the warmup (transformers' `cosine_with_min_lr`). The factor is
 computed as transformers computes it and multiplied into lr as LambdaLR does, so the rates are
 the same floats.
@@ -55,6 +56,7 @@ class LRSchedule:
             return float(k) / float(max(1, self.warmup_steps))
         if self.name == "constant_with_warmup":
             return 1.0
+        k = min(k, self.total_steps)  # past the end (a resumed run made longer): the end's rate
         span = float(max(1, self.total_steps - self.warmup_steps))
         if self.name == "linear":
             f = float(self.total_steps - k) / span

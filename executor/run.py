@@ -4,23 +4,26 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import errno
 import json
-import math
 import os
+import signal
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from tensorstow.errors import TensorstowError
-from tensorstow.executor import graphs, state
+from tensorstow.errors import Interrupted, TensorstowError
+from tensorstow.executor import graphs, record, state
 from tensorstow.executor.cuda import hardware_differences, resolve_device
-from tensorstow.executor.data import batches
+from tensorstow.executor.data import batches, tokens
 from tensorstow.executor.distributed import (LOST, TIMEOUT_S, Comm, agree_on_step, launch, peer_lost, rank_cores,
                                              rank_dir)
 from tensorstow.executor.examples import Examples, is_examples
@@ -37,9 +40,10 @@ from tensorstow.schema.schedule import block_gpus, gpu_tier
 def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, comm=None) -> dict:
     """Run the plan as `run` says (schema.run.Run: the data, the run's length, the learning-rate
     schedule, checkpoints, logs) until its steps are committed; resume from its state dir if that
-    holds some. With a state dir every `checkpoint_every` steps (and the last) are a full
-    checkpoint. `run.nproc` > 1: one process per GPU (executor.distributed.launch runs this in
-    each, with its `rank` and `comm`; each keeps its state in `state_dir/rank<K>`)."""
+    holds some, with the inputs its run record holds (executor.record), else refuse. With a state
+    dir every `checkpoint_every` steps (and the last) are a full checkpoint. `run.nproc` > 1: one
+    process per GPU (executor.distributed.launch runs this in each, with its `rank` and `comm`;
+    each keeps its state in `state_dir/rank<K>`)."""
     out = out or sys.stdout  # looked up per call: the stream of the caller (tests swap it)
     if run.nproc > 1 or (run.nproc == 1 and rank is None and _gpus_of(plan) > 1):
         return _launch(plan, run, out)
@@ -47,10 +51,15 @@ def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, 
     steps, state_dir = run.steps, run.state_dir
     if steps is not None and steps < 1:
         raise TensorstowError(f"--steps must be >= 1, got {steps}")
+    for flag, source in (("--data", run.data), ("--eval-data", run.eval_data)):
+        if source not in (None, "synthetic") and not Path(source).exists():
+            raise TensorstowError(f"{flag} {source} does not exist: pass a JSONL file, a `datasets` directory, a "
+                                  f"token file (.npy or uint16 .bin) or 'synthetic'")
     if steps is None and (run.epochs is None or not is_examples(run.data)):
         raise TensorstowError("give --steps, or --epochs with --data examples (JSONL or a datasets directory)")
     if run.epochs is not None and run.epochs < 1:
         raise TensorstowError(f"--epochs must be >= 1, got {run.epochs}")
+    record.accepted(run.resume_changed)  # a typo fails before anything runs
     differ = hardware_differences(plan, resolve_device(None, rank or 0), rank or 0)
     if differ and run.hw_mismatch != "ok":
         raise TensorstowError(f"the plan was made for {plan.hardware.name}, not this machine ({'; '.join(differ)}): "
@@ -58,17 +67,18 @@ def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, 
                               f"--hw-mismatch ok to run it anyway (its predictions do not hold here)")
     spec = resolve_model(plan.options.model, plan.options.lora)
     model, init = build_for_execution(spec, run.seed)
-    store, start, resume = None, 0, False
+    store, start, resume, d = None, 0, False, None
     if state_dir is None and plan.ssd_sizes():
         raise TensorstowError("this plan keeps training state on the SSD tier: pass --state-dir DIR "
                               "(a directory on the SSD; it is created if missing)")
     with contextlib.ExitStack() as closing:  # the store's directory lock is released however we leave
         if state_dir is not None:
+            where = state_dir if comm is None else rank_dir(state_dir, rank)
             if run.restart:
-                state.clear(state_dir if comm is None else rank_dir(state_dir, rank))
-            d = state.claim(state_dir if comm is None else rank_dir(state_dir, rank), plan)
+                state.clear(where)
+            d, owner = state.claim(where, plan)
             store = closing.enter_context(SSDStore(d, state.store_sizes(plan, None if comm is None else gpu_tier(rank)),
-                                                   owner=state.fingerprint(plan)))
+                                                   owner=state.fingerprint(owner), shared=True))
             if comm is not None:
                 agree_on_step(store, comm)
             resume = store.committed_step() is not None
@@ -79,31 +89,51 @@ def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, 
                       graphs=run.graphs)
         if store is not None:
             ex.describe(d, model)
-        steps, feed = _feed(ex, plan, run, start)
-        ex.lr_schedule = _lr_schedule(plan, run, steps)
-        if start >= steps:
-            print(f"state dir {state_dir} already holds step {start} >= {steps} steps: nothing to do", file=out)
-            return {"steps": start, "losses": []}
+        steps, feed, data = _feed(ex, plan, run, start)
+        held_out, eval_data = _eval_batches(ex, plan, run) if run.eval_data is not None else (None, None)
+        schedule = _lr_schedule(plan, run, steps)
+        if d is not None:  # the same run as the state dir's, or refused here: before any step, nothing written
+            total = record.settle(d, record.inputs(run, steps, data, eval_data, schedule), store.committed_step(),
+                                  run.resume_changed, data, eval_data, out)
+            schedule = dataclasses.replace(schedule, total_steps=total)
+        ex.lr_schedule = schedule
         if start:
             print(f"resuming from step {start} committed in {state_dir}"
                   + (f" ({store.recovered})" if store.recovered else ""), file=out)
-        held_out = _eval_batches(ex, plan, run) if run.eval_data is not None else None
-        times, losses = _train(ex, plan, feed, steps, start, run.log_json, out, held_out, run.eval_every)
+        evals = record.Evals(d, start)
+        with _Log(run.log_json, out) as log:
+            if held_out and evals.owed(min(start, steps), steps, run.eval_every):  # stopped before its evaluation
+                _evaluate(ex, held_out, min(start, steps), steps, log, out, evals)
+            if start >= steps:
+                print(f"state dir {state_dir} already holds step {start} of {steps}: nothing left to train", file=out)
+                return {"steps": start, "losses": [], "evals": list(evals.rows.values())}
+            with _StopOnInterrupt(comm is None) as stop:
+                times, losses = _train(ex, plan, feed, steps, start, log, out, held_out, run.eval_every, evals, stop)
         med = _report(ex, plan, mode, times, run.trace, out)
-        return {"steps": steps, "losses": losses, "median_step_s": med, "peak": ex.peak_bytes}
+        return {"steps": steps, "losses": losses, "median_step_s": med, "peak": ex.peak_bytes,
+                "evals": list(evals.rows.values())}
 
 
-def _feed(ex: Executor, plan: Plan, run: Run, start: int) -> tuple[int, Iterator]:
-    """(the run's steps, an iterator of (epoch, example, x, y) from step `start` on): examples
-    (executor.examples) or tokens (executor.data; epoch and example None)."""
+def _feed(ex: Executor, plan: Plan, run: Run, start: int) -> tuple[int, Iterator, record.DataId]:
+    """(the run's steps, an iterator of (epoch, example, x, y) from step `start` on, what the run
+    reads of its data): examples (executor.examples) or tokens (executor.data; epoch and example
+    None)."""
     m = plan.model
     rows = m.batch * ex.M
     if not is_examples(run.data):
-        return run.steps, ((None, None, x, y)
-                           for x, y in batches(run.data, rows, m.seq, ex.vocab, run.steps, run.seed, start))
+        return run.steps, ((None, None, x, y) for x, y in batches(run.data, rows, m.seq, ex.vocab, run.steps, run.seed,
+                                                                   start)), \
+            _token_data(run.data, run.steps * rows * (m.seq + 1), ex.vocab)
     examples = _examples(run.data, ex, plan, run)
-    steps = run.steps if run.steps is not None else run.epochs * examples.steps_per_epoch(rows)
-    return steps, examples.batches(rows, steps, run.seed, start, run.shuffle)
+    per = examples.steps_per_epoch(rows)
+    if per < 1:
+        raise TensorstowError(f"--data {run.data} holds {len(examples)} rows, fewer than one step's {rows} (batch "
+                              f"{m.batch} x {ex.M} microbatches): give more examples, or plan a smaller batch")
+    steps = run.steps if run.steps is not None else run.epochs * per
+    size = Path(run.data).stat().st_size if Path(run.data).is_file() else None
+    ident = record.DataId({"kind": "examples", "source": run.data, "bytes": size, "examples": len(examples),
+                           "xxh3": record.digest(examples.ids, examples.labels)})
+    return steps, examples.batches(rows, steps, run.seed, start, run.shuffle), ident
 
 
 def _examples(source: str, ex: Executor, plan: Plan, run: Run) -> Examples:
@@ -112,6 +142,17 @@ def _examples(source: str, ex: Executor, plan: Plan, run: Run) -> Examples:
     ignored = ex.program.ignore_index
     return Examples.load(source, plan.model.seq, ex.vocab, tokenizer=_tokenizer(run.tokenizer, plan.options.model),
                          ignore=-100 if -100 in ignored else min(ignored), packing=run.packing)
+
+
+def _token_data(source: str, need: int, vocab: int) -> record.DataId:
+    """What a run of `need` tokens reads of a token file (its prefix), or of synthetic data."""
+    if source == "synthetic":
+        return record.DataId({"kind": "synthetic"})
+
+    def prefix(n: int) -> str:
+        return record.digest(np.asarray(tokens(source, n, vocab)))
+    return record.DataId({"kind": "tokens", "source": source, "bytes": Path(source).stat().st_size, "tokens": need,
+                          "xxh3": prefix(need)}, prefix)
 
 
 def evaluate_state(plan: Plan, run: Run, *, out=None) -> dict:
@@ -124,30 +165,37 @@ def evaluate_state(plan: Plan, run: Run, *, out=None) -> dict:
     if not (d / state.PLAN).is_file():
         raise TensorstowError(f"{d} is not a tensorstow state dir (no {state.PLAN}); pass the --state-dir "
                               f"of a tensorstow execute run")
-    state.claim(d, plan)  # the plan it trains
+    owner = state.held(d, plan)  # the plan it trains
     model, init = build_for_execution(resolve_model(plan.options.model, plan.options.lora), run.seed)
-    with SSDStore(d, state.store_sizes(plan), owner=state.fingerprint(plan)) as store:
+    # read-only: an evaluation changes nothing in the state dir, which may be read-only to it
+    with SSDStore(d, state.store_sizes(plan), owner=state.fingerprint(owner), read_only=True) as store:
         step = store.committed_step()
         if step is None:
             raise TensorstowError(f"state dir {d} holds no committed step yet")
         ex = Executor(plan, model, mode=pick_mode(run.mode, plan), ssd_store=store, resume=True, init_values=init)
         try:
-            held_out = _eval_batches(ex, plan, run)
+            held_out = _eval_batches(ex, plan, run)[0]
             t0 = time.perf_counter()
             value = ex.evaluate(held_out)
             dt = time.perf_counter() - t0
         finally:
             ex.close()
-    ppl = math.exp(value) if value < 700 else float("inf")
+    ppl = record.perplexity(value)
     print(f"step {step}: eval loss {value:.6g}  perplexity {ppl:.6g}  ({len(held_out)} batches of "
           f"{plan.model.batch * plan.decisions.microbatches()} x {plan.model.seq}, {dt:.3f} s)", file=out)
     return {"step": step, "eval_loss": value, "eval_perplexity": ppl, "eval_batches": len(held_out)}
 
 
-def _eval_batches(ex: Executor, plan: Plan, run: Run) -> list:
+def _eval_batches(ex: Executor, plan: Plan, run: Run) -> tuple[list, record.DataId]:
     """`--eval-data` as (x, y) batches of the plan's shape, in file order: `--eval-batches` of
     them, or (examples) all its examples (a last partial batch dropped); synthetic: drawn with
-    seed + 1, apart from the training data."""
+    seed + 1, apart from the training data. With what they are, for the run record."""
+    got = _held_out(ex, plan, run)
+    return got, record.DataId({"kind": "batches", "source": run.eval_data, "batches": len(got),
+                               "xxh3": record.digest(*(t.numpy() for xy in got for t in xy))})
+
+
+def _held_out(ex: Executor, plan: Plan, run: Run) -> list:
     m = plan.model
     rows = m.batch * ex.M
     if run.eval_batches is not None and run.eval_batches < 1:
@@ -172,8 +220,13 @@ def _lr_schedule(plan: Plan, run: Run, steps: int) -> LRSchedule:
 
     def pick(given, planned):
         return planned if given is None else given
-    return LRSchedule(pick(run.lr_scheduler, o.lr_scheduler), pick(run.lr, o.lr), pick(run.warmup_steps, o.warmup_steps),
-                      steps, pick(run.min_lr_ratio, o.min_lr_ratio))
+    schedule = LRSchedule(pick(run.lr_scheduler, o.lr_scheduler), pick(run.lr, o.lr),
+                          pick(run.warmup_steps, o.warmup_steps), steps, pick(run.min_lr_ratio, o.min_lr_ratio))
+    if schedule.warmup_steps > steps:
+        raise TensorstowError(f"the warmup ({schedule.warmup_steps} optimizer steps) is longer than the run ({steps}): "
+                              f"the rate would never reach its peak {schedule.lr:g}; give --warmup-steps at most "
+                              f"{steps} (a few percent of the run is usual)")
+    return schedule
 
 
 def _tokenizer(path: str | None, model: str):
@@ -209,27 +262,25 @@ def _io_rates(ex: Executor, before: tuple[int, int] | None, dt: float) -> dict:
     return {"ssd_read_bytes": now[0] - before[0], "ssd_written_bytes": now[1] - before[1]}
 
 
-def _train(ex: Executor, plan: Plan, feed: Iterator, steps: int, start: int, log_json: str | None,
-           out, held_out: list | None = None, eval_every: int = 0) -> tuple[list[float], list[float]]:
-    """Steps `start`..`steps` (each printed, and logged as a JSON line to `log_json`), then a
-    commit of the last one; returns the step times and losses. A step whose labels are all left
-    out (`Executor.skip_step`) trains nothing and says so."""
+def _train(ex: Executor, plan: Plan, feed: Iterator, steps: int, start: int, log: "_Log", out,
+           held_out: list | None, eval_every: int, evals: record.Evals, stop: "_StopOnInterrupt"
+           ) -> tuple[list[float], list[float]]:
+    """Steps `start`..`steps` (each printed, and logged as a JSON line), then a commit of the last
+    one; returns the step times and losses. A step whose labels are all left out
+    (`Executor.skip_step`) trains nothing and says so. A Ctrl-C (`stop`) ends the run after the
+    step under way, committed."""
     m = plan.model
     tokens = m.batch * ex.M * m.seq
     ignored = torch.tensor(sorted(ex.program.ignore_index))
-    log = open(log_json, "a") if log_json else None
     times, losses = [], []
-    try:
-        for k, (epoch, example, x, y) in enumerate(feed, start):
-            where = "" if epoch is None else f"  epoch {epoch}  example {example}"
-            row = {"step": k + 1, **({} if epoch is None else {"epoch": epoch, "example": example})}
-            if bool(torch.isin(y, ignored).all()):
-                ex.skip_step()
-                if log:
-                    log.write(json.dumps({**row, "skipped": "no labels"}) + "\n")
-                    log.flush()
-                print(f"step {k + 1}/{steps}{where}  every label is ignored: no update", file=out, flush=True)
-                continue
+    for k, (epoch, example, x, y) in enumerate(feed, start):
+        where = "" if epoch is None else f"  epoch {epoch}  example {example}"
+        row = {"step": k + 1, **({} if epoch is None else {"epoch": epoch, "example": example})}
+        if bool(torch.isin(y, ignored).all()):
+            ex.skip_step()
+            log.write({**row, "skipped": "no labels"})
+            print(f"step {k + 1}/{steps}{where}  every label is ignored: no update", file=out, flush=True)
+        else:
             taken = ex.opt_steps
             moved = _store_bytes(ex)
             t0 = time.perf_counter()
@@ -245,11 +296,9 @@ def _train(ex: Executor, plan: Plan, feed: Iterator, steps: int, start: int, log
             norm = {} if ex.grad_norm is None else {"grad_norm": ex.grad_norm}  # the Trainer's grad_norm
             if ex.speculation is not None:  # whether the speculated updates held or were redone clipped
                 norm["speculation"] = ex.speculation
-            if log:  # first: a run killed once the progress line is out has the step logged
-                log.write(json.dumps({**row, "loss": loss, **norm, "lr": ex.lr, "step_time_s": dt,
-                                      "tokens_per_s": tokens / dt, **io, "lane_busy_s": ex.lane_busy(),
-                                      "device_peak_bytes": ex.peak_bytes.get("gpu", 0), **amp}) + "\n")
-                log.flush()
+            # logged first: a run killed once the progress line is out has the step logged
+            log.write({**row, "loss": loss, **norm, "lr": ex.lr, "step_time_s": dt, "tokens_per_s": tokens / dt, **io,
+                       "lane_busy_s": ex.lane_busy(), "device_peak_bytes": ex.peak_bytes.get("gpu", 0), **amp})
             shown = "" if ex.grad_norm is None else f"  grad_norm {ex.grad_norm:.4g}"
             if ex.speculation == "redone":
                 shown += " (clipped: speculated updates redone)"
@@ -257,28 +306,122 @@ def _train(ex: Executor, plan: Plan, feed: Iterator, steps: int, start: int, log
                     if io.get("ssd_read_bytes") or io.get("ssd_written_bytes") else "")
             print(f"step {k + 1}/{steps}{where}  loss {loss:.4f}{shown}  lr {ex.lr:.4g}  {dt:.3f} s  "
                   f"{tokens / dt:.4g} tokens/s{disk}{scale}", file=out, flush=True)
-            if held_out and ((eval_every and (k + 1) % eval_every == 0) or k + 1 == steps):
-                _evaluate(ex, held_out, k + 1, steps, log, out)
-        ex.checkpoint()  # the last step is always committed
-    finally:
-        if log:
-            log.close()
+        stop.check(ex, k + 1)
+        if held_out and evals.owed(k + 1, steps, eval_every):
+            _evaluate(ex, held_out, k + 1, steps, log, out, evals)
+            stop.check(ex, k + 1)
+    ex.checkpoint()  # the last step is always committed
     return times, losses
 
 
-def _evaluate(ex: Executor, held_out: list, step: int, steps: int, log, out) -> None:
-    """One evaluation of the held-out batches after `step`: logged and printed."""
+def _evaluate(ex: Executor, held_out: list, step: int, steps: int, log: "_Log", out, evals: record.Evals) -> None:
+    """One evaluation of the held-out batches after `step`: recorded, logged and printed."""
     t0 = time.perf_counter()
     value = ex.evaluate(held_out)
     dt = time.perf_counter() - t0
-    ppl = math.exp(value) if value < 700 else float("inf")
-    if log:
-        log.write(json.dumps({"step": step, "eval_loss": value, "eval_perplexity": ppl, "eval_batches": len(held_out),
-                              "eval_time_s": dt}) + "\n")
-        log.flush()
-    print(f"eval after step {step}/{steps}  loss {value:.4f}  perplexity {ppl:.4g}  ({len(held_out)} "
-          f"batch{'es' * (len(held_out) != 1)}, "
-          f"{dt:.3f} s)", file=out, flush=True)
+    row = {"step": step, "eval_loss": value, "eval_perplexity": record.perplexity(value), "eval_batches": len(held_out)}
+    evals.add(row)
+    log.write({**row, "eval_time_s": dt})
+    print(f"eval after step {step}/{steps}  loss {value:.4f}  perplexity {row['eval_perplexity']:.4g}  "
+          f"({len(held_out)} batch{'es' * (len(held_out) != 1)}, {dt:.3f} s)", file=out, flush=True)
+
+
+class _Log:
+    """`--log-json`: one JSON object a line, appended whole or not at all. A record that a full
+    disk tore is cut at once, and one that a killed run tore (no final newline) is cut when the
+    file is opened again, so the file stays valid JSON lines across crashes and resumes."""
+
+    def __init__(self, path: str | None, out):
+        self.path, self.fd = path, None
+        if path is None:
+            return
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o666)
+            torn = self._torn_tail()
+            if torn:
+                os.ftruncate(self.fd, os.fstat(self.fd).st_size - torn)
+                print(f"log {path}: cut a torn last record ({torn} bytes) that an interrupted run left", file=out)
+        except OSError as e:
+            self.close()
+            raise TensorstowError(f"--log-json {path}: cannot open it for appending ({e.strerror or e}); pass a "
+                                  f"path this user can write") from None
+
+    def _torn_tail(self) -> int:
+        """Bytes after the file's last newline."""
+        size = os.fstat(self.fd).st_size
+        at = size
+        while at > 0:
+            chunk = os.pread(self.fd, min(1 << 16, at), max(0, at - (1 << 16)))
+            nl = chunk.rfind(b"\n")
+            if nl >= 0:
+                return size - (at - len(chunk) + nl + 1)
+            at -= len(chunk)
+        return size
+
+    def write(self, row: dict) -> None:
+        if self.fd is None:
+            return
+        data = memoryview((json.dumps(row) + "\n").encode())
+        end = os.fstat(self.fd).st_size
+        try:
+            while data:
+                data = data[os.write(self.fd, data):]
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.fd, end)  # no torn record stays behind
+            why = f"disk full: {e.strerror}" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+            raise TensorstowError(f"--log-json {self.path}: cannot write step {row.get('step')}'s record ({why}); the "
+                                  f"state dir's last commit is intact: free space, then rerun the same command to "
+                                  f"resume") from None
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+    def __enter__(self) -> "_Log":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _StopOnInterrupt:
+    """Ctrl-C while a single process trains: the first stops the run at the next safe point
+    (after the step under way, which is then committed: `check`), the second at once (the last
+    commit stands, as after a kill: the state dir is crash-consistent)."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled and threading.current_thread() is threading.main_thread()
+        self.asked, self._before = False, None
+
+    def __enter__(self) -> "_StopOnInterrupt":
+        if self.enabled:
+            self._before = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.enabled:
+            signal.signal(signal.SIGINT, self._before)
+
+    def _handle(self, signum, frame) -> None:
+        if self.asked:
+            sys.stdout.flush()
+            print("tensorstow: interrupted again: stopped at once; the last committed step stands; rerun the "
+                  "same command to resume", file=sys.stderr, flush=True)
+            os._exit(130)
+        self.asked = True
+        print("tensorstow: stopping after this step (Ctrl-C again stops at once)", file=sys.stderr, flush=True)
+
+    def check(self, ex: Executor, step: int) -> None:
+        """Stop here, committed, if a Ctrl-C asked to."""
+        if not self.asked:
+            return
+        ex.checkpoint()
+        store = ex.ssd.store
+        kept = (f"committed step {store.committed_step()}" if store is not None and store.committed_step() is not None
+                else "nothing is committed without --state-dir")
+        raise Interrupted(f"interrupted at step {step}; {kept}; rerun the same command to resume")
 
 
 def _report(ex: Executor, plan: Plan, mode: str, times: list[float], trace: str | None, out) -> float:

@@ -270,8 +270,9 @@ class Executor:
             if comm is not None:
                 raise TensorstowError("state_dir= keeps one process's state: a multi-GPU plan's ranks each pass "
                                       "ssd_store= (tensorstow execute --state-dir does)")
-            self.state_dir = state.claim(state_dir, prog.plan)
-            ssd_store = SSDStore(self.state_dir, state.store_sizes(prog.plan), owner=state.fingerprint(prog.plan))
+            self.state_dir, owner = state.claim(state_dir, prog.plan)
+            ssd_store = SSDStore(self.state_dir, state.store_sizes(prog.plan), owner=state.fingerprint(owner),
+                                 shared=True)
         try:
             self._init(model, device, device_budget, ssd_store, lr_schedule, total_steps, resume, init_values,
                        checkpoint_every, state_dir or ssd_store)

@@ -25,6 +25,7 @@ The directory holds one store at a time: a lock file (flock) refuses a second op
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -98,7 +99,8 @@ def _fmt_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
-def _file_names(name: str) -> list[str]:
+def slot_files(name: str) -> list[str]:
+    """The two slot files of buffer `name`."""
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:64]
     digest = hashlib.sha1(name.encode()).hexdigest()[:10]
     return [f"{safe}-{digest}.slot0", f"{safe}-{digest}.slot1"]
@@ -118,6 +120,44 @@ def _describe_os_error(e: OSError) -> str:
 def _not_writable(path, e: OSError) -> TensorstowError:
     return TensorstowError(f"SSD store: cannot write in {path} ({e.strerror}): give this user write access to it, "
                            f"or use another state directory")
+
+
+def _lock(d: Path, read_only: bool = False) -> int | None:
+    """flock `d`/LOCK, exclusively, or refuse: one store (or `--restart`) at a time in a directory.
+    Returns the lock's descriptor (closing it releases the lock); None for a reader of a directory
+    it may not write and that holds no lock file (no process of this user can be writing it)."""
+    path = d / "LOCK"
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno not in NOT_WRITABLE:
+            raise TensorstowError(f"SSD store: cannot open {path}: {e}") from None
+        if not read_only:
+            raise _not_writable(d, e) from None
+        try:  # a reader of a directory it may not write: the lock file read-only (flock takes any open file)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as e2:
+            raise TensorstowError(f"SSD store: cannot open {path}: {e2}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise TensorstowError(f"SSD store {d} is locked by another tensorstow process or store object "
+                              f"(an execute or export still running on it); wait for it to finish, "
+                              f"or use another directory") from None
+    return fd
+
+
+@contextlib.contextmanager
+def dir_lock(d: Path):
+    """Hold `d`'s store lock while the caller changes its files (`--restart` deleting them)."""
+    fd = _lock(d)
+    try:
+        yield
+    finally:
+        os.close(fd)
 
 
 class _Buffer:
@@ -211,8 +251,12 @@ class SSDStore:
     """
 
     def __init__(self, dir, sizes: dict[str, int], *, direct: bool = True, engine=None, verify: bool = True,
-                 early_sync: bool = True, owner: str | None = None, read_only: bool = False):
+                 early_sync: bool = True, owner: str | None = None, read_only: bool = False,
+                 shared: bool = False):
         self.dir = Path(dir)
+        self.shared = shared
+        """The directory is a state dir (executor/state.py), which tensorstow has vetted and which may
+        hold the user's own files too; else the store wants an empty one to create itself in."""
         self.read_only = read_only
         """Open an existing store to read its committed state only (export, evaluate): nothing in
         the directory is created or changed, so it may be read-only for this user; writes,
@@ -725,30 +769,7 @@ class SSDStore:
             os.close(fd)
 
     def _acquire_dir_lock(self) -> None:
-        path = self.dir / "LOCK"
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as e:
-            if e.errno not in NOT_WRITABLE:
-                raise TensorstowError(f"SSD store: cannot open {path}: {e}") from None
-            if not self.read_only:
-                raise _not_writable(self.dir, e) from None
-            # a reader of a directory it may not write: the lock file read-only (flock takes any
-            # open file); without one, no process of this user can be writing the store either
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            except FileNotFoundError:
-                return
-            except OSError as e2:
-                raise TensorstowError(f"SSD store: cannot open {path}: {e2}") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise TensorstowError(f"SSD store {self.dir} is locked by another tensorstow process or store object "
-                                  f"(an execute or export still running on it); wait for it to finish, "
-                                  f"or use another directory") from None
-        self._lock_fd = fd
+        self._lock_fd = _lock(self.dir, self.read_only)
 
     def _probe_direct(self, want: bool) -> tuple[bool, str]:
         if not want:
@@ -843,11 +864,11 @@ class SSDStore:
         return d
 
     def _create(self, sizes: dict[str, int]) -> None:
-        strangers = sorted(p.name for p in self.dir.iterdir() if not OWN_FILE.fullmatch(p.name))
+        strangers = [] if self.shared else sorted(p.name for p in self.dir.iterdir() if not OWN_FILE.fullmatch(p.name))
         if strangers:
             raise TensorstowError(f"SSD store: {self.dir} has no {MANIFEST} but holds other files "
                                   f"({', '.join(strangers[:3])}); give the store an empty directory")
-        self._bufs = {name: _Buffer(name, n, _file_names(name), 0, None) for name, n in sizes.items()}
+        self._bufs = {name: _Buffer(name, n, slot_files(name), 0, None) for name, n in sizes.items()}
         self._step = None
         need = 0
         for b in self._bufs.values():

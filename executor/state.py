@@ -1,9 +1,18 @@
 """The state dir: a self-describing, crash-consistent checkpoint of one plan's training.
 
+    STATE_DIR/tensorstow.json  the mark of a state dir, written first into an empty directory
     STATE_DIR/plan.json     the plan it trains (a second plan is refused)
     STATE_DIR/layout.json   what each persistent buffer holds: tensors, dtypes, offsets, names
     STATE_DIR/config.json   the Hugging Face config, for `hf:` models (export hands it on)
+    STATE_DIR/run.json      the inputs of the run it trains (executor/record.py): a resume with
+                            other inputs is refused
+    STATE_DIR/evals.json    the evaluations of the committed steps (executor/record.py)
     STATE_DIR/MANIFEST, *.slot0|1, LOCK    the SSD store (executor/ssd.py)
+
+tensorstow claims a directory only if it is new or empty, or already a state dir (its mark, or
+the store's manifest of an older release), and never writes into any other; `--restart` deletes
+only the files these records name (the store's slots as its manifests and the plan name them),
+so a user's files in or beside a state dir are never touched.
 
 The store holds every buffer that lives across steps (P, C, M, OS, wherever their home tier
 is) and every buffer the plan moves to SSD, plus the random-number generator state (`RNG`), so
@@ -13,6 +22,8 @@ Constants (C) are written once, at step 0.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import tempfile
@@ -58,18 +69,27 @@ def store_sizes(plan: Plan, gpu: str | None = None) -> dict[str, int]:
     return sizes
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
+    """Replace `path` by `text`, whole or not at all (a temporary, synced, renamed over it); one
+    error naming the file where that fails (a full disk: the old file stays)."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        why = f"disk full: {e.strerror}" if e.errno == errno.ENOSPC else (e.strerror or str(e))
+        raise TensorstowError(f"cannot write {path} ({why}); the state dir's last commit is intact: free space "
+                              f"or fix the permissions, then rerun the same command to resume") from None
 
 
 def _create_atomic(path: Path, text: str) -> None:
@@ -102,43 +122,155 @@ def fingerprint(plan: Plan) -> str:
     return f"{xxhash.xxh3_64_intdigest(plan.dumps().encode()):016x}"
 
 
-def clear(state_dir) -> None:
-    """`execute --restart`: remove what tensorstow keeps in `state_dir` (the store's files, the plan
-    and the description; nothing else), so it starts over there."""
-    from tensorstow.executor.ssd import OWN_FILE
+MARK = "tensorstow.json"
+MARK_FORMAT = "tensorstow-state-dir"
+RUN, EVALS = "run.json", "evals.json"
+DESCRIPTION = (MARK, PLAN, LAYOUT, CONFIG, ADAPTER_CONFIG, RUN, EVALS)
+"""The state dir's own files besides the store's (each also written as NAME.tmp or NAME.*.tmp)."""
+RUN_FIELDS_OF_PLAN = ("lr", "lr_scheduler", "warmup_steps", "min_lr_ratio")
+"""Plan options that are inputs of the run, not of the plan's state: the learning rate is a
+runtime input of the optimizer lane (executor/lr.py). A plan that differs from the one a state
+dir holds only in these (and in its recorded `[execute]` table) trains the same state; the run
+record (executor/record.py) compares them."""
+
+
+def _own_temporary(name: str) -> bool:
+    """A temporary of one of the state dir's or the store's files (`write_atomic`, `_create_atomic`)."""
+    from tensorstow.executor.ssd import MANIFEST
+    return any(name.startswith(base + ".") and name.endswith(".tmp") for base in (*DESCRIPTION, MANIFEST))
+
+
+def _store_manifest(d: Path) -> bool:
+    """Whether `d` holds a manifest of tensorstow's SSD store (a state dir of a release before the mark)."""
+    from tensorstow.executor.ssd import FORMAT, MANIFEST, PREVIOUS
+    for name in (MANIFEST, PREVIOUS):
+        try:
+            if json.loads((d / name).read_bytes()).get("format") == FORMAT:
+                return True
+        except (OSError, ValueError, AttributeError):
+            continue
+    return False
+
+
+def survey(state_dir) -> str:
+    """What `state_dir` is: "new" (missing, or empty but for the temporaries of a claim under way),
+    "state" (a state dir: its mark, or an older release's store manifest) or "foreign" (anything
+    else: a directory of the user's, which tensorstow never writes into)."""
     d = Path(state_dir)
+    if not d.exists():
+        return "new"
     if not d.is_dir():
-        return
-    for p in d.iterdir():
-        if p.is_file() and OWN_FILE.fullmatch(p.name) and p.name != "LOCK":
+        return "foreign"
+    if (d / MARK).is_file():
+        try:
+            if json.loads((d / MARK).read_text()).get("format") == MARK_FORMAT:
+                return "state"
+        except (OSError, ValueError, AttributeError):
+            pass
+        return "foreign"
+    if _store_manifest(d):
+        return "state"
+    return "new" if all(_own_temporary(p.name) for p in d.iterdir()) else "foreign"
+
+
+def _refuse_foreign(d: Path, verb: str) -> TensorstowError:
+    held = sorted(p.name for p in d.iterdir())[:3] if d.is_dir() else []
+    what = f"holds other files ({', '.join(held)}{', ...' if len(held) == 3 else ''})" if d.is_dir() else "is a file"
+    return TensorstowError(f"--state-dir {d} is not a tensorstow state dir: it {what}; {verb} nothing there. "
+                           f"Give --state-dir a new or empty directory")
+
+
+def owned_files(d: Path) -> list[Path]:
+    """The files of state dir `d` that its records name: the description, the store's manifests,
+    lock and probe, and every slot file a manifest or the held plan's buffers name."""
+    from tensorstow.executor import ssd
+    names = {*DESCRIPTION, ssd.MANIFEST, ssd.PREVIOUS, ssd.MANIFEST + ".tmp", ssd.MANIFEST + ".damaged", ".direct-probe"}
+    for m in (ssd.MANIFEST, ssd.PREVIOUS, ssd.MANIFEST + ".tmp", ssd.MANIFEST + ".damaged"):
+        try:
+            entries = json.loads((d / m).read_bytes())["buffers"].values()
+            names.update(f for e in entries for f in e["files"] if isinstance(f, str) and "/" not in f)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+    try:  # the slots of the plan's buffers, for a store whose manifests are all damaged
+        names.update(f for b in json.loads((d / PLAN).read_text())["buffers"] for f in ssd.slot_files(b))
+        names.update(ssd.slot_files(n) for n in (RNG, AMP))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return sorted(p for p in d.iterdir() if p.is_file() and (p.name in names or _own_temporary(p.name)))
+
+
+def clear(state_dir) -> list[Path]:
+    """`execute --restart`: delete the files the state dir's records name (`owned_files`), under
+    the store's lock, keeping its mark, so it starts over there; returns what it deleted. A
+    directory that is not a state dir is refused untouched."""
+    from tensorstow.executor.ssd import dir_lock
+    d = Path(state_dir)
+    kind = survey(d)
+    if kind == "new":
+        return []
+    if kind == "foreign":
+        raise _refuse_foreign(d, "--restart deleted")
+    gone = []
+    with dir_lock(d):
+        for p in owned_files(d):
+            if p.name in (MARK, "LOCK"):
+                continue
             try:
                 p.unlink()
+            except FileNotFoundError:
+                continue
             except OSError as e:
                 raise TensorstowError(f"--restart: cannot delete {p}: {e.strerror or e}") from None
+            gone.append(p)
+    return gone
 
 
-def claim(state_dir, plan: Plan) -> Path:
-    """Make `state_dir` the home of `plan`'s training, or check that it already is."""
+def claim(state_dir, plan: Plan) -> tuple[Path, Plan]:
+    """Make `state_dir` the home of `plan`'s training, or check that it already is; returns (the
+    directory, the plan it holds: the store's owner). A directory that is neither new nor a
+    state dir is refused before anything is written in it."""
     d = Path(state_dir)
+    if survey(d) == "foreign":
+        raise _refuse_foreign(d, "wrote")
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise TensorstowError(f"cannot create the state dir {d}: {e.strerror or e}") from None
-    text = plan.dumps()
-    held = d / PLAN
-    if not held.exists():
-        _create_atomic(held, text)  # two claims at once: one creates it, the other reads it below
+    if not (d / MARK).exists():
+        _create_atomic(d / MARK, json.dumps({"format": MARK_FORMAT, "version": 1}) + "\n")
+    if not (d / PLAN).exists():
+        _create_atomic(d / PLAN, plan.dumps())  # two claims at once: one creates it, the other reads it below
+    return d, held(d, plan)
+
+
+def held(d: Path, plan: Plan) -> Plan:
+    """The plan state dir `d` holds, where `plan` trains the same state (they differ at most in
+    `RUN_FIELDS_OF_PLAN` and the recorded run); else one error naming what differs. Reads only."""
+    path = d / PLAN
     try:
-        old = json.loads(held.read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        old = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise TensorstowError(f"state dir {d}: {PLAN} is unreadable ({e}); it is not a tensorstow state "
                               f"dir, or it was damaged") from None
-    if old != json.loads(text):
+    new = json.loads(plan.dumps())
+    if _state_part(old) != _state_part(new):
+        was, now = old.get("options", {}), new.get("options", {})
+        opts = [f"{k} {was.get(k)} -> {now.get(k)}" for k in sorted(set(was) | set(now))
+                if k not in RUN_FIELDS_OF_PLAN and was.get(k) != now.get(k)]
         raise TensorstowError(
             f"state dir {d} trains another plan ({old.get('model', {}).get('name')}, policy "
-            f"{old.get('decisions', {}).get('policy')}, fingerprint {old.get('model', {}).get('fingerprint')}); "
-            f"use an empty --state-dir, or execute the plan it holds ({held})")
-    return d
+            f"{old.get('decisions', {}).get('policy')}"
+            + (f"; options {', '.join(opts[:4])}" if opts else "; its decisions or schedule differ") +
+            f"): use an empty --state-dir, or execute the plan it holds ({path}); `tensorstow diff {path} PLAN` "
+            f"shows every difference")
+    return plan if old == new else Plan.load(path)
+
+
+def _state_part(plan: dict) -> dict:
+    """A plan's JSON without the run's inputs (`RUN_FIELDS_OF_PLAN`, the recorded run)."""
+    out = {k: v for k, v in plan.items() if k != "run"}
+    out["options"] = {k: v for k, v in plan.get("options", {}).items() if k not in RUN_FIELDS_OF_PLAN}
+    return out
 
 
 def write_description(d: Path, layouts: dict, names: dict[str, str], frozen: set[str], prefix: str,
@@ -147,7 +279,7 @@ def write_description(d: Path, layouts: dict, names: dict[str, str], frozen: set
     and, in the layout, its adapter's name), unless already there. `peft`: (adapter name, its
     config as a dict)."""
     if peft is not None and not (d / ADAPTER_CONFIG).exists():
-        _write_atomic(d / ADAPTER_CONFIG, json.dumps(peft[1], indent=2, sort_keys=True, default=_jsonable) + "\n")
+        write_atomic(d / ADAPTER_CONFIG, json.dumps(peft[1], indent=2, sort_keys=True, default=_jsonable) + "\n")
     desc = {"name_prefix": prefix, "buffers": {}, **({"peft_adapter": peft[0]} if peft else {})}
     for buf, layout in sorted(layouts.items()):
         desc["buffers"][buf] = [
@@ -161,9 +293,9 @@ def write_description(d: Path, layouts: dict, names: dict[str, str], frozen: set
     except (OSError, UnicodeDecodeError):
         held = None
     if held != text:  # missing, damaged or edited: it is derived from the plan, so written again
-        _write_atomic(d / LAYOUT, text)
+        write_atomic(d / LAYOUT, text)
     if hf_config is not None and not (d / CONFIG).exists():
-        _write_atomic(d / CONFIG, hf_config.to_json_string())
+        write_atomic(d / CONFIG, hf_config.to_json_string())
 
 
 def _jsonable(v):

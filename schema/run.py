@@ -60,6 +60,12 @@ class Run:
     """Start over in the state dir: delete the training state and description tensorstow keeps
     there (never other files), then train from step 0. Without it a state dir is resumed, and one
     whose state cannot be read is refused."""
+    resume_changed: str | None = None
+    """Resume a state dir although these groups of its run's recorded inputs differ, comma-separated:
+    data, order (seed, shuffle), length (steps, epochs), schedule (lr, lr_scheduler,
+    warmup_steps, min_lr_ratio), eval (eval_data, eval_every, eval_batches); docs/training.md,
+    Resuming, says what each accepted change means (default: none: a resume with other inputs is
+    refused)."""
     log_json: str | None = None
     """Append one JSON object per step to this file (default: not written)."""
     trace: str | None = None

@@ -58,7 +58,7 @@ def test_log_json_and_measured_trace(ssd_plan, tmp_path):
     names = {e["name"] for e in json.loads(trace.read_text())["traceEvents"]}
     assert "compute fwd:b0" in names and "load P:b0" in names
     again = execute(ssd_plan, tmp_path / "s")  # a finished state dir has nothing left to do
-    assert again.returncode == 0 and "nothing to do" in again.stdout
+    assert again.returncode == 0 and "nothing left to train" in again.stdout
 
 
 SCHEDULE = ("--lr", "1e-3", "--lr-scheduler", "cosine", "--warmup-steps", "2")
@@ -112,7 +112,7 @@ def test_sigkill_then_resume_equals_uninterrupted(ssd_plan, tmp_path):
         assert step is not None and target - 1 <= step <= STEPS
         r = execute(ssd_plan, state, *SCHEDULE)
         assert r.returncode == 0, r.stderr
-        assert (f"resuming from step {step}" if step < STEPS else "nothing to do") in r.stdout
+        assert (f"resuming from step {step}" if step < STEPS else "nothing left to train") in r.stdout
         final_step, final = committed_state(ssd_plan, state)
         assert final_step == STEPS
         for name, buf in ref_state.items():

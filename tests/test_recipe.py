@@ -51,10 +51,14 @@ def test_execute_runs_the_plans_recipe_and_flags_override_it(tmp_path, capsys):
     assert [r["step"] for r in rows] == [1, 2, 3]  # steps = 3 from the plan's recipe
     assert rows[0]["lr"] == 0.0 and rows[1]["lr"] == 1e-3  # one warmup step, then the cosine from the peak
     more = write(tmp_path / "more.toml", "[execute]\nsteps = 5\n")
-    assert main(["execute", plan, "--hw-mismatch", "ok", "--config", more, "--state-dir", str(tmp_path / "s"), "--log-json", str(log)]) == 0
+    longer = ["execute", plan, "--hw-mismatch", "ok", "--config", more, "--state-dir", str(tmp_path / "s"), "--log-json",
+              str(log)]
+    capsys.readouterr()
+    assert main(longer) == 2  # a cosine over 5 steps is another run than the one over 3 begun here
+    assert "--steps/--epochs 3 -> 5" in capsys.readouterr().err
+    assert main([*longer, "--resume-changed", "length,schedule"]) == 0
     assert "resuming from step 3" in capsys.readouterr().out
-    assert main(["execute", plan, "--hw-mismatch", "ok", "--config", more, "--steps", "6", "--state-dir", str(tmp_path / "s"),
-                 "--log-json", str(log)]) == 0  # the flag over the file over the plan
+    assert main([*longer, "--steps", "6", "--resume-changed", "length"]) == 0  # the flag over the file over the plan
     assert [json.loads(line)["step"] for line in log.read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
 
 

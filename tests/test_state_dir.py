@@ -521,7 +521,7 @@ def test_claims_racing_for_one_state_dir_leave_one_plan_and_one_clear_error(plan
         assert sorted(v == "ok" for v in results.values()) == [False, True], results
         loser = next(v for v in results.values() if v != "ok")
         assert "trains another plan" in loser
-        assert sorted(p.name for p in d.iterdir()) == ["plan.json"]  # no temporary left behind
+        assert sorted(p.name for p in d.iterdir()) == ["plan.json", "tensorstow.json"]  # no temporary left behind
         held = json.loads((d / "plan.json").read_text())
         assert held in (json.loads(a.dumps()), json.loads(b.dumps()))
 
@@ -544,4 +544,5 @@ def test_bad_optimizer_values_and_unwritable_paths_are_one_line(plans, tmp_path,
     assert capsys.readouterr().err.startswith("tensorstow: error: plan options: --betas 0.9 1.0")
     assert execute(plans["stronghold"], tmp_path / "s", 1, "--log-json", str(tmp_path / "no" / "log.jsonl")) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"tensorstow: error: {tmp_path / 'no' / 'log.jsonl'}: No such file") and err.count("\n") == 1
+    assert err.startswith(f"tensorstow: error: --log-json {tmp_path / 'no' / 'log.jsonl'}: cannot open it") \
+        and "No such file" in err and err.count("\n") == 1
