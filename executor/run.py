@@ -172,7 +172,9 @@ def evaluate_state(plan: Plan, run: Run, *, out=None) -> dict:
         step = store.committed_step()
         if step is None:
             raise TensorstowError(f"state dir {d} holds no committed step yet")
-        ex = Executor(plan, model, mode=pick_mode(run.mode, plan), ssd_store=store, resume=True, init_values=init)
+        # no update: any rate does (a linear or cosine one would need the run's length)
+        ex = Executor(plan, model, mode=pick_mode(run.mode, plan), ssd_store=store, resume=True, init_values=init,
+                      lr_schedule=LRSchedule("constant", plan.options.lr))
         try:
             held_out = _eval_batches(ex, plan, run)[0]
             t0 = time.perf_counter()

@@ -99,6 +99,10 @@ def _fmt_bytes(n: int) -> str:
     raise AssertionError("unreachable")
 
 
+SLOT_FILE = re.compile(r".+-[0-9a-f]{10}\.slot[01]")
+"""A slot file's name as `slot_files` makes it (a user's `x.slot0` in a state dir is not one)."""
+
+
 def slot_files(name: str) -> list[str]:
     """The two slot files of buffer `name`."""
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:64]
@@ -824,7 +828,7 @@ class SSDStore:
             os.replace(prev, main)
             self.recovered = f"{why.rstrip('.')}: resumed from {PREVIOUS} (step {d['step']})"
             return d
-        slots = sorted(p.name for p in self.dir.glob("*.slot[01]"))
+        slots = sorted(p.name for p in self.dir.iterdir() if SLOT_FILE.fullmatch(p.name))
         if slots or main.exists():
             raise TensorstowError(
                 f"SSD store {self.dir} holds {len(slots)} store files but no valid manifest ({why}): its committed "
