@@ -161,7 +161,8 @@ def survey(state_dir) -> str:
         return "new"
     if not d.is_dir():
         return "foreign"
-    if (d / MARK).is_file():
+    names = [p.name for p in d.iterdir()]  # first: a claim under way writes its mark before anything else
+    if MARK in names:
         try:
             if json.loads((d / MARK).read_text()).get("format") == MARK_FORMAT:
                 return "state"
@@ -170,7 +171,7 @@ def survey(state_dir) -> str:
         return "foreign"
     if _store_manifest(d):
         return "state"
-    return "new" if all(_own_temporary(p.name) for p in d.iterdir()) else "foreign"
+    return "new" if all(_own_temporary(n) for n in names) else "foreign"
 
 
 def _refuse_foreign(d: Path, verb: str) -> TensorstowError:
@@ -192,8 +193,8 @@ def owned_files(d: Path) -> list[Path]:
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
     try:  # the slots of the plan's buffers, for a store whose manifests are all damaged
-        names.update(f for b in json.loads((d / PLAN).read_text())["buffers"] for f in ssd.slot_files(b))
-        names.update(ssd.slot_files(n) for n in (RNG, AMP))
+        buffers = [*json.loads((d / PLAN).read_text())["buffers"], RNG, AMP]
+        names.update(f for b in buffers for f in ssd.slot_files(b))
     except (OSError, ValueError, KeyError, TypeError):
         pass
     return sorted(p for p in d.iterdir() if p.is_file() and (p.name in names or _own_temporary(p.name)))

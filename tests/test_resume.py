@@ -412,3 +412,22 @@ def test_evaluate_reads_a_read_only_state_dir(base, at4, tmp_path, monkeypatch, 
     assert capsys.readouterr().out.startswith("step 4: eval loss ")
     monkeypatch.undo()
     assert snapshot(w) == before
+
+
+def test_a_token_file_is_the_same_data_for_a_longer_run_and_other_data_once_edited(tmp_path):
+    """A token file's identity is the prefix a run reads: a longer run of the same file is the same
+    data; an edit inside the recorded run's prefix is other data, one past it is not."""
+    import numpy as np
+    from tensorstow.executor.run import _token_data
+    path = tmp_path / "train.npy"
+    tokens = np.arange(400, dtype=np.int64) % 97
+    np.save(path, tokens)
+    recorded = _token_data(str(path), 100, 97).record
+    assert _token_data(str(path), 300, 97).same(recorded)
+    tokens[150] += 1  # past what the recorded run read
+    np.save(path, tokens)
+    assert _token_data(str(path), 300, 97).same(recorded)
+    tokens[50] += 1
+    np.save(path, tokens)
+    assert not _token_data(str(path), 300, 97).same(recorded)
+    assert not _token_data("synthetic", 300, 97).same(recorded)
