@@ -39,6 +39,12 @@ def test_plan_takes_the_recipe_and_records_its_execute_table(tmp_path, capsys):
         ("gpt-tiny", "lohan-rtx4090", "zero-infinity", "fp32", 32, 2_000_000, 1e-3)
     assert o["batch"] == 4  # the flag overrides the recipe
     assert pj["run"] == {"steps": 3, "lr_scheduler": "cosine", "warmup_steps": 1}
+    # `diff` names a recorded run option that differs (it called such plans identical)
+    other = write(tmp_path / "r2.toml", RECIPE.replace("steps = 3", "steps = 5"))
+    assert main(["plan", "--config", other, "--batch", "4", "-o", str(tmp_path / "p2.json")]) == 0
+    capsys.readouterr()
+    assert main(["diff", str(tmp_path / "p.json"), str(tmp_path / "p2.json")]) == 1
+    assert capsys.readouterr().out.strip() == "run option steps: 3 -> 5"
 
 
 def test_execute_runs_the_plans_recipe_and_flags_override_it(tmp_path, capsys):
