@@ -137,6 +137,8 @@ def differences(old: dict, new: dict, data: DataId, eval_data: DataId | None) ->
                     out[k] = f"{describe(a)} -> {describe(b)}"
             elif k == "steps" and not {old.get("lr_scheduler"), new.get("lr_scheduler")} & SPANNING:
                 continue  # a rate that does not depend on the run's length: a longer run is the same run
+            elif k == "seed" and None in (a, b):
+                continue  # the seed orders nothing on one side (file order, a token file): shuffle says it
             elif a != b:
                 out[k] = f"{a} -> {b}"
     return out
