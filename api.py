@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from tensorstow.executor.runtime import Executor
 from tensorstow.planner.plan import make_plan
-from tensorstow.planner.problem import PlanResult
+from tensorstow.planner.result import PlanResult
 from tensorstow.schema.options import asked, from_asked
 from tensorstow.schema.plan import Plan
 

@@ -26,7 +26,7 @@ from tensorstow.schema.schedule import TIERS
 
 
 def _fmt(n: float) -> str:
-    from tensorstow.planner.problem import fmt_bytes
+    from tensorstow.planner.result import fmt_bytes
     return fmt_bytes(n)
 
 
@@ -40,9 +40,9 @@ def load_plan(path: str):
 
 def state_disk_bytes(plan) -> int:
     """Disk the plan's state dir takes: two preallocated slots of every buffer its store keeps
-    (`executor.state.store_sizes`), each rounded up to the store's page."""
+    (`executor.statedir.store_sizes`), each rounded up to the store's page."""
     from tensorstow.executor.aio import round_up
-    from tensorstow.executor.state import store_sizes
+    from tensorstow.executor.statedir import store_sizes
     return sum(2 * round_up(n) for n in store_sizes(plan).values())
 
 

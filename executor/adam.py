@@ -20,24 +20,11 @@ memory; when it cannot be built, a torch fallback runs a torch step, then `out16
   torch's in the last bit (tests: rtol 2**-22); the fallback runs torch's fused kernel
   (`torch._fused_adamw_`, what `AdamW(fused=True)` runs), equally close.
 
-Why a kernel and not torch's fused AdamW + a separate cast: benchmarks/bench_adam.py on the
-2-core VM (AMD EPYC, AVX2, no GPU, torch 2.13 CPU, 2 threads; benchmarks/RESULTS.md "CPU Adam"), same tensors,
-interleaved, best of 25 rounds, Mparam/s:
-
-                          16 M params          64 M params
-                        glibc   jemalloc     glibc   jemalloc
-    fused + bf16 copy_   1149      606        1108     1207
-    kernel + bf16        1428      874        1430     1353      1.24x  1.44x  1.29x  1.12x
-    fused + fp16 copy_   1184      649        1216     1132
-    kernel + fp16        1424      896        1569     1415      1.20x  1.38x  1.29x  1.25x
-    kernel, exact=True   0.54-0.69x of fused + copy_ (MKL's sqrt is compute-bound here)
-    AdamW(foreach=False) 3.9-8.2x slower than AdamW(fused=True)
-
-Absolute rates swing up to 2x between runs on this shared VM; the ratios held: 1.12-1.46x
-best-of (1.10-1.49x median) over a 15- and a 25-round run. The floor for a purely bandwidth-
-bound pair is 34/30 = 1.13x (fused step 28 B/param + cast 6 B vs 30 B in one pass). The
-bar for a kernel of its own, >= 1.1x on both sizes, is met, so the kernel stays; exact=True is
-not the fast path.
+Why a kernel and not torch's fused AdamW + a separate cast: one pass over memory instead of two.
+For a purely bandwidth-bound update the floor of the gain is 34/30 = 1.13x (fused step 28 B/param
++ cast 6 B vs 30 B in one pass); the kernel stays as long as it clears 1.1x on both of
+`benchmarks/bench_adam.py`'s sizes (benchmarks/RESULTS.md "CPU Adam"). exact=True is not the fast
+path.
 
 `load_kernel()` JIT-builds the kernel once (cached next to the aio engine: under
 $TENSORSTOW_CACHE, else $TORCH_EXTENSIONS_DIR/tensorstow, else ~/.cache/tensorstow); a failed

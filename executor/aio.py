@@ -78,11 +78,10 @@ def huge_empty(nbytes: int) -> torch.Tensor:
     with transparent huge pages asked for before any page is touched (`MADV_HUGEPAGE`: THP in
     `madvise` mode is the common default). For the long-lived host buffers SSD I/O moves: their
     physical pages come 2 MiB at a time, so each 1 MiB chunk the engine's workers move is a
-    handful of contiguous segments. On a 2-core CPU VM (virtio disk) O_DIRECT reads and writes into
-    4 KiB pages that malloc had recycled ran 1.0-1.3 GB/s against 2.3-2.8 into huge pages, one
-    request at a time or 16 in flight, and memory carved from the heap after eager PyTorch had run
-    was already faulted in small pages that a later `madvise` does not change
-    (benchmarks/RESULTS.md "SSD store"). The mapping is unmapped when the
+    handful of contiguous segments: a virtio request over scattered 4 KiB pages has a segment per
+    page, and memory carved from the heap after eager PyTorch has run is already faulted in small
+    pages that a later `madvise` does not change (benchmarks/RESULTS.md "Huge pages"). The mapping
+    is unmapped when the
     tensor (and every view of it) is collected. Where the platform has no `MADV_HUGEPAGE` (or no
     anonymous mmap) this is `aligned_empty`."""
     import mmap

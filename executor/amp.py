@@ -6,7 +6,7 @@ fp32) and skips the optimizer if any is inf/NaN, `update` halves the scale after
 step and doubles it after `growth_interval` clean ones. The executor does the same with the
 gradients arriving block by block: the loss tangent is the scale (d(loss*scale)/dloss), each
 backward segment's G buffer is checked for non-finite values on the device as it is made, and
-the planner makes every optimizer step wait for the last backward (planner.schedule), so the
+the planner makes every optimizer step wait for the last backward (planner.lower), so the
 skip is decided before any subgroup is updated or written back: a skipped step changes no
 master, moment or compute copy, on any tier. Adam's step count advances only on steps taken.
 """

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from tensorstow.errors import TensorstowError
-from tensorstow.executor import state
+from tensorstow.executor import statedir
 from tensorstow.executor.aio import aligned_empty
 from tensorstow.executor.ssd import SSDStore
 
@@ -56,8 +56,8 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, merge: bool = 
 
     d, out = Path(state_dir), Path(out_dir)
     ranks = sorted((p for p in d.glob("rank*") if p.is_dir() and p.name[4:].isdigit()), key=lambda p: int(p.name[4:]))
-    dirs = ranks if ranks and not (d / state.PLAN).exists() else [d]
-    described = [state.read(x) for x in dirs]
+    dirs = ranks if ranks and not (d / statedir.PLAN).exists() else [d]
+    described = [statedir.read(x) for x in dirs]
     if dirs is ranks:
         n = len(described[0][0].hardware.spec.gpus)
         if [x.name for x in ranks] != [f"rank{k}" for k in range(n)]:
@@ -68,7 +68,7 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, merge: bool = 
     def store(k: int, read_only: bool) -> SSDStore:
         plan, x = described[k][0], dirs[k]
         gpu = f"gpu{x.name[4:]}" if x is not d else None
-        return SSDStore(x, state.store_sizes(plan, gpu), owner=state.fingerprint(plan), read_only=read_only)
+        return SSDStore(x, statedir.store_sizes(plan, gpu), owner=statedir.fingerprint(plan), read_only=read_only)
 
     stores, tmp = [], None
     try:
@@ -92,7 +92,7 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, merge: bool = 
         tmp.mkdir(parents=True)
         layout0 = described[0][1]
         prefix, adapter = layout0["name_prefix"], layout0.get("peft_adapter")
-        peft = json.loads((dirs[0] / state.ADAPTER_CONFIG).read_text()) if adapter else None
+        peft = json.loads((dirs[0] / statedir.ADAPTER_CONFIG).read_text()) if adapter else None
         if merge and peft is None:
             raise TensorstowError(f"export --merge: {d} trains no PEFT (LoRA) model; export it without --merge")
         shards: list[dict[str, torch.Tensor]] = [{}]
@@ -117,11 +117,11 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, merge: bool = 
             if len(shards) > 1:
                 raise TensorstowError("export: the adapter is larger than --shard-size; raise it")
             save_file(shards[0], str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
-            shutil.copyfile(dirs[0] / state.ADAPTER_CONFIG, tmp / "adapter_config.json")
+            shutil.copyfile(dirs[0] / statedir.ADAPTER_CONFIG, tmp / "adapter_config.json")
         else:
             total = _finish(shards, sizes, tmp, save_file)
-            if (dirs[0] / state.CONFIG).exists():
-                shutil.copyfile(dirs[0] / state.CONFIG, tmp / "config.json")
+            if (dirs[0] / statedir.CONFIG).exists():
+                shutil.copyfile(dirs[0] / statedir.CONFIG, tmp / "config.json")
         _give_new_file_mode(tmp)
         if out.exists():
             out.rmdir()

@@ -2,9 +2,8 @@
 
 A plan whose step is device work only (every buffer resident on the GPU, the optimizer there)
 leaves the host nothing to do between kernels but launch them, and launching is what limits
-such a step: per instruction the executor's bookkeeping, per op PyTorch's dispatch (an
-all-resident gpt3-125m step on an H100 took 1.5-2.3x eager's, the GPU idle while the host
-caught up; benchmarks/RESULTS.md "On a GPU"). The schedule is static, so after `WARMUP` eager
+such a step: per instruction the executor's bookkeeping, per op PyTorch's dispatch, the GPU idle
+while the host catches up (benchmarks/RESULTS.md "On a GPU"). The schedule is static, so after `WARMUP` eager
 steps the executor records one step's device work into a graph and from then on launches
 the whole step with one call.
 

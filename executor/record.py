@@ -196,7 +196,7 @@ def read(d: Path) -> dict | None:
 
 
 def _write(path: Path, rec) -> None:
-    from tensorstow.executor.state import write_atomic
+    from tensorstow.executor.statedir import write_atomic
     write_atomic(path, json.dumps(rec, indent=1, sort_keys=True) + "\n")
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tensorstow.errors import Interrupted, TensorstowError
-from tensorstow.executor import graphs, record, state
+from tensorstow.executor import graphs, record, statedir
 from tensorstow.executor.cuda import hardware_differences, resolve_device
 from tensorstow.executor.data import batches, tokens
 from tensorstow.executor.distributed import (LOST, TIMEOUT_S, Comm, agree_on_step, launch, peer_lost, rank_cores,
@@ -75,10 +75,10 @@ def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, 
         if state_dir is not None:
             where = state_dir if comm is None else rank_dir(state_dir, rank)
             if run.restart:
-                state.clear(where)
-            d, owner = state.claim(where, plan)
-            store = closing.enter_context(SSDStore(d, state.store_sizes(plan, None if comm is None else gpu_tier(rank)),
-                                                   owner=state.fingerprint(owner), shared=True))
+                statedir.clear(where)
+            d, owner = statedir.claim(where, plan)
+            store = closing.enter_context(SSDStore(d, statedir.store_sizes(plan, None if comm is None else gpu_tier(rank)),
+                                                   owner=statedir.fingerprint(owner), shared=True))
             if comm is not None:
                 agree_on_step(store, comm)
             resume = store.committed_step() is not None
@@ -162,13 +162,13 @@ def evaluate_state(plan: Plan, run: Run, *, out=None) -> dict:
     if run.state_dir is None or run.eval_data is None:
         raise TensorstowError("evaluate needs --state-dir DIR (of tensorstow execute) and --data F")
     d = Path(run.state_dir)
-    if not (d / state.PLAN).is_file():
-        raise TensorstowError(f"{d} is not a tensorstow state dir (no {state.PLAN}); pass the --state-dir "
+    if not (d / statedir.PLAN).is_file():
+        raise TensorstowError(f"{d} is not a tensorstow state dir (no {statedir.PLAN}); pass the --state-dir "
                               f"of a tensorstow execute run")
-    owner = state.held(d, plan)  # the plan it trains
+    owner = statedir.held(d, plan)  # the plan it trains
     model, init = build_for_execution(resolve_model(plan.options.model, plan.options.lora), run.seed)
     # read-only: an evaluation changes nothing in the state dir, which may be read-only to it
-    with SSDStore(d, state.store_sizes(plan), owner=state.fingerprint(owner), read_only=True) as store:
+    with SSDStore(d, statedir.store_sizes(plan), owner=statedir.fingerprint(owner), read_only=True) as store:
         step = store.committed_step()
         if step is None:
             raise TensorstowError(f"state dir {d} holds no committed step yet")
@@ -501,20 +501,18 @@ def predicted_eval(plan: Plan, mode: str) -> float:
 OVERLAP_MIN_COMPUTE_S = 1.5e-3
 """On CUDA, `auto` runs a plan that moves state only through DRAM in overlap mode where its
 computations' median predicted time is at least this: below it the lanes' threads slow the host
-that launches the kernels more than the overlap hides (H200, DRAM-offloaded lohan plans,
-overlap / sync step: gpt3-125m, median 0.70 ms, 0.93-1.13x; gpt3-350m, 0.91 ms, 1.02x; gpt3-1.3b,
-2.29 ms, 0.78x; benchmarks/RESULTS.md "On a GPU")."""
+that launches the kernels more than the overlap hides (benchmarks/RESULTS.md "On a GPU")."""
 
 
 def pick_mode(mode: str, plan: Plan | None = None) -> str:
     """`auto`: overlap where the lanes have engines of their own and the plan has work for them to
-    hide. On CUDA: overlap for a plan with SSD traffic (H100: 0.79-0.92x sync's step); for one that
-    moves state only through DRAM where its computations are long enough that the host keeps ahead
-    of the GPU (`OVERLAP_MIN_COMPUTE_S`); sync otherwise (all-resident plans hide nothing: 0.96-1.53x).
-    On a CPU device tier: overlap where the compute threads leave a core for the other lanes (the
-    executor pins them apart: `runtime.lane_cores`); sync where the compute takes every core, as
-    the lanes would then take cores from it (gpt-small, 2 threads on 2 cores: sync 0.30 s, overlap
-    0.38 s; 1 thread, an SSD-bound plan: sync 0.42 s, overlap 0.24 s)."""
+    hide. On CUDA: overlap for a plan with SSD traffic; for one that moves state only through DRAM
+    where its computations are long enough that the host keeps ahead of the GPU
+    (`OVERLAP_MIN_COMPUTE_S`); sync otherwise (an all-resident plan hides nothing). On a CPU device
+    tier: overlap where the compute threads leave a core for the other lanes (the executor pins
+    them apart: `runtime.lane_cores`); sync where the compute takes every core, as the lanes would
+    then take cores from it. The measurements behind each rule: benchmarks/RESULTS.md "Sync or
+    overlap"."""
     if mode != "auto":
         return mode
     device = resolve_device(None)

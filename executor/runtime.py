@@ -2,7 +2,7 @@
 
 `Executor(plan, model)` compiles the plan against the model (`executor.program`: re-traces it,
 refuses a plan whose fingerprint differs, builds the runtime tables), opens its tiers, places
-every buffer on its home tier (`executor.homes`: parameters from the model, Adam states zero, or
+every buffer on its home tier (`executor.training`: parameters from the model, Adam states zero, or
 a resumed checkpoint) and then, per `step(idx, targets)`, runs the plan's instructions, one
 handler per kind (`HANDLERS`):
 
@@ -56,13 +56,13 @@ from tensorstow.executor.amp import LossScaler, distinct
 from tensorstow.executor.cuda import cap_allocator, check_device, lanes_for, out_of_memory, resolve_device
 from tensorstow.executor.device_ops import check_portable, targets_for
 from tensorstow.executor.graphs import Graphs
-from tensorstow.executor.homes import Homes
+from tensorstow.executor.training import TrainingState
 from tensorstow.executor.lr import LRSchedule
 from tensorstow.executor.malloc import give_back_free_heap, tune as tune_malloc
 from tensorstow.executor.program import Program
 from tensorstow.executor.ssd import SSDStore
-from tensorstow.executor import state
-from tensorstow.executor.state import rng_bytes, set_rng
+from tensorstow.executor import statedir
+from tensorstow.executor.statedir import rng_bytes, set_rng
 from tensorstow.executor.stores import DeviceMemoryError, DeviceTier, HostCopy, HostPool, HostTier, RoomWait, SSDTier
 from tensorstow.ir.hf import wrap
 from tensorstow.ir.models import build_for_execution, resolve_model
@@ -111,8 +111,7 @@ def pin_off_compute(cores: tuple[set[int], set[int]]) -> dict[int, set[int]]:
     lanes' cores; returns {thread id: its affinity before} for `unpin`. `lane_cores` pins the lanes
     themselves, but the threads that work for them were mostly started elsewhere (the checksum
     and sync pools and the aio engine's workers: by the store, in the main thread), so they could
-    run on -- and take -- the compute lane's core: gpt-small's SSD plan stepped 2-4% faster with
-    them moved off it in 2 of 3 alternating runs (benchmarks/RESULTS.md "Host memory and threads")."""
+    run on -- and take -- the compute lane's core (benchmarks/RESULTS.md "Host memory and threads")."""
     others, compute = cores
     main = threading.main_thread().native_id
     before: dict[int, set[int]] = {}
@@ -217,7 +216,7 @@ class Executor:
         `device_budget`: bytes the device tier may hold (default: the plan's GPU capacity).
         `traced`: a trace of this very model (`ir.trace.trace` with the plan's batch, seq and
         precision) to skip re-tracing; it is checked against the plan's fingerprint and the
-        model's parameters like a fresh trace. A store made with `executor.state.store_sizes`
+        model's parameters like a fresh trace. A store made with `executor.statedir.store_sizes`
         is a full checkpoint: every `checkpoint_every` steps the state that lives off SSD and the
         random generator are written too, and resuming needs nothing else. `init_values`: an
         iterator of (name, value) of the parameters in parameter order, or a mapping name ->
@@ -270,8 +269,8 @@ class Executor:
             if comm is not None:
                 raise TensorstowError("state_dir= keeps one process's state: a multi-GPU plan's ranks each pass "
                                       "ssd_store= (tensorstow execute --state-dir does)")
-            self.state_dir, owner = state.claim(state_dir, prog.plan)
-            ssd_store = SSDStore(self.state_dir, state.store_sizes(prog.plan), owner=state.fingerprint(owner),
+            self.state_dir, owner = statedir.claim(state_dir, prog.plan)
+            ssd_store = SSDStore(self.state_dir, statedir.store_sizes(prog.plan), owner=statedir.fingerprint(owner),
                                  shared=True)
         try:
             self._init(model, device, device_budget, ssd_store, lr_schedule, total_steps, resume, init_values,
@@ -308,8 +307,8 @@ class Executor:
         """The last step's global gradient norm (clip_grad_norm_'s total_norm, before clipping;
         fp16-mixed: of the unscaled gradients; with microbatches, of their sum); None before
         the first step, and for plans on several processes (not computed yet)."""
-        self.state = Homes(prog, self.dev, self.host, self.ssd, self.scaler)
-        """The training state between steps: homes, checkpoints, resume (executor.homes)."""
+        self.state = TrainingState(prog, self.dev, self.host, self.ssd, self.scaler)
+        """The training state between steps: homes, checkpoints, resume (executor.training)."""
         self.steps_done = 0
         self.opt_steps = 0
         """Optimizer updates taken: Adam's step count (fewer than steps_done when fp16 loss
@@ -357,7 +356,7 @@ class Executor:
         if hasattr(inner, "peft_config") and hasattr(inner, "active_adapter"):  # a PEFT model: its adapter's config
             name = inner.active_adapter if isinstance(inner.active_adapter, str) else inner.active_adapter[0]
             peft = (name, inner.peft_config[name].to_dict())
-        state.write_description(Path(d), layouts, names, self.frozen, "model." if hf else "",
+        statedir.write_description(Path(d), layouts, names, self.frozen, "model." if hf else "",
                                 model.model.config if hf else None, peft)
 
 

@@ -73,7 +73,7 @@ def _manifest_sum(content: dict) -> int:
 _crc_pool = ThreadPoolExecutor(max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="tensorstow-crc")
 OWN_FILE = re.compile(r"(MANIFEST|MANIFEST\.tmp|MANIFEST\.prev|MANIFEST\.damaged|LOCK|\.direct-probe|.+\.slot[01]|"
                       r"(plan|layout|config|adapter_config)\.json(\.tmp)?)")
-"""The store's files, and the state dir's description of them (executor/state.py)."""
+"""The store's files, and the state dir's description of them (executor/statedir.py)."""
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -259,14 +259,14 @@ class SSDStore:
                  shared: bool = False):
         self.dir = Path(dir)
         self.shared = shared
-        """The directory is a state dir (executor/state.py), which tensorstow has vetted and which may
+        """The directory is a state dir (executor/statedir.py), which tensorstow has vetted and which may
         hold the user's own files too; else the store wants an empty one to create itself in."""
         self.read_only = read_only
         """Open an existing store to read its committed state only (export, evaluate): nothing in
         the directory is created or changed, so it may be read-only for this user; writes,
         commits and rollbacks are refused."""
         self.owner = owner
-        """What the store holds the state of (a plan's fingerprint, `executor.state.fingerprint`),
+        """What the store holds the state of (a plan's fingerprint, `executor.statedir.fingerprint`),
         recorded in the manifest: a store of another owner is refused. None: any (an older store's,
         or a caller that does not say)."""
         self.verify = verify

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 
 from tensorstow.planner.cost import BlockProfile
-from tensorstow.planner.schedule import Emitter, buffers_for, write_new
+from tensorstow.planner.lower import Emitter, buffers_for, write_new
 from tensorstow.schema.schedule import PER_MICRO, Buffer, BufferKind, Decisions, Instr, buffer_kind, home_tiers
 
 

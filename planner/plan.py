@@ -10,7 +10,8 @@ import dataclasses
 
 from tensorstow.errors import TensorstowError
 from tensorstow.planner.policies import HEURISTICS, ilp, lohan, mobius, planned
-from tensorstow.planner.problem import PlanResult, Problem, build_problem, infeasible_message
+from tensorstow.planner.problem import Problem, build_problem
+from tensorstow.planner.result import PlanResult, infeasible_message
 from tensorstow.schema.hardware import Hardware
 from tensorstow.schema.options import Options
 
@@ -72,7 +73,7 @@ ARENA_TRIES = 6
 def arena_bytes(plan: PlanResult) -> int:
     """DRAM the executor processes of the plan allocate up front: each one's arena for overlap mode
     (at least sync mode's), all of them on the one host."""
-    return sum(p.overlap for p in plan.pools().values())
+    return sum(p.overlap for p in plan.pools.values())
 
 
 def make_plan(options: Options, hw: Hardware, model=None) -> PlanResult:

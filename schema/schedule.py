@@ -191,13 +191,13 @@ class Decisions:
     """fp32: a CPU-updated block's parameters, read SSD -> DRAM -> GPU for its backward, keep the
     DRAM copy until the update instead of reading it from SSD again after the backward (one SSD
     read less per block and step, for that copy's DRAM from the backward's load to the update).
-    `planner.problem.schedule` sets it where the plan still fits and is not slower."""
+    `planner.passes.schedule` sets it where the plan still fits and is not slower."""
     ssd_reads_first: bool = False
     """The SSD reads a computation waits for (parameters, activations) go on `ssd.first`, which
     the executor's store runs ahead of queued writes and the simulator lets pause the write in
     progress; the update pipeline's reads stay on `ssd.read`, in order with the writes, each after
     the `ssd.first` read emitted before it. Off: every SSD read on `ssd.read`, in program order.
-    `planner.problem.schedule` sets it where the plan still fits (a read that keeps pausing writes
+    `planner.passes.schedule` sets it where the plan still fits (a read that keeps pausing writes
     delays the DRAM those writes free)."""
     deferred_writes: tuple[str, ...] = ()
     """Blocks whose update's write-backs to SSD run at the start of the next step instead of
@@ -206,7 +206,7 @@ class Decisions:
     forwards and its first forward takes P from that DRAM copy instead of reading it from SSD.
     The step's state is then whole on SSD only once those writes are done: a `commit`
     instruction there commits the previous step, and every update and SSD write of this step
-    waits for it. One GPU, CPU updates; `planner.problem.defer_writes` sets it for the blocks
+    waits for it. One GPU, CPU updates; `planner.passes.defer_writes` sets it for the blocks
     updated last where the plan still fits and is faster."""
     host_reserved: int = 0
     """DRAM bytes the system a policy models holds all step besides the plan's buffers, counted in
@@ -229,7 +229,7 @@ class Decisions:
     device_reserved: int = 0
     """Bytes each GPU holds all step besides the plan's buffers: the step's inputs (token ids,
     targets, the loss tangent) of every microbatch, which the executor puts on the device when the
-    step starts. Set by `planner.problem.schedule`."""
+    step starts. Set by `planner.passes.schedule`."""
 
     def __post_init__(self):
         freeze(self)

@@ -35,7 +35,7 @@ def test_every_policy_fits_or_says_why_with_numbers():
         for tier, pts in pl.sim.timeline.items():  # the simulator's own accounting never goes negative
             assert min(v for _, v in pts) >= 0
         if not pl.fits:
-            from tensorstow.planner.problem import infeasible_message
+            from tensorstow.planner.result import infeasible_message
             msg = infeasible_message(pl, pl.over_capacity())
             assert "needs" in msg and "capacity" in msg and ("MB" in msg or "KB" in msg)
 

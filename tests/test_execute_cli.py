@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tensorstow.executor.state import store_sizes
+from tensorstow.executor.statedir import store_sizes
 from tensorstow.executor.ssd import SSDStore
 from tensorstow.cli import main
 

@@ -33,7 +33,8 @@ from tensorstow.ir.trace import trace
 from tensorstow.planner.presets import load_hardware
 from tensorstow.schema.options import Options
 from tensorstow.planner.plan import make_plan, POLICIES
-from tensorstow.planner.problem import build_problem, schedule
+from tensorstow.planner.passes import schedule
+from tensorstow.planner.problem import build_problem
 from tensorstow.schema.schedule import BlockDecision, Decisions
 
 B, T, STEPS = 2, 32, 3
@@ -390,7 +391,7 @@ def test_a_resumed_run_continues_the_schedule(tmp_path):
     transformers = pytest.importorskip("transformers")
     from tensorstow.executor.lr import LRSchedule
     from tensorstow.executor.ssd import SSDStore
-    from tensorstow.executor.state import store_sizes
+    from tensorstow.executor.statedir import store_sizes
     plan = get_plan("zero-infinity")
     data = list(batches("synthetic", B, T, VOCAB, 6, seed=0))
     sched = LRSchedule("cosine", 1e-3, 2, 6)
@@ -688,7 +689,7 @@ def test_fp16_loss_scaler_state_is_checkpointed_and_resumed(tmp_path):
     steps on both sides) ends bit-identical to the uninterrupted run, loss scale included; a
     store with no room for the scaler trains, and refuses to resume with the fix named."""
     from tensorstow.executor.ssd import SSDStore
-    from tensorstow.executor.state import store_sizes
+    from tensorstow.executor.statedir import store_sizes
     o = Options(model="gpt-tiny", hardware="lohan-rtx4090", policy="lohan", batch=B, seq=T, precision="fp16-mixed",
                 lr=1e-3, exact_optimizer=True, init_scale=2.0 ** 20, growth_interval=2)
     plan = make_plan(o, load_hardware(o.hardware)).to_plan()
@@ -1031,7 +1032,7 @@ def test_the_measured_ssd_lane_includes_the_stores_early_syncs(tmp_path):
     simulator prices that flush with the write, on the SSD): the executor's measured SSD lane
     counts those syncs, and the run trains as one without them does."""
     from tensorstow.executor.ssd import SSDStore
-    from tensorstow.executor.state import store_sizes
+    from tensorstow.executor.statedir import store_sizes
     from tensorstow.schema.schedule import resource_of
     plan = get_plan("zero-infinity")
     data = list(batches("synthetic", B, T, VOCAB, 2, seed=0))
@@ -1088,7 +1089,7 @@ def test_a_steps_own_swaps_to_ssd_are_not_synced_and_it_still_trains_like_eager(
     them (the cost model prices their writes without the flush), while P and the Adam states are
     synced as before; the run equals eager PyTorch."""
     from tensorstow.executor.ssd import SSDStore
-    from tensorstow.executor.state import store_sizes
+    from tensorstow.executor.statedir import store_sizes
     from tensorstow.schema.plan import as_plan
     plan = get_plan("interleaved")
     p = as_plan(plan)

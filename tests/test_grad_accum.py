@@ -14,7 +14,7 @@ from tensorstow.executor.runtime import Executor
 from tensorstow.ir.models import GPT, PRESETS
 from tensorstow.planner.plan import make_plan
 from tensorstow.planner.presets import load_hardware
-from tensorstow.planner import problem as problem_module
+from tensorstow.planner import passes
 from tensorstow.schema.options import Options
 from tests.oracle import train_eager
 
@@ -42,8 +42,8 @@ def options(policy: str, precision: str = "fp32", gpu_mem: int = 1_000_000, **kw
 def plan_on(tier: str, o: Options, monkeypatch) -> dict:
     """`o.policy`'s plan with every accumulated gradient on `tier` (the planner's other choices
     made for that tier)."""
-    every = problem_module.accumulating
-    monkeypatch.setattr(problem_module, "accumulating", lambda p, d: [
+    every = passes.accumulating
+    monkeypatch.setattr(passes, "accumulating", lambda p, d: [
         c for c in every(p, d) if {x.accum for x in c.blocks.values()} == {tier}])
     r = make_plan(o, load_hardware(o.hardware).with_overrides(gpu_mem=o.gpu_mem))
     monkeypatch.undo()

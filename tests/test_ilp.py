@@ -89,7 +89,7 @@ def test_the_block_updated_last_takes_a_dram_home_when_the_replay_shows_its_tail
     block already lives in DRAM."""
     import dataclasses
 
-    from tensorstow.planner.problem import schedule
+    from tensorstow.planner.passes import schedule
     from tensorstow.planner.policies import lohan
     hw = load_hardware("lohan-rtx4090")  # a slow device (compute-bound) and a sync per write: a tail
     hw = dataclasses.replace(hw, ssd=dataclasses.replace(hw.ssd, flush_bw=2e9),
@@ -120,7 +120,7 @@ def test_ssd_homes_move_into_the_dram_the_plan_leaves_free_where_the_replay_is_n
     DRAM has no room; with room for everything every home is DRAM."""
     import dataclasses
 
-    from tensorstow.planner.problem import schedule
+    from tensorstow.planner.passes import schedule
     from tensorstow.planner.policies import lohan
     base_hw = load_hardware("lohan-rtx4090")
 

@@ -1,4 +1,4 @@
-"""Mobius' solvers (planner/mobius.py): the MIP partition against exhaustive enumeration of every
+"""Mobius' solvers (planner/partition.py): the MIP partition against exhaustive enumeration of every
 partition under the same timing model, and the cross mapping on the paper's topologies."""
 import dataclasses
 import itertools
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tensorstow.planner.mobius import StageProblem, cross_mapping, makespan, partition, sequential_mapping
+from tensorstow.planner.partition import StageProblem, cross_mapping, makespan, partition, sequential_mapping
 
 
 def instance(seed: int, layers: int = 5, gpus: int = 2, microbatches: int = 2) -> StageProblem:

@@ -102,8 +102,8 @@ def test_pipelines_on_n_processes_train_bit_identically_to_eager(gpus, policy, t
     if (gpus, policy) == (2, "mobius"):
         # rank 1 one commit behind (a kill between the ranks' commits): export takes the step both
         # ranks hold, rolling rank 0 back, and gives eager's weights after 2 steps
-        from tensorstow.executor import state
-        with SSDStore(tmp_path / "state" / "rank1", state.store_sizes(plan, "gpu1")) as st:
+        from tensorstow.executor import statedir
+        with SSDStore(tmp_path / "state" / "rank1", statedir.store_sizes(plan, "gpu1")) as st:
             assert st.rollback() == 2
         assert_bit_identical(exported(tmp_path / "state", tmp_path / "again"), eager(2, pl.microbatches)[1])
 

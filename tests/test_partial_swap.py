@@ -10,7 +10,8 @@ import pytest
 from tensorstow.planner.presets import load_hardware
 from tensorstow.schema.options import Options
 from tensorstow.planner.plan import plan_problem
-from tensorstow.planner.problem import build_problem, schedule
+from tensorstow.planner.passes import schedule
+from tensorstow.planner.problem import build_problem
 from tensorstow.planner.policies import lohan
 from tensorstow.schema.schedule import BlockDecision, Decisions
 

@@ -12,7 +12,8 @@ from tensorstow.schema.hardware import CPU_GPU_NAME, GPU
 from tensorstow.planner.presets import load_hardware
 from tensorstow.schema.options import Options
 from tensorstow.planner.plan import make_plan, policy_plan
-from tensorstow.planner.problem import build_problem, schedule
+from tensorstow.planner.passes import schedule
+from tensorstow.planner.problem import build_problem
 from tensorstow.calibrate import hardware_for
 from tensorstow.planner.policies import mobius
 from tensorstow.schema.schedule import Pipeline

@@ -9,7 +9,8 @@ from tensorstow.schema.hardware import Hardware
 from tensorstow.planner.presets import load_hardware
 from tensorstow.schema.options import Options
 from tensorstow.planner.plan import make_plan
-from tensorstow.planner.problem import build_problem, schedule
+from tensorstow.planner.passes import schedule
+from tensorstow.planner.problem import build_problem
 from tensorstow.planner.policies import all_gpu, zero_infinity
 from tensorstow.schema.schedule import Instr
 from tensorstow.schema.plan import Plan
@@ -416,7 +417,7 @@ def test_memory_fences_change_no_start_or_end_of_the_replay(policy):
     """A plan's memory fences come from its replay and are checked against it once the policy has
     chosen (`check_fences`, in every `planned`); the check fails where the replay it is checked
     against differs (here the first instruction took longer)."""
-    from tensorstow.planner.problem import check_fences
+    from tensorstow.planner.passes import check_fences
     r = make_plan(tiny_options(policy=policy, gpu_mem=2_000_000),
                   load_hardware("lohan-rtx4090").with_overrides(gpu_mem=2_000_000))
     assert any(i.deps for i in r.instructions)

@@ -6,7 +6,8 @@ import pytest
 
 from tensorstow.planner.presets import load_hardware
 from tensorstow.schema.options import Options
-from tensorstow.planner.problem import build_problem, schedule
+from tensorstow.planner.passes import schedule
+from tensorstow.planner.problem import build_problem
 from tensorstow.planner.policies import lohan, zero_infinity
 
 GB = 10**9
@@ -45,7 +46,7 @@ def test_swapped_layers_spread_over_the_depth_and_overlap_their_transfers():
     both swapping the same number of layers back to back and swapping none."""
     import dataclasses
 
-    from tensorstow.planner.problem import schedule
+    from tensorstow.planner.passes import schedule
     p = problem("gpt3-13b", "lohan-rtx4090", 32)
     s = lohan._Search(p)
     k = 21

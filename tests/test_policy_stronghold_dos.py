@@ -10,7 +10,8 @@ from hypothesis import given, settings, strategies as st
 from tensorstow.planner import cost
 from tensorstow.planner.presets import load_hardware, preset_names
 from tensorstow.schema.options import Options
-from tensorstow.planner.problem import build_problem, schedule
+from tensorstow.planner.passes import schedule
+from tensorstow.planner.problem import build_problem
 from tensorstow.planner.policies import all_gpu, dos, stronghold
 
 TINY_GPU = 2_000_000

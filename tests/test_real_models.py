@@ -32,7 +32,8 @@ from tensorstow.cli import main  # noqa: E402
 from tensorstow.planner.presets import load_hardware
 from tensorstow.schema.options import Options
 from tensorstow.planner.plan import plan_problem
-from tensorstow.planner.problem import build_problem, schedule
+from tensorstow.planner.passes import schedule
+from tensorstow.planner.problem import build_problem
 from tensorstow.schema.schedule import BlockDecision, Decisions
 from tests.fixtures import real_models  # noqa: E402
 from tests.oracle import param_groups, train_eager  # noqa: E402

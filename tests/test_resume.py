@@ -294,7 +294,7 @@ def child(point: str, at: int, argv: list[str]) -> subprocess.CompletedProcess:
 
 
 def committed(state: Path) -> int | None:
-    from tensorstow.executor import state as sd
+    from tensorstow.executor import statedir as sd
     from tensorstow.executor.ssd import SSDStore
     from tensorstow.schema.plan import Plan
     if not (state / "plan.json").exists():

@@ -86,7 +86,8 @@ def test_a_block_whose_state_is_in_dram_waits_while_the_others_speculate(tmp_pat
     import dataclasses
     from tensorstow.planner.plan import POLICIES
     from tensorstow.planner.presets import load_hardware
-    from tensorstow.planner.problem import build_problem, schedule
+    from tensorstow.planner.passes import schedule
+    from tensorstow.planner.problem import build_problem
     from tensorstow.schema.options import Options
     o = Options(model=MODEL, hardware="lohan-rtx4090", policy="lohan", batch=2, seq=16, precision="fp32", lr=1e-3,
                 exact_optimizer=True, gpu_mem=400_000, dram=1_000_000, max_grad_norm=9.3, clip_rate=0.0)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tensorstow.executor.ssd import SSDStore
-from tensorstow.executor.state import store_sizes
+from tensorstow.executor.statedir import store_sizes
 from tensorstow.cli import main
 from tensorstow.schema.plan import Plan
 
@@ -499,7 +499,7 @@ def test_claims_racing_for_one_state_dir_leave_one_plan_and_one_clear_error(plan
     import threading
 
     from tensorstow.errors import TensorstowError
-    from tensorstow.executor.state import claim
+    from tensorstow.executor.statedir import claim
     from tensorstow.schema.plan import Plan
     a, b = Plan.load(plans["stronghold"]), Plan.load(plans["zero-infinity"])
     for k in range(20):

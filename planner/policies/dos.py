@@ -30,7 +30,7 @@ import dataclasses
 import math
 
 from tensorstow.planner import cost
-from tensorstow.planner.problem import schedule
+from tensorstow.planner.passes import schedule
 from tensorstow.schema.schedule import BlockDecision, Decisions
 
 DOWNCAST_BYTES_PER_PARAM = 6

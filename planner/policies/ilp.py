@@ -1,6 +1,6 @@
 """`ilp`: one mixed-integer program over the decisions the heuristics make separately.
 
-Decision space (per block, granularity documented in planner/schedule.py): what happens to
+Decision space (per block, granularity documented in planner/lower.py): what happens to
 its saved activations A (keep / swap to DRAM / swap to SSD / recompute), where its input
 checkpoint X waits (GPU / DRAM / SSD), the home tier of its parameters P (GPU = resident,
 else streamed in per use), the home tier of its fp32 states M + OS, and the device that
@@ -36,7 +36,7 @@ incumbent faster than the MIP's plan, the incumbent is returned and the notes sa
 The drain the analytic model ignores ends the backward with the last block's update, whose P and
 states then go back home: from SSD a write-back (and its sync) after everything else. `refine_tail`
 replays giving that block DRAM homes in exchange for other blocks' and keeps the faster plan
-(gpt-small on a 2-core CPU VM: simulated 0.338 -> 0.318 s, measured 0.395 / 0.450 -> 0.363 / 0.383 s).
+(benchmarks/RESULTS.md "Write-back ordering").
 Last, `refine_homes` moves SSD homes into the DRAM the chosen plan leaves free, where that
 replays no slower: the simulator sees hidden SSD traffic as free, the machine does not.
 """
@@ -52,8 +52,9 @@ from tensorstow.ir.graph import lsum
 from tensorstow.planner import highs
 from tensorstow.planner.cost import GPU_ADAM_BYTES_PER_PARAM, BlockProfile, update_time
 from tensorstow.planner.policies import heuristic_plans
-from tensorstow.planner.problem import defer_writes, fmt_bytes, schedule
-from tensorstow.planner.schedule import swap_bytes
+from tensorstow.planner.passes import defer_writes, schedule
+from tensorstow.planner.result import fmt_bytes
+from tensorstow.planner.lower import swap_bytes
 from tensorstow.schema.schedule import ACTIVATION_CHOICES, BlockDecision, Decisions
 
 MiB = 2**20
@@ -362,9 +363,8 @@ def refine_homes(problem, pl, schedule) -> tuple:
     block's SSD traffic hidden behind the computation, so they rank its P on SSD and in DRAM
     alike, and the MIP, or the incumbent from `lohan` (whose homes are all SSD, as LoHan's are),
     may leave the DRAM idle. On the machine that traffic is not free: the store's checksums and
-    transfers stream host memory beside the computation (gpt-small on a 2-core CPU VM, 90 MB device
-    and 80 MB DRAM: compute 1.057x eager's forward + backward with its SSD lanes, 1.013x with
-    their transfers faked), and it wears the SSD. So P first (fp32, a CPU update: read for the
+    transfers stream host memory beside the computation and slow it (benchmarks/RESULTS.md "Host
+    contention on the CPU device tier"), and it wears the SSD. So P first (fp32, a CPU update: read for the
     forward and again for the backward, written back: three bytes moved a step per byte of DRAM;
     states two), blocks in backward order (the blocks updated last are the ones `defer_writes`
     keeps in DRAM across the step boundary already), as many as the free DRAM holds, bisected for

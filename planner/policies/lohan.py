@@ -47,8 +47,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from tensorstow.planner.problem import Problem, fmt_bytes, schedule
-from tensorstow.planner.schedule import swap_bytes
+from tensorstow.planner.passes import schedule
+from tensorstow.planner.problem import Problem
+from tensorstow.planner.result import fmt_bytes
+from tensorstow.planner.lower import swap_bytes
 from tensorstow.schema.schedule import BlockDecision, Decisions
 
 MAX_PREFETCH = 8
@@ -116,7 +118,7 @@ class _Search:
         self.split = split
         """Layer blocks run their backward in two parts (`BlockDecision.bwd_cut`)."""
         self.wait = wait
-        """Candidates are replayed with copies that wait for room (`problem.schedule(wait=True)`): the
+        """Candidates are replayed with copies that wait for room (`passes.schedule(wait=True)`): the
         search `plan` makes again where no candidate fits without."""
         self.home = "ssd" if problem.hw.ssd.count > 0 else "dram"
         self.ranked = by_offloading_benefit(problem, reforward)

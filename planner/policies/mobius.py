@@ -21,8 +21,8 @@ import math
 
 from tensorstow.errors import TensorstowError
 from tensorstow.planner import cost
-from tensorstow.planner.mobius import StageProblem, cross_mappings, sequential_mapping, solve_stages
-from tensorstow.planner.problem import schedule
+from tensorstow.planner.partition import StageProblem, cross_mappings, sequential_mapping, solve_stages
+from tensorstow.planner.passes import schedule
 from tensorstow.schema.schedule import BlockDecision, Decisions, Pipeline
 
 MAX_CANDIDATES = 8

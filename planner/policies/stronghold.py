@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from tensorstow.ir.graph import lsum
 from tensorstow.planner import cost
-from tensorstow.planner.problem import schedule
+from tensorstow.planner.passes import schedule
 from tensorstow.schema.schedule import BlockDecision, Decisions
 
 

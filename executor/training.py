@@ -1,9 +1,9 @@
 """The training state between steps: where every buffer with a home tier (P, C, M, OS) lives, its
 placement before the first step, the checkpoints and commits to the SSD store, and resuming from
-the last commit (executor/ssd.py holds the store's crash-consistency protocol; executor/state.py
+the last commit (executor/ssd.py holds the store's crash-consistency protocol; executor/statedir.py
 the state dir around it).
 
-A store made with `executor.state.store_sizes` is a full checkpoint: with every commit the state
+A store made with `executor.statedir.store_sizes` is a full checkpoint: with every commit the state
 that lives off SSD and the random generator are written too, and resuming needs nothing else.
 """
 from __future__ import annotations
@@ -16,12 +16,12 @@ from tensorstow.executor.aio import aligned_empty
 from tensorstow.executor.amp import AMP
 from tensorstow.executor.program import Program, model_state
 from tensorstow.executor.ssd import SSDStore
-from tensorstow.executor.state import RNG, rng_bytes, set_rng
+from tensorstow.executor.statedir import RNG, rng_bytes, set_rng
 from tensorstow.executor.stores import DeviceTier, HostCopy, HostTier, SSDTier, clone_to
 from tensorstow.schema.schedule import STATE_KINDS, BufferKind, buffer_kind
 
 
-class Homes:
+class TrainingState:
     """One process's training state across steps (the module docstring), on its tiers."""
 
     def __init__(self, program: Program, dev: DeviceTier, host: HostTier, ssd: SSDTier, scaler=None):
@@ -31,7 +31,7 @@ class Homes:
         self.program = p
         self.dev, self.host, self.ssd, self.scaler = dev, host, ssd, scaler
         self.full_checkpoint = RNG in (getattr(ssd.store, "sizes", None) or {})
-        """The store holds the whole state (`executor.state.store_sizes`), not only what lives on SSD."""
+        """The store holds the whole state (`executor.statedir.store_sizes`), not only what lives on SSD."""
 
     @property
     def commits_in_background(self) -> bool:
@@ -105,7 +105,7 @@ class Homes:
             if elsewhere:
                 raise TensorstowError(f"cannot resume: the plan keeps {', '.join(elsewhere[:4])} outside the "
                                       f"SSD tier and this store is not a full checkpoint (make it with "
-                                      f"executor.state.store_sizes, as `tensorstow execute` does)")
+                                      f"executor.statedir.store_sizes, as `tensorstow execute` does)")
         for n in sorted(self.homes):
             home = self.homes[n]
             if home == "ssd":
@@ -131,7 +131,7 @@ class Homes:
                 self.ssd.store.read(AMP, blob)
             except (KeyError, OSError, TensorstowError):
                 raise TensorstowError("cannot resume an fp16-mixed run: the store holds no loss-scaler state "
-                                      "(AMP); size it with executor.state.store_sizes(plan), as "
+                                      "(AMP); size it with executor.statedir.store_sizes(plan), as "
                                       "`tensorstow execute` does") from None
             opt_steps = self.scaler.load_state(blob)
         return opt_steps
@@ -156,7 +156,7 @@ class Homes:
 
     def write_scaler(self, opt_steps: int) -> None:
         """fp16: the loss scaler's state goes with every commit, when the store has room for it
-        (a store sized with `executor.state.store_sizes`, or a FileStore); without it the run
+        (a store sized with `executor.statedir.store_sizes`, or a FileStore); without it the run
         trains but cannot be resumed (`_resume` says so)."""
         if self.scaler is not None and self.store_takes(AMP):
             self.ssd.store.write(AMP, self.scaler.state_bytes(opt_steps))
