@@ -46,6 +46,8 @@ GROUPS = {"data": ("data", "packing"), "order": ("seed", "shuffle"), "length": (
           "schedule": ("lr_scheduler", "lr", "warmup_steps", "min_lr_ratio"),
           "eval": ("eval_data", "eval_every")}
 """`--resume-changed` groups -> the recorded inputs each accepts a change of."""
+REQUIRED = {k for keys in GROUPS.values() for k in keys} | {"schedule_steps"}
+"""The keys a run record's inputs must have."""
 SPANNING = {"linear", "cosine"}
 """Schedules whose rate at a step depends on the run's length (executor.lr)."""
 FLAGS = {"data": "--data", "packing": "--packing", "seed": "--seed", "shuffle": "--shuffle", "steps": "--steps/--epochs",
@@ -103,10 +105,10 @@ def describe(d: dict | None) -> str:
 def inputs(run, steps: int, data: DataId, eval_data: DataId | None, schedule) -> dict:
     """The record of a run's inputs: `run` (schema.run.Run), its length in optimizer steps, the
     identities of its training and held-out data, its learning-rate schedule (executor.lr)."""
-    examples, synthetic = data.record["kind"] == "examples", data.record["kind"] == "synthetic"
+    examples = data.record["kind"] == "examples"
     return {"data": data.record, "packing": run.packing if examples else None,
             "shuffle": run.shuffle if examples else None,
-            "seed": run.seed if (examples and run.shuffle) or synthetic else None, "steps": steps,
+            "seed": run.seed, "steps": steps,
             "epochs": run.epochs, "lr_scheduler": schedule.name, "lr": schedule.lr,
             "warmup_steps": schedule.warmup_steps, "min_lr_ratio": schedule.min_lr_ratio,
             "schedule_steps": schedule.total_steps, "eval_data": None if eval_data is None else eval_data.record,
@@ -137,26 +139,26 @@ def differences(old: dict, new: dict, data: DataId, eval_data: DataId | None) ->
                     out[k] = f"{describe(a)} -> {describe(b)}"
             elif k == "steps" and not {old.get("lr_scheduler"), new.get("lr_scheduler")} & SPANNING:
                 continue  # a rate that does not depend on the run's length: a longer run is the same run
-            elif k == "seed" and None in (a, b):
-                continue  # the seed orders nothing on one side (file order, a token file): shuffle says it
             elif a != b:
                 out[k] = f"{a} -> {b}"
     return out
 
 
 def settle(d: Path, new: dict, step: int | None, text: str | None, data: DataId, eval_data: DataId | None,
-           out) -> int:
+           out, write: bool = True) -> int:
     """Check a run against state dir `d`'s record (`step`: its committed step, None for a run not
-    yet begun) and write the record where the run begins or accepts a change. Returns the length
-    the learning-rate schedule spans (the recorded one, unless `schedule` is accepted)."""
+    yet begun) and, with `write`, write the record where the run begins or accepts a change.
+    Returns the length the learning-rate schedule spans (the recorded one, unless `schedule` is
+    accepted)."""
     groups = accepted(text)
     path = d / "run.json"
     old = read(d)
     if step is None or old is None:
-        if step is not None:  # a state dir of an older release: nothing to compare with
+        if step:  # trained steps, and no record: a state dir of an older release, nothing to compare with
             print(f"state dir {d} has no record of its run's inputs (an older tensorstow wrote it): recorded "
                   f"this run's; a resume from now on is checked against them", file=out)
-        _write(path, {"format": FORMAT, "version": 1, "inputs": new, "changes": []})
+        if write:
+            _write(path, {"format": FORMAT, "version": 1, "inputs": new, "changes": []})
         return new["schedule_steps"]
     diff = differences(old["inputs"], new, data, eval_data)
     refused = {k: v for k, v in diff.items() if not any(k in GROUPS[g] for g in groups)}
@@ -170,11 +172,11 @@ def settle(d: Path, new: dict, step: int | None, text: str | None, data: DataId,
     total = new["steps"] if "schedule" in groups else was["schedule_steps"]
     now = {**new, "schedule_steps": total}
     changes = old["changes"]
-    if diff:
+    if diff and write:
         print(f"resuming with changed inputs ({'; '.join(f'{FLAGS[k]} {v}' for k, v in diff.items())}), accepted "
               f"by --resume-changed {','.join(sorted(groups))}", file=out)
         changes = [*changes, {"step": step, "accepted": sorted(groups), "was": {k: was.get(k) for k in diff}}]
-    if now != was:  # also a length a constant rate does not see, or the same data elsewhere: recorded as it is now
+    if now != was and write:  # also a length a constant rate does not see, or the same data elsewhere: recorded as it is now
         _write(path, {**old, "inputs": now, "changes": changes})
     return total
 
@@ -189,7 +191,11 @@ def read(d: Path) -> dict | None:
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise TensorstowError(f"state dir {d}: {path.name} is unreadable ({e}); it was damaged: resume with "
                               f"--restart to start over") from None
-    if not isinstance(rec, dict) or rec.get("format") != FORMAT or not isinstance(rec.get("inputs"), dict):
+    inputs = rec.get("inputs") if isinstance(rec, dict) else None
+    if not isinstance(rec, dict) or rec.get("format") != FORMAT or not isinstance(inputs, dict) \
+            or not isinstance(rec.get("changes"), list) or not REQUIRED <= set(inputs) \
+            or not isinstance(inputs["data"], dict) or not isinstance(inputs["schedule_steps"], int) \
+            or not (inputs["eval_data"] is None or isinstance(inputs["eval_data"], dict)):
         raise TensorstowError(f"state dir {d}: {path.name} is not a tensorstow run record; it was damaged or "
                               f"edited: resume with --restart to start over")
     return rec
@@ -211,8 +217,9 @@ class Evals:
                 rows = json.loads(self.path.read_text())
                 self.rows = {int(r["step"]): r for r in rows if int(r["step"]) <= committed}
             except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
-                raise TensorstowError(f"state dir {d}: evals.json is unreadable ({e}); it was damaged: delete it "
-                                      f"(the evaluations it lacks are run again) or resume with --restart") from None
+                raise TensorstowError(f"state dir {d}: evals.json is unreadable ({e}); it was damaged: delete it to "
+                                      f"resume without its records (the evaluation the last committed step is owed "
+                                      f"runs again), or start over with --restart") from None
 
     def owed(self, step: int, steps: int, every: int) -> bool:
         """Whether an evaluation belongs after `step` and is not recorded."""

@@ -73,6 +73,8 @@ def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, 
                               "(a directory on the SSD; it is created if missing)")
     with contextlib.ExitStack() as closing:  # the store's directory lock is released however we leave
         if state_dir is not None:
+            if comm is not None:  # the ranks' directories go inside it: it must be new, empty or theirs
+                statedir.claim_parent(state_dir)
             where = state_dir if comm is None else rank_dir(state_dir, rank)
             if run.restart:
                 statedir.clear(where)
@@ -91,24 +93,32 @@ def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, 
             ex.describe(d, model)
         steps, feed, data = _feed(ex, plan, run, start)
         held_out, eval_data = _eval_batches(ex, plan, run) if run.eval_data is not None else (None, None)
-        schedule = _lr_schedule(plan, run, steps)
+        past = start > steps  # a shorter run than the one committed: nothing to train, nothing recorded
+        schedule = _lr_schedule(plan, run, steps, check=not past)
         if d is not None:  # the same run as the state dir's, or refused here: before any step, nothing written
             total = record.settle(d, record.inputs(run, steps, data, eval_data, schedule), store.committed_step(),
-                                  run.resume_changed, data, eval_data, out)
+                                  run.resume_changed, data, eval_data, out, write=not past)
             schedule = dataclasses.replace(schedule, total_steps=total)
+        if past:
+            print(f"state dir {state_dir} already holds step {start}, past the {steps} steps asked for: nothing to "
+                  f"train", file=out)
+            return {"steps": start, "losses": [], "evals": []}
         ex.lr_schedule = schedule
         if start:
             print(f"resuming from step {start} committed in {state_dir}"
                   + (f" ({store.recovered})" if store.recovered else ""), file=out)
         evals = record.Evals(d, start)
-        with _Log(run.log_json, out) as log:
-            if held_out and evals.owed(min(start, steps), steps, run.eval_every):  # stopped before its evaluation
-                _evaluate(ex, held_out, min(start, steps), steps, log, out, evals)
+        with _Log(run.log_json, out) as log, _StopOnInterrupt(comm is None) as stop:
+            owed = bool(held_out) and evals.owed(start, steps, run.eval_every)  # stopped before its evaluation
+            if comm is not None and held_out:  # every rank evaluates, or none: they exchange its boundaries
+                owed = any(comm.gather(int(owed)))
+            if owed:
+                _evaluate(ex, held_out, start, steps, log, out, evals)
+                stop.check(ex, start)
             if start >= steps:
                 print(f"state dir {state_dir} already holds step {start} of {steps}: nothing left to train", file=out)
                 return {"steps": start, "losses": [], "evals": list(evals.rows.values())}
-            with _StopOnInterrupt(comm is None) as stop:
-                times, losses = _train(ex, plan, feed, steps, start, log, out, held_out, run.eval_every, evals, stop)
+            times, losses = _train(ex, plan, feed, steps, start, log, out, held_out, run.eval_every, evals, stop)
         med = _report(ex, plan, mode, times, run.trace, out)
         return {"steps": steps, "losses": losses, "median_step_s": med, "peak": ex.peak_bytes,
                 "evals": list(evals.rows.values())}
@@ -216,15 +226,16 @@ def _held_out(ex: Executor, plan: Plan, run: Run) -> list:
     return [(x, y) for _, _, x, y in examples.batches(rows, n, run.seed, 0, False)]
 
 
-def _lr_schedule(plan: Plan, run: Run, steps: int) -> LRSchedule:
-    """The learning rate over the run's `steps`: each of the run's settings, else the plan's."""
+def _lr_schedule(plan: Plan, run: Run, steps: int, check: bool = True) -> LRSchedule:
+    """The learning rate over the run's `steps`: each of the run's settings, else the plan's;
+    `check`: a warmup longer than the run is refused (a run that trains)."""
     o = plan.options
 
     def pick(given, planned):
         return planned if given is None else given
     schedule = LRSchedule(pick(run.lr_scheduler, o.lr_scheduler), pick(run.lr, o.lr),
                           pick(run.warmup_steps, o.warmup_steps), steps, pick(run.min_lr_ratio, o.min_lr_ratio))
-    if schedule.warmup_steps > steps:
+    if check and schedule.warmup_steps > steps:
         raise TensorstowError(f"the warmup ({schedule.warmup_steps} optimizer steps) is longer than the run ({steps}): "
                               f"the rate would never reach its peak {schedule.lr:g}; give --warmup-steps at most "
                               f"{steps} (a few percent of the run is usual)")
@@ -339,16 +350,35 @@ class _Log:
             return
         try:
             self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o666)
-            torn = self._torn_tail()
-            if torn:
-                os.ftruncate(self.fd, os.fstat(self.fd).st_size - torn)
-                print(f"log {path}: cut a torn last record ({torn} bytes) that an interrupted run left", file=out)
+            self._mend(out)
         except OSError as e:
             self.close()
             raise TensorstowError(f"--log-json {path}: cannot open it for appending ({e.strerror or e}); pass a "
                                   f"path this user can write") from None
 
-    def _torn_tail(self) -> int:
+    def _mend(self, out) -> None:
+        """Cut a torn last record (bytes after the last newline that begin a JSON object but do not
+        parse); a whole one missing its newline gets it. Anything else there is no log of ours:
+        refused, never cut."""
+        size = os.fstat(self.fd).st_size
+        torn = self._tail()
+        if not torn:
+            return
+        tail = os.pread(self.fd, torn, size - torn)
+        try:
+            json.loads(tail)
+            os.write(self.fd, b"\n")
+            return
+        except ValueError:
+            pass
+        if not tail.lstrip().startswith(b"{"):
+            self.close()
+            raise TensorstowError(f"--log-json {self.path}: its last line is not a JSON record, so it is no log of "
+                                  f"`execute`'s; pass a new path, or that of a log execute wrote")
+        os.ftruncate(self.fd, size - torn)
+        print(f"log {self.path}: cut a torn last record ({torn} bytes) that an interrupted run left", file=out)
+
+    def _tail(self) -> int:
         """Bytes after the file's last newline."""
         size = os.fstat(self.fd).st_size
         at = size
@@ -403,17 +433,20 @@ class _StopOnInterrupt:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.enabled:
-            signal.signal(signal.SIGINT, self._before)
+        if self.enabled:  # None: a handler not installed from Python, which Python cannot restore
+            signal.signal(signal.SIGINT, signal.SIG_DFL if self._before is None else self._before)
 
     def _handle(self, signum, frame) -> None:
+        # written to the descriptor: the handler may run while the main thread is inside a write
+        # to the same stream, which a second buffered write would refuse as reentrant
         if self.asked:
-            sys.stdout.flush()
-            print("tensorstow: interrupted again: stopped at once; the last committed step stands; rerun the "
-                  "same command to resume", file=sys.stderr, flush=True)
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+            os.write(2, b"tensorstow: interrupted again: stopped at once; the last committed step stands; rerun "
+                        b"the same command to resume\n")
             os._exit(130)
         self.asked = True
-        print("tensorstow: stopping after this step (Ctrl-C again stops at once)", file=sys.stderr, flush=True)
+        os.write(2, b"tensorstow: stopping after this step (Ctrl-C again stops at once)\n")
 
     def check(self, ex: Executor, step: int) -> None:
         """Stop here, committed, if a Ctrl-C asked to."""

@@ -291,6 +291,9 @@ class SSDStore:
         """Seconds the last commit's own syncs and manifest took (in the background for wait=False;
         not the early syncs it waited for: `early_sync_s` counts those)."""
         self._lock_fd: int | None = None
+        self._recovering = False
+        """The committed state was read from MANIFEST.prev and the files still say otherwise
+        (`_settle_recovery`)."""
         self._closed = True
         self._moved = threading.Lock()
         self.bytes_read = 0
@@ -352,6 +355,7 @@ class SSDStore:
         with self._moved:
             self.bytes_written += buf.nbytes
         self._wait_durable()  # a background commit's shadow slots are the last committed state until it is durable
+        self._settle_recovery()
         with buf.io_lock:
             for op in buf.pending:  # earlier reads and writes of this buffer finish first
                 op._complete()
@@ -452,6 +456,7 @@ class SSDStore:
         self._check_writable("commit")
         with self._commit_lock:
             self._wait_durable()
+            self._settle_recovery()
             bufs = [self._bufs[k] for k in sorted(self._bufs)]
             for b in bufs:  # sorted order: the only place that holds several io_locks
                 b.io_lock.acquire()
@@ -488,6 +493,8 @@ class SSDStore:
 
     def previous_step(self) -> int | None:
         """The step of the commit before the last (None: there is none)."""
+        if self._recovering:  # MANIFEST.prev is the last commit
+            return None
         d = self._load_manifest(self.dir / PREVIOUS)
         return None if d is None else d["step"]
 
@@ -499,6 +506,7 @@ class SSDStore:
         self._check_writable("roll back")
         with self._commit_lock:
             self._wait_durable()
+            self._settle_recovery()
             if any(b.last_write is not None for b in self._bufs.values()):
                 raise TensorstowError(f"SSD store {self.dir}: cannot roll back: buffers were written "
                                       f"after the last commit")
@@ -800,6 +808,18 @@ class SSDStore:
             return False, reason
         return True, "O_DIRECT"
 
+    def _settle_recovery(self) -> None:
+        """Where the open resumed from MANIFEST.prev, make that the manifest on disk (a damaged
+        MANIFEST set aside as MANIFEST.damaged), before anything in the store changes."""
+        if not self._recovering:
+            return
+        main = self.dir / MANIFEST
+        if main.exists():
+            os.replace(main, self.dir / (MANIFEST + ".damaged"))
+        os.replace(self.dir / PREVIOUS, main)
+        self._fsync_dir()
+        self._recovering = False
+
     def _load_manifest(self, path: Path | None = None) -> dict | None:
         """The newest valid manifest: MANIFEST, else MANIFEST.prev (a crash inside a commit leaves
         only it; a damaged or deleted MANIFEST leaves it as the last readable commit: `recovered`
@@ -823,9 +843,9 @@ class SSDStore:
             if self.read_only:
                 self.recovered = f"{why.rstrip('.')}: read from {PREVIOUS} (step {d['step']})"
                 return d
-            if main.exists():
-                os.replace(main, self.dir / (MANIFEST + ".damaged"))
-            os.replace(prev, main)
+            # set right on disk by the first write, commit or rollback (`_settle_recovery`): an open
+            # that goes no further (a resume refused before any step) leaves the directory as it was
+            self._recovering = True
             self.recovered = f"{why.rstrip('.')}: resumed from {PREVIOUS} (step {d['step']})"
             return d
         slots = sorted(p.name for p in self.dir.iterdir() if SLOT_FILE.fullmatch(p.name))
@@ -868,6 +888,7 @@ class SSDStore:
         return d
 
     def _create(self, sizes: dict[str, int]) -> None:
+        self._settle_recovery()
         strangers = [] if self.shared else sorted(p.name for p in self.dir.iterdir() if not OWN_FILE.fullmatch(p.name))
         if strangers:
             raise TensorstowError(f"SSD store: {self.dir} has no {MANIFEST} but holds other files "

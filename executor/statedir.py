@@ -26,6 +26,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -134,6 +135,10 @@ dir holds only in these (and in its recorded `[execute]` table) trains the same 
 record (executor/record.py) compares them."""
 
 
+RANK_DIR = re.compile(r"rank\d+")
+"""A multi-process run's directory of one rank's state, inside its state dir."""
+
+
 def _own_temporary(name: str) -> bool:
     """A temporary of one of the state dir's or the store's files (`write_atomic`, `_create_atomic`)."""
     from tensorstow.executor.ssd import MANIFEST
@@ -152,10 +157,11 @@ def _store_manifest(d: Path) -> bool:
     return False
 
 
-def survey(state_dir) -> str:
+def survey(state_dir, ranks: bool = False) -> str:
     """What `state_dir` is: "new" (missing, or empty but for the temporaries of a claim under way),
     "state" (a state dir: its mark, or an older release's store manifest) or "foreign" (anything
-    else: a directory of the user's, which tensorstow never writes into)."""
+    else: a directory of the user's, which tensorstow never writes into). `ranks`: the directory
+    of a multi-process run, whose `rank<K>` directories its processes may be making now."""
     d = Path(state_dir)
     if not d.exists():
         return "new"
@@ -171,7 +177,7 @@ def survey(state_dir) -> str:
         return "foreign"
     if _store_manifest(d):
         return "state"
-    return "new" if all(_own_temporary(n) for n in names) else "foreign"
+    return "new" if all(_own_temporary(n) or (ranks and RANK_DIR.fullmatch(n)) for n in names) else "foreign"
 
 
 def _refuse_foreign(d: Path, verb: str) -> TensorstowError:
@@ -186,6 +192,15 @@ def owned_files(d: Path) -> list[Path]:
     lock and probe, and every slot file a manifest or the held plan's buffers name."""
     from tensorstow.executor import ssd
     names = {*DESCRIPTION, ssd.MANIFEST, ssd.PREVIOUS, ssd.MANIFEST + ".tmp", ssd.MANIFEST + ".damaged", ".direct-probe"}
+    try:  # config.json and adapter_config.json are the state dir's only for a model that has them
+        options = json.loads((d / PLAN).read_text())["options"]
+        model, lora = str(options.get("model", "")), options.get("lora")
+    except (OSError, ValueError, KeyError, TypeError):
+        model, lora = "", None
+    if not model.startswith("hf:"):
+        names.discard(CONFIG)
+    if not lora:
+        names.discard(ADAPTER_CONFIG)
     for m in (ssd.MANIFEST, ssd.PREVIOUS, ssd.MANIFEST + ".tmp", ssd.MANIFEST + ".damaged"):
         try:
             entries = json.loads((d / m).read_bytes())["buffers"].values()
@@ -226,12 +241,26 @@ def clear(state_dir) -> list[Path]:
     return gone
 
 
+def claim_parent(state_dir) -> Path:
+    """The directory of a multi-process run's `rank<K>` state dirs: new, empty or already one (its
+    mark), else refused before anything is written; every rank claims it, so it is race-free."""
+    return _take(Path(state_dir), ranks=True)
+
+
 def claim(state_dir, plan: Plan) -> tuple[Path, Plan]:
     """Make `state_dir` the home of `plan`'s training, or check that it already is; returns (the
     directory, the plan it holds: the store's owner). A directory that is neither new nor a
     state dir is refused before anything is written in it."""
-    d = Path(state_dir)
-    if survey(d) == "foreign":
+    d = _take(Path(state_dir), ranks=False)
+    if not (d / PLAN).exists():
+        _create_atomic(d / PLAN, plan.dumps())  # two claims at once: one creates it, the other reads it below
+    return d, held(d, plan)
+
+
+def _take(d: Path, ranks: bool) -> Path:
+    """`d`, made a state dir (`survey`'s "new" or "state" only): created if missing and marked,
+    the mark first of all, so a claim under way is never taken for a directory of the user's."""
+    if survey(d, ranks) == "foreign":
         raise _refuse_foreign(d, "wrote")
     try:
         d.mkdir(parents=True, exist_ok=True)
@@ -239,9 +268,7 @@ def claim(state_dir, plan: Plan) -> tuple[Path, Plan]:
         raise TensorstowError(f"cannot create the state dir {d}: {e.strerror or e}") from None
     if not (d / MARK).exists():
         _create_atomic(d / MARK, json.dumps({"format": MARK_FORMAT, "version": 1}) + "\n")
-    if not (d / PLAN).exists():
-        _create_atomic(d / PLAN, plan.dumps())  # two claims at once: one creates it, the other reads it below
-    return d, held(d, plan)
+    return d
 
 
 def held(d: Path, plan: Plan) -> Plan:
@@ -250,7 +277,9 @@ def held(d: Path, plan: Plan) -> Plan:
     path = d / PLAN
     try:
         old = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        if not isinstance(old, dict) or not isinstance(old.get("options"), dict):
+            raise ValueError("not a plan: no options")
+    except (OSError, UnicodeDecodeError, ValueError) as e:
         raise TensorstowError(f"state dir {d}: {PLAN} is unreadable ({e}); it is not a tensorstow state "
                               f"dir, or it was damaged") from None
     new = json.loads(plan.dumps())

@@ -431,3 +431,56 @@ def test_a_token_file_is_the_same_data_for_a_longer_run_and_other_data_once_edit
     np.save(path, tokens)
     assert not _token_data(str(path), 300, 97).same(recorded)
     assert not _token_data("synthetic", 300, 97).same(recorded)
+
+
+def test_a_shorter_run_than_committed_trains_nothing_and_records_nothing(base, at4, tmp_path, capsys):
+    """`--steps 2` on a state dir at step 4: under a cosine a changed length (refused); accepted,
+    nothing to train, and neither the run record nor the evaluations change (step 4's weights were
+    evaluated and recorded as step 2's)."""
+    w, s = copy_of(at4, tmp_path)
+    run = [*args({**base, "train": w / "train.jsonl"}, s), "--steps", "2"]
+    before = snapshot(w)
+    capsys.readouterr()
+    assert main(run) == 2 and "--steps/--epochs 10 -> 2" in capsys.readouterr().err
+    assert main([*run, "--resume-changed", "length"]) == 0
+    assert "already holds step 4, past the 2 steps asked for: nothing to train" in capsys.readouterr().out
+    assert snapshot(w) == before
+
+
+def test_damaged_records_and_files_that_are_no_log_are_one_line(base, at4, tmp_path, capsys):
+    """A run record edited into another shape, and a --log-json file that is not a log (its last
+    line cut as if torn): one line each, nothing changed."""
+    w, s = copy_of(at4, tmp_path)
+    rec = json.loads((s / "run.json").read_text())
+    del rec["changes"]
+    (s / "run.json").write_text(json.dumps(rec))
+    notes = w / "notes.txt"
+    notes.write_text("first line\nsecond line, no newline")
+    before = snapshot(w)
+    capsys.readouterr()
+    assert main(args({**base, "train": w / "train.jsonl"}, s)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tensorstow: error: state dir {s}: run.json is not a tensorstow run record") and \
+        err.count("\n") == 1, err
+    (s / "run.json").write_text(json.dumps({**rec, "changes": []}))
+    assert main([*args({**base, "train": w / "train.jsonl"}, s), "--log-json", str(notes)]) == 2
+    err = capsys.readouterr().err
+    assert "its last line is not a JSON record" in err and err.count("\n") == 1, err
+    assert notes.read_bytes() == before["notes.txt"][0]
+
+
+def test_the_directory_of_a_multi_process_run_is_claimed_as_a_state_dir(tmp_path):
+    """A multi-process run keeps each rank's state in `rank<K>/` inside its --state-dir: that
+    directory, too, must be new, empty or already theirs (the ranks making their directories at
+    once), else it is refused before anything is written in it."""
+    from tensorstow.errors import TensorstowError
+    from tensorstow.executor.statedir import claim_parent
+    user = tmp_path / "model"
+    user.mkdir()
+    (user / "config.json").write_text("{}")
+    with pytest.raises(TensorstowError, match="is not a tensorstow state dir"):
+        claim_parent(user)
+    assert sorted(p.name for p in user.iterdir()) == ["config.json"]
+    racing = tmp_path / "state"
+    (racing / "rank1").mkdir(parents=True)  # another rank got there first
+    assert claim_parent(racing) == racing and (racing / "tensorstow.json").is_file()

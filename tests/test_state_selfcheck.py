@@ -44,9 +44,12 @@ def test_deleted_manifests_are_refused_until_restart(plan, tmp_path, capsys):
     assert err.startswith("tensorstow: error: ") and err.count("\n") == 1
     assert "no valid manifest" in err and "--restart" in err
     assert len(list(s.glob("*.slot[01]"))) > 0  # nothing was deleted
+    (s / "config.json").write_text('{"mine": 1}\n')  # not the state dir's: the model is no hf: model
+    (s / "adapter_config.json").write_text('{"mine": 2}\n')
     assert execute(plan, s, 2, "--restart") == 0
     out = capsys.readouterr().out
-    assert "resuming" not in out and "step 1/2" in out
+    assert "resuming" not in out and "step 1/2" in out and "older tensorstow" not in out
+    assert (s / "config.json").read_text() == '{"mine": 1}\n' and (s / "adapter_config.json").read_text() == '{"mine": 2}\n'
     assert_eager(s, tmp_path, 2)
 
 
