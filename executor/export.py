@@ -26,6 +26,7 @@ from tensorstow.errors import TensorstowError
 from tensorstow.executor import statedir
 from tensorstow.executor.aio import aligned_empty
 from tensorstow.executor.ssd import SSDStore
+from tensorstow.schema.schedule import block_of
 
 SHARD_BYTES = 4 << 30
 
@@ -151,7 +152,7 @@ def _blocks(plan, layout: dict, store, prefix: str):
     time, so only one block's weights are in memory."""
     current, out = None, {}
     for buf, slots in _weight_buffers(plan, layout):  # a block's buffers come one after another
-        b = buf.split(":", 1)[1]
+        b = block_of(buf)
         if b != current and out:
             yield out
             out = {}

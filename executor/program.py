@@ -27,7 +27,7 @@ from tensorstow.schema.options import param_groups_of
 from tensorstow.schema.plan import Plan, as_plan
 from tensorstow.schema.schedule import (HELD_KINDS, MADE_BY_COMPUTE, BufferKind, Instr, block_gpus, block_of,
                                         buffer_kind, carried_buffers, gpu_index, gpu_tier, home_tiers, runs_on,
-                                        split_micro)
+                                        split_micro, split_segment)
 
 KINDS = ("compute", "recompute", "load", "store", "free", "optimizer_step", "send", "commit")
 """The instruction kinds an executor runs (`runtime.HANDLERS`)."""
@@ -212,9 +212,9 @@ class Program:
         """The `refwd:<b>` segments a partial swap's recompute runs: the part of b's forward that
         makes R:<b> again from what A:<b> brought back (and X, P)."""
         for ins in self.instrs:
-            if ins.kind != "recompute" or not ins.segment.startswith("refwd:") or ins.segment in self.joint.segments:
+            phase, b = split_segment(ins.segment)
+            if ins.kind != "recompute" or phase != "refwd" or ins.segment in self.joint.segments:
                 continue
-            b = ins.segment.split(":", 1)[1]
             given = [r for x in (f"A:{b}", f"AE:{b}") for r in self.members.get(x, ())]
             if not ins.allocs or set(ins.allocs) - {f"R:{b}", f"RE:{b}"} or not given:
                 raise TensorstowError(f"plan instruction {ins.id}: recompute {ins.segment} needs buffers A:{b} "
@@ -228,7 +228,7 @@ class Program:
         """The `bwd1:<b>` / `bwd2:<b>` segments of a cut backward: the first `bwd_cut` ops of b's
         backward in the traced graph's order (`BlockDecision.bwd_cut`, as the planner's profile
         counted them), and the rest."""
-        cut = {ins.segment.split(":", 1)[1] for ins in self.instrs if ins.segment.startswith("bwd1:")}
+        cut = {b for phase, b in (split_segment(ins.segment) for ins in self.instrs) if phase == "bwd1"}
         for b in sorted(cut):
             if f"bwd1:{b}" in self.joint.segments:
                 continue
@@ -383,7 +383,7 @@ class Program:
     def loss_block(self) -> str:
         """The block whose forward computes the loss."""
         for name, seg in self.joint.segments.items():
-            if name.startswith("fwd:") and self.joint.loss in seg.produced:
+            if split_segment(name)[0] == "fwd" and self.joint.loss in seg.produced:
                 return name[4:]
         raise TensorstowError("the traced model has no segment that produces the loss")
 

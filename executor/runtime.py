@@ -69,7 +69,8 @@ from tensorstow.ir.models import build_for_execution, resolve_model
 from tensorstow.ir.trace import Traced
 from tensorstow.planner.simulate import SimResult, perfetto_trace
 from tensorstow.schema.plan import as_plan
-from tensorstow.schema.schedule import CPU_OPTIMIZER, BufferKind, Instr, gpu_index, resource_of
+from tensorstow.schema.schedule import (CPU_OPTIMIZER, BufferKind, Instr, block_of, buffer_kind, gpu_index, resource_of,
+                                        split_segment)
 
 MODES = ("sync", "overlap")
 
@@ -851,7 +852,7 @@ class Executor:
         def fetch(root):
             return self._fetch(root, ins.micro)
 
-        if self.device.type == "cpu" and not self._backward_begun and ins.segment.startswith("bwd:"):
+        if self.device.type == "cpu" and not self._backward_begun and split_segment(ins.segment)[0] == "bwd":
             self._backward_begun = True  # the forward's heap pages go back before the backward's large gradients
             give_back_free_heap()
         try:
@@ -859,15 +860,16 @@ class Executor:
                   keep=self.keep[ins.id], sink=kept.__setitem__, device=self.device)  # held: ours
             for a in ins.allocs:
                 vals = {r: kept[r] if r in kept else fetch(r) for r in self.members[a]}
-                if self.fp32_grads and a.startswith("G:"):  # accumulated in fp32 (eager's .grad)
+                grads = buffer_kind(a) is BufferKind.G
+                if self.fp32_grads and grads:  # accumulated in fp32 (eager's .grad)
                     vals = {r: v.float() for r, v in vals.items()}
                 ours = {r for r, v in vals.items() if r in kept and v is kept[r] and r not in passed}
                 self.dev.put(a, vals, held=ours)
                 passed |= ours
-                if self.scaler is not None and a.startswith("G:"):  # GradScaler's inf/NaN check
+                if self.scaler is not None and grads:  # GradScaler's inf/NaN check
                     self.scaler.check(list(self.dev.get(a).values()))
-                if a.startswith("G:") and self.M == 1 and self.comm is None:  # final gradients, all here
-                    self._record_norms(a[2:], self.dev.get(a))
+                if grads and self.M == 1 and self.comm is None:  # final gradients, all here
+                    self._record_norms(block_of(a), self.dev.get(a))
             for a in ins.accum:  # a later microbatch: eager's AccumulateGrad, .grad += this one's
                 into = self.dev.get(a)
                 for r in self.members[a]:  # a cut backward's first part hands some on (K:<b>)

@@ -142,7 +142,7 @@ class TrainingState:
         st = self.ssd.store
         for name in sorted(self.homes):
             home = self.homes[name]
-            if home == "ssd" or (name.startswith("C:") and not constants):
+            if home == "ssd" or (buffer_kind(name) is BufferKind.C and not constants):
                 continue
             if home == "dram":
                 st.write(name, self.host.get(name).blob)

@@ -9,8 +9,8 @@ The buffer kinds and the names they use are `schema.schedule`'s.
 from __future__ import annotations
 
 from tensorstow.planner.cost import BlockProfile
-from tensorstow.schema.schedule import (OPTIMIZER_INPUTS, TIERS, BlockDecision, Buffer, Decisions, Instr, block_of,
-                                        buffer_kind, carried_buffers, tier_class)
+from tensorstow.schema.schedule import (OPTIMIZER_INPUTS, TIERS, BlockDecision, Buffer, BufferKind, Decisions, Instr,
+                                        block_of, buffer_kind, carried_buffers, tier_class)
 
 
 def ssd_read_stream(buf: str, first: bool) -> str:
@@ -182,35 +182,37 @@ class Emitter:
 
 
 def lower_eval(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str, str],
-               decisions: Decisions, buffers: dict[str, Buffer], gpu: str = "gpu0") -> list[Instr]:
+               decisions: Decisions, buffers: dict[str, Buffer], gpu: str = "gpu0", *, mixed: bool) -> list[Instr]:
     """One evaluation batch's forward-only program (single GPU, `Plan.eval_instructions`): per
     microbatch, every block's forward with its parameters streamed as the step streams them (the
     same homes and prefetch FIFO), keeping only the next block's input X (no saved activations,
     gradients or updates); what the previous step left in DRAM for the next one to write home
     (`Decisions.deferred_writes`) is read there and left there."""
-    return _Lowering(order, prof, profile_of, decisions, buffers, gpu, False).lower_eval()
+    return _Lowering(order, prof, profile_of, decisions, buffers, gpu, mixed, updates_wait=False).lower_eval()
 
 
 def lower_redo(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str, str],
-               decisions: Decisions, buffers: dict[str, Buffer], gpu: str = "gpu0") -> list[Instr]:
+               decisions: Decisions, buffers: dict[str, Buffer], gpu: str = "gpu0", *, mixed: bool) -> list[Instr]:
     """A speculating plan's redo program (`Plan.redo_instructions`, `Decisions.speculated`): after
     a step whose clip fired, each speculated block in update order reads its state back from its
     SSD home (the executor reads the last commit's version, from before the step), updates it
     again with the gradient it kept in DRAM (now clipped), writes it home and releases the
     gradient."""
-    return _Lowering(order, prof, profile_of, decisions, buffers, gpu, True).lower_redo()
+    return _Lowering(order, prof, profile_of, decisions, buffers, gpu, mixed, updates_wait=True).lower_redo()
 
 
 def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str, str],
-          decisions: Decisions, buffers: dict[str, Buffer], gpu: str = "gpu0",
-          loss_scaling: bool = False) -> list[Instr]:
-    """Turn per-block decisions into one step's instruction list (single GPU).
+          decisions: Decisions, buffers: dict[str, Buffer], gpu: str = "gpu0", *, mixed: bool,
+          updates_wait: bool = False) -> list[Instr]:
+    """Turn per-block decisions into one step's instruction list (single GPU). `mixed`: mixed
+    precision (an fp32 master M:<b> beside each compute-precision P:<b>).
 
-    `loss_scaling` (fp16-mixed): whether the step is skipped depends on every gradient
-    (executor.amp), so every optimizer step waits for the last backward instead of overlapping
+    `updates_wait` (fp16 loss scaling, clipping by the global norm: `planner.problem.
+    waits_for_every_gradient`): an update depends on every gradient (whether the step is skipped,
+    the clip factor), so every optimizer step waits for the last backward instead of overlapping
     it, and the subgroups' state reads are double-buffered (a read waits for the write-back of
     the subgroup two before it) so DRAM never holds more than two subgroups' states in flight."""
-    return _Lowering(order, prof, profile_of, decisions, buffers, gpu, loss_scaling).lower()
+    return _Lowering(order, prof, profile_of, decisions, buffers, gpu, mixed, updates_wait=updates_wait).lower()
 
 
 class _Lowering:
@@ -227,7 +229,7 @@ class _Lowering:
     (or recomputes them), runs, sends its gradient to the update's device, and releases what it read."""
 
     def __init__(self, order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str, str],
-                 decisions: Decisions, buffers: dict[str, Buffer], gpu: str, loss_scaling: bool):
+                 decisions: Decisions, buffers: dict[str, Buffer], gpu: str, mixed: bool, *, updates_wait: bool):
         self.order, self.prof, self.profile_of, self.buffers = order, prof, profile_of, buffers
         self.decisions = decisions
         self.dec = decisions.blocks
@@ -235,8 +237,8 @@ class _Lowering:
         self.gpu = gpu
         self.comp = f"{gpu}.compute"
         """The GPU's compute stream."""
-        self.loss_scaling = loss_scaling
-        """fp16-mixed: updates wait for the last backward, state reads double-buffered (`lower`)."""
+        self.updates_wait = updates_wait
+        """Updates wait for the last backward, state reads double-buffered (`lower`)."""
         self.e = Emitter(gpu, decisions.ssd_reads_first)
         """The instructions so far, and where each buffer's copies are."""
         self.home = {n: (gpu if b.home == "gpu" else b.home) for n, b in buffers.items() if b.home}
@@ -249,11 +251,11 @@ class _Lowering:
         """The same in backward order (the backward's prefetch FIFO)."""
         self.last_fwd = order[-1]
         """The last block's forward and backward run back to back: its parameters stay between."""
-        self.mixed = any(n.startswith("M:") for n in buffers)
+        self.mixed = mixed
         """Mixed precision: an fp32 master M:<b> beside the compute-precision P:<b>."""
         self.keep = decisions.keep_params_for_update and not self.mixed
         """`Decisions.keep_params_for_update` (fp32 only)."""
-        self.overlap = decisions.overlap_optimizer and not loss_scaling
+        self.overlap = decisions.overlap_optimizer and not updates_wait
         """Each block's update runs once its gradient is ready, during the backward (LoHan's active
         gradient offloading); else all of them after the last backward."""
         self.carried = carried_buffers(decisions, buffers)
@@ -438,7 +440,7 @@ class _Lowering:
         for x in self.carried:
             e.where[(x, "dram")] = None
             self.written_back[x] = e.move(x, "dram", "ssd")
-            if not x.startswith("P:"):
+            if buffer_kind(x) is not BufferKind.P:
                 e.free(x, "dram", (self.written_back[x],))
         if self.carried:
             e.commit = e.emit("commit", "ssd.commit", tuple(self.written_back.values()))
@@ -634,7 +636,7 @@ class _Lowering:
         e, gpu, d, has, home = self.e, self.gpu, self.dec[b], self.has, self.home
         if self.decisions.serialize_optimizer:
             start = (*start, self.writes[-1] if self.writes else None)
-        elif self.loss_scaling and len(self.writes) >= 2:
+        elif self.updates_wait and len(self.writes) >= 2:
             start = (*start, self.writes[-2])
         dev = "cpu" if d.optimizer == "cpu" else gpu
         tier = "dram" if dev == "cpu" else gpu

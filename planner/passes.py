@@ -171,12 +171,12 @@ def lower_and_simulate(problem: Problem, decisions: Decisions, wait: bool = Fals
     decisions = dataclasses.replace(decisions, device_reserved=micro * inputs)
     if decisions.pipeline is None:
         bufs = buffers_for(problem.order, problem.profiles, problem.profile_of, decisions, problem.mixed)
-        instrs = lower(problem.order, problem.profiles, problem.profile_of, decisions, bufs,
-                       loss_scaling=waits_for_every_gradient(problem.options))
+        instrs = lower(problem.order, problem.profiles, problem.profile_of, decisions, bufs, mixed=problem.mixed,
+                       updates_wait=waits_for_every_gradient(problem.options))
     else:
         bufs = pipeline_buffers(problem.order, problem.profiles, problem.profile_of, decisions, problem.mixed)
         instrs = lower_pipeline(problem.order, problem.profiles, problem.profile_of, decisions, bufs,
-                                problem.gpu_capacity())
+                                problem.gpu_capacity(), mixed=problem.mixed)
     dur = durations(problem, instrs, bufs, decisions)
     initial = initial_residency(bufs, decisions, problem.order)
     sizes = {n: b.bytes for n, b in bufs.items()}

@@ -50,7 +50,7 @@ def pipeline_buffers(order: list[str], prof: dict[str, BlockProfile], profile_of
         # A backward whose gradient accumulates makes the microbatch's gradient (compute dtype)
         # before it is added in (mixed: before its fp32 copy is made): one more G in its workspace.
         for n, g in list(out.items()):
-            if n.startswith("G:"):
+            if buffer_kind(n) is BufferKind.G:
                 ws = out.get(f"W:bwd:{g.block}")
                 out[f"W:acc:{g.block}"] = Buffer(f"W:acc:{g.block}", (ws.bytes if ws else 0)
                                                  + prof[profile_of[g.block]].grad_bytes, "temporary", g.block)
@@ -58,12 +58,14 @@ def pipeline_buffers(order: list[str], prof: dict[str, BlockProfile], profile_of
 
 
 def lower_pipeline(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str, str],
-                   decisions: Decisions, buffers: dict[str, Buffer], capacity: dict[str, int]) -> list[Instr]:
+                   decisions: Decisions, buffers: dict[str, Buffer], capacity: dict[str, int], *,
+                   mixed: bool) -> list[Instr]:
     """One step's instruction list for a pipeline (`decisions.pipeline`); `capacity`: bytes the
-    plan's tensors may fill on each GPU ("gpuK"), for the prefetch split."""
+    plan's tensors may fill on each GPU ("gpuK"), for the prefetch split; `mixed`: mixed precision
+    (an fp32 master M:<b> beside each compute-precision P:<b>)."""
     if decisions.pipeline.kind == "data-parallel":
-        return _DataParallel(order, prof, profile_of, decisions, buffers).lower()
-    return _Pipeline(order, prof, profile_of, decisions, buffers, capacity).lower()
+        return _DataParallel(order, prof, profile_of, decisions, buffers, mixed).lower()
+    return _Pipeline(order, prof, profile_of, decisions, buffers, capacity, mixed).lower()
 
 
 class _Pipeline:
@@ -71,7 +73,7 @@ class _Pipeline:
     order, then its backward stages in reverse, each visit loading its stage's parameters (the
     next visit's prefetched into what it leaves free) and running every microbatch through it."""
 
-    def __init__(self, order, prof, profile_of, decisions, buffers, capacity):
+    def __init__(self, order, prof, profile_of, decisions, buffers, capacity, mixed):
         pl = decisions.pipeline
         self.order, self.prof, self.profile_of, self.dec = order, prof, profile_of, decisions.blocks
         self.buffers, self.capacity, self.prefetch = buffers, capacity, decisions.prefetch
@@ -83,7 +85,7 @@ class _Pipeline:
         self.home = home_tiers(buffers, decisions, order)
         for n, t in self.home.items():
             self.e.where[(n, t)] = None
-        self.mixed = any(n.startswith("M:") for n in buffers)
+        self.mixed = mixed
         self.nxt = {b: order[k + 1] for k, b in enumerate(order[:-1])}
         self.prev = {b: order[k - 1] for k, b in enumerate(order) if k}
         self.borrowed: list[str] = []
@@ -359,7 +361,7 @@ class _DataParallel:
     every GPU's backward, one sub-group (block) at a time, each followed by the blocking write-back
     of its updated parameters (`step`; `cost.zero3_param_writeback_time`)."""
 
-    def __init__(self, order, prof, profile_of, decisions, buffers):
+    def __init__(self, order, prof, profile_of, decisions, buffers, mixed):
         self.order, self.prof, self.profile_of, self.buffers = order, prof, profile_of, buffers
         self.prefetch = decisions.prefetch
         self.e = Emitter("gpu0")
@@ -367,7 +369,7 @@ class _DataParallel:
         for n, t in self.home.items():
             self.e.where[(n, t)] = None
         self.gpus = [f"gpu{k}" for k in decisions.pipeline.gpus]
-        self.mixed = any(n.startswith("M:") for n in buffers)
+        self.mixed = mixed
         self.state = {b: [x for x in (f"P:{b}", f"C:{b}") if self.has(x)] for b in order}
         """Block -> its P:/C: buffers (streamed in for every forward and backward)."""
         self.arrived: dict[str, list[int]] = {}

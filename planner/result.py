@@ -16,7 +16,7 @@ from tensorstow.planner.simulate import SimResult, compute_slowdown, contention,
 from tensorstow.schema.plan import (SCHEMA_VERSION, BlockInfo, HardwareInfo, ModelInfo, Plan, PoolSizes, Predicted,
                                     ProfileInfo)
 from tensorstow.schema.schedule import (TIERS, Buffer, Decisions, Instr, final_residency, gpu_index, gpus_of_blocks,
-                                        initial_residency)
+                                        initial_residency, split_segment)
 
 
 @dataclass
@@ -162,7 +162,7 @@ def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer],
     half = 2 if problem.mixed and decisions.swap_grads else 1
     for ins in instrs:
         if ins.kind in ("compute", "recompute"):
-            phase, b = ins.segment.split(":", 1)
+            phase, b = split_segment(ins.segment)
             prof = problem.profiles[problem.profile_of[b]]
             out.append({"fwd": prof.fwd_time_s, "bwd": prof.bwd_time_s, "refwd": prof.refwd_time_s,
                         "bwd1": prof.bwd1_time_s, "bwd2": prof.bwd2_time_s}[phase])
@@ -190,7 +190,7 @@ def side_program(plan: PlanResult, lowering, redo: bool = False) -> tuple[list[I
     from its decisions, with memory fences from its own replay, and that replay's time. The redo
     program starts where the step ends: the homes, and the gradients the speculated updates kept."""
     problem, d = plan.problem, plan.decisions
-    instrs = lowering(problem.order, problem.profiles, problem.profile_of, d, plan.buffers)
+    instrs = lowering(problem.order, problem.profiles, problem.profile_of, d, plan.buffers, mixed=problem.mixed)
     dur = durations(problem, instrs, plan.buffers, d)
     initial = initial_residency(plan.buffers, d, problem.order)
     final = set(initial)

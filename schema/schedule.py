@@ -355,6 +355,12 @@ def split_micro(name: str) -> tuple[str, int | None]:
     return (base, int(m)) if at and m.isdigit() else (name, None)
 
 
+def split_segment(segment: str) -> tuple[str, str]:
+    """A segment's phase and block: `bwd1:h.3` -> ("bwd1", "h.3")."""
+    phase, _, block = segment.partition(":")
+    return phase, block
+
+
 def block_of(name: str) -> str:
     """The block a buffer name belongs to: `A:h.3@1` -> `h.3`."""
     return split_micro(name)[0].split(":")[-1]
