@@ -534,7 +534,7 @@ def _slowdown_beside(reps: int, work) -> float:
     a loop: alternating rounds alone and beside it, the medians' ratio less 1 (at least 0). Where
     torch's threads leave cores to spare, the block runs on the compute lane's cores and the loop
     and every thread working for it (the SSD store's I/O and checksum threads) on the others, as
-    the executor's overlap mode pins them (`runtime.lane_cores`, `pin_off_compute`): the block in
+    the executor's overlap mode pins them (`lanes.lane_cores`, `pin_off_compute`): the block in
     a thread of its own on the compute cores, whose intra-op threads start there, as the compute
     lane's do (the caller's own intra-op threads keep the affinity they had). One round per
     repetition: with 4 the SSD store's figure ranged 0.00-0.22 from probe to probe on a 2-core CPU VM,
@@ -543,7 +543,7 @@ def _slowdown_beside(reps: int, work) -> float:
 
     import torch
 
-    from tensorstow.executor.runtime import lane_cores, pin_off_compute, unpin
+    from tensorstow.executor.lanes import lane_cores, pin_off_compute, unpin
 
     blk, x = _cpu_block()
     stop = threading.Event()

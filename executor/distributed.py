@@ -99,7 +99,7 @@ def agree_on_step(store, comm: Comm) -> int | None:
 def rank_cores(cores: list[int], rank: int, world: int) -> set[int]:
     """The cores rank `rank` of `world` runs on when its device tier is the CPU: an equal share of
     `cores` (a core each, round robin, when there are fewer cores than ranks), so the ranks' compute
-    lanes (and the executor's pinning inside each: `runtime.lane_cores`) never share a core."""
+    lanes (and the executor's pinning inside each: `lanes.lane_cores`) never share a core."""
     k = len(cores) // world
     return set(cores[rank * k:(rank + 1) * k]) if k else {cores[rank % len(cores)]}
 

@@ -126,7 +126,7 @@ class Graphs:
     def for_step(self, ex) -> StepGraph | None:
         """The graph this step replays (or captures), or None: the step runs instruction by
         instruction (graphs off or blocked, an evaluation, a warmup step, a graph given up)."""
-        if self.blockers or ex._evaluating:
+        if self.blockers or ex.evaluating:
             return None
         self._runs += 1
         if self._runs <= WARMUP:
@@ -147,7 +147,7 @@ class Graphs:
         self.capturing = graph
         try:
             with graph.capture(ex):
-                ex._run_step(graph.inputs, HostLanes(), "sync")
+                ex.run_step(graph.inputs, HostLanes(), "sync")
         except Exception as e:  # nothing ran on the device: the state is the step's start, less what it allocated
             first = e.__context__  # CUDA reports a call that broke the capture when the capture ends
             why = f"{type(e).__name__}: {e}" + (f"; first {type(first).__name__}: {first}" if first else "")
@@ -178,7 +178,7 @@ class Graphs:
             for buf in [b for b in ex.dev.copies if ex.homes.get(b) != ex.gpu]:
                 ex.dev.drop(buf)
         self.graph = self.replayed = None
-        ex._loss, ex._norms, ex._clip = [None] * ex.M, {}, None
+        ex.clear_step_values()
         if ex.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -192,7 +192,7 @@ class StepGraph:
         self.backend = backend(dev)
         rows = (ex.plan.model.batch * ex.M, ex.plan.model.seq)
         blank = torch.zeros(rows, dtype=torch.long)
-        self.inputs = ex._step_inputs(blank, blank)
+        self.inputs = ex.step_inputs(blank, blank)
         """The step's inputs as the eager path makes them, kept: each step's values are copied in."""
         # CUDA's fused Adam reads a float32 rate (torch.optim's capturable form), where a Python
         # float reaches it as a double: a replayed update may differ from an eager one in its last
@@ -216,7 +216,7 @@ class StepGraph:
                 self.inputs[j.inputs[2]][k].fill_(weights[k])
         self.step_count.fill_(float(ex.opt_steps + 1))
         for scale, t in self.rates.items():
-            t.fill_(ex.lr if scale == 1.0 else ex._group_lr(scale))
+            t.fill_(ex.lr if scale == 1.0 else ex.group_lr(scale))
 
     @contextlib.contextmanager
     def capture(self, ex):
@@ -224,7 +224,7 @@ class StepGraph:
         self.bound = storages(ex)
         with self.backend.capture():
             yield
-        self.loss, self.norms = list(ex._loss), dict(ex._norms)
+        self.loss, self.norms = ex.step_values()
 
     def replay(self) -> None:
         self.backend.replay()

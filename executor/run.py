@@ -28,7 +28,8 @@ from tensorstow.executor.distributed import (LOST, TIMEOUT_S, Comm, agree_on_ste
                                              rank_dir)
 from tensorstow.executor.examples import Examples, is_examples
 from tensorstow.executor.lr import LRSchedule
-from tensorstow.executor.runtime import Executor, lane_cores
+from tensorstow.executor.lanes import lane_cores
+from tensorstow.executor.runtime import Executor
 from tensorstow.executor.ssd import SSDStore
 from tensorstow.ir.models import build_for_execution, resolve_model
 from tensorstow.planner.simulate import plan_commit_s, sync_step_s
@@ -543,7 +544,7 @@ def pick_mode(mode: str, plan: Plan | None = None) -> str:
     where its computations are long enough that the host keeps ahead of the GPU
     (`OVERLAP_MIN_COMPUTE_S`); sync otherwise (an all-resident plan hides nothing). On a CPU device
     tier: overlap where the compute threads leave a core for the other lanes (the executor pins
-    them apart: `runtime.lane_cores`); sync where the compute takes every core, as the lanes would
+    them apart: `lanes.lane_cores`); sync where the compute takes every core, as the lanes would
     then take cores from it. The measurements behind each rule: benchmarks/RESULTS.md "Sync or
     overlap"."""
     if mode != "auto":

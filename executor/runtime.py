@@ -39,11 +39,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import queue
-import threading
 import time
 import weakref
-from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -56,6 +53,7 @@ from tensorstow.executor.amp import LossScaler, distinct
 from tensorstow.executor.cuda import cap_allocator, check_device, lanes_for, out_of_memory, resolve_device
 from tensorstow.executor.device_ops import check_portable, targets_for
 from tensorstow.executor.graphs import Graphs
+from tensorstow.executor.lanes import LaneThreads, lane_cores, optimizer_threads, pin_off_compute, unpin
 from tensorstow.executor.training import TrainingState
 from tensorstow.executor.lr import LRSchedule
 from tensorstow.executor.malloc import give_back_free_heap, tune as tune_malloc
@@ -77,127 +75,6 @@ MODES = ("sync", "overlap")
 
 class ExecutionError(TensorstowError):
     """An instruction could not run as the plan says (names the instruction)."""
-
-
-def lane_cores(device: torch.device, nthreads: int) -> tuple[set[int], set[int]] | None:
-    """(the other lanes' cores, the compute lane's cores) when the device tier is the CPU and the
-    compute's `nthreads` leave cores to spare; None otherwise. On a CPU device the copy, SSD and
-    optimizer lanes (and the I/O and checksum threads they start) would otherwise preempt the
-    compute thread on its own core; pinned apart, each runs where the simulator puts it: on a
-    resource of its own."""
-    if device.type != "cpu" or not hasattr(os, "sched_getaffinity"):
-        return None
-    mine = sorted(os.sched_getaffinity(0))
-    if len(mine) <= nthreads:
-        return None
-    return set(mine[nthreads:]), set(mine[:nthreads])
-
-
-def optimizer_threads(device: torch.device, nthreads: int, streams: list[str]) -> int:
-    """Intra-op threads of the CPU optimizer's lane in overlap mode. With a GPU, every other lane
-    is a host thread that drives it (launches, copies, SSD requests) beside the update: the
-    update leaves one core to each, else they wait for a core and the GPU idles (H200 host, 16
-    cores, AdamW on 50 M parameters beside a thread launching kernels: 16 threads 3.2 G params/s
-    and 85 k launches/s, 14 threads 3.6 G/s and 104 k/s; benchmarks/RESULTS.md "On a GPU").
-    On a CPU device tier `lane_cores` already keeps the lanes apart: `nthreads`."""
-    if device.type != "cuda":
-        return nthreads
-    others = sum(1 for s in streams if s != CPU_OPTIMIZER)
-    return max(1, min(nthreads, (os.cpu_count() or 1) - others))
-
-
-def pin_off_compute(cores: tuple[set[int], set[int]]) -> dict[int, set[int]]:
-    """Move every thread of this process but the main thread and the compute lane's (those whose
-    affinity is the compute cores: the lane and the intra-op threads it started) onto the other
-    lanes' cores; returns {thread id: its affinity before} for `unpin`. `lane_cores` pins the lanes
-    themselves, but the threads that work for them were mostly started elsewhere (the checksum
-    and sync pools and the aio engine's workers: by the store, in the main thread), so they could
-    run on -- and take -- the compute lane's core (benchmarks/RESULTS.md "Host memory and threads")."""
-    others, compute = cores
-    main = threading.main_thread().native_id
-    before: dict[int, set[int]] = {}
-    try:
-        tids = [int(e.name) for e in os.scandir("/proc/self/task")]
-    except OSError:  # no procfs
-        return before
-    for tid in tids:
-        if tid == main:
-            continue
-        try:
-            now = os.sched_getaffinity(tid)
-            if now <= others or now == compute:
-                continue
-            os.sched_setaffinity(tid, others)
-            before[tid] = now
-        except OSError:  # it ended meanwhile
-            continue
-    return before
-
-
-def unpin(before: dict[int, set[int]]) -> None:
-    """Give each thread `pin_off_compute` moved its affinity back (one that ended is skipped)."""
-    for tid, cores in before.items():
-        try:
-            os.sched_setaffinity(tid, cores)
-        except OSError:
-            continue
-
-
-class _LaneThreads:
-    """One long-lived thread per stream of the plan, which overlap mode runs that stream's lane
-    on, step after step. A thread made anew each step starts with cold per-thread state: its
-    allocator's thread cache and arena (under jemalloc gpt-small's all-resident compute ran 12%
-    slower in a new thread each step than in the main thread: 272-287 vs 241-257 ms a step, the
-    same under glibc: benchmarks/RESULTS.md "Host memory and threads"), torch's thread-local
-    state, a CUDA thread's stream and handles. The threads wait on their queues between steps and
-    end when `close` (or the Executor's garbage collection) stops them."""
-
-    def __init__(self):
-        self._queues: dict[str, queue.SimpleQueue] = {}
-        self._threads: list[threading.Thread] = []
-
-    def run(self, jobs: dict[str, Callable[[], None]]) -> None:
-        """Run each stream's job on that stream's thread, all at once; return when all are done.
-        A job handles its own errors (`Executor._run_overlap`'s lanes record them); one that
-        escapes is raised here, and its thread serves the next step all the same."""
-        done = [(threading.Event(), []) for _ in jobs]
-        for (stream, job), (ev, error) in zip(sorted(jobs.items()), done):
-            q = self._queues.get(stream)
-            if q is None:
-                q = self._queues[stream] = queue.SimpleQueue()
-                t = threading.Thread(target=self._serve, args=(q,), name=f"tensorstow-{stream}", daemon=True)
-                t.start()
-                self._threads.append(t)
-            q.put((job, ev, error))
-        for ev, _ in done:
-            ev.wait()
-        for _, error in done:
-            if error:
-                raise error[0]
-
-    @staticmethod
-    def _serve(q) -> None:
-        while True:
-            item = q.get()
-            if item is None:
-                return
-            job, ev, error = item
-            del item  # waiting for the next job must not keep this one's Executor alive
-            try:
-                job()
-            except BaseException as e:
-                error.append(e)
-            finally:
-                del job, error
-                ev.set()
-
-    def close(self) -> None:
-        for q in self._queues.values():
-            q.put(None)
-        for t in self._threads:
-            if t is not threading.current_thread():
-                t.join()
-        self._queues, self._threads = {}, []
 
 
 class Executor:
@@ -237,7 +114,7 @@ class Executor:
         where nothing in the step needs the host (executor.graphs: every buffer resident, the
         optimizer on the GPU), "on" refuses a plan where it cannot, "off" never captures."""
         self._graphs_setting = graphs
-        self._lane_threads = _LaneThreads()  # overlap mode's lanes, kept from step to step
+        self._lane_threads = LaneThreads()  # overlap mode's lanes, kept from step to step
         # collected: its lanes end; at exit they are daemons (a step interrupted there never joins)
         weakref.finalize(self, self._lane_threads.close).atexit = False
         if mode not in MODES:
@@ -298,7 +175,7 @@ class Executor:
         self.adam = {b: SubgroupAdam(self.plan.options) for b in self.block_params if self.block_params[b]}
         self.scaler = LossScaler(self.plan.options, self.device) if prog.precision == "fp16-mixed" else None
         """fp16-mixed: dynamic loss scaling (executor.amp, GradScaler's semantics)."""
-        self._evaluating = False
+        self.evaluating = False
         """Within `evaluate`: steps leave their updates out."""
         self.max_grad_norm = self.plan.options.max_grad_norm
         self._norms: dict[str, torch.Tensor] = {}
@@ -456,13 +333,13 @@ class Executor:
         program = (self._side_program("eval", prog.eval_instrs, prog.eval_keep, prog.eval_plan_id) if prog.eval_instrs
                    else contextlib.nullcontext())
         losses = []
-        self._evaluating = True
+        self.evaluating = True
         try:
             with program, torch.inference_mode():
                 for x, y in batches:
                     losses.append(self._step(x, y))
         finally:
-            self._evaluating = False
+            self.evaluating = False
             set_rng(rng)
             self.grad_norm, self._clip = norm, clip
         if not losses:
@@ -509,12 +386,12 @@ class Executor:
             elif not self.graphs.capture(self, graph):
                 graph = None
         if graph is None:
-            self._run_step(self._step_inputs(idx, targets), self.lanes, self.mode)
+            self.run_step(self.step_inputs(idx, targets), self.lanes, self.mode)
         else:
             graph.replay()
             self.graphs.replayed, self.timeline = graph, []
         self.loss = self._mean_loss()
-        if self._evaluating:  # `evaluate`: nothing of the step is kept
+        if self.evaluating:  # `evaluate`: nothing of the step is kept
             self._check_end_state()
             return self.loss
         if self._norms:
@@ -534,7 +411,7 @@ class Executor:
         self.early_sync_s = self._early_sync_total() - synced
         return self.loss
 
-    def _step_inputs(self, idx: torch.Tensor, targets: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+    def step_inputs(self, idx: torch.Tensor, targets: torch.Tensor) -> dict[str, list[torch.Tensor]]:
         """The step's inputs on the device, per graph input one value per microbatch: the rows of
         idx and targets, the loss tangent (eager's (loss * w_k).backward()), the graph's constants."""
         j, b = self.joint, self.plan.model.batch
@@ -551,7 +428,7 @@ class Executor:
                 inputs.setdefault(name, []).append(v)
         return inputs
 
-    def _run_step(self, inputs: dict[str, list[torch.Tensor]], lanes, mode: str) -> None:
+    def run_step(self, inputs: dict[str, list[torch.Tensor]], lanes, mode: str) -> None:
         """Run the step's instructions on `inputs` through `lanes`, in `mode`'s order."""
         for name, vs in inputs.items():
             for v in vs:
@@ -624,6 +501,15 @@ class Executor:
     def _early_sync_total(self) -> float:
         return getattr(self.ssd.store, "early_sync_s", 0.0)
 
+    def step_values(self) -> tuple[list, dict]:
+        """The last run step's loss per microbatch and gradient norm per block (what a captured
+        graph's replays then write: executor.graphs)."""
+        return list(self._loss), dict(self._norms)
+
+    def clear_step_values(self) -> None:
+        """Forget the last step's losses, norms and clip factor (a dropped graph's replays wrote them)."""
+        self._loss, self._norms, self._clip = [None] * self.M, {}, None
+
     def micro_weights(self, targets: torch.Tensor) -> list[float]:
         """Per microbatch k of a step's `targets`, the weight w_k of its loss (the mean over its
         labels) in the step's: its count of labels the loss does not ignore over the step's count,
@@ -691,7 +577,7 @@ class Executor:
             self._clip = torch.clamp(self.max_grad_norm / (self._total_norm() + 1e-6), max=1.0)
         return self._clip
 
-    def _group_lr(self, scale: float) -> float:
+    def group_lr(self, scale: float) -> float:
         """The learning rate of a parameter group whose rate is lr x `scale` (`Options.param_groups`):
         as torch's LambdaLR, the group's base rate times the schedule's factor."""
         s = self.lr_schedule
@@ -959,7 +845,7 @@ class Executor:
             fresh_p = self.host.alloc(f"P:{b}", self.layouts[f"P:{b}"])
         written: set[str] = set()
         speculative = b in self.program.speculated and not self._redoing  # validated after the step
-        if not (self._evaluating or self.scaler is not None and not speculative and self.scaler.skip()):
+        if not (self.evaluating or self.scaler is not None and not speculative and self.scaler.skip()):
             # fp16: inf/NaN changes nothing
             written = self._adam_update(b, ins, trained, master, fresh_p)
         if not self.mixed:
@@ -1023,7 +909,7 @@ class Executor:
             with self.dev.reserve(scratch, f"Adam scratch of {b}") if scratch else contextlib.nullcontext():
                 g = self.graphs.capturing  # a captured update reads its step count and rates from memory
                 self.adam[b].step(params, grads, moments, self.opt_steps if g is None else g.step_count, out16,
-                                  groups=[self.program.groups[p] for p in trained], lr_of=self._group_lr,
+                                  groups=[self.program.groups[p] for p in trained], lr_of=self.group_lr,
                                   grad_scale=grad_scale, rates=None if g is None else g.rates)
         finally:
             for g in held:

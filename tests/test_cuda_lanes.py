@@ -206,12 +206,12 @@ def test_with_a_gpu_the_cpu_update_leaves_a_core_to_each_lane_that_drives_it(mon
     """Overlap mode's CPU optimizer lane: with a GPU it runs on the cores the other lanes' host
     threads leave (each drives the GPU: launches, copies, SSD requests), at least one thread; on
     a CPU device tier, where `lane_cores` keeps the lanes apart, on all of the compute's threads."""
-    from tensorstow.executor import runtime
-    monkeypatch.setattr(runtime.os, "cpu_count", lambda: 16)
+    from tensorstow.executor import lanes
+    monkeypatch.setattr(lanes.os, "cpu_count", lambda: 16)
     streams = ["gpu0.compute", "gpu0.h2d", "gpu0.d2h", "cpu.opt"]
-    assert runtime.optimizer_threads(torch.device("cuda"), 16, streams) == 13
-    assert runtime.optimizer_threads(torch.device("cuda"), 8, streams) == 8
-    assert runtime.optimizer_threads(torch.device("cuda"), 16, streams + ["ssd.read", "ssd.write"]) == 11
-    assert runtime.optimizer_threads(torch.device("cpu"), 16, streams) == 16
-    monkeypatch.setattr(runtime.os, "cpu_count", lambda: 2)
-    assert runtime.optimizer_threads(torch.device("cuda"), 2, streams) == 1
+    assert lanes.optimizer_threads(torch.device("cuda"), 16, streams) == 13
+    assert lanes.optimizer_threads(torch.device("cuda"), 8, streams) == 8
+    assert lanes.optimizer_threads(torch.device("cuda"), 16, streams + ["ssd.read", "ssd.write"]) == 11
+    assert lanes.optimizer_threads(torch.device("cpu"), 16, streams) == 16
+    monkeypatch.setattr(lanes.os, "cpu_count", lambda: 2)
+    assert lanes.optimizer_threads(torch.device("cuda"), 2, streams) == 1

@@ -270,11 +270,11 @@ def test_overlap_lanes_keep_their_threads_from_step_to_step(tmp_path):
 
 
 def test_a_lane_error_that_escapes_is_raised_and_its_thread_serves_the_next_step():
-    from tensorstow.executor.runtime import _LaneThreads
+    from tensorstow.executor.lanes import LaneThreads
 
     def bad():
         raise ValueError("escaped")
-    lanes, ran = _LaneThreads(), []
+    lanes, ran = LaneThreads(), []
     try:
         with pytest.raises(ValueError, match="escaped"):
             lanes.run({"a": bad, "b": lambda: ran.append("b")})
