@@ -50,22 +50,7 @@ def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, 
         return _launch(plan, run, out)
     mode = pick_mode(run.mode, plan)
     steps, state_dir = run.steps, run.state_dir
-    if steps is not None and steps < 1:
-        raise TensorstowError(f"--steps must be >= 1, got {steps}")
-    for flag, source in (("--data", run.data), ("--eval-data", run.eval_data)):
-        if source not in (None, "synthetic") and not Path(source).exists():
-            raise TensorstowError(f"{flag} {source} does not exist: pass a JSONL file, a `datasets` directory, a "
-                                  f"token file (.npy or uint16 .bin) or 'synthetic'")
-    if steps is None and (run.epochs is None or not is_examples(run.data)):
-        raise TensorstowError("give --steps, or --epochs with --data examples (JSONL or a datasets directory)")
-    if run.epochs is not None and run.epochs < 1:
-        raise TensorstowError(f"--epochs must be >= 1, got {run.epochs}")
-    record.accepted(run.resume_changed)  # a typo fails before anything runs
-    differ = hardware_differences(plan, resolve_device(None, rank or 0), rank or 0)
-    if differ and run.hw_mismatch != "ok":
-        raise TensorstowError(f"the plan was made for {plan.hardware.name}, not this machine ({'; '.join(differ)}): "
-                              f"re-plan it for here (--hw local, or a spec from `tensorstow probe`), or pass "
-                              f"--hw-mismatch ok to run it anyway (its predictions do not hold here)")
+    _check_run(plan, run, rank)
     spec = resolve_model(plan.options.model, plan.options.lora)
     model, init = build_for_execution(spec, run.seed)
     store, start, resume, d = None, 0, False, None
@@ -123,6 +108,27 @@ def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, 
         med = _report(ex, plan, mode, times, run.trace, out)
         return {"steps": steps, "losses": losses, "median_step_s": med, "peak": ex.peak_bytes,
                 "evals": list(evals.rows.values())}
+
+
+def _check_run(plan: Plan, run: Run, rank: int | None) -> None:
+    """Refuse, before anything is built or written, a run that cannot go as asked: its length,
+    its data, its `--resume-changed` groups, a plan made for other hardware."""
+    if run.steps is not None and run.steps < 1:
+        raise TensorstowError(f"--steps must be >= 1, got {run.steps}")
+    for flag, source in (("--data", run.data), ("--eval-data", run.eval_data)):
+        if source not in (None, "synthetic") and not Path(source).exists():
+            raise TensorstowError(f"{flag} {source} does not exist: pass a JSONL file, a `datasets` directory, a "
+                                  f"token file (.npy or uint16 .bin) or 'synthetic'")
+    if run.steps is None and (run.epochs is None or not is_examples(run.data)):
+        raise TensorstowError("give --steps, or --epochs with --data examples (JSONL or a datasets directory)")
+    if run.epochs is not None and run.epochs < 1:
+        raise TensorstowError(f"--epochs must be >= 1, got {run.epochs}")
+    record.accepted(run.resume_changed)
+    differ = hardware_differences(plan, resolve_device(None, rank or 0), rank or 0)
+    if differ and run.hw_mismatch != "ok":
+        raise TensorstowError(f"the plan was made for {plan.hardware.name}, not this machine ({'; '.join(differ)}): "
+                              f"re-plan it for here (--hw local, or a spec from `tensorstow probe`), or pass "
+                              f"--hw-mismatch ok to run it anyway (its predictions do not hold here)")
 
 
 def _feed(ex: Executor, plan: Plan, run: Run, start: int) -> tuple[int, Iterator, record.DataId]:
