@@ -66,28 +66,9 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, merge: bool = 
                                   f"GPUs (rank0..rank{n - 1}): a rank's state is missing; restore it")
     if out.exists() and any(out.iterdir()):
         raise TensorstowError(f"export: {out} exists and is not empty; choose a new directory")
-    def store(k: int, read_only: bool) -> SSDStore:
-        plan, x = described[k][0], dirs[k]
-        gpu = f"gpu{x.name[4:]}" if x is not d else None
-        return SSDStore(x, statedir.store_sizes(plan, gpu), owner=statedir.fingerprint(plan), read_only=read_only)
-
     stores, tmp = [], None
     try:
-        # read-only: an export changes nothing in the state dir, which may be read-only to it
-        for k in range(len(dirs)):  # one at a time: those opened are closed below if another fails
-            stores.append(store(k, read_only=True))
-        steps = [s.committed_step() for s in stores]
-        if any(st is None for st in steps):
-            raise TensorstowError(f"export: {dirs[steps.index(None)]} holds no committed step yet")
-        step = min(steps)
-        if max(steps) > step + 1:
-            raise TensorstowError(f"export: the ranks' committed steps {steps} are more than one commit apart: "
-                                  f"{d} was not written by one run")
-        for k, st in enumerate(stores):
-            if st.committed_step() > step:  # committed a step another rank did not: not a step of the run
-                st.close()
-                stores[k] = store(k, read_only=False)
-                stores[k].rollback()
+        step = _open_at_one_step(d, dirs, [plan for plan, _ in described], stores)
         tmp = out.with_name(out.name + ".tmp-export")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -135,6 +116,33 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, merge: bool = 
         for st in stores:
             st.close()
     return {"step": step, "tensors": total, "bytes": sum(sizes), "files": len(sizes)}
+
+
+def _open_at_one_step(d: Path, dirs: list[Path], plans: list, stores: list[SSDStore]) -> int:
+    """Open the store of each of `dirs` (a state dir, or a multi-process run's `rank<K>/`) into
+    `stores` (the caller closes them), read-only, at the last step every one committed: a rank one
+    commit ahead is rolled back to it, as a resumed run would. Returns that step."""
+    def store(k: int, read_only: bool) -> SSDStore:
+        gpu = f"gpu{dirs[k].name[4:]}" if dirs[k] != d else None
+        return SSDStore(dirs[k], statedir.store_sizes(plans[k], gpu), owner=statedir.fingerprint(plans[k]),
+                        read_only=read_only)
+
+    # read-only: an export changes nothing in the state dir, which may be read-only to it
+    for k in range(len(dirs)):  # one at a time: those opened are closed by the caller if another fails
+        stores.append(store(k, read_only=True))
+    steps = [s.committed_step() for s in stores]
+    if any(st is None for st in steps):
+        raise TensorstowError(f"export: {dirs[steps.index(None)]} holds no committed step yet")
+    step = min(steps)
+    if max(steps) > step + 1:
+        raise TensorstowError(f"export: the ranks' committed steps {steps} are more than one commit apart: "
+                              f"{d} was not written by one run")
+    for k, st in enumerate(stores):
+        if st.committed_step() > step:  # committed a step another rank did not: not a step of the run
+            st.close()
+            stores[k] = store(k, read_only=False)
+            stores[k].rollback()
+    return step
 
 
 def _give_new_file_mode(tmp: Path) -> None:

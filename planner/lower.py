@@ -188,7 +188,7 @@ def lower_eval(order: list[str], prof: dict[str, BlockProfile], profile_of: dict
     same homes and prefetch FIFO), keeping only the next block's input X (no saved activations,
     gradients or updates); what the previous step left in DRAM for the next one to write home
     (`Decisions.deferred_writes`) is read there and left there."""
-    return _Lowering(order, prof, profile_of, decisions, buffers, gpu, mixed, updates_wait=False).lower_eval()
+    return _SidePrograms(order, prof, profile_of, decisions, buffers, gpu, mixed, updates_wait=False).lower_eval()
 
 
 def lower_redo(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str, str],
@@ -198,7 +198,7 @@ def lower_redo(order: list[str], prof: dict[str, BlockProfile], profile_of: dict
     SSD home (the executor reads the last commit's version, from before the step), updates it
     again with the gradient it kept in DRAM (now clipped), writes it home and releases the
     gradient."""
-    return _Lowering(order, prof, profile_of, decisions, buffers, gpu, mixed, updates_wait=True).lower_redo()
+    return _SidePrograms(order, prof, profile_of, decisions, buffers, gpu, mixed, updates_wait=True).lower_redo()
 
 
 def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str, str],
@@ -385,52 +385,6 @@ class _Lowering:
         if not self.overlap:
             self.optimizer()
         return self.e.instrs
-
-    def lower_eval(self) -> list[Instr]:
-        """`lower_eval`'s instructions."""
-        e, gpu = self.e, self.gpu
-        for x in self.carried:  # the latest version: read from its DRAM copy, which stays
-            e.where[(x, "dram")] = None
-            self.home[x] = "dram"
-        prefetch = self.decisions.prefetch
-        for m in range(self.decisions.grad_accum):
-            frees: dict[str, int] = {}
-            x_made: dict[str, int] = {}
-            for b in self.order:
-                ready = None
-                if self.streams(b):
-                    gate = self.gate(frees, self.streamed, b, 1 + prefetch)
-                    for x in self.state(b):
-                        ready = e.move(x, self.home[x], gpu, (gate,))
-                foreign = self.load_foreign(b)
-                nxt = self.order[self.order.index(b) + 1] if b != self.last_fwd else None
-                allocs = (f"X:{nxt}",) if nxt and self.has(f"X:{nxt}") else ()
-                c = e.emit("compute", self.comp, (ready, *foreign, x_made.get(b)), segment=f"fwd:{b}",
-                           allocs=allocs, workspace=self.ws("fwd", b), micro=m)
-                self.release_foreign(c)
-                for a in allocs:
-                    e.where[(a, gpu)] = c
-                    x_made[nxt] = c
-                if self.has(f"X:{b}"):
-                    e.free(f"X:{b}", gpu, (c,))
-                if self.streams(b):
-                    frees[b] = self.free_state(b, c)
-        return e.instrs
-
-    def lower_redo(self) -> list[Instr]:
-        """`lower_redo`'s instructions."""
-        self.redoing = True
-        e = self.e
-        for x in self.carried:  # the speculated update's result, which the redo replaces
-            e.where[(x, "dram")] = None
-        for b in reversed(self.order):
-            if b in self.spec:
-                e.where[(f"G:{b}", "dram")] = None
-                for x in self.carried:
-                    if block_of(x) == b:  # read again from the commit this step made of the one before
-                        e.free(x, "dram")
-                self.update(b, ())
-        return e.instrs
 
     def write_back_carried(self) -> None:
         """The previous step's deferred write-backs (`Decisions.deferred_writes`), then the commit
@@ -688,3 +642,55 @@ def write_new(e: Emitter, buf: str, at: str, home: str, after: int, gpu: str) ->
     w = e.move(buf, at, home, (after,))
     e.free(buf, at, (w,))
     return w
+
+
+class _SidePrograms(_Lowering):
+    """The programs a plan runs besides its step, emitted with the step's machinery (the same
+    homes, prefetch FIFO and updates): one evaluation batch (`lower_eval`) and a speculating
+    plan's redo (`lower_redo`)."""
+
+    def lower_eval(self) -> list[Instr]:
+        """`lower_eval`'s instructions."""
+        e, gpu = self.e, self.gpu
+        for x in self.carried:  # the latest version: read from its DRAM copy, which stays
+            e.where[(x, "dram")] = None
+            self.home[x] = "dram"
+        prefetch = self.decisions.prefetch
+        for m in range(self.decisions.grad_accum):
+            frees: dict[str, int] = {}
+            x_made: dict[str, int] = {}
+            for b in self.order:
+                ready = None
+                if self.streams(b):
+                    gate = self.gate(frees, self.streamed, b, 1 + prefetch)
+                    for x in self.state(b):
+                        ready = e.move(x, self.home[x], gpu, (gate,))
+                foreign = self.load_foreign(b)
+                nxt = self.order[self.order.index(b) + 1] if b != self.last_fwd else None
+                allocs = (f"X:{nxt}",) if nxt and self.has(f"X:{nxt}") else ()
+                c = e.emit("compute", self.comp, (ready, *foreign, x_made.get(b)), segment=f"fwd:{b}",
+                           allocs=allocs, workspace=self.ws("fwd", b), micro=m)
+                self.release_foreign(c)
+                for a in allocs:
+                    e.where[(a, gpu)] = c
+                    x_made[nxt] = c
+                if self.has(f"X:{b}"):
+                    e.free(f"X:{b}", gpu, (c,))
+                if self.streams(b):
+                    frees[b] = self.free_state(b, c)
+        return e.instrs
+
+    def lower_redo(self) -> list[Instr]:
+        """`lower_redo`'s instructions."""
+        self.redoing = True
+        e = self.e
+        for x in self.carried:  # the speculated update's result, which the redo replaces
+            e.where[(x, "dram")] = None
+        for b in reversed(self.order):
+            if b in self.spec:
+                e.where[(f"G:{b}", "dram")] = None
+                for x in self.carried:
+                    if block_of(x) == b:  # read again from the commit this step made of the one before
+                        e.free(x, "dram")
+                self.update(b, ())
+        return e.instrs
