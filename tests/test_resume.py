@@ -2,8 +2,9 @@
 logs survive crashes; Ctrl-C stops at a safe point.
 
 The run is the README's fine-tune on a tiny pretrained LLaMA: prompt/completion JSONL tokenized by
-its own tokenizer, training state on the SSD, 4 microbatches a step, clipping, 2 epochs of 5
-steps, warmup + cosine, an evaluation every 3 steps and after the last. Runs go through the CLI in
+its own tokenizer, training state on the SSD, 4 microbatches a step, clipping with speculated
+updates redone when it fires and deferred write-backs (`PLAN`), 2 epochs of 5 steps, warmup +
+cosine, an evaluation every 3 steps and after the last. Runs go through the CLI in
 this process (`main`), or, where a run must be killed, in a child process that SIGKILLs or
 SIGINTs itself at a chosen point (`CHILD`).
 """
@@ -28,6 +29,11 @@ from tests.test_finetune import LR, pairs, recipe, write_jsonl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVAL_AT = 10, (3, 6, 9, 10)
+PLAN = ["--hw", "lohan-rtx4090", "--policy", "lohan", "--precision", "fp32", "--batch", "2", "--seq", "24",
+        "--gpu-mem", "1MB", "--lr", str(LR), "--grad-accum", "4", "--max-grad-norm", "1", "--clip-rate", "0"]
+"""Training state on the SSD; CPU updates that speculate (the clip fires every step here: each is
+redone from the last commit) and the last blocks' write-backs deferred into the next step, which
+commits the one before."""
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +43,9 @@ def base(tmp_path_factory):
     d = tmp_path_factory.mktemp("resume")
     ckpt, _tok, _rows, _held, train, evals = recipe(d)
     plan = d / "plan.json"
-    assert main(["plan", f"hf:{ckpt}", "--hw", "lohan-rtx4090", "--policy", "zero-infinity", "--precision", "fp32",
-                 "--batch", "2", "--seq", "24", "--gpu-mem", "1MB", "--lr", str(LR), "--grad-accum", "4",
-                 "--max-grad-norm", "1", "--lr-scheduler", "cosine", "--warmup-steps", "2", "-o", str(plan)]) == 0
+    assert main(["plan", f"hf:{ckpt}", *PLAN, "--lr-scheduler", "cosine", "--warmup-steps", "2", "-o", str(plan)]) == 0
+    decided = json.loads(plan.read_text())["decisions"]
+    assert decided["speculated"] and decided["deferred_writes"]  # the hardest case of crash consistency
     out = {"dir": d, "plan": plan, "train": train, "eval": evals, "other": write_jsonl(d / "other.jsonl", pairs(40, 5))}
     assert main(args(out, d / "ref")) == 0
     out["weights"], out["evals"] = exported(d / "ref", d / "ref-out"), eval_losses(d / "ref")
@@ -180,9 +186,7 @@ def test_a_replan_of_the_schedule_alone_is_a_changed_input_and_diff_names_it(bas
     schedule`; `tensorstow diff` names both options (it called the two plans identical)."""
     other = tmp_path / "linear.json"
     opts = json.loads(Path(base["plan"]).read_text())["options"]
-    assert main(["plan", opts["model"], "--hw", "lohan-rtx4090", "--policy", "zero-infinity", "--precision", "fp32",
-                 "--batch", "2", "--seq", "24", "--gpu-mem", "1MB", "--lr", str(LR), "--grad-accum", "4",
-                 "--max-grad-norm", "1", "--lr-scheduler", "linear", "-o", str(other)]) == 0
+    assert main(["plan", opts["model"], *PLAN, "--lr-scheduler", "linear", "-o", str(other)]) == 0
     capsys.readouterr()
     assert main(["diff", str(base["plan"]), str(other)]) == 1
     shown = capsys.readouterr().out
