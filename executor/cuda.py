@@ -41,17 +41,18 @@ import torch
 
 from tensorstow.errors import TensorstowError
 from tensorstow.schema.hardware import CPU_GPU_NAME, CUDA_WORKSPACE_BYTES
+from tensorstow.schema.schedule import InstrKind
 
 
 def on_host(ins) -> bool:
     """Whether the instruction is host work (its lane's thread does it) rather than device work."""
-    if ins.kind == "optimizer_step":
+    if ins.kind == InstrKind.OPTIMIZER_STEP:
         return ins.dst == "cpu"
-    if ins.kind in ("load", "store"):
+    if ins.kind in (InstrKind.LOAD, InstrKind.STORE):
         return not (ins.src.startswith("gpu") or ins.dst.startswith("gpu"))
-    if ins.kind == "free":
+    if ins.kind == InstrKind.FREE:
         return not ins.dst.startswith("gpu")
-    return ins.kind in ("send", "commit")  # a transfer the lane's thread waits for; the SSD store's commit
+    return ins.kind in (InstrKind.SEND, InstrKind.COMMIT)  # a transfer the lane's thread waits for; the SSD store's commit
 
 
 class HostLanes:

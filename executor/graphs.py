@@ -29,6 +29,7 @@ import torch
 from tensorstow.errors import TensorstowError
 from tensorstow.executor.cuda import HostLanes, on_host
 from tensorstow.schema.run import GRAPHS
+from tensorstow.schema.schedule import InstrKind
 
 WARMUP = 2
 """Eager steps before the capture: the first runs build the segments' code, the library handles
@@ -76,11 +77,11 @@ def blockers(ex) -> list[str]:
     prog, out = ex.program, []
     if ex.device.type not in BACKENDS:
         out.append(f"the device tier is {ex.device.type} memory (graphs are CUDA's)")
-    host = sorted({_HOST_WORK.get((i.kind, i.dst if i.kind != "load" else i.src), i.kind)
+    host = sorted({_HOST_WORK.get((i.kind, i.dst if i.kind != InstrKind.LOAD else i.src), i.kind)
                    for i in ex.instrs if on_host(i)})
     if host:
         out.append(f"the step has host work ({', '.join(host)})")
-    elif any(i.kind in ("load", "store") for i in ex.instrs):  # a replay would copy at the capture's host addresses
+    elif any(i.kind in (InstrKind.LOAD, InstrKind.STORE) for i in ex.instrs):  # a replay would copy at the capture's host addresses
         out.append("the step copies buffers to and from DRAM")
     if ex.scaler is not None:
         out.append("fp16 loss scaling decides on the host whether a step updates")
@@ -95,9 +96,9 @@ def blockers(ex) -> list[str]:
     return out
 
 
-_HOST_WORK = {("optimizer_step", "cpu"): "the CPU optimizer", ("free", "dram"): "DRAM frees",
-              ("free", "ssd"): "SSD frees", ("store", "ssd"): "SSD writes", ("load", "ssd"): "SSD reads",
-              ("commit", "ssd"): "SSD commits"}
+_HOST_WORK = {(InstrKind.OPTIMIZER_STEP, "cpu"): "the CPU optimizer", (InstrKind.FREE, "dram"): "DRAM frees",
+              (InstrKind.FREE, "ssd"): "SSD frees", (InstrKind.STORE, "ssd"): "SSD writes",
+              (InstrKind.LOAD, "ssd"): "SSD reads", (InstrKind.COMMIT, "ssd"): "SSD commits"}
 
 
 class Graphs:

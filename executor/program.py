@@ -25,11 +25,11 @@ from tensorstow.ir.models import IGNORE_INDEX
 from tensorstow.ir.trace import Traced, model_dims, trace_model
 from tensorstow.schema.options import param_groups_of
 from tensorstow.schema.plan import Plan, as_plan
-from tensorstow.schema.schedule import (HELD_KINDS, MADE_BY_COMPUTE, BufferKind, Instr, block_gpus, block_of,
+from tensorstow.schema.schedule import (HELD_KINDS, MADE_BY_COMPUTE, BufferKind, Instr, InstrKind, block_gpus, block_of,
                                         buffer_kind, carried_buffers, gpu_index, gpu_tier, home_tiers, runs_on,
                                         split_micro, split_segment)
 
-KINDS = ("compute", "recompute", "load", "store", "free", "optimizer_step", "send", "commit")
+KINDS = tuple(InstrKind)
 """The instruction kinds an executor runs (`runtime.HANDLERS`)."""
 
 
@@ -139,7 +139,7 @@ class Program:
                 for r in roots:
                     self.holders[r].append(buf)
         self._holders_of: dict[tuple[str, int], list[str]] = {}  # `holders_of`, made once per key
-        recomputed = {i.segment for i in self.instrs if i.kind == "recompute"}
+        recomputed = {i.segment for i in self.instrs if i.kind == InstrKind.RECOMPUTE}
         self.random_segments = {name for name in recomputed if _draws_random(self.joint.segments[name])}
         """Recomputed segments that draw random numbers (dropout): their recompute replays the
         generator state their first run started from, so masks equal the original forward's."""
@@ -175,20 +175,20 @@ class Program:
                                       f"runs {', '.join(KINDS)})")
             if not runs_on(ins, g, self.block_gpu, plan.buffers):
                 continue
-            if ins.kind in ("compute", "recompute") and not self._known_segment(ins):
+            if ins.kind in (InstrKind.COMPUTE, InstrKind.RECOMPUTE) and not self._known_segment(ins):
                 raise TensorstowError(f"plan instruction {k}: unknown segment '{ins.segment}'")
-            if ins.kind in ("compute", "recompute") and ins.stream != f"{g}.compute":
+            if ins.kind in (InstrKind.COMPUTE, InstrKind.RECOMPUTE) and ins.stream != f"{g}.compute":
                 raise TensorstowError(f"plan instruction {k}: segments run on {g}.compute, not "
                                       f"'{ins.stream}' (one device, one compute stream)")
-            if ins.kind in ("load", "store") and (ins.src, ins.dst) not in links:
+            if ins.kind in (InstrKind.LOAD, InstrKind.STORE) and (ins.src, ins.dst) not in links:
                 raise TensorstowError(f"plan instruction {k}: no copy {ins.src} -> {ins.dst} (this executor "
                                       f"drives {g}, with dram and ssd)")
-            if ins.kind == "send" and (self.comm is None or not (ins.src.startswith("gpu") and ins.dst.startswith("gpu"))):
+            if ins.kind == InstrKind.SEND and (self.comm is None or not (ins.src.startswith("gpu") and ins.dst.startswith("gpu"))):
                 raise TensorstowError(f"plan instruction {k}: a send {ins.src} -> {ins.dst} needs one process "
                                       f"per GPU (`tensorstow execute PLAN --nproc N`)")
-            if ins.kind == "free" and ins.dst not in (g, "dram", "ssd"):
+            if ins.kind == InstrKind.FREE and ins.dst not in (g, "dram", "ssd"):
                 raise TensorstowError(f"plan instruction {k}: unknown tier '{ins.dst}'")
-            if ins.kind == "optimizer_step" and ins.dst not in ("cpu", g):
+            if ins.kind == InstrKind.OPTIMIZER_STEP and ins.dst not in ("cpu", g):
                 raise TensorstowError(f"plan instruction {k}: optimizer device '{ins.dst}' is not cpu or {g}")
             if ins.micro >= self.M:
                 raise TensorstowError(f"plan instruction {k}: microbatch {ins.micro} of {self.M}")
@@ -205,15 +205,15 @@ class Program:
             return True
         phase, _, b = seg.partition(":")
         if phase in ("bwd1", "bwd2"):  # a cut backward (`_add_backward_parts`)
-            return ins.kind == "compute" and f"bwd:{b}" in self.joint.segments
-        return ins.kind == "recompute" and phase == "refwd" and f"fwd:{b}" in self.joint.segments
+            return ins.kind == InstrKind.COMPUTE and f"bwd:{b}" in self.joint.segments
+        return ins.kind == InstrKind.RECOMPUTE and phase == "refwd" and f"fwd:{b}" in self.joint.segments
 
     def _add_reforwards(self) -> None:
         """The `refwd:<b>` segments a partial swap's recompute runs: the part of b's forward that
         makes R:<b> again from what A:<b> brought back (and X, P)."""
         for ins in self.instrs:
             phase, b = split_segment(ins.segment)
-            if ins.kind != "recompute" or phase != "refwd" or ins.segment in self.joint.segments:
+            if ins.kind != InstrKind.RECOMPUTE or phase != "refwd" or ins.segment in self.joint.segments:
                 continue
             given = [r for x in (f"A:{b}", f"AE:{b}") for r in self.members.get(x, ())]
             if not ins.allocs or set(ins.allocs) - {f"R:{b}", f"RE:{b}"} or not given:
@@ -243,13 +243,13 @@ class Program:
     def _check_references(self, instrs: list[Instr]) -> None:
         """Every buffer an instruction names exists, and each kind creates what it can."""
         for ins in instrs:
-            named = [ins.tensor] if ins.kind in ("load", "store", "free") else []
+            named = [ins.tensor] if ins.kind in (InstrKind.LOAD, InstrKind.STORE, InstrKind.FREE) else []
             for n in named + list(ins.allocs):
                 if n not in self.layouts:
                     raise TensorstowError(f"plan instruction {ins.id}: unknown buffer '{n}'; re-plan it")
-            if ins.kind in ("compute", "recompute"):
+            if ins.kind in (InstrKind.COMPUTE, InstrKind.RECOMPUTE):
                 bad = [a for a in ins.allocs if buffer_kind(a) not in MADE_BY_COMPUTE]
-            elif ins.kind == "optimizer_step":
+            elif ins.kind == InstrKind.OPTIMIZER_STEP:
                 if not self.block_params.get(ins.segment):
                     raise TensorstowError(f"plan instruction {ins.id}: '{ins.segment}' is not a block "
                                           f"with parameters")
@@ -331,14 +331,14 @@ class Program:
         present = set(self.homes.items())
         last_made: dict[str, int] = {}
         for ins in instrs:
-            if ins.kind in ("load", "store", "send"):
+            if ins.kind in (InstrKind.LOAD, InstrKind.STORE, InstrKind.SEND):
                 present.add((ins.tensor, ins.dst))
-            elif ins.kind == "free":
+            elif ins.kind == InstrKind.FREE:
                 present.discard((ins.tensor, ins.dst))
-            elif ins.kind == "optimizer_step":
+            elif ins.kind == InstrKind.OPTIMIZER_STEP:
                 for a in ins.allocs:
                     present.add((a, "dram" if ins.dst == "cpu" else ins.dst))
-            elif ins.kind in ("compute", "recompute"):
+            elif ins.kind in (InstrKind.COMPUTE, InstrKind.RECOMPUTE):
                 seg = j.segments[ins.segment]
                 need = set(seg.ext_roots)
                 for a in ins.allocs + ins.accum:
@@ -366,13 +366,13 @@ class Program:
         keep = {}
         loss_done: dict[int, bool] = {}
         for ins in instrs:
-            if ins.kind not in ("compute", "recompute"):
+            if ins.kind not in (InstrKind.COMPUTE, InstrKind.RECOMPUTE):
                 continue
             seg = j.segments[ins.segment]
             k = set()
             for a in ins.allocs + ins.accum:
                 k |= set(self.members.get(a, ())) & seg.produced
-            if j.loss in seg.produced and ins.kind == "compute" and not loss_done.get(ins.micro):
+            if j.loss in seg.produced and ins.kind == InstrKind.COMPUTE and not loss_done.get(ins.micro):
                 k.add(j.loss)
                 loss_done[ins.micro] = True
             keep[ins.id] = frozenset(k)

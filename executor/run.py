@@ -35,7 +35,7 @@ from tensorstow.ir.models import build_for_execution, resolve_model
 from tensorstow.planner.simulate import plan_commit_s, sync_step_s
 from tensorstow.schema.plan import Plan
 from tensorstow.schema.run import Run
-from tensorstow.schema.schedule import block_gpus, gpu_tier
+from tensorstow.schema.schedule import InstrKind, block_gpus, gpu_tier
 
 
 def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, comm=None) -> dict:
@@ -560,7 +560,7 @@ def pick_mode(mode: str, plan: Plan | None = None) -> str:
         if plan is None or plan.ssd_sizes():
             return "overlap"
         dram = any(v for k, v in plan.predicted.traffic_bytes.items() if "dram" in k.split("->"))
-        computes = [i.est_s for i in plan.instructions if i.kind == "compute"]
+        computes = [i.est_s for i in plan.instructions if i.kind == InstrKind.COMPUTE]
         long_enough = bool(computes) and statistics.median(computes) >= OVERLAP_MIN_COMPUTE_S
         return "overlap" if dram and long_enough else "sync"
     return "overlap" if lane_cores(device, torch.get_num_threads()) else "sync"

@@ -67,7 +67,7 @@ from tensorstow.ir.models import build_for_execution, resolve_model
 from tensorstow.ir.trace import Traced
 from tensorstow.planner.simulate import SimResult, perfetto_trace
 from tensorstow.schema.plan import as_plan
-from tensorstow.schema.schedule import (CPU_OPTIMIZER, BufferKind, Instr, block_of, buffer_kind, gpu_index, resource_of,
+from tensorstow.schema.schedule import (CPU_OPTIMIZER, BufferKind, Instr, InstrKind, block_of, buffer_kind, gpu_index, resource_of,
                                         split_segment)
 
 MODES = ("sync", "overlap")
@@ -718,7 +718,7 @@ class Executor:
         if ins.segment not in self.program.random_segments:
             return self._run_segment(ins)
         gen = torch.cuda if self.device.type == "cuda" else torch
-        if ins.kind == "compute":
+        if ins.kind == InstrKind.COMPUTE:
             self.rng_states[ins.segment] = gen.get_rng_state()
             return self._run_segment(ins)
         now = gen.get_rng_state()
@@ -973,14 +973,14 @@ class Executor:
 
 
 HANDLERS = {
-    "compute": Executor._compute,
-    "recompute": Executor._compute,
-    "load": Executor._copy,
-    "store": Executor._copy,
-    "free": Executor._free,
-    "optimizer_step": Executor._optimizer_step,
-    "send": Executor._send,
-    "commit": Executor._commit_previous,
+    InstrKind.COMPUTE: Executor._compute,
+    InstrKind.RECOMPUTE: Executor._compute,
+    InstrKind.LOAD: Executor._copy,
+    InstrKind.STORE: Executor._copy,
+    InstrKind.FREE: Executor._free,
+    InstrKind.OPTIMIZER_STEP: Executor._optimizer_step,
+    InstrKind.SEND: Executor._send,
+    InstrKind.COMMIT: Executor._commit_previous,
 }
 
 
@@ -989,13 +989,13 @@ class _Upstream(Exception):
 
 
 def _describe(ins: Instr) -> str:
-    if ins.kind in ("compute", "recompute"):
+    if ins.kind in (InstrKind.COMPUTE, InstrKind.RECOMPUTE):
         return f"{ins.kind} {ins.segment}"
-    if ins.kind == "optimizer_step":
+    if ins.kind == InstrKind.OPTIMIZER_STEP:
         return f"optimizer_step {ins.segment} on {ins.dst}"
-    if ins.kind == "free":
+    if ins.kind == InstrKind.FREE:
         return f"free {ins.tensor} on {ins.dst}"
-    if ins.kind == "send":
+    if ins.kind == InstrKind.SEND:
         return f"send {ins.tensor} {ins.src}->{ins.dst}"
     return f"{ins.kind} {ins.tensor} {ins.src}->{ins.dst}"
 

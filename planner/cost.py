@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from tensorstow.ir.graph import FLASH_MIN_CAPABILITY, Graph, attention_flops, draws_random, flash_eligible, lsum, numel
 from tensorstow.schema.hardware import CPU_GPU_NAME, Hardware
-from tensorstow.schema.schedule import gpu_index
+from tensorstow.schema.schedule import InstrKind, gpu_index
 
 # Bytes moved per parameter by one Adam step on the GPU: read param, grad, master, m, v and
 # write master, m, v, param (mixed precision: 2+2+4+4+4 read, 4+4+4+2 written).
@@ -124,7 +124,7 @@ def commit_time(hw, instrs) -> float:
     store runs each as its write completes, and `transfer_time` prices it with the write. It runs
     after the step's last instruction (`simulate`: beside the next step, in one process). 0 where
     the plan writes nothing to SSD. [OURS]"""
-    return hw.ssd.commit_s if any(i.kind == "store" and i.dst == "ssd" for i in instrs) else 0.0
+    return hw.ssd.commit_s if any(i.kind == InstrKind.STORE and i.dst == "ssd" for i in instrs) else 0.0
 
 
 def op_time(flops: int, nbytes: int, hw: Hardware, gpu: int = 0, fp32: bool = False, kind: str = "") -> float:

@@ -9,7 +9,7 @@ The buffer kinds and the names they use are `schema.schedule`'s.
 from __future__ import annotations
 
 from tensorstow.planner.cost import BlockProfile
-from tensorstow.schema.schedule import (OPTIMIZER_INPUTS, TIERS, BlockDecision, Buffer, BufferKind, Decisions, Instr,
+from tensorstow.schema.schedule import (OPTIMIZER_INPUTS, TIERS, BlockDecision, Buffer, BufferKind, Decisions, Instr, InstrKind,
                                         block_of, buffer_kind, carried_buffers, tier_class)
 
 
@@ -137,7 +137,7 @@ class Emitter:
         for that copy's free; an `ssd.read` waits for the latest `ssd.first` read
         (`ssd_read_stream`), and an update or SSD write for the previous step's commit."""
         made = [(a, stream.split(".")[0] if stream != "cpu.opt" else "dram") for a in kw.get("allocs", ())]
-        if kind in ("load", "store", "send"):
+        if kind in (InstrKind.LOAD, InstrKind.STORE, InstrKind.SEND):
             made.append((kw["tensor"], kw["dst"]))
         deps = (*deps, *(self.freed.get(m) for m in made))
         if self.reads_first and stream == "ssd.read":  # paced by the reads for computations
@@ -159,7 +159,7 @@ class Emitter:
         for a, b in zip(path, path[1:]):
             stream = {("ssd", "dram"): ssd_read_stream(buf, self.reads_first), ("dram", "ssd"): "ssd.write",
                       ("dram", g): f"{g}.h2d", (g, "dram"): f"{g}.d2h"}[(a, b)]
-            kind = "load" if TIERS.index(tier_class(b)) < TIERS.index(tier_class(a)) else "store"
+            kind = InstrKind.LOAD if TIERS.index(tier_class(b)) < TIERS.index(tier_class(a)) else InstrKind.STORE
             last = self.emit(kind, stream, (*deps, last, self.where.get((buf, a))), tensor=buf, src=a, dst=b)
             self.where[(buf, b)] = last
             if a != src:  # an intermediate hop: release it once the next hop is done
@@ -175,7 +175,7 @@ class Emitter:
             stream = self.instrs[on if on is not None else max(deps)].stream
         else:
             stream = f"{self.gpu}.compute" if tier == self.gpu else ("cpu.opt" if tier == "dram" else "ssd.write")
-        i = self.emit("free", stream, deps, tensor=buf, dst=tier)
+        i = self.emit(InstrKind.FREE, stream, deps, tensor=buf, dst=tier)
         self.where.pop((buf, tier), None)
         self.freed[(buf, tier)] = i
         return i
@@ -397,7 +397,7 @@ class _Lowering:
             if buffer_kind(x) is not BufferKind.P:
                 e.free(x, "dram", (self.written_back[x],))
         if self.carried:
-            e.commit = e.emit("commit", "ssd.commit", tuple(self.written_back.values()))
+            e.commit = e.emit(InstrKind.COMMIT, "ssd.commit", tuple(self.written_back.values()))
 
     def forward(self, b: str) -> None:
         """Block b's forward: its loads, its compute, then its activations and input checkpoint
@@ -418,7 +418,7 @@ class _Lowering:
             allocs.append(f"X:{nxt}")
         # Back-pressure: a forward may run at most prefetch+1 blocks ahead of the swap-outs.
         gate_swap = self.gate(self.swap_outs, self.order, b, 2 + prefetch)
-        c = self.last_comp = e.emit("compute", self.comp, (p_ready, gate_swap, checkpointed, *foreign),
+        c = self.last_comp = e.emit(InstrKind.COMPUTE, self.comp, (p_ready, gate_swap, checkpointed, *foreign),
                                     segment=f"fwd:{b}", allocs=tuple(allocs), workspace=self.ws("fwd", b),
                                     micro=self.micro)
         self.release_foreign(c)
@@ -473,10 +473,10 @@ class _Lowering:
             if d.activations in ("swap_dram", "swap_ssd"):
                 self.swap_in(b, acts, deps)
                 if rests:  # the rest of what the backward reads, made again from X and A
-                    deps.append(e.emit("recompute", self.comp, tuple(deps), segment=f"refwd:{b}", allocs=tuple(rests),
+                    deps.append(e.emit(InstrKind.RECOMPUTE, self.comp, tuple(deps), segment=f"refwd:{b}", allocs=tuple(rests),
                                        workspace=self.ws("refwd", b), micro=self.micro))
             elif d.activations == "recompute":
-                r = e.emit("recompute", self.comp, tuple(deps), segment=f"fwd:{b}", allocs=tuple(acts),
+                r = e.emit(InstrKind.RECOMPUTE, self.comp, tuple(deps), segment=f"fwd:{b}", allocs=tuple(acts),
                            workspace=self.ws("fwd", b), micro=self.micro)
                 deps.append(r)
         if has(f"X:{b}") and d.checkpoint != "gpu":
@@ -516,18 +516,18 @@ class _Lowering:
             self.cpu_grads.append(b)
         self.room = None
         if split_backward(self.prof[self.profile_of[b]], d):  # LoHan §IV-D: release what only the first part reads
-            c1 = e.emit("compute", self.comp, tuple(deps), segment=f"bwd1:{b}",
+            c1 = e.emit(InstrKind.COMPUTE, self.comp, tuple(deps), segment=f"bwd1:{b}",
                         allocs=(f"K:{b}",) if has(f"K:{b}") else (), workspace=self.ws("bwd1", b), micro=self.micro)
             self.room = c1
             for x in (f"AE:{b}", f"RE:{b}"):
                 if has(x):
                     self.room = e.free(x, gpu, (c1,))
-            c = e.emit("compute", self.comp, (c1,), segment=f"bwd2:{b}", allocs=allocs, accum=accum,
+            c = e.emit(InstrKind.COMPUTE, self.comp, (c1,), segment=f"bwd2:{b}", allocs=allocs, accum=accum,
                        workspace=self.ws("acc" if adds else "bwd2", b), micro=self.micro)
             if has(f"K:{b}"):
                 e.free(f"K:{b}", gpu, (c,))
         else:
-            c = e.emit("compute", self.comp, tuple(deps), segment=f"bwd:{b}", allocs=allocs, accum=accum,
+            c = e.emit(InstrKind.COMPUTE, self.comp, tuple(deps), segment=f"bwd:{b}", allocs=allocs, accum=accum,
                        workspace=self.ws("acc" if adds else "bwd", b), micro=self.micro)
         self.last_comp = c
         return c, allocs
@@ -610,7 +610,7 @@ class _Lowering:
             e.free(f"G:{b}", "ssd", (g_in,))
             ready.append(g_in)
         fresh = (f"P:{b}",) if self.mixed and home[f"P:{b}"] != tier else ()
-        u = e.emit("optimizer_step", "cpu.opt" if dev == "cpu" else self.comp, tuple(ready), segment=b,
+        u = e.emit(InstrKind.OPTIMIZER_STEP, "cpu.opt" if dev == "cpu" else self.comp, tuple(ready), segment=b,
                    dst=dev, allocs=fresh, workspace=self.ws("opt", b))
         if b not in self.spec or self.redoing:  # a speculated update's gradient waits for the norm
             self.g_freed[b] = e.free(f"G:{b}", tier, (u,))
@@ -668,7 +668,7 @@ class _SidePrograms(_Lowering):
                 foreign = self.load_foreign(b)
                 nxt = self.order[self.order.index(b) + 1] if b != self.last_fwd else None
                 allocs = (f"X:{nxt}",) if nxt and self.has(f"X:{nxt}") else ()
-                c = e.emit("compute", self.comp, (ready, *foreign, x_made.get(b)), segment=f"fwd:{b}",
+                c = e.emit(InstrKind.COMPUTE, self.comp, (ready, *foreign, x_made.get(b)), segment=f"fwd:{b}",
                            allocs=allocs, workspace=self.ws("fwd", b), micro=m)
                 self.release_foreign(c)
                 for a in allocs:

@@ -22,7 +22,7 @@ from tensorstow.planner.pipeline import lower_pipeline, pipeline_buffers
 from tensorstow.planner.problem import Problem, waits_for_every_gradient
 from tensorstow.planner.result import PlanResult, durations, fmt_bytes
 from tensorstow.planner.simulate import compute_slowdown, contention, simulate
-from tensorstow.schema.schedule import TIERS, Decisions, Instr, carried_buffers, final_residency, initial_residency
+from tensorstow.schema.schedule import TIERS, Decisions, Instr, InstrKind, carried_buffers, final_residency, initial_residency
 
 
 def schedule(problem: Problem, decisions: Decisions, wait: bool = False) -> PlanResult:
@@ -140,7 +140,7 @@ def defer_writes(plan: PlanResult) -> PlanResult:
             or (waits_for_every_gradient(problem.options) and not d.speculated)
             or d.deferred_writes or not plan.fits):
         return plan
-    updated = [i.segment for i in plan.instructions if i.kind == "optimizer_step"]
+    updated = [i.segment for i in plan.instructions if i.kind == InstrKind.OPTIMIZER_STEP]
     blocks = [b for b in reversed(updated)
               if carried_buffers(dataclasses.replace(d, deferred_writes=(b,)), plan.buffers)]
     best = plan

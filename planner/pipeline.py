@@ -30,7 +30,7 @@ import dataclasses
 
 from tensorstow.planner.cost import BlockProfile
 from tensorstow.planner.lower import Emitter, buffers_for, write_new
-from tensorstow.schema.schedule import PER_MICRO, Buffer, BufferKind, Decisions, Instr, buffer_kind, home_tiers
+from tensorstow.schema.schedule import PER_MICRO, Buffer, BufferKind, Decisions, Instr, InstrKind, buffer_kind, home_tiers
 
 
 def pipeline_buffers(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str, str],
@@ -230,7 +230,7 @@ class _Pipeline:
                 nb = self.nxt.get(b)
                 if nb and self.has(f"X:{nb}@{m}"):
                     allocs.append(f"X:{nb}@{m}")
-                c = e.emit("compute", f"{g}.compute", deps, segment=f"fwd:{b}", micro=m, allocs=tuple(allocs),
+                c = e.emit(InstrKind.COMPUTE, f"{g}.compute", deps, segment=f"fwd:{b}", micro=m, allocs=tuple(allocs),
                            workspace=f"W:fwd:{b}" if self.has(f"W:fwd:{b}") else "")
                 self.release_foreign(g, c)
                 for a in allocs:
@@ -251,7 +251,7 @@ class _Pipeline:
 
     def send(self, buf: str, src: str, dst: str, after: int) -> int:
         """`buf` from GPU src to GPU dst after `after` (Mobius Eq. 8)."""
-        s = self.e.emit("send", f"{src}.send", (after,), tensor=buf, src=src, dst=dst)
+        s = self.e.emit(InstrKind.SEND, f"{src}.send", (after,), tensor=buf, src=src, dst=dst)
         self.e.where[(buf, dst)] = s
         return s
 
@@ -278,7 +278,7 @@ class _Pipeline:
                     deps.append(e.move(x, "dram", g, (self.gate_ring(g),)))
                     e.free(x, "dram", (deps[-1],))
                 if self.has(f"A:{b}@{m}") and d.activations == "recompute":
-                    r = e.emit("recompute", f"{g}.compute", tuple(deps), segment=f"fwd:{b}", micro=m,
+                    r = e.emit(InstrKind.RECOMPUTE, f"{g}.compute", tuple(deps), segment=f"fwd:{b}", micro=m,
                                allocs=(f"A:{b}@{m}",),
                                workspace=f"W:fwd:{b}" if self.has(f"W:fwd:{b}") else "")
                     deps.append(r)
@@ -294,7 +294,7 @@ class _Pipeline:
                         accum = (f"G:{b}",)
                         deps.append(last.get(b))
                 ws = next((w for w in (f"W:acc:{b}", f"W:bwd:{b}") if self.has(w)), "")
-                c = e.emit("compute", f"{g}.compute", tuple(deps), segment=f"bwd:{b}", micro=m,
+                c = e.emit(InstrKind.COMPUTE, f"{g}.compute", tuple(deps), segment=f"bwd:{b}", micro=m,
                            allocs=tuple(allocs), accum=accum, workspace=ws)
                 self.release_foreign(g, c)
                 for a in allocs:
@@ -325,7 +325,7 @@ class _Pipeline:
         e, d = self.e, self.dec[b]
         states = [s for s in (f"M:{b}", f"OS:{b}") if self.has(s)]
         if d.optimizer != "cpu":
-            u = e.emit("optimizer_step", f"{g}.compute", (after,), segment=b, dst=g,
+            u = e.emit(InstrKind.OPTIMIZER_STEP, f"{g}.compute", (after,), segment=b, dst=g,
                        workspace=f"W:opt:{b}" if self.has(f"W:opt:{b}") else "")
             e.free(f"G:{b}", g, (u,))
             return
@@ -336,7 +336,7 @@ class _Pipeline:
             if self.home[x] != "dram" and (x, "dram") not in e.where:
                 ready.append(e.move(x, self.home[x], "dram", (after,)))
         fresh = (f"P:{b}",) if self.mixed and self.home[f"P:{b}"] != "dram" else ()
-        u = e.emit("optimizer_step", "cpu.opt", tuple(ready), segment=b, dst="cpu", allocs=fresh)
+        u = e.emit(InstrKind.OPTIMIZER_STEP, "cpu.opt", tuple(ready), segment=b, dst="cpu", allocs=fresh)
         e.free(f"G:{b}", "dram", (u,))
         for x in states + [f"P:{b}"]:
             if self.home[x] == "dram":
@@ -425,7 +425,7 @@ class _DataParallel:
             deps.append(e.where.get((x_in, g)))
         nb = self.order[self.order.index(b) + 1] if b != self.order[-1] else None
         allocs = tuple(x for x in (f"X:{nb}@{k}",) if nb and has(x))
-        c = e.emit("compute", f"{g}.compute", tuple(deps), segment=f"fwd:{b}", micro=k, allocs=allocs,
+        c = e.emit(InstrKind.COMPUTE, f"{g}.compute", tuple(deps), segment=f"fwd:{b}", micro=k, allocs=allocs,
                    workspace=self.ws("fwd", b))
         for a in allocs:
             e.where[(a, g)] = c
@@ -447,13 +447,13 @@ class _DataParallel:
             deps.append(e.move(x_in, "dram", g, (self.ring_gate(),)))
             e.free(x_in, "dram", (deps[-1],))
         if has(f"A:{b}@{k}"):
-            deps.append(e.emit("recompute", f"{g}.compute", tuple(deps), segment=f"fwd:{b}", micro=k,
+            deps.append(e.emit(InstrKind.RECOMPUTE, f"{g}.compute", tuple(deps), segment=f"fwd:{b}", micro=k,
                                allocs=(f"A:{b}@{k}",), workspace=self.ws("fwd", b)))
         nb = order[order.index(b) + 1] if b != order[-1] else None
         if nb and has(f"H:{nb}@{k}"):
             deps.append(e.where.get((f"H:{nb}@{k}", g)))
         allocs = tuple(x for x in (f"G:{b}@{k}", f"T:{b}@{k}", f"H:{b}@{k}") if has(x))
-        c = e.emit("compute", f"{g}.compute", tuple(deps), segment=f"bwd:{b}", micro=k, allocs=allocs,
+        c = e.emit(InstrKind.COMPUTE, f"{g}.compute", tuple(deps), segment=f"bwd:{b}", micro=k, allocs=allocs,
                    workspace=self.ws("bwd", b))
         for a in allocs:
             e.where[(a, g)] = c
@@ -481,7 +481,7 @@ class _DataParallel:
             if b not in self.arrived:
                 continue
             fresh = (f"P:{b}",) if self.mixed and self.home[f"P:{b}"] != "dram" else ()
-            u = e.emit("optimizer_step", "cpu.opt", tuple(self.arrived[b]) + tuple(self.finished), segment=b,
+            u = e.emit(InstrKind.OPTIMIZER_STEP, "cpu.opt", tuple(self.arrived[b]) + tuple(self.finished), segment=b,
                        dst="cpu", allocs=fresh)
             for k in range(len(self.gpus)):
                 e.free(f"G:{b}@{k}", "dram", (u,))

@@ -13,8 +13,8 @@ otherwise: a copy that finds no range waits for another lane to give one back, `
 from __future__ import annotations
 
 from tensorstow.schema.plan import PoolSizes
-from tensorstow.schema.schedule import (PAGE_BYTES, STATE_KINDS, Buffer, Decisions, Instr, carried_buffers, home_tiers,
-                                        runs_on)
+from tensorstow.schema.schedule import (PAGE_BYTES, STATE_KINDS, Buffer, Decisions, Instr, InstrKind, carried_buffers,
+                                        home_tiers, runs_on)
 
 
 def page(n: int) -> int:
@@ -95,11 +95,11 @@ def dram_events(order: list[Instr], blocks: list[str], buffers: dict[str, Buffer
         alloc(n)
     for _ in range(2):
         for ins in order:
-            if ins.kind in ("load", "store") and ins.dst == "dram":
+            if ins.kind in (InstrKind.LOAD, InstrKind.STORE) and ins.dst == "dram":
                 alloc(ins.tensor)
-            elif ins.kind == "free" and ins.dst == "dram" and ins.tensor in here:
+            elif ins.kind == InstrKind.FREE and ins.dst == "dram" and ins.tensor in here:
                 free(ins.tensor)
-            elif ins.kind == "optimizer_step" and ins.dst == "cpu":
+            elif ins.kind == InstrKind.OPTIMIZER_STEP and ins.dst == "cpu":
                 for a in ins.allocs:
                     alloc(a)
     return events

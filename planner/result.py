@@ -15,7 +15,7 @@ from tensorstow.planner.problem import Problem
 from tensorstow.planner.simulate import SimResult, compute_slowdown, contention, simulate
 from tensorstow.schema.plan import (SCHEMA_VERSION, BlockInfo, HardwareInfo, ModelInfo, Plan, PoolSizes, Predicted,
                                     ProfileInfo)
-from tensorstow.schema.schedule import (TIERS, Buffer, Decisions, Instr, final_residency, gpu_index, gpus_of_blocks,
+from tensorstow.schema.schedule import (TIERS, Buffer, Decisions, Instr, InstrKind, final_residency, gpu_index, gpus_of_blocks,
                                         initial_residency, split_segment)
 
 
@@ -161,22 +161,22 @@ def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer],
     # what the converting copy reads: the gradient's 16-bit bytes, where G is sized fp32 for SSD
     half = 2 if problem.mixed and decisions.swap_grads else 1
     for ins in instrs:
-        if ins.kind in ("compute", "recompute"):
+        if ins.kind in (InstrKind.COMPUTE, InstrKind.RECOMPUTE):
             phase, b = split_segment(ins.segment)
             prof = problem.profiles[problem.profile_of[b]]
             out.append({"fwd": prof.fwd_time_s, "bwd": prof.bwd_time_s, "refwd": prof.refwd_time_s,
                         "bwd1": prof.bwd1_time_s, "bwd2": prof.bwd2_time_s}[phase])
-        elif flushes and ins.kind == "store" and buffers[ins.tensor].kind == "gradient" and ins.src.startswith("gpu"):
+        elif flushes and ins.kind == InstrKind.STORE and buffers[ins.tensor].kind == "gradient" and ins.src.startswith("gpu"):
             buf = buffers[ins.tensor]
             out.append(cost.zero3_grad_flush_time(buf.bytes // half, gpu_index(ins.src), flushes, problem.mixed, hw,
                                                   tensors=max(1, len(buf.members))))
-        elif ins.kind in ("load", "store", "send"):
+        elif ins.kind in (InstrKind.LOAD, InstrKind.STORE, InstrKind.SEND):
             buf = buffers[ins.tensor]
             out.append(cost.transfer_time(buf.bytes, ins.src, ins.dst, hw, tensors=max(1, len(buf.members)),
                                           durable=bool(buf.home)))
-        elif ins.kind == "commit":
+        elif ins.kind == InstrKind.COMMIT:
             out.append(cost.commit_time(hw, instrs))
-        elif ins.kind == "optimizer_step":
+        elif ins.kind == InstrKind.OPTIMIZER_STEP:
             prof = problem.profiles[problem.profile_of[ins.segment]]
             out.append(cost.update_time(prof, ins.dst, problem)
                        + (cost.zero3_param_writeback_time(prof.param_bytes, zero3, problem.mixed, hw) if zero3 else 0.0))

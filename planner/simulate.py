@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from tensorstow.ir.graph import lsum
 from tensorstow.planner.cost import commit_time
-from tensorstow.schema.schedule import Instr, final_residency, gpu_index, initial_residency, resource_of
+from tensorstow.schema.schedule import Instr, InstrKind, final_residency, gpu_index, initial_residency, resource_of
 
 
 class ScheduleError(Exception):
@@ -83,12 +83,12 @@ def contention(instrs: list[Instr], hw) -> tuple[list[tuple[str, ...]], dict[str
     extra = []
     for ins in instrs:
         x: tuple[str, ...] = ()
-        if ins.kind == "send" and not hw.gpu_p2p_bw:
+        if ins.kind == InstrKind.SEND and not hw.gpu_p2p_bw:
             a, b = gpu_index(ins.src), gpu_index(ins.dst)
             x = (f"{ins.src}.d2h", f"{ins.dst}.h2d", *up(a, "d2h"), *up(b, "h2d"), *dram)
-        elif ins.kind in ("load", "store") and "ssd" in (ins.src, ins.dst):
+        elif ins.kind in (InstrKind.LOAD, InstrKind.STORE) and "ssd" in (ins.src, ins.dst):
             x = dram
-        elif ins.kind in ("load", "store"):
+        elif ins.kind in (InstrKind.LOAD, InstrKind.STORE):
             g, way = (ins.dst, "h2d") if ins.dst.startswith("gpu") else (ins.src, "d2h")
             x = (*up(gpu_index(g), way), *dram)
         extra.append(x)
@@ -134,7 +134,7 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
             if not 0 <= d < n or d == ins.id:
                 raise ScheduleError(f"instruction {ins.id} depends on invalid id {d}")
     extra, slots = links or ([()] * n, {})
-    if any(i.kind == "commit" for i in instrs):
+    if any(i.kind == InstrKind.COMMIT for i in instrs):
         commit_s = 0.0  # the plan commits the previous step itself, where its state is whole on SSD
     background = commit_background(instrs)
     uses = [(resource_of(instrs[i].stream), *extra[i]) for i in range(n)]
@@ -291,7 +291,7 @@ def _usage(instrs: list[Instr], duration: list[float], uses: list[tuple[str, ...
         for r in uses[ins.id]:
             if r != "dram":
                 busy[r] = busy.get(r, 0.0) + duration[ins.id] / slots.get(r, 1)
-        if ins.kind in ("load", "store", "send"):
+        if ins.kind in (InstrKind.LOAD, InstrKind.STORE, InstrKind.SEND):
             for key in (f"{ins.src}->{ins.dst}", *(r for r in extra[ins.id] if r.startswith("rc"))):
                 traffic[key] = traffic.get(key, 0) + nbytes[ins.tensor]
     return busy, traffic
@@ -307,11 +307,11 @@ def _memory_events(instrs: list[Instr], order: list[int], start: list, end: list
     for k, i in enumerate(order):
         ins = instrs[i]
         dev = _device_tier(ins)
-        if ins.kind == "free":
+        if ins.kind == InstrKind.FREE:
             events.append(((start[i], k, 0), "free", ins.tensor, ins.dst, None, i))
         for a in ins.allocs:
             events.append(((start[i], k, 0), "alloc", a, dev, None, i))
-        if ins.kind in ("load", "store", "send"):
+        if ins.kind in (InstrKind.LOAD, InstrKind.STORE, InstrKind.SEND):
             events.append(((start[i], k, 0), "copy", ins.tensor, ins.dst, ins.src, i))
         if ins.workspace:
             events.append(((start[i], k, 0), "alloc", ins.workspace, dev, None, i))
@@ -418,7 +418,7 @@ def host_traffic(ins: Instr) -> bool:
     """Whether an instruction streams host memory beside the computation: a copy between tiers or
     an SSD transfer (its staging, checksum and the disk's DMA). Not the CPU optimizer: Adam on the
     other core slowed the CPU device tier's block by 1%, a copy loop by 13-18% (RESULTS.md)."""
-    return ins.kind in ("load", "store", "send")
+    return ins.kind in (InstrKind.LOAD, InstrKind.STORE, InstrKind.SEND)
 
 
 def _is_ssd(ins: Instr) -> bool:
@@ -461,7 +461,7 @@ def _stretched(instrs: list[Instr], duration: list[float], start: list, end: lis
     for ins in instrs:
         c_copy, c_ssd = slowdown.get(ins.stream, (0.0, 0.0))
         s, e = start[ins.id], end[ins.id]
-        if c_copy <= 0 and c_ssd <= 0 or ins.kind not in ("compute", "recompute") or e <= s:
+        if c_copy <= 0 and c_ssd <= 0 or ins.kind not in (InstrKind.COMPUTE, InstrKind.RECOMPUTE) or e <= s:
             continue
         by_copy = _covered(copies, s, e)
         by_ssd = _covered(either, s, e) - by_copy
@@ -470,14 +470,14 @@ def _stretched(instrs: list[Instr], duration: list[float], start: list, end: lis
 
 
 def writes_ssd(ins: Instr) -> bool:
-    return ins.kind == "store" and ins.dst == "ssd"
+    return ins.kind == InstrKind.STORE and ins.dst == "ssd"
 
 
 def reads_ssd_first(ins: Instr) -> bool:
     """A read on `ssd.first` (for a computation, `schedule.ssd_read_stream`): the aio engine runs
     its chunks before the queued chunks of a write-back (csrc/aio.cpp `first`), so it pauses the
     write in progress; `ssd.read` reads queue with the writes."""
-    return ins.kind == "load" and ins.stream == "ssd.first"
+    return ins.kind == InstrKind.LOAD and ins.stream == "ssd.first"
 
 
 def commit_background(instrs: list[Instr]) -> bool:
@@ -491,7 +491,7 @@ def sync_step_s(instrs: list[Instr], commit_s: float) -> float:
     durations summed, and the commit (`simulate`): in the background, the part of it the
     instructions before the first SSD write do not cover; else all of it, at the end."""
     total = lsum(i.est_s for i in instrs)
-    if any(i.kind == "commit" for i in instrs):
+    if any(i.kind == InstrKind.COMMIT for i in instrs):
         return total
     if not commit_background(instrs):
         return total + commit_s
@@ -517,7 +517,7 @@ class _Memory:
         # what each instruction allocates when it starts, per tier, ignoring what it frees (an
         # upper bound for the instructions a waiting copy lets go first)
         self.grows: list[tuple[str, int]] = [
-            (ins.dst, nbytes[ins.tensor]) if ins.kind in ("load", "store", "send") else
+            (ins.dst, nbytes[ins.tensor]) if ins.kind in (InstrKind.LOAD, InstrKind.STORE, InstrKind.SEND) else
             (_device_tier(ins), sum(nbytes[a] for a in ins.allocs) + (nbytes[ins.workspace] if ins.workspace else 0))
             for ins in instrs]
         self.waited: dict[int, set[int]] = {}
@@ -539,7 +539,7 @@ class _Memory:
     def _room(self, i: int, t: float) -> tuple[bool, set[int]]:
         ins = self.instrs[i]
         tier = ins.dst
-        if ins.kind not in ("load", "store", "send") or tier not in self.capacity or (ins.tensor, tier) in self.live:
+        if ins.kind not in (InstrKind.LOAD, InstrKind.STORE, InstrKind.SEND) or tier not in self.capacity or (ins.tensor, tier) in self.live:
             return True, set()
         self._settle(t)
         ahead = {j for j in range(self.first, i) if not self.started[j] and self.grows[j][0] == tier and self.grows[j][1]}
@@ -569,14 +569,14 @@ class _Memory:
         while self.first < len(self.started) and self.started[self.first]:
             self.first += 1
         dev = _device_tier(ins)
-        if ins.kind == "free":
+        if ins.kind == InstrKind.FREE:
             if (ins.tensor, ins.dst) in self.live:
                 self.live.remove((ins.tensor, ins.dst))
                 self.use[ins.dst] -= self.nbytes[ins.tensor]
         for a in ins.allocs:
             self.live.add((a, dev))
             self.use[dev] = self.use.get(dev, 0) + self.nbytes[a]
-        if ins.kind in ("load", "store", "send") and (ins.tensor, ins.dst) not in self.live:
+        if ins.kind in (InstrKind.LOAD, InstrKind.STORE, InstrKind.SEND) and (ins.tensor, ins.dst) not in self.live:
             self.live.add((ins.tensor, ins.dst))
             self.use[ins.dst] = self.use.get(ins.dst, 0) + self.nbytes[ins.tensor]
         if ins.workspace:
@@ -599,7 +599,7 @@ def perfetto_trace(instrs: list[Instr], sim: SimResult, title: str = "tensorstow
     ev = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": title}}]
     ev += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": t, "args": {"name": s}} for s, t in tids.items()]
     for ins in instrs:
-        if ins.kind == "free":
+        if ins.kind == InstrKind.FREE:
             continue
         label = ins.segment or ins.tensor
         ev.append({"name": f"{ins.kind} {label}", "ph": "X", "pid": 0, "tid": tids[ins.stream],

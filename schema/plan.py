@@ -19,7 +19,7 @@ from tensorstow.errors import TensorstowError
 from tensorstow.schema.hardware import Hardware
 from tensorstow.schema.options import Options
 from tensorstow.schema.run import Run
-from tensorstow.schema.schedule import Buffer, Decisions, Instr
+from tensorstow.schema.schedule import Buffer, Decisions, Instr, InstrKind
 from tensorstow.schema.typed import decode, encode, freeze
 
 SCHEMA_VERSION = 4
@@ -246,7 +246,7 @@ class Plan:
         """Buffer -> bytes for every buffer the plan ever keeps on the SSD tier (what an SSD
         store must be created with)."""
         names = {n for n, b in self.buffers.items() if b.home == "ssd"}
-        names |= {i.tensor for i in self.instructions if i.kind in ("load", "store") and i.dst == "ssd"}
+        names |= {i.tensor for i in self.instructions if i.kind in (InstrKind.LOAD, InstrKind.STORE) and i.dst == "ssd"}
         return {n: self.buffers[n].bytes for n in sorted(names)}
 
     def persistent(self) -> list[str]:
@@ -260,18 +260,18 @@ def _is_tier(t: str) -> bool:
 
 def _missing_fields(ins: Instr) -> str:
     """What an instruction of its kind lacks (a buffer, a tier, a segment); "" when whole."""
-    if ins.kind in ("load", "store", "send"):
+    if ins.kind in (InstrKind.LOAD, InstrKind.STORE, InstrKind.SEND):
         if not ins.tensor:
             return "names no buffer"
         if not (_is_tier(ins.src) and _is_tier(ins.dst)) or ins.src == ins.dst:
             return f"copies {ins.src or '?'} -> {ins.dst or '?'}, not between two tiers (gpuK, dram, ssd)"
-    elif ins.kind == "free":
+    elif ins.kind == InstrKind.FREE:
         if not ins.tensor or not _is_tier(ins.dst):
             return "names no buffer and tier to release"
-    elif ins.kind in ("compute", "recompute", "optimizer_step"):
+    elif ins.kind in (InstrKind.COMPUTE, InstrKind.RECOMPUTE, InstrKind.OPTIMIZER_STEP):
         if not ins.segment:
             return "names no segment"
-        if ins.kind == "optimizer_step" and not (ins.dst == "cpu" or (ins.dst.startswith("gpu") and ins.dst[3:].isdigit())):
+        if ins.kind == InstrKind.OPTIMIZER_STEP and not (ins.dst == "cpu" or (ins.dst.startswith("gpu") and ins.dst[3:].isdigit())):
             return f"runs on '{ins.dst}', not cpu or gpuK"
     return ""
 

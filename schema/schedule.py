@@ -71,6 +71,26 @@ class BufferKind(enum.StrEnum):
     K = "K"
 
 
+class InstrKind(enum.StrEnum):
+    """What an instruction does (`Instr.kind`; the executor's `runtime.HANDLERS` has one handler each)."""
+    COMPUTE = "compute"
+    """Run a segment of the joint graph on the device."""
+    RECOMPUTE = "recompute"
+    """Run a forward segment again, for what a backward reads and the step did not keep."""
+    LOAD = "load"
+    """Copy a buffer towards the device (ssd -> dram -> gpuK)."""
+    STORE = "store"
+    """Copy a buffer away from the device (gpuK -> dram -> ssd)."""
+    SEND = "send"
+    """A stage boundary to or from another rank's GPU (pipelines)."""
+    FREE = "free"
+    """Drop a tier's copy of a buffer."""
+    OPTIMIZER_STEP = "optimizer_step"
+    """Update one block's parameters (its optimizer subgroup)."""
+    COMMIT = "commit"
+    """Commit the step before to the SSD store once its deferred write-backs are home."""
+
+
 STATE_KINDS = (BufferKind.P, BufferKind.C, BufferKind.M, BufferKind.OS)
 """The training state: a block's buffers with a home tier, placed before the first step."""
 OPTIMIZER_INPUTS = (BufferKind.M, BufferKind.OS, BufferKind.G)
@@ -287,7 +307,7 @@ class Decisions:
 class Instr:
     id: int
     kind: str
-    """compute | recompute | load | store | free | optimizer_step | send"""
+    """An `InstrKind` (its value, as the plan file writes it)."""
     stream: str
     """gpuK.compute, gpuK.h2d, gpuK.d2h, gpuK.send, ssd.first, ssd.read, ssd.write, cpu.opt"""
     deps: tuple[int, ...]
@@ -412,11 +432,11 @@ def runs_on(ins: Instr, gpu: str, block_gpu: dict[str, str], buffers) -> bool:
     """Whether the process driving GPU tier `gpu` replays `ins`: that GPU's streams, both ends of a
     send touching it, every commit, and the host work (DRAM, SSD, CPU optimizer) of its blocks
     (`block_gpu`: block -> its GPU tier)."""
-    if ins.kind == "send":
+    if ins.kind == InstrKind.SEND:
         return gpu in (ins.src, ins.dst)
-    if ins.kind == "commit":
+    if ins.kind == InstrKind.COMMIT:
         return True
     dev = ins.stream.split(".")[0]
     if dev.startswith("gpu"):
         return dev == gpu
-    return block_gpu[ins.segment if ins.kind == "optimizer_step" else buffers[ins.tensor].block] == gpu
+    return block_gpu[ins.segment if ins.kind == InstrKind.OPTIMIZER_STEP else buffers[ins.tensor].block] == gpu

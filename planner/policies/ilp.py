@@ -55,7 +55,7 @@ from tensorstow.planner.policies import heuristic_plans
 from tensorstow.planner.passes import defer_writes, schedule
 from tensorstow.planner.result import fmt_bytes
 from tensorstow.planner.lower import swap_bytes
-from tensorstow.schema.schedule import ACTIVATION_CHOICES, BlockDecision, Decisions
+from tensorstow.schema.schedule import ACTIVATION_CHOICES, BlockDecision, Decisions, InstrKind
 
 MiB = 2**20
 TIME_LIMIT_S = 20.0
@@ -329,7 +329,7 @@ def refine_tail(problem, pl, schedule) -> tuple:
     simulator: give that block's P, then its states, the DRAM home of another block that has one
     (the two exchange tiers; the largest such blocks first, at most TAIL_CANDIDATES each), and keep
     the fastest plan that fits. Returns (the plan, notes). [OURS]"""
-    last = next((i.segment for i in reversed(pl.instructions) if i.kind == "optimizer_step"), None)
+    last = next((i.segment for i in reversed(pl.instructions) if i.kind == InstrKind.OPTIMIZER_STEP), None)
     notes = []
 
     def size(b: str) -> int:  # a block's P and its states both scale with its parameters
