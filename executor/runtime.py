@@ -77,6 +77,15 @@ class ExecutionError(TensorstowError):
     """An instruction could not run as the plan says (names the instruction)."""
 
 
+def _state_dir_store(state_dir, plan, comm) -> tuple[Path, SSDStore]:
+    """`Executor(state_dir=...)`: the directory, claimed for `plan` (executor.statedir), and its store."""
+    if comm is not None:
+        raise TensorstowError("state_dir= keeps one process's state: a multi-GPU plan's ranks each pass "
+                              "ssd_store= (tensorstow execute --state-dir does)")
+    d, owner = statedir.claim(state_dir, plan)
+    return d, SSDStore(d, statedir.store_sizes(plan), owner=statedir.fingerprint(owner), shared=True)
+
+
 class Executor:
     def __init__(self, plan, model: nn.Module, *, mode: str = "sync", state_dir=None,
                  ssd_store=None, resume: bool = False, device_budget: int | None = None,
@@ -144,12 +153,7 @@ class Executor:
         """Where `state_dir=` keeps the run: a crash-safe store of every checkpoint, described for
         `tensorstow export` (None: no state dir, or the caller's `ssd_store`)."""
         if state_dir is not None and ssd_store is None:
-            if comm is not None:
-                raise TensorstowError("state_dir= keeps one process's state: a multi-GPU plan's ranks each pass "
-                                      "ssd_store= (tensorstow execute --state-dir does)")
-            self.state_dir, owner = statedir.claim(state_dir, prog.plan)
-            ssd_store = SSDStore(self.state_dir, statedir.store_sizes(prog.plan), owner=statedir.fingerprint(owner),
-                                 shared=True)
+            self.state_dir, ssd_store = _state_dir_store(state_dir, prog.plan, comm)
         try:
             self._init(model, device, device_budget, ssd_store, lr_schedule, total_steps, resume, init_values,
                        checkpoint_every, state_dir or ssd_store)

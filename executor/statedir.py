@@ -191,27 +191,25 @@ def owned_files(d: Path) -> list[Path]:
     """The files of state dir `d` that its records name: the description, the store's manifests,
     lock and probe, and every slot file a manifest or the held plan's buffers name."""
     from tensorstow.executor import ssd
-    names = {*DESCRIPTION, ssd.MANIFEST, ssd.PREVIOUS, ssd.MANIFEST + ".tmp", ssd.MANIFEST + ".damaged", ".direct-probe"}
-    try:  # config.json and adapter_config.json are the state dir's only for a model that has them
-        options = json.loads((d / PLAN).read_text())["options"]
-        model, lora = str(options.get("model", "")), options.get("lora")
+    manifests = (ssd.MANIFEST, ssd.PREVIOUS, ssd.MANIFEST + ".tmp", ssd.MANIFEST + ".damaged")
+    names = {*DESCRIPTION, *manifests, ".direct-probe"}
+    try:
+        plan = json.loads((d / PLAN).read_text())
+        options, buffers = dict(plan["options"]), [*plan["buffers"], RNG, AMP]
     except (OSError, ValueError, KeyError, TypeError):
-        model, lora = "", None
-    if not model.startswith("hf:"):
+        options, buffers = {}, []
+    # config.json and adapter_config.json are the state dir's only for a model that has them
+    if not str(options.get("model", "")).startswith("hf:"):
         names.discard(CONFIG)
-    if not lora:
+    if not options.get("lora"):
         names.discard(ADAPTER_CONFIG)
-    for m in (ssd.MANIFEST, ssd.PREVIOUS, ssd.MANIFEST + ".tmp", ssd.MANIFEST + ".damaged"):
+    names.update(f for b in buffers for f in ssd.slot_files(b))  # for a store whose manifests are all damaged
+    for m in manifests:
         try:
             entries = json.loads((d / m).read_bytes())["buffers"].values()
             names.update(f for e in entries for f in e["files"] if isinstance(f, str) and "/" not in f)
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             continue
-    try:  # the slots of the plan's buffers, for a store whose manifests are all damaged
-        buffers = [*json.loads((d / PLAN).read_text())["buffers"], RNG, AMP]
-        names.update(f for b in buffers for f in ssd.slot_files(b))
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
     return sorted(p for p in d.iterdir() if p.is_file() and (p.name in names or _own_temporary(p.name)))
 
 
