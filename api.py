@@ -17,7 +17,7 @@ import textwrap
 
 import torch.nn as nn
 
-from tensorstow.executor.runtime import Executor
+from tensorstow.executor.executor import Executor
 from tensorstow.planner.plan import make_plan
 from tensorstow.planner.result import PlanResult
 from tensorstow.schema.options import asked, from_asked

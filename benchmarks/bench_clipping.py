@@ -18,7 +18,7 @@ import torch
 from tensorstow.calibrate import hardware_for
 from tensorstow.executor.data import batches
 from tensorstow.executor.run import predicted_step
-from tensorstow.executor.runtime import Executor
+from tensorstow.executor.executor import Executor
 from tensorstow.executor.ssd import SSDStore
 from tensorstow.ir.models import resolve_model
 from tensorstow.planner.plan import make_plan

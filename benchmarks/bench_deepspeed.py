@@ -43,7 +43,7 @@ interleaved without it: the durable tensorstow row 0.43-0.58 s a step, with it 0
                it): the plan the planner makes for this machine (probed at the run's thread count)
                when DRAM cannot hold the training state: what DRAM has no room for lives on SSD
                (the Adam states and part of the parameters; DeepSpeed keeps all of both on NVMe,
-               beside 2.6 GB of its own host memory for gpt-small); replayed by `tensorstow.executor.runtime.Executor` in
+               beside 2.6 GB of its own host memory for gpt-small); replayed by `tensorstow.executor.executor.Executor` in
                overlap mode (--ts-mode) on this CPU (the "gpu0" tier is host memory here) with the
                crash-consistent SSDStore (--ts-store file: the FileStore fallback), committing
                a checkpoint every step (`execute`'s default: each step's fsyncs and manifest).
@@ -218,7 +218,7 @@ class TensorstowEngine:
     last step, which `execute` also makes: inside that step's time)."""
 
     def __init__(self, a: dict, every: int):
-        from tensorstow.executor.runtime import Executor
+        from tensorstow.executor.executor import Executor
         from tensorstow.schema.plan import Plan
 
         plan = Plan.load(a["ts_plan"])

@@ -31,7 +31,7 @@ import torch
 
 from tensorstow.executor import graphs
 from tensorstow.executor.data import batches
-from tensorstow.executor.runtime import Executor
+from tensorstow.executor.executor import Executor
 from tensorstow.schema.plan import as_plan
 from tensorstow.executor.ssd import SSDStore
 from tensorstow.ir.models import resolve_model

@@ -24,7 +24,7 @@ import torch
 
 from bench_executor import eager_step  # this directory: the same eager baseline
 from tensorstow.executor.data import batches
-from tensorstow.executor.runtime import Executor
+from tensorstow.executor.executor import Executor
 from tensorstow.ir.models import resolve_model
 from tensorstow.schema.hardware import parse_size
 from tensorstow.schema.options import Options

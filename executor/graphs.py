@@ -118,8 +118,6 @@ class Graphs:
         self.captured = 0
         """Steps captured so far (one, unless an evaluation or a moved buffer came in between)."""
         self.graph: StepGraph | None = None
-        self.capturing: StepGraph | None = None
-        """The graph a step is being recorded into (its update reads its scalars from memory)."""
         self.replayed: StepGraph | None = None
         """The graph the last step replayed (None: it ran instruction by instruction)."""
         self._runs = 0  # training steps the executor ran
@@ -144,11 +142,9 @@ class Graphs:
         the capture failed (graphs auto: this step and every one after run instruction by
         instruction). A step that leaves a persistent buffer in other memory than it found it is
         replayed this once and not again."""
-        lanes = ex.lanes
-        self.capturing = graph
         try:
-            with graph.capture(ex):
-                ex.run_step(graph.inputs, HostLanes(), "sync")
+            with graph.capture(ex):  # its update reads its step count and rates from memory
+                ex.run_step(graph.inputs, HostLanes(), "sync", scalars=graph)
         except Exception as e:  # nothing ran on the device: the state is the step's start, less what it allocated
             first = e.__context__  # CUDA reports a call that broke the capture when the capture ends
             why = f"{type(e).__name__}: {e}" + (f"; first {type(first).__name__}: {first}" if first else "")
@@ -161,8 +157,6 @@ class Graphs:
                                       f"or auto") from None
             self.blockers = [f"capturing the step failed ({why})"]
             return False
-        finally:
-            self.capturing, ex.lanes = None, lanes
         moved = sorted({buf for buf, *_ in set(graph.bound) ^ set(storages(ex))})
         if moved:
             self.blockers = [f"the step re-allocates persistent buffers ({', '.join(moved[:3])})"]

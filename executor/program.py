@@ -1,14 +1,15 @@
 """Compiling a plan for one executor process, once, before its first step: the runtime tables the
 dispatch loop reads.
 
-`Program(plan, model)` re-traces `model` exactly as the planner did (or takes that trace), refuses a
-plan whose model fingerprint differs, and turns the plan into tables, checking each against the
-traced model: this process's share of the instructions (validated, numbered 0.. in program order),
-every buffer's layout (its named tensors, dtypes and shapes), which buffers may hold each joint-graph
-value, the values each segment leaves on the device, the recomputed segments that draw random
-numbers, the homes of the training state, and the DRAM arena (`Plan.pools`). It decides nothing:
-every table is read from the plan, and a plan the traced model contradicts is one error naming the
-instruction or buffer and "re-plan it".
+`compile_program(plan, model)` traces `model` as the planner traced it (`trace_for`: the IR layer's
+`trace_model`, or the caller's trace of it), and `Program(plan, traced, model)` refuses a plan whose
+model fingerprint differs and turns the plan into tables, checking each against the traced model:
+this process's share of the instructions (validated, numbered 0.. in program order), every buffer's
+layout (its named tensors, dtypes and shapes), which buffers may hold each joint-graph value, the
+values each segment leaves on the device, the recomputed segments that draw random numbers, the
+homes of the training state, and the DRAM arena (`Plan.pools`). It decides nothing: every table is
+read from the plan, and a plan the traced model contradicts is one error naming the instruction or
+buffer and "re-plan it".
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ import torch.nn as nn
 from tensorstow.errors import TensorstowError
 from tensorstow.executor.segments import Joint
 from tensorstow.executor.stores import Layout
-from tensorstow.ir.models import IGNORE_INDEX
+from tensorstow.ir.hf import wrap
+from tensorstow.ir.models import IGNORE_INDEX, build_for_execution, resolve_model
 from tensorstow.ir.trace import Traced, model_dims, trace_model
 from tensorstow.schema.options import param_groups_of
 from tensorstow.schema.plan import Plan, as_plan
@@ -36,100 +38,32 @@ KINDS = tuple(InstrKind)
 class Program:
     """One process's share of a plan, compiled against the traced model (the module docstring)."""
 
-    def __init__(self, plan, model: nn.Module, *, rank: int | None = None, comm=None,
-                 traced: Traced | None = None):
-        """`plan`: a Plan, the planner's result or its JSON dict; `model`: the module it was made
-        for (wrapped: `ir.hf.wrap`); `rank`: the GPU this process drives (None: a one-GPU plan);
-        `comm`: the process group of a multi-GPU run; `traced`: a trace of this very model to skip
-        re-tracing (checked like a fresh one)."""
+    def __init__(self, plan, traced: Traced, model: nn.Module, *, rank: int | None = None, comm=None):
+        """`plan`: a Plan, the planner's result or its JSON dict; `traced`: `model`'s trace with the
+        plan's batch, seq and precision (`trace_for`); `model`: the module it was made for
+        (wrapped: `ir.hf.wrap`); `rank`: the GPU this process drives (None: a one-GPU plan);
+        `comm`: the process group of a multi-GPU run."""
         plan = as_plan(plan)  # the typed plan, as its file would read (a dict is validated)
         self.plan: Plan = plan
-        pl = plan.decisions.pipeline
-        if pl is not None and pl.kind == "data-parallel":
-            raise TensorstowError("a zero3-dp plan is a simulated baseline (the Mobius comparison), not "
-                                  "executable: execute a mobius, gpipe or single-GPU plan")
-        self.M = plan.decisions.microbatches()
-        """Microbatches per step (a pipeline's, or gradient accumulation's): `step` takes M x the
-        plan's batch."""
-        self.block_gpu = block_gpus(plan)
-        """Block -> the GPU tier that runs it."""
-        gpus = sorted({gpu_index(g) for g in self.block_gpu.values()})
-        if rank is None:
-            if gpus != [0]:
-                n = len(plan.hardware.spec.gpus)
-                raise TensorstowError(f"this plan runs on {n} GPUs: execute it with one process per GPU "
-                                      f"(`tensorstow execute PLAN --nproc {n}`)")
-            rank = 0
-        self.rank, self.gpu, self.comm = rank, gpu_tier(rank), comm
-        """The GPU this process drives: the plan's tier "gpuK"."""
-        order = [b.name for b in plan.model.blocks]
-        self.homes = {n: t for n, t in home_tiers(dict(plan.buffers), plan.decisions, order).items()
-                      if self.block_gpu[plan.buffers[n].block] == self.gpu}
-        """This process's buffers with a home tier -> that tier: the training state it holds."""
-        self.carried = [x for x in carried_buffers(plan.decisions, dict(plan.buffers)) if x in self.homes]
-        """SSD-homed buffers whose latest version stays in DRAM between steps
-        (`Decisions.deferred_writes`): each step writes them home first, then commits the step
-        before (its `commit` instruction)."""
-        m = plan.model
-        if traced is None:  # a replicated plan runs its block templates (ir.template)
-            traced = trace_model(model, batch=m.batch, seq=m.seq, precision=m.precision,
-                                 model_name=m.name, template=plan.replicated)
+        self._placement(rank, comm)
         self.traced = traced
-        _check_model_graph(m, traced)
+        _check_model_graph(plan.model, traced)
         self.graph = traced.graph
         self.joint = Joint(traced)
-        shapes = {n: tuple(p.shape) for n, p in model_state(model).items()}
-        if sorted(shapes) != self.joint.param_names or any(
-                shapes[n] != self.joint.meta(self.joint.placeholder[n])[1] for n in shapes):
-            raise TensorstowError(f"the model's parameters and buffers do not match the traced graph of "
-                                  f"{m.name}; pass the model the trace was made from")
-        self.vocab = model_dims(model)[0]
-        """The model's vocabulary size (token ids a step may hold), None where it has none."""
-        self.ignore_index = ignored_labels(traced)
-        """Label values the model's loss leaves out (nanoGPT's -1, Hugging Face's -100)."""
-        self.precision = m.precision
-        self.mixed = self.precision != "fp32"
-        self.fp32_grads = plan.decisions.fp32_grads(self.mixed)
-        """G holds fp32 gradients (`Decisions.fp32_grads`: accumulated over microbatches, or on
-        their way to SSD)."""
+        self._model_tables(model)
         self.instrs, self.plan_id = self._read_instructions(plan.instructions)
         """This process's share of the step's instructions; `plan_id`: each one's id in the plan."""
         self.eval_instrs, self.eval_plan_id = self._read_instructions(plan.eval_instructions)
+        """The same of the forward-only program an evaluation batch runs (`Plan.eval_instructions`;
+        empty: evaluation runs the step's, updates left out)."""
         self.redo_instrs, self.redo_plan_id = self._read_instructions(plan.redo_instructions)
         """The redo program of a speculating plan (`Plan.redo_instructions`), run after a step whose
         clip fired."""
-        self.speculated = frozenset(plan.decisions.speculated)
-        """Blocks updated before the step's norm is known (`Decisions.speculated`)."""
-        """The same of the forward-only program an evaluation batch runs (`Plan.eval_instructions`;
-        empty: evaluation runs the step's, updates left out)."""
-        self.block_params = {b: ps for b, (ps, _) in self.joint.block_state.items()}
-        """Trainable parameters per block (P, G, M, OS, the optimizer)."""
-        self.block_consts = {b: cs for b, (_, cs) in self.joint.block_state.items() if cs}
-        """Frozen parameters and buffers per block (C: read, never written)."""
-        self.frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
-        self.param_order = [n for n, p in model.named_parameters() if p.requires_grad]
-        self.forward_draws_random = any(draws_random_node(n) for seg in self.joint.segments.values() for n in seg.nodes)
-        """Whether the step draws random numbers (dropout above 0: eval mode would not): `evaluate`
-        refuses such a model."""
-        """Trainable parameters in the model's order (`model.parameters()`, a tied one once): the
-        order torch's clip_grad_norm_ stacks their norms in."""
-        self.decayed = {p for ps in self.block_params.values() for p in ps
-                        if plan.options.decay_all or len(self.joint.meta(self.joint.placeholder[p])[1]) >= 2}
-        """Trainable parameters the weight decay applies to (`Options.weight_decay`, `decay_all`)."""
-        o = plan.options
-        named = param_groups_of(o.param_groups, [p for ps in self.block_params.values() for p in ps])
-        self.groups: dict[str, tuple[float, float]] = {
-            p: (g.lr_scale if g else 1.0,
-                g.weight_decay if g and g.weight_decay is not None else o.weight_decay if p in self.decayed else 0.0)
-            for ps in self.block_params.values() for p in ps for g in (named.get(p),)}
-        """Per trainable parameter, its group's (learning rate scale, weight decay): the first of
-        `Options.param_groups` it matches, else (1, the weight decay rule)."""
         self.layouts, self.members = self._buffers(plan)
         self._add_reforwards()
         self._add_backward_parts()
-        self._check_references(self.instrs)
-        self._check_references(self.eval_instrs)
-        self._check_references(self.redo_instrs)
+        for instrs in (self.instrs, self.eval_instrs, self.redo_instrs):
+            self._check_references(instrs)
         if self.speculated and not self.redo_instrs:
             raise TensorstowError("the plan speculates updates but has no redo program; re-plan it")
         self.holders: dict[str, list[str]] = defaultdict(list)
@@ -150,6 +84,67 @@ class Program:
         self.keep = self._kept_values(self.instrs, self.plan_id)
         """Per compute instruction, the values its segment leaves on the device."""
         self.eval_keep = self._kept_values(self.eval_instrs, self.eval_plan_id) if self.eval_instrs else {}
+
+    def _placement(self, rank: int | None, comm) -> None:
+        """What the plan says of this process: its GPU, its microbatches, its blocks, its homes."""
+        plan = self.plan
+        self.M = plan.decisions.microbatches()
+        """Microbatches per step (a pipeline's, or gradient accumulation's): `step` takes M x the
+        plan's batch."""
+        self.block_gpu = block_gpus(plan)
+        """Block -> the GPU tier that runs it."""
+        self.rank = rank = check_runnable(plan, rank)
+        self.gpu, self.comm = gpu_tier(rank), comm
+        """The GPU this process drives: the plan's tier "gpuK"."""
+        order = [b.name for b in plan.model.blocks]
+        self.homes = {n: t for n, t in home_tiers(dict(plan.buffers), plan.decisions, order).items()
+                      if self.block_gpu[plan.buffers[n].block] == self.gpu}
+        """This process's buffers with a home tier -> that tier: the training state it holds."""
+        self.carried = [x for x in carried_buffers(plan.decisions, dict(plan.buffers)) if x in self.homes]
+        """SSD-homed buffers whose latest version stays in DRAM between steps
+        (`Decisions.deferred_writes`): each step writes them home first, then commits the step
+        before (its `commit` instruction)."""
+        self.precision = plan.model.precision
+        self.mixed = self.precision != "fp32"
+        self.fp32_grads = plan.decisions.fp32_grads(self.mixed)
+        """G holds fp32 gradients (`Decisions.fp32_grads`: accumulated over microbatches, or on
+        their way to SSD)."""
+        self.speculated = frozenset(plan.decisions.speculated)
+        """Blocks updated before the step's norm is known (`Decisions.speculated`)."""
+
+    def _model_tables(self, model: nn.Module) -> None:
+        """What the traced model says: its parameters per block, their groups, its vocabulary and
+        the labels its loss ignores."""
+        j, o = self.joint, self.plan.options
+        shapes = {n: tuple(p.shape) for n, p in model_state(model).items()}
+        if sorted(shapes) != j.param_names or any(shapes[n] != j.meta(j.placeholder[n])[1] for n in shapes):
+            raise TensorstowError(f"the model's parameters and buffers do not match the traced graph of "
+                                  f"{self.plan.model.name}; pass the model the trace was made from")
+        self.vocab = model_dims(model)[0]
+        """The model's vocabulary size (token ids a step may hold), None where it has none."""
+        self.ignore_index = ignored_labels(self.traced)
+        """Label values the model's loss leaves out (nanoGPT's -1, Hugging Face's -100)."""
+        self.block_params = {b: ps for b, (ps, _) in j.block_state.items()}
+        """Trainable parameters per block (P, G, M, OS, the optimizer)."""
+        self.block_consts = {b: cs for b, (_, cs) in j.block_state.items() if cs}
+        """Frozen parameters and buffers per block (C: read, never written)."""
+        self.frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+        self.param_order = [n for n, p in model.named_parameters() if p.requires_grad]
+        """Trainable parameters in the model's order (`model.parameters()`, a tied one once): the
+        order torch's clip_grad_norm_ stacks their norms in."""
+        self.forward_draws_random = any(draws_random_node(n) for seg in j.segments.values() for n in seg.nodes)
+        """Whether the step draws random numbers (dropout above 0: eval mode would not): `evaluate`
+        refuses such a model."""
+        self.decayed = {p for ps in self.block_params.values() for p in ps
+                        if o.decay_all or len(j.meta(j.placeholder[p])[1]) >= 2}
+        """Trainable parameters the weight decay applies to (`Options.weight_decay`, `decay_all`)."""
+        named = param_groups_of(o.param_groups, [p for ps in self.block_params.values() for p in ps])
+        self.groups: dict[str, tuple[float, float]] = {
+            p: (g.lr_scale if g else 1.0,
+                g.weight_decay if g and g.weight_decay is not None else o.weight_decay if p in self.decayed else 0.0)
+            for ps in self.block_params.values() for p in ps for g in (named.get(p),)}
+        """Per trainable parameter, its group's (learning rate scale, weight decay): the first of
+        `Options.param_groups` it matches, else (1, the weight decay rule)."""
 
     def pool_bytes(self, mode: str) -> int:
         """Bytes of the DRAM arena this process preallocates in `mode` (`Plan.pools`)."""
@@ -395,6 +390,48 @@ class Program:
             out = self._holders_of[root, micro] = [h for h in self.holders.get(root, ())
                                                    if split_micro(h)[1] in (None, micro)]
         return out
+
+
+def check_runnable(plan: Plan, rank: int | None) -> int:
+    """The GPU a process runs of `plan` (`rank`; None: a one-GPU plan's, 0), or one clear refusal
+    before anything is traced: a simulated baseline, or a multi-GPU plan without a rank."""
+    pl = plan.decisions.pipeline
+    if pl is not None and pl.kind == "data-parallel":
+        raise TensorstowError("a zero3-dp plan is a simulated baseline (the Mobius comparison), not "
+                              "executable: execute a mobius, gpipe or single-GPU plan")
+    if rank is None:
+        if sorted({gpu_index(g) for g in block_gpus(plan).values()}) != [0]:
+            n = len(plan.hardware.spec.gpus)
+            raise TensorstowError(f"this plan runs on {n} GPUs: execute it with one process per GPU "
+                                  f"(`tensorstow execute PLAN --nproc {n}`)")
+        rank = 0
+    return rank
+
+
+def trace_for(plan: Plan, model: nn.Module) -> Traced:
+    """`model` traced as the planner traced it for `plan` (ir.trace: the plan's batch, seq and
+    precision; a replicated plan's block templates): the joint graph the segments are made from."""
+    m = plan.model
+    return trace_model(model, batch=m.batch, seq=m.seq, precision=m.precision, model_name=m.name,
+                       template=plan.replicated)
+
+
+def compile_program(plan, model, *, rank: int | None = None, comm=None, traced: Traced | None = None,
+                    init_values=None, seed: int = 0) -> tuple[Program, nn.Module, object]:
+    """(program, the model as it runs, its initial values): `model` a module, or a model as plans
+    name it (a preset, `hf:DIR`, `pkg.module:factory`: built as `tensorstow execute` builds it,
+    with `seed`'s weights or the checkpoint's, streamed); traced for `plan` unless `traced` is
+    given; compiled into `plan`'s runtime tables for GPU `rank`."""
+    plan = as_plan(plan)
+    check_runnable(plan, rank)
+    if isinstance(model, str):
+        if init_values is not None:
+            raise TensorstowError("init_values is for a model object; a model named by a string brings its own")
+        o = plan.options  # the plan's LoRA adapters go on the model it names
+        model, init_values = build_for_execution(resolve_model(model, o.lora if model == o.model else None), seed)
+    model = wrap(model)
+    program = Program(plan, traced if traced is not None else trace_for(plan, model), model, rank=rank, comm=comm)
+    return program, model, init_values
 
 
 def _check_model_graph(m, traced: Traced) -> None:

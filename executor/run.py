@@ -29,7 +29,7 @@ from tensorstow.executor.distributed import (LOST, TIMEOUT_S, Comm, agree_on_ste
 from tensorstow.executor.examples import Examples, is_examples
 from tensorstow.executor.lr import LRSchedule
 from tensorstow.executor.lanes import lane_cores
-from tensorstow.executor.runtime import Executor
+from tensorstow.executor.executor import Executor
 from tensorstow.executor.ssd import SSDStore
 from tensorstow.ir.models import build_for_execution, resolve_model
 from tensorstow.planner.simulate import plan_commit_s, sync_step_s
@@ -76,7 +76,7 @@ def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, 
                       init_values=init, rank=rank, comm=comm, lr_schedule=LRSchedule("constant", plan.options.lr),
                       graphs=run.graphs)
         if store is not None:
-            ex.describe(d, model)
+            statedir.describe(d, model, ex.program)
         steps, feed, data = _feed(ex, plan, run, start)
         held_out, eval_data = _eval_batches(ex, plan, run) if run.eval_data is not None else (None, None)
         past = start > steps  # a shorter run than the one committed: nothing to train, nothing recorded

@@ -301,6 +301,23 @@ def _state_part(plan: dict) -> dict:
     return out
 
 
+def describe(d, model, program) -> None:
+    """layout.json (what each persistent buffer of `program` holds, by `model`'s own names) and, for
+    an `hf:` model, its config.json, in state dir `d`: what `tensorstow export` needs besides the
+    store."""
+    from tensorstow.ir.hf import CausalLM
+    names = {ph: name for name, ph in program.joint.placeholder.items()}
+    layouts = {n: program.layouts[n] for n in sorted(program.homes)}
+    hf = isinstance(model, CausalLM)
+    inner = model.model if hf else model
+    peft = None
+    if hasattr(inner, "peft_config") and hasattr(inner, "active_adapter"):  # a PEFT model: its adapter's config
+        name = inner.active_adapter if isinstance(inner.active_adapter, str) else inner.active_adapter[0]
+        peft = (name, inner.peft_config[name].to_dict())
+    write_description(Path(d), layouts, names, program.frozen, "model." if hf else "",
+                      model.model.config if hf else None, peft)
+
+
 def write_description(d: Path, layouts: dict, names: dict[str, str], frozen: set[str], prefix: str,
                       hf_config=None, peft=None) -> None:
     """layout.json (and config.json for an `hf:` model; for a PEFT model its adapter_config.json

@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -600,3 +600,19 @@ def clone_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     out = torch.empty_strided(t.shape, contiguous_stride(t.shape), dtype=t.dtype, device=device)
     out.copy_(t)
     return out
+
+
+@dataclass
+class Tiers:
+    """One executor's tiers: the device tier (CUDA, or budgeted host memory), the DRAM tier and its
+    arena, and the SSD tier, each also by the plan's tier name (`by_name`: "gpuK", "dram", "ssd")."""
+    device: torch.device
+    gpu: str
+    dev: DeviceTier
+    pool: HostPool
+    host: HostTier
+    ssd: SSDTier
+    by_name: dict = field(init=False)
+
+    def __post_init__(self):
+        self.by_name = {self.gpu: self.dev, "dram": self.host, "ssd": self.ssd}

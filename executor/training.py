@@ -193,6 +193,24 @@ class TrainingState:
         self.ssd.store.read(buf, c.blob)
         return c
 
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """The parameters by qualified name, as fp32 CPU tensors: trainable ones from their
+        masters, frozen ones from their constants (buffers are not parameters)."""
+        p, out = self.program, {}
+        for b, params in p.block_params.items():
+            if not params or p.block_gpu[b] != self.gpu:  # another rank's stage
+                continue
+            copy = self.latest(BufferKind.M.of(b) if p.mixed else BufferKind.P.of(b))
+            for q in params:
+                out[q] = copy[q if p.mixed else p.joint.placeholder[q]].detach().float().cpu().clone()
+        for b, consts in p.block_consts.items():
+            frozen = [c for c in consts if c in p.frozen and p.block_gpu[b] == self.gpu]
+            if frozen:
+                copy = self.latest(BufferKind.C.of(b))
+                for c in frozen:
+                    out[c] = copy[p.joint.placeholder[c]].detach().float().cpu().clone()
+        return dict(sorted(out.items()))
+
 
 class _Source:
     """Initial values of the model state: the model's own tensors, or (parameters) the next

@@ -70,6 +70,10 @@ class BufferKind(enum.StrEnum):
     RE = "RE"
     K = "K"
 
+    def of(self, block: str, micro: int | None = None) -> str:
+        """This kind's buffer of `block` (for microbatch `micro`): `BufferKind.A.of("h.3", 1)` -> `A:h.3@1`."""
+        return f"{self}:{block}" if micro is None else f"{self}:{block}@{micro}"
+
 
 class InstrKind(enum.StrEnum):
     """What an instruction does (`Instr.kind`; the executor's `runtime.HANDLERS` has one handler each)."""

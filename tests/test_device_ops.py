@@ -13,7 +13,7 @@ import torch
 from tensorstow import TensorstowError
 from tensorstow.executor.data import batches
 from tensorstow.executor.device_ops import PORTABLE, check_portable, cpu_only, sdpa_backward, sdpa_forward
-from tensorstow.executor.runtime import Executor
+from tensorstow.executor.executor import Executor
 from tensorstow.ir.models import GPT, PRESETS, resolve_model
 from tensorstow.ir.trace import trace
 from tensorstow.planner.presets import load_hardware

@@ -26,7 +26,8 @@ import torch
 from tensorstow import TensorstowError
 from tests.oracle import train_eager
 from tensorstow.executor.data import batches
-from tensorstow.executor.runtime import Executor
+from tensorstow.executor.executor import Executor
+from tensorstow.executor.runtime import Runtime
 from tensorstow.executor.stores import DeviceMemoryError, FileStore
 from tensorstow.ir.models import GPT, PRESETS
 from tensorstow.ir.trace import trace
@@ -326,7 +327,7 @@ def test_overlap_moves_other_threads_off_the_compute_core_during_a_step(tmp_path
     bystander = threading.Thread(target=stop.wait, name="a thread of the user's")
     bystander.start()
     during: dict[str, set] = {}
-    real = Executor._dispatch
+    real = Runtime.dispatch
 
     def dispatch(self, ins):
         if ins.kind == "compute":  # the last one seen: every helper has started by then
@@ -341,7 +342,7 @@ def test_overlap_moves_other_threads_off_the_compute_core_during_a_step(tmp_path
 
     old = torch.get_num_threads()
     torch.set_num_threads(1)
-    monkeypatch.setattr(Executor, "_dispatch", dispatch)
+    monkeypatch.setattr(Runtime, "dispatch", dispatch)
     try:
         run(get_plan("zero-infinity"), "overlap", tmp_path, device="cpu")  # also on a machine with a GPU
         after = os.sched_getaffinity(bystander.native_id)

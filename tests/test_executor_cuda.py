@@ -127,7 +127,7 @@ def test_a_plan_traced_on_the_cpu_runs_attention_on_cuda(tmp_path):
 def test_fp16_loss_scaling_with_cpu_optimizer_steps_on_cuda(tmp_path):
     """fp16-mixed with subgroups updated on the CPU: the scaler lives on the GPU, the unscale
     runs on the host gradients (guards against mixing devices in the unscale)."""
-    from tensorstow.executor.runtime import Executor
+    from tensorstow.executor.executor import Executor
     from tensorstow.planner.presets import load_hardware
     from tensorstow.schema.options import Options
     from tensorstow.planner.plan import make_plan
@@ -144,15 +144,15 @@ def test_fp16_loss_scaling_with_cpu_optimizer_steps_on_cuda(tmp_path):
 def test_a_step_over_the_allocator_cap_is_one_clear_error(tmp_path, monkeypatch):
     """The caching allocator is held to the plan's budget: an allocation past it fails with
     DeviceMemoryError naming the instruction and the cap, not a CUDA traceback."""
-    from tensorstow.executor.runtime import Executor
+    from tensorstow.executor.runtime import Runtime
     from tensorstow.executor.stores import DeviceMemoryError
     ex = executor(get_plan("zero-infinity"), tmp_path / "ssd", "sync", device="cuda")
-    run_segment = Executor._run_segment
+    run_segment = Runtime._run_segment
 
     def greedy(self, ins):  # a segment that allocates more than the cap allows
         torch.empty(ex.alloc_limit, dtype=torch.uint8, device=self.device)
         return run_segment(self, ins)
-    monkeypatch.setattr(Executor, "_run_segment", greedy)
+    monkeypatch.setattr(Runtime, "_run_segment", greedy)
     with pytest.raises(DeviceMemoryError, match=r"instruction \d+ \(compute fwd:.*CUDA out of memory: the caching "
                                                 r"allocator is held to"):
         ex.step(*next(iter(batches("synthetic", B, T, VOCAB, 1, seed=0))))
@@ -165,7 +165,7 @@ def test_a_resident_step_replays_as_one_cuda_graph_and_trains_as_eager(precision
     the GPU, within the plan's budget; an evaluation in between lets the graph go and the next
     step captures again, the allocator held to its cap throughout."""
     from tensorstow.executor.lr import LRSchedule
-    from tensorstow.executor.runtime import Executor
+    from tensorstow.executor.executor import Executor
     from tests.test_graphs import STEPS as N, _resident
 
     plan = _resident(max_grad_norm=0.05, precision=precision, grad_accum=accum)

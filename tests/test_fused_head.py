@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from tensorstow.api import plan
 from tensorstow.executor.data import batches
-from tensorstow.executor.runtime import Executor
+from tensorstow.executor.executor import Executor
 from tensorstow.ir.models import GPT, PRESETS, fused_head_loss
 from tests.oracle import train_eager
 

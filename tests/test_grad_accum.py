@@ -10,7 +10,7 @@ import torch
 
 from tensorstow.cli import main
 from tensorstow.executor.data import batches
-from tensorstow.executor.runtime import Executor
+from tensorstow.executor.executor import Executor
 from tensorstow.ir.models import GPT, PRESETS
 from tensorstow.planner.plan import make_plan
 from tensorstow.planner.presets import load_hardware

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten
 from tensorstow.errors import TensorstowError
 from tensorstow.executor import graphs
 from tensorstow.executor.lr import LRSchedule
-from tensorstow.executor.runtime import Executor
+from tensorstow.executor.executor import Executor
 from tensorstow.executor.data import batches
 from tensorstow.ir.models import GPT, PRESETS
 from tensorstow.planner.plan import make_plan

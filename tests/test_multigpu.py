@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from tensorstow import TensorstowError
 from tensorstow.executor.data import batches
 from tensorstow.executor.distributed import agree_on_step
-from tensorstow.executor.runtime import Executor
+from tensorstow.executor.executor import Executor
 from tensorstow.executor.ssd import SSDStore
 from tensorstow.ir.models import GPT, PRESETS
 from tensorstow.schema.options import Options

@@ -392,7 +392,7 @@ def test_the_dram_arena_fits_the_dram_budget_not_only_the_simulated_peak(tmp_pat
     note says what was held back. The executor allocates that arena."""
     from tensorstow.calibrate import hardware_for
     from tensorstow.planner.plan import arena_bytes, plan_problem
-    from tensorstow.executor.runtime import Executor
+    from tensorstow.executor.executor import Executor
     from tensorstow.ir.models import GPT, PRESETS
     o = Options(model="gpt-tiny", hardware="lohan-rtx4090", batch=2, seq=32, precision="fp32", policy="lohan",
                 gpu_mem=800_000, ssds=1, dram=1_200_000)

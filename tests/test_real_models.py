@@ -25,7 +25,7 @@ transformers = pytest.importorskip("transformers", reason="the 'hf' extra (trans
 
 import tensorstow  # noqa: E402
 from tensorstow.executor.data import batches  # noqa: E402
-from tensorstow.executor.runtime import Executor  # noqa: E402
+from tensorstow.executor.executor import Executor  # noqa: E402
 from tensorstow.ir.models import resolve_model  # noqa: E402
 from tensorstow.ir.trace import trace  # noqa: E402
 from tensorstow.cli import main  # noqa: E402

@@ -77,7 +77,7 @@ def snapshot(root) -> dict[str, tuple[bytes, int]]:
 def stopped_at(b, state, step: int) -> None:
     """Train in `state` until `step` is committed: a Ctrl-C (SIGINT) at that step's start stops the
     run after it, committed, exit 130."""
-    from tensorstow.executor.runtime import Executor
+    from tensorstow.executor.executor import Executor
     real = Executor.step
 
     def step_then_stop(self, x, y):
@@ -258,7 +258,7 @@ def test_restart_deletes_only_what_the_state_dirs_records_name(base, at4, tmp_pa
 CHILD = """
 import os, signal, sys
 from tensorstow.cli import main
-from tensorstow.executor.runtime import Executor
+from tensorstow.executor.executor import Executor
 from tensorstow.executor.ssd import SSDStore
 point, at = sys.argv[1], int(sys.argv[2])
 

@@ -9,7 +9,7 @@ import torch
 
 from tensorstow import TensorstowError
 from tensorstow.executor.data import batches
-from tensorstow.executor.runtime import Executor
+from tensorstow.executor.executor import Executor
 from tensorstow.ir.models import GPT, GPTConfig, PRESETS
 from tensorstow.planner.presets import load_hardware
 from tensorstow.schema.options import Options

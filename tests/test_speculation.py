@@ -31,7 +31,7 @@ def plan(tmp_path, policy: str, max_norm: float, *extra: str, model: str = MODEL
 def run_api(plan: dict, build, data, state) -> tuple[list, list, list, dict]:
     """The plan through the Python API from `build()`'s weights (seed 0): each step's loss, norm and
     speculation, and the trained parameters."""
-    from tensorstow.executor.runtime import Executor
+    from tensorstow.executor.executor import Executor
     torch.manual_seed(0)
     ex = Executor(plan, build(), state_dir=state)
     losses, norms, held = [], [], []
@@ -128,8 +128,8 @@ from tensorstow.executor import runtime
 seen = []
 step = runtime.HANDLERS["optimizer_step"]
 def kill_in_the_second_redo(self, ins):
-    if self._redoing:
-        seen.append(self.steps_done)
+    if self.sem.redoing:
+        seen.append(self.sem.opt_steps)
         if len(set(seen)) == 2 and seen.count(seen[-1]) == 2:  # the second redo, between two of its updates
             os.kill(os.getpid(), signal.SIGKILL)
     return step(self, ins)

@@ -354,10 +354,10 @@ def test_evaluate_between_steps_equals_eager_eval_and_changes_nothing(policy, tm
     ex = tensorstow.Executor(tensorstow.Plan.load(plan), real_models.nano_gpt(), state_dir=tmp_path / "s")
     losses = [ex.step(x, y) for x, y in train[:2]]
     ran = []
-    dispatch = ex._dispatch
-    ex._dispatch = lambda ins: (ran.append(ins), dispatch(ins))[1]
+    dispatch = ex.runtime.dispatch
+    ex.runtime.dispatch = lambda ins: (ran.append(ins), dispatch(ins))[1]
     got_eval = ex.evaluate(held_out)
-    del ex._dispatch
+    del ex.runtime.dispatch
     # the forward-only program: forwards, their parameters' loads, no backward, gradient or update
     assert len(ran) == 3 * len(ex.program.eval_instrs) > 0
     assert {i.segment.split(":")[0] for i in ran if i.kind == "compute"} == {"fwd"}

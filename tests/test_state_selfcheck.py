@@ -97,15 +97,15 @@ def test_a_missing_shadow_slot_and_a_garbage_layout_are_made_again(plan, tmp_pat
 KILL_AT = """
 import os, signal, sys
 from tensorstow.cli import main
-from tensorstow.executor.runtime import Executor
+from tensorstow.executor.runtime import Runtime
 at, seen = int(sys.argv[1]), [0]
-dispatch = Executor._dispatch
+dispatch = Runtime.dispatch
 def counting(self, ins):
     seen[0] += 1
     if seen[0] == at:
         os.kill(os.getpid(), signal.SIGKILL)
     return dispatch(self, ins)
-Executor._dispatch = counting
+Runtime.dispatch = counting
 sys.exit(main(sys.argv[2:]))
 """
 

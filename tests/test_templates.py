@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tensorstow import TensorstowError
-from tensorstow.executor.runtime import Executor
+from tensorstow.executor.executor import Executor
 from tensorstow.ir.models import resolve_model
 from tensorstow.ir.template import NotReplicable, instances
 from tensorstow.ir.trace import trace, trace_spec
