@@ -25,55 +25,94 @@ The directory holds one store at a time: a lock file (flock) refuses a second op
 
 from __future__ import annotations
 
-import contextlib
-import errno
-import fcntl
-import hashlib
-import json
 import logging
 import os
-import re
-import shutil
 import threading
 import time
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-import xxhash
 
 from tensorstow.errors import TensorstowError
 from tensorstow.executor import aio
+from tensorstow.executor.manifest import (CHECKSUMS, CRC_BLOCK, MANIFEST, NOT_WRITABLE, PREVIOUS, VERSION, StoreFiles,
+                                          describe_os_error, entry_key, manifest_content, not_writable, slot_files)
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "MANIFEST"
-PREVIOUS = "MANIFEST.prev"
-"""The manifest of the commit before the last: `rollback()` returns to it (a multi-process run
-whose other ranks did not commit the last step). A commit renames MANIFEST to it just before it
-renames the new one in; a crash between the two leaves it alone, and it is the last commit."""
-FORMAT = "tensorstow-ssd-store"
-VERSION = 3
-CHECKSUMS = {1: ("crc32", zlib.crc32), 2: ("xxh3_64", xxhash.xxh3_64_intdigest), 3: ("xxh3_64", xxhash.xxh3_64_intdigest)}
-"""Manifest version -> (name, function) of the block checksum it records. XXH3 runs at 16-27 GB/s
-on one core here (zlib's CRC-32 at 2.1 GB/s); both release the GIL. Version 3 adds the manifest's
-checksum of itself (`SELF_CHECK`). A store keeps the version it was made with, so one made by an
-older tensorstow resumes as it was written."""
-CRC_BLOCK = 16 << 20
-"""Bytes covered by one checksum in the manifest."""
-SELF_CHECK = "manifest_xxh3"
-"""The manifest's checksum of itself: XXH3-64 of its other keys as sorted JSON (version 3 on)."""
+def _verify(data: torch.Tensor, n: int, fn, fn_name: str, crcs: list, what: str, path: Path, version: str) -> None:
+    """The `n` bytes read into `data` match their checksums `crcs` (per CRC_BLOCK, by `fn`), or one
+    error naming the bytes that do not, `what` was read and from where."""
+    got = [f.result() for f in _crc_blocks(data, fn)]
+    for i, (a, b) in enumerate(zip(got, crcs)):
+        if a != b:
+            lo, hi = i * CRC_BLOCK, min(n, (i + 1) * CRC_BLOCK)
+            raise TensorstowError(
+                f"{what} is corrupted in {path}: bytes {lo}..{hi} fail their checksum ({version}; {fn_name} "
+                f"{a:#x}, expected {b:#x}). The file was torn or damaged outside tensorstow; restore the "
+                "directory from a backup or restart training from scratch in a fresh directory")
+    if len(got) != len(crcs):
+        raise TensorstowError(f"{what}: MANIFEST lists {len(crcs)} checksums for {n} bytes; the manifest is damaged")
 
 
-def _manifest_sum(content: dict) -> int:
-    rest = {k: v for k, v in content.items() if k != SELF_CHECK}
-    return xxhash.xxh3_64_intdigest(json.dumps(rest, sort_keys=True).encode())
+def _fix_step(bufs: list[_Buffer], step: int, key: str, d: Path, last: int | None) -> tuple[list[_Buffer], dict]:
+    """A commit's first part, under every buffer's io_lock: wait for the step's writes and
+    build the manifest's entries (`key`: its checksum key; `d`, `last`: the store's directory and
+    committed step, for errors). Returns (the buffers written, entries)."""
+    for b in bufs:
+        if b.transient:  # left out of the state: done with, it holds nothing from now on
+            for op in b.pending:
+                op._complete()
+            b.pending, b.last_write, b.synced, b.crc = [], None, None, None
+    written = [b for b in bufs if b.last_write is not None]
+    for b in written:
+        b.last_write._complete()
+    failed = [b for b in written if b.last_write.error is not None]
+    if failed:
+        raise TensorstowError(
+            f"SSD store {d}: cannot commit step {step}: the write of "
+            f"{', '.join(repr(b.name) for b in failed)} failed ({failed[0].last_write.error}); the "
+            f"committed step {last} is untouched; write those buffers again, then commit")
+    entries = {}
+    for b in bufs:
+        new = b.last_write is not None
+        entries[b.name] = {"nbytes": b.nbytes, "files": b.files, "slot": 1 - b.slot if new else b.slot,
+                           key: b.last_write.crcs if new else b.crc}
+    return written, entries
+
+
+def _check_resumable(d: Path, manifest: dict, owner: str | None, sizes: dict[str, int]) -> str | None:
+    """The owner of the store `manifest` records in `d`, refused where it is not `owner` (None: any)
+    or its buffers and sizes are not `sizes`."""
+    held = manifest.get("owner")
+    if owner is not None and held is not None and held != owner:
+        raise TensorstowError(f"SSD store {d} holds the training state of another plan (fingerprint "
+                              f"{held}, this plan {owner}): execute the plan it was trained with, or start "
+                              f"over in it with `tensorstow execute ... --restart`")
+    stored = {k: e["nbytes"] for k, e in manifest["buffers"].items()}
+    if stored != sizes:
+        raise TensorstowError(f"SSD store {d} was created for a different plan ({_differences(stored, sizes)}); "
+                              "resume with the plan that created it, or use a fresh directory")
+    return owner if owner is not None else held
+
+
+def _differences(stored: dict[str, int], sizes: dict[str, int]) -> str:
+    """What differs between a store's buffers and sizes and a plan's."""
+    missing = sorted(set(sizes) - set(stored))
+    extra = sorted(set(stored) - set(sizes))
+    differ = sorted(k for k in set(sizes) & set(stored) if sizes[k] != stored[k])
+    parts = []
+    if missing:
+        parts.append(f"not in the store: {', '.join(repr(k) for k in missing[:5])}")
+    if extra:
+        parts.append(f"not in the plan: {', '.join(repr(k) for k in extra[:5])}")
+    if differ:
+        parts.append("sizes differ: " + ", ".join(f"{k!r} stored {stored[k]} B, plan {sizes[k]} B" for k in differ[:5]))
+    return "; ".join(parts)
+
 
 _crc_pool = ThreadPoolExecutor(max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="tensorstow-crc")
-OWN_FILE = re.compile(r"(MANIFEST|MANIFEST\.tmp|MANIFEST\.prev|MANIFEST\.damaged|LOCK|\.direct-probe|.+\.slot[01]|"
-                      r"(plan|layout|config|adapter_config)\.json(\.tmp)?)")
-"""The store's files, and the state dir's description of them (executor/statedir.py)."""
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -84,84 +123,6 @@ def _crc_blocks(u8: torch.Tensor, fn) -> list:
     """Futures of the checksum `fn` of each CRC_BLOCK of a uint8 tensor."""
     view = memoryview(u8.numpy()) if u8.numel() else memoryview(b"")
     return [_crc_pool.submit(fn, view[a : a + CRC_BLOCK]) for a in range(0, len(view), CRC_BLOCK)]
-
-
-def _entry_key(version: int) -> str:
-    """The manifest key of a buffer's checksum list."""
-    return "crc32" if version == 1 else "checksums"
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-SLOT_FILE = re.compile(r".+-[0-9a-f]{10}\.slot[01]")
-"""A slot file's name as `slot_files` makes it (a user's `x.slot0` in a state dir is not one)."""
-
-
-def slot_files(name: str) -> list[str]:
-    """The two slot files of buffer `name`."""
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:64]
-    digest = hashlib.sha1(name.encode()).hexdigest()[:10]
-    return [f"{safe}-{digest}.slot0", f"{safe}-{digest}.slot1"]
-
-
-NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
-"""What an open for writing fails with in a directory this user may not write (or a read-only
-filesystem)."""
-
-
-def _describe_os_error(e: OSError) -> str:
-    if e.errno == errno.ENOSPC:
-        return f"disk full ({e.strerror})"
-    return str(e)
-
-
-def _not_writable(path, e: OSError) -> TensorstowError:
-    return TensorstowError(f"SSD store: cannot write in {path} ({e.strerror}): give this user write access to it, "
-                           f"or use another state directory")
-
-
-def _lock(d: Path, read_only: bool = False) -> int | None:
-    """flock `d`/LOCK, exclusively, or refuse: one store (or `--restart`) at a time in a directory.
-    Returns the lock's descriptor (closing it releases the lock); None for a reader of a directory
-    it may not write and that holds no lock file (no process of this user can be writing it)."""
-    path = d / "LOCK"
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    except OSError as e:
-        if e.errno not in NOT_WRITABLE:
-            raise TensorstowError(f"SSD store: cannot open {path}: {e}") from None
-        if not read_only:
-            raise _not_writable(d, e) from None
-        try:  # a reader of a directory it may not write: the lock file read-only (flock takes any open file)
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return None
-        except OSError as e2:
-            raise TensorstowError(f"SSD store: cannot open {path}: {e2}") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        raise TensorstowError(f"SSD store {d} is locked by another tensorstow process or store object "
-                              f"(an execute or export still running on it); wait for it to finish, "
-                              f"or use another directory") from None
-    return fd
-
-
-@contextlib.contextmanager
-def dir_lock(d: Path):
-    """Hold `d`'s store lock while the caller changes its files (`--restart` deleting them)."""
-    fd = _lock(d)
-    try:
-        yield
-    finally:
-        os.close(fd)
 
 
 class _Buffer:
@@ -213,7 +174,7 @@ class _Op:
                     except OSError as e:
                         first = first or e
                 if first is not None:
-                    self.error = TensorstowError(f"{self.what} failed: {_describe_os_error(first)}")
+                    self.error = TensorstowError(f"{self.what} failed: {describe_os_error(first)}")
                 else:
                     self._finish(self)
             except Exception as e:  # recorded, so every waiter sees it, not only the first
@@ -225,6 +186,70 @@ class _Op:
     @property
     def done(self) -> bool:
         return self._finished
+
+    @staticmethod
+    def submit(engine, what: str, kind: str, fd: int, pieces, keep, finish, first: bool = False) -> _Op:
+        """A read or write of `pieces` ((tensor, file offset) pairs) of file `fd`, submitted to `engine`."""
+        handles: list[int] = []
+        try:
+            for tensor, offset in pieces:
+                handles.append(engine.submit_write(fd, tensor, offset) if kind == "write"
+                               else engine.submit_read(fd, tensor, offset, first=first))
+        except BaseException:
+            for h in handles:
+                try:
+                    engine.wait(h)
+                except OSError:
+                    pass
+            raise
+        return _Op(kind, what, engine, handles, keep, finish)
+
+
+class _EarlySyncs:
+    """Syncs each written shadow slot as soon as its write completes, on one thread, so a commit
+    finds the step's data mostly flushed and the flush spreads over the step instead of stalling
+    the next one's first reads (a flush holds the disk: a read queued behind it waits)."""
+
+    def __init__(self):
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="tensorstow-sync")
+        self.seconds = 0.0
+        """Seconds the early syncs have taken so far, in all (the disk is busy flushing meanwhile)."""
+
+    def start(self, buf: _Buffer, op: _Op, fd: int) -> None:
+        """Sync `fd` once `op`, buffer `buf`'s write, completes (`buf.synced`)."""
+        buf.synced = (op, self.pool.submit(self._sync, op, fd))
+
+    def _sync(self, op: _Op, fd: int) -> OSError | None:
+        op._complete()
+        if op.error is not None:
+            return None  # the commit reports the write's own error
+        t0 = time.perf_counter()
+        try:
+            os.fdatasync(fd)
+        except OSError as e:
+            return e
+        finally:
+            self.seconds += time.perf_counter() - t0
+        return None
+
+    @staticmethod
+    def for_commit(written: list[_Buffer], d: Path) -> list[tuple[int, Path, Future | None]]:
+        """A commit's syncs: per written buffer its shadow slot's fd and path, and the future of
+        its early sync when that covered the step's last write (the commit waits for it instead)."""
+        out = []
+        for b in written:
+            early = b.synced[1] if b.synced is not None and b.synced[0] is b.last_write else None
+            out.append((b.fds[1 - b.slot], d / b.files[1 - b.slot], early))
+        return out
+
+    @staticmethod
+    def wait(bufs, forget: bool = False) -> None:
+        """Wait for the early syncs of `bufs` (`forget`: and drop them, before their files close)."""
+        for b in bufs:
+            if b.synced is not None:
+                b.synced[1].exception()  # waits; its result is the commit's to read
+                if forget:
+                    b.synced = None
 
 
 
@@ -269,14 +294,11 @@ class SSDStore:
         """What the store holds the state of (a plan's fingerprint, `executor.statedir.fingerprint`),
         recorded in the manifest: a store of another owner is refused. None: any (an older store's,
         or a caller that does not say)."""
+        self._files = StoreFiles(self.dir, read_only, shared)
+        """The directory's lock, manifests and slot files (executor.manifest)."""
         self.verify = verify
         """Check checksums on every read (committed data and data written in this step)."""
-        self._syncer = ThreadPoolExecutor(1, thread_name_prefix="tensorstow-sync") if early_sync else None
-        """Syncs each written shadow slot as soon as its write completes, so a commit finds the
-        step's data mostly flushed and the flush spreads over the step instead of stalling the
-        next one's first reads (a flush holds the disk: a read queued behind it waits)."""
-        self.early_sync_s = 0.0
-        """Seconds the early syncs have taken so far, in all (the disk is busy flushing meanwhile)."""
+        self._syncer = _EarlySyncs() if early_sync else None
         self.sync_early = early_sync
         """Whether writes from now on sync early: a caller that commits only every few steps
         (`Executor(checkpoint_every=K)`) turns it off for the steps it will not commit, whose
@@ -290,46 +312,35 @@ class SSDStore:
         self.durable_s = 0.0
         """Seconds the last commit's own syncs and manifest took (in the background for wait=False;
         not the early syncs it waited for: `early_sync_s` counts those)."""
-        self._lock_fd: int | None = None
-        self._recovering = False
-        """The committed state was read from MANIFEST.prev and the files still say otherwise
-        (`_settle_recovery`)."""
         self._closed = True
         self._moved = threading.Lock()
         self.bytes_read = 0
         """Bytes of buffers read so far (data, not the files' padding): per-step I/O rates."""
         self.bytes_written = 0
         """Bytes of buffers written so far."""
+        self._open(sizes, direct)
+
+    def _open(self, sizes: dict[str, int], direct: bool) -> None:
+        """The directory locked, the I/O mode probed, the store created or resumed, its files open."""
         for name, n in sizes.items():
             if not isinstance(name, str) or not name:
                 raise TensorstowError(f"SSD store: buffer names must be non-empty strings, got {name!r}")
             if not isinstance(n, int) or isinstance(n, bool) or n < 0:
                 raise TensorstowError(f"SSD store: size of buffer '{name}' must be a byte count >= 0, got {n!r}")
-        if read_only and not self.dir.is_dir():
-            raise TensorstowError(f"SSD store: {self.dir} is not a directory")
-        try:
-            self.dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            if e.errno in NOT_WRITABLE:
-                raise _not_writable(self.dir.parent, e) from None
-            raise TensorstowError(f"SSD store: cannot create directory {self.dir}: {e}") from None
-        self._acquire_dir_lock()
+        self._files.open()
         self._closed = False
         try:
-            self.direct, self.io_mode_reason = (False, "buffered reads: opened read-only") if read_only else \
-                self._probe_direct(direct)
-            manifest = self._load_manifest()
-            if manifest is None and read_only:
+            self.direct, self.io_mode_reason = self._files.probe_direct(direct)
+            manifest = self._files.load()
+            if manifest is None and self.read_only:
                 raise TensorstowError(f"SSD store {self.dir} holds no store (no {MANIFEST}): nothing to read")
             self.version = VERSION if manifest is None else manifest["version"]
             """Manifest version: the checksum the store records (CHECKSUMS)."""
             self._sum_name, self._sum = CHECKSUMS[self.version]
-            self._key = _entry_key(self.version)
-            self.recovered: str | None = getattr(self, "recovered", None)
-            """How the manifest was recovered (`_load_manifest`), where it had to be; else None."""
+            self._key = entry_key(self.version)
             fresh = manifest is not None and manifest["step"] is None and {
                 k: e["nbytes"] for k, e in manifest["buffers"].items()} == sizes
-            if (manifest is None or fresh) and not read_only:  # none, or never committed: nothing to keep
+            if (manifest is None or fresh) and not self.read_only:  # none, or never committed: nothing to keep
                 self._create(sizes)
             else:
                 self._resume(manifest, sizes)
@@ -337,6 +348,16 @@ class SSDStore:
         except BaseException:
             self.close()
             raise
+
+    @property
+    def early_sync_s(self) -> float:
+        """Seconds the early syncs have taken so far, in all (the disk is busy flushing meanwhile)."""
+        return 0.0 if self._syncer is None else self._syncer.seconds
+
+    @property
+    def recovered(self) -> str | None:
+        """How the manifest was recovered (`StoreFiles.load`), where it had to be; else None."""
+        return self._files.recovered
 
     # -- public API -------------------------------------------------------------------------
 
@@ -355,7 +376,7 @@ class SSDStore:
         with self._moved:
             self.bytes_written += buf.nbytes
         self._wait_durable()  # a background commit's shadow slots are the last committed state until it is durable
-        self._settle_recovery()
+        self._files.settle_recovery()
         with buf.io_lock:
             for op in buf.pending:  # earlier reads and writes of this buffer finish first
                 op._complete()
@@ -379,11 +400,11 @@ class SSDStore:
             def finish(op: _Op) -> None:
                 op.crcs = [f.result() for f in crc_futures]
 
-            op = self._submit(what, "write", fd, pieces, keep, finish)
+            op = _Op.submit(self._engine, what, "write", fd, pieces, keep, finish)
             buf.pending = [op]
             buf.last_write = op
             if self._syncer is not None and self.sync_early and not buf.transient:
-                buf.synced = (op, self._syncer.submit(self._sync_written, op, fd))
+                self._syncer.start(buf, op, fd)
             return op
 
     def read_async(self, name: str, out: torch.Tensor, first: bool = False, committed: bool = False) -> _Op:
@@ -413,27 +434,16 @@ class SSDStore:
                 pieces, copies = _direct_pieces(dst, n)
             elif n:
                 pieces.append((dst, 0))
-            verify = self.verify
+            check = (self._sum, self._sum_name, crcs, f"SSD store {self.dir}: buffer '{name}'", path, version) \
+                if self.verify else None
 
             def finish(op: _Op) -> None:
-                for d, s in copies:
-                    d.copy_(s)
-                if not verify:
-                    return
-                got = [f.result() for f in _crc_blocks(dst, self._sum)]
-                for i, (a, b) in enumerate(zip(got, crcs)):
-                    if a != b:
-                        lo, hi = i * CRC_BLOCK, min(n, (i + 1) * CRC_BLOCK)
-                        raise TensorstowError(
-                            f"SSD store {self.dir}: buffer '{name}' is corrupted in {path}: bytes {lo}..{hi} "
-                            f"fail their checksum ({version}; {self._sum_name} {a:#x}, expected {b:#x}). The "
-                            "file was torn or damaged outside tensorstow; restore the directory from a "
-                            "backup or restart training from scratch in a fresh directory")
-                if len(got) != len(crcs):
-                    raise TensorstowError(f"SSD store {self.dir}: buffer '{name}': MANIFEST lists "
-                                          f"{len(crcs)} checksums for {n} bytes; the manifest is damaged")
+                for d, src in copies:
+                    d.copy_(src)
+                if check is not None:
+                    _verify(dst, n, *check)
 
-            op = self._submit(what, "read", fd, pieces, [out, dst], finish, first)
+            op = _Op.submit(self._engine, what, "read", fd, pieces, [out, dst], finish, first)
             buf.pending.append(op)
             return op
 
@@ -456,13 +466,13 @@ class SSDStore:
         self._check_writable("commit")
         with self._commit_lock:
             self._wait_durable()
-            self._settle_recovery()
+            self._files.settle_recovery()
             bufs = [self._bufs[k] for k in sorted(self._bufs)]
             for b in bufs:  # sorted order: the only place that holds several io_locks
                 b.io_lock.acquire()
             try:
-                written, entries = self._fix_step(step, bufs)
-                syncs = self._syncs(written)  # shadow slots
+                written, entries = _fix_step(bufs, step, self._key, self.dir, self._step)
+                syncs = _EarlySyncs.for_commit(written, self.dir)  # shadow slots
                 if wait:
                     replaced = self._sync_and_record(step, syncs, entries)
                     self._flip(step, written)
@@ -493,9 +503,9 @@ class SSDStore:
 
     def previous_step(self) -> int | None:
         """The step of the commit before the last (None: there is none)."""
-        if self._recovering:  # MANIFEST.prev is the last commit
+        if self._files.recovering:  # MANIFEST.prev is the last commit
             return None
-        d = self._load_manifest(self.dir / PREVIOUS)
+        d = self._files.read(self.dir / PREVIOUS)
         return None if d is None else d["step"]
 
     def rollback(self) -> int:
@@ -506,19 +516,19 @@ class SSDStore:
         self._check_writable("roll back")
         with self._commit_lock:
             self._wait_durable()
-            self._settle_recovery()
+            self._files.settle_recovery()
             if any(b.last_write is not None for b in self._bufs.values()):
                 raise TensorstowError(f"SSD store {self.dir}: cannot roll back: buffers were written "
                                       f"after the last commit")
-            d = self._load_manifest(self.dir / PREVIOUS)
+            d = self._files.read(self.dir / PREVIOUS)
             if d is None:
                 raise TensorstowError(f"SSD store {self.dir}: cannot roll back step {self._step}: no "
                                       f"earlier commit is kept")
             if d.get("version") != self.version:
                 raise TensorstowError(f"SSD store {self.dir}: the earlier commit has another version")
             os.replace(self.dir / PREVIOUS, self.dir / MANIFEST)
-            self._fsync_dir()
-            self._drain_syncer()
+            self._files.fsync_dir()
+            _EarlySyncs.wait(getattr(self, "_bufs", {}).values(), forget=True)
             for b in self._bufs.values():
                 for op in b.pending:  # reads in flight finish before their files close
                     op._complete()
@@ -550,9 +560,9 @@ class SSDStore:
             if self._durable is not threading.current_thread():
                 self._durable.join()
             self._durable = None
-        self._drain_syncer()
+        _EarlySyncs.wait(getattr(self, "_bufs", {}).values(), forget=True)
         if getattr(self, "_syncer", None) is not None:
-            self._syncer.shutdown(wait=True)
+            self._syncer.pool.shutdown(wait=True)
         for buf in getattr(self, "_bufs", {}).values():
             for op in buf.pending:
                 op._complete()
@@ -560,9 +570,7 @@ class SSDStore:
                 if fd >= 0:
                     os.close(fd)
             buf.fds = []
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)  # releases the flock
-            self._lock_fd = None
+        self._files.release()
 
     def __enter__(self) -> SSDStore:
         return self
@@ -604,44 +612,6 @@ class SSDStore:
                                   f"the buffer {buf.nbytes}")
         return buf
 
-    def _submit(self, what: str, kind: str, fd: int, pieces, keep, finish, first: bool = False) -> _Op:
-        handles: list[int] = []
-        try:
-            for tensor, offset in pieces:
-                handles.append(self._engine.submit_write(fd, tensor, offset) if kind == "write"
-                               else self._engine.submit_read(fd, tensor, offset, first=first))
-        except BaseException:
-            for h in handles:
-                try:
-                    self._engine.wait(h)
-                except OSError:
-                    pass
-            raise
-        return _Op(kind, what, self._engine, handles, keep, finish)
-
-    def _sync_written(self, op: _Op, fd: int) -> OSError | None:
-        """The syncer's task: once `op` (a write) completes, sync its file; returns the error."""
-        op._complete()
-        if op.error is not None:
-            return None  # the commit reports the write's own error
-        t0 = time.perf_counter()
-        try:
-            os.fdatasync(fd)
-        except OSError as e:
-            return e
-        finally:
-            self.early_sync_s += time.perf_counter() - t0
-        return None
-
-    def _syncs(self, written: list[_Buffer]) -> list[tuple[int, Path, Future | None]]:
-        """The commit's syncs: per written buffer its shadow slot's fd and path, and the future of
-        its early sync when that covered the step's last write (the commit waits for it instead)."""
-        out = []
-        for b in written:
-            early = b.synced[1] if b.synced is not None and b.synced[0] is b.last_write else None
-            out.append((b.fds[1 - b.slot], self.dir / b.files[1 - b.slot], early))
-        return out
-
     def set_transient(self, names) -> None:
         """Mark buffers whose content lives only within a step (the executor: those of its plan
         that have no home, such as activations swapped to SSD): their writes are not synced and
@@ -659,40 +629,7 @@ class SSDStore:
         state; raises what a background commit failed with. (`benchmarks/bench_deepspeed.py`
         calls it between the turns of engines that take turns on one machine.)"""
         self._wait_durable()
-        for b in self._bufs.values():
-            if b.synced is not None:
-                b.synced[1].exception()  # waits; the commit reads its result
-
-    def _drain_syncer(self) -> None:
-        """Wait for every early sync (before files close)."""
-        for b in getattr(self, "_bufs", {}).values():
-            if b.synced is not None:
-                b.synced[1].exception()  # waits; its result is the commit's to read
-                b.synced = None
-
-    def _fix_step(self, step: int, bufs: list[_Buffer]) -> tuple[list[_Buffer], dict]:
-        """A commit's first part, under every buffer's io_lock: wait for the step's writes and
-        build the manifest's entries. Returns (the buffers written, entries)."""
-        for b in bufs:
-            if b.transient:  # left out of the state: done with, it holds nothing from now on
-                for op in b.pending:
-                    op._complete()
-                b.pending, b.last_write, b.synced, b.crc = [], None, None, None
-        written = [b for b in bufs if b.last_write is not None]
-        for b in written:
-            b.last_write._complete()
-        failed = [b for b in written if b.last_write.error is not None]
-        if failed:
-            raise TensorstowError(
-                f"SSD store {self.dir}: cannot commit step {step}: the write of "
-                f"{', '.join(repr(b.name) for b in failed)} failed ({failed[0].last_write.error}); the "
-                f"committed step {self._step} is untouched; write those buffers again, then commit")
-        entries = {}
-        for b in bufs:
-            new = b.last_write is not None
-            entries[b.name] = {"nbytes": b.nbytes, "files": b.files, "slot": 1 - b.slot if new else b.slot,
-                               self._key: b.last_write.crcs if new else b.crc}
-        return written, entries
+        _EarlySyncs.wait(self._bufs.values())
 
     def _sync_and_record(self, step: int, syncs: list[tuple[int, Path, Future | None]], entries: dict) -> OSError | None:
         """Sync the written files, then replace the manifest: raises TensorstowError before the
@@ -710,15 +647,16 @@ class SSDStore:
             except OSError as e:
                 raise TensorstowError(
                     f"SSD store {self.dir}: cannot commit step {step}: syncing {path} failed: "
-                    f"{_describe_os_error(e)}; the committed step {self._step} is untouched") from None
+                    f"{describe_os_error(e)}; the committed step {self._step} is untouched") from None
         t0 = time.perf_counter()
-        replaced = self._write_manifest(step, entries, what=f"commit step {step}")
+        replaced = self._files.write(manifest_content(self.version, self.owner, step, entries),
+                                     f"commit step {step}", self._step)
         self.durable_s = own + time.perf_counter() - t0
         return replaced
 
     def _dir_sync_error(self, step: int, e: OSError) -> TensorstowError:
         return TensorstowError(f"SSD store {self.dir}: step {step} was committed but syncing the directory "
-                               f"failed ({_describe_os_error(e)}); a crash now may bring back the previous "
+                               f"failed ({describe_os_error(e)}); a crash now may bring back the previous "
                                "committed step; check the disk")
 
     def _flip(self, step: int | None, written: list[_Buffer]) -> None:
@@ -737,242 +675,29 @@ class SSDStore:
             raise TensorstowError(f"{self._durable_error} (in the background, after the step; the store takes "
                                   f"no more writes: close it and resume from the committed step)")
 
-    def _write_manifest(self, step: int | None, entries: dict, *, what: str) -> OSError | None:
-        """Atomically replace MANIFEST. Raises before the rename; returns a directory-sync error after it."""
-        content = {"format": FORMAT, "version": self.version, "step": step, "crc_block": CRC_BLOCK,
-                   "buffers": entries, **({"checksum": self._sum_name} if self.version > 1 else {}),
-                   **({"owner": self.owner} if self.owner is not None and self.version >= 3 else {})}
-        if self.version >= 3:  # the manifest checks itself: an edited or torn one is not trusted
-            content[SELF_CHECK] = _manifest_sum(content)
-        body = json.dumps(content, sort_keys=True, indent=1).encode() + b"\n"
-        tmp, final = self.dir / (MANIFEST + ".tmp"), self.dir / MANIFEST
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
-            try:
-                view = memoryview(body)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            if final.exists():  # kept for rollback(); a crash before the next rename leaves it as the last commit
-                os.replace(final, self.dir / PREVIOUS)
-            os.replace(tmp, final)
-        except OSError as e:
-            try:
-                tmp.unlink()
-            except OSError:
-                pass
-            last = "none" if self._step is None else self._step
-            raise TensorstowError(f"SSD store {self.dir}: cannot {what}: writing {final} failed: "
-                                  f"{_describe_os_error(e)}; the committed state (step {last}) is "
-                                  "untouched") from None
-        try:
-            self._fsync_dir()
-        except OSError as e:
-            return e
-        return None
-
-    def _fsync_dir(self) -> None:
-        fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def _acquire_dir_lock(self) -> None:
-        self._lock_fd = _lock(self.dir, self.read_only)
-
-    def _probe_direct(self, want: bool) -> tuple[bool, str]:
-        if not want:
-            return False, "buffered I/O + fsync: direct=False was requested"
-        path = self.dir / ".direct-probe"
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT | os.O_CLOEXEC, 0o644)
-            try:
-                page = aio.aligned_empty(aio.ALIGN)
-                page.zero_()
-                os.pwritev(fd, [memoryview(page.numpy())], 0)
-                os.preadv(fd, [memoryview(page.numpy())], 0)
-            finally:
-                os.close(fd)
-                path.unlink()
-        except OSError as e:
-            if e.errno in (errno.ENOSPC, errno.EDQUOT):  # a full disk says nothing of O_DIRECT: the
-                return False, f"buffered I/O + fsync: {self.dir} is full"  # first write reports it
-            if e.errno in NOT_WRITABLE:  # says nothing of O_DIRECT either: the store cannot work here
-                raise _not_writable(self.dir, e) from None
-            reason = (f"buffered I/O + fsync: the filesystem of {self.dir} refuses O_DIRECT "
-                      f"({e.strerror})")
-            log.warning("SSD store: %s", reason)
-            return False, reason
-        return True, "O_DIRECT"
-
-    def _settle_recovery(self) -> None:
-        """Where the open resumed from MANIFEST.prev, make that the manifest on disk (a damaged
-        MANIFEST set aside as MANIFEST.damaged), before anything in the store changes."""
-        if not self._recovering:
-            return
-        main = self.dir / MANIFEST
-        if main.exists():
-            os.replace(main, self.dir / (MANIFEST + ".damaged"))
-        os.replace(self.dir / PREVIOUS, main)
-        self._fsync_dir()
-        self._recovering = False
-
-    def _load_manifest(self, path: Path | None = None) -> dict | None:
-        """The newest valid manifest: MANIFEST, else MANIFEST.prev (a crash inside a commit leaves
-        only it; a damaged or deleted MANIFEST leaves it as the last readable commit: `recovered`
-        says so); None for a directory without a store. One holding store files but no valid
-        manifest is refused: its committed state cannot be read."""
-        if path is not None:
-            return self._read_manifest(path)
-        main, prev = self.dir / MANIFEST, self.dir / PREVIOUS
-        why = f"{MANIFEST} is missing"
-        try:
-            d = self._read_manifest(main)
-            if d is not None:
-                return d
-        except TensorstowError as e:
-            why = str(e)
-        try:
-            d = self._read_manifest(prev)
-        except TensorstowError as e:
-            d, why = None, f"{why}; {e}"
-        if d is not None:
-            if self.read_only:
-                self.recovered = f"{why.rstrip('.')}: read from {PREVIOUS} (step {d['step']})"
-                return d
-            # set right on disk by the first write, commit or rollback (`_settle_recovery`): an open
-            # that goes no further (a resume refused before any step) leaves the directory as it was
-            self._recovering = True
-            self.recovered = f"{why.rstrip('.')}: resumed from {PREVIOUS} (step {d['step']})"
-            return d
-        slots = sorted(p.name for p in self.dir.iterdir() if SLOT_FILE.fullmatch(p.name))
-        if slots or main.exists():
-            raise TensorstowError(
-                f"SSD store {self.dir} holds {len(slots)} store files but no valid manifest ({why}): its committed "
-                f"state cannot be read; restore {MANIFEST} or {PREVIOUS} from a backup, or start over in it "
-                f"deliberately with `tensorstow execute ... --restart` (deletes the store)")
-        return None
-
-    def _read_manifest(self, path: Path) -> dict | None:
-        """The manifest at `path` (None where there is none); TensorstowError where it is invalid."""
-        try:
-            raw = path.read_bytes()
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            raise TensorstowError(f"SSD store: cannot read {path}: {e}") from None
-        try:
-            d = json.loads(raw)
-            if d.get("format") != FORMAT:
-                raise ValueError(f"format is {d.get('format')!r}, not {FORMAT!r}")
-            if d.get("version") not in CHECKSUMS:
-                raise ValueError(f"version {d.get('version')!r}; this tensorstow reads versions {sorted(CHECKSUMS)}")
-            key = _entry_key(d["version"])
-            if d.get("crc_block") != CRC_BLOCK:
-                raise ValueError(f"crc_block {d.get('crc_block')!r}, expected {CRC_BLOCK}")
-            if not isinstance(d.get("buffers"), dict):
-                raise ValueError("'buffers' is not an object")
-            if d["version"] >= 3 and d.get(SELF_CHECK) != _manifest_sum(d):
-                raise ValueError("it fails its own checksum (edited or torn)")
-            for name, e in d["buffers"].items():
-                if not (isinstance(e, dict) and e.get("slot") in (0, 1) and isinstance(e.get("nbytes"), int)
-                        and isinstance(e.get("files"), list) and len(e["files"]) == 2
-                        and all(isinstance(f, str) and "/" not in f for f in e["files"])
-                        and (e.get(key) is None or isinstance(e[key], list))):
-                    raise ValueError(f"entry of buffer {name!r} is malformed")
-        except (ValueError, AttributeError, TypeError) as e:  # not JSON, not an object, a wrong type
-            raise TensorstowError(f"{path.name} is not a valid tensorstow SSD store manifest ({e})") from None
-        return d
-
     def _create(self, sizes: dict[str, int]) -> None:
-        self._settle_recovery()
-        strangers = [] if self.shared else sorted(p.name for p in self.dir.iterdir() if not OWN_FILE.fullmatch(p.name))
-        if strangers:
-            raise TensorstowError(f"SSD store: {self.dir} has no {MANIFEST} but holds other files "
-                                  f"({', '.join(strangers[:3])}); give the store an empty directory")
+        """A new store: its manifest (never committed) first, then its preallocated slot files (a crash
+        between leaves a store that never committed, which the next open creates again)."""
         self._bufs = {name: _Buffer(name, n, slot_files(name), 0, None) for name, n in sizes.items()}
         self._step = None
-        need = 0
-        for b in self._bufs.values():
-            for f in b.files:
-                p = self.dir / f
-                need += max(0, aio.round_up(b.nbytes) - (p.stat().st_size if p.exists() else 0))
-        free = shutil.disk_usage(self.dir).free
-        if need > free:
-            raise TensorstowError(f"SSD store: {self.dir} needs {_fmt_bytes(need)} more for "
-                                  f"{2 * len(self._bufs)} preallocated files but only {_fmt_bytes(free)} is "
-                                  "free; free space or choose a larger disk")
-        # the manifest first: a crash while preallocating leaves a store that never committed, which
-        # the next open creates again (a slot file without any manifest is refused: `_load_manifest`)
+        self._files.prepare({f: aio.round_up(b.nbytes) for b in self._bufs.values() for f in b.files})
         entries = {b.name: {"nbytes": b.nbytes, "files": b.files, "slot": 0, self._key: None}
                    for b in self._bufs.values()}
-        err = self._write_manifest(None, entries, what="create the store")
+        err = self._files.write(manifest_content(self.version, self.owner, None, entries), "create the store", None)
         if err is not None:
-            raise TensorstowError(f"SSD store {self.dir}: syncing the directory failed: {_describe_os_error(err)}")
+            raise TensorstowError(f"SSD store {self.dir}: syncing the directory failed: {describe_os_error(err)}")
         for b in self._bufs.values():
             for f in b.files:
-                self._preallocate(self.dir / f, aio.round_up(b.nbytes))
-
-    def _preallocate(self, path: Path, size: int) -> None:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            try:
-                if size:
-                    try:
-                        os.posix_fallocate(fd, 0, size)
-                    except OSError as e:
-                        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                            raise
-                os.ftruncate(fd, size)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except OSError as e:
-            raise TensorstowError(f"SSD store: cannot preallocate {path} ({_fmt_bytes(size)}): "
-                                  f"{_describe_os_error(e)}; free space or choose a larger disk") from None
+                self._files.preallocate(self.dir / f, aio.round_up(b.nbytes))
 
     def _resume(self, manifest: dict, sizes: dict[str, int]) -> None:
-        held = manifest.get("owner")
-        if self.owner is not None and held is not None and held != self.owner:
-            raise TensorstowError(f"SSD store {self.dir} holds the training state of another plan (fingerprint "
-                                  f"{held}, this plan {self.owner}): execute the plan it was trained with, or start "
-                                  f"over in it with `tensorstow execute ... --restart`")
-        if self.owner is None:
-            self.owner = held
-        stored = {k: e["nbytes"] for k, e in manifest["buffers"].items()}
-        if stored != sizes:
-            missing = sorted(set(sizes) - set(stored))
-            extra = sorted(set(stored) - set(sizes))
-            differ = sorted(k for k in set(sizes) & set(stored) if sizes[k] != stored[k])
-            parts = []
-            if missing:
-                parts.append(f"not in the store: {', '.join(repr(k) for k in missing[:5])}")
-            if extra:
-                parts.append(f"not in the plan: {', '.join(repr(k) for k in extra[:5])}")
-            if differ:
-                parts.append("sizes differ: " + ", ".join(f"{k!r} stored {stored[k]} B, plan {sizes[k]} B"
-                                                          for k in differ[:5]))
-            raise TensorstowError(f"SSD store {self.dir} was created for a different plan ({'; '.join(parts)}); "
-                                  "resume with the plan that created it, or use a fresh directory")
+        """The store a manifest records: it must be this owner's, of these buffers and sizes."""
+        self.owner = _check_resumable(self.dir, manifest, self.owner, sizes)
         self._step = manifest["step"]
         self._bufs = {}
         for name, e in manifest["buffers"].items():
-            b = _Buffer(name, e["nbytes"], e["files"], e["slot"], e[self._key])
-            for k, f in enumerate(b.files):
-                p = self.dir / f
-                size = p.stat().st_size if p.exists() else None
-                if k != b.slot and (size is None or size < aio.round_up(b.nbytes)):  # the shadow holds nothing committed
-                    if not self.read_only:
-                        self._preallocate(p, aio.round_up(b.nbytes))
-                    continue
-                if size is None or size < aio.round_up(b.nbytes):
-                    state = "is missing" if size is None else f"has {size} bytes, expected {aio.round_up(b.nbytes)}"
-                    raise TensorstowError(f"SSD store {self.dir} is damaged: {p} (buffer '{name}') {state}; "
-                                          "restore the directory from a backup or use a fresh one")
-            self._bufs[name] = b
+            self._files.check_slots(name, e["files"], e["slot"], e["nbytes"])
+            self._bufs[name] = _Buffer(name, e["nbytes"], e["files"], e["slot"], e[self._key])
 
     def _open_files(self) -> None:
         flags = (os.O_RDONLY if self.read_only else os.O_RDWR) | os.O_CLOEXEC | (os.O_DIRECT if self.direct else 0)
@@ -985,5 +710,5 @@ class SSDStore:
                     b.fds.append(os.open(self.dir / f, flags))
                 except OSError as e:
                     if e.errno in NOT_WRITABLE:
-                        raise _not_writable(self.dir, e) from None
+                        raise not_writable(self.dir, e) from None
                     raise

@@ -7,7 +7,7 @@
     STATE_DIR/run.json      the inputs of the run it trains (executor/record.py): a resume with
                             other inputs is refused
     STATE_DIR/evals.json    the evaluations of the committed steps (executor/record.py)
-    STATE_DIR/MANIFEST, *.slot0|1, LOCK    the SSD store (executor/ssd.py)
+    STATE_DIR/MANIFEST, *.slot0|1, LOCK    the SSD store (executor/ssd.py, its files: executor/manifest.py)
 
 tensorstow claims a directory only if it is new or empty, or already a state dir (its mark, or
 the store's manifest of an older release), and never writes into any other; `--restart` deletes
@@ -141,13 +141,13 @@ RANK_DIR = re.compile(r"rank\d+")
 
 def _own_temporary(name: str) -> bool:
     """A temporary of one of the state dir's or the store's files (`write_atomic`, `_create_atomic`)."""
-    from tensorstow.executor.ssd import MANIFEST
+    from tensorstow.executor.manifest import MANIFEST
     return any(name.startswith(base + ".") and name.endswith(".tmp") for base in (*DESCRIPTION, MANIFEST))
 
 
 def _store_manifest(d: Path) -> bool:
     """Whether `d` holds a manifest of tensorstow's SSD store (a state dir of a release before the mark)."""
-    from tensorstow.executor.ssd import FORMAT, MANIFEST, PREVIOUS
+    from tensorstow.executor.manifest import FORMAT, MANIFEST, PREVIOUS
     for name in (MANIFEST, PREVIOUS):
         try:
             if json.loads((d / name).read_bytes()).get("format") == FORMAT:
@@ -190,7 +190,7 @@ def _refuse_foreign(d: Path, verb: str) -> TensorstowError:
 def owned_files(d: Path) -> list[Path]:
     """The files of state dir `d` that its records name: the description, the store's manifests,
     lock and probe, and every slot file a manifest or the held plan's buffers name."""
-    from tensorstow.executor import ssd
+    from tensorstow.executor import manifest as ssd
     manifests = (ssd.MANIFEST, ssd.PREVIOUS, ssd.MANIFEST + ".tmp", ssd.MANIFEST + ".damaged")
     names = {*DESCRIPTION, *manifests, ".direct-probe"}
     try:
@@ -217,7 +217,7 @@ def clear(state_dir) -> list[Path]:
     """`execute --restart`: delete the files the state dir's records name (`owned_files`), under
     the store's lock, keeping its mark, so it starts over there; returns what it deleted. A
     directory that is not a state dir is refused untouched."""
-    from tensorstow.executor.ssd import dir_lock
+    from tensorstow.executor.manifest import dir_lock
     d = Path(state_dir)
     kind = survey(d)
     if kind == "new":

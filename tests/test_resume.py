@@ -233,7 +233,7 @@ def test_restart_deletes_only_what_the_state_dirs_records_name(base, at4, tmp_pa
     `--restart` deletes the store's files and the run's description and record, keeps every file
     of the user's byte for byte, and trains from step 0 to the uninterrupted run's weights; while
     another process holds the state dir, `--restart` is refused and deletes nothing."""
-    from tensorstow.executor.ssd import dir_lock
+    from tensorstow.executor.manifest import dir_lock
     w, s = copy_of(at4, tmp_path)
     user_tree(tmp_path / "u", base)
     shutil.copytree(tmp_path / "u" / "notes", s / "notes")
@@ -259,7 +259,7 @@ CHILD = """
 import os, signal, sys
 from tensorstow.cli import main
 from tensorstow.executor.executor import Executor
-from tensorstow.executor.ssd import SSDStore
+from tensorstow.executor.manifest import StoreFiles
 point, at = sys.argv[1], int(sys.argv[2])
 
 def hook(cls, name, when):
@@ -272,7 +272,7 @@ def hook(cls, name, when):
 if point == "step":       # SIGKILL as step `at` begins
     hook(Executor, "step", lambda ex, a: ex.steps_done + 1 == at and os.kill(os.getpid(), signal.SIGKILL))
 elif point == "commit":   # SIGKILL inside the commit of step `at`: its slots written, the manifest not
-    hook(SSDStore, "_write_manifest", lambda st, a: a[0] == at and os.kill(os.getpid(), signal.SIGKILL))
+    hook(StoreFiles, "write", lambda files, a: a[0]["step"] == at and os.kill(os.getpid(), signal.SIGKILL))
 elif point == "eval":     # SIGKILL inside the evaluation after step `at`, its batches evaluated
     real_evaluate = Executor.evaluate
     def evaluate(self, batches):

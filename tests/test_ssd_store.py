@@ -408,7 +408,7 @@ def test_disk_full_leaves_committed_state(tmp_path, monkeypatch):
             out = torch.empty_like(t)
             store.read(k, out)
             assert torch.equal(out, t)
-    monkeypatch.setattr("tensorstow.executor.ssd.shutil.disk_usage", lambda p: type("U", (), {"free": 10**6})())
+    monkeypatch.setattr("tensorstow.executor.manifest.shutil.disk_usage", lambda p: type("U", (), {"free": 10**6})())
     with pytest.raises(TensorstowError, match=r"needs 16.0 MiB more .* only 976.6 KiB is free"):
         SSDStore(tmp_path / "small", {"x": 8 << 20})
 
