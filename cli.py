@@ -204,7 +204,8 @@ def _options(args):
     model = getattr(args, "model", None)
     if getattr(args, "config", None):
         recipe = _recipe(args.config)[0]
-        values = {**values, **{k: v for k, v in recipe.items() if k != "model"}, **_given(args, names)}
+        values = {**values, **{k: v for k, v in recipe.items() if k != "model"},
+                  **{k: v for k, v in values.items() if k in args.given}}
         model = model or recipe.get("model")
     if not model:
         raise TensorstowError("name the model: tensorstow plan MODEL, or model = \"...\" in the --config recipe")
@@ -416,21 +417,11 @@ def _run(args, plan) -> Run:
     values = dict(plan.run.to_json() if plan.run is not None else {})
     if args.config:
         values.update(_recipe(args.config)[1])
-    values.update(_given(args, RUN_FIELDS))
+    values.update({k: getattr(args, k) for k in RUN_FIELDS if k in args.given})
     return Run.from_json(values, where="execute options")
 
 
 RUN_FIELDS = tuple(f.name for f in dataclasses.fields(Run))
-
-
-def _given(args, names) -> dict:
-    """The options of `names` the command line gave explicitly (not left at their defaults)."""
-    argv = args.argv
-    out = {}
-    for a in args.parser_actions:
-        if a.dest in names and any(t == o or t.startswith(o + "=") for o in a.option_strings for t in argv):
-            out[a.dest] = getattr(args, a.dest)
-    return out
 
 
 def _recipe(path) -> tuple[dict, dict]:
@@ -586,7 +577,13 @@ def _add_run_options(p) -> None:
         _arg(p, "--" + f.name.replace("_", "-"), dest=f.name, help=docs.get(f.name, ""), default=f.default, **kw)
 
 
-def parser() -> argparse.ArgumentParser:
+UNSET = object()
+"""An option's value in `parser(explicit=True)`'s parse where the command line does not give it."""
+
+
+def parser(explicit: bool = False) -> argparse.ArgumentParser:
+    """The `tensorstow` command line. `explicit`: every option of `plan` and `execute` that a recipe
+    may also give defaults to `UNSET`, so a parse says which ones the command line gave (`given`)."""
     ap = argparse.ArgumentParser(prog="tensorstow", description=__doc__.splitlines()[0],
                                  epilog=DEMO_LINE)
     common = argparse.ArgumentParser(add_help=False)
@@ -595,7 +592,18 @@ def parser() -> argparse.ArgumentParser:
                             "(required; with no arguments at all, the demo runs).")
     _add = sub.add_parser
     sub.add_parser = lambda *a, **kw: _add(*a, parents=[common], **kw)  # every command takes --debug
+    _add_planning(sub, explicit)
+    _add_training(sub, explicit)
+    return ap
 
+
+def given(argv: list[str]) -> set[str]:
+    """The options of `plan` and `execute` that `argv` gives itself (argparse's own reading of it)."""
+    return {k for k, v in vars(parser(explicit=True).parse_args(argv)).items() if v is not UNSET}
+
+
+def _add_planning(sub, explicit: bool) -> None:
+    """The commands that make, inspect and check plans: plan, fit, show, diff, check."""
     p = sub.add_parser("plan", help="trace a model and write its static schedule")
     g = p.add_argument_group("plan options (the plan file records them)")
     for o in asked():
@@ -610,7 +618,7 @@ def parser() -> argparse.ArgumentParser:
     _arg(p, "--clip-rate-from", help="Set --clip-rate to the fraction of steps whose clip fired (or fp16 "
                                      "update was skipped) in this `execute --log-json` file of an earlier run "
                                      "(default: --clip-rate as given).")
-    p.set_defaults(fn=cmd_plan)
+    p.set_defaults(fn=cmd_plan, **({o.name: UNSET for o in asked()} if explicit else {}))
 
     f = sub.add_parser("fit", help="largest preset each policy can train on a machine, and its best batch")
     g = f.add_argument_group("plan options")
@@ -637,12 +645,15 @@ def parser() -> argparse.ArgumentParser:
     _arg(c, "--update", action="store_true", help="Rewrite drifted plans.")
     c.set_defaults(fn=cmd_check)
 
+
+def _add_training(sub, explicit: bool) -> None:
+    """The commands that train and read what training wrote: execute, evaluate, export, probe."""
     x = sub.add_parser("execute", help="replay a plan every training step")
     _arg(x, "plan", help="Plan file.")
     _add_run_options(x)
     _arg(x, "--config", help="Recipe file (TOML): its [execute] table gives these options' values where no "
                              "flag does (docs/training.md, Recipe files) (default: the plan's recipe, if any).")
-    x.set_defaults(fn=cmd_execute)
+    x.set_defaults(fn=cmd_execute, **({n: UNSET for n in RUN_FIELDS} if explicit else {}))
 
     ev = sub.add_parser("evaluate", help="the held-out loss of a state dir's last committed weights")
     _arg(ev, "plan", help="Plan file the state dir trains.")
@@ -669,7 +680,6 @@ def parser() -> argparse.ArgumentParser:
     _arg(pr, "--disk-dir", dest="disk_dir", help="Directory on the SSD to measure (default: the current directory).")
     _arg(pr, "--full", action="store_true", help="Longer, steadier measurements.")
     pr.set_defaults(fn=cmd_probe)
-    return ap
 
 
 REFERENCE_FIX = ("python -c 'from tensorstow.cli import reference_markdown; "
@@ -740,12 +750,6 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
         _python_show_warning(message, category, filename, lineno, file, line)
 
 
-def _command_actions(ap: argparse.ArgumentParser, cmd: str | None) -> list:
-    """The arguments of command `cmd` (none without one)."""
-    subs = [a for a in ap._actions if isinstance(a, argparse._SubParsersAction)]
-    return list(subs[0].choices[cmd]._actions) if cmd and subs else []
-
-
 def main(argv: list[str] | None = None) -> int:
     with warnings.catch_warnings():  # restores Python's own display when main returns
         warnings.showwarning = _show_warning
@@ -761,8 +765,7 @@ def _main(argv: list[str]) -> int:
             return 2
     ap = parser()
     args = ap.parse_args(argv)
-    args.argv = argv
-    args.parser_actions = _command_actions(ap, getattr(args, "cmd", None))
+    args.given = given(argv)
     if not getattr(args, "fn", None):
         parser().print_help()
         return 2

@@ -29,13 +29,12 @@ path.
 `load_kernel()` JIT-builds the kernel once (cached next to the aio engine: under
 $TENSORSTOW_CACHE, else $TORCH_EXTENSIONS_DIR/tensorstow, else ~/.cache/tensorstow); a failed
 build is remembered for the process and the steps fall back to torch. `kernel_info()` says
-which engine is active and why. `TENSORSTOW_ADAM=torch` forces the fallback,
-`TENSORSTOW_ADAM=cpp` makes a failed build an error.
+which engine is active and why. `execute --cpu-adam torch` forces the fallback, `--cpu-adam cpp`
+makes a failed build an error (`kernel_choice`).
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 
@@ -105,14 +104,20 @@ def load_kernel() -> None:
                           f"built/cached in {build_dir}")
 
 
+KERNELS = ("auto", "cpp", "torch")
+kernel_choice = "auto"
+"""Which CPU update runs (`execute --cpu-adam`): cpp, the fused C++ kernel (built on first use; a
+failed build is an error); torch, torch's own AdamW; auto, cpp where it builds."""
+
+
 def _use_kernel() -> bool:
     """Whether steps run in the C++ kernel (loads it on first use)."""
     global _status
-    choice = os.environ.get("TENSORSTOW_ADAM", "auto").lower()
-    if choice not in ("auto", "cpp", "torch"):
-        raise ValueError(f"TENSORSTOW_ADAM={choice!r}: use auto, cpp or torch")
+    choice = kernel_choice
+    if choice not in KERNELS:
+        raise TensorstowError(f"CPU Adam {choice!r}: use {', '.join(KERNELS)}")
     if choice == "torch":
-        _status = f"{_FALLBACK}: TENSORSTOW_ADAM=torch"
+        _status = f"{_FALLBACK}: --cpu-adam torch"
         return False
     try:
         load_kernel()

@@ -20,7 +20,8 @@ such buffers). The caller keeps the fd open and leaves the tensor alone until `w
 `load_engine()` JIT-builds the C++ engine once (cached under $TENSORSTOW_CACHE, else
 $TORCH_EXTENSIONS_DIR/tensorstow, else ~/.cache/tensorstow) and falls back to `PythonEngine`
 when the build fails; `engine_info()` says which one is active and why.
-`TENSORSTOW_AIO=python` forces the fallback, `TENSORSTOW_AIO=cpp` makes a failed build an error.
+`execute --io-engine python` forces the fallback, `--io-engine cpp` makes a failed build an error
+(`engine_choice`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from tensorstow.errors import TensorstowError
 from tensorstow.schema.schedule import PAGE_BYTES
 
 ALIGN = PAGE_BYTES
@@ -308,15 +310,21 @@ def first_error_line(e: BaseException) -> str:
     return next((ln for ln in lines if "error" in ln.lower()), lines[-1] if lines else repr(e))
 
 
+ENGINES = ("auto", "cpp", "python")
+engine_choice = "auto"
+"""The engine `load_engine` gives (`execute --io-engine`): cpp, the C++ thread pool (built on first
+use; a failed build is an error); python, the `PythonEngine`; auto, cpp where it builds."""
+
+
 def load_engine(num_threads: int = DEFAULT_THREADS, block_size: int = DEFAULT_BLOCK_SIZE,
                 queue_depth: int = DEFAULT_QUEUE_DEPTH):
     """A new engine: the C++ one when it builds (or is cached), else `PythonEngine`."""
     global _status
-    choice = os.environ.get("TENSORSTOW_AIO", "auto").lower()
-    if choice not in ("auto", "cpp", "python"):
-        raise ValueError(f"TENSORSTOW_AIO={choice!r}: use auto, cpp or python")
+    choice = engine_choice
+    if choice not in ENGINES:
+        raise TensorstowError(f"I/O engine {choice!r}: use {', '.join(ENGINES)}")
     if choice == "python":
-        _status = "Python fallback engine (os.preadv/os.pwritev thread pool): TENSORSTOW_AIO=python"
+        _status = "Python fallback engine (os.preadv/os.pwritev thread pool): --io-engine python"
         return PythonEngine(num_threads, block_size, queue_depth)
     try:
         module = build_extension()

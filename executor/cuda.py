@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import os
 import time
 
 import torch
@@ -202,17 +201,22 @@ class CudaLanes:
         return sorted(out)
 
 
+default_device: str | None = None
+"""The device tier's device where an executor names none (`Executor(device=None)`, `execute`
+without `--device`): "cuda" or "cpu" for every executor of this process; None: CUDA where there is
+one, else the CPU."""
+
+
 def resolve_device(device, index: int = 0) -> torch.device:
-    """The device tier's device: the argument, else TENSORSTOW_DEVICE, else CUDA when there is one.
+    """The device tier's device: the argument, else `default_device`, else CUDA when there is one.
     `index`: of several processes, this one's GPU (rank K takes GPU K mod the GPUs there are)."""
-    name = device if device is not None else os.environ.get("TENSORSTOW_DEVICE") or (
-        "cuda" if torch.cuda.is_available() else "cpu")
+    name = device if device is not None else default_device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         d = torch.device(name)
     except (RuntimeError, TypeError):
         d = None
     if d is None or d.type not in ("cpu", "cuda"):
-        raise TensorstowError(f"executor device '{name}' (the device= argument or TENSORSTOW_DEVICE): "
+        raise TensorstowError(f"executor device '{name}' (--device, or the device= argument): "
                               f"use cuda or cpu")
     if d.type == "cuda":
         if not torch.cuda.is_available():

@@ -34,13 +34,12 @@ What it changes:
 
 Memory the plan budgets is unaffected: the DRAM tier is one preallocated pool and the device tier
 counts every tensor it holds. Under another allocator (LD_PRELOAD=jemalloc) glibc's settings are
-unused. TENSORSTOW_MALLOC=default leaves glibc and PyTorch's allocator as they are.
+unused. `execute --malloc default` (`setting`) leaves glibc and PyTorch's allocator as they are.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import os
 import threading
 from pathlib import Path
 
@@ -65,6 +64,11 @@ allocator_status = "torch's (not replaced)"
 """Which allocator CPU tensors come from: set by `tune()`."""
 
 
+setting = "tuned"
+"""`execute --malloc`: tuned sets glibc's thresholds (the module docstring) the first time an
+executor starts; default leaves the allocator as it is."""
+
+
 def tune() -> bool:
     """Set glibc's thresholds once per process (thread-safe); True when they were set."""
     with _lock:
@@ -75,7 +79,7 @@ def _tune() -> bool:
     global _tuned, _libc
     if _tuned is None:
         _tuned = False
-        if os.environ.get("TENSORSTOW_MALLOC", "tuned") != "default":
+        if setting != "default":
             try:
                 libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
                 mallopt = libc.mallopt

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from tensorstow.errors import Interrupted, TensorstowError
-from tensorstow.executor import graphs, record, statedir
+from tensorstow.executor import adam, aio, graphs, malloc, record, statedir
 from tensorstow.executor.cuda import hardware_differences, resolve_device
 from tensorstow.executor.data import batches, tokens
 from tensorstow.executor.distributed import (LOST, TIMEOUT_S, Comm, agree_on_step, launch, peer_lost, rank_cores,
@@ -46,9 +46,10 @@ def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, 
     process per GPU (executor.distributed.launch runs this in each, with its `rank` and `comm`;
     each keeps its state in `state_dir/rank<K>`)."""
     out = out or sys.stdout  # looked up per call: the stream of the caller (tests swap it)
+    use_machinery(run)
     if run.nproc > 1 or (run.nproc == 1 and rank is None and _gpus_of(plan) > 1):
         return _launch(plan, run, out)
-    mode = pick_mode(run.mode, plan)
+    mode = pick_mode(run.mode, plan, run.device)
     steps, state_dir = run.steps, run.state_dir
     _check_run(plan, run, rank)
     spec = resolve_model(plan.options.model, plan.options.lora)
@@ -74,7 +75,7 @@ def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, 
         # a constant rate until the data is read: the schedule needs the run's length
         ex = Executor(plan, model, mode=mode, ssd_store=store, resume=resume, checkpoint_every=run.checkpoint_every,
                       init_values=init, rank=rank, comm=comm, lr_schedule=LRSchedule("constant", plan.options.lr),
-                      graphs=run.graphs)
+                      graphs=run.graphs, device=run.device)
         if store is not None:
             statedir.describe(d, model, ex.program)
         steps, feed, data = _feed(ex, plan, run, start)
@@ -124,7 +125,7 @@ def _check_run(plan: Plan, run: Run, rank: int | None) -> None:
     if run.epochs is not None and run.epochs < 1:
         raise TensorstowError(f"--epochs must be >= 1, got {run.epochs}")
     record.accepted(run.resume_changed)
-    differ = hardware_differences(plan, resolve_device(None, rank or 0), rank or 0)
+    differ = hardware_differences(plan, resolve_device(run.device, rank or 0), rank or 0)
     if differ and run.hw_mismatch != "ok":
         raise TensorstowError(f"the plan was made for {plan.hardware.name}, not this machine ({'; '.join(differ)}): "
                               f"re-plan it for here (--hw local, or a spec from `tensorstow probe`), or pass "
@@ -176,6 +177,7 @@ def evaluate_state(plan: Plan, run: Run, *, out=None) -> dict:
     """`tensorstow evaluate`: the mean loss of `run.eval_data` with the weights the state dir
     `run.state_dir` committed last (`Executor.evaluate`); the state is read, never written."""
     out = out or sys.stdout
+    use_machinery(run)
     if run.state_dir is None or run.eval_data is None:
         raise TensorstowError("evaluate needs --state-dir DIR (of tensorstow execute) and --data F")
     d = Path(run.state_dir)
@@ -190,8 +192,8 @@ def evaluate_state(plan: Plan, run: Run, *, out=None) -> dict:
         if step is None:
             raise TensorstowError(f"state dir {d} holds no committed step yet")
         # no update: any rate does (a linear or cosine one would need the run's length)
-        ex = Executor(plan, model, mode=pick_mode(run.mode, plan), ssd_store=store, resume=True, init_values=init,
-                      lr_schedule=LRSchedule("constant", plan.options.lr))
+        ex = Executor(plan, model, mode=pick_mode(run.mode, plan, run.device), ssd_store=store, resume=True,
+                      init_values=init, lr_schedule=LRSchedule("constant", plan.options.lr), device=run.device)
         try:
             held_out = _eval_batches(ex, plan, run)[0]
             t0 = time.perf_counter()
@@ -544,18 +546,24 @@ computations' median predicted time is at least this: below it the lanes' thread
 that launches the kernels more than the overlap hides (benchmarks/RESULTS.md "On a GPU")."""
 
 
-def pick_mode(mode: str, plan: Plan | None = None) -> str:
+def use_machinery(run: Run) -> None:
+    """The process-wide choices of `run`: the SSD store's I/O engine, the CPU Adam, malloc's tuning
+    (each before its first use in this process)."""
+    aio.engine_choice, adam.kernel_choice, malloc.setting = run.io_engine, run.cpu_adam, run.malloc
+
+
+def pick_mode(mode: str, plan: Plan | None = None, device: str | None = None) -> str:
     """`auto`: overlap where the lanes have engines of their own and the plan has work for them to
     hide. On CUDA: overlap for a plan with SSD traffic; for one that moves state only through DRAM
     where its computations are long enough that the host keeps ahead of the GPU
     (`OVERLAP_MIN_COMPUTE_S`); sync otherwise (an all-resident plan hides nothing). On a CPU device
     tier: overlap where the compute threads leave a core for the other lanes (the executor pins
     them apart: `lanes.lane_cores`); sync where the compute takes every core, as the lanes would
-    then take cores from it. The measurements behind each rule: benchmarks/RESULTS.md "Sync or
+    then take cores from it. `device`: the executor's (`--device`; None: its default). The measurements behind each rule: benchmarks/RESULTS.md "Sync or
     overlap"."""
     if mode != "auto":
         return mode
-    device = resolve_device(None)
+    device = resolve_device(device)
     if device.type == "cuda":
         if plan is None or plan.ssd_sizes():
             return "overlap"
@@ -574,7 +582,7 @@ def worker(kw: dict) -> int:
         if world != _gpus_of(plan):
             raise TensorstowError(f"this plan runs on {_gpus_of(plan)} GPU(s) ({plan.hardware.name}) but {world} "
                                   f"processes were started: start one per GPU")
-        device = resolve_device(None, rank)
+        device = resolve_device(kw.get("device"), rank)
         # NCCL where every rank has a GPU of its own; else gloo (CPU device tiers, or several
         # ranks sharing one GPU), staging the boundaries through host memory
         nccl = device.type == "cuda" and torch.cuda.device_count() >= world and dist.is_nccl_available()

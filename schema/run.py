@@ -47,6 +47,18 @@ class Run:
     """Capture the step as a CUDA graph after 2 eager steps and replay it, one launch a step:
     auto where nothing in the step needs the host (every buffer resident on the GPU, the optimizer
     there, no fp16 loss scaling or dropout), on (refuse a plan where it cannot), off."""
+    device: str | None = None
+    """Where the device tier lives: cuda, or cpu (host memory held under the plan's GPU budget:
+    every movement still happens) (default: CUDA when there is one)."""
+    io_engine: str = "auto"
+    """The SSD store's asynchronous I/O engine: cpp (a C++ thread pool, built on first use; a failed
+    build is an error), python (os.preadv/os.pwritev threads), or auto (cpp where it builds)."""
+    cpu_adam: str = "auto"
+    """The CPU optimizer's update: cpp (the fused C++ kernel, built on first use; a failed build is an
+    error), torch (torch's AdamW), or auto (cpp where it builds)."""
+    malloc: str = "tuned"
+    """tuned: glibc malloc keeps freed buffers for the next step instead of unmapping them
+    (executor/malloc.py); default: the allocator as it is."""
     state_dir: str | None = None
     """Checkpoint directory (SSD-resident state lives there); resumes from it (default: none; a
     plan that homes state on the SSD needs one)."""
@@ -100,5 +112,7 @@ class Run:
         return decode(Run, d, where)
 
 
-CHOICES = {"mode": MODES, "graphs": GRAPHS, "lr_scheduler": LR_SCHEDULERS, "hw_mismatch": ("refuse", "ok")}
+CHOICES = {"mode": MODES, "graphs": GRAPHS, "lr_scheduler": LR_SCHEDULERS, "hw_mismatch": ("refuse", "ok"),
+           "device": ("cuda", "cpu"), "io_engine": ("auto", "cpp", "python"), "cpu_adam": ("auto", "cpp", "torch"),
+           "malloc": ("tuned", "default")}
 """The fields that take one of a few names."""

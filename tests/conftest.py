@@ -1,15 +1,15 @@
 import functools
-import os
 
 import pytest
 import torch
 
+from tensorstow.executor import cuda
 from tensorstow.ir.models import GPT, PRESETS
 from tensorstow.ir.trace import trace
 
 # The suite compares the executor with eager PyTorch on the CPU, bit for bit: its device tier is
 # budgeted host memory even where CUDA exists. tests/test_executor_cuda.py asks for CUDA itself.
-os.environ.setdefault("TENSORSTOW_DEVICE", "cpu")
+cuda.default_device = "cpu"
 
 
 @functools.lru_cache(maxsize=None)

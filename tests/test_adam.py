@@ -14,6 +14,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from tensorstow.errors import TensorstowError
 from tensorstow.executor import adam
 
 STEPS = 5
@@ -90,20 +91,20 @@ def assert_bit_identical(p, m, v, out16, ref_p, state):
 @pytest.mark.parametrize("n", [1, 17, 1000])
 def test_torch_fallback(monkeypatch, opt_cls, decoupled, wd, betas, n):
     """exact=True: torch's single-tensor step, bit for bit; exact=False: torch's fused kernel, close."""
-    monkeypatch.setenv("TENSORSTOW_ADAM", "torch")
+    monkeypatch.setattr(adam, "kernel_choice", "torch")
     p0, grads, ref_p, state = reference(n, opt_cls, wd, betas)
     assert_bit_identical(*run_ours(p0, grads, decoupled, wd, betas, torch.bfloat16, True), ref_p, state)
     p, m, v, out16 = run_ours(p0, grads, decoupled, wd, betas, torch.float16, False)
     torch.testing.assert_close(p, ref_p, rtol=2**-21, atol=1e-9)
     torch.testing.assert_close(v, state["exp_avg_sq"], rtol=2**-21, atol=0.0)
     assert torch.equal(out16, p.half())
-    assert "torch fallback" in adam.kernel_info() and "TENSORSTOW_ADAM=torch" in adam.kernel_info()
+    assert "torch fallback" in adam.kernel_info() and "--cpu-adam torch" in adam.kernel_info()
 
 
 @pytest.mark.parametrize("opt_cls,decoupled,wd,betas", CONFIGS)
 @pytest.mark.parametrize("n", SIZES)
 def test_kernel_exact_bit_identical_to_torch(kernel, monkeypatch, opt_cls, decoupled, wd, betas, n):
-    monkeypatch.setenv("TENSORSTOW_ADAM", "cpp")
+    monkeypatch.setattr(adam, "kernel_choice", "cpp")
     p0, grads, ref_p, state = reference(n, opt_cls, wd, betas, seed=n)
     for dtype in (None, torch.bfloat16, torch.float16):
         assert_bit_identical(*run_ours(p0, grads, decoupled, wd, betas, dtype, True), ref_p, state)
@@ -113,7 +114,7 @@ def test_kernel_exact_bit_identical_to_torch(kernel, monkeypatch, opt_cls, decou
 @pytest.mark.parametrize("opt_cls,decoupled,wd,betas", CONFIGS)
 @pytest.mark.parametrize("n", SIZES)
 def test_kernel_default_is_torch_order_with_rounded_sqrt(kernel, monkeypatch, opt_cls, decoupled, wd, betas, n):
-    monkeypatch.setenv("TENSORSTOW_ADAM", "cpp")
+    monkeypatch.setattr(adam, "kernel_choice", "cpp")
     p0, grads, ref_p, state = reference(n, opt_cls, wd, betas, seed=n)
     rounded_p, rounded_state = correctly_rounded_reference(p0, grads, decoupled, wd, betas)
     for dtype in (None, torch.bfloat16, torch.float16):
@@ -130,7 +131,7 @@ def test_kernel_default_is_torch_order_with_rounded_sqrt(kernel, monkeypatch, op
 
 def test_kernel_downcast_special_values(kernel, monkeypatch):
     """fp16 overflow to inf, subnormals, signed zero: out16 is exactly p32.to(dtype)."""
-    monkeypatch.setenv("TENSORSTOW_ADAM", "cpp")
+    monkeypatch.setattr(adam, "kernel_choice", "cpp")
     values = torch.tensor([0.0, -0.0, 1e-7, -1e-7, 6e-8, 65504.0, 65520.0, 1e5, -1e5, 3e38, 1.0 + 2**-9, 1.0 + 2**-8])
     p = values.repeat(9)  # 108 elements: full vectors and a tail
     g, m, v = torch.zeros_like(p), torch.zeros_like(p), torch.zeros_like(p)
@@ -194,7 +195,7 @@ def test_kernel_rejects_bad_tensors(kernel):
     ("m=v", "m and v share memory"),
 ])
 def test_step_rejects_bad_arguments(monkeypatch, bad, match):
-    monkeypatch.setenv("TENSORSTOW_ADAM", "torch")
+    monkeypatch.setattr(adam, "kernel_choice", "torch")
     kwargs = dict(p32=torch.zeros(8), grad=torch.zeros(8), m=torch.zeros(8), v=torch.zeros(8), step=1, lr=1e-3,
                   betas=(0.9, 0.999), eps=1e-8, wd=0.0, out16=None)
     if bad == "m=v":
@@ -210,7 +211,7 @@ def test_state_slices_of_one_buffer(monkeypatch):
     buf = torch.zeros(2 * 1000)
     p0, grads, ref_p, state = reference(1000, torch.optim.AdamW, 0.01, (0.9, 0.999))
     for engine in ("torch", "auto"):
-        monkeypatch.setenv("TENSORSTOW_ADAM", engine)
+        monkeypatch.setattr(adam, "kernel_choice", engine)
         buf.zero_()
         p, m, v = p0.clone(), buf[:1000], buf[1000:]
         for step, g in enumerate(grads, start=1):
@@ -219,8 +220,8 @@ def test_state_slices_of_one_buffer(monkeypatch):
 
 
 def test_bad_engine_choice(monkeypatch):
-    monkeypatch.setenv("TENSORSTOW_ADAM", "fortran")
-    with pytest.raises(ValueError, match="TENSORSTOW_ADAM='fortran': use auto, cpp or torch"):
+    monkeypatch.setattr(adam, "kernel_choice", "fortran")
+    with pytest.raises(TensorstowError, match="CPU Adam 'fortran': use auto, cpp, torch"):
         adam.kernel_info()
 
 
@@ -264,7 +265,7 @@ def test_a_16_bit_or_scaled_gradient_equals_the_step_on_its_widened_product(requ
     tails and several threads; the gradient itself is left as it was."""
     if engine == "cpp":
         request.getfixturevalue("kernel")
-    monkeypatch.setenv("TENSORSTOW_ADAM", engine)
+    monkeypatch.setattr(adam, "kernel_choice", engine)
     coef = torch.tensor(scale, dtype=torch.float32)
     for n in (7, 1000, 65537, 300007):
         gen = torch.Generator().manual_seed(n)

@@ -156,18 +156,18 @@ def test_auto_mode_overlaps_where_the_lanes_have_cores_of_their_own(monkeypatch)
     from tests.test_executor import get_plan
     on_ssd, resident = as_plan(get_plan("zero-infinity")), as_plan(get_plan("all-gpu"))
     assert on_ssd.ssd_sizes() and not resident.ssd_sizes()
-    monkeypatch.setenv("TENSORSTOW_DEVICE", "cpu")
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
-    assert pick_mode("auto") == "sync"
+    assert pick_mode("auto", device="cpu") == "sync"
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
-    assert pick_mode("auto") == "overlap"
+    assert pick_mode("auto", device="cpu") == "overlap"
     assert pick_mode("overlap") == "overlap" and pick_mode("sync") == "sync"
     monkeypatch.setattr(torch, "get_num_threads", lambda: 4)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setenv("TENSORSTOW_DEVICE", "cuda")
+    from tensorstow.executor import cuda
+    monkeypatch.setattr(cuda, "default_device", "cuda")  # as --device cuda
     assert pick_mode("auto", on_ssd) == "overlap"
-    assert pick_mode("auto", resident) == "sync"
+    assert pick_mode("auto", resident, "cuda") == "sync"
     assert pick_mode("overlap", resident) == "overlap"
     # a plan that moves state through DRAM only: overlap where its computations are long enough
     # for the host to keep ahead of the GPU, else sync; an all-resident one stays sync however long
@@ -196,12 +196,12 @@ def test_ranks_on_cpu_devices_get_disjoint_cores():
 
 @pytest.mark.parametrize("name", ["gpu", "mps", "cuda:x"])
 def test_an_unknown_device_is_one_clear_error(name, monkeypatch):
-    """A device the executor cannot use, named by the argument or TENSORSTOW_DEVICE, is refused
+    """A device the executor cannot use, named by the argument or the process's default, is refused
     with one line naming it (torch's parser raised a bare RuntimeError for some)."""
     from tensorstow import TensorstowError
-    from tensorstow.executor.cuda import resolve_device
+    from tensorstow.executor import cuda
     with pytest.raises(TensorstowError, match=rf"executor device '{name}'.*use cuda or cpu"):
-        resolve_device(name)
-    monkeypatch.setenv("TENSORSTOW_DEVICE", name)
-    with pytest.raises(TensorstowError, match="TENSORSTOW_DEVICE"):
-        resolve_device(None)
+        cuda.resolve_device(name)
+    monkeypatch.setattr(cuda, "default_device", name)
+    with pytest.raises(TensorstowError, match=rf"executor device '{name}' \(--device"):
+        cuda.resolve_device(None)

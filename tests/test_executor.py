@@ -893,13 +893,12 @@ def test_a_gpu_smaller_than_the_plans_is_refused_with_both_named(monkeypatch):
 
 def test_glibc_malloc_is_tuned_unless_left_alone():
     """The executor keeps freed buffers for reuse (executor.malloc): set on glibc, and
-    TENSORSTOW_MALLOC=default leaves the allocator as it is."""
+    `--malloc default` leaves the allocator as it is."""
     import platform
     import subprocess
     import sys
-    code = "from tensorstow.executor.malloc import tune; print(tune(), tune())"
-    out = {v: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                             env={**os.environ, "TENSORSTOW_MALLOC": v}).stdout.split()
+    code = "import sys; from tensorstow.executor import malloc; malloc.setting = sys.argv[1]; print(malloc.tune(), malloc.tune())"
+    out = {v: subprocess.run([sys.executable, "-c", code, v], capture_output=True, text=True, check=True).stdout.split()
            for v in ("tuned", "default")}
     glibc = platform.libc_ver()[0] == "glibc"
     assert out == {"tuned": [str(glibc)] * 2, "default": ["False", "False"]}
@@ -933,8 +932,7 @@ def test_the_dram_tier_keeps_tunes_heap_reuse_for_buffer_sized_blocks():
         churn(20)
         print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "TENSORSTOW_MALLOC": "tuned"})
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     faults = int(out.stdout.split()[-1])
     every_page = 20 * (24 << 20) // 4096
     assert faults < every_page // 2, f"{faults} page faults for 20 reallocations of a 24 MiB block"
@@ -985,8 +983,7 @@ def test_freed_blocks_are_reused_across_steps_and_across_lane_threads():
         for t in threads:
             t.join()
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "TENSORSTOW_MALLOC": "tuned"}).stdout.splitlines()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[0].startswith("malloc, aligned by hand"), out[0]
     steps, lanes = int(out[1]), int(out[2])
     assert steps < 2 * 96, f"five steps' 96 MiB of blocks left {steps} MiB resident"
@@ -1020,8 +1017,7 @@ def test_free_heap_goes_back_to_the_system_where_much_of_it_is_free():
         print(malloc.give_back_free_heap())
         print(before - rss_mib())
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "TENSORSTOW_MALLOC": "tuned"}).stdout.splitlines()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
     if out[0] == "False":
         pytest.skip("this glibc lacks mallinfo2 / malloc_trim (before 2.33)")
     assert out[1:3] == ["False", "True"], out

@@ -82,3 +82,20 @@ def test_a_bad_recipe_is_one_line_naming_the_key(text, where, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("tensorstow: error: ") and where in err and err.count("\n") == 1
     assert not (tmp_path / "p.json").exists()
+
+
+def test_a_flag_given_in_any_form_argparse_reads_overrides_the_recipe(tmp_path):
+    """Which options the command line gave is argparse's own reading of it: an abbreviated flag
+    (`--weight-dec`) or `--flag=value` overrides the recipe like the full form; a flag left out
+    leaves the recipe's value."""
+    from tensorstow.cli import given
+    recipe = write(tmp_path / "r.toml", RECIPE)
+    plan = tmp_path / "p.json"
+    assert main(["plan", "--config", recipe, "--weight-dec", "0.2", "--batch=4", "-o", str(plan)]) == 0
+    o = json.loads(plan.read_text())["options"]
+    assert (o["weight_decay"], o["batch"], o["seq"], o["lr"]) == (0.2, 4, 32, 1e-3)
+    assert {"lr_scheduler", "batch"} <= given(["plan", "--config", recipe, "--lr-sch", "linear", "--batch=4"])
+    assert not {"seq", "lr"} & given(["plan", "--config", recipe, "--lr-sch", "linear", "--batch=4"])
+    assert {"device", "io_engine", "shuffle"} <= given(["execute", str(plan), "--dev", "cpu", "--io-engine=python",
+                                                         "--no-shuffle"])
+    assert "malloc" not in given(["execute", str(plan), "--dev", "cpu"])

@@ -139,10 +139,10 @@ def test_falls_back_to_python_when_the_build_fails(monkeypatch):
     monkeypatch.setattr(aio, "_default_info", None)
     assert isinstance(aio.load_engine(), aio.PythonEngine)
     assert "Python fallback engine" in aio.engine_info() and "ninja: not found" in aio.engine_info()
-    monkeypatch.setenv("TENSORSTOW_AIO", "cpp")
+    monkeypatch.setattr(aio, "engine_choice", "cpp")
     with pytest.raises(RuntimeError, match="ninja"):
         aio.load_engine()
-    monkeypatch.setenv("TENSORSTOW_AIO", "python")
+    monkeypatch.setattr(aio, "engine_choice", "python")
     monkeypatch.setattr(aio, "build_extension", lambda: pytest.fail("must not build"))
     assert isinstance(aio.load_engine(), aio.PythonEngine)
 
