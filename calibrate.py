@@ -399,8 +399,8 @@ def _cpu_elementwise_bw(reps: int) -> float:
     graph of a one-layer GPT of CPU_BLOCK's width and tokens, each op timed as it dispatches
     (`_op_timer`); the bytes the ops besides matmuls and attention read and write (as the IR counts
     them: views move none) over their seconds, the median of `reps` steps. Timed in place, not as
-    the block's time less its matmuls' (that residual swung 4-13 GB/s between probes on a 2-core
-    Xeon VM where this stays within 10%)."""
+    the block's time less its matmuls' (a residual of two timings, which swung several-fold between
+    probes where this stays within 10%: benchmarks/RESULTS.md "The probe")."""
     from tensorstow.ir.models import GPTConfig
     d, heads, batch, seq = CPU_BLOCK
     step = _joint_step(GPTConfig(n_layer=1, n_head=heads, n_embd=d, vocab_size=64, block_size=seq), batch, seq)
@@ -491,9 +491,9 @@ def _host_contention(reps: int) -> float:
     """`GPU.host_contention` of the CPU device tier: the GPT block of `_cpu_block_flops` timed alone
     and beside a thread that copies CONTENTION_COPY_BYTES in a loop (torch `copy_`, as the
     executor's copy lanes do), in alternating rounds; the medians' ratio less 1. The two share the
-    memory system (and, with fewer cores than threads, the cores): measured 0.1-0.2 on a 2-core CPU
-    VM, where Adam on the other core slows the block by 1% and a copy loop by 13-18%
-    (benchmarks/RESULTS.md)."""
+    memory system (and, with fewer cores than threads, the cores): a copy loop beside the block
+    slows it far more than Adam does (benchmarks/RESULTS.md "Host contention on the CPU device
+    tier")."""
     import torch
 
     src = torch.ones(CONTENTION_COPY_BYTES, dtype=torch.uint8)
@@ -783,10 +783,9 @@ def _disk_bw(base: str, size: int, chunk: int, reps: int) -> _DiskResult:
     REQUEST_PROBE_IDLE_S without I/O (a lane issues a request, waits for it, and mostly goes
     idle or waits on another lane before its next one). Reads and writes of LONE_REQUEST_SIZES,
     the median of 3 x `reps` each, fitted by least squares as a fixed cost + bytes / rate: the
-    rates are `read_bw` / `write_bw`, the mean of the two fixed costs `request_s`. On a 2-core CPU VM
-    such requests fitted 0.43-0.55 ms + bytes at 2.2 / 4.0 GB/s where 16 buffers of 16 MiB all in
-    flight moved 2.7-2.9 / 4.4-5.0 GB/s and 4 KiB pairs took 0.25-0.45 ms: the executor's
-    requests pay the lone request's rate (benchmarks/RESULTS.md "The probe").
+    rates are `read_bw` / `write_bw`, the mean of the two fixed costs `request_s`. Lone requests move
+    less than many in flight, and the executor's requests pay the lone request's rate
+    (benchmarks/RESULTS.md "The probe").
     The commit is timed after `size` bytes in buffers of `chunk` written all at once (the
     written bytes' flush: `flush_bw`); `_ssd_commit_costs` times the commit's fixed and per-file
     parts. Medians, not the best: a plan replays every step at the disk's typical rate, and a

@@ -448,8 +448,8 @@ def _ts_info(a: dict, work: Path, every: int) -> dict:
     plan = Plan.load(work / "tensorstow-plan.json")
     homes: dict[str, set] = {}
     for n, b in plan.buffers.items():
-        homes.setdefault(n.split(":")[0], set()).add(b.home or "-")
-    state = [b for n, b in plan.buffers.items() if n.split(":")[0] in ("P", "OS")]
+        homes.setdefault(str(b.buffer_kind), set()).add(b.home or "-")
+    state = [b for b in plan.buffers.values() if b.buffer_kind in ("P", "OS")]
     on_ssd = sum(b.bytes for b in state if b.home == "ssd")
     where = "P/OS on SSD" if on_ssd == sum(b.bytes for b in state) else \
         f"P/OS {on_ssd / 2**20:.0f} of {sum(b.bytes for b in state) / 2**20:.0f} MiB on SSD"

@@ -133,7 +133,7 @@ def main() -> int:
             print(r.stderr, file=sys.stderr)
             return 1
         p = Plan.load(plan)
-        state = sum(b.bytes for n, b in p.buffers.items() if n.split(":")[0] in ("P", "M", "OS", "G"))
+        state = sum(b.bytes for n, b in p.buffers.items() if b.buffer_kind in ("P", "M", "OS", "G"))
         print(f"{a.model}: {p.model.params / 1e9:.2f}B parameters, {a.precision} training state (P+M+G+OS) "
               f"{state / 1e9:.1f} GB = {state / p.predicted.capacity_bytes['dram']:.1f}x --dram {a.dram}; "
               f"{a.threads} torch thread(s)")

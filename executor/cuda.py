@@ -40,7 +40,7 @@ import torch
 
 from tensorstow.errors import TensorstowError
 from tensorstow.schema.hardware import CPU_GPU_NAME, CUDA_WORKSPACE_BYTES
-from tensorstow.schema.schedule import InstrKind
+from tensorstow.schema.schedule import InstrKind, Stream, is_gpu
 
 
 def on_host(ins) -> bool:
@@ -48,9 +48,9 @@ def on_host(ins) -> bool:
     if ins.kind == InstrKind.OPTIMIZER_STEP:
         return ins.dst == "cpu"
     if ins.kind in (InstrKind.LOAD, InstrKind.STORE):
-        return not (ins.src.startswith("gpu") or ins.dst.startswith("gpu"))
+        return not (is_gpu(ins.src) or is_gpu(ins.dst))
     if ins.kind == InstrKind.FREE:
-        return not ins.dst.startswith("gpu")
+        return not is_gpu(ins.dst)
     return ins.kind in (InstrKind.SEND, InstrKind.COMMIT)  # a transfer the lane's thread waits for; the SSD store's commit
 
 
@@ -89,9 +89,9 @@ class CudaLanes:
     enqueuing one more, the lane's thread waits for the one DEPTH back. The GPU always has work
     queued, and memory the host frees is free on the GPU soon after (a free `record_stream`-ed on
     the other lanes' streams waits for them), so the device tier's count (host time) stays close
-    to what the allocator holds (GPU time). Sync mode has no such bound (module docstring): at 2
-    the host of a gpt3-125m step on an H100 spent 19 of 94 ms in `Event.synchronize` while the
-    GPU drained (benchmarks/RESULTS.md "On a GPU")."""
+    to what the allocator holds (GPU time). Sync mode has no such bound (module docstring). A deeper
+    queue does not help a host-bound step: its host then waits in `Event.synchronize` while the GPU
+    drains (benchmarks/RESULTS.md "On a GPU")."""
 
     def __init__(self, instrs, device, *, overlap: bool, cuda=torch.cuda):
         self.cuda, self.device = cuda, device
@@ -276,7 +276,7 @@ def check_device(plan, device: torch.device | None = None, rank: int = 0) -> Non
     are), and on this process's GPU at least the plan's device budget for GPU `rank` plus the
     memory the plan leaves to the CUDA context and workspaces (`GPU.reserved_bytes`). (Without
     CUDA the device tier is budgeted CPU memory, which any plan may use.)"""
-    used = sorted({i.stream.split(".")[0] for i in plan.instructions if i.stream.startswith("gpu")})
+    used = sorted({s.device for s in (Stream.of(i.stream) for i in plan.instructions) if s.on_gpu})
     have = torch.cuda.device_count()
     spec = plan.hardware.spec
     if len(used) > have and plan.decisions.pipeline is None:

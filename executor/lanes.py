@@ -80,9 +80,8 @@ def unpin(before: dict[int, set[int]]) -> None:
 class LaneThreads:
     """One long-lived thread per stream of the plan, which overlap mode runs that stream's lane
     on, step after step. A thread made anew each step starts with cold per-thread state: its
-    allocator's thread cache and arena (under jemalloc gpt-small's all-resident compute ran 12%
-    slower in a new thread each step than in the main thread: 272-287 vs 241-257 ms a step, the
-    same under glibc: benchmarks/RESULTS.md "Host memory and threads"), torch's thread-local
+    allocator's thread cache and arena (a step's compute ran measurably slower in a new thread
+    each step: benchmarks/RESULTS.md "Host memory and threads"), torch's thread-local
     state, a CUDA thread's stream and handles. The threads wait on their queues between steps and
     end when `close` (or the Executor's garbage collection) stops them."""
 

@@ -11,9 +11,9 @@ with `retain:true` and PyTorch's CUDA caching allocator do for their memory.
 What it changes:
 - the mmap threshold, fixed at glibc's maximum (32 MiB on 64-bit; larger tensors are still
   mapped, and given back, each time);
-- the trim threshold: freed heap is kept up to 128 MiB (at 1 GiB an out-of-core gpt-medium run's
-  peak RSS went from 0.56 to 0.82-1.59 GB, past its --dram + --gpu-mem budget, tests/test_scale.py,
-  for no measurable speed: gpt-small 0.2192 s per step at 128 MiB, 0.2204 s at 1 GiB, same plan);
+- the trim threshold: freed heap is kept up to 128 MiB (a larger one took an out-of-core run's
+  peak RSS past its --dram + --gpu-mem budget, tests/test_scale.py, for no measurable speed:
+  benchmarks/RESULTS.md "Host memory and threads");
 - the top pad: a heap grows 256 MiB at a time (address space; its pages are resident once used);
 - one arena for every thread (`M_ARENA_MAX` 1). glibc otherwise gives each thread that allocates
   an arena of its own, up to 8 per core, each keeping its own freed blocks: overlap mode runs each
@@ -22,13 +22,12 @@ What it changes:
 - CPU tensors from malloc, aligned by hand (`csrc/host_alloc.cpp`), not PyTorch's posix_memalign:
   glibc before 2.38 does not reuse a freed 64-byte-aligned block of 1-32 MiB once smaller
   allocations sit between such blocks (glibc bug 14581), so each step's blocks came from fresh
-  heap. The two together: four threads in turn allocating and freeing 96 MiB of 24 MiB blocks
-  leave 386 MiB resident with neither, 122 MiB with both; malloc alone took gpt3-2.7b's peak RSS
-  from SSD in overlap mode from 8895 to 8211 MiB (same plan, 2-core Xeon VM).
+  heap. The two together keep the lanes' freed blocks for reuse instead of a third of them
+  resident and unused (benchmarks/RESULTS.md "Host memory and threads").
 
 - the heap's free pages given back where the backward begins (`give_back_free_heap`, CPU device
   tier): a heap keeps its high-water mark, so the forward's blocks under 32 MiB and the first
-  backward's large mapped tensors (a 2.7B model's 500 MiB LM-head gradient) added up in RSS though
+  backward's large mapped tensors (a large model's LM-head gradient) added up in RSS though
   never live together. Given back at every segment instead, the pages fault in again all step
   (gpt3-2.7b 61 -> 72 s).
 

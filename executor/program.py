@@ -27,10 +27,12 @@ from tensorstow.ir.models import IGNORE_INDEX, build_for_execution, resolve_mode
 from tensorstow.ir.trace import Traced, model_dims, trace_model
 from tensorstow.schema.options import param_groups_of
 from tensorstow.schema.plan import Plan, as_plan
-from tensorstow.schema.schedule import (HELD_KINDS, MADE_BY_COMPUTE, BufferKind, Instr, InstrKind, block_gpus, block_of,
-                                        buffer_kind, carried_buffers, gpu_index, gpu_tier, home_tiers, runs_on,
-                                        split_micro, split_segment)
+from tensorstow.schema.schedule import (HELD_KINDS, MADE_BY_COMPUTE, BufferKind, Instr, InstrKind, block_gpus,
+                                        block_of, buffer_kind, carried_buffers, gpu_index, gpu_tier, home_tiers,
+                                        is_gpu, runs_on, split_micro, split_segment)
 
+OPTIMIZER_STATE = (BufferKind.M, BufferKind.OS)
+"""Buffer kinds that hold the optimizer's fp32 state (no joint-graph value)."""
 KINDS = tuple(InstrKind)
 """The instruction kinds an executor runs (`runtime.HANDLERS`)."""
 
@@ -178,7 +180,7 @@ class Program:
             if ins.kind in (InstrKind.LOAD, InstrKind.STORE) and (ins.src, ins.dst) not in links:
                 raise TensorstowError(f"plan instruction {k}: no copy {ins.src} -> {ins.dst} (this executor "
                                       f"drives {g}, with dram and ssd)")
-            if ins.kind == InstrKind.SEND and (self.comm is None or not (ins.src.startswith("gpu") and ins.dst.startswith("gpu"))):
+            if ins.kind == InstrKind.SEND and (self.comm is None or not (is_gpu(ins.src) and is_gpu(ins.dst))):
                 raise TensorstowError(f"plan instruction {k}: a send {ins.src} -> {ins.dst} needs one process "
                                       f"per GPU (`tensorstow execute PLAN --nproc N`)")
             if ins.kind == InstrKind.FREE and ins.dst not in (g, "dram", "ssd"):
@@ -198,7 +200,7 @@ class Program:
         seg = ins.segment
         if seg in self.joint.segments:
             return True
-        phase, _, b = seg.partition(":")
+        phase, b = split_segment(seg)
         if phase in ("bwd1", "bwd2"):  # a cut backward (`_add_backward_parts`)
             return ins.kind == InstrKind.COMPUTE and f"bwd:{b}" in self.joint.segments
         return ins.kind == InstrKind.RECOMPUTE and phase == "refwd" and f"fwd:{b}" in self.joint.segments
@@ -265,7 +267,7 @@ class Program:
             kind, b = buffer_kind(name), block_of(name)
             if kind == BufferKind.W:
                 continue  # a workspace: the segment's real temporaries, counted as they are made
-            if kind not in (*HELD_KINDS, "M", "OS") or b not in inst.profile:
+            if kind not in (*HELD_KINDS, BufferKind.M, BufferKind.OS) or b not in inst.profile:
                 raise TensorstowError(f"plan buffer {name} names nothing in the traced model; re-plan it")
             if not spec.members:
                 raise TensorstowError(f"plan buffer {name} does not list its members (a plan of an older "
@@ -278,9 +280,9 @@ class Program:
                 except KeyError:
                     raise TensorstowError(f"plan buffer {name} holds {m}, which the traced model does not "
                                           f"have; re-plan it") from None
-                fp32 = kind in ("M", "OS") or kind == "G" and self.fp32_grads
+                fp32 = kind in OPTIMIZER_STATE or kind is BufferKind.G and self.fp32_grads
                 entries.append((key, torch.float32 if fp32 else dtype, shape))
-                if kind not in ("M", "OS"):
+                if kind not in OPTIMIZER_STATE:
                     roots.append(key)
             layouts[name] = Layout(entries)
             if roots:
@@ -299,18 +301,18 @@ class Program:
                                           f"model has for it; re-plan it")
         return layouts, members
 
-    def _member(self, kind: str, b: str, m: str) -> tuple[str, str]:
+    def _member(self, kind: BufferKind, b: str, m: str) -> tuple[str, str]:
         """(layout key, traced node giving its dtype and shape) of a plan member of buffer kind:b."""
         j, inst = self.joint, self.joint.inst
-        if kind in ("P", "C"):
+        if kind in (BufferKind.P, BufferKind.C):
             ph = j.placeholder[inst.state_name(b, m)]
             return ph, ph
-        if kind in ("M", "OS"):
+        if kind in OPTIMIZER_STATE:
             q, _, suffix = m.rpartition(".")
-            if kind == "M" and suffix != "master" or kind == "OS" and suffix not in ("exp_avg", "exp_avg_sq"):
+            if kind is BufferKind.M and suffix != "master" or kind is BufferKind.OS and suffix not in ("exp_avg", "exp_avg_sq"):
                 raise KeyError(m)
             real = inst.state_name(b, q)
-            return (real if kind == "M" else f"{real}.{suffix}"), j.placeholder[real]
+            return (real if kind is BufferKind.M else f"{real}.{suffix}"), j.placeholder[real]
         name = inst.name(b, m)
         j.node[inst.template_of(name)[0]]  # KeyError: not in the trace
         return name, name
@@ -379,7 +381,7 @@ class Program:
         """The block whose forward computes the loss."""
         for name, seg in self.joint.segments.items():
             if split_segment(name)[0] == "fwd" and self.joint.loss in seg.produced:
-                return name[4:]
+                return split_segment(name)[1]
         raise TensorstowError("the traced model has no segment that produces the loss")
 
     def holders_of(self, root: str, micro: int) -> list[str]:

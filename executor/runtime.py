@@ -51,8 +51,8 @@ from tensorstow.executor.malloc import give_back_free_heap
 from tensorstow.executor.program import Program
 from tensorstow.executor.semantics import StepSemantics
 from tensorstow.executor.stores import DeviceMemoryError, HostCopy, RoomWait, Tiers
-from tensorstow.schema.schedule import (CPU_OPTIMIZER, BufferKind, Instr, InstrKind, block_of, buffer_kind,
-                                        gpu_index, resource_of, split_segment)
+from tensorstow.schema.schedule import (CPU_OPTIMIZER, BufferKind, Instr, InstrKind, Stream, block_of, buffer_kind,
+                                        gpu_index, split_segment)
 
 MODES = ("sync", "overlap")
 
@@ -174,7 +174,7 @@ class Runtime:
                 # elementwise, so a smaller split changes no result
                 torch.set_num_threads(update_threads if mine[0].stream == CPU_OPTIMIZER else nthreads)
                 if cores:
-                    os.sched_setaffinity(0, cores[resource_of(mine[0].stream).endswith(".compute")])
+                    os.sched_setaffinity(0, cores[Stream.of(mine[0].stream).lane == "compute"])
                 # inference mode is thread-local: as in `Executor.step`; CUDA: the lane's stream
                 with torch.inference_mode(), run_lanes.lane(mine[0].stream):
                     for k, ins in enumerate(mine):

@@ -500,7 +500,7 @@ def _code(source: str, filename: str):
 
 def _callable(target):
     """What a compiled segment calls for `target`: an aten OpOverload's C++ entry point itself,
-    which its `__call__` only forwards to (one Python frame less a node, ~0.4 us)."""
+    which its `__call__` only forwards to (one Python frame less a node)."""
     op = getattr(target, "_op", None)
     if isinstance(target, torch._ops.OpOverload) and type(target).__call__ is torch._ops.OpOverload.__call__ \
             and callable(op):
@@ -517,8 +517,8 @@ def _view_holders(seg: Segment) -> dict[str, str | None]:
     The compiled run does not hold or release these views: a holder's release moves to the last
     use of its last view, when the storage's count would drop to zero under per-view holds too,
     so the bytes counted after every hold and release are the same with about half the
-    accounting calls (most nodes of a transformer block are views; on a host-bound model the
-    accounting was 9 of 49 ms a step)."""
+    accounting calls (most nodes of a transformer block are views, and on a host-bound model the
+    accounting is a fifth of the step: benchmarks/RESULTS.md "Executor vs eager PyTorch on the CPU")."""
     inside = {n.name for n in seg.nodes}
     holder: dict[str, str | None] = {}
     for n in seg.nodes:

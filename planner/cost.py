@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from tensorstow.ir.graph import FLASH_MIN_CAPABILITY, Graph, attention_flops, draws_random, flash_eligible, lsum, numel
 from tensorstow.schema.hardware import CPU_GPU_NAME, Hardware
-from tensorstow.schema.schedule import InstrKind, gpu_index
+from tensorstow.schema.schedule import InstrKind, gpu_index, is_gpu
 
 # Bytes moved per parameter by one Adam step on the GPU: read param, grad, master, m, v and
 # write master, m, v, param (mixed precision: 2+2+4+4+4 read, 4+4+4+2 written).
@@ -496,12 +496,12 @@ def transfer_time(nbytes: int, src: str, dst: str, hw: Hardware, tensors: int = 
     (`SSDStore.set_transient`)."""
     if nbytes == 0:
         return 0.0
-    if src.startswith("gpu") and dst.startswith("gpu"):
+    if is_gpu(src) and is_gpu(dst):
         bw = hw.gpu_p2p_bw or min(_host_link(gpu_index(src), hw, "d2h"), _host_link(gpu_index(dst), hw, "h2d"))
         return nbytes / bw
-    if src == "dram" and dst.startswith("gpu"):
+    if src == "dram" and is_gpu(dst):
         return nbytes / _host_link(gpu_index(dst), hw, "h2d") + tensors * hw.gpus[gpu_index(dst)].copy_tensor_s
-    if src.startswith("gpu") and dst == "dram":
+    if is_gpu(src) and dst == "dram":
         return nbytes / _host_link(gpu_index(src), hw, "d2h") + tensors * hw.gpus[gpu_index(src)].copy_tensor_s
     if src == "ssd" and dst == "dram":
         return nbytes / _nonzero(hw.ssd.read_total(), "SSD read bandwidth") + hw.ssd.request_s

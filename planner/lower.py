@@ -9,8 +9,8 @@ The buffer kinds and the names they use are `schema.schedule`'s.
 from __future__ import annotations
 
 from tensorstow.planner.cost import BlockProfile
-from tensorstow.schema.schedule import (OPTIMIZER_INPUTS, TIERS, BlockDecision, Buffer, BufferKind, Decisions, Instr, InstrKind,
-                                        block_of, buffer_kind, carried_buffers, tier_class)
+from tensorstow.schema.schedule import (CPU_OPTIMIZER, OPTIMIZER_INPUTS, TIERS, BlockDecision, Buffer, BufferKind, Decisions,
+                                        Instr, InstrKind, Stream, block_of, buffer_kind, carried_buffers, tier_class)
 
 
 def ssd_read_stream(buf: str, first: bool) -> str:
@@ -32,22 +32,22 @@ def buffers_for(order: list[str], prof: dict[str, BlockProfile], profile_of: dic
         p, d = prof[profile_of[b]], decisions.blocks[b]
         n = p.param_count
         if n:
-            out[f"P:{b}"] = Buffer(f"P:{b}", p.param_bytes, "parameter", b, d.params, p.params)
+            out[f"P:{b}"] = Buffer(f"P:{b}", p.param_bytes, b, d.params, p.params)
             g = p.grad_fp32_bytes if decisions.fp32_grads(mixed) else p.grad_bytes
-            out[f"G:{b}"] = Buffer(f"G:{b}", g, "gradient", b, members=p.grads)
+            out[f"G:{b}"] = Buffer(f"G:{b}", g, b, members=p.grads)
             if mixed:
-                out[f"M:{b}"] = Buffer(f"M:{b}", 4 * n, "optimizer_state", b, d.states,
+                out[f"M:{b}"] = Buffer(f"M:{b}", 4 * n, b, d.states,
                                        tuple(f"{q}.master" for q in p.params))
-            out[f"OS:{b}"] = Buffer(f"OS:{b}", 8 * n, "optimizer_state", b, d.states,
+            out[f"OS:{b}"] = Buffer(f"OS:{b}", 8 * n, b, d.states,
                                     tuple(f"{q}{s}" for q in p.params for s in (".exp_avg", ".exp_avg_sq")))
         if p.const_bytes:
-            out[f"C:{b}"] = Buffer(f"C:{b}", p.const_bytes, "constant", b, d.params, p.consts)
+            out[f"C:{b}"] = Buffer(f"C:{b}", p.const_bytes, b, d.params, p.consts)
         if p.carried_bytes:
-            out[f"T:{b}"] = Buffer(f"T:{b}", p.carried_bytes, "temporary", b, members=p.carried)
+            out[f"T:{b}"] = Buffer(f"T:{b}", p.carried_bytes, b, members=p.carried)
         if p.handed_bytes:
-            out[f"H:{b}"] = Buffer(f"H:{b}", p.handed_bytes, "temporary", b, members=p.handed)
+            out[f"H:{b}"] = Buffer(f"H:{b}", p.handed_bytes, b, members=p.handed)
         if p.input_bytes:
-            out[f"X:{b}"] = Buffer(f"X:{b}", p.input_bytes, "saved_activation", b, members=p.inputs)
+            out[f"X:{b}"] = Buffer(f"X:{b}", p.input_bytes, b, members=p.inputs)
         size = dict(p.sizes)
         cut = split_backward(p, d)
         early = set(p.early) if cut else set()
@@ -57,26 +57,26 @@ def buffers_for(order: list[str], prof: dict[str, BlockProfile], profile_of: dic
             for k, names in ((kind, [n for n in members if n not in early]),
                              (f"{kind}E", [n for n in members if n in early])):
                 if names:
-                    out[f"{k}:{b}"] = Buffer(f"{k}:{b}", sum(size[n] for n in names), "saved_activation", b,
+                    out[f"{k}:{b}"] = Buffer(f"{k}:{b}", sum(size[n] for n in names), b,
                                              members=tuple(names))
         if p.saved_bytes and partial_swap(p, d):
             saved("A", p.swapped)
             saved("R", p.rest)
             if p.refwd_workspace:
-                out[f"W:refwd:{b}"] = Buffer(f"W:refwd:{b}", p.refwd_workspace, "temporary", b)
+                out[f"W:refwd:{b}"] = Buffer(f"W:refwd:{b}", p.refwd_workspace, b)
         elif p.saved_bytes:
             saved("A", [n for n, _, _ in p.saved])
         if cut and p.handoff:
-            out[f"K:{b}"] = Buffer(f"K:{b}", p.handoff_bytes, "temporary", b, members=p.handoff)
+            out[f"K:{b}"] = Buffer(f"K:{b}", p.handoff_bytes, b, members=p.handoff)
         ws_opt = p.opt_workspace if d.optimizer == "gpu" else 0
         phases = (("bwd1", p.bwd1_workspace), ("bwd2", p.bwd2_workspace)) if cut else (("bwd", p.bwd_workspace),)
         for ph, ws in (("fwd", p.fwd_workspace), *phases, ("opt", ws_opt)):
             if ws:
-                out[f"W:{ph}:{b}"] = Buffer(f"W:{ph}:{b}", ws, "temporary", b)
+                out[f"W:{ph}:{b}"] = Buffer(f"W:{ph}:{b}", ws, b)
         if decisions.grad_accum > 1 and n:
             # A later microbatch's backward makes its gradient (compute dtype) before adding it into
             # G: one more gradient in the workspace of the segment that makes G.
-            out[f"W:acc:{b}"] = Buffer(f"W:acc:{b}", phases[-1][1] + p.grad_bytes, "temporary", b)
+            out[f"W:acc:{b}"] = Buffer(f"W:acc:{b}", phases[-1][1] + p.grad_bytes, b)
     return out
 
 
@@ -136,7 +136,7 @@ class Emitter:
         A copy may only appear where the previous copy of the same buffer is gone, so it also waits
         for that copy's free; an `ssd.read` waits for the latest `ssd.first` read
         (`ssd_read_stream`), and an update or SSD write for the previous step's commit."""
-        made = [(a, stream.split(".")[0] if stream != "cpu.opt" else "dram") for a in kw.get("allocs", ())]
+        made = [(a, Stream.of(stream).device if stream != CPU_OPTIMIZER else "dram") for a in kw.get("allocs", ())]
         if kind in (InstrKind.LOAD, InstrKind.STORE, InstrKind.SEND):
             made.append((kw["tensor"], kw["dst"]))
         deps = (*deps, *(self.freed.get(m) for m in made))
@@ -202,17 +202,16 @@ def lower_redo(order: list[str], prof: dict[str, BlockProfile], profile_of: dict
 
 
 def lower(order: list[str], prof: dict[str, BlockProfile], profile_of: dict[str, str],
-          decisions: Decisions, buffers: dict[str, Buffer], gpu: str = "gpu0", *, mixed: bool,
-          updates_wait: bool = False) -> list[Instr]:
+          decisions: Decisions, buffers: dict[str, Buffer], gpu: str = "gpu0", *, mixed: bool) -> list[Instr]:
     """Turn per-block decisions into one step's instruction list (single GPU). `mixed`: mixed
     precision (an fp32 master M:<b> beside each compute-precision P:<b>).
 
-    `updates_wait` (fp16 loss scaling, clipping by the global norm: `planner.problem.
-    waits_for_every_gradient`): an update depends on every gradient (whether the step is skipped,
-    the clip factor), so every optimizer step waits for the last backward instead of overlapping
-    it, and the subgroups' state reads are double-buffered (a read waits for the write-back of
-    the subgroup two before it) so DRAM never holds more than two subgroups' states in flight."""
-    return _Lowering(order, prof, profile_of, decisions, buffers, gpu, mixed, updates_wait=updates_wait).lower()
+    `Decisions.updates_wait` (fp16 loss scaling, clipping by the global norm): an update depends on
+    every gradient (whether the step is skipped, the clip factor), so every optimizer step waits for
+    the last backward instead of overlapping it, and the subgroups' state reads are double-buffered
+    (a read waits for the write-back of the subgroup two before it) so DRAM never holds more than
+    two subgroups' states in flight."""
+    return _Lowering(order, prof, profile_of, decisions, buffers, gpu, mixed, updates_wait=decisions.updates_wait).lower()
 
 
 class _Lowering:

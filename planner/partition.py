@@ -140,8 +140,8 @@ def partition(sp: StageProblem, *, max_stages: int | None = None, time_limit_s: 
 def solve_stages(sp: StageProblem, K: int, time_limit_s: float, gap: float = 0.0, max_nodes: int = 0) -> Partition:
     """The MIP for exactly K stages; `gap`: stop within this relative gap of the optimum (0: exact);
     `max_nodes`: a branch-and-bound node limit (deterministic, unlike the time limit). A solve cut
-    by a limit returns its best integer solution, if it has one. One function, kept whole: the
-    model reads top to bottom as the paper's formulation, each constraint under its equation."""
+    by a limit returns its best integer solution, if it has one. The model reads top to bottom as
+    the paper's formulation, each constraint under its equation; `_solved` solves it."""
     L, N, M, G = sp.layers, sp.gpus, sp.microbatches, sp.capacity
     # Normalise units (STYLE: well-conditioned solver input): time in ms, bytes in MiB
     ms, mib = 1e3, 1 / 2**20
@@ -212,6 +212,12 @@ def solve_stages(sp: StageProblem, K: int, time_limit_s: float, gap: float = 0.0
             if j + 1 < K:
                 m += t["b"][j][mb] >= t["b"][j + 1][mb] + T["b"][j + 1] + g_j[j + 1] * (1 / B)
     m += t["b"][K - 1][0] >= t["f"][K - 1][M - 1] + T["f"][K - 1]                        # Eq. 11
+    return _solved(m, Bij, L, K, time_limit_s, gap, max_nodes, ms)
+
+
+def _solved(m, Bij, L: int, K: int, time_limit_s: float, gap: float, max_nodes: int, ms: float) -> Partition:
+    """Solve `solve_stages`' model `m` with HiGHS and read its stages from the assignment `Bij`."""
+    Ls, Ks = range(L), range(K)
     m.solve(highs.solver(timeLimit=time_limit_s, **({"gapRel": gap} if gap else {}),
                          **({"mip_max_nodes": max_nodes} if max_nodes else {})))
     found = pulp.LpSolution[m.sol_status]  # LpStatus reads "Optimal" after a time limit too (DESIGN.md)

@@ -22,7 +22,8 @@ from tensorstow.planner.pipeline import lower_pipeline, pipeline_buffers
 from tensorstow.planner.problem import Problem, waits_for_every_gradient
 from tensorstow.planner.result import PlanResult, durations, fmt_bytes
 from tensorstow.planner.simulate import compute_slowdown, contention, simulate
-from tensorstow.schema.schedule import TIERS, Decisions, Instr, InstrKind, carried_buffers, final_residency, initial_residency
+from tensorstow.schema.schedule import (TIERS, Decisions, Instr, InstrKind, carried_buffers, final_residency,
+                                        initial_residency, is_gpu)
 
 
 def schedule(problem: Problem, decisions: Decisions, wait: bool = False) -> PlanResult:
@@ -137,7 +138,7 @@ def defer_writes(plan: PlanResult) -> PlanResult:
     zero-infinity baseline (DeepSpeed writes every subgroup back before the step ends)."""
     d, problem = plan.decisions, plan.problem
     if (d.pipeline is not None or not d.overlap_optimizer or d.policy == "zero-infinity"
-            or (waits_for_every_gradient(problem.options) and not d.speculated)
+            or (d.updates_wait and not d.speculated)
             or d.deferred_writes or not plan.fits):
         return plan
     updated = [i.segment for i in plan.instructions if i.kind == InstrKind.OPTIMIZER_STEP]
@@ -168,11 +169,11 @@ def keep_params(problem: Problem, decisions: Decisions) -> PlanResult:
 def lower_and_simulate(problem: Problem, decisions: Decisions, wait: bool = False) -> PlanResult:
     micro = decisions.microbatches()
     inputs = sum(t.nbytes for t in problem.graph.tensors if t.kind == "input")
-    decisions = dataclasses.replace(decisions, device_reserved=micro * inputs)
+    decisions = dataclasses.replace(decisions, device_reserved=micro * inputs,
+                                    updates_wait=waits_for_every_gradient(problem.options))
     if decisions.pipeline is None:
         bufs = buffers_for(problem.order, problem.profiles, problem.profile_of, decisions, problem.mixed)
-        instrs = lower(problem.order, problem.profiles, problem.profile_of, decisions, bufs, mixed=problem.mixed,
-                       updates_wait=waits_for_every_gradient(problem.options))
+        instrs = lower(problem.order, problem.profiles, problem.profile_of, decisions, bufs, mixed=problem.mixed)
     else:
         bufs = pipeline_buffers(problem.order, problem.profiles, problem.profile_of, decisions, problem.mixed)
         instrs = lower_pipeline(problem.order, problem.profiles, problem.profile_of, decisions, bufs,
@@ -190,7 +191,7 @@ def lower_and_simulate(problem: Problem, decisions: Decisions, wait: bool = Fals
     if wait and any(sim.peak_bytes.get(t, 0) > c for t, c in caps.items()):
         fitted = wait_for_room(problem, instrs, dur, sizes, initial, reserved, commit, caps, final)
         if fitted is not None:
-            over = {"gpu" if t.startswith("gpu") else t: (sim.peak_bytes[t], c) for t, c in caps.items()
+            over = {"gpu" if is_gpu(t) else t: (sim.peak_bytes[t], c) for t, c in caps.items()
                     if sim.peak_bytes.get(t, 0) > c}
             instrs, sim = fitted
             decisions = dataclasses.replace(decisions, notes=(*decisions.notes, "copies wait for room on " + ", ".join(

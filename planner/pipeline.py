@@ -53,7 +53,7 @@ def pipeline_buffers(order: list[str], prof: dict[str, BlockProfile], profile_of
             if buffer_kind(n) is BufferKind.G:
                 ws = out.get(f"W:bwd:{g.block}")
                 out[f"W:acc:{g.block}"] = Buffer(f"W:acc:{g.block}", (ws.bytes if ws else 0)
-                                                 + prof[profile_of[g.block]].grad_bytes, "temporary", g.block)
+                                                 + prof[profile_of[g.block]].grad_bytes, g.block)
     return out
 
 

@@ -15,8 +15,8 @@ from tensorstow.planner.problem import Problem
 from tensorstow.planner.simulate import SimResult, compute_slowdown, contention, simulate
 from tensorstow.schema.plan import (SCHEMA_VERSION, BlockInfo, HardwareInfo, ModelInfo, Plan, PoolSizes, Predicted,
                                     ProfileInfo)
-from tensorstow.schema.schedule import (TIERS, Buffer, Decisions, Instr, InstrKind, final_residency, gpu_index, gpus_of_blocks,
-                                        initial_residency, split_segment)
+from tensorstow.schema.schedule import (TIERS, Buffer, Decisions, Instr, InstrKind, final_residency, gpu_index,
+                                        gpus_of_blocks, initial_residency, is_gpu, split_segment)
 
 
 @dataclass
@@ -57,13 +57,13 @@ class PlanResult:
 
     def peak(self, tier: str) -> int:
         if tier == "gpu":
-            return max([v for k, v in self.sim.peak_bytes.items() if k.startswith("gpu")] or [0])
+            return max([v for k, v in self.sim.peak_bytes.items() if is_gpu(k)] or [0])
         return self.sim.peak_bytes.get(tier, 0)
 
     def breakdown(self, tier: str) -> dict[str, int]:
         """Bytes by kind live on `tier` at its peak (the GPU: the fullest one)."""
         if tier == "gpu":
-            tier = max(sorted(k for k in self.sim.peak_bytes if k.startswith("gpu")) or ["gpu0"],
+            tier = max(sorted(k for k in self.sim.peak_bytes if is_gpu(k)) or ["gpu0"],
                        key=lambda k: self.sim.peak_bytes[k] if k in self.sim.peak_bytes else 0)
         snap = self.sim.peak_live.get(tier, [])
         out: dict[str, int] = {}
@@ -166,7 +166,7 @@ def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer],
             prof = problem.profiles[problem.profile_of[b]]
             out.append({"fwd": prof.fwd_time_s, "bwd": prof.bwd_time_s, "refwd": prof.refwd_time_s,
                         "bwd1": prof.bwd1_time_s, "bwd2": prof.bwd2_time_s}[phase])
-        elif flushes and ins.kind == InstrKind.STORE and buffers[ins.tensor].kind == "gradient" and ins.src.startswith("gpu"):
+        elif flushes and ins.kind == InstrKind.STORE and buffers[ins.tensor].kind == "gradient" and is_gpu(ins.src):
             buf = buffers[ins.tensor]
             out.append(cost.zero3_grad_flush_time(buf.bytes // half, gpu_index(ins.src), flushes, problem.mixed, hw,
                                                   tensors=max(1, len(buf.members))))

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 from tensorstow.ir.graph import lsum
 from tensorstow.planner.cost import commit_time
-from tensorstow.schema.schedule import Instr, InstrKind, final_residency, gpu_index, initial_residency, resource_of
+from tensorstow.schema.schedule import (CPU_OPTIMIZER, Instr, InstrKind, Stream, final_residency, gpu_index,
+                                        initial_residency, is_gpu, resource_of)
 
 
 class ScheduleError(Exception):
@@ -89,7 +90,7 @@ def contention(instrs: list[Instr], hw) -> tuple[list[tuple[str, ...]], dict[str
         elif ins.kind in (InstrKind.LOAD, InstrKind.STORE) and "ssd" in (ins.src, ins.dst):
             x = dram
         elif ins.kind in (InstrKind.LOAD, InstrKind.STORE):
-            g, way = (ins.dst, "h2d") if ins.dst.startswith("gpu") else (ins.src, "d2h")
+            g, way = (ins.dst, "h2d") if is_gpu(ins.dst) else (ins.src, "d2h")
             x = (*up(gpu_index(g), way), *dram)
         extra.append(x)
     return extra, slots
@@ -483,7 +484,7 @@ def reads_ssd_first(ins: Instr) -> bool:
 def commit_background(instrs: list[Instr]) -> bool:
     """Whether the step's SSD commit runs in the background (the plan runs in one process: its
     instructions use at most one GPU) rather than after the last instruction (`simulate`)."""
-    return len({i.stream.split(".")[0] for i in instrs if i.stream.startswith("gpu")}) <= 1
+    return len({s.device for s in (Stream.of(i.stream) for i in instrs) if s.on_gpu}) <= 1
 
 
 def sync_step_s(instrs: list[Instr], commit_s: float) -> float:
@@ -588,9 +589,9 @@ class _Memory:
 
 def _device_tier(ins: Instr) -> str:
     """Compute and optimizer instructions allocate on the device their stream belongs to."""
-    if ins.stream == "cpu.opt":
+    if ins.stream == CPU_OPTIMIZER:
         return "dram"
-    return ins.stream.split(".")[0]
+    return Stream.of(ins.stream).device
 
 
 def perfetto_trace(instrs: list[Instr], sim: SimResult, title: str = "tensorstow") -> dict:

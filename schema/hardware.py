@@ -142,7 +142,7 @@ class GPU:
     """Bytes/s the ops without FLOPs (elementwise, norms, softmax, reductions) move, where it is
     below `mem_bw`. On a CPU they compute per element besides streaming memory: the CPU device
     tier's probe runs the executor over a GPT block's joint graph and times each op as it
-    dispatches (11-12 GB/s on one core of a 2-core Xeon VM against a 25 GB/s memcpy). 0:
+    dispatches (below a memcpy's rate: benchmarks/RESULTS.md "The probe"). 0:
     `mem_bw`. Left out of the spec's JSON when 0."""
     kernel_s: float = 0.0
     """Seconds an op that touches memory takes at least on the device's compute stream: tiny ops
@@ -238,11 +238,11 @@ class CPU:
     adam_tensor_s: float = 0.0
     """Host seconds each parameter tensor of an update costs besides its elements: the executor's
     optimizer step finds the tensor's master, gradient and moments in their buffers (a view of
-    each), rebuilds the gradient from its recipe and calls the fused kernel once per tensor, ~44 us
-    a tensor on a 2-core CPU VM, where gpt-small's 77 tensors added 3.4 ms to the kernel's 5.1 ms
-    over their 6.9 M elements (benchmarks/RESULTS.md "CPU Adam"). Measured by `tensorstow probe`
-    through those stores and that kernel, without the recipe (a lower bound: 22 us there); 0 in
-    the papers' presets (their rates are measured updates). Left out of the spec's JSON when 0."""
+    each), rebuilds the gradient from its recipe and calls the fused kernel once per tensor: for a
+    small model's many small tensors, a large part of the update (benchmarks/RESULTS.md "CPU
+    Adam"). Measured by `tensorstow probe` through those stores and that kernel, without the recipe
+    (a lower bound); 0 in the papers' presets (their rates are measured updates). Left out of the
+    spec's JSON when 0."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,7 +19,8 @@ from tensorstow.errors import TensorstowError
 from tensorstow.schema.hardware import Hardware
 from tensorstow.schema.options import Options
 from tensorstow.schema.run import Run
-from tensorstow.schema.schedule import Buffer, Decisions, Instr, InstrKind
+from tensorstow.schema.schedule import (TENSOR_KINDS, Buffer, BufferKind, Decisions, Instr, InstrKind, buffer_kind,
+                                        is_gpu)
 from tensorstow.schema.typed import decode, encode, freeze
 
 SCHEMA_VERSION = 4
@@ -123,6 +124,22 @@ class PoolSizes:
     least `sync`."""
 
 
+def _buffer_entry(name: str, entry, where: str):
+    """A plan file's buffer entry as `Buffer` takes it: its name added, its `kind` (which the name
+    says: `TENSOR_KINDS`) checked and left out."""
+    if not isinstance(entry, dict):
+        return entry
+    try:
+        want = TENSOR_KINDS[buffer_kind(name)]
+    except ValueError:
+        raise TensorstowError(f"{where}: buffer '{name}' is not a buffer name (KIND:block, KIND one of "
+                              f"{', '.join(BufferKind)})") from None
+    if entry.get("kind", want) != want:
+        raise TensorstowError(f"{where}: field 'buffers.{name}.kind': {entry['kind']!r}, but a {buffer_kind(name)} "
+                              f"buffer holds {want}; re-plan it")
+    return {k: v for k, v in entry.items() if k != "kind"} | {"name": name}
+
+
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     """One training step's static schedule for one model x hardware x options."""
@@ -160,8 +177,7 @@ class Plan:
             raise TensorstowError(f"{where} has schema_version {d['schema_version']!r}, this tensorstow "
                                   f"reads {SCHEMA_VERSION}; re-plan it")
         if isinstance(d, dict) and isinstance(d.get("buffers"), dict):  # the key is the buffer's name
-            d = d | {"buffers": {k: v | {"name": k} if isinstance(v, dict) else v
-                                 for k, v in d["buffers"].items()}}
+            d = d | {"buffers": {k: _buffer_entry(k, v, where) for k, v in d["buffers"].items()}}
         plan = decode(Plan, d, where)
         plan._check(where)
         return plan
@@ -255,7 +271,7 @@ class Plan:
 
 
 def _is_tier(t: str) -> bool:
-    return t in ("dram", "ssd") or (t.startswith("gpu") and t[3:].isdigit())
+    return t in ("dram", "ssd") or is_gpu(t)
 
 
 def _missing_fields(ins: Instr) -> str:
@@ -271,7 +287,7 @@ def _missing_fields(ins: Instr) -> str:
     elif ins.kind in (InstrKind.COMPUTE, InstrKind.RECOMPUTE, InstrKind.OPTIMIZER_STEP):
         if not ins.segment:
             return "names no segment"
-        if ins.kind == InstrKind.OPTIMIZER_STEP and not (ins.dst == "cpu" or (ins.dst.startswith("gpu") and ins.dst[3:].isdigit())):
+        if ins.kind == InstrKind.OPTIMIZER_STEP and not (ins.dst == "cpu" or is_gpu(ins.dst)):
             return f"runs on '{ins.dst}', not cpu or gpuK"
     return ""
 

@@ -41,16 +41,58 @@ def gpu_tier(k: int) -> str:
     return f"gpu{k}"
 
 
+def gpu_number(name: str) -> int | None:
+    """The K of a GPU's name `gpuK` (a tier, an optimizer device, a stream's device); None for any
+    other name: the one parser of GPU names."""
+    head, k = name[:3], name[3:]
+    return int(k) if head == "gpu" and k.isdigit() else None
+
+
+def is_gpu(name: str) -> bool:
+    """Whether `name` (a tier, an optimizer device, a stream's device) is a GPU's: `gpuK`."""
+    return gpu_number(name) is not None
+
+
 def gpu_index(tier: str) -> int:
     """`gpu3` -> 3."""
-    if not (tier.startswith("gpu") and tier[3:].isdigit()):
+    k = gpu_number(tier)
+    if k is None:
         raise ValueError(f"'{tier}' names no GPU (gpuK)")
-    return int(tier[3:])
+    return k
 
 
 def tier_class(tier: str) -> Tier:
     """`gpuK` -> Tier.GPU; `dram`, `ssd` -> themselves."""
-    return Tier.GPU if tier.startswith("gpu") else Tier(tier)
+    return Tier.GPU if is_gpu(tier) else Tier(tier)
+
+
+@dataclass(frozen=True)
+class Stream:
+    """A stream's name, parsed: `gpu0.compute` -> Stream("gpu0", "compute"), `ssd.first` ->
+    Stream("ssd", "first"), `cpu.opt` -> Stream("cpu", "opt") (`Instr.stream` lists them)."""
+    device: str
+    """gpuK, ssd or cpu."""
+    lane: str
+
+    @staticmethod
+    def of(name: str) -> "Stream":
+        s = _STREAMS.get(name)
+        if s is None:
+            device, _, lane = name.partition(".")
+            s = _STREAMS[name] = Stream(device, lane)
+        return s
+
+    @property
+    def resource(self) -> str:
+        """What the stream's work occupies: the SSD for every SSD stream, else the stream itself."""
+        return "ssd" if self.device == "ssd" else f"{self.device}.{self.lane}" if self.lane else self.device
+
+    @property
+    def on_gpu(self) -> bool:
+        return is_gpu(self.device)
+
+
+_STREAMS: dict[str, Stream] = {}  # `Stream.of`, parsed once per name
 
 
 class BufferKind(enum.StrEnum):
@@ -119,20 +161,38 @@ def buffer_kind(name: str) -> BufferKind:
     return BufferKind(name.split(":", 1)[0])
 
 
-ACTIVATION_CHOICES = ("keep", "swap_dram", "swap_ssd", "recompute")
+class Activations(enum.StrEnum):
+    """What a block does with its saved activations A between its forward and its backward."""
+    KEEP = "keep"
+    """Kept on the GPU."""
+    SWAP_DRAM = "swap_dram"
+    """Swapped out to DRAM and back."""
+    SWAP_SSD = "swap_ssd"
+    """Swapped out to the SSD (through DRAM) and back."""
+    RECOMPUTE = "recompute"
+    """Made again from the block's checkpoint X before its backward."""
+
+
+ACTIVATION_CHOICES = tuple(a.value for a in Activations)
+
+
+class UpdateDevice(enum.StrEnum):
+    """Where a block's optimizer subgroup is updated."""
+    GPU = "gpu"
+    CPU = "cpu"
 
 
 @dataclass(frozen=True, kw_only=True)
 class BlockDecision:
-    params: str = "gpu"
+    params: Tier = Tier.GPU
     """Home tier of the compute-precision parameters P; not "gpu" = streamed in per use."""
-    states: str = "gpu"
+    states: Tier = Tier.GPU
     """Home tier of the fp32 master copy and Adam states (M, OS)."""
-    optimizer: str = "gpu"
+    optimizer: UpdateDevice = UpdateDevice.GPU
     """Where the block's optimizer subgroup is updated: "gpu" or "cpu"."""
-    activations: str = "keep"
+    activations: Activations = Activations.KEEP
     """Saved activations A: keep on GPU, swap to DRAM / SSD, or recompute from the checkpoint."""
-    checkpoint: str = "gpu"
+    checkpoint: Tier = Tier.GPU
     """Tier holding the block's input X between forward and backward."""
     reforward: bool = False
     """With a swap: move only the outputs of the block's FLOP-bearing ops (A:<b>, the profile's
@@ -145,10 +205,17 @@ class BlockDecision:
     between them, so the swapped block before it can load its activations into that room while the
     second part runs: LoHan's layer-by-layer swapping (§IV-D) at the granularity of the block's
     profile cut (`BlockProfile.bwd_cut`). 0: one segment, `bwd:<b>`."""
-    accum: str = ""
+    accum: Tier | None = None
     """`Decisions.grad_accum` > 1: the tier holding the block's accumulated gradient G:<b> between
     its microbatches' backwards ("gpu": it stays there; "dram" or "ssd": it goes there after each
-    backward and comes back for the next one, which adds into it); "" without accumulation."""
+    backward and comes back for the next one, which adds into it); None without accumulation."""
+
+    def __post_init__(self):
+        # the vocabulary's types, whatever a caller passed (a policy may write "dram")
+        for name, tp in (("params", Tier), ("states", Tier), ("checkpoint", Tier), ("optimizer", UpdateDevice),
+                         ("activations", Activations)):
+            object.__setattr__(self, name, tp(getattr(self, name)))
+        object.__setattr__(self, "accum", Tier(self.accum) if self.accum else None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -250,6 +317,12 @@ class Decisions:
     adding its gradients into G (`accum`); the updates run in the last one's backward, as the
     policy decided them (`Options.grad_accum`)."""
 
+    updates_wait: bool = False
+    """Every update waits for every gradient: clipping by the global norm (`Options.max_grad_norm`)
+    needs the norm of all of them, fp16 loss scaling whether any overflowed. The lowering then makes
+    every optimizer step wait for the last backward (but the `speculated` ones, which a redo
+    corrects) and double-buffers the subgroups' state reads. Set by `planner.passes.schedule`."""
+
     device_reserved: int = 0
     """Bytes each GPU holds all step besides the plan's buffers: the step's inputs (token ids,
     targets, the loss tangent) of every microbatch, which the executor puts on the device when the
@@ -304,6 +377,8 @@ class Decisions:
             d["host_reserved"] = self.host_reserved
         if self.device_reserved:
             d["device_reserved"] = self.device_reserved
+        if self.updates_wait:
+            d["updates_wait"] = True
         return d
 
 
@@ -350,11 +425,17 @@ class Instr:
         return d
 
 
+TENSOR_KINDS = {BufferKind.P: "parameter", BufferKind.C: "constant", BufferKind.G: "gradient",
+                BufferKind.M: "optimizer_state", BufferKind.OS: "optimizer_state",
+                **{k: "saved_activation" for k in (BufferKind.A, BufferKind.R, BufferKind.X, BufferKind.AE, BufferKind.RE)},
+                **{k: "temporary" for k in (BufferKind.T, BufferKind.H, BufferKind.K, BufferKind.W)}}
+"""The IR's tensor kind of each buffer kind (what a plan file's `kind` of a buffer says)."""
+
+
 @dataclass(frozen=True)
 class Buffer:
     name: str
     bytes: int
-    kind: str
     block: str
     home: str = ""
     """Tier holding it at the start and end of every step ("" = created and freed within the step)."""
@@ -363,6 +444,16 @@ class Buffer:
     own layer's tensors of those names): model-state names for P/C, `<param>.master` for M,
     `<param>.exp_avg`/`.exp_avg_sq` for OS, joint-graph storage roots for G/A/X/T. Workspaces
     (W) list none: their bytes are the segment's peak of short-lived temporaries."""
+
+    @property
+    def buffer_kind(self) -> BufferKind:
+        """What it holds, from its name (`buffer_kind`)."""
+        return buffer_kind(self.name)
+
+    @property
+    def kind(self) -> str:
+        """The IR's kind of the tensors it holds (`TENSOR_KINDS`)."""
+        return TENSOR_KINDS[buffer_kind(self.name)]
 
 
 def carried_buffers(decisions: Decisions, buffers: dict[str, Buffer]) -> list[str]:
@@ -429,7 +520,8 @@ CPU_OPTIMIZER = "cpu.opt"
 
 
 def resource_of(stream: str) -> str:
-    return "ssd" if stream.startswith("ssd.") else stream
+    """The resource a stream's work occupies (`Stream.resource`)."""
+    return Stream.of(stream).resource
 
 
 def runs_on(ins: Instr, gpu: str, block_gpu: dict[str, str], buffers) -> bool:
@@ -440,7 +532,7 @@ def runs_on(ins: Instr, gpu: str, block_gpu: dict[str, str], buffers) -> bool:
         return gpu in (ins.src, ins.dst)
     if ins.kind == InstrKind.COMMIT:
         return True
-    dev = ins.stream.split(".")[0]
-    if dev.startswith("gpu"):
+    dev = Stream.of(ins.stream).device
+    if is_gpu(dev):
         return dev == gpu
     return block_gpu[ins.segment if ins.kind == InstrKind.OPTIMIZER_STEP else buffers[ins.tensor].block] == gpu

@@ -5,6 +5,7 @@ Used by the plan file (`schema.plan`), its options (`schema.options`) and hardwa
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 import types
 import typing
@@ -14,7 +15,7 @@ from tensorstow.errors import TensorstowError
 
 
 def decode(tp, value, where: str, path: str = "", nonneg: bool = False):
-    """`value` (parsed JSON) as type `tp`: a frozen dataclass, int, float, str, bool, `X | None`,
+    """`value` (parsed JSON) as type `tp`: a frozen dataclass, int, float, str, an enum, bool, `X | None`,
     `tuple[T, ...]`, `tuple[A, B]` or `Mapping[str, T]`. Raises TensorstowError naming the field.
     `nonneg`: numbers must be >= 0 (hardware specs)."""
     at = f"{where}: field '{path}'" if path else where
@@ -37,6 +38,12 @@ def decode(tp, value, where: str, path: str = "", nonneg: bool = False):
         if nonneg and value < 0:
             raise TensorstowError(f"{at}: must be >= 0, got {value}")
         return tp(value)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            raise TensorstowError(f"{at}: expected one of {', '.join(str(v.value) for v in tp)}, "
+                                  f"got {value!r}") from None
     if tp is str:
         if not isinstance(value, str):
             raise TensorstowError(f"{at}: expected a string, got {value!r}")
