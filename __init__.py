@@ -15,7 +15,7 @@ from tensorstow.errors import TensorstowError  # noqa: F401  (re-exported for us
 
 
 def __getattr__(name):  # the Python API, imported on first use (torch is slow to import)
-    if name in ("plan", "Plan", "Executor"):
+    if name in ("plan", "Plan", "Executor", "ExecutorConfig"):
         from tensorstow import api
         return getattr(api, name)
     raise AttributeError(f"module 'tensorstow' has no attribute {name!r}")

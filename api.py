@@ -17,13 +17,13 @@ import textwrap
 
 import torch.nn as nn
 
-from tensorstow.executor.executor import Executor
+from tensorstow.executor.executor import Executor, ExecutorConfig
 from tensorstow.planner.plan import make_plan
 from tensorstow.planner.result import PlanResult
 from tensorstow.schema.options import asked, from_asked
 from tensorstow.schema.plan import Plan
 
-__all__ = ["plan", "Plan", "Executor"]
+__all__ = ["plan", "Plan", "Executor", "ExecutorConfig"]
 
 
 def plan(model_or_spec, **options) -> PlanResult:

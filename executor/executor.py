@@ -19,6 +19,7 @@ executor's update counter (`opt_steps`, which a commit records in the SSD store)
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -85,51 +86,77 @@ def _of(part: str, name: str, doc: str, settable: bool = False) -> property:
     return property(get, put if settable else None, doc=doc)
 
 
+@dataclass(frozen=True, kw_only=True)
+class ExecutorConfig:
+    """How an `Executor` runs its plan: `Executor(plan, model, ExecutorConfig(...))`, or the same
+    fields as keywords, `Executor(plan, model, mode="overlap", ...)`."""
+    mode: str = "sync"
+    """"sync" runs the instructions in program order, "overlap" one lane per stream
+    (executor.runtime); both compute the same bits."""
+    state_dir: str | Path | None = None
+    """The run's directory, as `tensorstow execute --state-dir` keeps it, for any plan: the SSD
+    tier's buffers and a full checkpoint every `checkpoint_every` steps in a crash-safe `SSDStore`
+    (`Executor.checkpoint()` commits on demand), the plan and a description of the state that
+    `tensorstow export` reads."""
+    ssd_store: object = None
+    """A store of your own instead of `state_dir`'s (then no description is written). One made with
+    `executor.statedir.store_sizes` is a full checkpoint: every `checkpoint_every` steps the state
+    that lives off SSD and the random generator are written too, and resuming needs nothing else."""
+    resume: bool = False
+    """Continue from the step the SSD store committed last (the model's values are then not used);
+    without it a store holding committed state is refused rather than overwritten."""
+    checkpoint_every: int = 1
+    """Commit every this many steps."""
+    device: str | torch.device | None = None
+    """Where the device tier lives, "cuda" or "cpu" (budgeted host memory); default
+    `executor.cuda.default_device`, else CUDA when there is one."""
+    device_budget: int | None = None
+    """Bytes the device tier may hold (default: the plan's GPU capacity)."""
+    traced: Traced | None = None
+    """A trace of this very model (`ir.trace.trace` with the plan's batch, seq and precision) to
+    skip tracing; it is checked against the plan's fingerprint and the model's parameters like a
+    fresh trace."""
+    init_values: object = None
+    """An iterator of (name, value) of the parameters in parameter order, or a mapping name ->
+    value read on demand, used instead of the model's parameters (which may then live on the meta
+    device: out-of-core initialisation)."""
+    seed: int = 0
+    """A model given as plans name it (a preset, `hf:DIR`, `pkg.module:factory`) is built as
+    `tensorstow execute` builds it, with the weights `torch.manual_seed(seed); factory()` gives, or
+    an `hf:` checkpoint's, streamed into the tiers block by block."""
+    rank: int | None = None
+    """A multi-GPU plan runs one executor per GPU: this one replays GPU `rank`'s share of the plan
+    (its stages' instructions, their DRAM and SSD work, both ends of its `send`s)."""
+    comm: object = None
+    """The process group stage boundaries move through (executor.distributed.Comm)."""
+    lr_schedule: LRSchedule | None = None
+    """Each update's learning rate (executor.lr); default the plan's (`Options.lr_scheduler`, its
+    warmup and min lr ratio, peak `lr`), whose linear and cosine forms need `total_steps`."""
+    total_steps: int | None = None
+    """The run's length in optimizer steps, for the plan's linear or cosine schedule."""
+    graphs: str = "auto"
+    """"auto" captures the step as a CUDA graph after a few eager steps and replays it where nothing
+    in the step needs the host (executor.graphs: every buffer resident, the optimizer on the GPU),
+    "on" refuses a plan where it cannot, "off" never captures."""
+
+
 class Executor:
-    def __init__(self, plan, model: nn.Module, *, mode: str = "sync", state_dir=None,
-                 ssd_store=None, resume: bool = False, device_budget: int | None = None,
-                 traced: Traced | None = None, checkpoint_every: int = 1, init_values=None,
-                 device: str | torch.device | None = None, rank: int | None = None, comm=None,
-                 lr_schedule: LRSchedule | None = None, total_steps: int | None = None, seed: int = 0,
-                 graphs: str = "auto"):
-        """`state_dir`: the run's directory, as `tensorstow execute --state-dir` keeps it, for any
-        plan: the SSD tier's buffers and a full checkpoint every `checkpoint_every` steps in a
-        crash-safe `SSDStore` (`checkpoint()` commits on demand), the plan and a description of
-        the state that `tensorstow export` reads. `ssd_store`: a store of your own instead (then
-        no description is written). `resume`: continue from the step the SSD store committed last
-        (every P/M/OS buffer must live on SSD; the model's values are then not used); without
-        it a store holding committed state is refused rather than overwritten.
-        `device_budget`: bytes the device tier may hold (default: the plan's GPU capacity).
-        `traced`: a trace of this very model (`ir.trace.trace` with the plan's batch, seq and
-        precision) to skip re-tracing; it is checked against the plan's fingerprint and the
-        model's parameters like a fresh trace. A store made with `executor.statedir.store_sizes`
-        is a full checkpoint: every `checkpoint_every` steps the state that lives off SSD and the
-        random generator are written too, and resuming needs nothing else. `init_values`: an
-        iterator of (name, value) of the parameters in parameter order, or a mapping name ->
-        value read on demand, used instead of the model's parameters (which may then live on the
-        meta device: out-of-core initialisation). `device`: where the device tier lives, "cuda"
-        or "cpu" (budgeted host memory); default `tensorstow execute --device`'s default: CUDA
-        when there is one. `rank`, `comm`: a multi-GPU plan runs one executor per GPU: this one
-        replays GPU `rank`'s share of the plan (its stages' instructions, their DRAM and SSD work,
-        both ends of its `send`s) and moves stage boundaries through `comm`
-        (executor.distributed.Comm). `model` may also be a model as plans name it (a preset,
-        `hf:DIR`, `pkg.module:factory`): built as `tensorstow execute` builds it, with the weights
-        `torch.manual_seed(seed); factory()` gives, or an `hf:` checkpoint's, streamed into the
-        tiers block by block (never the whole model in host memory). `lr_schedule`: each update's
-        learning rate (executor.lr); default the plan's (`Options.lr_scheduler`, its warmup and
-        min lr ratio, peak `lr`), whose linear and cosine forms need the run's length in optimizer
-        steps, `total_steps`. `graphs`: "auto" captures the step as a CUDA graph after a few eager
-        steps and replays it where nothing in the step needs the host (executor.graphs: every
-        buffer resident, the optimizer on the GPU), "on" refuses a plan where it cannot, "off"
-        never captures. `mode`: "sync" runs the instructions in program order, "overlap" one lane
-        per stream (executor.runtime); both compute the same bits."""
+    def __init__(self, plan, model: nn.Module, config: ExecutorConfig | None = None, **options):
+        """Compile `plan` against `model` (a module, or a model as plans name it: `ExecutorConfig.seed`),
+        open the tiers and place the training state, as `config` says (or `options`, its fields)."""
+        if config is not None and (options or not isinstance(config, ExecutorConfig)):
+            raise TypeError("Executor: pass an ExecutorConfig, or its fields as keywords, not both")
+        c = config if config is not None else ExecutorConfig(**options)
+        self.config = c
+        mode, state_dir, ssd_store, checkpoint_every = c.mode, c.state_dir, c.ssd_store, c.checkpoint_every
+        comm = c.comm
         if mode not in MODES:
             raise TensorstowError(f"unknown executor mode '{mode}': use one of {list(MODES)}")
         if checkpoint_every < 1:
             raise TensorstowError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
         tune_malloc()  # freed buffers are reused, not unmapped and faulted in again each step
-        prog, model, init_values = compile_program(plan, model, rank=rank, comm=comm, traced=traced,
-                                                   init_values=init_values, seed=seed)
+        prog, model, init_values = compile_program(plan, model, rank=c.rank, comm=comm, traced=c.traced,
+                                                   init_values=c.init_values, seed=c.seed)
         self.program = prog
         """The plan compiled against the traced model (executor.program)."""
         if checkpoint_every > 1 and prog.speculated:
@@ -146,13 +173,13 @@ class Executor:
         if state_dir is not None and ssd_store is None:
             self.state_dir, ssd_store = _state_dir_store(state_dir, prog.plan, comm)
         try:
-            self._open(model, device, device_budget, ssd_store, lr_schedule, total_steps)
-            self._start(model, resume, init_values, state_dir or ssd_store)
+            self._open(model, c.device, c.device_budget, ssd_store, c.lr_schedule, c.total_steps)
+            self._start(model, c.resume, init_values, state_dir or ssd_store)
         except BaseException:
             if self.state_dir is not None:  # its directory lock
                 ssd_store.close()
             raise
-        self.graphs = Graphs(self, graphs)
+        self.graphs = Graphs(self, c.graphs)
         """Whether the step replays as a captured graph, and the one it replays (executor.graphs)."""
         if self.state_dir is not None:
             statedir.describe(self.state_dir, model, prog)

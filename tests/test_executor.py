@@ -1165,3 +1165,30 @@ def test_a_plain_directory_as_data_is_named_as_not_a_datasets_directory(tmp_path
     (tmp_path / "notes" / "a.txt").write_text("hello\n")
     with pytest.raises(TensorstowError, match=r"not a directory `datasets` save_to_disk wrote"):
         read_records(str(tmp_path / "notes"))
+
+
+def test_the_executor_takes_one_typed_config_or_its_fields_as_keywords(tmp_path):
+    """`Executor(plan, model, ExecutorConfig(...))` and the same fields as keywords build the same
+    executor (the same losses and weights, as eager's: test_matches_eager); a field the config
+    does not have, or a config and keywords both, are TypeErrors."""
+    import tensorstow
+    plan = get_plan("zero-infinity")
+    data = list(batches("synthetic", B, T, VOCAB, 2, seed=0))
+    torch.manual_seed(0)
+    by_config = tensorstow.Executor(plan, GPT(PRESETS["gpt-tiny"]), tensorstow.ExecutorConfig(
+        mode="overlap", state_dir=tmp_path / "a", traced=tiny_trace()))
+    torch.manual_seed(0)
+    by_keywords = Executor(plan, GPT(PRESETS["gpt-tiny"]), mode="overlap", state_dir=tmp_path / "b", traced=tiny_trace())
+    try:
+        assert by_config.config == dataclasses.replace(by_keywords.config, state_dir=tmp_path / "a")
+        assert [by_config.step(x, y) for x, y in data] == [by_keywords.step(x, y) for x, y in data]
+        assert all(torch.equal(a, b) for a, b in zip(by_config.parameters().values(), by_keywords.parameters().values()))
+    finally:
+        by_config.close()
+        by_keywords.close()
+    with pytest.raises(TypeError, match="mdoe"):
+        Executor(plan, GPT(PRESETS["gpt-tiny"]), mdoe="sync")
+    with pytest.raises(TypeError, match="not both"):
+        Executor(plan, GPT(PRESETS["gpt-tiny"]), tensorstow.ExecutorConfig(), mode="sync")
+    with pytest.raises(TypeError, match="not both"):
+        Executor(plan, GPT(PRESETS["gpt-tiny"]), "sync")
