@@ -532,7 +532,15 @@ def _arg(p, *names, help: str, default=None, required: bool = False, **kw) -> No
         kw.update(default=default, required=required)
     elif default is not None:
         kw["default"] = default
-    p.add_argument(*names, help=help.replace("%", "%%"), **kw)
+    action = p.add_argument(*names, help=help.replace("%", "%%"), **kw)
+    p.__dict__.setdefault("tensorstow_actions", []).append(action)  # what `reference_markdown` lists
+
+
+def _group(p, title: str):
+    """An argument group of command `p`, listed by `reference_markdown` after `p`'s own arguments."""
+    g = p.add_argument_group(title)
+    p.tensorstow_groups.append(g)
+    return g
 
 
 def _add_option(p, o, **override) -> None:
@@ -586,14 +594,19 @@ def parser(explicit: bool = False) -> argparse.ArgumentParser:
     may also give defaults to `UNSET`, so a parse says which ones the command line gave (`given`)."""
     ap = argparse.ArgumentParser(prog="tensorstow", description=__doc__.splitlines()[0],
                                  epilog=DEMO_LINE)
-    common = argparse.ArgumentParser(add_help=False)
-    _arg(common, "--debug", action="store_true", help="On an error, also print the full traceback.")
     sub = ap.add_subparsers(dest="cmd", help="`tensorstow COMMAND --help` shows a command's options "
                             "(required; with no arguments at all, the demo runs).")
-    _add = sub.add_parser
-    sub.add_parser = lambda *a, **kw: _add(*a, parents=[common], **kw)  # every command takes --debug
-    _add_planning(sub, explicit)
-    _add_training(sub, explicit)
+    ap.tensorstow_commands = {}
+    """Command name -> (its help, its parser), in order: what `reference_markdown` lists."""
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help)
+        p.tensorstow_groups = []
+        _arg(p, "--debug", action="store_true", help="On an error, also print the full traceback.")
+        ap.tensorstow_commands[name] = (help, p)
+        return p
+    _add_planning(command, explicit)
+    _add_training(command, explicit)
     return ap
 
 
@@ -602,10 +615,10 @@ def given(argv: list[str]) -> set[str]:
     return {k for k, v in vars(parser(explicit=True).parse_args(argv)).items() if v is not UNSET}
 
 
-def _add_planning(sub, explicit: bool) -> None:
+def _add_planning(command, explicit: bool) -> None:
     """The commands that make, inspect and check plans: plan, fit, show, diff, check."""
-    p = sub.add_parser("plan", help="trace a model and write its static schedule")
-    g = p.add_argument_group("plan options (the plan file records them)")
+    p = command("plan", help="trace a model and write its static schedule")
+    g = _group(p, "plan options (the plan file records them)")
     for o in asked():
         _add_option(p if o.name == "model" else g, o)
     _arg(p, "--config", help="Recipe file (TOML): plan options at its top level, execute options in its "
@@ -620,8 +633,8 @@ def _add_planning(sub, explicit: bool) -> None:
                                      "(default: --clip-rate as given).")
     p.set_defaults(fn=cmd_plan, **({o.name: UNSET for o in asked()} if explicit else {}))
 
-    f = sub.add_parser("fit", help="largest preset each policy can train on a machine, and its best batch")
-    g = f.add_argument_group("plan options")
+    f = command("fit", help="largest preset each policy can train on a machine, and its best batch")
+    g = _group(f, "plan options")
     for o in asked():
         if o.name == "policy":
             _add_option(g, o, default=None, help="Placement policy (default: each heuristic policy, then ilp).")
@@ -629,33 +642,33 @@ def _add_planning(sub, explicit: bool) -> None:
             _add_option(g, o)
     f.set_defaults(fn=cmd_fit)
 
-    s = sub.add_parser("show", help="summarize a plan, and replay it in the simulator")
+    s = command("show", help="summarize a plan, and replay it in the simulator")
     _arg(s, "plan", help="Plan file.")
     _arg(s, "--trace", help="Write the replay as a Perfetto/Chrome trace JSON (default: not written).")
     s.set_defaults(fn=cmd_show)
 
-    d = sub.add_parser("diff", help="what changed between two plans and why it matters")
+    d = command("diff", help="what changed between two plans and why it matters")
     _arg(d, "a", help="Plan file, before.")
     _arg(d, "b", help="Plan file, after.")
     d.set_defaults(fn=cmd_diff)
 
-    c = sub.add_parser("check", help="re-plan golden plans and fail on drift")
+    c = command("check", help="re-plan golden plans and fail on drift")
     _arg(c, "paths", nargs="*", default=["plans"], metavar="PATH",
          help="A directory of golden plans, or plan files.")
     _arg(c, "--update", action="store_true", help="Rewrite drifted plans.")
     c.set_defaults(fn=cmd_check)
 
 
-def _add_training(sub, explicit: bool) -> None:
+def _add_training(command, explicit: bool) -> None:
     """The commands that train and read what training wrote: execute, evaluate, export, probe."""
-    x = sub.add_parser("execute", help="replay a plan every training step")
+    x = command("execute", help="replay a plan every training step")
     _arg(x, "plan", help="Plan file.")
     _add_run_options(x)
     _arg(x, "--config", help="Recipe file (TOML): its [execute] table gives these options' values where no "
                              "flag does (docs/training.md, Recipe files) (default: the plan's recipe, if any).")
     x.set_defaults(fn=cmd_execute, **({n: UNSET for n in RUN_FIELDS} if explicit else {}))
 
-    ev = sub.add_parser("evaluate", help="the held-out loss of a state dir's last committed weights")
+    ev = command("evaluate", help="the held-out loss of a state dir's last committed weights")
     _arg(ev, "plan", help="Plan file the state dir trains.")
     _arg(ev, "--state-dir", dest="state_dir", required=True, help="State dir of `tensorstow execute --state-dir`.")
     _arg(ev, "--data", required=True, help="Held-out data, in any form execute's --data takes.")
@@ -666,7 +679,7 @@ def _add_training(sub, explicit: bool) -> None:
     _arg(ev, "--seed", type=int, default=0, help="Seeds synthetic data (seed + 1) and the model factory.")
     ev.set_defaults(fn=cmd_evaluate)
 
-    ex = sub.add_parser("export", help="write a state dir's last committed weights as safetensors")
+    ex = command("export", help="write a state dir's last committed weights as safetensors")
     _arg(ex, "state_dir", help="State dir of `tensorstow execute --state-dir`.")
     _arg(ex, "-o", "--output", required=True, help="New directory (from_pretrained-ready for hf: models).")
     _arg(ex, "--shard-size", dest="shard_size", default="4GB", help="Largest safetensors file.")
@@ -675,7 +688,7 @@ def _add_training(sub, explicit: bool) -> None:
               "(from_pretrained) instead of the adapter (PeftModel.from_pretrained onto the base).")
     ex.set_defaults(fn=cmd_export)
 
-    pr = sub.add_parser("probe", help="measure this machine and write a hardware spec")
+    pr = command("probe", help="measure this machine and write a hardware spec")
     _arg(pr, "-o", "--output", help="Write the spec here (default: printed).")
     _arg(pr, "--disk-dir", dest="disk_dir", help="Directory on the SSD to measure (default: the current directory).")
     _arg(pr, "--full", action="store_true", help="Longer, steadier measurements.")
@@ -711,25 +724,27 @@ def _invocation(a: argparse.Action, short: bool = False) -> str:
 def reference_markdown() -> str:
     """docs/cli.md: every command's usage and arguments, with their help and defaults, from `parser()`."""
     ap = parser()
-    (sub,) = [a for a in ap._actions if isinstance(a, argparse._SubParsersAction)]
-    summary = {c.dest: c.help for c in sub._choices_actions}
+    commands = ap.tensorstow_commands
     out = ["# Command line reference", "",
            "<!-- Generated from the parser (tensorstow/cli.py `reference_markdown`); regenerate with",
            f"     {REFERENCE_FIX} -->", "",
            ap.description, "", ap.epilog, "",
            "| command | |", "|---|---|"]
-    out += [f"| [`tensorstow {name}`](#tensorstow-{name}) | {summary[name]} |" for name in sub.choices]
-    for name, p in sub.choices.items():
-        args = [a for a in p._actions if not isinstance(a, argparse._HelpAction)]
+    out += [f"| [`tensorstow {name}`](#tensorstow-{name}) | {summary} |" for name, (summary, _) in commands.items()]
+    for name, (summary, p) in commands.items():
+        own = p.tensorstow_actions
+        args = own + [a for g in p.tensorstow_groups for a in g.tensorstow_actions]
         must = [_invocation(a, short=True) for a in args if a.option_strings and a.required]
         pos = [_invocation(a) for a in args if not a.option_strings]
-        out += ["", f"## tensorstow {name}", "", summary[name][0].upper() + summary[name][1:] + ".", "",
+        out += ["", f"## tensorstow {name}", "", summary[0].upper() + summary[1:] + ".", "",
                 "    " + " ".join([f"tensorstow {name} [options]", *must, *pos]), ""]
-        for group in p._action_groups:
-            rows = [a for a in group._group_actions if a in args]
+        sections = [("positional arguments", [a for a in own if not a.option_strings]),
+                    ("options", [a for a in own if a.option_strings]),
+                    *((g.title, g.tensorstow_actions) for g in p.tensorstow_groups)]
+        for title, rows in sections:
             if not rows:
                 continue
-            out += [f"**{group.title}**", "", "| argument | |", "|---|---|"]
+            out += [f"**{title}**", "", "| argument | |", "|---|---|"]
             out += [f"| `{_invocation(a)}` | {(a.help % dict(vars(a), prog=p.prog)).replace('|', '&#124;')} |"
                     for a in rows]
             out.append("")

@@ -63,11 +63,11 @@ def _fix_step(bufs: list[_Buffer], step: int, key: str, d: Path, last: int | Non
     for b in bufs:
         if b.transient:  # left out of the state: done with, it holds nothing from now on
             for op in b.pending:
-                op._complete()
+                op.complete()
             b.pending, b.last_write, b.synced, b.crc = [], None, None, None
     written = [b for b in bufs if b.last_write is not None]
     for b in written:
-        b.last_write._complete()
+        b.last_write.complete()
     failed = [b for b in written if b.last_write.error is not None]
     if failed:
         raise TensorstowError(
@@ -158,11 +158,11 @@ class _Op:
         self._finished = False
 
     def wait(self) -> None:
-        self._complete()
+        self.complete()
         if self.error is not None:
             raise self.error
 
-    def _complete(self) -> None:
+    def complete(self) -> None:
         with self._lock:
             if self._finished:
                 return
@@ -220,7 +220,7 @@ class _EarlySyncs:
         buf.synced = (op, self.pool.submit(self._sync, op, fd))
 
     def _sync(self, op: _Op, fd: int) -> OSError | None:
-        op._complete()
+        op.complete()
         if op.error is not None:
             return None  # the commit reports the write's own error
         t0 = time.perf_counter()
@@ -379,7 +379,7 @@ class SSDStore:
         self._files.settle_recovery()
         with buf.io_lock:
             for op in buf.pending:  # earlier reads and writes of this buffer finish first
-                op._complete()
+                op.complete()
             buf.pending = []
             slot = 1 - buf.slot
             fd, path = buf.fds[slot], self.dir / buf.files[slot]
@@ -413,7 +413,7 @@ class SSDStore:
             self.bytes_read += buf.nbytes
         with buf.io_lock:
             if buf.last_write is not None and not committed:
-                buf.last_write._complete()
+                buf.last_write.complete()
                 if buf.last_write.error is not None:
                     raise TensorstowError(f"SSD store {self.dir}: cannot read buffer '{name}': its write in "
                                           f"this step failed ({buf.last_write.error}); write it again")
@@ -531,7 +531,7 @@ class SSDStore:
             _EarlySyncs.wait(getattr(self, "_bufs", {}).values(), forget=True)
             for b in self._bufs.values():
                 for op in b.pending:  # reads in flight finish before their files close
-                    op._complete()
+                    op.complete()
                 for fd in b.fds:
                     if fd >= 0:
                         os.close(fd)
@@ -565,7 +565,7 @@ class SSDStore:
             self._syncer.pool.shutdown(wait=True)
         for buf in getattr(self, "_bufs", {}).values():
             for op in buf.pending:
-                op._complete()
+                op.complete()
             for fd in buf.fds:
                 if fd >= 0:
                     os.close(fd)
