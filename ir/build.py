@@ -21,7 +21,7 @@ import torch.utils._pytree as pytree
 import torch.utils.flop_counter as flop_counter
 
 from tensorstow.errors import TensorstowError
-from tensorstow.ir.graph import Block, Graph, Op, Tensor, attention_flops, numel, stable_hash
+from tensorstow.ir.graph import Block, Graph, Op, Tensor, attention_flops, grouped_mm_flops, numel, stable_hash
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
                torch.int64: "int64", torch.int32: "int32", torch.bool: "bool", torch.uint8: "uint8",
@@ -74,6 +74,8 @@ def _flops(node: fx.Node) -> int:
             return attention_flops(*(a.shape for a in args[:3]))
         if packet is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
             return attention_flops(*(a.shape for a in args[1:4]), backward=True)
+        if packet is torch.ops.aten._grouped_mm:
+            return grouped_mm_flops(args[0].shape, args[1].shape)
         fn = flop_counter.flop_registry.get(packet)
         return int(fn(*args, **kwargs, out_val=out)) if fn else 0
     except Exception:  # a counter that cannot read these args: count nothing rather than guess

@@ -48,6 +48,24 @@ def attention_flops(q_shape, k_shape, v_shape, backward: bool = False) -> int:
     return per_dim * (3 * d_q + 2 * d_v) if backward else per_dim * (d_q + d_v)
 
 
+def grouped_mm_flops(a_shape, b_shape) -> int:
+    """Flops of `aten::_grouped_mm(a, b, offs)` (a mixture of experts' experts): every token-row
+    meets one expert's weight, so the total is static whatever the routing (`offs`, data, only
+    splits it). 2-D `a` (token-rows M, K) x 3-D `b` (experts, K, N): 2 M K N, each row through its
+    expert (the forward, and the input's gradient); 2-D x 2-D, `offs` splitting the contraction
+    (a weight's gradient, out (experts, K, N) from (K, M) x (M, N)): 2 K M N; 3-D x 3-D: every
+    group whole; 3-D x 2-D, `offs` splitting `b`'s columns: 2 M K N."""
+    if len(a_shape) == 2 and len(b_shape) == 3:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[2]
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    if len(a_shape) == 3 and len(b_shape) == 3:
+        return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]
+    if len(a_shape) == 3 and len(b_shape) == 2:
+        return 2 * a_shape[1] * a_shape[2] * b_shape[1]
+    raise ValueError(f"grouped_mm_flops: shapes a={tuple(a_shape)} b={tuple(b_shape)}")
+
+
 def lsum(xs, start=0):
     """`sum` as Python 3.11 adds floats: left to right, rounding each addition. Python 3.12's `sum`
     compensates the rounding (Neumaier), so plan numbers built with it differ in their last bits

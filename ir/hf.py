@@ -41,6 +41,14 @@ class CausalLM(nn.Module):
         self.block_size = _max_positions(cfg)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy of the next tokens; a mixture of experts whose config turns its
+        router's load-balancing loss on (`output_router_logits`) adds it times
+        `router_aux_loss_coef`, as its own forward does when given labels."""
+        cfg = self.model.config
+        if getattr(cfg, "output_router_logits", False):
+            out = self.model(input_ids=idx, use_cache=False, output_router_logits=True)
+            ce = F.cross_entropy(out.logits.flatten(0, 1).float(), targets.flatten())
+            return ce + cfg.router_aux_loss_coef * out.aux_loss.to(ce.device)
         logits = self.model(input_ids=idx, use_cache=False).logits
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 

@@ -12,6 +12,7 @@ block by them.
 from __future__ import annotations
 
 import contextlib
+import warnings
 import logging
 import os
 import traceback
@@ -166,7 +167,7 @@ def _capture_joint(model: nn.Module, model_name: str, layers: nn.ModuleList | No
         return loss_of(functional_call(model, {**p, **b}, (i, t)), f"{model_name}' ({forward_site(model)})")
 
     try:
-        with fm, quiet_tracing(), ShapeConstants(), \
+        with fm, quiet_tracing(), ShapeConstants(), grouped_mm_any_dtype(), \
                 gpu_autocast(autocast) if autocast is not None else contextlib.nullcontext(), \
                 functorch_config.patch(backward_pass_autocast="off"):
             aot_function(step, fw_compiler=_never, partition_fn=partition)(*inputs)
@@ -183,6 +184,39 @@ def _capture_joint(model: nn.Module, model_name: str, layers: nn.ModuleList | No
         raise TensorstowError(f"model '{model_name}': no joint graph was produced "
                               f"(does forward return a loss that requires grad?)")
     return captured["gm"], captured["bounds"]
+
+
+@contextmanager
+def grouped_mm_any_dtype():
+    """While tracing, `aten::_grouped_mm` (a mixture of experts' experts, as transformers runs them:
+    `integrations/moe.py`) has its output shape inferred for every dtype: torch's meta function
+    checks its CUDA kernel's rule (bf16 only), where its CPU kernel, which eager runs, also takes
+    fp32 and fp16. The shape is static whatever the routing: the token-rows of every expert
+    together, the group sizes `offs` being data."""
+    from torch._meta_registrations import _create_grouped_mm_output_tensor
+
+    def meta(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+        torch._check(mat_a.dtype == mat_b.dtype, lambda: f"grouped_mm of {mat_a.dtype} and {mat_b.dtype}")
+        torch._check(mat_a.dim() in (2, 3) and mat_b.dim() in (2, 3) and mat_a.size(-1) == mat_b.size(-2),
+                     lambda: f"grouped_mm of shapes {tuple(mat_a.shape)} and {tuple(mat_b.shape)}")
+        return _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype or mat_a.dtype)
+    op, key = torch.ops.aten._grouped_mm.default, torch._C.DispatchKey.Meta
+    before = op.py_kernels.get(key)  # what aot tracing's Python dispatcher runs (`activate_meta`)
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel.*")
+            lib.impl("_grouped_mm", meta, "Meta")
+        op.py_kernels[key] = meta
+        op._dispatch_cache.clear()
+        yield
+    finally:
+        if before is None:
+            op.py_kernels.pop(key, None)
+        else:
+            op.py_kernels[key] = before
+        op._dispatch_cache.clear()
+        lib._destroy()
 
 
 def _compute_copies(gm: fx.GraphModule, trainable: list[bool], dtype: torch.dtype, fm: FakeTensorMode) -> None:

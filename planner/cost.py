@@ -146,7 +146,7 @@ def op_time(flops: int, nbytes: int, hw: Hardware, gpu: int = 0, fp32: bool = Fa
     return t + g.op_s
 
 
-_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear"})
+_MATMULS = frozenset({"mm", "addmm", "bmm", "baddbmm", "addbmm", "matmul", "linear", "_grouped_mm"})
 _ATTENTION_BWD_PER_FWD = 2.5
 """An attention backward's FLOPs over its forward's (`attention_flops`, head dims equal): where a
 backward op looks up `GPU.attention_rates`, which are keyed by the forward's FLOPs."""

@@ -1,0 +1,98 @@
+"""Mixture-of-experts models (transformers' Mixtral and Qwen3-MoE, tiny configs written with
+`save_pretrained`: nothing downloaded) plan offloaded and train through the executor exactly as
+eager Hugging Face training does.
+
+transformers runs the experts through `aten::_grouped_mm` (its `grouped_mm` experts path): the
+token-rows of every expert in one call, the group sizes data. The trace runs the same op
+(`ir.trace.grouped_mm_any_dtype` infers its shape for the dtypes the CPU kernel takes), prices it
+on its static total of token-rows (`ir.graph.grouped_mm_flops`), and the executor runs the very
+kernel eager runs: losses and weights bit-identical (one torch thread, as tests/test_real_models.py
+explains). Where the config turns the router's load-balancing loss on, it is part of the loss
+(`ir.hf.CausalLM`), as the model's own forward adds it to a loss with labels.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers", reason="the 'hf' extra (transformers) is not installed")
+
+from tensorstow.ir.graph import grouped_mm_flops  # noqa: E402
+from tensorstow.ir.models import resolve_model  # noqa: E402
+from tensorstow.ir.trace import trace  # noqa: E402
+from tests import test_real_models as real  # noqa: E402
+from tests.test_real_models import VOCAB, offloaded_plans, run_executor, one_thread  # noqa: E402,F401
+
+FAMILIES = {
+    "mixtral": ("MixtralConfig", dict(vocab_size=VOCAB, max_position_embeddings=64, hidden_size=32,
+                                      intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+                                      num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(vocab_size=VOCAB, max_position_embeddings=64, hidden_size=32,
+                                         intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8,
+                                         num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])),
+}
+
+
+def moe_ref(family: str, root, **overrides) -> str:
+    cls, kw = FAMILIES[family]
+    d = root / (family + "".join(f"-{k}" for k in overrides))
+    getattr(transformers, cls)(**kw, **overrides).save_pretrained(d)
+    return f"hf:{d}"
+
+
+def moe_loss(model, x, y):
+    """What the Hugging Face model computes as its training loss: the next tokens' cross-entropy,
+    plus `router_aux_loss_coef` x its load-balancing loss where the config outputs router logits."""
+    out = model(input_ids=x, output_router_logits=model.config.output_router_logits)
+    ce = F.cross_entropy(out.logits.flatten(0, 1).float(), y.flatten())
+    return ce + model.config.router_aux_loss_coef * out.aux_loss if model.config.output_router_logits else ce
+
+
+def eager(ref: str, precision="fp32"):
+    config = transformers.AutoConfig.from_pretrained(ref[3:])
+    config.use_cache = False
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.train()
+    return real.run_eager(model, moe_loss, precision)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("aux", [False, True], ids=["ce", "router-aux-loss"])
+def test_moe_trains_exactly_like_eager_hf(family, aux, tmp_path):
+    ref = moe_ref(family, tmp_path, **({"output_router_logits": True, "router_aux_loss_coef": 0.02} if aux else {}))
+    plans = offloaded_plans(ref)  # lohan and zero-infinity, below the all-resident peak
+    want = eager(ref)
+    for name, pj in plans.items():
+        assert any(b["home"] == "ssd" for b in pj["buffers"].values())
+        real.assert_equal(run_executor(pj, resolve_model(ref).build, tmp_path / name), want, prefix="model.")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_moe_bf16_mixed_and_ilp_plans_train_like_eager_autocast(family, tmp_path):
+    """bf16-mixed (the experts' grouped matmuls run in fp32, as transformers casts their input to
+    the weight's dtype and autocast leaves the op alone) under an ILP plan: equal to eager autocast."""
+    ref = moe_ref(family, tmp_path)
+    pj = offloaded_plans(ref, policies=("ilp",), precision="bf16-mixed")["ilp"]
+    got, want = run_executor(pj, resolve_model(ref).build, tmp_path / "s"), eager(ref, "bf16-mixed")
+    assert [abs(a - b) / b for a, b in zip(got[0], want[0])] == [0.0, 0.0, 0.0]
+    assert all(torch.equal(got[1]["model." + n], p) for n, p in want[1].items())
+
+
+def test_the_experts_are_priced_on_their_static_token_rows(tmp_path):
+    """Every token-row meets one expert whatever the routing: the experts' matmuls count
+    batch x seq x top-k rows, forward and backward (2 M K N flops each, `grouped_mm_flops`)."""
+    ref = moe_ref("mixtral", tmp_path)
+    model = resolve_model(ref).build()
+    graph = trace(model, batch=2, seq=16, precision="fp32", model_name=ref).graph
+    cfg = FAMILIES["mixtral"][1]
+    rows, h, i = 2 * 16 * cfg["num_experts_per_tok"], cfg["hidden_size"], cfg["intermediate_size"]
+    experts = [o for o in graph.ops if o.target == "aten._grouped_mm.default"]
+    per_layer_fwd = 2 * rows * h * (2 * i) + 2 * rows * i * h  # gate and up together, then down
+    assert sum(o.flops for o in experts if o.phase == "fwd") == cfg["num_hidden_layers"] * per_layer_fwd
+    # the backward: each forward matmul's input gradient and weight gradient, as many flops each
+    assert sum(o.flops for o in experts if o.phase == "bwd") == 2 * cfg["num_hidden_layers"] * per_layer_fwd
+    assert grouped_mm_flops((64, 32), (4, 32, 128)) == 2 * 64 * 32 * 128
+    assert grouped_mm_flops((32, 64), (64, 128)) == 2 * 32 * 64 * 128
+    with pytest.raises(ValueError):
+        grouped_mm_flops((4,), (4, 4))
