@@ -24,6 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from tensorstow.errors import TensorstowError
+from tensorstow.ir.head import FUSE_FROM_CHUNKS, LOSS_CHUNK, fused_head_loss
 
 PREFIX = "hf:"
 
@@ -40,17 +41,51 @@ class CausalLM(nn.Module):
         self.vocab_size = int(cfg.vocab_size)
         self.block_size = _max_positions(cfg)
 
+    loss_chunk = LOSS_CHUNK
+    """Tokens per chunk of the fused head (`fused_head_loss`), from FUSE_FROM_CHUNKS chunks a step on."""
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean cross-entropy of the next tokens; a mixture of experts whose config turns its
         router's load-balancing loss on (`output_router_logits`) adds it times
-        `router_aux_loss_coef`, as its own forward does when given labels."""
+        `router_aux_loss_coef`, as its own forward does when given labels. From FUSE_FROM_CHUNKS
+        chunks of `loss_chunk` tokens a step on, where the head is a plain linear map of the last
+        hidden state, the head and loss run fused (`ir.models.fused_head_loss`): the logits never
+        exist whole (a 152k vocabulary at 8 x 2048 tokens: 10 GB of fp32 logits, and as much of
+        their gradient); equal to the plain head up to rounding."""
         cfg = self.model.config
-        if getattr(cfg, "output_router_logits", False):
-            out = self.model(input_ids=idx, use_cache=False, output_router_logits=True)
-            ce = F.cross_entropy(out.logits.flatten(0, 1).float(), targets.flatten())
-            return ce + cfg.router_aux_loss_coef * out.aux_loss.to(ce.device)
-        logits = self.model(input_ids=idx, use_cache=False).logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        aux = bool(getattr(cfg, "output_router_logits", False))
+        kw = {"output_router_logits": True} if aux else {}
+        if idx.numel() >= FUSE_FROM_CHUNKS * self.loss_chunk and _plain_head(self.model):
+            out = self.model.model(input_ids=idx, use_cache=False, **kw)
+            h = out.last_hidden_state
+            loss = fused_head_loss(h.reshape(-1, h.size(-1)), self.model.lm_head.weight, targets.reshape(-1),
+                                   self.loss_chunk)
+            if aux:
+                balance = sys.modules[type(self.model).__module__].load_balancing_loss_func
+                loss = loss + cfg.router_aux_loss_coef * balance(out.router_logits, self.model.num_experts,
+                                                                 self.model.num_experts_per_tok, None).to(loss.device)
+            return loss
+        out = self.model(input_ids=idx, use_cache=False, **kw)
+        loss = F.cross_entropy(out.logits.flatten(0, 1).float(), targets.flatten())
+        return loss + cfg.router_aux_loss_coef * out.aux_loss.to(loss.device) if aux else loss
+
+
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+"""Config keys of families whose forward transforms the head's output (Gemma 2's soft-capping,
+Cohere's and Granite's scaling): their head is not fused."""
+
+
+def _plain_head(model: nn.Module) -> bool:
+    """Whether `model`'s logits are `lm_head(model.model(...).last_hidden_state)`: a bias-free
+    linear head over a base model, and no transform of its output in the config."""
+    head, cfg = getattr(model, "lm_head", None), model.config
+    if not (isinstance(head, nn.Linear) and head.bias is None and isinstance(getattr(model, "model", None), nn.Module)):
+        return False
+    if any(getattr(cfg, k, None) not in (None, 1, 1.0) for k in LOGIT_TRANSFORMS):
+        return False
+    # a load-balancing loss is computed as the family's own forward computes it
+    return not getattr(cfg, "output_router_logits", False) or hasattr(
+        sys.modules[type(model).__module__], "load_balancing_loss_func")
 
 
 def _max_positions(cfg) -> int:

@@ -96,3 +96,31 @@ def test_the_experts_are_priced_on_their_static_token_rows(tmp_path):
     assert grouped_mm_flops((32, 64), (64, 128)) == 2 * 32 * 64 * 128
     with pytest.raises(ValueError):
         grouped_mm_flops((4,), (4, 4))
+
+
+@pytest.mark.parametrize("aux", [False, True], ids=["ce", "router-aux-loss"])
+def test_a_hugging_face_head_runs_fused_from_four_chunks_and_trains_like_eager(aux, tmp_path, monkeypatch):
+    """From FUSE_FROM_CHUNKS chunks of tokens a step on, a plain bias-free head runs fused and
+    chunked (`ir.head.fused_head_loss`; here 8-token chunks, 32 tokens a step): the loss equals the
+    plain head's up to rounding, and the executor trains it bit for bit as eager runs the same
+    wrapper; a head whose output the model transforms (Gemma 2's soft-capping) stays plain."""
+    from tensorstow.ir.hf import CausalLM, _plain_head
+    monkeypatch.setattr(CausalLM, "loss_chunk", 8)
+    ref = moe_ref("qwen3_moe", tmp_path, **({"output_router_logits": True, "router_aux_loss_coef": 0.02} if aux else {}))
+    model = resolve_model(ref).build()
+    assert _plain_head(model.model)
+    x, y = real.data()[0]
+    with torch.no_grad():
+        fused = model(x, y)
+        plain = moe_loss(model.model, x, y)
+    assert torch.allclose(fused, plain, rtol=1e-5)
+    graph = trace(model, batch=2, seq=16, precision="fp32", model_name=ref).graph
+    assert not any(o.target.startswith("aten._log_softmax") for o in graph.ops)  # no whole-vocab softmax
+    pj = offloaded_plans(ref, policies=("lohan",))["lohan"]
+    got = run_executor(pj, resolve_model(ref).build, tmp_path / "s")
+    torch.manual_seed(0)
+    want = real.run_eager(resolve_model(ref).build(), lambda m, x, y: m(x, y))
+    real.assert_equal(got, want)
+    gemma2 = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    assert not _plain_head(transformers.AutoModelForCausalLM.from_config(gemma2))
