@@ -54,9 +54,13 @@ def summary(plan, sim=None) -> str:
         f"plan: {m.name} on {plan.hardware.name}, policy {dec.policy}"
         + (" (chosen by auto)" if plan.options.policy == "auto" else "") + " "
         f"({m.precision}, batch {m.batch}, seq {m.seq})",
-        f"model: {m.params / 1e9:.3g}B parameters, {m.layers} layers"
+        f"model: {m.params / 1e9:.3g}B parameters"
+        + (f" ({m.active_params / 1e9:.3g}B active a token)" if m.active_params is not None else "")
+        + f", {m.layers} layers"
         + (f" (traced {m.traced_layers}, the rest replicated by similarity)" if plan.replicated else ""),
-        f"predicted step: {step:.4g} s, {pred.tokens_per_s:.4g} tokens/s, {pred.model_tflops:.3g} model TFLOPS",
+        f"predicted step: {step:.4g} s, {pred.tokens_per_s:.4g} tokens/s, {pred.model_tflops:.3g} model TFLOPS"
+        + (" (the experts' matmuls counted on the token-rows routed to them: active compute)"
+           if m.active_params is not None else ""),
         f"bottleneck: {bn}" + (f" (busy {busy[bn]:.4g} s = {100 * busy[bn] / step:.0f}% of the step)" if bn in busy and step else ""),
         "memory peak / capacity: " + "   ".join(
             f"{t} {_fmt(pred.peak_bytes.get(t, 0))} / {_fmt(pred.capacity_bytes.get(t, 0))}" for t in TIERS),

@@ -186,6 +186,26 @@ class Graph:
     def param_count(self) -> int:
         return sum(b.param_count for b in self.blocks)
 
+    def active_param_count(self) -> int:
+        """Trainable parameters one token meets, as mixture-of-experts papers count them: all but
+        the share of each experts' weight its token doesn't reach. A weight of E experts that a
+        grouped matmul runs R token-rows through, for T tokens a step, is read by top-k = R / T of
+        its E experts per token. Equal to `param_count` for a dense model."""
+        tensors = {t.name: t for t in self.tensors}
+        tokens = self.batch * self.seq
+        idle: dict[str, float] = {}  # per traced block: parameters a token leaves alone
+        seen: set[str] = set()
+        for o in self.ops:
+            if o.phase != "fwd" or o.target != "aten._grouped_mm.default":
+                continue
+            rows, w = tensors[o.inputs[0]], tensors[tensors[o.inputs[1]].storage]
+            if w.kind != "parameter" or w.name in seen or len(w.shape) != 3 or len(rows.shape) != 2:
+                continue
+            seen.add(w.name)
+            experts, top_k = w.shape[0], rows.shape[0] / tokens
+            idle[o.block] = idle.get(o.block, 0.0) + numel(w.shape) * (1 - top_k / experts)
+        return self.param_count() - round(sum(idle.get(b.profile, 0.0) for b in self.blocks))
+
     def fingerprint(self) -> str:
         """Identity of the traced computation (what the executor must re-trace identically)."""
         d = self.to_json()

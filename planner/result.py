@@ -106,6 +106,7 @@ class PlanResult:
             schema_version=SCHEMA_VERSION,
             model=ModelInfo(
                 name=g.model, fingerprint=g.fingerprint(), params=g.param_count(),
+                active_params=_moe_active(g),
                 layers=len(g.layer_blocks()), traced_layers=g.traced_layers,
                 batch=g.batch, seq=g.seq, precision=g.precision,
                 blocks=tuple(BlockInfo(name=b.name, profile=b.profile, params=b.param_count) for b in g.blocks),
@@ -228,3 +229,9 @@ def infeasible_message(plan: PlanResult, over: dict[str, tuple[int, int]]) -> st
             "ssd": "add SSDs (--ssds N) or use a smaller model"}
     return (f"{o.model} does not fit on {plan.problem.hw.name} with policy {o.policy}: "
             + "; ".join(parts) + "; " + "; ".join(hint[t] for t in over))
+
+
+def _moe_active(g) -> int | None:
+    """A mixture of experts' active parameters (`Graph.active_param_count`); None for a dense model."""
+    active = g.active_param_count()
+    return active if active != g.param_count() else None

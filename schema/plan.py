@@ -82,9 +82,16 @@ class ModelInfo:
     blocks: tuple[BlockInfo, ...]
     """In forward order."""
     profiles: Mapping[str, ProfileInfo]
+    active_params: int | None = None
+    """A mixture of experts: the parameters one token meets (`ir.graph.Graph.active_param_count`);
+    None (and not written) for a dense model, whose every parameter is active."""
 
     def __post_init__(self):
         freeze(self)
+
+    def to_json(self) -> dict:
+        return {f.name: encode(getattr(self, f.name)) for f in dataclasses.fields(self)
+                if f.name != "active_params" or self.active_params is not None}
 
 
 @dataclass(frozen=True, kw_only=True)

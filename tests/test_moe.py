@@ -10,6 +10,9 @@ kernel eager runs: losses and weights bit-identical (one torch thread, as tests/
 explains). Where the config turns the router's load-balancing loss on, it is part of the loss
 (`ir.hf.CausalLM`), as the model's own forward adds it to a loss with labels.
 """
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -124,3 +127,22 @@ def test_a_hugging_face_head_runs_fused_from_four_chunks_and_trains_like_eager(a
     gemma2 = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=8)
     assert not _plain_head(transformers.AutoModelForCausalLM.from_config(gemma2))
+
+
+def test_a_plan_records_the_parameters_a_token_meets_and_show_says_so(tmp_path, capsys):
+    """`model.active_params`: all parameters but the share of the experts a token's top-k leaves
+    alone (Mixtral's tiny config: 4 experts, top-2, so half of the experts' weights); a dense
+    model's plan leaves the key out (the golden plans are unchanged)."""
+    from tensorstow.cli import main
+    ref = moe_ref("mixtral", tmp_path)
+    model = resolve_model(ref).build()
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    total = sum(p.numel() for p in model.parameters())
+    out = tmp_path / "p.json"
+    assert main(["plan", ref, "--batch", "2", "--seq", "16", "--gpu-mem", "400KB", "--policy", "lohan",
+                 "-o", str(out)]) == 0
+    m = json.loads(out.read_text())["model"]
+    assert (m["params"], m["active_params"]) == (total, total - experts // 2)
+    assert f"({(total - experts // 2) / 1e9:.3g}B active a token)" in capsys.readouterr().out
+    dense = Path(__file__).resolve().parents[1] / "plans" / "gpt-tiny__lohan-rtx4090__lohan.json"
+    assert "active_params" not in json.loads(dense.read_text())["model"]
