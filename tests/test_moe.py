@@ -146,3 +146,35 @@ def test_a_plan_records_the_parameters_a_token_meets_and_show_says_so(tmp_path, 
     assert f"({(total - experts // 2) / 1e9:.3g}B active a token)" in capsys.readouterr().out
     dense = Path(__file__).resolve().parents[1] / "plans" / "gpt-tiny__lohan-rtx4090__lohan.json"
     assert "active_params" not in json.loads(dense.read_text())["model"]
+
+
+def test_routing_the_trace_cannot_follow_is_one_line_naming_the_models_line(capsys):
+    """A mixture of experts that branches on its routing (`if (top == i).any():`) cannot be one static
+    schedule: one error line naming the model's file:line and the fix, exit 2, no traceback."""
+    from tensorstow.cli import main
+    import tests.fixtures.routed_branch as model_file
+    assert main(["plan", "tests.fixtures.routed_branch:routed_branch", "--hw", "lohan-rtx4090", "--batch", "2",
+                 "--seq", "8", "--gpu-mem", "1MB"]) == 2
+    err = capsys.readouterr().err
+    line = next(k for k, text in enumerate(open(model_file.__file__).read().splitlines(), 1) if "if (top == i).any()" in text)
+    assert err.count("\n") == 1 and err.startswith("tensorstow: error: ") and "Traceback" not in err
+    assert f"routed_branch.py:{line}: forward reads a tensor's value" in err and "torch.where" in err
+
+
+def test_lora_on_a_mixture_of_experts_trains_its_attention_adapters_like_eager_peft(tmp_path):
+    """PEFT LoRA on a Mixtral base (adapters on q_proj and v_proj): only the adapters train,
+    bit for bit as eager PEFT training; the frozen experts and router stay as they were."""
+    pytest.importorskip("peft", reason="peft is not installed")
+    from tests.fixtures import real_models
+    ref = "tests.fixtures.real_models:lora_mixtral"
+    torch.manual_seed(0)
+    initial = {n: p.detach().clone() for n, p in real_models.lora_mixtral().named_parameters()}
+    trainable = {n for n, p in real_models.lora_mixtral().named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    torch.manual_seed(0)
+    want = real.run_eager(real_models.lora_mixtral(), moe_loss)
+    for name, pj in offloaded_plans(ref).items():
+        got = run_executor(pj, real_models.lora_mixtral, tmp_path / name)
+        real.assert_equal(got, want, prefix="model.")
+        frozen = [n for n in set(initial) - trainable if "experts" in n or "gate" in n]
+        assert frozen and all(torch.equal(got[1]["model." + n], initial[n]) for n in frozen)
