@@ -228,9 +228,12 @@ class Checkpoint:
     (`model.<name>`), read one at a time when asked for: the executor takes each block's
     parameters as it places the block, so the whole model is never in memory. A PEFT model's
     base weights are found under their checkpoint names (`base_model.model.` and `.base_layer`
-    left out); `own` holds what the model made itself (LoRA adapters)."""
+    left out); `own` holds what the model made itself (LoRA adapters). Where the family's
+    checkpoints store a parameter in another form (a mixture of experts' experts one by one, where
+    the model holds them as one weight), transformers' own conversion for the family (`hf_model`:
+    `get_model_conversion_mapping`) makes it from its source tensors, as `from_pretrained` does."""
 
-    def __init__(self, d: Path, own: dict[str, torch.Tensor] | None = None):
+    def __init__(self, d: Path, own: dict[str, torch.Tensor] | None = None, hf_model: nn.Module | None = None):
         self.own = own or {}
         index = d / "model.safetensors.index.json"
         if index.is_file():
@@ -242,18 +245,58 @@ class Checkpoint:
                 with safe_open(str(f), framework="pt") as sf:
                     files.update({n: f for n in sf.keys()})
         self.files = files
+        self.converted: dict[str, tuple[object, dict[str, list[str]]]] = {}
+        """Parameter key -> (transformers' converter, its source keys by source pattern, in order)."""
+        self.renamed: dict[str, str] = {}
+        """Parameter key -> the checkpoint key a renaming gives it under."""
+        if hf_model is not None:
+            self._conversions(hf_model)
+
+    def _conversions(self, hf_model: nn.Module) -> None:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+        transforms = get_model_conversion_mapping(hf_model)
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        if not transforms:
+            return
+        sources: dict[str, dict[str, list[str]]] = {}
+        by_target: dict[str, object] = {}
+        for key in self.files:
+            target, pattern = rename_source_key(key, renamings, converters)
+            if pattern is None:
+                if target != key:
+                    self.renamed[target] = key
+                continue
+            sources.setdefault(target, {}).setdefault(pattern, []).append(key)
+            by_target[target] = next(c for c in converters if pattern in c.source_patterns)
+        for target, by_pattern in sources.items():
+            self.converted[target] = (by_target[target], {p: sorted(ks, key=dot_natural_key) for p, ks in by_pattern.items()})
+
+    def _read(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+        with safe_open(str(self.files[key]), framework="pt") as sf:
+            return sf.get_tensor(key)
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
         if name in self.own:
             return self.own[name]
         key = name[len("model."):]
         if key.startswith("base_model.model."):
             key = key[len("base_model.model."):].replace(".base_layer.", ".")
-        if key not in self.files:
-            raise TensorstowError(f"the checkpoint has no tensor {key} (the model's parameter {name})")
-        with safe_open(str(self.files[key]), framework="pt") as sf:
-            return sf.get_tensor(key)
+        if key in self.files:
+            return self._read(key)
+        if key in self.renamed:
+            return self._read(self.renamed[key])
+        if key in self.converted:
+            converter, by_pattern = self.converted[key]
+            tensors = {p: [self._read(k) for k in keys] for p, keys in by_pattern.items()}
+            for op in converter.operations:
+                tensors = op.convert(tensors, source_patterns=converter.source_patterns,
+                                     target_patterns=converter.target_patterns)
+            (value,) = tensors.values()
+            return value
+        raise TensorstowError(f"the checkpoint has no tensor {key} (the model's parameter {name})")
 
 
 def load_streaming(ref: str, lora: str | None = None) -> tuple[CausalLM, "Checkpoint | None"]:
@@ -269,7 +312,8 @@ def load_streaming(ref: str, lora: str | None = None) -> tuple[CausalLM, "Checkp
     if lora:
         model = CausalLM(_with_lora(model.model, ref, lora).train())
     own = {n: p.detach() for n, p in model.named_parameters() if p.device.type != "meta"}
-    return model, Checkpoint(d, own)
+    base = model.model.get_base_model() if hasattr(model.model, "get_base_model") else model.model
+    return model, Checkpoint(d, own, base)
 
 
 def wrap(model: nn.Module) -> nn.Module:

@@ -178,3 +178,60 @@ def test_lora_on_a_mixture_of_experts_trains_its_attention_adapters_like_eager_p
         real.assert_equal(got, want, prefix="model.")
         frozen = [n for n in set(initial) - trainable if "experts" in n or "gate" in n]
         assert frozen and all(torch.equal(got[1]["model." + n], initial[n]) for n in frozen)
+
+
+def test_a_mixture_of_experts_killed_mid_step_resumes_exactly(tmp_path):
+    """SIGKILL inside the third of 4 steps of a Mixtral trained from SSD; the same command resumes
+    from the last commit, and the exported weights equal those of the run nobody interrupted."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from tensorstow.cli import main
+    from tests.test_state_selfcheck import KILL_AT
+    ref = moe_ref("mixtral", tmp_path)
+    plan = tmp_path / "p.json"
+    assert main(["plan", ref, "--hw", "lohan-rtx4090", "--policy", "lohan", "--batch", "2", "--seq", "16",
+                 "--gpu-mem", "400KB", "-o", str(plan)]) == 0
+    per_step = len(json.loads(plan.read_text())["instructions"])
+
+    def run(state, kill_at=None):
+        args = ["execute", str(plan), "--hw-mismatch", "ok", "--steps", "4", "--state-dir", str(state)]
+        if kill_at is not None:
+            r = subprocess.run([sys.executable, "-c", KILL_AT, str(kill_at), *args], capture_output=True, text=True,
+                               timeout=600)
+            assert r.returncode == -9, r.stderr
+        assert main(args) == 0
+        assert main(["export", str(state), "-o", str(state) + "-out"]) == 0
+        return load_file(str(state) + "-out/model.safetensors")
+
+    whole, resumed = run(tmp_path / "whole"), run(tmp_path / "killed", kill_at=2 * per_step + per_step // 2)
+    assert whole.keys() == resumed.keys() and all(torch.equal(whole[n], resumed[n]) for n in whole)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_checkpoint_with_experts_stored_one_by_one_streams_as_from_pretrained_loads_it(family, tmp_path):
+    """transformers saves a mixture of experts' experts one tensor each (Mixtral also under its
+    older module names); the executor streams each parameter from the checkpoint through the
+    family's own conversion, so training starts from exactly what `from_pretrained` loads."""
+    from tensorstow.ir.hf import load_streaming
+    cls, kw = FAMILIES[family]
+    d = tmp_path / family
+    torch.manual_seed(3)
+    transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**kw)).save_pretrained(d)
+    from safetensors import safe_open
+    with safe_open(str(next(d.glob("*.safetensors"))), framework="pt") as f:
+        assert any(".experts.0." in k for k in f.keys())  # one tensor per expert in the file
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(d)
+    _, checkpoint = load_streaming(f"hf:{d}")
+    assert all(torch.equal(checkpoint["model." + n], p.detach()) for n, p in loaded.named_parameters())
+    pj = offloaded_plans(f"hf:{d}", policies=("lohan",))["lohan"]
+    from tensorstow.executor.executor import Executor
+    ex = Executor(pj, f"hf:{d}", state_dir=tmp_path / "s")  # the weights streamed from the checkpoint
+    torch.manual_seed(real.DROPOUT_SEED)
+    got = [ex.step(x, y) for x, y in real.data()], ex.parameters()
+    ex.close()
+    loaded.config.use_cache = False
+    want = real.run_eager(loaded.train(), moe_loss)
+    real.assert_equal(got, want, prefix="model.")
