@@ -183,6 +183,7 @@ def test_lora_on_a_mixture_of_experts_trains_its_attention_adapters_like_eager_p
 def test_a_mixture_of_experts_killed_mid_step_resumes_exactly(tmp_path):
     """SIGKILL inside the third of 4 steps of a Mixtral trained from SSD; the same command resumes
     from the last commit, and the exported weights equal those of the run nobody interrupted."""
+    import os
     import subprocess
     import sys
 
@@ -200,7 +201,7 @@ def test_a_mixture_of_experts_killed_mid_step_resumes_exactly(tmp_path):
         args = ["execute", str(plan), "--hw-mismatch", "ok", "--steps", "4", "--state-dir", str(state)]
         if kill_at is not None:
             r = subprocess.run([sys.executable, "-c", KILL_AT, str(kill_at), *args], capture_output=True, text=True,
-                               timeout=600)
+                               timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})  # one thread, as here
             assert r.returncode == -9, r.stderr
         assert main(args) == 0
         assert main(["export", str(state), "-o", str(state) + "-out"]) == 0
