@@ -52,12 +52,7 @@ def moe_loss(model, x, y):
 
 
 def eager(ref: str, precision="fp32"):
-    config = transformers.AutoConfig.from_pretrained(ref[3:])
-    config.use_cache = False
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    model.train()
-    return real.run_eager(model, moe_loss, precision)
+    return real.hf_eager(ref, precision, loss_fn=moe_loss)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -165,13 +165,14 @@ def hf_loss(model, x, y):
     return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
-def hf_eager(ref: str, precision="fp32"):
+def hf_eager(ref: str, precision="fp32", loss_fn=None):
+    """Eager training of the `hf:` config's model (`loss_fn`: default the loss contract's `hf_loss`)."""
     config = transformers.AutoConfig.from_pretrained(ref[3:])
     config.use_cache = False
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
     model.train()
-    return run_eager(model, hf_loss, precision)
+    return run_eager(model, loss_fn or hf_loss, precision)
 
 
 def assert_equal(got, want, prefix=""):
