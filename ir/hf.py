@@ -55,15 +55,15 @@ class CausalLM(nn.Module):
         cfg = self.model.config
         aux = bool(getattr(cfg, "output_router_logits", False))
         kw = {"output_router_logits": True} if aux else {}
-        if idx.numel() >= FUSE_FROM_CHUNKS * self.loss_chunk and _plain_head(self.model):
-            out = self.model.model(input_ids=idx, use_cache=False, **kw)
+        lm = _causal_lm(self.model)
+        if idx.numel() >= FUSE_FROM_CHUNKS * self.loss_chunk and lm is not None and _plain_head(lm):
+            out = lm.model(input_ids=idx, use_cache=False, **kw)
             h = out.last_hidden_state
-            loss = fused_head_loss(h.reshape(-1, h.size(-1)), self.model.lm_head.weight, targets.reshape(-1),
-                                   self.loss_chunk)
+            loss = fused_head_loss(h.reshape(-1, h.size(-1)), lm.lm_head.weight, targets.reshape(-1), self.loss_chunk)
             if aux:
-                balance = sys.modules[type(self.model).__module__].load_balancing_loss_func
-                loss = loss + cfg.router_aux_loss_coef * balance(out.router_logits, self.model.num_experts,
-                                                                 self.model.num_experts_per_tok, None).to(loss.device)
+                balance = sys.modules[type(lm).__module__].load_balancing_loss_func
+                loss = loss + cfg.router_aux_loss_coef * balance(out.router_logits, lm.num_experts,
+                                                                 lm.num_experts_per_tok, None).to(loss.device)
             return loss
         out = self.model(input_ids=idx, use_cache=False, **kw)
         loss = F.cross_entropy(out.logits.flatten(0, 1).float(), targets.flatten())
@@ -73,6 +73,16 @@ class CausalLM(nn.Module):
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 """Config keys of families whose forward transforms the head's output (Gemma 2's soft-capping,
 Cohere's and Granite's scaling): their head is not fused."""
+
+
+def _causal_lm(model: nn.Module) -> nn.Module | None:
+    """The transformers causal LM that computes `model`'s logits: itself, or under a PEFT wrapper
+    whose adapters sit inside its modules (LoRA) the base model; None under prompt learning, whose
+    wrapper changes the inputs."""
+    if not hasattr(model, "get_base_model"):
+        return model
+    config = getattr(model, "active_peft_config", None)
+    return None if config is None or getattr(config, "is_prompt_learning", False) else model.get_base_model()
 
 
 def _plain_head(model: nn.Module) -> bool:
