@@ -18,6 +18,7 @@ executor's update counter (`opt_steps`, which a commit records in the SSD store)
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -255,7 +256,7 @@ class Executor:
 
     @lanes.setter
     def lanes(self, lanes) -> None:
-        self.step_replay = Replay(self.step_replay.instrs, self.step_replay.keep, self.step_replay.plan_id, lanes)
+        self.step_replay = dataclasses.replace(self.step_replay, lanes=lanes)
 
     @property
     def loss_scale(self) -> float | None:
@@ -376,8 +377,7 @@ class Executor:
                  scalars=None) -> None:
         """Run the step's instructions on `inputs` through `lanes` (default the step's) in `mode`'s
         order (default the executor's); `scalars`: a captured graph's update scalars."""
-        replay = self.step_replay if lanes is None else Replay(self.instrs, self.step_replay.keep,
-                                                               self.step_replay.plan_id, lanes)
+        replay = self.step_replay if lanes is None else dataclasses.replace(self.step_replay, lanes=lanes)
         self.timeline = self.runtime.run(replay, inputs, mode, scalars)
 
     def _validate(self) -> None:

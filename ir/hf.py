@@ -270,6 +270,7 @@ class Checkpoint:
         converters = [t for t in transforms if isinstance(t, WeightConverter)]
         if not transforms:
             return
+        owner = {p: c for c in converters for p in c.source_patterns}  # source pattern -> its converter
         sources: dict[str, dict[str, list[str]]] = {}
         by_target: dict[str, object] = {}
         for key in self.files:
@@ -279,7 +280,7 @@ class Checkpoint:
                     self.renamed[target] = key
                 continue
             sources.setdefault(target, {}).setdefault(pattern, []).append(key)
-            by_target[target] = next(c for c in converters if pattern in c.source_patterns)
+            by_target[target] = owner[pattern]
         for target, by_pattern in sources.items():
             self.converted[target] = (by_target[target], {p: sorted(ks, key=dot_natural_key) for p, ks in by_pattern.items()})
 

@@ -19,6 +19,7 @@ an optimizer step's device is `cpu` or `gpuK`.
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
 from tensorstow.schema.typed import freeze
@@ -75,12 +76,10 @@ class Stream:
     lane: str
 
     @staticmethod
+    @functools.cache
     def of(name: str) -> "Stream":
-        s = _STREAMS.get(name)
-        if s is None:
-            device, _, lane = name.partition(".")
-            s = _STREAMS[name] = Stream(device, lane)
-        return s
+        device, _, lane = name.partition(".")
+        return Stream(device, lane)
 
     @property
     def resource(self) -> str:
@@ -91,8 +90,6 @@ class Stream:
     def on_gpu(self) -> bool:
         return is_gpu(self.device)
 
-
-_STREAMS: dict[str, Stream] = {}  # `Stream.of`, parsed once per name
 
 
 class BufferKind(enum.StrEnum):
