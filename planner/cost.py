@@ -127,16 +127,18 @@ def commit_time(hw, instrs) -> float:
     return hw.ssd.commit_s if any(i.kind == InstrKind.STORE and i.dst == "ssd" for i in instrs) else 0.0
 
 
-def op_time(flops: int, nbytes: int, hw: Hardware, gpu: int = 0, fp32: bool = False, kind: str = "") -> float:
+def op_time(flops: int, nbytes: int, hw: Hardware, gpu: int = 0, fp32: bool = False, kind: str = "",
+            groups: int = 1) -> float:
     """Roofline time of one op, plus the host's dispatch cost per op (`GPU.op_s`); `fp32`: its math
     runs in fp32. `kind` ("matmul", "attention", "attention_bwd" from `op_kind`,
     "matmul_unaligned" from `matmul_kind`): its FLOPs run at the rate the GPU's probe measured at
     that size and precision (`measured_rate`) where it has one, else at `flops_fp32` (fp32, where
-    the GPU has one) or `flops`. An op that touches memory takes at least `GPU.kernel_s`.
+    the GPU has one) or `flops`; a grouped matmul of `groups` groups, at the rate of one group's
+    share (`flops / groups`). An op that touches memory takes at least `GPU.kernel_s`.
     An op without FLOPs moves its bytes at `GPU.elementwise_bw` where the probe measured one, else
     at `mem_bw`."""
     g = hw.gpus[gpu]
-    rate = measured_rate(g, kind, flops, fp32) if kind else 0.0
+    rate = measured_rate(g, kind, flops / groups, fp32) if kind else 0.0
     if not rate:
         rate = g.flops_fp32 if fp32 and g.flops_fp32 else g.flops
     bw = g.elementwise_bw if not flops and g.elementwise_bw else g.mem_bw
@@ -202,8 +204,27 @@ def measured_rate(g, kind: str, flops: float, fp32: bool = False) -> float:
 
 def ops_time(ops, tensors, hw: Hardware) -> float:
     """Roofline time of a sequence of IR ops on GPU 0 (each at its precision and kind)."""
-    return lsum(op_time(o.flops, o.bytes_in + o.bytes_out, hw, fp32=_in_fp32(o, tensors), kind=matmul_kind(o, tensors))
-                for o in ops)
+    return lsum(ir_op_time(o, tensors, hw) for o in ops)
+
+
+def ir_op_time(o, tensors, hw: Hardware) -> float:
+    """`op_time` of an IR op: its precision and kind read from its inputs; a grouped matmul's rate is
+    the one of its per-group size (`expert_groups`)."""
+    return op_time(o.flops, o.bytes_in + o.bytes_out, hw, fp32=_in_fp32(o, tensors), kind=matmul_kind(o, tensors),
+                   groups=expert_groups(o, tensors))
+
+
+def expert_groups(o, tensors) -> int:
+    """The groups a grouped matmul splits its rows into (a mixture of experts' experts: the length of
+    its `offs` input, the one 1-D integer input), 1 for any other op. Balanced routing, the cost
+    model's expectation, gives every group 1/groups of the flops, and a grouped kernel runs each group
+    as a matmul of that size (benchmarks/RESULTS.md "A mixture of experts from SSD": the CPU's grouped
+    matmul at 42 rows an expert took 1.30x a dense one of the same total flops)."""
+    if "_grouped_mm" not in o.target:
+        return 1
+    offs = [tensors[n] for n in o.inputs if n in tensors and len(tensors[n].shape) == 1
+            and tensors[n].dtype.startswith("int")]
+    return max(1, offs[0].shape[0]) if offs else 1
 
 
 def _in_fp32(o, tensors) -> bool:
@@ -296,8 +317,7 @@ def profiles(graph: Graph, hw: Hardware) -> dict[str, BlockProfile]:
 
 
 def _op_times(seg, tensors, hw: Hardware) -> float:
-    return lsum(op_time(o.flops, o.bytes_in + o.bytes_out, hw, fp32=_in_fp32(o, tensors), kind=matmul_kind(o, tensors))
-                + _attention_recompute_time(o, tensors, hw) for o in seg)
+    return lsum(ir_op_time(o, tensors, hw) + _attention_recompute_time(o, tensors, hw) for o in seg)
 
 
 def _backward_cut(bwd, saved: dict, readers, tensors, ops, hw: Hardware, handed: set, carried: set) -> dict:

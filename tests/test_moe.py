@@ -116,6 +116,31 @@ def test_the_experts_are_priced_on_their_static_token_rows(tmp_path):
         grouped_mm_flops((4,), (4, 4))
 
 
+def test_a_grouped_matmul_runs_at_the_rate_of_one_experts_share(tmp_path):
+    """Balanced routing gives each of E experts 1/E of the rows: the grouped kernel runs E matmuls
+    of that size, so the op is priced at the measured matmul rate of flops / E (forward and both
+    gradients), not at the rate of its total."""
+    import dataclasses
+
+    from tensorstow.planner.cost import expert_groups, ir_op_time
+    from tensorstow.planner.presets import load_hardware
+    ref = moe_ref("mixtral", tmp_path)
+    graph = trace(resolve_model(ref).build(), batch=2, seq=16, precision="fp32", model_name=ref).graph
+    tensors = {t.name: t for t in graph.tensors}
+    experts = [o for o in graph.ops if o.target == "aten._grouped_mm.default"]
+    e = FAMILIES["mixtral"][1]["num_local_experts"]  # 3 layers: 2 matmuls forward, each with 2 gradients
+    assert len(experts) == 3 * 6 and {expert_groups(o, tensors) for o in experts} == {e}
+    assert {expert_groups(o, tensors) for o in graph.ops if o.target == "aten.mm.default"} == {1}
+    hw = load_hardware("lohan-rtx4090")
+    # a measured curve whose rate grows 10x over 9 decades of size, as a GPU's does: log-log
+    # interpolation gives rate(f) = 1e10 (f / 1e3)^(1/9)
+    gpu = dataclasses.replace(hw.gpus[0], matmul_rates_fp32=((1e3, 1e10), (1e12, 1e11)))
+    hw = dataclasses.replace(hw, gpus=(gpu, *hw.gpus[1:]))
+    for o in experts:
+        want = o.flops / (1e10 * (o.flops / e / 1e3) ** (1 / 9)) + gpu.op_s
+        assert ir_op_time(o, tensors, hw) == pytest.approx(want, rel=1e-9)
+
+
 @pytest.mark.parametrize("aux", [False, True], ids=["ce", "router-aux-loss"])
 def test_a_hugging_face_head_runs_fused_from_four_chunks_and_trains_like_eager(aux, tmp_path, monkeypatch):
     """From FUSE_FROM_CHUNKS chunks of tokens a step on, a plain bias-free head runs fused and
