@@ -10,6 +10,24 @@ one example, in one of three forms:
                                             tokens) + [eos]; labels ignore the prompt's ids
                                             (TRL's completion-only loss)
     {"text": str}                           ids = tok(text) + [eos]; every token is a label
+    {"messages": [{"role": ..., "content": ...}, ...], "tools": [...]}
+                                            a conversation: ids and the assistant mask from
+                                            `tok.apply_chat_template(messages, tools=tools,
+                                            tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)`; labels are the
+                                            assistant's tokens (TRL's assistant_only_loss)
+    {"prompt": [messages], "completion": [messages]}
+                                            a conversational prompt and completion: the prompt
+                                            rendered with the generation prompt, then prompt +
+                                            completion; labels are the completion's tokens, from
+                                            where the two renderings part (TRL's SFTTrainer)
+
+The chat template is the tokenizer's own or the run's `chat_template` file; `loss_on="all"` makes
+every token of a text or conversational example a label. An assistant-only loss needs a template
+that marks the assistant's tokens (`{% generation %}`): one that does not is refused before any
+step (transformers would return an all-zero mask: nothing to learn). A text or conversational
+example left with no label in its row (its assistant tokens or completion cut off at seq + 1, or
+none) is counted and left out (`Examples.left_out`), never trained on silently.
 
 A bad example (not UTF-8, not JSON, a field of the wrong type, an id or label outside the
 vocabulary) is refused with where it is: `FILE:LINE` (1-based) or `DIR row N` (0-based), and its
@@ -30,7 +48,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
@@ -39,7 +58,12 @@ import torch
 
 from tensorstow.errors import TensorstowError
 
-FORMATS = ("input_ids", "prompt", "text")
+FORMATS = ("input_ids", "messages", "prompt", "text")
+LOSS_ON = ("assistant", "all")
+"""Which tokens of a text or conversational example are labels (`Run.loss_on`)."""
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+"""The Jinja block a chat template marks the assistant's tokens with (transformers'
+`return_assistant_tokens_mask` reads it)."""
 
 
 def is_examples(source: str) -> bool:
@@ -110,7 +134,32 @@ def _read_datasets_dir(source: str) -> list[tuple[str, dict]]:
     return [(f"{source} row {k}", {c: v for c, v in r.items() if v is not None}) for k, r in enumerate(rows)]
 
 
-def tokenize(records: list[tuple[str, dict]], tokenizer, ignore: int, vocab: int | None
+@dataclass(frozen=True)
+class Chat:
+    """How text and conversational examples become labels: the chat template and the loss."""
+    template: str | None = None
+    """The Jinja source of the chat template (None: the tokenizer's own)."""
+    source: str = "the tokenizer's chat template"
+    """Where the template is from, as error messages name it."""
+    loss_on: str = "assistant"
+    """`LOSS_ON`: the assistant's tokens (the completion of a prompt and completion), or all."""
+
+    @staticmethod
+    def of(template_file: str | None, loss_on: str = "assistant") -> "Chat":
+        """The run's chat settings: `template_file` read (a Jinja file), else the tokenizer's template."""
+        if loss_on not in LOSS_ON:
+            raise TensorstowError(f"--loss-on {loss_on}: give one of {', '.join(LOSS_ON)}")
+        if template_file is None:
+            return Chat(loss_on=loss_on)
+        try:
+            text = Path(template_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise TensorstowError(f"--chat-template {template_file}: cannot read it ({getattr(e, 'strerror', None) or e}); "
+                                  f"give a Jinja chat template file") from None
+        return Chat(template=text, source=f"chat template {template_file}", loss_on=loss_on)
+
+
+def tokenize(records: list[tuple[str, dict]], tokenizer, ignore: int, vocab: int | None, chat: Chat = Chat()
              ) -> list[tuple[list[int], list[int]]]:
     """(ids, labels) of each (where, record) (the module docstring's forms): every id in the model's
     vocabulary [0, vocab) (no upper bound with `vocab` None), every label too or `ignore`."""
@@ -126,24 +175,103 @@ def tokenize(records: list[tuple[str, dict]], tokenizer, ignore: int, vocab: int
             _check_vocab(ids, "input_ids", vocab, where)
             if "labels" in r:
                 _check_vocab(labels, "labels", vocab, where, ignore=ignore)
-        elif form is None or (form == "prompt" and "completion" not in r):
-            raise TensorstowError(f"{where}: the example has keys {sorted(r)}: give input_ids (and labels), "
+            out.append((ids, labels))
+            continue
+        if form is None or (form == "prompt" and "completion" not in r):
+            raise TensorstowError(f"{where}: the example has keys {sorted(r)}: give input_ids (and labels), messages, "
                                   f"prompt and completion, or text")
-        else:
-            if tokenizer is None:
-                raise TensorstowError(f"{where}: the example is text: pass --tokenizer DIR (or plan an hf: model, "
-                                      f"whose directory holds its tokenizer)")
+        if tokenizer is None:
+            raise TensorstowError(f"{where}: the example is text: pass --tokenizer DIR (or plan an hf: model, "
+                                  f"whose directory holds its tokenizer)")
+        if form == "messages" or form == "prompt" and isinstance(r["prompt"], list):
+            ids, labels = _conversation(tokenizer, r, form, where, chat, ignore)
+        elif form == "prompt":
             eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-            if form == "prompt":
-                prompt = tokenizer(_text(r, "prompt", where))["input_ids"]
-                completion = tokenizer(_text(r, "completion", where), add_special_tokens=False)["input_ids"] + eos
-                ids, labels = prompt + completion, [ignore] * len(prompt) + completion
-            else:
-                ids = tokenizer(_text(r, "text", where))["input_ids"] + eos
-                labels = list(ids)
-            _check_vocab(ids, f"{form} (tokenized)", vocab, where)  # labels are some of the ids
+            prompt = tokenizer(_text(r, "prompt", where))["input_ids"]
+            completion = tokenizer(_text(r, "completion", where), add_special_tokens=False)["input_ids"] + eos
+            ids = prompt + completion
+            labels = list(ids) if chat.loss_on == "all" else [ignore] * len(prompt) + completion
+        else:
+            eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+            ids = tokenizer(_text(r, "text", where))["input_ids"] + eos
+            labels = list(ids)
+        _check_vocab(ids, f"{form} (tokenized)", vocab, where)  # labels are some of the ids
         out.append((ids, labels))
     return out
+
+
+def _conversation(tokenizer, r: dict, form: str, where: str, chat: Chat, ignore: int) -> tuple[list[int], list[int]]:
+    """(ids, labels) of a conversational example, as TRL's SFTTrainer tokenizes it: `messages` with the
+    template's assistant mask, a prompt and completion of messages with the completion's tokens."""
+    template = chat.template if chat.template is not None else getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise TensorstowError(f"{where}: the example is a conversation but the tokenizer has no chat template; pass "
+                              f"--chat-template FILE (a Jinja template)")
+    kwargs = dict(chat_template=template, tools=_tools(r, where), **_template_kwargs(r, where))
+    assistant = chat.loss_on == "assistant"
+    if form == "messages":
+        if assistant and not _GENERATION.search(template):
+            raise TensorstowError(f"{chat.source} marks no assistant tokens (it has no {{% generation %}} block), so an "
+                                  f"assistant-only loss would learn nothing: pass --chat-template FILE with one, or "
+                                  f"--loss-on all to train on every token")
+        done = _render(tokenizer, _messages(r, "messages", where), where, chat, return_assistant_tokens_mask=assistant,
+                       **kwargs)
+        ids = list(done["input_ids"])
+        mask = list(done["assistant_masks"]) if assistant else [1] * len(ids)
+        return ids, [t if m else ignore for t, m in zip(ids, mask)]
+    prompt, completion = _messages(r, "prompt", where), _messages(r, "completion", where)
+    prompt_ids = list(_render(tokenizer, prompt, where, chat, add_generation_prompt=True, **kwargs)["input_ids"])
+    ids = list(_render(tokenizer, prompt + completion, where, chat, **kwargs)["input_ids"])
+    if not assistant:
+        return ids, list(ids)
+    start = next((k for k, (a, b) in enumerate(zip(prompt_ids, ids)) if a != b), min(len(prompt_ids), len(ids)))
+    return ids, [ignore] * start + ids[start:]  # the completion: from where the renderings part (TRL)
+
+
+def _render(tokenizer, messages: list, where: str, chat: Chat, **kwargs) -> dict:
+    """`tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)`; a template
+    that fails on the conversation is one line naming the example."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)
+    except Exception as e:  # jinja2's TemplateError, or what the template's own raise_exception says
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TensorstowError(f"{where}: {chat.source} fails on this conversation ({first}); fix the example or "
+                              f"the template") from None
+
+
+def _messages(r: dict, field: str, where: str) -> list[dict]:
+    """`r[field]` as a conversation: a list of objects, each with a string `role`."""
+    value = r[field]
+    if not isinstance(value, list) or not value:
+        raise TensorstowError(f"{where}: {field} must be a non-empty list of messages "
+                              f"({{\"role\": ..., \"content\": ...}}), got {_kind(value)}")
+    for k, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise TensorstowError(f"{where}: {field}[{k}] must be a message object with a string \"role\", got "
+                                  f"{_shown(m)}")
+    return value
+
+
+def _tools(r: dict, where: str):
+    """The example's `tools` column (a list of tool schemas, or that list as a JSON string, as TRL takes
+    it), None without one."""
+    tools = r.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError as e:
+            raise TensorstowError(f"{where}: tools is a string that is not JSON ({e})") from None
+    if tools is not None and not isinstance(tools, list):
+        raise TensorstowError(f"{where}: tools must be a list of tool schemas, got {_kind(tools)}")
+    return tools
+
+
+def _template_kwargs(r: dict, where: str) -> dict:
+    """The example's `chat_template_kwargs` (extra variables of the template, TRL's column), {} without."""
+    kw = r.get("chat_template_kwargs", {})
+    if not isinstance(kw, dict):
+        raise TensorstowError(f"{where}: chat_template_kwargs must be an object, got {_kind(kw)}")
+    return kw
 
 
 INT64 = np.iinfo(np.int64)
@@ -213,12 +341,26 @@ class Examples:
     labels: np.ndarray
     ignore: int
     """The label value left out of the loss (padding, prompts)."""
+    left_out: tuple[str, ...] = field(default=())
+    """Where each text or conversational example left out is (no label left in its row)."""
 
     @staticmethod
     def load(source: str, seq: int, vocab: int | None, *, tokenizer=None, ignore: int = -100,
-             packing: bool = False) -> "Examples":
-        pairs = tokenize(read_records(source), tokenizer, ignore, vocab)
+             packing: bool = False, chat: Chat = Chat()) -> "Examples":
+        records = read_records(source)
+        pairs = tokenize(records, tokenizer, ignore, vocab, chat)
         width = seq + 1
+        # a row's targets are the labels of its last seq tokens: one from text without any is left out
+        empty = [k for k, ((_, r), (_, lab)) in enumerate(zip(records, pairs))
+                 if "input_ids" not in r and all(t == ignore for t in lab[1:width if not packing else None])]
+        if empty:
+            if len(empty) == len(pairs):
+                raise TensorstowError(f"data {source}: no example has a label within seq + 1 = {width} tokens "
+                                      f"(first: {records[empty[0]][0]}); with --loss-on assistant the chat template "
+                                      f"must mark the assistant's tokens, and a longer --seq keeps more of each example")
+            gone = set(empty)
+            pairs = [p for k, p in enumerate(pairs) if k not in gone]
+        left_out = tuple(records[k][0] for k in empty)
         if packing:
             ids = np.array([t for i, _ in pairs for t in i], dtype=np.int64)
             labels = np.array([t for _, lab in pairs for t in lab], dtype=np.int64)
@@ -233,7 +375,7 @@ class Examples:
             for k, (i, lb) in enumerate(pairs):
                 rows[k, :min(len(i), width)] = i[:width]
                 lab[k, :min(len(lb), width)] = lb[:width]
-        return Examples(rows, lab, ignore)
+        return Examples(rows, lab, ignore, left_out)
 
     def __len__(self) -> int:
         return len(self.ids)

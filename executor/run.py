@@ -26,7 +26,7 @@ from tensorstow.executor.cuda import hardware_differences, resolve_device
 from tensorstow.executor.data import batches, tokens
 from tensorstow.executor.distributed import (LOST, TIMEOUT_S, Comm, agree_on_step, launch, peer_lost, rank_cores,
                                              rank_dir)
-from tensorstow.executor.examples import Examples, is_examples
+from tensorstow.executor.examples import Chat, Examples, is_examples
 from tensorstow.executor.lr import LRSchedule
 from tensorstow.executor.lanes import lane_cores
 from tensorstow.executor.executor import Executor
@@ -158,8 +158,15 @@ def _examples(source: str, ex: Executor, plan: Plan, run: Run) -> Examples:
     """`source`'s examples at the plan's seq, tokenized as the run says, padding labelled with the
     model's own ignore index."""
     ignored = ex.program.ignore_index
-    return Examples.load(source, plan.model.seq, ex.vocab, tokenizer=_tokenizer(run.tokenizer, plan.options.model),
-                         ignore=-100 if -100 in ignored else min(ignored), packing=run.packing)
+    examples = Examples.load(source, plan.model.seq, ex.vocab, tokenizer=_tokenizer(run.tokenizer, plan.options.model),
+                             ignore=-100 if -100 in ignored else min(ignored), packing=run.packing,
+                             chat=Chat.of(run.chat_template, run.loss_on))
+    if examples.left_out:
+        n = len(examples.left_out)
+        print(f"data {source}: {n} example{'s' if n > 1 else ''} left out, with no label within seq + 1 = "
+              f"{plan.model.seq + 1} tokens (their {'assistant tokens' if run.loss_on == 'assistant' else 'tokens'} "
+              f"cut off, or none; first: {examples.left_out[0]})", flush=True)
+    return examples
 
 
 def _token_data(source: str, need: int, vocab: int) -> record.DataId:

@@ -32,6 +32,14 @@ class Run:
     """Tokenizer directory for text examples (default: the hf: model's directory)."""
     packing: bool = False
     """Concatenate examples into windows of seq + 1 tokens instead of one example a row, padded."""
+    chat_template: str | None = None
+    """A Jinja chat template file for conversational examples (`messages`, or prompt and completion
+    as lists of messages) (default: the tokenizer's own, from tokenizer_config.json or
+    chat_template.jinja)."""
+    loss_on: str = "assistant"
+    """Which tokens of a text or conversational example are labels: assistant (the assistant's tokens
+    of `messages`, which the chat template marks with {% generation %}; the completion of a prompt
+    and completion, TRL's completion-only loss) or all (every token)."""
     shuffle: bool = True
     """Each epoch visits the examples in torch.randperm order (seeded seed + epoch); --no-shuffle:
     in file order."""
@@ -114,5 +122,5 @@ class Run:
 
 CHOICES = {"mode": MODES, "graphs": GRAPHS, "lr_scheduler": LR_SCHEDULERS, "hw_mismatch": ("refuse", "ok"),
            "device": ("cuda", "cpu"), "io_engine": ("auto", "cpp", "python"), "cpu_adam": ("auto", "cpp", "torch"),
-           "malloc": ("tuned", "default")}
+           "malloc": ("tuned", "default"), "loss_on": ("assistant", "all")}
 """The fields that take one of a few names."""

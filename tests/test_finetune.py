@@ -145,7 +145,8 @@ def encode(tok, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def eager_finetune(ckpt: Path, tok, rows: list[dict], steps_per_epoch: int, precision: str = "fp32", accum: int = 1,
-                   max_grad_norm: float | None = None, held_out: list[dict] = (), eval_at=(), lora: dict | None = None):
+                   max_grad_norm: float | None = None, held_out: list[dict] = (), eval_at=(), lora: dict | None = None,
+                   encoded: tuple[torch.Tensor, torch.Tensor] | None = None):
     """The semantics `tensorstow execute` documents, written out for eager Hugging Face: the same
     tokens and labels, each epoch in randperm(seed + epoch) order, AdamW with decay on the 2-D
     parameters, warmup + cosine as transformers schedules it, HF's loss (the mean over labels
@@ -153,8 +154,9 @@ def eager_finetune(ckpt: Path, tok, rows: list[dict], steps_per_epoch: int, prec
     loss weighted by its share of the step's labels (the Trainer's num_items_in_batch), clipped to
     `max_grad_norm`; after the steps `eval_at` the eval-mode loss of `held_out`, its batches of
     BATCH x K rows weighted alike; `lora`: LoraConfig's arguments, the model PEFT's
-    `get_peft_model` of the checkpoint. Returns (losses, eval losses, the model)."""
-    ids, labels = encode(tok, rows)
+    `get_peft_model` of the checkpoint; `encoded`: the rows' (ids, labels) as another reference
+    tokenized them (TRL), instead of `encode`. Returns (losses, eval losses, the model)."""
+    ids, labels = encode(tok, rows) if encoded is None else encoded
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
     model.config.use_cache = False
