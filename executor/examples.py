@@ -159,10 +159,12 @@ class Chat:
         return Chat(template=text, source=f"chat template {template_file}", loss_on=loss_on)
 
 
-def tokenize(records: list[tuple[str, dict]], tokenizer, ignore: int, vocab: int | None, chat: Chat = Chat()
-             ) -> list[tuple[list[int], list[int]]]:
+def tokenize(records: list[tuple[str, dict]], tokenizer, ignore: int, vocab: int | None, chat: Chat = Chat(),
+             empty_turns: list[str] | None = None) -> list[tuple[list[int], list[int]]]:
     """(ids, labels) of each (where, record) (the module docstring's forms): every id in the model's
-    vocabulary [0, vocab) (no upper bound with `vocab` None), every label too or `ignore`."""
+    vocabulary [0, vocab) (no upper bound with `vocab` None), every label too or `ignore`.
+    `empty_turns` collects where a conversation has an assistant turn with no content (trained on:
+    its template's end-of-turn tokens are its labels)."""
     out = []
     for where, r in records:
         form = next((f for f in FORMATS if f in r), None)
@@ -185,6 +187,10 @@ def tokenize(records: list[tuple[str, dict]], tokenizer, ignore: int, vocab: int
                                   f"whose directory holds its tokenizer)")
         if form == "messages" or form == "prompt" and isinstance(r["prompt"], list):
             ids, labels = _conversation(tokenizer, r, form, where, chat, ignore)
+            turns = r.get("messages") or r.get("completion") or []
+            if empty_turns is not None and any(m.get("role") == "assistant" and not str(m.get("content") or "").strip()
+                                               and not m.get("tool_calls") for m in turns if isinstance(m, dict)):
+                empty_turns.append(where)
         elif form == "prompt":
             eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
             prompt = tokenizer(_text(r, "prompt", where))["input_ids"]
@@ -343,13 +349,19 @@ class Examples:
     """The label value left out of the loss (padding, prompts)."""
     left_out: tuple[str, ...] = field(default=())
     """Where each text or conversational example left out is (no label left in its row)."""
+    notes: tuple[str, ...] = field(default=())
+    """What a run says of the data before its first step: examples left out, cut to seq + 1 tokens,
+    or with an empty assistant turn, each counted with the first one's place."""
 
     @staticmethod
     def load(source: str, seq: int, vocab: int | None, *, tokenizer=None, ignore: int = -100,
              packing: bool = False, chat: Chat = Chat()) -> "Examples":
         records = read_records(source)
-        pairs = tokenize(records, tokenizer, ignore, vocab, chat)
+        empty_turns: list[str] = []
+        pairs = tokenize(records, tokenizer, ignore, vocab, chat, empty_turns)
         width = seq + 1
+        long = [] if packing else [where for (where, r), (i, _) in zip(records, pairs)
+                                   if "input_ids" not in r and len(i) > width]
         # a row's targets are the labels of its last seq tokens: one from text without any is left out
         empty = [k for k, ((_, r), (_, lab)) in enumerate(zip(records, pairs))
                  if "input_ids" not in r and all(t == ignore for t in lab[1:width if not packing else None])]
@@ -361,6 +373,10 @@ class Examples:
             gone = set(empty)
             pairs = [p for k, p in enumerate(pairs) if k not in gone]
         left_out = tuple(records[k][0] for k in empty)
+        notes = tuple(_counted(wheres, what) for wheres, what in (
+            (left_out, f"left out, with no label within seq + 1 = {width} tokens (labels cut off, or none)"),
+            ([w for w in long if w not in left_out], f"longer than seq + 1 = {width} tokens: cut to it"),
+            (empty_turns, "with an empty assistant turn: its end-of-turn tokens are its labels")) if wheres)
         if packing:
             ids = np.array([t for i, _ in pairs for t in i], dtype=np.int64)
             labels = np.array([t for _, lab in pairs for t in lab], dtype=np.int64)
@@ -375,7 +391,7 @@ class Examples:
             for k, (i, lb) in enumerate(pairs):
                 rows[k, :min(len(i), width)] = i[:width]
                 lab[k, :min(len(lb), width)] = lb[:width]
-        return Examples(rows, lab, ignore, left_out)
+        return Examples(rows, lab, ignore, left_out, notes)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -406,6 +422,12 @@ class Examples:
             x = torch.from_numpy(self.ids[at, :-1].copy())
             y = torch.from_numpy(self.labels[at, 1:].copy())
             yield e, k * rows, x, y
+
+
+def _counted(wheres, what: str) -> str:
+    """`3 examples <what> (first: FILE:LINE)`."""
+    n = len(wheres)
+    return f"{n} example{'s' if n > 1 else ''} {what} (first: {wheres[0]})"
 
 
 def _pad_id(tokenizer) -> int:

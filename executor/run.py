@@ -161,11 +161,8 @@ def _examples(source: str, ex: Executor, plan: Plan, run: Run) -> Examples:
     examples = Examples.load(source, plan.model.seq, ex.vocab, tokenizer=_tokenizer(run.tokenizer, plan.options.model),
                              ignore=-100 if -100 in ignored else min(ignored), packing=run.packing,
                              chat=Chat.of(run.chat_template, run.loss_on))
-    if examples.left_out:
-        n = len(examples.left_out)
-        print(f"data {source}: {n} example{'s' if n > 1 else ''} left out, with no label within seq + 1 = "
-              f"{plan.model.seq + 1} tokens (their {'assistant tokens' if run.loss_on == 'assistant' else 'tokens'} "
-              f"cut off, or none; first: {examples.left_out[0]})", flush=True)
+    for note in examples.notes:
+        print(f"data {source}: {note}", flush=True)
     return examples
 
 

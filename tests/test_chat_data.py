@@ -136,6 +136,8 @@ def test_examples_whose_assistant_tokens_are_cut_off_are_counted_and_left_out(ck
     tok = transformers.AutoTokenizer.from_pretrained(ckpt)
     ex = Examples.load(str(data), SEQ, len(tok), tokenizer=tok)
     assert ex.left_out == (f"{data}:3",) and len(ex) == 4
+    assert ex.notes == (f"1 example left out, with no label within seq + 1 = 25 tokens (labels cut off, or none) "
+                        f"(first: {data}:3)",)
     pairs = ours(ckpt, [r for k, r in enumerate(rows) if k != 2])
     assert [row.tolist()[:len(i)] for row, (i, _) in zip(ex.ids, pairs)] == [i[:SEQ + 1] for i, _ in pairs]
     with pytest.raises(TensorstowError, match=r"no example has a label within seq \+ 1 = 25 tokens"):
@@ -166,31 +168,86 @@ def test_a_template_that_fails_on_a_conversation_names_the_example(ckpt, tmp_pat
         tokenize(read_records(str(data)), tok, -100, len(tok), Chat.of(str(f)))
 
 
-def test_a_chat_fine_tune_trains_like_eager_on_trls_tokens(ckpt, tmp_path):
-    """`messages` JSONL, the checkpoint's own template, assistant-only loss, state on SSD, 2 epochs
-    shuffled: losses and weights bit-identical to the eager loop fed TRL's (input_ids, labels),
-    right-padded to seq + 1."""
-    rows = conversations(8)
+CHAT_ACCUM = 2
+
+
+def chat_recipe(ckpt: Path, tmp_path: Path):
+    """12 multi-turn conversations (3 steps of 2 x 2 rows an epoch) as JSONL, TRL's tokens for them
+    right-padded to CHAT_SEQ + 1, and a plan: state on SSD, `--grad-accum 2`, `--max-grad-norm 1`,
+    warmup + cosine, AdamW with weight decay, fp32 with the exact optimizer."""
+    rows = conversations(12)
     tok = transformers.AutoTokenizer.from_pretrained(ckpt)
     want_pairs = trl_tokens(ckpt, rows, tmp_path / "trl", assistant_only_loss=True)
-    seq = 56  # every conversation whole (SEQ would cut some assistants off: those are left out, tested above)
-    assert max(len(i) for i, _ in want_pairs) <= seq + 1
-    pad = lambda xs, v: xs + [v] * (seq + 1 - len(xs))  # noqa: E731
+    assert max(len(i) for i, _ in want_pairs) <= CHAT_SEQ + 1  # whole: a cut one is left out (tested above)
+    pad = lambda xs, v: xs + [v] * (CHAT_SEQ + 1 - len(xs))  # noqa: E731
     encoded = (torch.tensor([pad(i, tok.pad_token_id) for i, _ in want_pairs]),
                torch.tensor([pad(lab, -100) for _, lab in want_pairs]))
     plan = tmp_path / "plan.json"
     assert main(["plan", f"hf:{ckpt}", "--hw", "lohan-rtx4090", "--policy", "zero-infinity", "--precision", "fp32",
-                 "--batch", str(BATCH), "--seq", str(seq), "--gpu-mem", "1MB", "--lr", str(LR), "--weight-decay",
+                 "--batch", str(BATCH), "--seq", str(CHAT_SEQ), "--gpu-mem", "1MB", "--lr", str(LR), "--weight-decay",
                  str(WD), "--exact-optimizer", "--lr-scheduler", "cosine", "--warmup-steps", str(WARMUP),
-                 "-o", str(plan)]) == 0
+                 "--grad-accum", str(CHAT_ACCUM), "--max-grad-norm", "1", "-o", str(plan)]) == 0
     assert any(b["home"] == "ssd" for b in json.loads(plan.read_text())["buffers"].values())
+    return rows, tok, encoded, plan, write_jsonl(tmp_path / "chat.jsonl", rows)
+
+
+CHAT_SEQ = 56
+"""Every conversation of `chat_recipe` whole (the suite's SEQ would cut some assistants off)."""
+
+
+def eager_chat(ckpt, tok, rows, encoded):
+    return eager_finetune(ckpt, tok, rows, len(rows) // (BATCH * CHAT_ACCUM), "fp32", CHAT_ACCUM, 1.0, encoded=encoded)
+
+
+def test_a_chat_fine_tune_trains_like_eager_on_trls_tokens(ckpt, tmp_path):
+    """`messages` JSONL through `tensorstow execute`, the checkpoint's own template, assistant-only
+    loss, 2 shuffled epochs of the recipe above: losses and exported weights bit-identical to the
+    eager loop fed TRL's (input_ids, labels)."""
+    rows, tok, encoded, plan, data = chat_recipe(ckpt, tmp_path)
     log = tmp_path / "log.jsonl"
-    assert main(["execute", str(plan), "--hw-mismatch", "ok", "--data", str(write_jsonl(tmp_path / "c.jsonl", rows)),
-                 "--epochs", "2", "--state-dir", str(tmp_path / "state"), "--log-json", str(log)]) == 0
+    assert main(["execute", str(plan), "--hw-mismatch", "ok", "--data", str(data), "--epochs", "2",
+                 "--state-dir", str(tmp_path / "state"), "--log-json", str(log)]) == 0
     got_losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
-    want_losses, _, model = eager_finetune(ckpt, tok, rows, len(rows) // BATCH, encoded=encoded)
-    assert got_losses == want_losses
+    want_losses, _, model = eager_chat(ckpt, tok, rows, encoded)
+    assert len(got_losses) == 6 and got_losses == want_losses
     assert main(["export", str(tmp_path / "state"), "-o", str(tmp_path / "out")]) == 0
     got = dict(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").named_parameters())
     want = weights(model)
     assert [n for n in want if not torch.equal(got[n].detach(), want[n])] == []
+
+
+def test_the_python_api_is_the_same_chat_fine_tune(ckpt, tmp_path):
+    """The recipe through the API: `Examples.load(..., chat=Chat())`, an `LRSchedule`, `Executor.step`."""
+    import tensorstow
+    from tensorstow.executor.lr import LRSchedule
+    rows, tok, encoded, plan, data = chat_recipe(ckpt, tmp_path)
+    examples = Examples.load(str(data), CHAT_SEQ, len(tok), tokenizer=tok, chat=Chat())
+    per, rows_a_step = examples.steps_per_epoch(BATCH * CHAT_ACCUM), BATCH * CHAT_ACCUM
+    torch.manual_seed(0)
+    ex = tensorstow.Executor(tensorstow.Plan.load(plan), f"hf:{ckpt}", state_dir=tmp_path / "s",
+                             lr_schedule=LRSchedule("cosine", LR, WARMUP, 2 * per))
+    losses = [ex.step(x, y) for _, _, x, y in examples.batches(rows_a_step, 2 * per, seed=0)]
+    got = ex.parameters()
+    ex.close()
+    want_losses, _, model = eager_chat(ckpt, tok, rows, encoded)
+    assert losses == want_losses
+    assert all(torch.equal(got["model." + n], p) for n, p in weights(model).items())
+
+
+def test_a_run_counts_long_conversations_and_empty_assistant_turns_and_trains_on(ckpt, tmp_path, capsys):
+    """Training can go on: a conversation longer than seq + 1 is cut to it, an empty assistant turn
+    learns its end-of-turn tokens; each is one counted line before the first step."""
+    rows = conversations(4)
+    rows[1] = {"messages": [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": ""}]}
+    rows[3] = {"messages": [{"role": "user", "content": "a dog"}, {"role": "assistant", "content": " ".join(WORDS)}]}
+    data, plan = write_jsonl(tmp_path / "chat.jsonl", rows), tmp_path / "plan.json"
+    assert main(["plan", f"hf:{ckpt}", "--hw", "lohan-rtx4090", "--precision", "fp32", "--batch", "2", "--seq", str(SEQ),
+                 "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["execute", str(plan), "--hw-mismatch", "ok", "--data", str(data), "--steps", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    said = [line for line in out if line.startswith(f"data {data}: ")]
+    assert any("longer than seq + 1 = 25 tokens: cut to it (first: " in line for line in said)
+    assert f"data {data}: 1 example with an empty assistant turn: its end-of-turn tokens are its labels " \
+           f"(first: {data}:2)" in said
+    assert out.index(said[-1]) < next(k for k, line in enumerate(out) if line.startswith("step 1/1"))
