@@ -95,7 +95,8 @@ def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, 
             print(f"resuming from step {start} committed in {state_dir}"
                   + (f" ({store.recovered})" if store.recovered else ""), file=out)
         evals = record.Evals(d, start)
-        with _Log(run.log_json, out) as log, _StopOnInterrupt(comm is None) as stop:
+        with _Log(run.log_json, out, _tensorboard(run, plan, mode, rank)) as log, \
+                _StopOnInterrupt(comm is None) as stop:
             owed = bool(held_out) and evals.owed(start, steps, run.eval_every)  # stopped before its evaluation
             if comm is not None and held_out:  # every rank evaluates, or none: they exchange its boundaries
                 owed = any(comm.gather(int(owed)))
@@ -352,13 +353,66 @@ def _evaluate(ex: Executor, held_out: list, step: int, steps: int, log: "_Log", 
           f"({len(held_out)} batch{'es' * (len(held_out) != 1)}, {dt:.3f} s)", file=out, flush=True)
 
 
+def _tensorboard(run: Run, plan: Plan, mode: str, rank: int | None) -> "TensorBoard | None":
+    """`--report-to tensorboard`'s writer (None for `none`, and on every rank but the first)."""
+    if run.report_to != "tensorboard" or (rank or 0) != 0:
+        return None
+    where = run.logging_dir or (str(Path(run.state_dir) / "runs") if run.state_dir is not None else None)
+    if where is None:
+        raise TensorstowError("--report-to tensorboard needs --logging-dir DIR (or a --state-dir, whose runs/ "
+                              "directory it writes by default)")
+    return TensorBoard(where, predicted_step(plan, mode))
+
+
+class TensorBoard:
+    """`--report-to tensorboard`: each logged record's scalars as TensorBoard events, by the names the
+    Trainer gives them where it has one (`train/loss`, `train/learning_rate`, `train/grad_norm`,
+    `train/epoch`, `eval/loss`), at the record's step; flushed every step, so a killed run keeps
+    what it logged."""
+
+    NAMES = {"loss": "train/loss", "lr": "train/learning_rate", "grad_norm": "train/grad_norm", "epoch": "train/epoch",
+             "tokens_per_s": "train/tokens_per_second", "step_time_s": "train/step_seconds",
+             "ssd_read_bytes": "train/ssd_read_bytes", "ssd_written_bytes": "train/ssd_written_bytes",
+             "eval_loss": "eval/loss", "eval_perplexity": "eval/perplexity", "eval_time_s": "eval/seconds"}
+    """Log record key -> scalar name."""
+
+    def __init__(self, logdir: str, predicted_s: float):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise TensorstowError("--report-to tensorboard needs the tensorboard package (pip install tensorboard)"
+                                  ) from None
+        try:
+            self.writer = SummaryWriter(log_dir=logdir)
+        except OSError as e:
+            raise TensorstowError(f"--logging-dir {logdir}: cannot write TensorBoard events there "
+                                  f"({e.strerror or e}); pass a directory this user can write") from None
+        self.predicted_s = predicted_s
+        """The plan's predicted step for the run's mode, beside each measured one."""
+
+    def write(self, row: dict) -> None:
+        step = row["step"]
+        for key, name in self.NAMES.items():
+            if isinstance(row.get(key), (int, float)):
+                self.writer.add_scalar(name, row[key], step)
+        if "step_time_s" in row:
+            self.writer.add_scalar("train/predicted_step_seconds", self.predicted_s, step)
+        for lane, busy in sorted(row.get("lane_busy_s", {}).items()):
+            self.writer.add_scalar(f"lanes/{lane}_busy_seconds", busy, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 class _Log:
     """`--log-json`: one JSON object a line, appended whole or not at all. A record that a full
     disk tore is cut at once, and one that a killed run tore (no final newline) is cut when the
-    file is opened again, so the file stays valid JSON lines across crashes and resumes."""
+    file is opened again, so the file stays valid JSON lines across crashes and resumes. Every
+    record also goes to `--report-to`'s writer."""
 
-    def __init__(self, path: str | None, out):
-        self.path, self.fd = path, None
+    def __init__(self, path: str | None, out, report: TensorBoard | None = None):
+        self.path, self.fd, self.report = path, None, report
         if path is None:
             return
         try:
@@ -404,6 +458,8 @@ class _Log:
         return size
 
     def write(self, row: dict) -> None:
+        if self.report is not None:
+            self.report.write(row)
         if self.fd is None:
             return
         data = memoryview((json.dumps(row) + "\n").encode())
@@ -423,6 +479,9 @@ class _Log:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+        if self.report is not None:
+            self.report.close()
+            self.report = None
 
     def __enter__(self) -> "_Log":
         return self

@@ -88,6 +88,12 @@ class Run:
     refused)."""
     log_json: str | None = None
     """Append one JSON object per step to this file (default: not written)."""
+    report_to: str = "none"
+    """tensorboard: write each step's scalars (train/loss, train/learning_rate, train/grad_norm,
+    train/tokens_per_second, the measured and predicted step, each lane's busy time, eval/loss) as
+    TensorBoard events; none: no report."""
+    logging_dir: str | None = None
+    """Directory of the TensorBoard events (default: the state dir's runs/)."""
     trace: str | None = None
     """Write the measured timeline of the last step (Perfetto JSON) (default: not written)."""
     nproc: int = 1
@@ -122,5 +128,6 @@ class Run:
 
 CHOICES = {"mode": MODES, "graphs": GRAPHS, "lr_scheduler": LR_SCHEDULERS, "hw_mismatch": ("refuse", "ok"),
            "device": ("cuda", "cpu"), "io_engine": ("auto", "cpp", "python"), "cpu_adam": ("auto", "cpp", "torch"),
-           "malloc": ("tuned", "default"), "loss_on": ("assistant", "all")}
+           "malloc": ("tuned", "default"), "loss_on": ("assistant", "all"),
+           "report_to": ("none", "tensorboard")}
 """The fields that take one of a few names."""
