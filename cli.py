@@ -471,8 +471,10 @@ def _check_type(o, v, path) -> None:
 
 def cmd_export(args) -> int:
     from tensorstow.executor.export import export
-    r = export(args.state_dir, args.output, shard_bytes=parse_size(args.shard_size), merge=args.merge)
-    print(f"exported step {r['step']}: {r['tensors']} tensors, {_fmt(r['bytes'])} in {r['files']} file(s) "
+    r = export(args.state_dir, args.output, shard_bytes=parse_size(args.shard_size), merge=args.merge,
+               tokenizer=args.tokenizer, chat_template=args.chat_template)
+    told = f", and the tokenizer of {r['tokenizer']}" if r["tokenizer"] else ""
+    print(f"exported step {r['step']}: {r['tensors']} tensors, {_fmt(r['bytes'])} in {r['files']} file(s){told} "
           f"to {args.output}")
     return 0
 
@@ -692,6 +694,10 @@ def _add_training(command, explicit: bool) -> None:
     _arg(ex, "state_dir", help="State dir of `tensorstow execute --state-dir`.")
     _arg(ex, "-o", "--output", required=True, help="New directory (from_pretrained-ready for hf: models).")
     _arg(ex, "--shard-size", dest="shard_size", default="4GB", help="Largest safetensors file.")
+    _arg(ex, "--tokenizer", help="Tokenizer directory saved beside the weights (default: the hf: model's "
+                                 "directory, where it holds one).")
+    _arg(ex, "--chat-template", dest="chat_template", help="Jinja chat template file the saved tokenizer carries "
+                                                           "(the run's --chat-template) (default: its own).")
     _arg(ex, "--merge", action="store_true",
          help="A PEFT (LoRA) model: write the base model with the adapters merged into its weights "
               "(from_pretrained) instead of the adapter (PeftModel.from_pretrained onto the base).")

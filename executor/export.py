@@ -46,13 +46,17 @@ def _weight_buffers(plan, layout: dict) -> list[tuple[str, list[dict]]]:
     return out
 
 
-def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, merge: bool = False) -> dict:
+def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, merge: bool = False, tokenizer: str | None = None,
+           chat_template: str | None = None) -> dict:
     """Write the committed weights of `state_dir` to `out_dir`; returns a summary. The state dir
     of a multi-process run (`rank<K>/` per GPU) exports as one model at the last step every rank
     committed (a rank one commit ahead is rolled back to it, as a resumed run would). A PEFT
     (LoRA) model exports as its adapter (`adapter_config.json` + `adapter_model.safetensors`,
     for `PeftModel.from_pretrained` onto the base), or with `merge` as the base model with the
-    adapters merged into its weights (`from_pretrained`)."""
+    adapters merged into its weights (`from_pretrained`). The tokenizer goes beside the weights,
+    so the export is a whole checkpoint: `tokenizer` (a directory), else the `hf:` model's
+    directory where it holds one, saved by `save_pretrained` with `chat_template` (a Jinja file)
+    as its chat template where given (a run's `--chat-template`)."""
     from safetensors.torch import save_file
 
     d, out = Path(state_dir), Path(out_dir)
@@ -104,6 +108,7 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, merge: bool = 
             total = _finish(shards, sizes, tmp, save_file)
             if (dirs[0] / statedir.CONFIG).exists():
                 shutil.copyfile(dirs[0] / statedir.CONFIG, tmp / "config.json")
+        told = _save_tokenizer(tokenizer, chat_template, described[0][0], tmp)
         _give_new_file_mode(tmp)
         if out.exists():
             out.rmdir()
@@ -115,7 +120,34 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, merge: bool = 
     finally:
         for st in stores:
             st.close()
-    return {"step": step, "tensors": total, "bytes": sum(sizes), "files": len(sizes)}
+    return {"step": step, "tensors": total, "bytes": sum(sizes), "files": len(sizes), "tokenizer": told}
+
+
+def _save_tokenizer(source: str | None, chat_template: str | None, plan, out: Path) -> str | None:
+    """The tokenizer of `source` (else of the plan's `hf:` directory, where it has one) saved into
+    `out` with `chat_template`'s text as its template; returns where it came from (None: none)."""
+    from tensorstow.ir.hf import PREFIX, has_tokenizer
+    model = plan.options.model
+    if source is None and model.startswith(PREFIX) and has_tokenizer(Path(model[len(PREFIX):])):
+        source = model[len(PREFIX):]
+    if source is None:
+        if chat_template is not None:
+            raise TensorstowError("export --chat-template: there is no tokenizer to give it to; pass --tokenizer DIR")
+        return None
+    try:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(source)
+    except Exception as e:  # OSError, ValueError: no tokenizer there, or a damaged one
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise TensorstowError(f"export: cannot load the tokenizer of {source} ({first}); pass --tokenizer DIR") from None
+    if chat_template is not None:
+        try:
+            tok.chat_template = Path(chat_template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise TensorstowError(f"export --chat-template {chat_template}: cannot read it "
+                                  f"({getattr(e, 'strerror', None) or e})") from None
+    tok.save_pretrained(out)
+    return source
 
 
 def _open_at_one_step(d: Path, dirs: list[Path], plans: list, stores: list[SSDStore]) -> int:

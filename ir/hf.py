@@ -129,6 +129,14 @@ def has_weights(d: Path) -> bool:
     return any(d.glob("*.safetensors"))
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""A directory holding any of these has a tokenizer `AutoTokenizer.from_pretrained` reads."""
+
+
+def has_tokenizer(d: Path) -> bool:
+    return any((d / f).is_file() for f in TOKENIZER_FILES)
+
+
 def lora_config(spec: str):
     """`Options.lora` ("r=8,alpha=16,targets=q_proj,v_proj[,dropout=0.1]") as a peft LoraConfig;
     one TensorstowError naming the fault."""

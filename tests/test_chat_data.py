@@ -214,6 +214,13 @@ def test_a_chat_fine_tune_trains_like_eager_on_trls_tokens(ckpt, tmp_path):
     got = dict(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").named_parameters())
     want = weights(model)
     assert [n for n in want if not torch.equal(got[n].detach(), want[n])] == []
+    # a whole checkpoint: the tokenizer and its chat template beside the weights
+    saved = transformers.AutoTokenizer.from_pretrained(tmp_path / "out")
+    assert saved.chat_template == TEMPLATE and saved("the cat")["input_ids"] == tok("the cat")["input_ids"]
+    other = tmp_path / "other.jinja"
+    other.write_text(PLAIN)
+    assert main(["export", str(tmp_path / "state"), "-o", str(tmp_path / "out2"), "--chat-template", str(other)]) == 0
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out2").chat_template == PLAIN
 
 
 def test_the_python_api_is_the_same_chat_fine_tune(ckpt, tmp_path):
