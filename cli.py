@@ -22,7 +22,7 @@ from tensorstow.schema.hardware import parse_size
 from tensorstow.schema.options import asked, field_docs, from_asked
 from tensorstow.schema.run import CHOICES as RUN_CHOICES
 from tensorstow.schema.run import Run
-from tensorstow.schema.schedule import TIERS
+from tensorstow.schema.schedule import SEARCH_NOTE, TIERS
 
 
 def _fmt(n: float) -> str:
@@ -46,7 +46,7 @@ def state_disk_bytes(plan) -> int:
     return sum(2 * round_up(n) for n in store_sizes(plan).values())
 
 
-def summary(plan, sim=None) -> str:
+def summary(plan, sim=None, verbose: bool = False) -> str:
     """The plan's summary; `sim`: its simulation, when the caller has one (else it is replayed)."""
     m, pred, dec = plan.model, plan.predicted, plan.decisions
     step, bn, busy = pred.step_time_s, pred.bottleneck, pred.busy_s
@@ -85,7 +85,10 @@ def summary(plan, sim=None) -> str:
         lines.append(f"evaluation: a forward-only program of {len(plan.eval_instructions)} instructions, predicted "
                      f"{plan.predicted.eval_step_s:.4g} s a batch")
     lines += _pipeline_lines(plan, sim)
-    lines += [f"note: {n}" for n in dec.notes]
+    search = [n for n in dec.notes if n.startswith(SEARCH_NOTE)]
+    lines += [f"note: {n}" for n in dec.notes if verbose or n not in search]
+    if search and not verbose:
+        lines.append(f"note: {len(search)} note{'s' * (len(search) > 1)} on the policy's search left out (-v shows them)")
     return "\n".join(lines)
 
 
@@ -235,7 +238,7 @@ def cmd_plan(args) -> int:
         Path(args.output).write_text(typed.dumps())
     if args.trace:
         write_trace(args.trace, perfetto_trace(plan.instructions, plan.sim, f"{o.model} {o.policy}"))
-    print(summary(typed, plan.sim))
+    print(summary(typed, plan.sim, args.verbose))
     if args.output:
         print(f"wrote {args.output}")
     return 0
@@ -310,7 +313,7 @@ def cmd_show(args) -> int:
         from tensorstow.ir.models import resolve_model
         resolve_model(plan.options.model, plan.options.lora)
     sim = simulate_plan(plan)  # once: the summary, the replay line and the trace read it
-    print(summary(plan, sim))
+    print(summary(plan, sim, args.verbose))
     print(replay_line(plan, sim))
     if args.trace:
         write_trace(args.trace, perfetto_trace(plan.instructions, sim, f"{plan.model.name} {plan.decisions.policy}"))
@@ -635,6 +638,8 @@ def _add_planning(command, explicit: bool) -> None:
     _arg(p, "--sweep", help="KEY=A..B or KEY=a,b,c over ssd_count, dram (GB) or batch: print predicted "
                             "throughput per value and plot it (default: plan once).")
     _arg(p, "--plot", help="SVG file for --sweep (default: sweep-KEY.svg).")
+    _arg(p, "-v", "--verbose", action="store_true", help="Also print the notes that trace the policy's search "
+                                                         "(each MIP round, stage count, swap count simulated).")
     _arg(p, "--clip-rate-from", help="Set --clip-rate to the fraction of steps whose clip fired (or fp16 "
                                      "update was skipped) in this `execute --log-json` file of an earlier run "
                                      "(default: --clip-rate as given).")
@@ -652,6 +657,7 @@ def _add_planning(command, explicit: bool) -> None:
     s = command("show", help="summarize a plan, and replay it in the simulator")
     _arg(s, "plan", help="Plan file.")
     _arg(s, "--trace", help="Write the replay as a Perfetto/Chrome trace JSON (default: not written).")
+    _arg(s, "-v", "--verbose", action="store_true", help="Also print the notes that trace the policy's search.")
     s.set_defaults(fn=cmd_show)
 
     d = command("diff", help="what changed between two plans and why it matters")

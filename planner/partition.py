@@ -26,6 +26,7 @@ import pulp
 
 from tensorstow.ir.graph import lsum
 from tensorstow.planner import highs
+from tensorstow.schema.schedule import SEARCH_NOTE
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -129,7 +130,7 @@ def partition(sp: StageProblem, *, max_stages: int | None = None, time_limit_s: 
     notes = []
     for K in range(1, min(L, max_stages or L) + 1):
         r = solve_stages(sp, K, time_limit_s)
-        notes.append(f"K={K}: {r.message}")
+        notes.append(f"{SEARCH_NOTE}K={K}: {r.message}")
         if r.feasible and (best is None or r.time_s < best.time_s - 1e-12):
             best = r
     if best is None:

@@ -158,6 +158,11 @@ def buffer_kind(name: str) -> BufferKind:
     return BufferKind(name.split(":", 1)[0])
 
 
+SEARCH_NOTE = "search: "
+"""The start of a `Decisions.notes` entry that traces the policy's search rather than states a reason:
+`plan` and `show` print those with -v only."""
+
+
 class Activations(enum.StrEnum):
     """What a block does with its saved activations A between its forward and its backward."""
     KEEP = "keep"
@@ -259,7 +264,8 @@ class Decisions:
     an optimizer slower than backward throttles it instead of filling DRAM. Only with
     overlap_optimizer (otherwise every gradient waits for the end of backward anyway)."""
     notes: tuple[str, ...] = ()
-    """Human-readable reasons the policy gives for its choices."""
+    """Human-readable reasons the policy gives for its choices; those that trace its search (each
+    MIP round, each stage count, each swap count simulated) begin with SEARCH_NOTE."""
     pipeline: Pipeline | None = None
     """Several GPUs: the stages, their GPUs and the microbatches (planner.pipeline); None: one GPU."""
     swap_grads: bool = False

@@ -334,3 +334,20 @@ def test_a_plan_for_other_hardware_is_refused_unless_asked(tmp_path, capsys):
     assert err.startswith("tensorstow: error: the plan was made for lohan-rtx4090, not this machine (GPU ")
     assert "--hw-mismatch ok" in err and err.count("\n") == 1
     assert main(["execute", str(plan), "--steps", "1", "--hw-mismatch", "ok"]) == 0
+
+
+def test_the_summary_leaves_the_policys_search_notes_to_verbose(tmp_path, capsys):
+    """`plan` and `show` print the policy's reasons; the notes that trace its search (each MIP round)
+    only with -v, and a line says how many were left out."""
+    plan = tmp_path / "p.json"
+    assert main(["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--gpu-mem", "1MB", "--policy", "ilp", "-o", str(plan)]) == 0
+    quiet = capsys.readouterr().out
+    search = [n for n in json.loads(plan.read_text())["decisions"]["notes"] if n.startswith("search: ")]
+    assert any("MIP round" in n for n in search)
+    assert "MIP round" not in quiet
+    assert f"note: {len(search)} notes on the policy's search left out (-v shows them)" in quiet
+    for cmd in (["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--gpu-mem", "1MB", "--policy", "ilp", "-v"],
+                ["show", str(plan), "-v"]):
+        assert main(cmd) == 0
+        loud = capsys.readouterr().out
+        assert all(f"note: {n}" in loud for n in search) and "left out (-v shows them)" not in loud

@@ -55,7 +55,7 @@ from tensorstow.planner.policies import heuristic_plans
 from tensorstow.planner.passes import defer_writes, schedule
 from tensorstow.planner.result import fmt_bytes
 from tensorstow.planner.lower import swap_bytes
-from tensorstow.schema.schedule import ACTIVATION_CHOICES, BlockDecision, Decisions, InstrKind
+from tensorstow.schema.schedule import ACTIVATION_CHOICES, BlockDecision, Decisions, InstrKind, SEARCH_NOTE
 
 MiB = 2**20
 TIME_LIMIT_S = 20.0
@@ -491,17 +491,17 @@ def _solve_rounds(problem, heuristic_plans, schedule):
         for rnd in range(ROUNDS):
             left = deadline - time.monotonic()
             if left <= 1:
-                notes.append(f"prefetch {prefetch}: skipped, the MIP time budget ({TOTAL_BUDGET_S:.0f} s) is spent")
+                notes.append(f"{SEARCH_NOTE}prefetch {prefetch}: skipped, the MIP time budget ({TOTAL_BUDGET_S:.0f} s) is spent")
                 break
             res = solve(problem, caps_mib=caps, prefetch=prefetch, bound=bound, start=start,
                         time_limit=min(TIME_LIMIT_S, left))
             if not res.feasible:
-                notes.append(f"prefetch {prefetch}, MIP round {rnd + 1}: {_why_not(problem, res, prefetch, caps, bound)}")
+                notes.append(f"{SEARCH_NOTE}prefetch {prefetch}, MIP round {rnd + 1}: {_why_not(problem, res, prefetch, caps, bound)}")
                 break
             assignment = assign(problem, res.counts)
             pl = schedule(problem, decisions_from(problem, assignment, prefetch=prefetch))
             over = pl.over_capacity()
-            notes.append(f"prefetch {prefetch}, MIP round {rnd + 1}: {res.status}, analytic {res.objective:.4g} s, "
+            notes.append(f"{SEARCH_NOTE}prefetch {prefetch}, MIP round {rnd + 1}: {res.status}, analytic {res.objective:.4g} s, "
                          f"simulated {pl.sim.step_time_s:.4g} s" + (f", over capacity on {sorted(over)}" if over else ""))
             if not over:
                 if best is None or pl.sim.step_time_s < best.sim.step_time_s:

@@ -51,7 +51,7 @@ from tensorstow.planner.passes import schedule
 from tensorstow.planner.problem import Problem
 from tensorstow.planner.result import fmt_bytes
 from tensorstow.planner.lower import swap_bytes
-from tensorstow.schema.schedule import BlockDecision, Decisions
+from tensorstow.schema.schedule import BlockDecision, Decisions, SEARCH_NOTE
 
 MAX_PREFETCH = 8
 """Deepest parameter prefetch considered (Fuyou §4.4 FIFO)."""
@@ -314,7 +314,7 @@ def plan(problem: Problem, split: bool = True, keep: bool = True) -> Decisions:
         f"{fmt_bytes(a_dram + a_ssd)}: {fmt_bytes(a_dram)} to DRAM, {fmt_bytes(a_ssd)} to SSD, "
         f"LoHan Eq. 3) and {recomputed} recompute from inputs checkpointed to DRAM; blocks ranked "
         f"by FLOP/byte (LoHan Eq. 6); {how}",
-        f"swap count by bisection over OB-ordered prefixes (T_iter convex, LoHan §IV-D); "
+        f"{SEARCH_NOTE}swap count by bisection over OB-ordered prefixes (T_iter convex, LoHan §IV-D); "
         f"simulated k:step_time {searched}",
         f"prefetch depth {prefetch}: {why} (Fuyou §4.4 GPU-memory-aware FIFO)",
     )

@@ -23,7 +23,7 @@ from tensorstow.errors import TensorstowError
 from tensorstow.planner import cost
 from tensorstow.planner.partition import StageProblem, cross_mappings, sequential_mapping, solve_stages
 from tensorstow.planner.passes import schedule
-from tensorstow.schema.schedule import BlockDecision, Decisions, Pipeline
+from tensorstow.schema.schedule import BlockDecision, Decisions, Pipeline, SEARCH_NOTE
 
 MAX_CANDIDATES = 8
 """Partitions (best MIP objective first) lowered and simulated before giving up on fitting."""
@@ -120,14 +120,14 @@ def plan(problem) -> Decisions:
             break
         r = solve_k(sp, K)
         if not r.feasible:
-            notes.append(f"K={K}: {r.message}")
+            notes.append(f"{SEARCH_NOTE}K={K}: {r.message}")
             continue
         maps = cross_mappings(K, rcs) if problem.options.mapping == "cross" else [sequential_mapping(K, N)]
         stage = [j for j, (lo, hi) in enumerate(r.stages) for _ in range(lo, hi)]
         ok = [g for g in maps if all(g[stage[index[a]]] == g[stage[index[b]]] for a, b in tied)]
         if not ok:  # the count range starts at the first K that gives a plan, ties included
             a, b = next((a, b) for a, b in tied if maps[0][stage[index[a]]] != maps[0][stage[index[b]]])
-            notes.append(f"K={K}: {a} and {b} share weights but land on different GPUs")
+            notes.append(f"{SEARCH_NOTE}K={K}: {a} and {b} share weights but land on different GPUs")
             continue
         first = K if first is None else first
         best = min((t for t, *_ in found), default=None)
