@@ -46,7 +46,9 @@ import datetime
 import functools
 import gc
 import glob
+import json
 import os
+import platform
 import shutil
 import statistics
 import tempfile
@@ -55,6 +57,9 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
 
 from tensorstow.errors import TensorstowError
 from tensorstow.ir.graph import attention_flops
@@ -1182,15 +1187,79 @@ def _probe_cuda(p: _Params) -> tuple[tuple[GPU, ...], float, list[str]]:
     return tuple(gpus), p2p, notes
 
 
-def hardware_for(o: Options) -> Hardware:
-    """The hardware an Options names, with its overrides: a preset, a spec file, or "local" (a
-    probe of this machine)."""
-    hw = probe() if o.hardware == "local" else load_hardware(o.hardware)
+def hardware_for(o: Options, reprobe: bool = False) -> Hardware:
+    """The hardware an Options names, with its overrides: a preset, a spec file, or "local" (this
+    machine's quick probe, from the probe cache where it holds one: `local_hardware`)."""
+    hw = local_hardware(reprobe) if o.hardware == "local" else load_hardware(o.hardware)
     return hw.with_overrides(gpu_mem=o.gpu_mem, dram=o.dram, ssds=o.ssds, gpus=o.gpus)
 
 
+probe_cache_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tensorstow" / "probe"
+"""Where `local_hardware` keeps this machine's quick probes, one file per `machine_key`."""
+
+
+def local_hardware(reprobe: bool = False) -> Hardware:
+    """This machine's quick probe (`--hw local`): the one cached under `probe_cache_dir` for what the
+    probe would measure (`machine_key`), with its capacities read again (the DRAM available and the
+    disk's free space change between runs, the rates do not), else a new probe, which the cache then
+    keeps. `reprobe`: measure again and replace the cached one."""
+    base = os.path.realpath(os.getcwd())
+    path = probe_cache_dir / f"local-{machine_key(base)}.json"
+    if not reprobe and path.is_file():
+        try:
+            return _current_capacities(load_hardware(str(path)), base)
+        except TensorstowError:
+            pass  # a damaged or older cache file: measured again and replaced
+    if reprobe:
+        clear_cache()
+    hw = probe()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(hw.to_json(), indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # an unwritable cache only means the next plan probes again
+    return hw
+
+
+def machine_key(base: str) -> str:
+    """What a quick probe measures, hashed: this code (the probe and its C++ kernels), torch's version
+    and threads, the CPU (model, cores this process may use), the RAM, the GPUs (name, memory), and
+    the disk under `base` (its device). A change in any of them is a new key: a new probe."""
+    import torch
+
+    here = Path(__file__).resolve().parent
+    code = [Path(__file__).read_bytes()] + [f.read_bytes() for f in sorted((here / "csrc").glob("*")) if f.is_file()]
+    cpu = next((line.split(":", 1)[1].strip() for line in _read_lines("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    gpus = ([(torch.cuda.get_device_name(k), torch.cuda.get_device_properties(k).total_memory)
+             for k in range(torch.cuda.device_count())] if torch.cuda.is_available() else [])
+    dev = os.stat(base).st_dev
+    what = [xxhash.xxh3_64_hexdigest(b"".join(code)), torch.__version__, torch.get_num_threads(), cpu,
+            sorted(os.sched_getaffinity(0)), _meminfo()["total"], gpus, [os.major(dev), os.minor(dev)]]
+    return xxhash.xxh3_64_hexdigest(json.dumps(what, default=str).encode())
+
+
+def _read_lines(path: str) -> list[str]:
+    try:
+        with open(path) as f:
+            return f.read().splitlines()
+    except OSError:
+        return []
+
+
+def _current_capacities(hw: Hardware, base: str) -> Hardware:
+    """`hw` (a cached probe) with the DRAM available now (less the CPU device tier's budget, as the
+    probe takes it) and the free space of `base`'s disk now."""
+    cpu_tier = hw.gpus and hw.gpus[0].name == CPU_GPU_NAME
+    budget = sum(g.memory_bytes for g in hw.gpus) if cpu_tier else 0
+    dram = dataclasses.replace(hw.dram, capacity_bytes=max(0, _meminfo()["available"] - budget))
+    ssd = dataclasses.replace(hw.ssd, capacity_bytes=int(shutil.disk_usage(base).free))
+    return dataclasses.replace(hw, dram=dram, ssd=ssd)
+
+
 if __name__ == "__main__":  # pragma: no cover - manual use: python -m tensorstow.calibrate
-    import json
     import sys
 
     print(json.dumps(probe(quick="--full" not in sys.argv).to_json(), indent=2))

@@ -230,7 +230,7 @@ def cmd_plan(args) -> int:
         o = dataclasses.replace(o, clip_rate=clip_rate_of(args.clip_rate_from, o))
     if args.sweep:
         return _sweep(args, o)
-    plan = make_plan(o, hardware_for(o))
+    plan = make_plan(o, hardware_for(o, args.reprobe))
     typed = plan.to_plan()
     if args.config:  # the plan records how to run it
         typed = dataclasses.replace(typed, run=Run.from_json(_recipe(args.config)[1]))
@@ -273,7 +273,7 @@ def clip_rate_of(log: str, o) -> float:
 def _sweep(args, o) -> int:
     from tensorstow.planner import report
     key, values = report.parse_sweep(args.sweep)
-    rows = report.sweep(o, hardware_for(o), key, values)
+    rows = report.sweep(o, hardware_for(o, args.reprobe), key, values)
     unit = " (GB)" if key == "dram" else ""
     print(f"{key}{unit:>6} {'fits':>5} {'step s':>10} {'tokens/s':>10} {'TFLOPS':>8}  bottleneck  policy")
     for r in rows:
@@ -297,7 +297,7 @@ def cmd_fit(args) -> int:
         if name not in POLICIES and name != "auto":
             raise TensorstowError(f"unknown policy '{name}': use one of {sorted(POLICIES) + ['auto']}")
         o = from_asked("gpt3-13b", {k: getattr(args, k) for k in FIT_OPTIONS} | {"policy": name}, "tensorstow fit")
-        r = report.largest_fitting(o, hardware_for(o))
+        r = report.largest_fitting(o, hardware_for(o, args.reprobe))
         if r["model"] is None:
             print(f"{name:<14} {'none fits':<14}")
         else:
@@ -638,6 +638,8 @@ def _add_planning(command, explicit: bool) -> None:
     _arg(p, "--sweep", help="KEY=A..B or KEY=a,b,c over ssd_count, dram (GB) or batch: print predicted "
                             "throughput per value and plot it (default: plan once).")
     _arg(p, "--plot", help="SVG file for --sweep (default: sweep-KEY.svg).")
+    _arg(p, "--reprobe", action="store_true", help="With --hw local: probe this machine again instead of "
+                                                    "taking its cached probe (default: the cache's, where it has one).")
     _arg(p, "-v", "--verbose", action="store_true", help="Also print the notes that trace the policy's search "
                                                          "(each MIP round, stage count, swap count simulated).")
     _arg(p, "--clip-rate-from", help="Set --clip-rate to the fraction of steps whose clip fired (or fp16 "
@@ -652,6 +654,8 @@ def _add_planning(command, explicit: bool) -> None:
             _add_option(g, o, default=None, help="Placement policy (default: each heuristic policy, then ilp).")
         elif o.name in FIT_OPTIONS:
             _add_option(g, o)
+    _arg(f, "--reprobe", action="store_true", help="With --hw local: probe this machine again instead of taking "
+                                                   "its cached probe.")
     f.set_defaults(fn=cmd_fit)
 
     s = command("show", help="summarize a plan, and replay it in the simulator")

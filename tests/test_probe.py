@@ -357,3 +357,38 @@ def test_contention_rounds_give_every_thread_its_cores_back(tmp_path):
         torch.set_num_threads(threads)
         release.set()
         th.join()
+
+
+def test_local_hardware_is_probed_once_per_machine_and_kept(measured, tmp_path, monkeypatch):
+    """`--hw local` takes the probe cached for what the probe measures; its capacities are read again
+    each time; --reprobe, a damaged file or another key (here: torch's threads) measures again."""
+    hw = measured[0]
+    calls = []
+
+    def counted():
+        calls.append(1)
+        return hw
+    monkeypatch.setattr(probe_mod, "probe", counted)
+    monkeypatch.setattr(probe_mod, "probe_cache_dir", tmp_path / "cache")
+    monkeypatch.chdir(tmp_path)
+    first = probe_mod.local_hardware()
+    assert first is hw and len(calls) == 1
+    files = list((tmp_path / "cache").iterdir())
+    assert [f.name for f in files] == [f"local-{probe_mod.machine_key(str(tmp_path.resolve()))}.json"]
+    again = probe_mod.local_hardware()
+    assert len(calls) == 1  # from the cache
+    assert again.to_json()["gpus"] == hw.to_json()["gpus"] and again.ssd.read_bw == hw.ssd.read_bw
+    budget = hw.gpus[0].memory_bytes if hw.gpus[0].name == CPU_GPU_NAME else 0
+    avail = probe_mod._meminfo()["available"] - budget
+    assert abs(again.dram.capacity_bytes - avail) < 256 << 20  # read now, not the cached figure's moment
+    assert probe_mod.local_hardware(reprobe=True) is hw and len(calls) == 2
+    files[0].write_text("{not json")
+    assert probe_mod.local_hardware() is hw and len(calls) == 3  # damaged: measured again and replaced
+    assert json.loads(files[0].read_text())["name"] == "local"
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        probe_mod.local_hardware()
+        assert len(calls) == 4 and len(list((tmp_path / "cache").iterdir())) == 2
+    finally:
+        torch.set_num_threads(threads)
