@@ -414,7 +414,7 @@ def cmd_execute(args) -> int:
 def cmd_evaluate(args) -> int:
     from tensorstow.executor.run import evaluate_state
     evaluate_state(load_plan(args.plan), Run(state_dir=args.state_dir, eval_data=args.data, eval_batches=args.batches,
-                                             tokenizer=args.tokenizer, packing=args.packing, seed=args.seed,
+                                             tokenizer=args.tokenizer, seed=args.seed,
                                              chat_template=args.chat_template, loss_on=args.loss_on))
     return 0
 
@@ -692,7 +692,6 @@ def _add_training(command, explicit: bool) -> None:
     _arg(ev, "--batches", type=int, help="Batches to evaluate, in file order (default: all of the examples; a "
                                          "token file needs it).")
     _arg(ev, "--tokenizer", help="Tokenizer directory for text examples (default: the hf: model's directory).")
-    _arg(ev, "--packing", action="store_true", help="Concatenate examples into windows of seq + 1 tokens.")
     _arg(ev, "--chat-template", dest="chat_template", help="Jinja chat template file for conversational examples "
                                                            "(default: the tokenizer's own).")
     _arg(ev, "--loss-on", dest="loss_on", choices=["assistant", "all"], default="assistant",

@@ -33,10 +33,16 @@ A bad example (not UTF-8, not JSON, a field of the wrong type, an id or label ou
 vocabulary) is refused with where it is: `FILE:LINE` (1-based) or `DIR row N` (0-based), and its
 field. `tok` is the model's tokenizer (`AutoTokenizer` of the `hf:` directory, or `--tokenizer DIR`).
 Each example is truncated or right-padded to seq + 1 tokens (the tokenizer's pad id, else its
-eos; padded labels ignored), or with `packing` the examples are concatenated, each kept whole
-with its labels, and cut into windows of seq + 1 tokens (a last partial window is dropped). A
-row's input is its first seq tokens, its targets the labels of the last seq: labels are aligned
-with input_ids, as Hugging Face models shift them.
+eos; padded labels ignored). A row's input is its first seq tokens, its targets the labels of the
+last seq: labels are aligned with input_ids, as Hugging Face models shift them.
+
+With `packing` (a plan made with `--packing`) a row is a window of seq + 1 tokens holding several
+examples, each truncated to seq + 1, packed best-fit decreasing as TRL's `pack_dataset(...,
+strategy="bfd")` packs them (longest first, each into the window with the least room that holds
+it, windows in the order they were opened; the rest of a window padded), with each token's
+position in its example (`positions`: 0 at every example's start, and for the padding), from which
+a Hugging Face model masks attention to within an example; every example's first label is
+ignored, so no example's first token is a target of the one before.
 
 Order: epoch e visits the examples in `torch.randperm(n, generator=torch.Generator().manual_seed(
 seed + e))` (in file order without shuffling); its optimizer step k takes positions
@@ -46,9 +52,11 @@ steps an epoch), so a resumed run continues at the very example an uninterrupted
 """
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import re
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -347,6 +355,8 @@ class Examples:
     labels: np.ndarray
     ignore: int
     """The label value left out of the loss (padding, prompts)."""
+    positions: np.ndarray | None = None
+    """With packing: (n, seq + 1) int64, each token's position in its example."""
     left_out: tuple[str, ...] = field(default=())
     """Where each text or conversational example left out is (no label left in its row)."""
     notes: tuple[str, ...] = field(default=())
@@ -360,11 +370,10 @@ class Examples:
         empty_turns: list[str] = []
         pairs = tokenize(records, tokenizer, ignore, vocab, chat, empty_turns)
         width = seq + 1
-        long = [] if packing else [where for (where, r), (i, _) in zip(records, pairs)
-                                   if "input_ids" not in r and len(i) > width]
+        long = [where for (where, r), (i, _) in zip(records, pairs) if "input_ids" not in r and len(i) > width]
         # a row's targets are the labels of its last seq tokens: one from text without any is left out
         empty = [k for k, ((_, r), (_, lab)) in enumerate(zip(records, pairs))
-                 if "input_ids" not in r and all(t == ignore for t in lab[1:width if not packing else None])]
+                 if "input_ids" not in r and all(t == ignore for t in lab[1:width])]
         if empty:
             if len(empty) == len(pairs):
                 raise TensorstowError(f"data {source}: no example has a label within seq + 1 = {width} tokens "
@@ -377,21 +386,29 @@ class Examples:
             (left_out, f"left out, with no label within seq + 1 = {width} tokens (labels cut off, or none)"),
             ([w for w in long if w not in left_out], f"longer than seq + 1 = {width} tokens: cut to it"),
             (empty_turns, "with an empty assistant turn: its end-of-turn tokens are its labels")) if wheres)
+        pad = _pad_id(tokenizer)
         if packing:
-            ids = np.array([t for i, _ in pairs for t in i], dtype=np.int64)
-            labels = np.array([t for _, lab in pairs for t in lab], dtype=np.int64)
-            n = len(ids) // width
-            if n == 0:
-                raise TensorstowError(f"data {source}: {len(ids)} tokens packed make no window of seq + 1 = {width}")
-            rows, lab = ids[:n * width].reshape(n, width), labels[:n * width].reshape(n, width)
-        else:
-            pad = _pad_id(tokenizer)
-            rows = np.full((len(pairs), width), pad, dtype=np.int64)
-            lab = np.full((len(pairs), width), ignore, dtype=np.int64)
-            for k, (i, lb) in enumerate(pairs):
-                rows[k, :min(len(i), width)] = i[:width]
-                lab[k, :min(len(lb), width)] = lb[:width]
-        return Examples(rows, lab, ignore, left_out, notes)
+            windows = best_fit_decreasing([min(len(i), width) for i, _ in pairs], width)
+            rows = np.full((len(windows), width), pad, dtype=np.int64)
+            lab = np.full((len(windows), width), ignore, dtype=np.int64)
+            pos = np.zeros((len(windows), width), dtype=np.int64)
+            for w, members in enumerate(windows):
+                at = 0
+                for k in members:
+                    i, lb = pairs[k]
+                    n = min(len(i), width)
+                    rows[w, at:at + n], lab[w, at:at + n] = i[:n], lb[:n]
+                    lab[w, at] = ignore  # the example before does not predict this one's first token
+                    pos[w, at:at + n] = np.arange(n)
+                    at += n
+                pos[w, at:] = np.arange(width - at)  # the padding: an example of its own
+            return Examples(rows, lab, ignore, pos, left_out, notes)
+        rows = np.full((len(pairs), width), pad, dtype=np.int64)
+        lab = np.full((len(pairs), width), ignore, dtype=np.int64)
+        for k, (i, lb) in enumerate(pairs):
+            rows[k, :min(len(i), width)] = i[:width]
+            lab[k, :min(len(lb), width)] = lb[:width]
+        return Examples(rows, lab, ignore, None, left_out, notes)
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -405,10 +422,12 @@ class Examples:
             return torch.arange(len(self))
         return torch.randperm(len(self), generator=torch.Generator().manual_seed(seed + epoch))
 
-    def batches(self, rows: int, steps: int, seed: int, start: int = 0, shuffle: bool = True
-                ) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    def batches(self, rows: int, steps: int, seed: int, start: int = 0, shuffle: bool = True,
+                positions: bool = False) -> Iterator[tuple]:
         """(epoch, index of its first example in the epoch, x, y) for steps start..steps-1, x and y
-        (rows, seq) int64."""
+        (rows, seq) int64; with `positions` (packed examples) also each input token's position."""
+        if positions and self.positions is None:
+            raise TensorstowError("positions asked of examples not packed: load them with packing=True")
         per = self.steps_per_epoch(rows)
         if per < 1:
             raise TensorstowError(f"the data holds {len(self)} examples, fewer than one step's {rows} rows "
@@ -421,7 +440,41 @@ class Examples:
             at = order[k * rows:(k + 1) * rows].numpy()
             x = torch.from_numpy(self.ids[at, :-1].copy())
             y = torch.from_numpy(self.labels[at, 1:].copy())
-            yield e, k * rows, x, y
+            if positions:
+                yield e, k * rows, x, y, torch.from_numpy(self.positions[at, :-1].copy())
+            else:
+                yield e, k * rows, x, y
+
+
+def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Windows of `capacity` tokens holding examples of `lengths` (each at most `capacity`), as the
+    indices of their examples in packing order: best-fit decreasing as TRL packs (`_pack_bfd`): the
+    examples longest first (ties in their order), each into the window whose room is the least that
+    holds it (among equal rooms the window that got that room first), else a new window; windows in
+    the order they were opened."""
+    windows: list[list[int]] = []
+    by_room: dict[int, deque] = defaultdict(deque)  # room left -> windows with that room, oldest first
+    rooms: list[int] = []  # the rooms some window has, ascending
+    for k in sorted(range(len(lengths)), key=lambda k: -lengths[k]):
+        n = lengths[k]
+        if n == 0:  # nothing to pack (TRL drops them too)
+            continue
+        at = bisect.bisect_left(rooms, n)
+        if at < len(rooms):
+            room = rooms[at]
+            w = by_room[room].popleft()
+            if not by_room[room]:
+                del rooms[at]
+        else:
+            room, w = capacity, len(windows)
+            windows.append([])
+        windows[w].append(k)
+        left = room - n
+        if left > 0:
+            if not by_room[left]:
+                bisect.insort(rooms, left)
+            by_room[left].append(w)
+    return windows
 
 
 def _counted(wheres, what: str) -> str:

@@ -264,11 +264,13 @@ class Executor:
         return None if self.scaler is None else float(self.scaler.scale)
 
     # ---- the step ---------------------------------------------------------------------------
-    def step(self, idx: torch.Tensor, targets: torch.Tensor) -> float:
+    def step(self, idx: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> float:
         """One training step (forward, backward, optimizer) exactly as the plan schedules it. A
         pipeline's step takes M microbatches of the plan's batch (rows [k*batch, (k+1)*batch) are
         microbatch k) and trains as eager gradient accumulation does: each microbatch's loss / M
-        back-propagated, the gradients summed, one update; it returns the mean loss.
+        back-propagated, the gradients summed, one update; it returns the mean loss. A packing plan
+        (`Options.packing`) also takes each token's position in its document (`positions`, shaped
+        as idx: `Examples.batches(..., positions=True)` gives them).
 
         The step runs in `torch.inference_mode` (as does each lane's thread): the joint graph
         computes gradients itself, so nothing needs autograd, and its ops skip the autograd
@@ -276,10 +278,11 @@ class Executor:
         Tensors a step creates are inference tensors: read them freely outside; only a step
         updates them in place."""
         with torch.inference_mode():
-            return self._step(idx, targets)
+            return self._step(idx, targets, positions)
 
     def evaluate(self, batches) -> float:
-        """The mean loss over `batches` ((idx, targets) pairs of the plan's shape) with the current
+        """The mean loss over `batches` ((idx, targets) pairs of the plan's shape, with positions a
+        third for a packing plan) with the current
         parameters, as eager computes it under `model.eval()` and `torch.no_grad()` (the mean of
         the batches' losses; the perplexity is its exp). Nothing changes: no update, no step
         counted, no commit, the random generator as it was.
@@ -301,8 +304,8 @@ class Executor:
         rng, timeline, losses = rng_bytes(), self.timeline, []
         try:
             with self.semantics.evaluation(), torch.inference_mode():
-                for x, y in batches:
-                    losses.append(self._step(x, y, replay))
+                for x, y, *positions in batches:
+                    losses.append(self._step(x, y, *(positions or [None]), replay=replay))
         finally:
             set_rng(rng)
             self.timeline = timeline
@@ -310,16 +313,17 @@ class Executor:
             raise TensorstowError("evaluate: no batches")
         return sum(losses) / len(losses)  # as an eager loop sums them
 
-    def _step(self, idx: torch.Tensor, targets: torch.Tensor, replay: Replay | None = None) -> float:
+    def _step(self, idx: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None,
+              replay: Replay | None = None) -> float:
         sem = self.semantics
-        sem.check_batch(idx, targets)
+        sem.check_batch(idx, targets, positions)
         sem.begin(targets)
         self.loss = None
         self.commit_s = 0.0
         synced = self._early_sync_total()
         if isinstance(self.ssd.store, SSDStore):  # sync writes early only in a step that commits
             self.ssd.store.sync_early = (self.steps_done + 1) % self.checkpoint_every == 0
-        self._run_or_replay(idx, targets, replay or self.step_replay)
+        self._run_or_replay(idx, targets, positions, replay or self.step_replay)
         self.loss = self._mean_loss()
         if sem.evaluating:  # `evaluate`: nothing of the step is kept
             self.runtime.check_end_state()
@@ -339,36 +343,40 @@ class Executor:
         self.early_sync_s = self._early_sync_total() - synced
         return self.loss
 
-    def _run_or_replay(self, idx: torch.Tensor, targets: torch.Tensor, replay: Replay) -> None:
+    def _run_or_replay(self, idx: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None,
+                       replay: Replay) -> None:
         """The step's device work: its captured graph's replay where there is one (captured now
         where due), else the program instruction by instruction."""
         graph = self.graphs.for_step(self)
         self.graphs.replayed = None
         if graph is not None:
-            graph.feed(self, idx, targets, self.semantics.weights)
+            graph.feed(self, idx, targets, self.semantics.weights, positions)
             if graph.ready:
                 self.semantics.losses, self.semantics.norms = list(graph.loss), dict(graph.norms)
             elif not self.graphs.capture(self, graph):
                 graph = None
         if graph is None:
-            self.timeline = self.runtime.run(replay, self.step_inputs(idx, targets))
+            self.timeline = self.runtime.run(replay, self.step_inputs(idx, targets, positions))
         else:
             graph.replay()
             self.graphs.replayed, self.timeline = graph, []
 
-    def step_inputs(self, idx: torch.Tensor, targets: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+    def step_inputs(self, idx: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None
+                    ) -> dict[str, list[torch.Tensor]]:
         """The step's inputs on the device, per graph input one value per microbatch: the rows of
-        idx and targets, the loss tangent (eager's (loss * w_k).backward()), the graph's constants."""
+        idx and targets (and of positions, for a packing plan), the loss tangent (eager's
+        (loss * w_k).backward()), the graph's constants."""
         j, b, sem = self.joint, self.plan.model.batch, self.semantics
-        tdtype, tshape = j.meta(j.inputs[2])
+        tdtype, tshape = j.meta(j.inputs[-1])
         tangent = (sem.scaler.tangent(tshape, tdtype) if sem.scaler is not None
                    else torch.ones(tshape, dtype=tdtype, device=self.device))
         consts = tuple(c.to(self.device, copy=True) for c in j.constants.values())
         inputs: dict[str, list[torch.Tensor]] = {}
         for k in range(self.M):
             t_k = tangent if self.M == 1 else tangent * sem.weights[k]
-            vals = (idx[k * b:(k + 1) * b].to(self.device, copy=True),
-                    targets[k * b:(k + 1) * b].to(self.device, copy=True), t_k)
+            rows = [t[k * b:(k + 1) * b].to(self.device, copy=True)
+                    for t in (idx, targets, positions) if t is not None]
+            vals = (*rows, t_k)
             for name, v in zip((*j.inputs, *j.constants), vals + consts):
                 inputs.setdefault(name, []).append(v)
         return inputs

@@ -187,7 +187,7 @@ class StepGraph:
         self.backend = backend(dev)
         rows = (ex.plan.model.batch * ex.M, ex.plan.model.seq)
         blank = torch.zeros(rows, dtype=torch.long)
-        self.inputs = ex.step_inputs(blank, blank)
+        self.inputs = ex.step_inputs(blank, blank, blank if ex.plan.options.packing else None)
         """The step's inputs as the eager path makes them, kept: each step's values are copied in."""
         # CUDA's fused Adam reads a float32 rate (torch.optim's capturable form), where a Python
         # float reaches it as a double: a replayed update may differ from an eager one in its last
@@ -201,14 +201,15 @@ class StepGraph:
         self.norms: dict[str, torch.Tensor] = {}
         self.ready = False
 
-    def feed(self, ex, idx: torch.Tensor, targets: torch.Tensor, weights: list[float]) -> None:
+    def feed(self, ex, idx: torch.Tensor, targets: torch.Tensor, weights: list[float],
+             positions: torch.Tensor | None = None) -> None:
         """Copy a step's values into the static inputs and scalars (enqueued before the replay)."""
         j, b = ex.joint, ex.plan.model.batch
         for k in range(ex.M):
-            self.inputs[j.inputs[0]][k].copy_(idx[k * b:(k + 1) * b])
-            self.inputs[j.inputs[1]][k].copy_(targets[k * b:(k + 1) * b])
+            for name, t in zip(j.inputs, [t for t in (idx, targets, positions) if t is not None]):
+                self.inputs[name][k].copy_(t[k * b:(k + 1) * b])
             if ex.M > 1:  # eager's (loss * w_k).backward(): the tangent ones x w_k, rounded as fill_ rounds
-                self.inputs[j.inputs[2]][k].fill_(weights[k])
+                self.inputs[j.inputs[-1]][k].fill_(weights[k])
         self.step_count.fill_(float(ex.opt_steps + 1))
         for scale, t in self.rates.items():
             t.fill_(ex.lr if scale == 1.0 else ex.group_lr(scale))

@@ -415,7 +415,7 @@ def trace_for(plan: Plan, model: nn.Module) -> Traced:
     precision; a replicated plan's block templates): the joint graph the segments are made from."""
     m = plan.model
     return trace_model(model, batch=m.batch, seq=m.seq, precision=m.precision, model_name=m.name,
-                       template=plan.replicated)
+                       template=plan.replicated, packing=plan.options.packing)
 
 
 def compile_program(plan, model, *, rank: int | None = None, comm=None, traced: Traced | None = None,

@@ -102,11 +102,12 @@ def describe(d: dict | None) -> str:
     return f"{d.get('source')} ({rows}, xxh3 {str(d.get('xxh3'))[:8]})"
 
 
-def inputs(run, steps: int, data: DataId, eval_data: DataId | None, schedule) -> dict:
+def inputs(run, steps: int, data: DataId, eval_data: DataId | None, schedule, packing: bool = False) -> dict:
     """The record of a run's inputs: `run` (schema.run.Run), its length in optimizer steps, the
-    identities of its training and held-out data, its learning-rate schedule (executor.lr)."""
+    identities of its training and held-out data, its learning-rate schedule (executor.lr), whether
+    its plan packs examples (`Options.packing`)."""
     examples = data.record["kind"] == "examples"
-    return {"data": data.record, "packing": run.packing if examples else None,
+    return {"data": data.record, "packing": packing if examples else None,
             "shuffle": run.shuffle if examples else None,
             "seed": run.seed, "steps": steps,
             "epochs": run.epochs, "lr_scheduler": schedule.name, "lr": schedule.lr,

@@ -83,8 +83,9 @@ def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, 
         past = start > steps  # a shorter run than the one committed: nothing to train, nothing recorded
         schedule = _lr_schedule(plan, run, steps, check=not past)
         if d is not None:  # the same run as the state dir's, or refused here: before any step, nothing written
-            total = record.settle(d, record.inputs(run, steps, data, eval_data, schedule), store.committed_step(),
-                                  run.resume_changed, data, eval_data, out, write=not past)
+            recorded = record.inputs(run, steps, data, eval_data, schedule, plan.options.packing)
+            total = record.settle(d, recorded, store.committed_step(), run.resume_changed, data, eval_data, out,
+                                  write=not past)
             schedule = dataclasses.replace(schedule, total_steps=total)
         if past:
             print(f"state dir {state_dir} already holds step {start}, past the {steps} steps asked for: nothing to "
@@ -134,14 +135,14 @@ def _check_run(plan: Plan, run: Run, rank: int | None) -> None:
 
 
 def _feed(ex: Executor, plan: Plan, run: Run, start: int) -> tuple[int, Iterator, record.DataId]:
-    """(the run's steps, an iterator of (epoch, example, x, y) from step `start` on, what the run
-    reads of its data): examples (executor.examples) or tokens (executor.data; epoch and example
-    None)."""
+    """(the run's steps, an iterator of (epoch, example, x, y) from step `start` on, with a packing
+    plan each token's position too, what the run reads of its data): examples (executor.examples)
+    or tokens (executor.data; epoch and example None; a row of tokens is one document)."""
     m = plan.model
     rows = m.batch * ex.M
     if not is_examples(run.data):
-        return run.steps, ((None, None, x, y) for x, y in batches(run.data, rows, m.seq, ex.vocab, run.steps, run.seed,
-                                                                   start)), \
+        return run.steps, ((None, None, x, y, *_one_document(x, plan)) for x, y in batches(
+            run.data, rows, m.seq, ex.vocab, run.steps, run.seed, start)), \
             _token_data(run.data, run.steps * rows * (m.seq + 1), ex.vocab)
     examples = _examples(run.data, ex, plan, run)
     per = examples.steps_per_epoch(rows)
@@ -151,8 +152,15 @@ def _feed(ex: Executor, plan: Plan, run: Run, start: int) -> tuple[int, Iterator
     steps = run.steps if run.steps is not None else run.epochs * per
     size = Path(run.data).stat().st_size if Path(run.data).is_file() else None
     ident = record.DataId({"kind": "examples", "source": run.data, "bytes": size, "examples": len(examples),
-                           "xxh3": record.digest(examples.ids, examples.labels)})
-    return steps, examples.batches(rows, steps, run.seed, start, run.shuffle), ident
+                           "xxh3": record.digest(examples.ids, examples.labels,
+                                                 *(() if examples.positions is None else (examples.positions,)))})
+    return steps, examples.batches(rows, steps, run.seed, start, run.shuffle, positions=plan.options.packing), ident
+
+
+def _one_document(x: torch.Tensor, plan: Plan) -> tuple:
+    """A packing plan's positions for rows of tokens that are one document each (a token file's):
+    0..seq-1 in every row; () for another plan."""
+    return (torch.arange(x.shape[1]).expand_as(x).contiguous(),) if plan.options.packing else ()
 
 
 def _examples(source: str, ex: Executor, plan: Plan, run: Run) -> Examples:
@@ -160,7 +168,7 @@ def _examples(source: str, ex: Executor, plan: Plan, run: Run) -> Examples:
     model's own ignore index."""
     ignored = ex.program.ignore_index
     examples = Examples.load(source, plan.model.seq, ex.vocab, tokenizer=_tokenizer(run.tokenizer, plan.options.model),
-                             ignore=-100 if -100 in ignored else min(ignored), packing=run.packing,
+                             ignore=-100 if -100 in ignored else min(ignored), packing=plan.options.packing,
                              chat=Chat.of(run.chat_template, run.loss_on))
     for note in examples.notes:
         print(f"data {source}: {note}", flush=True)
@@ -232,12 +240,13 @@ def _held_out(ex: Executor, plan: Plan, run: Run) -> list:
         if run.eval_batches is None and run.eval_data != "synthetic":
             raise TensorstowError(f"--eval-data {run.eval_data} is a token file: give --eval-batches N")
         seed = run.seed + 1 if run.eval_data == "synthetic" else run.seed
-        return list(batches(run.eval_data, rows, m.seq, ex.vocab, run.eval_batches or 1, seed, 0))
+        return [(x, y, *_one_document(x, plan))
+                for x, y in batches(run.eval_data, rows, m.seq, ex.vocab, run.eval_batches or 1, seed, 0)]
     examples = _examples(run.eval_data, ex, plan, run)
     n = run.eval_batches or examples.steps_per_epoch(rows)
     if n < 1:
         raise TensorstowError(f"--eval-data {run.eval_data} holds fewer examples than one batch of {rows}")
-    return [(x, y) for _, _, x, y in examples.batches(rows, n, run.seed, 0, False)]
+    return [tuple(b[2:]) for b in examples.batches(rows, n, run.seed, 0, False, positions=plan.options.packing)]
 
 
 def _lr_schedule(plan: Plan, run: Run, steps: int, check: bool = True) -> LRSchedule:
@@ -300,7 +309,7 @@ def _train(ex: Executor, plan: Plan, feed: Iterator, steps: int, start: int, log
     tokens = m.batch * ex.M * m.seq
     ignored = torch.tensor(sorted(ex.program.ignore_index))
     times, losses = [], []
-    for k, (epoch, example, x, y) in enumerate(feed, start):
+    for k, (epoch, example, x, y, *positions) in enumerate(feed, start):
         where = "" if epoch is None else f"  epoch {epoch}  example {example}"
         row = {"step": k + 1, **({} if epoch is None else {"epoch": epoch, "example": example})}
         if bool(torch.isin(y, ignored).all()):
@@ -311,7 +320,7 @@ def _train(ex: Executor, plan: Plan, feed: Iterator, steps: int, start: int, log
             taken = ex.opt_steps
             moved = _store_bytes(ex)
             t0 = time.perf_counter()
-            loss = ex.step(x, y)
+            loss = ex.step(x, y, *positions)
             dt = time.perf_counter() - t0
             io = _io_rates(ex, moved, dt)
             times.append(dt)

@@ -82,15 +82,16 @@ class Joint:
         """Model-state name -> its placeholder (primals_k; `primals_k@b<i>` for a layer
         instantiated from a template)."""
         self.inputs = tuple(n.name for n in ph[len(names):])
-        """idx, targets and the loss tangent: given by the caller every step."""
+        """idx, targets (a packing step: positions) and the loss tangent: given by the caller every step."""
         self.constants = {n.name: getattr(gm, n.target) for n in nodes if n.op == "get_attr"}
         """Literals of forward (`torch.tensor([...])`), part of the graph: real tensors."""
         fake = [k for k, v in self.constants.items() if type(v) is not torch.Tensor]
         if fake:
             raise RuntimeError(f"internal: graph constants {fake[:3]} have no real value")
-        if len(self.inputs) != 3:
-            raise RuntimeError(f"internal: expected placeholders params..., idx, targets, tangent; "
-                               f"got {len(self.inputs)} after the parameters")
+        if len(self.inputs) != 3 + traced.packing:
+            raise RuntimeError(f"internal: expected placeholders params..., idx, targets, "
+                               f"{'positions, ' if traced.packing else ''}tangent; got {len(self.inputs)} after the "
+                               f"parameters")
         out = next(n for n in nodes if n.op == "output").args[0]
         self.loss = out[0].name
         self.grad = {p: out[1 + i].name for i, p in enumerate(names)

@@ -66,18 +66,26 @@ class StepSemantics:
         """This step's microbatch weights (`micro_weights`)."""
 
     # ---- a step's begin and end -------------------------------------------------------------
-    def check_batch(self, idx: torch.Tensor, targets: torch.Tensor) -> None:
-        """idx and targets are what the plan was made for: int64 of its shape, token ids in the
-        model's vocabulary (labels the loss ignores aside)."""
+    def check_batch(self, idx: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        """idx and targets (and a packing plan's positions) are what the plan was made for: int64 of
+        its shape, token ids in the model's vocabulary (labels the loss ignores aside), positions
+        from 0 below seq."""
         m, vocab = self.program.plan.model, self.program.vocab
         rows = m.batch * self.M
-        for what, t in (("idx", idx), ("targets", targets)):
+        packing = self.program.plan.options.packing
+        if packing != (positions is not None):
+            raise TensorstowError("the plan packs several examples a window (--packing): give each token's position "
+                                  "too (Examples.batches(..., positions=True))" if packing else
+                                  "positions given, but the plan runs one example a row: plan with --packing")
+        for what, t in (("idx", idx), ("targets", targets), *((("positions", positions),) if packing else ())):
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != (rows, m.seq) \
                     or t.dtype != torch.long:
                 raise TensorstowError(f"{what} must be an int64 tensor of shape ({rows}, {m.seq}) "
                                       + (f"({self.M} microbatches of {m.batch}) " if self.M > 1 else "")
                                       + f"as planned, got {getattr(t, 'dtype', type(t))} "
                                       f"{tuple(getattr(t, 'shape', ()))}")
+        if packing and not bool(((positions >= 0) & (positions < m.seq)).all()):
+            raise TensorstowError(f"positions must lie in [0, {m.seq}) (each token's place in its document)")
         if vocab is not None:
             token = (targets >= 0) & (targets < vocab)
             if not bool(((idx >= 0) & (idx < vocab)).all()) or not bool((token | torch.isin(targets, self.ignored)).all()):

@@ -44,17 +44,21 @@ class CausalLM(nn.Module):
     loss_chunk = LOSS_CHUNK
     """Tokens per chunk of the fused head (`fused_head_loss`), from FUSE_FROM_CHUNKS chunks a step on."""
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """The mean cross-entropy of the next tokens; a mixture of experts whose config turns its
         router's load-balancing loss on (`output_router_logits`) adds it times
         `router_aux_loss_coef`, as its own forward does when given labels. From FUSE_FROM_CHUNKS
         chunks of `loss_chunk` tokens a step on, where the head is a plain linear map of the last
         hidden state, the head and loss run fused (`ir.models.fused_head_loss`): the logits never
         exist whole (a 152k vocabulary at 8 x 2048 tokens: 10 GB of fp32 logits, and as much of
-        their gradient); equal to the plain head up to rounding."""
+        their gradient); equal to the plain head up to rounding. `positions`: each token's position
+        in its document (a packed window's documents each start at 0); the model attends only within
+        a document, as transformers builds its mask from packed position ids."""
         cfg = self.model.config
         aux = bool(getattr(cfg, "output_router_logits", False))
         kw = {"output_router_logits": True} if aux else {}
+        if positions is not None:
+            kw["position_ids"] = positions
         lm = _causal_lm(self.model)
         if idx.numel() >= FUSE_FROM_CHUNKS * self.loss_chunk and lm is not None and _plain_head(lm):
             out = lm.model(input_ids=idx, use_cache=False, **kw)

@@ -12,6 +12,7 @@ block by them.
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 import logging
 import os
@@ -47,6 +48,8 @@ class Traced:
     """The parameters that require grad (the others, and buffers, are read-only constants)."""
     layer_path: str = ""
     """Qualified name of the list of repeated layers ("" if none)."""
+    packing: bool = False
+    """The step takes each token's position as a third input (packed windows: `trace`'s `packing`)."""
 
 
 class _Captured(Exception):
@@ -63,25 +66,35 @@ def find_layers(model: nn.Module) -> tuple[str, nn.ModuleList | None]:
 
 def trace(model: nn.Module, *, batch: int, seq: int, precision: str = "fp32",
           model_name: str = "model", replicate_to: int | None = None,
-          fake_mode: FakeTensorMode | None = None) -> Traced:
+          fake_mode: FakeTensorMode | None = None, packing: bool = False) -> Traced:
     """Trace one training step of `model` on fake `(batch, seq)` token inputs.
 
     `model` may hold real or fake parameters; nothing is allocated or modified. With
     `replicate_to=L` the model must have been built with 3 layers (first, middle, last);
     the IR then describes L layers, layers 1..L-2 sharing the middle layer's profile.
+    `packing`: the step also takes each token's position (`(batch, seq)` int64), for windows that
+    pack several documents, each from position 0 and attending only to itself (a Hugging Face
+    model builds that mask from the positions).
     """
-    from tensorstow.ir.hf import wrap
+    from tensorstow.ir.hf import CausalLM, wrap
     model = wrap(model)  # a Hugging Face causal LM given as a module gets the loss contract
     _check_step(model, model_name, batch, seq, precision)
+    if packing and not isinstance(model, CausalLM):
+        raise TensorstowError(f"model '{model_name}': --packing keeps a window's documents apart with per-document "
+                              f"position ids, which only Hugging Face models (hf:DIR) take; plan without --packing "
+                              f"(one example a row)")
     dtype = PRECISIONS[precision]
     fm = fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
     layers_name, layers = find_layers(model)
     mixed = precision != "fp32"
     params, buffers, idx, tgt = _fake_inputs(model, fm, batch, seq, mixed)
+    with fm:
+        extra = (torch.zeros(batch, seq, dtype=torch.long),) if packing else ()
     if not any(p.requires_grad for p in params.values()):
         raise TensorstowError(f"model '{model_name}': no parameter requires grad, so there is nothing to "
                               f"train; unfreeze some (p.requires_grad_(True))")
-    gm, bounds = _capture_joint(model, model_name, layers, fm, dtype if mixed else None, (params, buffers, idx, tgt))
+    gm, bounds = _capture_joint(model, model_name, layers, fm, dtype if mixed else None,
+                                (params, buffers, idx, tgt, *extra))
     if mixed:
         _compute_copies(gm, [p.requires_grad for p in params.values()], dtype, fm)
     n_layers = len(layers) if layers is not None else 0
@@ -90,7 +103,8 @@ def trace(model: nn.Module, *, batch: int, seq: int, precision: str = "fp32",
     graph = build_ir(gm, bounds=bounds, n_layers=n_layers, param_names=state_names, trainable=trainable,
                      model_name=model_name, batch=batch, seq=seq, precision=precision, dtype=dtype,
                      replicate_to=replicate_to)
-    return Traced(graph=graph, gm=gm, param_names=state_names, trainable=trainable, layer_path=layers_name)
+    return Traced(graph=graph, gm=gm, param_names=state_names, trainable=trainable, layer_path=layers_name,
+                  packing=packing)
 
 
 def _check_step(model: nn.Module, model_name: str, batch: int, seq: int, precision: str) -> None:
@@ -163,11 +177,12 @@ def _capture_joint(model: nn.Module, model_name: str, layers: nn.ModuleList | No
         captured["bounds"] = {k: list(v) for k, v in bounds.items()}
         raise _Captured
 
-    def step(p, b, i, t):
-        return loss_of(functional_call(model, {**p, **b}, (i, t)), f"{model_name}' ({forward_site(model)})")
+    def step(p, b, i, t, *positions):
+        return loss_of(functional_call(model, {**p, **b}, (i, t, *positions)), f"{model_name}' ({forward_site(model)})")
 
     try:
         with fm, quiet_tracing(), ShapeConstants(), grouped_mm_any_dtype(), \
+                transformers_sees_a_trace() if len(inputs) > 4 else contextlib.nullcontext(), \
                 gpu_autocast(autocast) if autocast is not None else contextlib.nullcontext(), \
                 functorch_config.patch(backward_pass_autocast="off"):
             aot_function(step, fw_compiler=_never, partition_fn=partition)(*inputs)
@@ -184,6 +199,26 @@ def _capture_joint(model: nn.Module, model_name: str, layers: nn.ModuleList | No
         raise TensorstowError(f"model '{model_name}': no joint graph was produced "
                               f"(does forward return a loss that requires grad?)")
     return captured["gm"], captured["bounds"]
+
+
+@contextmanager
+def transformers_sees_a_trace():
+    """While tracing, transformers' `masking_utils.is_tracing` answers True, as it does under the
+    tracers it knows (dynamo, torch.fx, fake tensors): aot tracing's functional tensors are none of
+    them, and where it thinks it runs eagerly transformers reads data to skip work, e.g. whether a
+    packed window holds more than one document (`find_packed_sequence_indices`); traced, it builds
+    the mask from the positions whatever they are, the static graph every window runs. Only a packed
+    step (positions given) traces so: without, eager's causal path (no mask) is the one traced."""
+    masking = sys.modules.get("transformers.masking_utils")
+    if masking is None or not hasattr(masking, "is_tracing"):
+        yield
+        return
+    before = masking.is_tracing
+    masking.is_tracing = lambda tensor=None: True
+    try:
+        yield
+    finally:
+        masking.is_tracing = before
 
 
 @contextmanager
@@ -472,7 +507,7 @@ def odd_layer(layers) -> int | None:
 
 
 def trace_model(model: nn.Module, *, batch: int, seq: int, precision: str = "fp32", model_name: str = "model",
-                template: bool | None = None, fake_mode: FakeTensorMode | None = None) -> Traced:
+                template: bool | None = None, fake_mode: FakeTensorMode | None = None, packing: bool = False) -> Traced:
     """Trace `model`, a deep one as a block template: its first, middle and last layers are
     traced and the IR describes all L of them (`ir.template`). `template=None` decides: models
     deeper than FULL_TRACE_LAYERS whose middle layers share one structure and whose traced
@@ -483,7 +518,7 @@ def trace_model(model: nn.Module, *, batch: int, seq: int, precision: str = "fp3
     model = wrap(model)
     _, layers = find_layers(model)
     depth = len(layers) if layers is not None else 0
-    kw = dict(batch=batch, seq=seq, precision=precision, model_name=model_name, fake_mode=fake_mode)
+    kw = dict(batch=batch, seq=seq, precision=precision, model_name=model_name, fake_mode=fake_mode, packing=packing)
     if template is None:
         template = depth > FULL_TRACE_LAYERS and odd_layer(layers) is None
         auto = True
@@ -508,7 +543,7 @@ def trace_model(model: nn.Module, *, batch: int, seq: int, precision: str = "fp3
     return traced
 
 
-def trace_spec(spec, *, batch: int, seq: int | None = None, precision: str = "fp32") -> Traced:
+def trace_spec(spec, *, batch: int, seq: int | None = None, precision: str = "fp32", packing: bool = False) -> Traced:
     """Trace a ModelSpec. Presets deeper than FULL_TRACE_LAYERS are built with 3 layers (first,
     middle, last) on fake tensors and replicated by similarity: the middle layer's profile
     stands for layers 1..L-2 (their signatures are equal by construction)."""
@@ -528,6 +563,7 @@ def trace_spec(spec, *, batch: int, seq: int | None = None, precision: str = "fp
             if seq == 0:
                 raise TensorstowError(f"model '{spec.name}' has no sequence limit: pass --seq")
     if replicate is None and cfg is None:
-        return trace_model(model, batch=batch, seq=seq, precision=precision, model_name=spec.name, fake_mode=fm)
+        return trace_model(model, batch=batch, seq=seq, precision=precision, model_name=spec.name, fake_mode=fm,
+                           packing=packing)
     return trace(model, batch=batch, seq=seq, precision=precision, model_name=spec.name,
-                 replicate_to=replicate, fake_mode=fm)
+                 replicate_to=replicate, fake_mode=fm, packing=packing)

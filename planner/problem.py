@@ -83,10 +83,10 @@ def build_problem(options: Options, hw: Hardware, model=None) -> Problem:
     batch = options.batch or DEFAULT_BATCH.get(options.model, 1)
     if model is not None:
         traced = trace_model(model, batch=batch, seq=options.seq or model_dims(model)[1] or 1,
-                             precision=options.precision, model_name=options.model)
+                             precision=options.precision, model_name=options.model, packing=options.packing)
     else:
         traced = trace_spec(spec, batch=batch, seq=options.seq or None,
-                            precision=options.precision)
+                            precision=options.precision, packing=options.packing)
     g = traced.graph
     return Problem(graph=g, hw=hw, options=options, profiles=cost.profiles(g, hw),
                    order=[b.name for b in g.blocks], profile_of={b.name: b.profile for b in g.blocks})

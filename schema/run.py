@@ -30,8 +30,6 @@ class Run:
     """With examples and no steps: the run is this many epochs (default: none)."""
     tokenizer: str | None = None
     """Tokenizer directory for text examples (default: the hf: model's directory)."""
-    packing: bool = False
-    """Concatenate examples into windows of seq + 1 tokens instead of one example a row, padded."""
     chat_template: str | None = None
     """A Jinja chat template file for conversational examples (`messages`, or prompt and completion
     as lists of messages) (default: the tokenizer's own, from tokenizer_config.json or

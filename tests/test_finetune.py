@@ -86,9 +86,11 @@ def test_text_and_pretokenized_examples_truncate_and_pack(tok, tmp_path):
     assert ex.ids[0].tolist() == ids[:5] and ex.labels[0].tolist() == ids[:5]  # truncated to seq + 1
     assert ex.ids[1].tolist()[:3] == [5, 6, 7] and ex.labels[1].tolist() == [-100, 6, 7, -100, -100]
     packed = Examples.load(str(data), seq=4, vocab=len(tok), tokenizer=tok, packing=True)
-    flat = ids + [5, 6, 7]
-    assert packed.ids.reshape(-1).tolist() == flat[:len(flat) // 5 * 5]
-    assert packed.labels.reshape(-1).tolist() == (ids + [-100, 6, 7])[:len(flat) // 5 * 5]
+    # windows of seq + 1: the text cut to 5 tokens fills one, the 3 ids open another (padded); each
+    # example's first label ignored, positions from 0 (tests/test_packing.py: TRL's packing order)
+    assert packed.ids.tolist() == [ids[:5], [5, 6, 7, tok.pad_token_id, tok.pad_token_id]]
+    assert packed.labels.tolist() == [[-100] + ids[1:5], [-100, 6, 7, -100, -100]]
+    assert packed.positions.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 1]]
 
 
 def test_a_datasets_directory_reads_like_its_jsonl(tok, tmp_path):

@@ -112,7 +112,6 @@ CHANGES = {
     "other data": (lambda w, b: ["--data", b["other"]], "--data", "data"),
     "seed": (lambda w, b: ["--seed", "1"], "--seed 0 -> 1", "order"),
     "no shuffle": (lambda w, b: ["--no-shuffle"], "--shuffle True -> False", "order"),
-    "packing": (lambda w, b: ["--packing", "--eval-data", b["other"]], "--packing False -> True", "data"),
     "epochs": (lambda w, b: ["--epochs", "3"], "--steps/--epochs 10 -> 15", "length"),
     "scheduler": (lambda w, b: ["--lr-scheduler", "linear"], "--lr-scheduler cosine -> linear", "schedule"),
     "warmup": (lambda w, b: ["--warmup-steps", "1"], "--warmup-steps 2 -> 1", "schedule"),
