@@ -145,6 +145,9 @@ def test_examples_whose_assistant_tokens_are_cut_off_are_counted_and_left_out(ck
 
 
 @pytest.mark.parametrize("row, says", [
+    ({"conversations": [{"from": "human", "value": "hi"}]},
+     r":1: the example has keys \['conversations'\]: give input_ids \(and labels\), messages, prompt and completion, "
+     r"or text"),
     ({"messages": "hello"}, r":1: messages must be a non-empty list of messages .*got a string"),
     ({"messages": [{"content": "hi"}]}, r":1: messages\[0\] must be a message object with a string \"role\""),
     ({"messages": [{"role": "user", "content": "a"}], "tools": "{not json"}, r":1: tools is a string that is not JSON"),
@@ -157,14 +160,22 @@ def test_bad_conversations_are_one_line_naming_the_line(ckpt, tmp_path, row, say
         tokenize(read_records(str(data)), tok, -100, len(tok))
 
 
-def test_a_template_that_fails_on_a_conversation_names_the_example(ckpt, tmp_path):
+@pytest.mark.parametrize("rule, row, why", [
+    ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system turn first') }}{% endif %}",
+     conversations(2)[1], "a system turn first"),
+    ("{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+     "{{ raise_exception('no role ' + m['role']) }}{% endif %}{% endfor %}",
+     {"messages": [{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]}, "no role robot"),
+])
+def test_a_template_that_rejects_a_conversation_names_the_example(ckpt, tmp_path, rule, row, why):
+    """The template's own refusal (a role it does not know, a missing system turn): one line naming
+    the example's FILE:LINE and the template's reason."""
     f = tmp_path / "strict.jinja"
-    f.write_text("{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system turn first') }}{% endif %}"
-                 + TEMPLATE)
-    data = write_jsonl(tmp_path / "d.jsonl", [conversations(1)[0], conversations(2)[1]])
+    f.write_text(rule + TEMPLATE)
+    data = write_jsonl(tmp_path / "d.jsonl", [conversations(1)[0], row])
     tok = transformers.AutoTokenizer.from_pretrained(ckpt)
     with pytest.raises(TensorstowError, match=rf"{data}:2: chat template .*strict.jinja fails on this conversation "
-                                              rf"\(a system turn first\)"):
+                                              rf"\({why}\)"):
         tokenize(read_records(str(data)), tok, -100, len(tok), Chat.of(str(f)))
 
 

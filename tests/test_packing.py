@@ -158,3 +158,16 @@ def test_packing_needs_a_model_that_takes_positions(capsys):
     assert main(["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--packing"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--packing keeps a window's documents apart" in err
+
+
+def test_a_packed_run_resumed_midway_ends_as_one_uninterrupted(tmp_path):
+    ckpt = checkpoint("llama", tmp_path / "llama")
+    data = write_jsonl(tmp_path / "d.jsonl", documents(24, seed=4))
+    plan = packed_plan(ckpt, tmp_path)
+    logs = {}
+    for name, runs in (("whole", ["4"]), ("resumed", ["2", "4"])):
+        for steps in runs:
+            assert main(["execute", plan, "--hw-mismatch", "ok", "--data", str(data), "--steps", steps,
+                         "--state-dir", str(tmp_path / name), "--log-json", str(tmp_path / f"{name}.jsonl")]) == 0
+        logs[name] = [json.loads(line)["loss"] for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+    assert len(logs["whole"]) == 4 and logs["resumed"] == logs["whole"]
