@@ -52,7 +52,7 @@ def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, 
     mode = pick_mode(run.mode, plan, run.device)
     steps, state_dir = run.steps, run.state_dir
     _check_run(plan, run, rank)
-    spec = resolve_model(plan.options.model, plan.options.lora)
+    spec = resolve_model(plan.options.model, plan.options.lora, plan.options.quantize)
     model, init = build_for_execution(spec, run.seed)
     store, start, resume, d = None, 0, False, None
     if state_dir is None and plan.ssd_sizes():
@@ -198,7 +198,8 @@ def evaluate_state(plan: Plan, run: Run, *, out=None) -> dict:
         raise TensorstowError(f"{d} is not a tensorstow state dir (no {statedir.PLAN}); pass the --state-dir "
                               f"of a tensorstow execute run")
     owner = statedir.held(d, plan)  # the plan it trains
-    model, init = build_for_execution(resolve_model(plan.options.model, plan.options.lora), run.seed)
+    model, init = build_for_execution(resolve_model(plan.options.model, plan.options.lora, plan.options.quantize),
+                                      run.seed)
     # read-only: an evaluation changes nothing in the state dir, which may be read-only to it
     with SSDStore(d, statedir.store_sizes(plan), owner=statedir.fingerprint(owner), read_only=True) as store:
         step = store.committed_step()

@@ -15,7 +15,9 @@ model shifts nothing). Generation caches are off. `transformers` is the optional
 from __future__ import annotations
 
 import json
+import logging
 import sys
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -27,6 +29,10 @@ from tensorstow.errors import TensorstowError
 from tensorstow.ir.head import FUSE_FROM_CHUNKS, LOSS_CHUNK, fused_head_loss
 
 PREFIX = "hf:"
+
+# bitsandbytes' CPU backend (imported by peft where it is installed) warns at import that an optional
+# package for an inference-only 4-bit kernel is missing; training never runs that kernel.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 class CausalLM(nn.Module):
@@ -192,18 +198,21 @@ def _with_lora(model: nn.Module, ref: str, lora: str) -> nn.Module:
     if any(p.device.type == "meta" for p in model.parameters()):
         nn.Module.to = not_to_meta
     try:
-        return peft.get_peft_model(model, lora_config(lora))
+        with warnings.catch_warnings():  # peft asks transformers 5 a deprecated name: not the user's concern
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            return peft.get_peft_model(model, lora_config(lora))
     except ValueError as e:  # a target module the model does not have
         raise TensorstowError(f"--lora {lora}: {ref}: {str(e).splitlines()[0]}") from None
     finally:
         nn.Module.to = to
 
 
-def load(ref: str, *, weights: bool = True, lora: str | None = None) -> CausalLM:
+def load(ref: str, *, weights: bool = True, lora: str | None = None, quantize: str | None = None) -> CausalLM:
     """Build the model of `hf:DIR`: from its safetensors weights when there are some (and
     `weights`), else initialised as `AutoModelForCausalLM.from_config(config)` does (the
-    caller seeds torch first); with `lora`, LoRA adapters on it (`Options.lora`). In training
-    mode, generation caches off."""
+    caller seeds torch first); with `lora`, LoRA adapters on it (`Options.lora`), and with
+    `quantize` its base's linear layers stored quantized (`ir.quant`). In training mode,
+    generation caches off."""
     d = check_dir(ref)
     tf = _transformers()
     verbosity = tf.logging.get_verbosity()
@@ -222,6 +231,9 @@ def load(ref: str, *, weights: bool = True, lora: str | None = None) -> CausalLM
         tf.logging.set_verbosity(verbosity)
     if lora:
         model = _with_lora(model, ref, lora)
+    if quantize:
+        from tensorstow.ir.quant import quantize_linears
+        quantize_linears(model, quantize)
     model.train()
     return CausalLM(model)
 
@@ -255,8 +267,14 @@ class Checkpoint:
     the model holds them as one weight), transformers' own conversion for the family (`hf_model`:
     `get_model_conversion_mapping`) makes it from its source tensors, as `from_pretrained` does."""
 
-    def __init__(self, d: Path, own: dict[str, torch.Tensor] | None = None, hf_model: nn.Module | None = None):
+    def __init__(self, d: Path, own: dict[str, torch.Tensor] | None = None, hf_model: nn.Module | None = None,
+                 quantized: dict[str, str] | None = None, quant_type: str | None = None):
         self.own = own or {}
+        self.quantized = quantized or {}
+        """Parameter name -> the parameter name of the full-precision weight it is quantized from
+        (`ir.quant.quantize_linears`: a quantized base, made as it is read)."""
+        self.quant_type = quant_type
+        self._made: dict[str, dict[str, torch.Tensor]] = {}  # a weight's quantized parts, until both are taken
         index = d / "model.safetensors.index.json"
         if index.is_file():
             files = {n: d / f for n, f in json.loads(index.read_text())["weight_map"].items()}
@@ -304,6 +322,20 @@ class Checkpoint:
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self.own:
             return self.own[name]
+        if name in self.quantized:
+            from tensorstow.ir.quant import quantized_part
+            source, part = self.quantized[name], name.rpartition(".")[2]
+            parts = self._made.setdefault(source, {})
+            if part not in parts:
+                weight = self._tensor(source)
+                parts.update({p: quantized_part(weight, p, self.quant_type) for p in ("weight", "weight_absmax")})
+            value = parts.pop(part)
+            if not parts:
+                del self._made[source]
+            return value
+        return self._tensor(name)
+
+    def _tensor(self, name: str) -> torch.Tensor:
         key = name[len("model."):]
         if key.startswith("base_model.model."):
             key = key[len("base_model.model."):].replace(".base_layer.", ".")
@@ -322,21 +354,29 @@ class Checkpoint:
         raise TensorstowError(f"the checkpoint has no tensor {key} (the model's parameter {name})")
 
 
-def load_streaming(ref: str, lora: str | None = None) -> tuple[CausalLM, "Checkpoint | None"]:
+def load_streaming(ref: str, lora: str | None = None, quantize: str | None = None
+                   ) -> tuple[CausalLM, "Checkpoint | None"]:
     """`hf:DIR` for execution: with safetensors weights, the model with its parameters on the
     meta device and the checkpoint to stream them from; without, as `load` builds it. With
     `lora`, the adapters are made for real (the values `get_peft_model` of the loaded base
-    gives, the caller seeding torch first) and streamed with the base."""
+    gives, the caller seeding torch first) and streamed with the base; with `quantize`, the
+    base's linear weights are quantized as they are read (out of core: one tensor at a time)."""
     d = check_dir(ref)
     if not has_weights(d):
-        return load(ref, lora=lora), None
+        return load(ref, lora=lora, quantize=quantize), None
     with parameters_on_meta():
         model = load(ref, weights=False)
     if lora:
         model = CausalLM(_with_lora(model.model, ref, lora).train())
+    quantized = {}
+    if quantize:
+        from tensorstow.ir.quant import quantize_linears
+        with parameters_on_meta():
+            made = quantize_linears(model.model, quantize)
+        quantized = {f"model.{n}": f"model.{src}" for n, src in made.items()}
     own = {n: p.detach() for n, p in model.named_parameters() if p.device.type != "meta"}
     base = model.model.get_base_model() if hasattr(model.model, "get_base_model") else model.model
-    return model, Checkpoint(d, own, base)
+    return model, Checkpoint(d, own, base, quantized, quantize)
 
 
 def wrap(model: nn.Module) -> nn.Module:

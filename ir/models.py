@@ -198,6 +198,8 @@ class ModelSpec:
     """Set for built-in presets (enables tracing a few blocks and replicating by similarity)."""
     lora: str | None = None
     """`Options.lora`: LoRA adapters on an `hf:` model."""
+    quantize: str | None = None
+    """`Options.quantize`: the LoRA model's base stored quantized (`ir.quant`)."""
 
     def build(self, n_layer: int | None = None, *, weights: bool = True) -> nn.Module:
         """The model. `weights=False`: a Hugging Face checkpoint is built from its config alone
@@ -209,7 +211,7 @@ class ModelSpec:
             return GPT(c)
         from tensorstow.ir import hf
         if self.name.startswith(hf.PREFIX):
-            return hf.load(self.name, weights=weights, lora=self.lora)
+            return hf.load(self.name, weights=weights, lora=self.lora, quantize=self.quantize)
         m = _load_factory(self.name)()
         if not isinstance(m, nn.Module):
             raise TensorstowError(f"model '{self.name}': the factory returned {type(m).__name__}, "
@@ -230,16 +232,24 @@ def _load_factory(ref: str):
     return fn
 
 
-def resolve_model(name: str, lora: str | None = None) -> ModelSpec:
-    """The spec of a model reference; `lora` (`Options.lora`) only for an `hf:` model."""
+def resolve_model(name: str, lora: str | None = None, quantize: str | None = None) -> ModelSpec:
+    """The spec of a model reference; `lora` (`Options.lora`) only for an `hf:` model, `quantize`
+    (`Options.quantize`) only with `lora`."""
     from tensorstow.ir import hf
+    if quantize and not lora:
+        raise TensorstowError(f"--quantize {quantize}: a quantized base is frozen, so it trains only adapters: add "
+                              f"--lora r=...,targets=... (QLoRA)")
+    if quantize:
+        from tensorstow.ir.quant import QUANT_TYPES
+        if quantize not in QUANT_TYPES:
+            raise TensorstowError(f"--quantize {quantize}: give one of {', '.join(QUANT_TYPES)}")
     if lora and not name.startswith(hf.PREFIX):
         raise TensorstowError(f"--lora {lora}: LoRA from the command line adapts an hf:DIR checkpoint, not '{name}'; "
                               f"for another model give a PEFT model to the Python API (tensorstow.plan(model))")
     if lora:
         hf.check_dir(name)
         hf.lora_config(lora)  # fail early with a clear message
-        return ModelSpec(name, None, lora)
+        return ModelSpec(name, None, lora, quantize)
     if name in PRESETS:
         return ModelSpec(name, PRESETS[name])
     if name.startswith("<"):
@@ -264,7 +274,7 @@ def build_for_execution(spec, seed: int):
     from tensorstow.ir import hf
     if spec.name.startswith(hf.PREFIX):  # from its safetensors, one tensor at a time, if it has some
         torch.manual_seed(seed)
-        return hf.load_streaming(spec.name, spec.lora)
+        return hf.load_streaming(spec.name, spec.lora, spec.quantize)
     if spec.config is not None:
         with torch.device("meta"):
             model = spec.build()

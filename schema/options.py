@@ -125,6 +125,11 @@ class Options:
     mapping: str = "cross"
     """Pipelines: stage -> GPU mapping, cross (from the root complexes, Mobius §3.3) or
     sequential."""
+    quantize: str | None = None
+    """With lora: the base's linear layers (all but the LM head) stored 4-bit as bitsandbytes
+    stores them, nf4 or fp4 (QLoRA: `BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=...)`),
+    quantized from the checkpoint as it is read, moved and kept quantized, dequantized on the device
+    in the segment that uses them (`ir.quant`)."""
     packing: bool = False
     """Train on windows of seq tokens that pack several examples (best-fit decreasing, as TRL packs):
     the step takes each token's position in its document, every document starts at position 0 and
@@ -209,7 +214,7 @@ LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 """Learning rate schedules by transformers' `get_scheduler` names (`executor.lr`)."""
 
 _LATER_OPTIONS = {"gpus": None, "microbatches": 0, "grad_accum": 1, "lora": None, "clip_rate": 0.5, "mapping": "cross", "decay_all": False, "param_groups": (), "max_grad_norm": 0.0,
-                  "lr_scheduler": "constant", "warmup_steps": 0, "min_lr_ratio": 0.0, "packing": False}
+                  "lr_scheduler": "constant", "warmup_steps": 0, "min_lr_ratio": 0.0, "packing": False, "quantize": None}
 
 
 # ---- the options as the command line and the Python API take them -------------------------------

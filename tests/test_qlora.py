@@ -1,0 +1,94 @@
+"""QLoRA: LoRA adapters on a base stored 4-bit (`--quantize nf4|fp4`), quantized from the
+full-precision checkpoint as it is read, kept and moved quantized, dequantized by bitsandbytes'
+kernel inside the step. The reference is eager PEFT on transformers' bitsandbytes base
+(`BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=..., bnb_4bit_compute_dtype=fp32)`)
+on the CPU: the same codes and scales, the same dequantization, the same losses and adapters."""
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+pytest.importorskip("bitsandbytes", reason="bitsandbytes (the hf extra) quantizes the base")
+
+import tensorstow  # noqa: E402
+from tensorstow import TensorstowError  # noqa: E402
+from tensorstow.cli import main  # noqa: E402
+from tests.test_finetune import pretrained  # noqa: E402
+
+SEQ, BATCH, STEPS, LR = 16, 2, 3, 1e-2
+LORA = "r=4,alpha=8,targets=q_proj,v_proj"
+
+
+def batches(vocab: int):
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randint(3, vocab, (BATCH, SEQ), generator=g), torch.randint(3, vocab, (BATCH, SEQ), generator=g))
+            for _ in range(STEPS)]
+
+
+def eager_qlora(ckpt, quant: str, data):
+    """Eager PEFT on transformers' bitsandbytes 4-bit base: losses and the trained adapters."""
+    cfg = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant,
+                                          bnb_4bit_compute_dtype=torch.float32)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, quantization_config=cfg, device_map="cpu")
+    model.config.use_cache = False
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                       task_type="CAUSAL_LM"))
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0, foreach=False)
+    losses = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("quant", ["nf4", "fp4"])
+def test_qlora_trains_like_eager_peft_on_a_bitsandbytes_base(quant, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    tok = pretrained(ckpt)
+    plan = tmp_path / "plan.json"
+    assert main(["plan", f"hf:{ckpt}", "--hw", "lohan-rtx4090", "--policy", "zero-infinity", "--precision", "fp32",
+                 "--batch", str(BATCH), "--seq", str(SEQ), "--gpu-mem", "1MB", "--lr", str(LR), "--weight-decay", "0",
+                 "--exact-optimizer", "--lora", LORA, "--quantize", quant, "-o", str(plan)]) == 0
+    pj = json.loads(plan.read_text())
+    assert any(b["home"] == "ssd" for b in pj["buffers"].values())
+    # the base is stored quantized: each linear weight of the layers as 4-bit codes and fp32 scales (a
+    # 16th of its fp32 bytes), everything else as it was
+    base = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
+    state = {**dict(base.named_parameters()), **dict(base.named_buffers())}
+    linear = {n for n in state if ".layers." in n and n.endswith("proj.weight")}
+    want_bytes = sum(state[n].numel() // 2 + state[n].numel() // 64 * 4 if n in linear else state[n].nbytes
+                     for n in state)
+    assert sum(b["bytes"] for k, b in pj["buffers"].items() if k.startswith("C:")) == want_bytes
+    members = [m for k, b in pj["buffers"].items() if k.startswith("C:") for m in b["members"]]
+    assert sum(m.endswith(".weight_absmax") for m in members) == len(linear)
+    data = batches(len(tok))
+    ex = tensorstow.Executor(tensorstow.Plan.load(plan), f"hf:{ckpt}", state_dir=tmp_path / "s")
+    losses = [ex.step(x, y) for x, y in data]
+    got = ex.parameters()
+    ex.close()
+    want_losses, want = eager_qlora(ckpt, quant, data)
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+    assert set(want) == {n[len("model."):] for n in got if "lora_" in n}
+    for n, p in want.items():
+        torch.testing.assert_close(got["model." + n], p, rtol=1e-4, atol=1e-6)
+
+
+def test_quantize_needs_lora_and_a_known_format(tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    pretrained(ckpt)
+    capsys.readouterr()
+    for args, says in ((["--quantize", "nf4"], "--quantize nf4: a quantized base is frozen"),
+                       (["--lora", LORA, "--quantize", "int3"], "--quantize int3: give one of nf4, fp4")):
+        assert main(["plan", f"hf:{ckpt}", "--hw", "lohan-rtx4090", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err
+    with pytest.raises(TensorstowError):
+        tensorstow.plan(f"hf:{ckpt}", hw="lohan-rtx4090", quantize="nf4")
