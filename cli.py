@@ -56,6 +56,9 @@ def summary(plan, sim=None, verbose: bool = False) -> str:
         f"({m.precision}, batch {m.batch}, seq {m.seq})",
         f"model: {m.params / 1e9:.3g}B parameters"
         + (f" ({m.active_params / 1e9:.3g}B active a token)" if m.active_params is not None else "")
+        + (f" trained of {(m.params + m.frozen_params) / 1e9:.3g}B, the frozen ones stored in "
+           f"{_fmt(sum(b.bytes for k, b in plan.buffers.items() if k.startswith('C:')))}"
+           + (f" ({plan.options.quantize})" if plan.options.quantize else "") if m.frozen_params else "")
         + f", {m.layers} layers"
         + (f" (traced {m.traced_layers}, the rest replicated by similarity)" if plan.replicated else ""),
         f"predicted step: {step:.4g} s, {pred.tokens_per_s:.4g} tokens/s, {pred.model_tflops:.3g} model TFLOPS"

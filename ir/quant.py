@@ -99,6 +99,18 @@ def quantize_linears(model: nn.Module, quant_type: str) -> dict[str, str]:
     return made
 
 
+def frozen_param_count(model: nn.Module) -> int:
+    """The model's frozen parameters as weights count them: a quantized layer's weight (and bias) by
+    its shape, not by its codes and scales."""
+    n = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear4bit):
+            n += m.in_features * m.out_features + (m.bias.numel() if m.bias is not None else 0)
+            continue
+        n += sum(p.numel() for p in m.parameters(recurse=False) if not p.requires_grad)
+    return n
+
+
 def quantized_part(weight: torch.Tensor, part: str, quant_type: str) -> torch.Tensor:
     """`part` ("weight": the codes, "weight_absmax": the scales) of `weight` quantized as
     `QuantLinear4bit` stores it: a checkpoint's full-precision weight quantized as it is read."""

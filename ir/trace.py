@@ -50,6 +50,8 @@ class Traced:
     """Qualified name of the list of repeated layers ("" if none)."""
     packing: bool = False
     """The step takes each token's position as a third input (packed windows: `trace`'s `packing`)."""
+    frozen_params: int = 0
+    """Parameters that do not train (a LoRA model's base; a quantized weight counted by its shape)."""
 
 
 class _Captured(Exception):
@@ -103,8 +105,13 @@ def trace(model: nn.Module, *, batch: int, seq: int, precision: str = "fp32",
     graph = build_ir(gm, bounds=bounds, n_layers=n_layers, param_names=state_names, trainable=trainable,
                      model_name=model_name, batch=batch, seq=seq, precision=precision, dtype=dtype,
                      replicate_to=replicate_to)
+    from tensorstow.ir.quant import frozen_param_count
+    frozen = frozen_param_count(model)
+    if replicate_to is not None and layers is not None:  # a 3-layer template stands for replicate_to layers
+        per_layer = frozen_param_count(layers[1])
+        frozen += per_layer * (replicate_to - len(layers))
     return Traced(graph=graph, gm=gm, param_names=state_names, trainable=trainable, layer_path=layers_name,
-                  packing=packing)
+                  packing=packing, frozen_params=frozen)
 
 
 def _check_step(model: nn.Module, model_name: str, batch: int, seq: int, precision: str) -> None:

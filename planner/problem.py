@@ -27,6 +27,8 @@ class Problem:
     order: list[str]
     """Block names in forward order."""
     profile_of: dict[str, str]
+    frozen_params: int = 0
+    """Parameters that do not train (`Traced.frozen_params`)."""
     plans: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
     """Each heuristic policy's plan for this problem, once made (`planner.policies.planned`); a
     problem made from it by `dataclasses.replace` starts without them."""
@@ -89,6 +91,7 @@ def build_problem(options: Options, hw: Hardware, model=None) -> Problem:
                             precision=options.precision, packing=options.packing)
     g = traced.graph
     return Problem(graph=g, hw=hw, options=options, profiles=cost.profiles(g, hw),
-                   order=[b.name for b in g.blocks], profile_of={b.name: b.profile for b in g.blocks})
+                   order=[b.name for b in g.blocks], profile_of={b.name: b.profile for b in g.blocks},
+                   frozen_params=traced.frozen_params)
 
 

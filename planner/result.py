@@ -106,7 +106,7 @@ class PlanResult:
             schema_version=SCHEMA_VERSION,
             model=ModelInfo(
                 name=g.model, fingerprint=g.fingerprint(), params=g.param_count(),
-                active_params=_moe_active(g),
+                active_params=_moe_active(g), frozen_params=p.frozen_params or None,
                 layers=len(g.layer_blocks()), traced_layers=g.traced_layers,
                 batch=g.batch, seq=g.seq, precision=g.precision,
                 blocks=tuple(BlockInfo(name=b.name, profile=b.profile, params=b.param_count) for b in g.blocks),

@@ -85,13 +85,16 @@ class ModelInfo:
     active_params: int | None = None
     """A mixture of experts: the parameters one token meets (`ir.graph.Graph.active_param_count`);
     None (and not written) for a dense model, whose every parameter is active."""
+    frozen_params: int | None = None
+    """Parameters that do not train (a LoRA model's base; a quantized weight counted by its shape),
+    beside `params`, the trainable ones; None (and not written) where every parameter trains."""
 
     def __post_init__(self):
         freeze(self)
 
     def to_json(self) -> dict:
         return {f.name: encode(getattr(self, f.name)) for f in dataclasses.fields(self)
-                if f.name != "active_params" or self.active_params is not None}
+                if f.name not in ("active_params", "frozen_params") or getattr(self, f.name) is not None}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -67,6 +67,8 @@ def test_qlora_trains_like_eager_peft_on_a_bitsandbytes_base(quant, tmp_path):
     want_bytes = sum(state[n].numel() // 2 + state[n].numel() // 64 * 4 if n in linear else state[n].nbytes
                      for n in state)
     assert sum(b["bytes"] for k, b in pj["buffers"].items() if k.startswith("C:")) == want_bytes
+    # the plan counts the frozen base by its weights' shapes, beside the adapters it trains
+    assert pj["model"]["frozen_params"] == sum(p.numel() for p in base.parameters())
     members = [m for k, b in pj["buffers"].items() if k.startswith("C:") for m in b["members"]]
     assert sum(m.endswith(".weight_absmax") for m in members) == len(linear)
     data = batches(len(tok))
