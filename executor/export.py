@@ -83,7 +83,7 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, merge: bool = 
             raise TensorstowError(f"export --merge: {d} trains no PEFT (LoRA) model; export it without --merge")
         shards: list[dict[str, torch.Tensor]] = [{}]
         sizes = [0]
-        merger = _Merger(adapter, peft) if merge else None
+        merger = _Merger(adapter, peft, described[0][0].options.quantize) if merge else None
         for (plan, layout), store in zip(described, stores):
             for block in _blocks(plan, layout, store, prefix):
                 if peft is not None:
@@ -226,28 +226,38 @@ class _Merger:
     """The weights with each LoRA pair merged into its base weight as PEFT's `merge_and_unload`
     does: W + transpose(B @ A, fan_in_fan_out) * scaling (scaling = alpha / r, or alpha / sqrt(r)
     with rslora), under the base model's own names. A base weight and its factors may sit in
-    neighbouring blocks: each waits (alone in memory) until the other part arrives."""
+    neighbouring blocks: each waits (alone in memory) until the other part arrives. A quantized
+    base weight (`quantize`: its codes `X.weight` and scales `X.weight_absmax`) is dequantized as the
+    step dequantizes it, then merged: full-precision weights, as `merge_and_unload` of the
+    dequantized base gives."""
 
-    def __init__(self, adapter: str, peft: dict):
+    def __init__(self, adapter: str, peft: dict, quantize: str | None = None):
         if peft.get("rank_pattern") or peft.get("alpha_pattern"):
             raise TensorstowError("export --merge: per-module LoRA ranks or alphas (rank_pattern, alpha_pattern) "
                                   "are not supported; export the adapter and merge it with PEFT")
         r, alpha = peft["r"], peft["lora_alpha"]
         self.scaling = alpha / math.sqrt(r) if peft.get("use_rslora") else alpha / r
         self.adapter, self.fan_in_fan_out = adapter, bool(peft.get("fan_in_fan_out"))
+        self.quantize = quantize
         self.pending: dict[str, torch.Tensor] = {}
 
     def __call__(self, block: dict) -> dict:
         self.pending.update(block)
         out = {}
         for name in list(self.pending):
-            if any(k in name for k in LORA):
+            if any(k in name for k in LORA) or name not in self.pending or name.endswith(".weight_absmax"):
                 continue
+            scales = f"{name}_absmax" if self.quantize and name.endswith(".weight") else None
+            if scales is not None and scales not in self.pending:
+                scales = None  # a weight stored as it is (the LM head)
             module = name[:-len(".base_layer.weight")] if name.endswith(".base_layer.weight") else None
             a_name, b_name = f"{module}.lora_A.{self.adapter}.weight", f"{module}.lora_B.{self.adapter}.weight"
             if module is not None and not (a_name in self.pending and b_name in self.pending):
                 continue  # its factors are in a block still to come
             t = self.pending.pop(name)
+            if scales is not None:
+                from tensorstow.ir.quant import dequantized
+                t = dequantized(t, self.pending.pop(scales), self.quantize)
             if module is not None:
                 delta = self.pending.pop(b_name) @ self.pending.pop(a_name)
                 t = t + (delta.T if self.fan_in_fan_out else delta) * self.scaling

@@ -3,8 +3,9 @@ bitsandbytes holds them, dequantized by bitsandbytes' own kernel inside the step
 
 `quantize_linears(model, "nf4")` replaces every `nn.Linear` of the base but the LM head (as
 `BitsAndBytesConfig(load_in_4bit=True)` does by default; LoRA's own adapters are left as they are)
-with a `QuantLinear4bit`: its weight is two frozen parameters, the packed 4-bit codes (`weight`,
-uint8) and the per-block scales (`weight_absmax`, fp32, one a `BLOCKSIZE` weights), exactly
+with a `QuantLinear4bit`: its weight is two frozen parameters, the packed 4-bit codes (`weight`, uint8,
+(out, in / 2): two codes a byte, row by row) and the per-block scales (`weight_absmax`, fp32, one a
+`BLOCKSIZE` weights), exactly
 `bitsandbytes.functional.quantize_4bit(W, blocksize=64, quant_type=...)` of the full-precision
 weight (what `from_pretrained` with that config stores). Its forward is
 `F.linear(x, dequantize_4bit(codes, absmax, ...), bias)` through `torch.ops.bitsandbytes`, the
@@ -49,15 +50,15 @@ class QuantLinear4bit(nn.Module):
         self.quant_type = quant_type
         w = linear.weight
         n = w.numel()
-        if n % BLOCKSIZE or n % 2:
+        if n % BLOCKSIZE or self.in_features % 2:
             raise TensorstowError(f"--quantize {quant_type}: a {tuple(w.shape)} weight does not split into blocks of "
                                   f"{BLOCKSIZE}; leave its layer out (--quantize-skip)")
         if w.device.type == "meta" or _is_fake(w):  # shapes only: streamed or traced
-            codes = torch.empty(n // 2, 1, dtype=torch.uint8, device=w.device)
+            codes = torch.empty(self.out_features, self.in_features // 2, dtype=torch.uint8, device=w.device)
             absmax = torch.empty(n // BLOCKSIZE, dtype=torch.float32, device=w.device)
         else:
             codes, state = bnb_f.quantize_4bit(w.detach().float(), blocksize=BLOCKSIZE, quant_type=quant_type)
-            absmax = state.absmax
+            codes, absmax = codes.view(self.out_features, -1), state.absmax
         self.weight = nn.Parameter(codes, requires_grad=False)
         self.weight_absmax = nn.Parameter(absmax, requires_grad=False)
         self.bias = linear.bias
@@ -115,4 +116,11 @@ def quantized_part(weight: torch.Tensor, part: str, quant_type: str) -> torch.Te
     """`part` ("weight": the codes, "weight_absmax": the scales) of `weight` quantized as
     `QuantLinear4bit` stores it: a checkpoint's full-precision weight quantized as it is read."""
     codes, state = _bitsandbytes().quantize_4bit(weight.float(), blocksize=BLOCKSIZE, quant_type=quant_type)
-    return codes if part == "weight" else state.absmax
+    return codes.view(weight.shape[0], -1) if part == "weight" else state.absmax
+
+
+def dequantized(codes: torch.Tensor, absmax: torch.Tensor, quant_type: str) -> torch.Tensor:
+    """The fp32 weight of `QuantLinear4bit` codes (out, in / 2) and scales, as its forward makes it."""
+    _bitsandbytes()
+    return torch.ops.bitsandbytes.dequantize_4bit(codes, absmax, BLOCKSIZE, quant_type,
+                                                  [codes.shape[0], 2 * codes.shape[1]], torch.float32)

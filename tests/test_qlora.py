@@ -94,3 +94,38 @@ def test_quantize_needs_lora_and_a_known_format(tmp_path, capsys):
         assert err.count("\n") == 1 and says in err
     with pytest.raises(TensorstowError):
         tensorstow.plan(f"hf:{ckpt}", hw="lohan-rtx4090", quantize="nf4")
+
+
+def test_a_qlora_state_dir_exports_its_adapter_and_merged_full_precision_weights(tmp_path):
+    """The adapter loads with `PeftModel.from_pretrained` onto transformers' 4-bit base; `--merge`
+    writes full-precision weights: each base weight dequantized, its LoRA pair merged (what
+    `merge_and_unload` of the dequantized base gives)."""
+    import bitsandbytes.functional as bnb_f
+    ckpt = tmp_path / "ckpt"
+    pretrained(ckpt)
+    plan = tmp_path / "plan.json"
+    assert main(["plan", f"hf:{ckpt}", "--hw", "lohan-rtx4090", "--policy", "zero-infinity", "--precision", "fp32",
+                 "--batch", str(BATCH), "--seq", str(SEQ), "--gpu-mem", "1MB", "--lr", str(LR), "--weight-decay", "0",
+                 "--exact-optimizer", "--lora", LORA, "--quantize", "nf4", "-o", str(plan)]) == 0
+    assert main(["execute", str(plan), "--hw-mismatch", "ok", "--steps", "2", "--state-dir", str(tmp_path / "s")]) == 0
+    assert main(["export", str(tmp_path / "s"), "-o", str(tmp_path / "adapter")]) == 0
+    assert main(["export", str(tmp_path / "s"), "-o", str(tmp_path / "merged"), "--merge"]) == 0
+    cfg = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    base = transformers.AutoModelForCausalLM.from_pretrained(ckpt, quantization_config=cfg, device_map="cpu")
+    loaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
+    lora = {n: p for n, p in loaded.named_parameters() if "lora_" in n}
+    assert len(lora) == 2 * 2 * 3 and all(not torch.equal(p, torch.zeros_like(p)) for n, p in lora.items() if "lora_B" in n)
+    merged = dict(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").named_parameters())
+    full = dict(transformers.AutoModelForCausalLM.from_pretrained(ckpt).named_parameters())
+    assert merged.keys() == full.keys()
+    for n, w in full.items():
+        module = n[:-len(".weight")]
+        if ".layers." in n and n.endswith("proj.weight"):
+            codes, state = bnb_f.quantize_4bit(w.detach(), blocksize=64, quant_type="nf4")
+            want = bnb_f.dequantize_4bit(codes, state)
+            key = f"base_model.model.{module}"
+            if f"{key}.lora_A.default.weight" in lora:
+                want = want + lora[f"{key}.lora_B.default.weight"] @ lora[f"{key}.lora_A.default.weight"] * 2.0
+        else:
+            want = w
+        torch.testing.assert_close(merged[n], want.detach(), rtol=0, atol=0, msg=n)
