@@ -244,20 +244,20 @@ class _Merger:
     def __call__(self, block: dict) -> dict:
         self.pending.update(block)
         out = {}
+        from tensorstow.ir.quant import PARTS, Quantization, dequantized
         for name in list(self.pending):
-            if any(k in name for k in LORA) or name not in self.pending or name.endswith(".weight_absmax"):
+            if any(k in name for k in LORA) or name not in self.pending or any(name.endswith(f".{p}") for p in PARTS[1:]):
                 continue
-            scales = f"{name}_absmax" if self.quantize and name.endswith(".weight") else None
-            if scales is not None and scales not in self.pending:
-                scales = None  # a weight stored as it is (the LM head)
+            scales = [f"{name}{p[len('weight'):]}" for p in PARTS[1:]] if self.quantize and name.endswith(".weight") else []
+            scales = [s for s in scales if s in self.pending]  # none: a weight stored as it is (the LM head)
             module = name[:-len(".base_layer.weight")] if name.endswith(".base_layer.weight") else None
             a_name, b_name = f"{module}.lora_A.{self.adapter}.weight", f"{module}.lora_B.{self.adapter}.weight"
             if module is not None and not (a_name in self.pending and b_name in self.pending):
                 continue  # its factors are in a block still to come
             t = self.pending.pop(name)
-            if scales is not None:
-                from tensorstow.ir.quant import dequantized
-                t = dequantized(t, self.pending.pop(scales), self.quantize)
+            if scales:
+                parts = {"weight": t, **{s.rpartition(".")[2]: self.pending.pop(s) for s in scales}}
+                t = dequantized(parts, Quantization.parse(self.quantize).quant_type)
             if module is not None:
                 delta = self.pending.pop(b_name) @ self.pending.pop(a_name)
                 t = t + (delta.T if self.fan_in_fan_out else delta) * self.scaling

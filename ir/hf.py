@@ -232,8 +232,8 @@ def load(ref: str, *, weights: bool = True, lora: str | None = None, quantize: s
     if lora:
         model = _with_lora(model, ref, lora)
     if quantize:
-        from tensorstow.ir.quant import quantize_linears
-        quantize_linears(model, quantize)
+        from tensorstow.ir.quant import Quantization, quantize_linears
+        quantize_linears(model, Quantization.parse(quantize))
     model.train()
     return CausalLM(model)
 
@@ -268,12 +268,13 @@ class Checkpoint:
     `get_model_conversion_mapping`) makes it from its source tensors, as `from_pretrained` does."""
 
     def __init__(self, d: Path, own: dict[str, torch.Tensor] | None = None, hf_model: nn.Module | None = None,
-                 quantized: dict[str, str] | None = None, quant_type: str | None = None):
+                 quantized: dict[str, str] | None = None, quantization=None):
         self.own = own or {}
         self.quantized = quantized or {}
         """Parameter name -> the parameter name of the full-precision weight it is quantized from
         (`ir.quant.quantize_linears`: a quantized base, made as it is read)."""
-        self.quant_type = quant_type
+        self.quantization = quantization
+        """`ir.quant.Quantization` of the quantized parameters."""
         self._made: dict[str, dict[str, torch.Tensor]] = {}  # a weight's quantized parts, until both are taken
         index = d / "model.safetensors.index.json"
         if index.is_file():
@@ -323,12 +324,11 @@ class Checkpoint:
         if name in self.own:
             return self.own[name]
         if name in self.quantized:
-            from tensorstow.ir.quant import quantized_part
+            from tensorstow.ir.quant import quantized_parts
             source, part = self.quantized[name], name.rpartition(".")[2]
             parts = self._made.setdefault(source, {})
             if part not in parts:
-                weight = self._tensor(source)
-                parts.update({p: quantized_part(weight, p, self.quant_type) for p in ("weight", "weight_absmax")})
+                parts.update(quantized_parts(self._tensor(source), self.quantization))
             value = parts.pop(part)
             if not parts:
                 del self._made[source]
@@ -368,15 +368,16 @@ def load_streaming(ref: str, lora: str | None = None, quantize: str | None = Non
         model = load(ref, weights=False)
     if lora:
         model = CausalLM(_with_lora(model.model, ref, lora).train())
-    quantized = {}
+    quantized, q = {}, None
     if quantize:
-        from tensorstow.ir.quant import quantize_linears
+        from tensorstow.ir.quant import Quantization, quantize_linears
+        q = Quantization.parse(quantize)
         with parameters_on_meta():
-            made = quantize_linears(model.model, quantize)
+            made = quantize_linears(model.model, q)
         quantized = {f"model.{n}": f"model.{src}" for n, src in made.items()}
     own = {n: p.detach() for n, p in model.named_parameters() if p.device.type != "meta"}
     base = model.model.get_base_model() if hasattr(model.model, "get_base_model") else model.model
-    return model, Checkpoint(d, own, base, quantized, quantize)
+    return model, Checkpoint(d, own, base, quantized, q)
 
 
 def wrap(model: nn.Module) -> nn.Module:

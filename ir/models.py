@@ -240,9 +240,8 @@ def resolve_model(name: str, lora: str | None = None, quantize: str | None = Non
         raise TensorstowError(f"--quantize {quantize}: a quantized base is frozen, so it trains only adapters: add "
                               f"--lora r=...,targets=... (QLoRA)")
     if quantize:
-        from tensorstow.ir.quant import QUANT_TYPES
-        if quantize not in QUANT_TYPES:
-            raise TensorstowError(f"--quantize {quantize}: give one of {', '.join(QUANT_TYPES)}")
+        from tensorstow.ir.quant import Quantization
+        Quantization.parse(quantize)  # fail early with a clear message
     if lora and not name.startswith(hf.PREFIX):
         raise TensorstowError(f"--lora {lora}: LoRA from the command line adapts an hf:DIR checkpoint, not '{name}'; "
                               f"for another model give a PEFT model to the Python API (tensorstow.plan(model))")

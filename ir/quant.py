@@ -1,20 +1,26 @@
 """A frozen base stored quantized (QLoRA): the linear layers of a LoRA model's base held as
-bitsandbytes holds them, dequantized by bitsandbytes' own kernel inside the step.
+bitsandbytes holds them, dequantized by bitsandbytes' own kernels inside the step.
 
-`quantize_linears(model, "nf4")` replaces every `nn.Linear` of the base but the LM head (as
-`BitsAndBytesConfig(load_in_4bit=True)` does by default; LoRA's own adapters are left as they are)
-with a `QuantLinear4bit`: its weight is two frozen parameters, the packed 4-bit codes (`weight`, uint8,
-(out, in / 2): two codes a byte, row by row) and the per-block scales (`weight_absmax`, fp32, one a
-`BLOCKSIZE` weights), exactly
-`bitsandbytes.functional.quantize_4bit(W, blocksize=64, quant_type=...)` of the full-precision
-weight (what `from_pretrained` with that config stores). Its forward is
-`F.linear(x, dequantize_4bit(codes, absmax, ...), bias)` through `torch.ops.bitsandbytes`, the
-computation bitsandbytes' `Linear4bit` runs in training: the trace records the dequantization as
-an op of the step, the planner moves and stores the quantized bytes (the frozen parameters are the
-block's constants, `C:<b>`), and the executor dequantizes on the device inside the segment that
-reads the weight.
+`quantize_linears(model, Quantization.parse("nf4"))` replaces every `nn.Linear` of the base but the
+LM head and the layers `--quantize-skip` names (as `BitsAndBytesConfig(load_in_4bit=True,
+llm_int8_skip_modules=...)` does; LoRA's own adapters are left as they are) with a
+`QuantLinear4bit`. Its weight is frozen parameters holding exactly what
+`bitsandbytes.functional.quantize_4bit(W, blocksize=64, quant_type=..., compress_statistics=...)`
+makes of the full-precision weight (what `from_pretrained` with that config stores): the packed
+4-bit codes (`weight`, uint8, (out, in / 2): two codes a byte, row by row) and the per-block scales
+(`weight_absmax`, fp32, one a `BLOCKSIZE` weights); with double quantization the scales themselves
+8-bit (`weight_absmax` uint8, with `weight_nested_absmax` one fp32 a `NESTED_BLOCKSIZE` scales, the
+8-bit code table `weight_nested_code` and the scales' mean `weight_offset`). Its forward dequantizes
+them through `torch.ops.bitsandbytes` as bitsandbytes' `dequantize_4bit` does and runs `F.linear`:
+the computation `Linear4bit` runs in training. The trace records the dequantization as ops of the
+step, the planner moves and stores the quantized bytes (the frozen parameters are the block's
+constants, `C:<b>`), and the executor dequantizes on the device inside the segment that reads the
+weight.
 """
 from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -26,8 +32,43 @@ QUANT_TYPES = ("nf4", "fp4")
 """The 4-bit formats (`Options.quantize`)."""
 BLOCKSIZE = 64
 """Weights per scale: bitsandbytes' and transformers' default for 4-bit."""
+NESTED_BLOCKSIZE = 256
+"""Scales per second-level scale under double quantization (bitsandbytes' `compress_statistics`)."""
 SKIP = ("lm_head",)
 """Linear layers left in full precision (BitsAndBytesConfig's default `llm_int8_skip_modules`)."""
+PARTS = ("weight", "weight_absmax", "weight_nested_absmax", "weight_nested_code", "weight_offset")
+"""A quantized layer's frozen parameters, by name (the last three with double quantization)."""
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """`Options.quantize` read: "nf4", "fp4", "nf4,double", with ",skip=PATTERN" parts naming more
+    linear layers to keep in full precision (fnmatch patterns on module names, e.g. `*.mlp.down_proj`)."""
+    quant_type: str
+    double: bool = False
+    skip: tuple[str, ...] = ()
+
+    @staticmethod
+    def parse(spec: str) -> "Quantization":
+        quant_type, *rest = [p.strip() for p in spec.split(",")]
+        if quant_type not in QUANT_TYPES:
+            raise TensorstowError(f"--quantize {spec}: give one of {', '.join(QUANT_TYPES)}, then optionally ',double' "
+                                  f"and ',skip=PATTERN' parts (int8 is not supported yet)")
+        double, skip = False, []
+        for p in rest:
+            if p == "double":
+                double = True
+            elif p.startswith("skip=") and p[5:]:
+                skip.append(p[5:])
+            else:
+                raise TensorstowError(f"--quantize {spec}: unknown part '{p}'; the parts are 'double' and "
+                                      f"'skip=PATTERN'")
+        return Quantization(quant_type, double, tuple(skip))
+
+    def skips(self, name: str) -> bool:
+        """Whether the linear layer `name` (its qualified module name) stays in full precision."""
+        leaf = name.rpartition(".")[2]
+        return leaf in SKIP or any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(leaf, p) for p in self.skip)
 
 
 def _bitsandbytes():
@@ -39,36 +80,67 @@ def _bitsandbytes():
         raise TensorstowError("--quantize needs bitsandbytes (pip install 'tensorstow[hf]')") from None
 
 
+def quantized_parts(weight: torch.Tensor, q: Quantization) -> dict[str, torch.Tensor]:
+    """The frozen parameters `QuantLinear4bit` holds for `weight` (`PARTS`), as bitsandbytes makes them."""
+    codes, state = _bitsandbytes().quantize_4bit(weight.detach().float(), blocksize=BLOCKSIZE,
+                                                 quant_type=q.quant_type, compress_statistics=q.double)
+    parts = {"weight": codes.view(weight.shape[0], -1), "weight_absmax": state.absmax}
+    if q.double:
+        parts.update(weight_nested_absmax=state.state2.absmax, weight_nested_code=state.state2.code,
+                     weight_offset=state.offset.reshape(()).float())
+    return parts
+
+
+def _shapes(out_features: int, in_features: int, q: Quantization) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    blocks = out_features * in_features // BLOCKSIZE
+    shapes = {"weight": ((out_features, in_features // 2), torch.uint8),
+              "weight_absmax": ((blocks,), torch.uint8 if q.double else torch.float32)}
+    if q.double:
+        shapes.update(weight_nested_absmax=((-(-blocks // NESTED_BLOCKSIZE),), torch.float32),
+                      weight_nested_code=((256,), torch.float32), weight_offset=((), torch.float32))
+    return shapes
+
+
+def dequantized(parts: dict[str, torch.Tensor], quant_type: str) -> torch.Tensor:
+    """The fp32 weight of a quantized layer's parts (`PARTS` present), as bitsandbytes'
+    `dequantize_4bit` makes it: the scales first where they are 8-bit, then the codes."""
+    codes, absmax = parts["weight"], parts["weight_absmax"]
+    if "weight_nested_absmax" in parts:
+        absmax = torch.ops.bitsandbytes.dequantize_blockwise(absmax, parts["weight_nested_absmax"],
+                                                            parts["weight_nested_code"], NESTED_BLOCKSIZE,
+                                                            torch.float32)
+        absmax = absmax + parts["weight_offset"]
+    return torch.ops.bitsandbytes.dequantize_4bit(codes, absmax, BLOCKSIZE, quant_type,
+                                                  [codes.shape[0], 2 * codes.shape[1]], torch.float32)
+
+
 class QuantLinear4bit(nn.Module):
     """A linear layer whose weight is stored 4-bit (`quantize_4bit`'s codes and scales) and
     dequantized to fp32 on each use, as bitsandbytes' `Linear4bit` computes in training."""
 
-    def __init__(self, linear: nn.Linear, quant_type: str):
+    def __init__(self, linear: nn.Linear, q: Quantization):
         super().__init__()
-        bnb_f = _bitsandbytes()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.quant_type = quant_type
+        _bitsandbytes()
+        self.in_features, self.out_features, self.quant_type = linear.in_features, linear.out_features, q.quant_type
         w = linear.weight
-        n = w.numel()
-        if n % BLOCKSIZE or self.in_features % 2:
-            raise TensorstowError(f"--quantize {quant_type}: a {tuple(w.shape)} weight does not split into blocks of "
-                                  f"{BLOCKSIZE}; leave its layer out (--quantize-skip)")
+        if w.numel() % BLOCKSIZE or self.in_features % 2:
+            raise TensorstowError(f"--quantize: a {tuple(w.shape)} weight does not split into blocks of {BLOCKSIZE}; "
+                                  f"leave its layer out (--quantize {q.quant_type},skip=NAME)")
         if w.device.type == "meta" or _is_fake(w):  # shapes only: streamed or traced
-            codes = torch.empty(self.out_features, self.in_features // 2, dtype=torch.uint8, device=w.device)
-            absmax = torch.empty(n // BLOCKSIZE, dtype=torch.float32, device=w.device)
+            parts = {k: torch.empty(s, dtype=dt, device=w.device)
+                     for k, (s, dt) in _shapes(self.out_features, self.in_features, q).items()}
         else:
-            codes, state = bnb_f.quantize_4bit(w.detach().float(), blocksize=BLOCKSIZE, quant_type=quant_type)
-            codes, absmax = codes.view(self.out_features, -1), state.absmax
-        self.weight = nn.Parameter(codes, requires_grad=False)
-        self.weight_absmax = nn.Parameter(absmax, requires_grad=False)
+            parts = quantized_parts(w, q)
+        for k in PARTS:
+            if k in parts:
+                setattr(self, k, nn.Parameter(parts[k], requires_grad=False))
         self.bias = linear.bias
         if self.bias is not None:
             self.bias.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = torch.ops.bitsandbytes.dequantize_4bit(self.weight, self.weight_absmax, BLOCKSIZE, self.quant_type,
-                                                   [self.out_features, self.in_features], torch.float32)
-        return F.linear(x, w, self.bias)
+        parts = {k: getattr(self, k) for k in PARTS if hasattr(self, k)}
+        return F.linear(x, dequantized(parts, self.quant_type), self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.quant_type}"
@@ -79,24 +151,23 @@ def _is_fake(t: torch.Tensor) -> bool:
     return isinstance(t, FakeTensor)
 
 
-def quantize_linears(model: nn.Module, quant_type: str) -> dict[str, str]:
+def quantize_linears(model: nn.Module, q: Quantization) -> dict[str, str]:
     """Replace the base's linear layers of `model` (a PEFT LoRA model, or a plain one) by
     `QuantLinear4bit`s, in place; returns {qualified name of each quantized layer's parameter:
-    the full-precision weight's name it is made from} (`<layer>.weight` and
-    `<layer>.weight_absmax` -> `<layer>.weight`)."""
-    if quant_type not in QUANT_TYPES:
-        raise TensorstowError(f"--quantize {quant_type}: give one of {', '.join(QUANT_TYPES)}")
+    the full-precision weight's name it is made from} (`<layer>.weight_absmax` -> `<layer>.weight`)."""
     made: dict[str, str] = {}
     for name, module in list(model.named_modules()):
         for child, sub in list(module.named_children()):
             full = f"{name}.{child}" if name else child
-            if type(sub) is not nn.Linear or child in SKIP or ".lora_" in f".{full}" or child.startswith("lora_"):
+            if type(sub) is not nn.Linear or ".lora_" in f".{full}" or child.startswith("lora_"):
                 continue
-            setattr(module, child, QuantLinear4bit(sub, quant_type))
-            made[f"{full}.weight"] = f"{full}.weight"
-            made[f"{full}.weight_absmax"] = f"{full}.weight"
+            layer = full.removesuffix(".base_layer")
+            if q.skips(layer):
+                continue
+            setattr(module, child, QuantLinear4bit(sub, q))
+            made.update({f"{full}.{p}": f"{full}.weight" for p in PARTS if hasattr(getattr(module, child), p)})
     if not made:
-        raise TensorstowError(f"--quantize {quant_type}: the model has no linear layer to quantize")
+        raise TensorstowError("--quantize: the model has no linear layer to quantize")
     return made
 
 
@@ -110,17 +181,3 @@ def frozen_param_count(model: nn.Module) -> int:
             continue
         n += sum(p.numel() for p in m.parameters(recurse=False) if not p.requires_grad)
     return n
-
-
-def quantized_part(weight: torch.Tensor, part: str, quant_type: str) -> torch.Tensor:
-    """`part` ("weight": the codes, "weight_absmax": the scales) of `weight` quantized as
-    `QuantLinear4bit` stores it: a checkpoint's full-precision weight quantized as it is read."""
-    codes, state = _bitsandbytes().quantize_4bit(weight.float(), blocksize=BLOCKSIZE, quant_type=quant_type)
-    return codes.view(weight.shape[0], -1) if part == "weight" else state.absmax
-
-
-def dequantized(codes: torch.Tensor, absmax: torch.Tensor, quant_type: str) -> torch.Tensor:
-    """The fp32 weight of `QuantLinear4bit` codes (out, in / 2) and scales, as its forward makes it."""
-    _bitsandbytes()
-    return torch.ops.bitsandbytes.dequantize_4bit(codes, absmax, BLOCKSIZE, quant_type,
-                                                  [codes.shape[0], 2 * codes.shape[1]], torch.float32)

@@ -127,9 +127,11 @@ class Options:
     sequential."""
     quantize: str | None = None
     """With lora: the base's linear layers (all but the LM head) stored 4-bit as bitsandbytes
-    stores them, nf4 or fp4 (QLoRA: `BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=...)`),
-    quantized from the checkpoint as it is read, moved and kept quantized, dequantized on the device
-    in the segment that uses them (`ir.quant`)."""
+    stores them (QLoRA: `BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=...)`): nf4 or
+    fp4, then ",double" to quantize the scales too (`bnb_4bit_use_double_quant`) and ",skip=PATTERN"
+    parts for more layers to keep in full precision (`llm_int8_skip_modules`; fnmatch on module
+    names); quantized from the checkpoint as it is read, moved and kept quantized, dequantized on
+    the device in the segment that uses them (`ir.quant`)."""
     packing: bool = False
     """Train on windows of seq tokens that pack several examples (best-fit decreasing, as TRL packs):
     the step takes each token's position in its document, every document starts at position 0 and

@@ -34,8 +34,11 @@ def eager_qlora(ckpt, quant: str, data, precision: str = "fp32"):
     import contextlib
 
     from tensorstow.ir.autocast import gpu_autocast
-    cfg = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quant,
-                                          bnb_4bit_compute_dtype=torch.float32)
+    kind, *parts = quant.split(",")
+    skip = ["lm_head"] + [p[len("skip="):] for p in parts if p.startswith("skip=")]
+    cfg = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind,
+                                          bnb_4bit_compute_dtype=torch.float32,
+                                          bnb_4bit_use_double_quant="double" in parts, llm_int8_skip_modules=skip)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, quantization_config=cfg, device_map="cpu")
     model.config.use_cache = False
@@ -54,7 +57,8 @@ def eager_qlora(ckpt, quant: str, data, precision: str = "fp32"):
     return losses, {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("quant, precision", [("nf4", "fp32"), ("fp4", "fp32"), ("nf4", "bf16-mixed")])
+@pytest.mark.parametrize("quant, precision", [("nf4", "fp32"), ("fp4", "fp32"), ("nf4", "bf16-mixed"),
+                                              ("nf4,double", "fp32"), ("fp4,skip=down_proj", "fp32")])
 def test_qlora_trains_like_eager_peft_on_a_bitsandbytes_base(quant, precision, tmp_path):
     ckpt = tmp_path / "ckpt"
     tok = pretrained(ckpt)
@@ -64,13 +68,18 @@ def test_qlora_trains_like_eager_peft_on_a_bitsandbytes_base(quant, precision, t
                  "--exact-optimizer", "--lora", LORA, "--quantize", quant, "-o", str(plan)]) == 0
     pj = json.loads(plan.read_text())
     assert any(b["home"] == "ssd" for b in pj["buffers"].values())
-    # the base is stored quantized: each linear weight of the layers as 4-bit codes and fp32 scales (a
-    # 16th of its fp32 bytes), everything else as it was
+    # the base is stored quantized: each linear weight of the layers as 4-bit codes and its scales (fp32,
+    # or 8-bit with their own scales, code table and mean under double quantization), the rest as it was
     base = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
     state = {**dict(base.named_parameters()), **dict(base.named_buffers())}
-    linear = {n for n in state if ".layers." in n and n.endswith("proj.weight")}
-    want_bytes = sum(state[n].numel() // 2 + state[n].numel() // 64 * 4 if n in linear else state[n].nbytes
-                     for n in state)
+    linear = {n for n in state if ".layers." in n and n.endswith("proj.weight")
+              and not ("skip=down_proj" in quant and "down_proj" in n)}
+
+    def stored(n: int) -> int:
+        blocks = n // 64
+        scales = blocks + -(-blocks // 256) * 4 + 256 * 4 + 4 if "double" in quant else blocks * 4
+        return n // 2 + scales
+    want_bytes = sum(stored(state[n].numel()) if n in linear else state[n].nbytes for n in state)
     assert sum(b["bytes"] for k, b in pj["buffers"].items() if k.startswith("C:")) == want_bytes
     # the plan counts the frozen base by its weights' shapes, beside the adapters it trains
     assert pj["model"]["frozen_params"] == sum(p.numel() for p in base.parameters())
