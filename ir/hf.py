@@ -324,11 +324,13 @@ class Checkpoint:
         if name in self.own:
             return self.own[name]
         if name in self.quantized:
-            from tensorstow.ir.quant import quantized_parts
+            from tensorstow.ir.quant import parts_stored, quantized_parts
             source, part = self.quantized[name], name.rpartition(".")[2]
             parts = self._made.setdefault(source, {})
             if part not in parts:
-                parts.update(quantized_parts(self._tensor(source), self.quantization))
+                key = _checkpoint_key(source)
+                stored = parts_stored(key, self.files, self._read, self.quantization)
+                parts.update(stored if stored is not None else quantized_parts(self._tensor(source), self.quantization))
             value = parts.pop(part)
             if not parts:
                 del self._made[source]
@@ -336,10 +338,12 @@ class Checkpoint:
         return self._tensor(name)
 
     def _tensor(self, name: str) -> torch.Tensor:
-        key = name[len("model."):]
-        if key.startswith("base_model.model."):
-            key = key[len("base_model.model."):].replace(".base_layer.", ".")
+        key = _checkpoint_key(name)
         if key in self.files:
+            if f"{key}.quant_map" in self.files:
+                raise TensorstowError(f"the checkpoint stores {key} quantized, where the plan keeps the model's parameter "
+                                      f"{name} in full precision: plan it with the --quantize the checkpoint was saved "
+                                      f"with (and no skip= for that layer)")
             return self._read(key)
         if key in self.renamed:
             return self._read(self.renamed[key])
@@ -352,6 +356,15 @@ class Checkpoint:
             (value,) = tensors.values()
             return value
         raise TensorstowError(f"the checkpoint has no tensor {key} (the model's parameter {name})")
+
+
+def _checkpoint_key(name: str) -> str:
+    """The checkpoint's key of the wrapped model's parameter `name` (`model.` dropped; for a PEFT
+    model `base_model.model.` and `.base_layer` too)."""
+    key = name[len("model."):]
+    if key.startswith("base_model.model."):
+        key = key[len("base_model.model."):].replace(".base_layer.", ".")
+    return key
 
 
 def load_streaming(ref: str, lora: str | None = None, quantize: str | None = None

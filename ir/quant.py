@@ -91,6 +91,29 @@ def quantized_parts(weight: torch.Tensor, q: Quantization) -> dict[str, torch.Te
     return parts
 
 
+def parts_stored(key: str, files, read, q: Quantization) -> dict[str, torch.Tensor] | None:
+    """The parts of `key`'s weight where the checkpoint holds it already quantized (saved by
+    transformers from a bitsandbytes 4-bit model: `key` the codes, `key.absmax`, `key.quant_map`,
+    `key.quant_state.bitsandbytes__<type>`, and with double quantization `key.nested_absmax`,
+    `key.nested_quant_map`), read with bitsandbytes' own `QuantState.from_dict`; None where it holds
+    the weight in full precision. A checkpoint quantized otherwise than `q` is refused."""
+    if f"{key}.quant_map" not in files:
+        return None
+    stored = {k[len(key) + 1:]: read(k) for k in files if k.startswith(f"{key}.")}
+    state = _bitsandbytes().QuantState.from_dict(stored, torch.device("cpu"))
+    if state.quant_type != q.quant_type or bool(state.nested) != q.double or state.blocksize != BLOCKSIZE:
+        saved = state.quant_type + (",double" if state.nested else "")
+        raise TensorstowError(f"the checkpoint stores {key} as {saved} in blocks of {state.blocksize}, not as the plan's "
+                              f"--quantize {q.quant_type}{',double' if q.double else ''} (blocks of {BLOCKSIZE}): plan it "
+                              f"with --quantize {saved}")
+    codes = read(key)
+    parts = {"weight": codes.view(state.shape[0], -1), "weight_absmax": state.absmax}
+    if state.nested:
+        parts.update(weight_nested_absmax=state.state2.absmax, weight_nested_code=state.state2.code,
+                     weight_offset=state.offset.reshape(()).float())
+    return parts
+
+
 def _shapes(out_features: int, in_features: int, q: Quantization) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     blocks = out_features * in_features // BLOCKSIZE
     shapes = {"weight": ((out_features, in_features // 2), torch.uint8),

@@ -146,3 +146,49 @@ def test_a_qlora_state_dir_exports_its_adapter_and_merged_full_precision_weights
         else:
             want = w
         torch.testing.assert_close(merged[n], want.detach(), rtol=0, atol=0, msg=n)
+
+
+@pytest.mark.parametrize("quant", ["nf4", "nf4,double"])
+def test_a_checkpoint_saved_quantized_loads_as_saved(quant, tmp_path):
+    """A checkpoint transformers saved from a bitsandbytes 4-bit model (codes, scales and quant state
+    per weight) streams as it is stored: the same codes and scales, training like eager PEFT on
+    that checkpoint loaded by `from_pretrained`; a plan quantized otherwise is refused in one line."""
+    ckpt, saved = tmp_path / "ckpt", tmp_path / "saved"
+    pretrained(ckpt)
+    cfg = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
+                                          bnb_4bit_use_double_quant="double" in quant)
+    transformers.AutoModelForCausalLM.from_pretrained(ckpt, quantization_config=cfg, device_map="cpu").save_pretrained(saved)
+    plan = tmp_path / "plan.json"
+    assert main(["plan", f"hf:{saved}", "--hw", "lohan-rtx4090", "--policy", "zero-infinity", "--precision", "fp32",
+                 "--batch", str(BATCH), "--seq", str(SEQ), "--gpu-mem", "1MB", "--lr", str(LR), "--weight-decay", "0",
+                 "--exact-optimizer", "--lora", LORA, "--quantize", quant, "-o", str(plan)]) == 0
+    vocab = transformers.AutoConfig.from_pretrained(saved).vocab_size
+    data = batches(vocab)
+    ex = tensorstow.Executor(tensorstow.Plan.load(plan), f"hf:{saved}", state_dir=tmp_path / "s")
+    losses = [ex.step(x, y) for x, y in data]
+    got = ex.parameters()
+    ex.close()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(saved, device_map="cpu")
+    model.config.use_cache = False
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                       task_type="CAUSAL_LM"))
+    model.train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0, foreach=False)
+    want = []
+    for x, y in data:
+        opt.zero_grad()
+        loss = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    assert losses == pytest.approx(want, rel=1e-5)
+    for n, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(got["model." + n], p.detach(), rtol=1e-4, atol=1e-6)
+    other = tmp_path / "other.json"
+    assert main(["plan", f"hf:{saved}", "--hw", "lohan-rtx4090", "--policy", "zero-infinity", "--precision", "fp32",
+                 "--batch", str(BATCH), "--seq", str(SEQ), "--gpu-mem", "1MB", "--lora", LORA, "--quantize", "fp4",
+                 "-o", str(other)]) == 0
+    with pytest.raises(TensorstowError, match=r"stores model\.layers\.\d+\..* as nf4.*plan it with --quantize nf4"):
+        tensorstow.Executor(tensorstow.Plan.load(other), f"hf:{saved}", state_dir=tmp_path / "s2")
