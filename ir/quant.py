@@ -4,7 +4,7 @@ bitsandbytes holds them, dequantized by bitsandbytes' own kernels inside the ste
 `quantize_linears(model, Quantization.parse("nf4"))` replaces every `nn.Linear` of the base but the
 LM head and the layers `--quantize-skip` names (as `BitsAndBytesConfig(load_in_4bit=True,
 llm_int8_skip_modules=...)` does; LoRA's own adapters are left as they are) with a
-`QuantLinear4bit`. Its weight is frozen parameters holding exactly what
+`QuantLinear`. Its weight is frozen parameters holding exactly what
 `bitsandbytes.functional.quantize_4bit(W, blocksize=64, quant_type=..., compress_statistics=...)`
 makes of the full-precision weight (what `from_pretrained` with that config stores): the packed
 4-bit codes (`weight`, uint8, (out, in / 2): two codes a byte, row by row) and the per-block scales
@@ -28,16 +28,18 @@ import torch.nn.functional as F
 
 from tensorstow.errors import TensorstowError
 
-QUANT_TYPES = ("nf4", "fp4")
-"""The 4-bit formats (`Options.quantize`)."""
+QUANT_TYPES = ("nf4", "fp4", "int8")
+"""The formats (`Options.quantize`): 4-bit NF4 and FP4 (`load_in_4bit`), 8-bit LLM.int8 weights
+(`load_in_8bit`: int8 rows, each with its absmax scale)."""
 BLOCKSIZE = 64
 """Weights per scale: bitsandbytes' and transformers' default for 4-bit."""
 NESTED_BLOCKSIZE = 256
 """Scales per second-level scale under double quantization (bitsandbytes' `compress_statistics`)."""
 SKIP = ("lm_head",)
 """Linear layers left in full precision (BitsAndBytesConfig's default `llm_int8_skip_modules`)."""
-PARTS = ("weight", "weight_absmax", "weight_nested_absmax", "weight_nested_code", "weight_offset")
-"""A quantized layer's frozen parameters, by name (the last three with double quantization)."""
+PARTS = ("weight", "weight_absmax", "weight_nested_absmax", "weight_nested_code", "weight_offset", "weight_scb")
+"""A quantized layer's frozen parameters, by name: 4-bit the codes and scales (the nested ones with
+double quantization), int8 the codes and their rows' scales (`weight_scb`, bitsandbytes' SCB)."""
 
 
 @dataclass(frozen=True)
@@ -53,10 +55,10 @@ class Quantization:
         quant_type, *rest = [p.strip() for p in spec.split(",")]
         if quant_type not in QUANT_TYPES:
             raise TensorstowError(f"--quantize {spec}: give one of {', '.join(QUANT_TYPES)}, then optionally ',double' "
-                                  f"and ',skip=PATTERN' parts (int8 is not supported yet)")
+                                  f"(4-bit) and ',skip=PATTERN' parts")
         double, skip = False, []
         for p in rest:
-            if p == "double":
+            if p == "double" and quant_type != "int8":
                 double = True
             elif p.startswith("skip=") and p[5:]:
                 skip.append(p[5:])
@@ -81,7 +83,13 @@ def _bitsandbytes():
 
 
 def quantized_parts(weight: torch.Tensor, q: Quantization) -> dict[str, torch.Tensor]:
-    """The frozen parameters `QuantLinear4bit` holds for `weight` (`PARTS`), as bitsandbytes makes them."""
+    """The frozen parameters `QuantLinear` holds for `weight` (`PARTS`), as bitsandbytes makes them:
+    4-bit by `quantize_4bit`, int8 by `int8_vectorwise_quant` of the fp16 weight (what transformers'
+    `load_in_8bit` stores)."""
+    if q.quant_type == "int8":
+        _bitsandbytes()
+        codes, scb, _ = torch.ops.bitsandbytes.int8_vectorwise_quant(weight.detach().to(torch.float16), 0.0)
+        return {"weight": codes, "weight_scb": scb}
     codes, state = _bitsandbytes().quantize_4bit(weight.detach().float(), blocksize=BLOCKSIZE,
                                                  quant_type=q.quant_type, compress_statistics=q.double)
     parts = {"weight": codes.view(weight.shape[0], -1), "weight_absmax": state.absmax}
@@ -97,11 +105,17 @@ def parts_stored(key: str, files, read, q: Quantization) -> dict[str, torch.Tens
     `key.quant_state.bitsandbytes__<type>`, and with double quantization `key.nested_absmax`,
     `key.nested_quant_map`), read with bitsandbytes' own `QuantState.from_dict`; None where it holds
     the weight in full precision. A checkpoint quantized otherwise than `q` is refused."""
+    module = key.removesuffix(".weight")
+    if q.quant_type == "int8" and f"{module}.SCB" in files:
+        return {"weight": read(key), "weight_scb": read(f"{module}.SCB")}
     if f"{key}.quant_map" not in files:
+        if f"{module}.SCB" in files:
+            raise TensorstowError(f"the checkpoint stores {key} as int8, not as the plan's --quantize {q.quant_type}: "
+                                  f"plan it with --quantize int8")
         return None
     stored = {k[len(key) + 1:]: read(k) for k in files if k.startswith(f"{key}.")}
     state = _bitsandbytes().QuantState.from_dict(stored, torch.device("cpu"))
-    if state.quant_type != q.quant_type or bool(state.nested) != q.double or state.blocksize != BLOCKSIZE:
+    if q.quant_type == "int8" or state.quant_type != q.quant_type or bool(state.nested) != q.double or state.blocksize != BLOCKSIZE:
         saved = state.quant_type + (",double" if state.nested else "")
         raise TensorstowError(f"the checkpoint stores {key} as {saved} in blocks of {state.blocksize}, not as the plan's "
                               f"--quantize {q.quant_type}{',double' if q.double else ''} (blocks of {BLOCKSIZE}): plan it "
@@ -115,6 +129,8 @@ def parts_stored(key: str, files, read, q: Quantization) -> dict[str, torch.Tens
 
 
 def _shapes(out_features: int, in_features: int, q: Quantization) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    if q.quant_type == "int8":
+        return {"weight": ((out_features, in_features), torch.int8), "weight_scb": ((out_features,), torch.float32)}
     blocks = out_features * in_features // BLOCKSIZE
     shapes = {"weight": ((out_features, in_features // 2), torch.uint8),
               "weight_absmax": ((blocks,), torch.uint8 if q.double else torch.float32)}
@@ -124,9 +140,12 @@ def _shapes(out_features: int, in_features: int, q: Quantization) -> dict[str, t
     return shapes
 
 
-def dequantized(parts: dict[str, torch.Tensor], quant_type: str) -> torch.Tensor:
-    """The fp32 weight of a quantized layer's parts (`PARTS` present), as bitsandbytes'
-    `dequantize_4bit` makes it: the scales first where they are 8-bit, then the codes."""
+def dequantized(parts: dict[str, torch.Tensor], quant_type: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weight of a quantized layer's parts (`PARTS` present), as bitsandbytes makes it in training:
+    4-bit by `dequantize_4bit` (the scales first where they are 8-bit), in fp32; int8 as its CPU
+    training path (`MatMul8bitFp`) does, the codes in `dtype` (the input's) times their row's scale / 127."""
+    if "weight_scb" in parts:
+        return parts["weight"].to(dtype).mul_(parts["weight_scb"].unsqueeze(1).mul(1.0 / 127.0))
     codes, absmax = parts["weight"], parts["weight_absmax"]
     if "weight_nested_absmax" in parts:
         absmax = torch.ops.bitsandbytes.dequantize_blockwise(absmax, parts["weight_nested_absmax"],
@@ -137,16 +156,17 @@ def dequantized(parts: dict[str, torch.Tensor], quant_type: str) -> torch.Tensor
                                                   [codes.shape[0], 2 * codes.shape[1]], torch.float32)
 
 
-class QuantLinear4bit(nn.Module):
-    """A linear layer whose weight is stored 4-bit (`quantize_4bit`'s codes and scales) and
-    dequantized to fp32 on each use, as bitsandbytes' `Linear4bit` computes in training."""
+class QuantLinear(nn.Module):
+    """A linear layer whose weight is stored quantized (4-bit: `quantize_4bit`'s codes and scales;
+    int8: rows and their scales) and dequantized on each use, as bitsandbytes' `Linear4bit` and
+    `Linear8bitLt` compute in training."""
 
     def __init__(self, linear: nn.Linear, q: Quantization):
         super().__init__()
         _bitsandbytes()
         self.in_features, self.out_features, self.quant_type = linear.in_features, linear.out_features, q.quant_type
         w = linear.weight
-        if w.numel() % BLOCKSIZE or self.in_features % 2:
+        if q.quant_type != "int8" and (w.numel() % BLOCKSIZE or self.in_features % 2):
             raise TensorstowError(f"--quantize: a {tuple(w.shape)} weight does not split into blocks of {BLOCKSIZE}; "
                                   f"leave its layer out (--quantize {q.quant_type},skip=NAME)")
         if w.device.type == "meta" or _is_fake(w):  # shapes only: streamed or traced
@@ -163,7 +183,7 @@ class QuantLinear4bit(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         parts = {k: getattr(self, k) for k in PARTS if hasattr(self, k)}
-        return F.linear(x, dequantized(parts, self.quant_type), self.bias)
+        return F.linear(x, dequantized(parts, self.quant_type, x.dtype), self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.quant_type}"
@@ -176,7 +196,7 @@ def _is_fake(t: torch.Tensor) -> bool:
 
 def quantize_linears(model: nn.Module, q: Quantization) -> dict[str, str]:
     """Replace the base's linear layers of `model` (a PEFT LoRA model, or a plain one) by
-    `QuantLinear4bit`s, in place; returns {qualified name of each quantized layer's parameter:
+    `QuantLinear`s, in place; returns {qualified name of each quantized layer's parameter:
     the full-precision weight's name it is made from} (`<layer>.weight_absmax` -> `<layer>.weight`)."""
     made: dict[str, str] = {}
     for name, module in list(model.named_modules()):
@@ -187,7 +207,7 @@ def quantize_linears(model: nn.Module, q: Quantization) -> dict[str, str]:
             layer = full.removesuffix(".base_layer")
             if q.skips(layer):
                 continue
-            setattr(module, child, QuantLinear4bit(sub, q))
+            setattr(module, child, QuantLinear(sub, q))
             made.update({f"{full}.{p}": f"{full}.weight" for p in PARTS if hasattr(getattr(module, child), p)})
     if not made:
         raise TensorstowError("--quantize: the model has no linear layer to quantize")
@@ -199,7 +219,7 @@ def frozen_param_count(model: nn.Module) -> int:
     its shape, not by its codes and scales."""
     n = 0
     for m in model.modules():
-        if isinstance(m, QuantLinear4bit):
+        if isinstance(m, QuantLinear):
             n += m.in_features * m.out_features + (m.bias.numel() if m.bias is not None else 0)
             continue
         n += sum(p.numel() for p in m.parameters(recurse=False) if not p.requires_grad)

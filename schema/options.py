@@ -126,9 +126,9 @@ class Options:
     """Pipelines: stage -> GPU mapping, cross (from the root complexes, Mobius §3.3) or
     sequential."""
     quantize: str | None = None
-    """With lora: the base's linear layers (all but the LM head) stored 4-bit as bitsandbytes
-    stores them (QLoRA: `BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=...)`): nf4 or
-    fp4, then ",double" to quantize the scales too (`bnb_4bit_use_double_quant`) and ",skip=PATTERN"
+    """With lora: the base's linear layers (all but the LM head) stored quantized as bitsandbytes
+    stores them (QLoRA: `BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=...)`, or
+    `load_in_8bit=True`): nf4, fp4 or int8, then for 4-bit ",double" to quantize the scales too (`bnb_4bit_use_double_quant`) and ",skip=PATTERN"
     parts for more layers to keep in full precision (`llm_int8_skip_modules`; fnmatch on module
     names); quantized from the checkpoint as it is read, moved and kept quantized, dequantized on
     the device in the segment that uses them (`ir.quant`)."""

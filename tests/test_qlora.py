@@ -36,9 +36,12 @@ def eager_qlora(ckpt, quant: str, data, precision: str = "fp32"):
     from tensorstow.ir.autocast import gpu_autocast
     kind, *parts = quant.split(",")
     skip = ["lm_head"] + [p[len("skip="):] for p in parts if p.startswith("skip=")]
-    cfg = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind,
-                                          bnb_4bit_compute_dtype=torch.float32,
-                                          bnb_4bit_use_double_quant="double" in parts, llm_int8_skip_modules=skip)
+    if kind == "int8":
+        cfg = transformers.BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
+    else:
+        cfg = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind,
+                                              bnb_4bit_compute_dtype=torch.float32,
+                                              bnb_4bit_use_double_quant="double" in parts, llm_int8_skip_modules=skip)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, quantization_config=cfg, device_map="cpu")
     model.config.use_cache = False
@@ -58,7 +61,8 @@ def eager_qlora(ckpt, quant: str, data, precision: str = "fp32"):
 
 
 @pytest.mark.parametrize("quant, precision", [("nf4", "fp32"), ("fp4", "fp32"), ("nf4", "bf16-mixed"),
-                                              ("nf4,double", "fp32"), ("fp4,skip=down_proj", "fp32")])
+                                              ("nf4,double", "fp32"), ("fp4,skip=down_proj", "fp32"), ("int8", "fp32"),
+                                              ("int8", "bf16-mixed")])
 def test_qlora_trains_like_eager_peft_on_a_bitsandbytes_base(quant, precision, tmp_path):
     ckpt = tmp_path / "ckpt"
     tok = pretrained(ckpt)
@@ -75,16 +79,18 @@ def test_qlora_trains_like_eager_peft_on_a_bitsandbytes_base(quant, precision, t
     linear = {n for n in state if ".layers." in n and n.endswith("proj.weight")
               and not ("skip=down_proj" in quant and "down_proj" in n)}
 
-    def stored(n: int) -> int:
+    def stored(n: int, rows: int) -> int:
+        if quant == "int8":  # int8 codes, an fp32 scale a row
+            return n + rows * 4
         blocks = n // 64
         scales = blocks + -(-blocks // 256) * 4 + 256 * 4 + 4 if "double" in quant else blocks * 4
         return n // 2 + scales
-    want_bytes = sum(stored(state[n].numel()) if n in linear else state[n].nbytes for n in state)
+    want_bytes = sum(stored(state[n].numel(), state[n].shape[0]) if n in linear else state[n].nbytes for n in state)
     assert sum(b["bytes"] for k, b in pj["buffers"].items() if k.startswith("C:")) == want_bytes
     # the plan counts the frozen base by its weights' shapes, beside the adapters it trains
     assert pj["model"]["frozen_params"] == sum(p.numel() for p in base.parameters())
     members = [m for k, b in pj["buffers"].items() if k.startswith("C:") for m in b["members"]]
-    assert sum(m.endswith(".weight_absmax") for m in members) == len(linear)
+    assert sum(m.endswith(".weight_scb" if quant == "int8" else ".weight_absmax") for m in members) == len(linear)
     data = batches(len(tok))
     ex = tensorstow.Executor(tensorstow.Plan.load(plan), f"hf:{ckpt}", state_dir=tmp_path / "s")
     losses = [ex.step(x, y) for x, y in data]
@@ -148,15 +154,16 @@ def test_a_qlora_state_dir_exports_its_adapter_and_merged_full_precision_weights
         torch.testing.assert_close(merged[n], want.detach(), rtol=0, atol=0, msg=n)
 
 
-@pytest.mark.parametrize("quant", ["nf4", "nf4,double"])
+@pytest.mark.parametrize("quant", ["nf4", "nf4,double", "int8"])
 def test_a_checkpoint_saved_quantized_loads_as_saved(quant, tmp_path):
     """A checkpoint transformers saved from a bitsandbytes 4-bit model (codes, scales and quant state
     per weight) streams as it is stored: the same codes and scales, training like eager PEFT on
     that checkpoint loaded by `from_pretrained`; a plan quantized otherwise is refused in one line."""
     ckpt, saved = tmp_path / "ckpt", tmp_path / "saved"
     pretrained(ckpt)
-    cfg = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
-                                          bnb_4bit_use_double_quant="double" in quant)
+    cfg = (transformers.BitsAndBytesConfig(load_in_8bit=True) if quant == "int8" else
+           transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
+                                           bnb_4bit_use_double_quant="double" in quant))
     transformers.AutoModelForCausalLM.from_pretrained(ckpt, quantization_config=cfg, device_map="cpu").save_pretrained(saved)
     plan = tmp_path / "plan.json"
     assert main(["plan", f"hf:{saved}", "--hw", "lohan-rtx4090", "--policy", "zero-infinity", "--precision", "fp32",
@@ -190,5 +197,6 @@ def test_a_checkpoint_saved_quantized_loads_as_saved(quant, tmp_path):
     assert main(["plan", f"hf:{saved}", "--hw", "lohan-rtx4090", "--policy", "zero-infinity", "--precision", "fp32",
                  "--batch", str(BATCH), "--seq", str(SEQ), "--gpu-mem", "1MB", "--lora", LORA, "--quantize", "fp4",
                  "-o", str(other)]) == 0
-    with pytest.raises(TensorstowError, match=r"stores model\.layers\.\d+\..* as nf4.*plan it with --quantize nf4"):
+    kind = quant.split(",")[0]
+    with pytest.raises(TensorstowError, match=rf"stores model\.layers\.\d+\..* as {kind}.*plan it with --quantize {kind}"):
         tensorstow.Executor(tensorstow.Plan.load(other), f"hf:{saved}", state_dir=tmp_path / "s2")
