@@ -300,6 +300,8 @@ def cmd_fit(args) -> int:
         if name not in POLICIES and name != "auto":
             raise TensorstowError(f"unknown policy '{name}': use one of {sorted(POLICIES) + ['auto']}")
         o = from_asked("gpt3-13b", {k: getattr(args, k) for k in FIT_OPTIONS} | {"policy": name}, "tensorstow fit")
+        if o.quantize and not o.lora:
+            raise TensorstowError(f"fit --quantize {o.quantize}: a quantized base trains adapters: add --lora r=...,targets=...")
         r = report.largest_fitting(o, hardware_for(o, args.reprobe))
         if r["model"] is None:
             print(f"{name:<14} {'none fits':<14}")
@@ -518,8 +520,9 @@ DEMO_LINE = ("With no arguments, `tensorstow` runs the built-in demo: it plans g
              "the SSD, then trains it 4 steps in a temporary directory and prints measured against "
              "predicted step time.")
 
-FIT_OPTIONS = ("hw", "policy", "precision", "gpu_mem", "dram", "ssds")
-"""The plan options `tensorstow fit` takes (it plans the GPT-3 presets itself)."""
+FIT_OPTIONS = ("hw", "policy", "precision", "seq", "gpu_mem", "dram", "ssds", "lora", "quantize")
+"""The plan options `tensorstow fit` takes (it plans the GPT-3 presets itself, or with --lora the
+LLaMA-shaped models of `planner.report.LLAMA_LADDER`)."""
 
 
 def _shown(value) -> str:

@@ -49,12 +49,52 @@ def sweep(options: Options, hw, key: str, values: list[int]) -> list[dict]:
     return rows
 
 
-def largest_fitting(options: Options, hw, *, batches=(1, 2, 4, 8, 16, 32, 64)) -> dict:
-    """Largest GPT-3 preset that fits (batch 1), then the batch with the best throughput."""
-    names = sorted((n for n in PRESETS if n.startswith("gpt3-")), key=lambda n: gpt_param_count(PRESETS[n]))
+LLAMA_LADDER = {
+    "llama-1b": (2048, 16, 8192, 32, 8), "llama-3b": (3072, 28, 8192, 24, 8), "llama-7b": (4096, 32, 11008, 32, 32),
+    "llama-13b": (5120, 40, 13824, 40, 40), "llama-34b": (8192, 48, 22016, 64, 8),
+    "llama-70b": (8192, 80, 28672, 64, 8), "llama-405b": (16384, 126, 53248, 128, 8)}
+"""LLaMA-shaped models `fit --lora` tries, smallest first: (hidden size, layers, MLP width,
+attention heads, key/value heads) of Llama 3.2 1B and 3B, LLaMA-2 7B and 13B, Code Llama 34B,
+LLaMA-2 70B and Llama 3.1 405B (vocabulary 32000)."""
+
+
+def llama_config(name: str, seq: int) -> dict:
+    """The Hugging Face config of a LLAMA_LADDER model, for `seq` tokens."""
+    h, layers, inter, heads, kv = LLAMA_LADDER[name]
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
+            "num_hidden_layers": layers, "intermediate_size": inter, "num_attention_heads": heads,
+            "num_key_value_heads": kv, "vocab_size": 32000, "max_position_embeddings": max(seq, 4096),
+            "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu"}
+
+
+def llama_params(name: str) -> int:
+    h, layers, inter, heads, kv = LLAMA_LADDER[name]
+    attn = h * h * 2 + 2 * h * (h // heads) * kv
+    return layers * (attn + 3 * h * inter + 2 * h) + 2 * 32000 * h + h
+
+
+def largest_fitting(options: Options, hw, *, batches=(1, 2, 4, 8, 16, 32, 64), seq: int = 2048) -> dict:
+    """Largest GPT-3 preset that fits (batch 1), then the batch with the best throughput. With
+    `options.lora` (and `quantize`: QLoRA), the largest LLaMA-shaped model of LLAMA_LADDER instead,
+    adapters trained on its frozen base, at `seq` tokens a row."""
+    if options.lora:
+        import json
+        import tempfile
+        from pathlib import Path
+        root = Path(tempfile.mkdtemp(prefix="tensorstow-fit-"))
+        refs = {}
+        for name in LLAMA_LADDER:
+            (root / name).mkdir()
+            (root / name / "config.json").write_text(json.dumps(llama_config(name, seq)))
+            refs[name] = f"hf:{root / name}"
+        names, params = list(LLAMA_LADDER), llama_params
+        options = dataclasses.replace(options, seq=options.seq or seq)
+    else:
+        names = sorted((n for n in PRESETS if n.startswith("gpt3-")), key=lambda n: gpt_param_count(PRESETS[n]))
+        refs, params = {n: n for n in names}, lambda n: gpt_param_count(PRESETS[n])
 
     def fits(name, batch):
-        o = dataclasses.replace(options, model=name, batch=batch)
+        o = dataclasses.replace(options, model=refs[name], batch=batch)
         p = plan_problem(build_problem(o, hw), o.policy)
         return p if p.fits else None
 
@@ -74,7 +114,7 @@ def largest_fitting(options: Options, hw, *, batches=(1, 2, 4, 8, 16, 32, 64)) -
             break
         rows.append((p.to_plan().predicted.tokens_per_s, b, p))
     tps, batch, plan = max(rows, key=lambda r: (r[0], -r[1]))
-    return {"policy": options.policy, "model": best, "params": gpt_param_count(PRESETS[best]), "batch": batch,
+    return {"policy": options.policy, "model": best, "params": params(best), "batch": batch,
             "tokens_per_s": tps, "step_time_s": plan.sim.step_time_s, "chosen": plan.decisions.policy}
 
 

@@ -200,3 +200,21 @@ def test_a_checkpoint_saved_quantized_loads_as_saved(quant, tmp_path):
     kind = quant.split(",")[0]
     with pytest.raises(TensorstowError, match=rf"stores model\.layers\.\d+\..* as {kind}.*plan it with --quantize {kind}"):
         tensorstow.Executor(tensorstow.Plan.load(other), f"hf:{saved}", state_dir=tmp_path / "s2")
+
+
+def test_fit_finds_the_largest_model_this_machine_can_qlora(monkeypatch, capsys):
+    """`fit --lora ... --quantize nf4` walks LLaMA-shaped models (here a ladder of small ones): on a
+    machine with little DRAM and no SSD, a 4-bit base fits a larger model than a full-precision one."""
+    from tensorstow.planner import report
+    monkeypatch.setattr(report, "LLAMA_LADDER", {
+        "llama-s": (128, 2, 256, 4, 4), "llama-m": (256, 4, 512, 4, 4), "llama-l": (512, 4, 1024, 8, 8),
+        "llama-xl": (768, 6, 2048, 12, 12)})
+    found = {}
+    for quantize in ([], ["--quantize", "nf4"]):
+        assert main(["fit", "--hw", "lohan-rtx4090", "--gpu-mem", "400MB", "--dram", "150MB", "--ssds", "0",
+                     "--seq", "64", "--policy", "lohan", "--lora", "r=4,targets=q_proj,v_proj", *quantize]) == 0
+        row = capsys.readouterr().out.splitlines()[-1].split()
+        found[bool(quantize)] = row[1]
+    ladder = list(report.LLAMA_LADDER)
+    assert found[False] in ladder and found[True] in ladder
+    assert ladder.index(found[True]) > ladder.index(found[False])
