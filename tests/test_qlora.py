@@ -104,6 +104,18 @@ def test_qlora_trains_like_eager_peft_on_a_bitsandbytes_base(quant, precision, t
     assert losses == pytest.approx(want_losses, rel=1e-5)
     for n, p in want.items():
         torch.testing.assert_close(got["model." + n], p, rtol=1e-4, atol=1e-6)
+    if quant != "nf4":
+        return
+    # the same base homed in DRAM (no SSD on the machine): the same training
+    dram = tmp_path / "dram.json"
+    assert main(["plan", f"hf:{ckpt}", "--hw", "lohan-rtx4090", "--policy", "zero-infinity", "--precision", precision,
+                 "--batch", str(BATCH), "--seq", str(SEQ), "--gpu-mem", "1MB", "--ssds", "0", "--lr", str(LR),
+                 "--weight-decay", "0", "--exact-optimizer", "--lora", LORA, "--quantize", quant, "-o", str(dram)]) == 0
+    homes = {b["home"] for k, b in json.loads(dram.read_text())["buffers"].items() if k.startswith("C:")}
+    assert homes == {"dram"}
+    ex = tensorstow.Executor(tensorstow.Plan.load(dram), f"hf:{ckpt}")
+    assert [ex.step(x, y) for x, y in data] == pytest.approx(want_losses, rel=1e-5)
+    ex.close()
 
 
 def test_quantize_needs_lora_and_a_known_format(tmp_path, capsys):
