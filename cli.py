@@ -316,7 +316,8 @@ def cmd_show(args) -> int:
     plan = load_plan(args.plan)
     if not plan.options.model.startswith("<"):  # a model execute can build (an API plan's is the caller's)
         from tensorstow.ir.models import resolve_model
-        resolve_model(plan.options.model, plan.options.lora, plan.options.quantize)
+        o = plan.options
+        resolve_model(o.model, o.lora, o.quantize, o.quantize_skip)
     sim = simulate_plan(plan)  # once: the summary, the replay line and the trace read it
     print(summary(plan, sim, args.verbose))
     print(replay_line(plan, sim))

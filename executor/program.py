@@ -431,8 +431,8 @@ def compile_program(plan, model, *, rank: int | None = None, comm=None, traced: 
             raise TensorstowError("init_values is for a model object; a model named by a string brings its own")
         o = plan.options  # the plan's LoRA adapters go on the model it names
         same = model == o.model
-        model, init_values = build_for_execution(resolve_model(model, o.lora if same else None,
-                                                               o.quantize if same else None), seed)
+        model, init_values = build_for_execution(resolve_model(model, *((o.lora, o.quantize, o.quantize_skip) if same
+                                                                        else ())), seed)
     model = wrap(model)
     program = Program(plan, traced if traced is not None else trace_for(plan, model), model, rank=rank, comm=comm)
     return program, model, init_values

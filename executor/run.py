@@ -52,7 +52,8 @@ def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, 
     mode = pick_mode(run.mode, plan, run.device)
     steps, state_dir = run.steps, run.state_dir
     _check_run(plan, run, rank)
-    spec = resolve_model(plan.options.model, plan.options.lora, plan.options.quantize)
+    o = plan.options
+    spec = resolve_model(o.model, o.lora, o.quantize, o.quantize_skip)
     model, init = build_for_execution(spec, run.seed)
     store, start, resume, d = None, 0, False, None
     if state_dir is None and plan.ssd_sizes():
@@ -198,8 +199,8 @@ def evaluate_state(plan: Plan, run: Run, *, out=None) -> dict:
         raise TensorstowError(f"{d} is not a tensorstow state dir (no {statedir.PLAN}); pass the --state-dir "
                               f"of a tensorstow execute run")
     owner = statedir.held(d, plan)  # the plan it trains
-    model, init = build_for_execution(resolve_model(plan.options.model, plan.options.lora, plan.options.quantize),
-                                      run.seed)
+    o = plan.options
+    model, init = build_for_execution(resolve_model(o.model, o.lora, o.quantize, o.quantize_skip), run.seed)
     # read-only: an evaluation changes nothing in the state dir, which may be read-only to it
     with SSDStore(d, statedir.store_sizes(plan), owner=statedir.fingerprint(owner), read_only=True) as store:
         step = store.committed_step()

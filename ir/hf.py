@@ -207,7 +207,8 @@ def _with_lora(model: nn.Module, ref: str, lora: str) -> nn.Module:
         nn.Module.to = to
 
 
-def load(ref: str, *, weights: bool = True, lora: str | None = None, quantize: str | None = None) -> CausalLM:
+def load(ref: str, *, weights: bool = True, lora: str | None = None, quantize: str | None = None,
+         quantize_skip: str | None = None) -> CausalLM:
     """Build the model of `hf:DIR`: from its safetensors weights when there are some (and
     `weights`), else initialised as `AutoModelForCausalLM.from_config(config)` does (the
     caller seeds torch first); with `lora`, LoRA adapters on it (`Options.lora`), and with
@@ -233,7 +234,7 @@ def load(ref: str, *, weights: bool = True, lora: str | None = None, quantize: s
         model = _with_lora(model, ref, lora)
     if quantize:
         from tensorstow.ir.quant import Quantization, quantize_linears
-        quantize_linears(model, Quantization.parse(quantize))
+        quantize_linears(model, Quantization.parse(quantize, quantize_skip))
     model.train()
     return CausalLM(model)
 
@@ -367,7 +368,7 @@ def _checkpoint_key(name: str) -> str:
     return key
 
 
-def load_streaming(ref: str, lora: str | None = None, quantize: str | None = None
+def load_streaming(ref: str, lora: str | None = None, quantize: str | None = None, quantize_skip: str | None = None
                    ) -> tuple[CausalLM, "Checkpoint | None"]:
     """`hf:DIR` for execution: with safetensors weights, the model with its parameters on the
     meta device and the checkpoint to stream them from; without, as `load` builds it. With
@@ -376,7 +377,7 @@ def load_streaming(ref: str, lora: str | None = None, quantize: str | None = Non
     base's linear weights are quantized as they are read (out of core: one tensor at a time)."""
     d = check_dir(ref)
     if not has_weights(d):
-        return load(ref, lora=lora, quantize=quantize), None
+        return load(ref, lora=lora, quantize=quantize, quantize_skip=quantize_skip), None
     with parameters_on_meta():
         model = load(ref, weights=False)
     if lora:
@@ -384,7 +385,7 @@ def load_streaming(ref: str, lora: str | None = None, quantize: str | None = Non
     quantized, q = {}, None
     if quantize:
         from tensorstow.ir.quant import Quantization, quantize_linears
-        q = Quantization.parse(quantize)
+        q = Quantization.parse(quantize, quantize_skip)
         with parameters_on_meta():
             made = quantize_linears(model.model, q)
         quantized = {f"model.{n}": f"model.{src}" for n, src in made.items()}

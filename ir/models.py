@@ -200,6 +200,8 @@ class ModelSpec:
     """`Options.lora`: LoRA adapters on an `hf:` model."""
     quantize: str | None = None
     """`Options.quantize`: the LoRA model's base stored quantized (`ir.quant`)."""
+    quantize_skip: str | None = None
+    """`Options.quantize_skip`."""
 
     def build(self, n_layer: int | None = None, *, weights: bool = True) -> nn.Module:
         """The model. `weights=False`: a Hugging Face checkpoint is built from its config alone
@@ -211,7 +213,8 @@ class ModelSpec:
             return GPT(c)
         from tensorstow.ir import hf
         if self.name.startswith(hf.PREFIX):
-            return hf.load(self.name, weights=weights, lora=self.lora, quantize=self.quantize)
+            return hf.load(self.name, weights=weights, lora=self.lora, quantize=self.quantize,
+                           quantize_skip=self.quantize_skip)
         m = _load_factory(self.name)()
         if not isinstance(m, nn.Module):
             raise TensorstowError(f"model '{self.name}': the factory returned {type(m).__name__}, "
@@ -232,7 +235,8 @@ def _load_factory(ref: str):
     return fn
 
 
-def resolve_model(name: str, lora: str | None = None, quantize: str | None = None) -> ModelSpec:
+def resolve_model(name: str, lora: str | None = None, quantize: str | None = None,
+                  quantize_skip: str | None = None) -> ModelSpec:
     """The spec of a model reference; `lora` (`Options.lora`) only for an `hf:` model, `quantize`
     (`Options.quantize`) only with `lora`."""
     from tensorstow.ir import hf
@@ -241,14 +245,16 @@ def resolve_model(name: str, lora: str | None = None, quantize: str | None = Non
                               f"--lora r=...,targets=... (QLoRA)")
     if quantize:
         from tensorstow.ir.quant import Quantization
-        Quantization.parse(quantize)  # fail early with a clear message
+        Quantization.parse(quantize, quantize_skip)  # fail early with a clear message
+    elif quantize_skip:
+        raise TensorstowError(f"--quantize-skip {quantize_skip}: it names layers --quantize leaves alone; give --quantize")
     if lora and not name.startswith(hf.PREFIX):
         raise TensorstowError(f"--lora {lora}: LoRA from the command line adapts an hf:DIR checkpoint, not '{name}'; "
                               f"for another model give a PEFT model to the Python API (tensorstow.plan(model))")
     if lora:
         hf.check_dir(name)
         hf.lora_config(lora)  # fail early with a clear message
-        return ModelSpec(name, None, lora, quantize)
+        return ModelSpec(name, None, lora, quantize, quantize_skip)
     if name in PRESETS:
         return ModelSpec(name, PRESETS[name])
     if name.startswith("<"):
@@ -273,7 +279,7 @@ def build_for_execution(spec, seed: int):
     from tensorstow.ir import hf
     if spec.name.startswith(hf.PREFIX):  # from its safetensors, one tensor at a time, if it has some
         torch.manual_seed(seed)
-        return hf.load_streaming(spec.name, spec.lora, spec.quantize)
+        return hf.load_streaming(spec.name, spec.lora, spec.quantize, spec.quantize_skip)
     if spec.config is not None:
         with torch.device("meta"):
             model = spec.build()

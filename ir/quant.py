@@ -44,28 +44,22 @@ double quantization), int8 the codes and their rows' scales (`weight_scb`, bitsa
 
 @dataclass(frozen=True)
 class Quantization:
-    """`Options.quantize` read: "nf4", "fp4", "nf4,double", with ",skip=PATTERN" parts naming more
-    linear layers to keep in full precision (fnmatch patterns on module names, e.g. `*.mlp.down_proj`)."""
+    """`Options.quantize` read ("nf4", "fp4", "int8"; "nf4,double"), with `Options.quantize_skip`:
+    more linear layers to keep in full precision (fnmatch patterns on module names, e.g. `*.down_proj`)."""
     quant_type: str
     double: bool = False
     skip: tuple[str, ...] = ()
 
     @staticmethod
-    def parse(spec: str) -> "Quantization":
+    def parse(spec: str, skip: str | None = None) -> "Quantization":
         quant_type, *rest = [p.strip() for p in spec.split(",")]
         if quant_type not in QUANT_TYPES:
-            raise TensorstowError(f"--quantize {spec}: give one of {', '.join(QUANT_TYPES)}, then optionally ',double' "
-                                  f"(4-bit) and ',skip=PATTERN' parts")
-        double, skip = False, []
-        for p in rest:
-            if p == "double" and quant_type != "int8":
-                double = True
-            elif p.startswith("skip=") and p[5:]:
-                skip.append(p[5:])
-            else:
-                raise TensorstowError(f"--quantize {spec}: unknown part '{p}'; the parts are 'double' and "
-                                      f"'skip=PATTERN'")
-        return Quantization(quant_type, double, tuple(skip))
+            raise TensorstowError(f"--quantize {spec}: give one of {', '.join(QUANT_TYPES)} (4-bit ones optionally "
+                                  f"with ',double')")
+        if rest not in ([], ["double"]) or rest and quant_type == "int8":
+            raise TensorstowError(f"--quantize {spec}: the only part after the format is ',double', for nf4 and fp4")
+        patterns = tuple(p.strip() for p in (skip or "").split(",") if p.strip())
+        return Quantization(quant_type, bool(rest), patterns)
 
     def skips(self, name: str) -> bool:
         """Whether the linear layer `name` (its qualified module name) stays in full precision."""

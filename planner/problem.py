@@ -76,7 +76,7 @@ def check_options(options: Options, model=None) -> ModelSpec | None:
         parse_param_group(spec)
     if model is not None and options.lora:
         raise TensorstowError("lora: a model object brings its own adapters (get_peft_model); leave lora out")
-    return resolve_model(options.model, options.lora, options.quantize) if model is None else None
+    return resolve_model(options.model, options.lora, options.quantize, options.quantize_skip) if model is None else None
 
 
 def build_problem(options: Options, hw: Hardware, model=None) -> Problem:

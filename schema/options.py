@@ -128,10 +128,13 @@ class Options:
     quantize: str | None = None
     """With lora: the base's linear layers (all but the LM head) stored quantized as bitsandbytes
     stores them (QLoRA: `BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=...)`, or
-    `load_in_8bit=True`): nf4, fp4 or int8, then for 4-bit ",double" to quantize the scales too (`bnb_4bit_use_double_quant`) and ",skip=PATTERN"
-    parts for more layers to keep in full precision (`llm_int8_skip_modules`; fnmatch on module
-    names); quantized from the checkpoint as it is read, moved and kept quantized, dequantized on
-    the device in the segment that uses them (`ir.quant`)."""
+    `load_in_8bit=True`): nf4, fp4 or int8, 4-bit ones with ",double" to quantize the scales too
+    (`bnb_4bit_use_double_quant`); quantized from the checkpoint as it is read, moved and kept
+    quantized, dequantized on the device in the segment that uses them (`ir.quant`)."""
+    quantize_skip: str | None = None
+    """With quantize: more linear layers to keep in full precision besides the LM head, as
+    comma-separated fnmatch patterns on their module names or last names (`*.down_proj`, `o_proj`;
+    `llm_int8_skip_modules`)."""
     packing: bool = False
     """Train on windows of seq tokens that pack several examples (best-fit decreasing, as TRL packs):
     the step takes each token's position in its document, every document starts at position 0 and
@@ -216,7 +219,7 @@ LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 """Learning rate schedules by transformers' `get_scheduler` names (`executor.lr`)."""
 
 _LATER_OPTIONS = {"gpus": None, "microbatches": 0, "grad_accum": 1, "lora": None, "clip_rate": 0.5, "mapping": "cross", "decay_all": False, "param_groups": (), "max_grad_norm": 0.0,
-                  "lr_scheduler": "constant", "warmup_steps": 0, "min_lr_ratio": 0.0, "packing": False, "quantize": None}
+                  "lr_scheduler": "constant", "warmup_steps": 0, "min_lr_ratio": 0.0, "packing": False, "quantize": None, "quantize_skip": None}
 
 
 # ---- the options as the command line and the Python API take them -------------------------------

@@ -28,6 +28,13 @@ def batches(vocab: int):
             for _ in range(STEPS)]
 
 
+def quantize_args(quant: str) -> list[str]:
+    """The plan flags of a test id: "fp4,skip=down_proj" is `--quantize fp4 --quantize-skip down_proj`."""
+    kind = ",".join(p for p in quant.split(",") if not p.startswith("skip="))
+    skip = [p[len("skip="):] for p in quant.split(",") if p.startswith("skip=")]
+    return ["--quantize", kind, *(["--quantize-skip", ",".join(skip)] if skip else [])]
+
+
 def eager_qlora(ckpt, quant: str, data, precision: str = "fp32"):
     """Eager PEFT on transformers' bitsandbytes 4-bit base: losses and the trained adapters; bf16-mixed
     under autocast with CUDA's op lists (`ir.autocast.gpu_autocast`), as tensorstow traces it."""
@@ -35,7 +42,7 @@ def eager_qlora(ckpt, quant: str, data, precision: str = "fp32"):
 
     from tensorstow.ir.autocast import gpu_autocast
     kind, *parts = quant.split(",")
-    skip = ["lm_head"] + [p[len("skip="):] for p in parts if p.startswith("skip=")]
+    skip = ["lm_head"] + [p[len("skip="):] for p in parts if p.startswith("skip=")]  # --quantize-skip, in the test's ids
     if kind == "int8":
         cfg = transformers.BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
     else:
@@ -69,7 +76,7 @@ def test_qlora_trains_like_eager_peft_on_a_bitsandbytes_base(quant, precision, t
     plan = tmp_path / "plan.json"
     assert main(["plan", f"hf:{ckpt}", "--hw", "lohan-rtx4090", "--policy", "zero-infinity", "--precision", precision,
                  "--batch", str(BATCH), "--seq", str(SEQ), "--gpu-mem", "1MB", "--lr", str(LR), "--weight-decay", "0",
-                 "--exact-optimizer", "--lora", LORA, "--quantize", quant, "-o", str(plan)]) == 0
+                 "--exact-optimizer", "--lora", LORA, *quantize_args(quant), "-o", str(plan)]) == 0
     pj = json.loads(plan.read_text())
     assert any(b["home"] == "ssd" for b in pj["buffers"].values())
     # the base is stored quantized: each linear weight of the layers as 4-bit codes and its scales (fp32,
@@ -123,7 +130,9 @@ def test_quantize_needs_lora_and_a_known_format(tmp_path, capsys):
     pretrained(ckpt)
     capsys.readouterr()
     for args, says in ((["--quantize", "nf4"], "--quantize nf4: a quantized base is frozen"),
-                       (["--lora", LORA, "--quantize", "int3"], "--quantize int3: give one of nf4, fp4")):
+                       (["--lora", LORA, "--quantize", "int3"], "--quantize int3: give one of nf4, fp4, int8"),
+                       (["--lora", LORA, "--quantize", "int8,double"], "the only part after the format is ',double'"),
+                       (["--lora", LORA, "--quantize-skip", "o_proj"], "--quantize-skip o_proj: it names layers")):
         assert main(["plan", f"hf:{ckpt}", "--hw", "lohan-rtx4090", *args]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and says in err
