@@ -162,7 +162,7 @@ class QuantLinear(nn.Module):
         w = linear.weight
         if q.quant_type != "int8" and (w.numel() % BLOCKSIZE or self.in_features % 2):
             raise TensorstowError(f"--quantize: a {tuple(w.shape)} weight does not split into blocks of {BLOCKSIZE}; "
-                                  f"leave its layer out (--quantize {q.quant_type},skip=NAME)")
+                                  f"leave its layer out (--quantize-skip NAME)")
         if w.device.type == "meta" or _is_fake(w):  # shapes only: streamed or traced
             parts = {k: torch.empty(s, dtype=dt, device=w.device)
                      for k, (s, dt) in _shapes(self.out_features, self.in_features, q).items()}
