@@ -38,9 +38,6 @@ def quantize_args(quant: str) -> list[str]:
 def eager_qlora(ckpt, quant: str, data, precision: str = "fp32"):
     """Eager PEFT on transformers' bitsandbytes 4-bit base: losses and the trained adapters; bf16-mixed
     under autocast with CUDA's op lists (`ir.autocast.gpu_autocast`), as tensorstow traces it."""
-    import contextlib
-
-    from tensorstow.ir.autocast import gpu_autocast
     kind, *parts = quant.split(",")
     skip = ["lm_head"] + [p[len("skip="):] for p in parts if p.startswith("skip=")]  # --quantize-skip, in the test's ids
     if kind == "int8":
@@ -49,8 +46,16 @@ def eager_qlora(ckpt, quant: str, data, precision: str = "fp32"):
         cfg = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind,
                                               bnb_4bit_compute_dtype=torch.float32,
                                               bnb_4bit_use_double_quant="double" in parts, llm_int8_skip_modules=skip)
+    return eager_peft(ckpt, data, precision, quantization_config=cfg)
+
+
+def eager_peft(ckpt, data, precision: str = "fp32", **load):
+    """The eager LoRA loop on `from_pretrained(ckpt, **load)`: its losses and trained adapters."""
+    import contextlib
+
+    from tensorstow.ir.autocast import gpu_autocast
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, quantization_config=cfg, device_map="cpu")
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt, device_map="cpu", **load)
     model.config.use_cache = False
     model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                        task_type="CAUSAL_LM"))
@@ -196,24 +201,10 @@ def test_a_checkpoint_saved_quantized_loads_as_saved(quant, tmp_path):
     losses = [ex.step(x, y) for x, y in data]
     got = ex.parameters()
     ex.close()
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_pretrained(saved, device_map="cpu")
-    model.config.use_cache = False
-    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                       task_type="CAUSAL_LM"))
-    model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0, foreach=False)
-    want = []
-    for x, y in data:
-        opt.zero_grad()
-        loss = F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
-        loss.backward()
-        opt.step()
-        want.append(loss.item())
+    want, adapters = eager_peft(saved, data)  # transformers reads the quantization from the checkpoint's config
     assert losses == pytest.approx(want, rel=1e-5)
-    for n, p in model.named_parameters():
-        if p.requires_grad:
-            torch.testing.assert_close(got["model." + n], p.detach(), rtol=1e-4, atol=1e-6)
+    for n, p in adapters.items():
+        torch.testing.assert_close(got["model." + n], p, rtol=1e-4, atol=1e-6)
     other = tmp_path / "other.json"
     assert main(["plan", f"hf:{saved}", "--hw", "lohan-rtx4090", "--policy", "zero-infinity", "--precision", "fp32",
                  "--batch", str(BATCH), "--seq", str(SEQ), "--gpu-mem", "1MB", "--lora", LORA, "--quantize", "fp4",
