@@ -1208,11 +1208,17 @@ def local_hardware(reprobe: bool = False) -> Hardware:
     if not reprobe and path.is_file():
         try:
             return _current_capacities(load_hardware(str(path)), base)
-        except TensorstowError:
-            pass  # a damaged or older cache file: measured again and replaced
+        except (TensorstowError, OSError, ValueError):  # damaged, unreadable or older: measured again, replaced
+            pass
     if reprobe:
         clear_cache()
-    hw = probe()
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always", ProbeWarning)
+        hw = probe()
+    for w in said:  # said again, to the caller's filters
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    if any(issubclass(w.category, ProbeWarning) for w in said):
+        return hw  # measured on a busy machine: not kept for the next plan
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
@@ -1229,8 +1235,9 @@ def machine_key(base: str) -> str:
     the disk under `base` (its device). A change in any of them is a new key: a new probe."""
     import torch
 
-    here = Path(__file__).resolve().parent
-    code = [Path(__file__).read_bytes()] + [f.read_bytes() for f in sorted((here / "csrc").glob("*")) if f.is_file()]
+    here = Path(__file__).resolve().parent  # the probe times the executor's own machinery too
+    code = [Path(__file__).read_bytes()] + [f.read_bytes() for d in ("csrc", "executor")
+                                            for f in sorted((here / d).glob("*")) if f.is_file()]
     cpu = next((line.split(":", 1)[1].strip() for line in _read_lines("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
     gpus = ([(torch.cuda.get_device_name(k), torch.cuda.get_device_properties(k).total_memory)

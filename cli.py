@@ -295,6 +295,7 @@ def cmd_fit(args) -> int:
     from tensorstow.planner.plan import POLICIES
     from tensorstow.planner.policies import HEURISTICS
     names = [args.policy] if args.policy else [*HEURISTICS, "ilp"]
+    hw = None
     print(f"{'policy':<14} {'largest model':<14} {'params':>8} {'batch':>6} {'tokens/s':>10} {'step s':>9}")
     for name in names:
         if name not in POLICIES and name != "auto":
@@ -302,7 +303,9 @@ def cmd_fit(args) -> int:
         o = from_asked("gpt3-13b", {k: getattr(args, k) for k in FIT_OPTIONS} | {"policy": name}, "tensorstow fit")
         if o.quantize and not o.lora:
             raise TensorstowError(f"fit --quantize {o.quantize}: a quantized base trains adapters: add --lora r=...,targets=...")
-        r = report.largest_fitting(o, hardware_for(o, args.reprobe))
+        if hw is None:  # one machine for every policy (probed once with --reprobe)
+            hw = hardware_for(o, args.reprobe)
+        r = report.largest_fitting(o, hw)
         if r["model"] is None:
             print(f"{name:<14} {'none fits':<14}")
         else:

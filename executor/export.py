@@ -106,8 +106,10 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, merge: bool = 
             shutil.copyfile(dirs[0] / statedir.ADAPTER_CONFIG, tmp / "adapter_config.json")
         else:
             total = _finish(shards, sizes, tmp, save_file)
-            if (dirs[0] / statedir.CONFIG).exists():
-                shutil.copyfile(dirs[0] / statedir.CONFIG, tmp / "config.json")
+            if (dirs[0] / statedir.CONFIG).exists():  # merged: full-precision weights, whatever the base was stored as
+                config = json.loads((dirs[0] / statedir.CONFIG).read_text())
+                config.pop("quantization_config", None)
+                (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         told = _save_tokenizer(tokenizer, chat_template, described[0][0], tmp)
         _give_new_file_mode(tmp)
         if out.exists():

@@ -50,7 +50,7 @@ REQUIRED = {k for keys in GROUPS.values() for k in keys} | {"schedule_steps"}
 """The keys a run record's inputs must have."""
 SPANNING = {"linear", "cosine"}
 """Schedules whose rate at a step depends on the run's length (executor.lr)."""
-FLAGS = {"data": "--data", "packing": "--packing", "seed": "--seed", "shuffle": "--shuffle", "steps": "--steps/--epochs",
+FLAGS = {"data": "--data", "packing": "plan --packing", "seed": "--seed", "shuffle": "--shuffle", "steps": "--steps/--epochs",
          "lr_scheduler": "--lr-scheduler", "lr": "--lr", "warmup_steps": "--warmup-steps",
          "min_lr_ratio": "--min-lr-ratio", "eval_data": "--eval-data/--eval-batches", "eval_every": "--eval-every"}
 

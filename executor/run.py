@@ -97,7 +97,7 @@ def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, 
             print(f"resuming from step {start} committed in {state_dir}"
                   + (f" ({store.recovered})" if store.recovered else ""), file=out)
         evals = record.Evals(d, start)
-        with _Log(run.log_json, out, _tensorboard(run, plan, mode, rank)) as log, \
+        with _Log(run.log_json, out, _tensorboard(run, plan, mode, rank, start)) as log, \
                 _StopOnInterrupt(comm is None) as stop:
             owed = bool(held_out) and evals.owed(start, steps, run.eval_every)  # stopped before its evaluation
             if comm is not None and held_out:  # every rank evaluates, or none: they exchange its boundaries
@@ -128,6 +128,9 @@ def _check_run(plan: Plan, run: Run, rank: int | None) -> None:
     if run.epochs is not None and run.epochs < 1:
         raise TensorstowError(f"--epochs must be >= 1, got {run.epochs}")
     record.accepted(run.resume_changed)
+    if run.report_to == "tensorboard" and run.logging_dir is None and run.state_dir is None:
+        raise TensorstowError("--report-to tensorboard needs --logging-dir DIR (or a --state-dir, whose runs/ "
+                              "directory it writes by default)")
     differ = hardware_differences(plan, resolve_device(run.device, rank or 0), rank or 0)
     if differ and run.hw_mismatch != "ok":
         raise TensorstowError(f"the plan was made for {plan.hardware.name}, not this machine ({'; '.join(differ)}): "
@@ -364,37 +367,36 @@ def _evaluate(ex: Executor, held_out: list, step: int, steps: int, log: "_Log", 
           f"({len(held_out)} batch{'es' * (len(held_out) != 1)}, {dt:.3f} s)", file=out, flush=True)
 
 
-def _tensorboard(run: Run, plan: Plan, mode: str, rank: int | None) -> "TensorBoard | None":
-    """`--report-to tensorboard`'s writer (None for `none`, and on every rank but the first)."""
+def _tensorboard(run: Run, plan: Plan, mode: str, rank: int | None, start: int) -> "TensorBoard | None":
+    """`--report-to tensorboard`'s writer (None for `none`, and on every rank but the first). A
+    resumed run drops the events of the steps after its last commit, which it runs again."""
     if run.report_to != "tensorboard" or (rank or 0) != 0:
         return None
-    where = run.logging_dir or (str(Path(run.state_dir) / "runs") if run.state_dir is not None else None)
-    if where is None:
-        raise TensorstowError("--report-to tensorboard needs --logging-dir DIR (or a --state-dir, whose runs/ "
-                              "directory it writes by default)")
-    return TensorBoard(where, predicted_step(plan, mode))
+    where = run.logging_dir or str(Path(run.state_dir) / "runs")
+    return TensorBoard(where, predicted_step(plan, mode), purge_step=start + 1 if start else None)
 
 
 class TensorBoard:
     """`--report-to tensorboard`: each logged record's scalars as TensorBoard events, by the names the
     Trainer gives them where it has one (`train/loss`, `train/learning_rate`, `train/grad_norm`,
-    `train/epoch`, `eval/loss`), at the record's step; flushed every step, so a killed run keeps
+    `eval/loss`; the epoch's index is `train/epoch_index`, not the Trainer's fractional
+    `train/epoch`), at the record's step; flushed every step, so a killed run keeps
     what it logged."""
 
-    NAMES = {"loss": "train/loss", "lr": "train/learning_rate", "grad_norm": "train/grad_norm", "epoch": "train/epoch",
+    NAMES = {"loss": "train/loss", "lr": "train/learning_rate", "grad_norm": "train/grad_norm", "epoch": "train/epoch_index",
              "tokens_per_s": "train/tokens_per_second", "step_time_s": "train/step_seconds",
              "ssd_read_bytes": "train/ssd_read_bytes", "ssd_written_bytes": "train/ssd_written_bytes",
              "eval_loss": "eval/loss", "eval_perplexity": "eval/perplexity", "eval_time_s": "eval/seconds"}
     """Log record key -> scalar name."""
 
-    def __init__(self, logdir: str, predicted_s: float):
+    def __init__(self, logdir: str, predicted_s: float, purge_step: int | None = None):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise TensorstowError("--report-to tensorboard needs the tensorboard package (pip install tensorboard)"
                                   ) from None
         try:
-            self.writer = SummaryWriter(log_dir=logdir)
+            self.writer = SummaryWriter(log_dir=logdir, purge_step=purge_step)
         except OSError as e:
             raise TensorstowError(f"--logging-dir {logdir}: cannot write TensorBoard events there "
                                   f"({e.strerror or e}); pass a directory this user can write") from None

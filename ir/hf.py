@@ -341,7 +341,7 @@ class Checkpoint:
     def _tensor(self, name: str) -> torch.Tensor:
         key = _checkpoint_key(name)
         if key in self.files:
-            if f"{key}.quant_map" in self.files:
+            if f"{key}.quant_map" in self.files or f"{key.removesuffix('.weight')}.SCB" in self.files:
                 raise TensorstowError(f"the checkpoint stores {key} quantized, where the plan keeps the model's parameter "
                                       f"{name} in full precision: plan it with the --quantize the checkpoint was saved "
                                       f"with (and no skip= for that layer)")

@@ -140,6 +140,7 @@ def dequantized(parts: dict[str, torch.Tensor], quant_type: str, dtype: torch.dt
     training path (`MatMul8bitFp`) does, the codes in `dtype` (the input's) times their row's scale / 127."""
     if "weight_scb" in parts:
         return parts["weight"].to(dtype).mul_(parts["weight_scb"].unsqueeze(1).mul(1.0 / 127.0))
+    _bitsandbytes()  # its ops registered (an export merging a base runs without the step's imports)
     codes, absmax = parts["weight"], parts["weight_absmax"]
     if "weight_nested_absmax" in parts:
         absmax = torch.ops.bitsandbytes.dequantize_blockwise(absmax, parts["weight_nested_absmax"],
@@ -193,10 +194,11 @@ def quantize_linears(model: nn.Module, q: Quantization) -> dict[str, str]:
     `QuantLinear`s, in place; returns {qualified name of each quantized layer's parameter:
     the full-precision weight's name it is made from} (`<layer>.weight_absmax` -> `<layer>.weight`)."""
     made: dict[str, str] = {}
+    head = _output_embeddings(model)
     for name, module in list(model.named_modules()):
         for child, sub in list(module.named_children()):
             full = f"{name}.{child}" if name else child
-            if type(sub) is not nn.Linear or ".lora_" in f".{full}" or child.startswith("lora_"):
+            if type(sub) is not nn.Linear or ".lora_" in f".{full}" or child.startswith("lora_") or sub is head:
                 continue
             layer = full.removesuffix(".base_layer")
             if q.skips(layer):
@@ -206,6 +208,21 @@ def quantize_linears(model: nn.Module, q: Quantization) -> dict[str, str]:
     if not made:
         raise TensorstowError("--quantize: the model has no linear layer to quantize")
     return made
+
+
+def _output_embeddings(model: nn.Module) -> nn.Module | None:
+    """The model's LM head whatever the family names it (`lm_head`, GPT-NeoX's `embed_out`): the
+    output embeddings transformers keeps in full precision under quantization."""
+    for m in model.modules():
+        get = getattr(m, "get_output_embeddings", None)
+        if callable(get):
+            try:
+                head = get()
+            except (AttributeError, NotImplementedError):
+                continue
+            if isinstance(head, nn.Module):
+                return head
+    return None
 
 
 def frozen_param_count(model: nn.Module) -> int:

@@ -76,6 +76,9 @@ def check_options(options: Options, model=None) -> ModelSpec | None:
         parse_param_group(spec)
     if model is not None and options.lora:
         raise TensorstowError("lora: a model object brings its own adapters (get_peft_model); leave lora out")
+    if model is not None and (options.quantize or options.quantize_skip):
+        raise TensorstowError("quantize: a model object is traced as it is; quantize its base with "
+                              "tensorstow.ir.quant.quantize_linears first, or plan an hf:DIR checkpoint")
     return resolve_model(options.model, options.lora, options.quantize, options.quantize_skip) if model is None else None
 
 

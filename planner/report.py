@@ -81,14 +81,16 @@ def largest_fitting(options: Options, hw, *, batches=(1, 2, 4, 8, 16, 32, 64), s
         import json
         import tempfile
         from pathlib import Path
-        root = Path(tempfile.mkdtemp(prefix="tensorstow-fit-"))
+        seq = options.seq or seq
+        scratch = tempfile.TemporaryDirectory(prefix="tensorstow-fit-")  # removed when the search ends
+        root = Path(scratch.name)
         refs = {}
         for name in LLAMA_LADDER:
             (root / name).mkdir()
             (root / name / "config.json").write_text(json.dumps(llama_config(name, seq)))
             refs[name] = f"hf:{root / name}"
         names, params = list(LLAMA_LADDER), llama_params
-        options = dataclasses.replace(options, seq=options.seq or seq)
+        options = dataclasses.replace(options, seq=seq)
     else:
         names = sorted((n for n in PRESETS if n.startswith("gpt3-")), key=lambda n: gpt_param_count(PRESETS[n]))
         refs, params = {n: n for n in names}, lambda n: gpt_param_count(PRESETS[n])

@@ -4,6 +4,8 @@ kernel inside the step. The reference is eager PEFT on transformers' bitsandbyte
 (`BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=..., bnb_4bit_compute_dtype=fp32)`)
 on the CPU: the same codes and scales, the same dequantization, the same losses and adapters."""
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -141,8 +143,29 @@ def test_quantize_needs_lora_and_a_known_format(tmp_path, capsys):
         assert main(["plan", f"hf:{ckpt}", "--hw", "lohan-rtx4090", *args]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and says in err
-    with pytest.raises(TensorstowError):
+    with pytest.raises(TensorstowError, match="a quantized base is frozen"):
         tensorstow.plan(f"hf:{ckpt}", hw="lohan-rtx4090", quantize="nf4")
+    with pytest.raises(TensorstowError, match="quantize: a model object is traced as it is"):
+        tensorstow.plan(transformers.AutoModelForCausalLM.from_pretrained(ckpt), hw="lohan-rtx4090", quantize="nf4")
+
+
+def test_the_lm_head_stays_full_precision_whatever_its_name():
+    """The output embeddings (`get_output_embeddings()`, whatever the family names them) are left in
+    full precision, as transformers leaves them; every other linear layer is quantized."""
+    from tensorstow.ir.quant import QuantLinear, Quantization, quantize_linears
+
+    class Decoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj, self.mix, self.decoder = (torch.nn.Linear(64, 64), torch.nn.Linear(64, 128),
+                                                 torch.nn.Linear(128, 96))
+
+        def get_output_embeddings(self):
+            return self.decoder
+    model = Decoder()
+    quantize_linears(model, Quantization.parse("nf4"))
+    assert type(model.decoder) is torch.nn.Linear
+    assert isinstance(model.proj, QuantLinear) and isinstance(model.mix, QuantLinear)
 
 
 def test_a_qlora_state_dir_exports_its_adapter_and_merged_full_precision_weights(tmp_path):
@@ -158,7 +181,10 @@ def test_a_qlora_state_dir_exports_its_adapter_and_merged_full_precision_weights
                  "--exact-optimizer", "--lora", LORA, "--quantize", "nf4", "-o", str(plan)]) == 0
     assert main(["execute", str(plan), "--hw-mismatch", "ok", "--steps", "2", "--state-dir", str(tmp_path / "s")]) == 0
     assert main(["export", str(tmp_path / "s"), "-o", str(tmp_path / "adapter")]) == 0
-    assert main(["export", str(tmp_path / "s"), "-o", str(tmp_path / "merged"), "--merge"]) == 0
+    # in a process of its own, as a user runs it: nothing of the step's imports is there
+    r = subprocess.run([sys.executable, "-m", "tensorstow.cli", "export", str(tmp_path / "s"), "-o",
+                        str(tmp_path / "merged"), "--merge"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
     cfg = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
     base = transformers.AutoModelForCausalLM.from_pretrained(ckpt, quantization_config=cfg, device_map="cpu")
     loaded = peft.PeftModel.from_pretrained(base, tmp_path / "adapter")
@@ -205,6 +231,11 @@ def test_a_checkpoint_saved_quantized_loads_as_saved(quant, tmp_path):
     assert losses == pytest.approx(want, rel=1e-5)
     for n, p in adapters.items():
         torch.testing.assert_close(got["model." + n], p, rtol=1e-4, atol=1e-6)
+    # merged: the stored base dequantized plus the deltas, a full-precision checkpoint
+    assert main(["export", str(tmp_path / "s"), "-o", str(tmp_path / "merged"), "--merge"]) == 0
+    assert "quantization_config" not in json.loads((tmp_path / "merged" / "config.json").read_text())
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert all(p.dtype == torch.float32 for p in merged.parameters())
     other = tmp_path / "other.json"
     assert main(["plan", f"hf:{saved}", "--hw", "lohan-rtx4090", "--policy", "zero-infinity", "--precision", "fp32",
                  "--batch", str(BATCH), "--seq", str(SEQ), "--gpu-mem", "1MB", "--lora", LORA, "--quantize", "fp4",
@@ -212,6 +243,11 @@ def test_a_checkpoint_saved_quantized_loads_as_saved(quant, tmp_path):
     kind = quant.split(",")[0]
     with pytest.raises(TensorstowError, match=rf"stores model\.layers\.\d+\..* as {kind}.*plan it with --quantize {kind}"):
         tensorstow.Executor(tensorstow.Plan.load(other), f"hf:{saved}", state_dir=tmp_path / "s2")
+    plain = tmp_path / "plain.json"  # no --quantize: the stored codes are no full-precision weight
+    assert main(["plan", f"hf:{saved}", "--hw", "lohan-rtx4090", "--policy", "zero-infinity", "--precision", "fp32",
+                 "--batch", str(BATCH), "--seq", str(SEQ), "--gpu-mem", "1MB", "--lora", LORA, "-o", str(plain)]) == 0
+    with pytest.raises(TensorstowError, match=r"stores model\.layers\.\d+\..* quantized, where the plan keeps"):
+        tensorstow.Executor(tensorstow.Plan.load(plain), f"hf:{saved}", state_dir=tmp_path / "s3")
 
 
 def test_fit_finds_the_largest_model_this_machine_can_qlora(monkeypatch, capsys):

@@ -55,3 +55,29 @@ def test_tensorboard_without_a_place_for_its_events_is_one_line(tmp_path, capsys
     assert main(["execute", str(plan), "--hw-mismatch", "ok", "--steps", "1", "--report-to", "tensorboard"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--report-to tensorboard needs --logging-dir DIR" in err
+
+
+def test_a_resumed_run_replaces_the_events_of_the_steps_it_runs_again(tmp_path):
+    """A run killed after logging a step it had not committed, then resumed: TensorBoard holds each step
+    once (the resumed run drops the events after its last commit before logging those steps again)."""
+    import signal
+    import subprocess
+    import sys
+    plan = tmp_path / "plan.json"
+    assert main(["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--gpu-mem", "1MB", "--batch", "2", "--seq", "32",
+                 "-o", str(plan)]) == 0
+    state = tmp_path / "state"
+    cmd = [sys.executable, "-m", "tensorstow.cli", "execute", str(plan), "--hw-mismatch", "ok", "--steps", "6",
+           "--state-dir", str(state), "--report-to", "tensorboard", "--checkpoint-every", "2"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in p.stdout:
+        if line.startswith("step 3/"):  # logged, and committed only at step 4
+            break
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "resuming from step" in r.stdout
+    acc = EventAccumulator(str(state / "runs"), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == [1, 2, 3, 4, 5, 6]
