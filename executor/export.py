@@ -26,6 +26,7 @@ from tensorstow.errors import TensorstowError
 from tensorstow.executor import statedir
 from tensorstow.executor.aio import aligned_empty
 from tensorstow.executor.ssd import SSDStore
+from tensorstow.ir.quant import PARTS, Quantization, dequantized
 from tensorstow.schema.schedule import block_of
 
 SHARD_BYTES = 4 << 30
@@ -240,17 +241,17 @@ class _Merger:
         r, alpha = peft["r"], peft["lora_alpha"]
         self.scaling = alpha / math.sqrt(r) if peft.get("use_rslora") else alpha / r
         self.adapter, self.fan_in_fan_out = adapter, bool(peft.get("fan_in_fan_out"))
-        self.quantize = quantize
+        self.quant_type = Quantization.parse(quantize).quant_type if quantize else None
+        """A quantized base's format (`Options.quantize`); None: the base is stored as it is."""
         self.pending: dict[str, torch.Tensor] = {}
 
     def __call__(self, block: dict) -> dict:
         self.pending.update(block)
         out = {}
-        from tensorstow.ir.quant import PARTS, Quantization, dequantized
         for name in list(self.pending):
             if any(k in name for k in LORA) or name not in self.pending or any(name.endswith(f".{p}") for p in PARTS[1:]):
                 continue
-            scales = [f"{name}{p[len('weight'):]}" for p in PARTS[1:]] if self.quantize and name.endswith(".weight") else []
+            scales = [f"{name}{p[len('weight'):]}" for p in PARTS[1:]] if self.quant_type and name.endswith(".weight") else []
             scales = [s for s in scales if s in self.pending]  # none: a weight stored as it is (the LM head)
             module = name[:-len(".base_layer.weight")] if name.endswith(".base_layer.weight") else None
             a_name, b_name = f"{module}.lora_A.{self.adapter}.weight", f"{module}.lora_B.{self.adapter}.weight"
@@ -259,7 +260,7 @@ class _Merger:
             t = self.pending.pop(name)
             if scales:
                 parts = {"weight": t, **{s.rpartition(".")[2]: self.pending.pop(s) for s in scales}}
-                t = dequantized(parts, Quantization.parse(self.quantize).quant_type)
+                t = dequantized(parts, self.quant_type)
             if module is not None:
                 delta = self.pending.pop(b_name) @ self.pending.pop(a_name)
                 t = t + (delta.T if self.fan_in_fan_out else delta) * self.scaling
