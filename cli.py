@@ -22,7 +22,7 @@ from tensorstow.schema.hardware import parse_size
 from tensorstow.schema.options import asked, field_docs, from_asked
 from tensorstow.schema.run import CHOICES as RUN_CHOICES
 from tensorstow.schema.run import Run
-from tensorstow.schema.schedule import SEARCH_NOTE, TIERS
+from tensorstow.schema.schedule import SEARCH_NOTE, TIERS, UNIT, block_of, member_rows, parent_of
 
 
 def _fmt(n: float) -> str:
@@ -70,6 +70,7 @@ def summary(plan, sim=None, verbose: bool = False) -> str:
         "busy: " + ", ".join(f"{k} {v:.4g} s" for k, v in sorted(busy.items(), key=lambda kv: -kv[1])),
         "traffic: " + (", ".join(f"{k} {_fmt(v)}" for k, v in pred.traffic_bytes.items()) or "none"),
         "placement: " + _placement(dec),
+        *_expert_groups(plan, verbose),
     ]
     lines.append(f"state dir: {_fmt(state_disk_bytes(plan))} of disk (two slots of each buffer the store keeps: "
                  f"the training state{', the SSD tier' if plan.ssd_sizes() else ''}; --state-dir"
@@ -138,6 +139,29 @@ def _placement(dec) -> str:
             counts.setdefault(k, {})
             counts[k][v] = counts[k].get(v, 0) + 1
     return "; ".join(f"{k}: " + ", ".join(f"{v} x{n}" for v, n in sorted(c.items())) for k, c in counts.items())
+
+
+def _expert_groups(plan, verbose: bool) -> list[str]:
+    """Where each group of experts lives (`--expert-groups`): counts over the layers, and with
+    `verbose` a line per group."""
+    rows = {block_of(n): member_rows(b.members[0])[1] for n, b in plan.buffers.items()
+            if n.startswith("P:") and UNIT in block_of(n) and b.members}
+    if not rows:
+        return []
+    home = {n: b.home for n, b in plan.buffers.items()}
+    per = {u: (home.get(f"P:{u}"), home.get(f"OS:{u}"), plan.decisions.of(u).optimizer) for u in rows}
+    counts = [{}, {}, {}]
+    for where in per.values():
+        for c, v in zip(counts, where):
+            c[v] = c.get(v, 0) + 1
+    layers = len({parent_of(u) for u in rows})
+    out = [f"expert groups: {len(rows)} in {layers} layers (--expert-groups {plan.options.expert_groups}): "
+           + "; ".join(f"{k} " + ", ".join(f"{v} x{n}" for v, n in sorted(c.items()))
+                       for k, c in zip(("params", "states", "optimizer"), counts))]
+    if verbose:
+        out += [f"  {u}: experts {rows[u][0]}..{rows[u][1] - 1}, params {p}, states {st}, updated on {o}"
+                for u, (p, st, o) in per.items()]
+    return out
 
 
 def diff_text(a, b) -> tuple[str, bool]:

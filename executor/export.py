@@ -27,7 +27,7 @@ from tensorstow.executor import statedir
 from tensorstow.executor.aio import aligned_empty
 from tensorstow.executor.ssd import SSDStore
 from tensorstow.ir.quant import PARTS, Quantization, dequantized
-from tensorstow.schema.schedule import block_of
+from tensorstow.schema.schedule import block_of, member_rows, parent_of
 
 SHARD_BYTES = 4 << 30
 
@@ -39,11 +39,13 @@ def _weight_buffers(plan, layout: dict) -> list[tuple[str, list[dict]]]:
     order = [b.name for b in plan.model.blocks]
     out = []
     for b in order:
+        units = sorted({parent_of(block_of(n)) != block_of(n) and block_of(n) for n in layout["buffers"]
+                        if parent_of(block_of(n)) == b} - {False}, key=lambda u: int(u.rsplit("x", 1)[1]))
         for kind in ("M", "C") if mixed else ("P", "C"):
-            buf = f"{kind}:{b}"
-            slots = [s for s in layout["buffers"].get(buf, []) if kind != "C" or s["frozen"]]
-            if slots:
-                out.append((buf, slots))
+            for buf in (f"{kind}:{b}", *(f"{kind}:{u}" for u in units)):  # a block's units: its expert rows
+                slots = [s for s in layout["buffers"].get(buf, []) if kind != "C" or s["frozen"]]
+                if slots:
+                    out.append((buf, slots))
     return out
 
 
@@ -193,21 +195,27 @@ def _give_new_file_mode(tmp: Path) -> None:
 def _blocks(plan, layout: dict, store, prefix: str):
     """Per block, in forward order, its weights by name ({name: tensor}): read one buffer at a
     time, so only one block's weights are in memory."""
-    current, out = None, {}
-    for buf, slots in _weight_buffers(plan, layout):  # a block's buffers come one after another
-        b = block_of(buf)
-        if b != current and out:
-            yield out
-            out = {}
+    current, out, rows = None, {}, {}
+
+    def whole() -> dict:  # the units' rows of each expert weight, put together
+        return {**out, **{n: torch.cat([t for _, t in sorted(parts, key=lambda p: p[0])]) for n, parts in rows.items()}}
+    for buf, slots in _weight_buffers(plan, layout):  # a block's buffers (its units' after them) come one after another
+        b = parent_of(block_of(buf))
+        if b != current and (out or rows):
+            yield whole()
+            out, rows = {}, {}
         current = b
         blob = aligned_empty(store.sizes[buf])
         store.read(buf, blob)
         for s in slots:
             t = blob[s["offset"]:s["offset"] + s["nbytes"]].view(getattr(torch, s["dtype"]))
-            name = s["name"][len(prefix):] if prefix and s["name"].startswith(prefix) else s["name"]
-            out[name] = t.reshape(s["shape"]).clone()
-    if out:
-        yield out
+            name, at = member_rows(s["name"][len(prefix):] if prefix and s["name"].startswith(prefix) else s["name"])
+            if at is None:
+                out[name] = t.reshape(s["shape"]).clone()
+            else:
+                rows.setdefault(name, []).append((at, t.reshape(s["shape"]).clone()))
+    if out or rows:
+        yield whole()
 
 
 LORA = (".lora_A.", ".lora_B.")

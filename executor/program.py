@@ -27,9 +27,10 @@ from tensorstow.ir.models import IGNORE_INDEX, build_for_execution, resolve_mode
 from tensorstow.ir.trace import Traced, model_dims, trace_model
 from tensorstow.schema.options import param_groups_of
 from tensorstow.schema.plan import Plan, as_plan
-from tensorstow.schema.schedule import (HELD_KINDS, MADE_BY_COMPUTE, BufferKind, Instr, InstrKind, block_gpus,
+from tensorstow.schema.schedule import (HELD_KINDS, MADE_BY_COMPUTE, UNIT, BufferKind, Instr, InstrKind, block_gpus,
                                         block_of, buffer_kind, carried_buffers, gpu_index, gpu_tier, home_tiers,
-                                        is_gpu, runs_on, split_micro, split_segment)
+                                        is_gpu, member_rows, parent_of, rows_member, runs_on, split_micro,
+                                        split_segment)
 
 OPTIMIZER_STATE = (BufferKind.M, BufferKind.OS)
 """Buffer kinds that hold the optimizer's fp32 state (no joint-graph value)."""
@@ -61,6 +62,7 @@ class Program:
         self.redo_instrs, self.redo_plan_id = self._read_instructions(plan.redo_instructions)
         """The redo program of a speculating plan (`Plan.redo_instructions`), run after a step whose
         clip fired."""
+        self._units(plan)
         self.layouts, self.members = self._buffers(plan)
         self._add_reforwards()
         self._add_backward_parts()
@@ -256,6 +258,32 @@ class Program:
             if bad:
                 raise TensorstowError(f"plan instruction {ins.id} ({ins.kind}) cannot create {bad}")
 
+    def _units(self, plan) -> None:
+        """A block's placement units (`schema.schedule.UNIT`, `Options.expert_groups`): each takes
+        its rows of the block's expert weights out of the block's own parameters."""
+        inst = self.joint.inst
+        whole = {b: set(ps) for b, ps in self.block_params.items()}
+        self.unit_rows: dict[str, tuple[int, int]] = {}
+        """Unit -> the rows [a, b) of its block's expert weights it holds."""
+        self.parts: dict[str, list[tuple[str, str, tuple[int, int], tuple[int, ...]]]] = {}
+        """Buffer of a unit's P or G -> (layout key, joint-graph root, rows, the root's shape) of each
+        member: the device holds the root whole, the buffer those rows of it (`stores.DeviceTier.parts`)."""
+        for name, spec in sorted(plan.buffers.items()):
+            u = block_of(name)
+            if buffer_kind(name) is not BufferKind.P or UNIT not in u or self.block_gpu[u] != self.gpu:
+                continue
+            b, names, rows = parent_of(u), [], set()
+            for m in spec.members:
+                base, r = member_rows(m)
+                names.append(inst.state_name(b, base))
+                rows.add(r)
+            if len(rows) != 1 or None in rows or not set(names) <= whole.get(b, set()):
+                raise TensorstowError(f"plan buffer {name} holds {', '.join(spec.members)}, which are not rows of "
+                                      f"block {b}'s weights in the traced model; re-plan it")
+            self.unit_rows[u] = rows.pop()
+            self.block_params[u] = names
+            self.block_params[b] = [q for q in self.block_params[b] if q not in names]
+
     def _buffers(self, plan):
         """Layout (named tensors) of every data buffer, read from the plan's `members` (by the
         profile's names; a replicated layer's are its own instances), checked against the traced
@@ -264,7 +292,7 @@ class Program:
         layouts: dict[str, Layout] = {}
         members: dict[str, list[str]] = {}
         for name, spec in sorted(plan.buffers.items()):
-            kind, b = buffer_kind(name), block_of(name)
+            kind, b = buffer_kind(name), parent_of(block_of(name))
             if kind == BufferKind.W:
                 continue  # a workspace: the segment's real temporaries, counted as they are made
             if kind not in (*HELD_KINDS, BufferKind.M, BufferKind.OS) or b not in inst.profile:
@@ -274,16 +302,24 @@ class Program:
                                       f"tensorstow); re-plan it")
             entries, roots = [], []
             for m in spec.members:
+                base, rows = member_rows(m)
                 try:
-                    key, meta = self._member(kind, b, m)
+                    key, meta = self._member(kind, b, base)
                     dtype, shape = j.meta(meta)
                 except KeyError:
                     raise TensorstowError(f"plan buffer {name} holds {m}, which the traced model does not "
                                           f"have; re-plan it") from None
+                if rows is not None:  # a unit's rows of a weight, its gradient or its states
+                    if not (len(shape) >= 1 and 0 <= rows[0] < rows[1] <= shape[0]):
+                        raise TensorstowError(f"plan buffer {name} holds {m}, rows the traced model's {base} "
+                                              f"of shape {tuple(shape)} does not have; re-plan it")
+                    if kind not in OPTIMIZER_STATE:
+                        self.parts.setdefault(name, []).append((rows_member(key, rows), key, rows, tuple(shape)))
+                    key, shape = rows_member(key, rows), (rows[1] - rows[0], *shape[1:])
                 fp32 = kind in OPTIMIZER_STATE or kind is BufferKind.G and self.fp32_grads
                 entries.append((key, torch.float32 if fp32 else dtype, shape))
                 if kind not in OPTIMIZER_STATE:
-                    roots.append(key)
+                    roots.append(key if rows is None else member_rows(key)[0])
             layouts[name] = Layout(entries)
             if roots:
                 members[name] = roots
@@ -291,15 +327,30 @@ class Program:
                 raise TensorstowError(f"plan buffer {name}: {spec.bytes} bytes in the plan, "
                                       f"{layouts[name].nbytes} in the traced model; re-plan it")
         for b, params in self.block_params.items():
+            if UNIT in b:
+                continue  # checked with its block
             want = {"P": [j.placeholder[p] for p in params], "C": [j.placeholder[c] for c in self.block_consts.get(b, ())],
                     "G": sorted({r for p in params if p in j.grad for r in j.roots_of(j.grad[p])})}
             if self.block_gpu[b] != self.gpu:
                 continue
+            units = [u for u in self.unit_rows if parent_of(u) == b]
+            if units:  # the block's and its units' buffers hold it together
+                every = params + sorted({q for u in units for q in self.block_params[u]})
+                want = {"P": [j.placeholder[p] for p in every], "C": want["C"],
+                        "G": sorted({r for p in every if p in j.grad for r in j.roots_of(j.grad[p])})}
             for kind, names in want.items():
-                if sorted(members.get(f"{kind}:{b}", [])) != sorted(names):
+                held = members.get(f"{kind}:{b}", []) + [r for u in units for r in members.get(f"{kind}:{u}", [])]
+                if kind != "C" and units:
+                    held = sorted(set(held))
+                if sorted(held) != sorted(names):
                     raise TensorstowError(f"plan buffer {kind}:{b} does not hold what block {b} of the traced "
                                           f"model has for it; re-plan it")
         return layouts, members
+
+    def row_key(self, b: str):
+        """A layout key of block b's buffers, for a unit its rows' (`w` -> `w[0:4]`)."""
+        rows = self.unit_rows.get(b)
+        return (lambda k: k) if rows is None else (lambda k: rows_member(k, rows))
 
     def _member(self, kind: BufferKind, b: str, m: str) -> tuple[str, str]:
         """(layout key, traced node giving its dtype and shape) of a plan member of buffer kind:b."""

@@ -253,8 +253,15 @@ class Runtime:
             j.run(j.segments[ins.segment], fetch=fetch, hold=self.dev.hold, release=self.dev.release,
                   keep=self.replay.keep[ins.id], sink=kept.__setitem__, device=self.device)  # held: ours
             for a in ins.allocs:
-                vals = {r: kept[r] if r in kept else fetch(r) for r in prog.members[a]}
                 grads = buffer_kind(a) is BufferKind.G
+                if a in prog.parts:  # a unit's rows of gradients the device holds whole
+                    self._put_rows(a, kept, passed, fetch, fp32=prog.fp32_grads and grads)
+                    if sem.scaler is not None and grads:
+                        sem.scaler.check(list(self.dev.get(a).values()))
+                    if grads and prog.M == 1 and self.comm is None:
+                        sem.record_norms(block_of(a), self.dev.get(a))
+                    continue
+                vals = {r: kept[r] if r in kept else fetch(r) for r in prog.members[a]}
                 if prog.fp32_grads and grads:  # accumulated in fp32 (eager's .grad)
                     vals = {r: v.float() for r, v in vals.items()}
                 ours = {r for r, v in vals.items() if r in kept and v is kept[r] and r not in passed}
@@ -266,8 +273,9 @@ class Runtime:
                     sem.record_norms(block_of(a), self.dev.get(a))
             for a in ins.accum:  # a later microbatch: eager's AccumulateGrad, .grad += this one's
                 into = self.dev.get(a)
-                for r in prog.members[a]:  # a cut backward's first part hands some on (K:<b>)
-                    into[r].add_(kept[r] if r in kept else self._fetch(r, ins.micro, besides=a))
+                for key, r, rows in _keys(prog, a):  # a cut backward's first part hands some on (K:<b>)
+                    v = kept[r] if r in kept else self._fetch(r, ins.micro, besides=a)
+                    into[key].add_(v if rows is None else v[rows[0]:rows[1]])
                 if sem.scaler is not None:
                     sem.scaler.check(list(into.values()))
                 if ins.micro == prog.M - 1 and self.comm is None:  # the sum is whole
@@ -279,10 +287,27 @@ class Runtime:
                 if r not in passed:
                     self.dev.release(v)
 
+    def _put_rows(self, a: str, kept: dict, passed: set, fetch, fp32: bool) -> None:
+        """Buffer `a`, rows of values a segment made (a unit's rows of a gradient): each value is
+        held whole on the device (`DeviceTier.adopt`), its bytes counted by the rows' buffers from
+        here on (the segment's hold of it ends)."""
+        for _, root, _, _ in self.program.parts[a]:
+            if root in self.dev.wholes:
+                continue
+            v = kept[root] if root in kept else fetch(root)
+            whole = v.float() if fp32 else v  # accumulated in fp32 (eager's .grad)
+            if root in kept and root not in passed and whole is v:
+                self.dev.release(v)
+                passed.add(root)
+            self.dev.adopt(root, whole)
+        self.dev.put(a, {key: self.dev.wholes[root][0][r0:r1] for key, root, (r0, r1), _ in self.program.parts[a]})
+
     def _fetch(self, root: str, micro: int = 0, besides: str = "") -> torch.Tensor:
         """`root`'s value for microbatch `micro`: a step input, else the copy of a buffer on the
-        device that holds it (but `besides`)."""
+        device that holds it (but `besides`); a value units hold in rows, whole."""
         v = self.inputs.get(root)
+        if v is None and root in self.dev.wholes:
+            return self.dev.whole(root)
         if v is None:
             holders = self.program.holders_of(root, micro)
             for h in holders:
@@ -339,6 +364,7 @@ class Runtime:
 
     def _optimizer_step(self, ins: Instr) -> None:
         prog, b = self.program, ins.segment
+        key = prog.row_key(b)
         on_dev = ins.dst != "cpu"
         tier = self.dev if on_dev else self.host
         master = tier.get(BufferKind.M.of(b) if prog.mixed else BufferKind.P.of(b))
@@ -357,19 +383,26 @@ class Runtime:
         if not prog.mixed:
             return
         ph = prog.joint.placeholder
-        rest = [p for p in prog.block_params[b] if ph[p] not in written]
+        rest = [p for p in prog.block_params[b] if key(ph[p]) not in written]
         if fresh_p is None:  # a copy also for fp32 ones: P never aliases M
-            self.dev.put(p_buf, {ph[p]: master[p].to(prog.joint.meta(ph[p])[0], copy=True) for p in rest})
+            self.dev.put(p_buf, {key(ph[p]): master[key(p)].to(prog.joint.meta(ph[p])[0], copy=True) for p in rest})
         else:
             # straight into P's memory, rounded as `.to` rounds: no temporary the size of the
             # parameter, allocated and page-faulted each step (benchmarks/RESULTS.md "On a GPU")
             for p in rest:
-                fresh_p[ph[p]].copy_(master[p])
+                fresh_p[key(ph[p])].copy_(master[key(p)])
 
     def _commit_previous(self, ins: Instr) -> None:
         """A step's `commit` instruction: the carried buffers are home, so the SSD holds the whole
         state of the step before (`on_commit` commits it when due)."""
         self.on_commit()
+
+
+def _keys(prog, buf: str) -> list[tuple[str, str, tuple[int, int] | None]]:
+    """(layout key, joint-graph root, rows or None) of each member of a buffer a segment makes."""
+    if buf in prog.parts:
+        return [(key, root, rows) for key, root, rows, _ in prog.parts[buf]]
+    return [(r, r, None) for r in prog.members[buf]]
 
 
 HANDLERS = {

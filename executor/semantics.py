@@ -20,6 +20,7 @@ from tensorstow.executor.adam import SubgroupAdam
 from tensorstow.executor.amp import LossScaler, distinct
 from tensorstow.executor.lr import LRSchedule
 from tensorstow.executor.program import Program
+from tensorstow.schema.schedule import parent_of
 
 
 class StepSemantics:
@@ -158,18 +159,24 @@ class StepSemantics:
         for the step's global norm (`total_norm`)."""
         j = self.program.joint
         inv = None if self.scaler is None else self.scaler.scale.double().reciprocal().float()
+        key, rows = self.program.row_key(b), self.program.unit_rows.get(b)
         for p in self.program.block_params.get(b, ()):
             if p not in j.grad:
                 continue
-            g = j.materialize(j.grad[p], grads.__getitem__).float()
+            g = j.materialize(j.grad[p], lambda r: grads[key(r)]).float()
             if inv is not None:
                 g = g * inv.to(g.device)  # a copy: G itself is unscaled at its update
-            self.norms[p] = torch._foreach_norm([g], 2.0)[0]
+            self.norms[p if rows is None else (p, rows)] = torch._foreach_norm([g], 2.0)[0]
 
     def total_norm(self) -> torch.Tensor:
         """clip_grad_norm_'s total_norm: the 2-norm of the parameters' norms stacked in the model's
         parameter order."""
-        norms = [self.norms[p] for p in self.program.param_order if p in self.norms]
+        rows: dict[str, list[torch.Tensor]] = {}  # a weight's norm from its units' rows of it
+        for k, n in sorted((k, n) for k, n in self.norms.items() if isinstance(k, tuple)):
+            rows.setdefault(k[0], []).append(n)
+        whole = {p: torch.linalg.vector_norm(torch.stack(ns), 2.0) for p, ns in rows.items()}
+        norms = [self.norms[p] if p in self.norms else whole[p] for p in self.program.param_order
+                 if p in self.norms or p in whole]
         dev = norms[0].device
         return torch.linalg.vector_norm(torch.stack([n.to(dev) for n in norms]), 2.0)
 
@@ -202,7 +209,7 @@ class StepSemantics:
     def updates(self, b: str) -> bool:
         """Whether block b's `optimizer_step` updates it in this step: not in an evaluation, and
         not after an fp16 overflow (a speculated update runs and is judged after the step)."""
-        speculative = b in self.program.speculated and not self.redoing
+        speculative = parent_of(b) in self.program.speculated and not self.redoing
         return not (self.evaluating or self.scaler is not None and not speculative and self.scaler.skip())
 
     def update(self, b: str, grads, states, master, on_dev: bool, dev, fresh_p, scalars=None) -> set[str]:
@@ -213,19 +220,19 @@ class StepSemantics:
         memory (executor.graphs)."""
         prog = self.program
         j, mixed = prog.joint, prog.mixed
-        ph = j.placeholder
+        ph, key = j.placeholder, prog.row_key(b)
         trained = [p for p in prog.block_params[b] if p in j.grad]  # no gradient: torch.optim skips it too
         params, gs, moments, held = [], [], [], []
         # a speculated update's gradients are kept for a redo: unscaled on copies, never in place
-        kept = self.scaler is not None and b in prog.speculated and not self.redoing
+        kept = self.scaler is not None and parent_of(b) in prog.speculated and not self.redoing
         # the fast CPU update reads a 16-bit gradient in its width and scales it as it reads
         # (`adamw_steps_`): no fp32 copy of it is allocated and written first (benchmarks/RESULTS.md
         # "On a GPU")
         direct = mixed and not on_dev and not self.adam[b].exact and self.scaler is None
-        clipping = self.max_grad_norm > 0 and (self.redoing or b not in prog.speculated)
+        clipping = self.max_grad_norm > 0 and (self.redoing or parent_of(b) not in prog.speculated)
         try:
             for p in trained:
-                g = j.materialize(j.grad[p], grads.__getitem__)
+                g = j.materialize(j.grad[p], lambda r: grads[key(r)])
                 if kept and g.dtype == torch.float32:
                     g = g.clone()
                 if mixed and g.dtype != torch.float32 and not direct:
@@ -233,9 +240,9 @@ class StepSemantics:
                     if on_dev:
                         dev.hold(g, f"{p} fp32 gradient")
                         held.append(g)
-                params.append(master[p if mixed else ph[p]])
+                params.append(master[key(p) if mixed else key(ph[p])])
                 gs.append(g)
-                moments.append((states[f"{p}.exp_avg"], states[f"{p}.exp_avg_sq"]))
+                moments.append((states[key(f"{p}.exp_avg")], states[key(f"{p}.exp_avg_sq")]))
             if self.scaler is not None:
                 self.scaler.unscale_(gs)
             grad_scale = 1.0
@@ -248,8 +255,8 @@ class StepSemantics:
                 torch._foreach_mul_(unique, self.clip_coef().to(unique[0].device))
             out16, written = None, set()
             if mixed and not on_dev and not self.adam[b].exact:
-                out16 = [fresh_p[ph[p]] if fresh_p[ph[p]].dtype != torch.float32 else None for p in trained]
-                written = {ph[p] for p, o in zip(trained, out16) if o is not None}
+                out16 = [fresh_p[key(ph[p])] if fresh_p[key(ph[p])].dtype != torch.float32 else None for p in trained]
+                written = {key(ph[p]) for p, o in zip(trained, out16) if o is not None}
             # torch's single-tensor Adam allocates two parameter-sized temporaries (sqrt, denom)
             scratch = 2 * max((t.numel() * 4 for t in params), default=0) if on_dev and self.adam[b].exact else 0
             with dev.reserve(scratch, f"Adam scratch of {b}") if scratch else contextlib.nullcontext():

@@ -35,7 +35,7 @@ import torch
 from tensorstow.errors import TensorstowError
 from tensorstow.executor.amp import AMP
 from tensorstow.schema.plan import Plan, as_plan
-from tensorstow.schema.schedule import block_gpus
+from tensorstow.schema.schedule import block_gpus, member_rows, rows_member
 
 PLAN, LAYOUT, CONFIG, ADAPTER_CONFIG = "plan.json", "layout.json", "config.json", "adapter_config.json"
 RNG = "RNG"
@@ -326,11 +326,14 @@ def write_description(d: Path, layouts: dict, names: dict[str, str], frozen: set
     if peft is not None and not (d / ADAPTER_CONFIG).exists():
         write_atomic(d / ADAPTER_CONFIG, json.dumps(peft[1], indent=2, sort_keys=True, default=_jsonable) + "\n")
     desc = {"name_prefix": prefix, "buffers": {}, **({"peft_adapter": peft[0]} if peft else {})}
+    def name(key: str) -> str:  # a unit's rows of a weight: the weight's name with the rows, `w[0:4]`
+        base, rows = member_rows(key)
+        return names.get(base, base) if rows is None else rows_member(names.get(base, base), rows)
     for buf, layout in sorted(layouts.items()):
         desc["buffers"][buf] = [
-            {"key": s.key, "name": names.get(s.key, s.key), "dtype": str(s.dtype).replace("torch.", ""),
+            {"key": s.key, "name": name(s.key), "dtype": str(s.dtype).replace("torch.", ""),
              "shape": list(s.shape), "offset": s.offset, "nbytes": s.nbytes,
-             "frozen": names.get(s.key, s.key) in frozen}
+             "frozen": member_rows(name(s.key))[0] in frozen}
             for s in layout.slots.values()]
     text = json.dumps(desc, indent=1, sort_keys=True) + "\n"
     try:

@@ -119,6 +119,12 @@ class DeviceTier:
         self.peak = 0
         self._live: dict[int, list[int]] = {}  # storage data_ptr -> [nbytes, references]
         self._lock = threading.Lock()
+        self.parts: dict[str, list[tuple[str, str, tuple[int, int], tuple[int, ...]]]] = {}
+        """Buffer -> (key, root, rows, the root's shape) of each member that is rows of a tensor the
+        device holds whole (a unit's rows of an expert weight, or of its gradient): its copy is a view
+        of that whole, counted by its own bytes (`wholes`)."""
+        self.wholes: dict[str, tuple[torch.Tensor, set[tuple[int, int]]]] = {}
+        """Root -> (the tensor, the rows of it some buffer's copy holds)."""
 
     # accounting ---------------------------------------------------------------------------
     def hold(self, value, what: str = "") -> None:
@@ -204,9 +210,13 @@ class DeviceTier:
     def put(self, buf: str, values: dict[str, torch.Tensor], held: frozenset[str] | set[str] = frozenset()) -> None:
         """Make `values` buffer `buf`'s device copy. `held`: the keys whose values the caller
         holds already and whose holds pass to the buffer (a segment's kept roots), so they are
-        counted once, not held again and released by the caller."""
+        counted once, not held again and released by the caller. A buffer of rows (`parts`) puts
+        them into the tensor they are rows of (a view of it already: taken as it is)."""
         if buf in self.copies:
             raise TensorstowError(f"buffer {buf} is allocated twice on {self.name} (the plan must free it first)")
+        if buf in self.parts:
+            self.copies[buf] = self._put_rows(buf, values.__getitem__)
+            return
         for k, v in values.items():
             if k not in held:
                 self.hold(v, f"{buf}[{k}]")
@@ -218,6 +228,9 @@ class DeviceTier:
         if old is not None:
             for k in src.layout.keys():
                 old[k].copy_(src.get(k), non_blocking=self.device.type == "cuda")
+            return
+        if buf in self.parts:
+            self.copies[buf] = self._put_rows(buf, src.get)
             return
         vals = {}
         try:
@@ -237,8 +250,64 @@ class DeviceTier:
         c = self.copies.pop(buf, None)
         if c is None:
             raise TensorstowError(f"free of {buf} on {self.name}, which does not hold it")
+        if buf in self.parts:
+            self._drop_rows(buf, c)
+            return
         for v in c.values():
             self.release(v)
+
+    # rows of a tensor held whole (`parts`) ---------------------------------------------------
+    def adopt(self, root: str, t: torch.Tensor) -> None:
+        """Make `t` the whole tensor of `root` whose rows buffers put next take (a gradient the
+        backward made whole); the caller's hold of it stays the caller's."""
+        if root in self.wholes:
+            raise TensorstowError(f"{root} is on {self.name} twice (the plan must free its rows first)")
+        self.wholes[root] = (t, set())
+
+    def whole(self, root: str) -> torch.Tensor | None:
+        """The tensor `root` whose rows buffers hold, where every row is there; None where no
+        buffer holds rows of it."""
+        w = self.wholes.get(root)
+        if w is None:
+            return None
+        t, present = w
+        rows = sorted(present)
+        if rows[0][0] != 0 or rows[-1][1] != t.shape[0] or any(a[1] != b[0] for a, b in zip(rows, rows[1:])):
+            raise TensorstowError(f"{root} is read on {self.name} with rows {rows} of {t.shape[0]} there: the plan "
+                                  f"does not make the read wait for every unit's load")
+        return t
+
+    def _put_rows(self, buf: str, value_of) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        try:
+            for key, root, (a, b), shape in self.parts[buf]:
+                v = value_of(key)
+                if root not in self.wholes:
+                    self.wholes[root] = (torch.empty(shape, dtype=v.dtype, device=self.device), set())
+                t, present = self.wholes[root]
+                view = t[a:b]
+                if view.data_ptr() != v.data_ptr() or view.stride() != v.stride():
+                    view.copy_(v, non_blocking=self.device.type == "cuda")
+                with self._lock:
+                    self._grow(view.numel() * view.element_size(), f"{buf}[{key}]")
+                present.add((a, b))
+                out[key] = view
+        except BaseException:
+            self._drop_rows(buf, out)
+            raise
+        return out
+
+    def _drop_rows(self, buf: str, c: dict[str, torch.Tensor]) -> None:
+        for key, root, rows, _ in self.parts[buf]:
+            v = c.get(key)
+            if v is None:
+                continue
+            with self._lock:
+                self.used -= v.numel() * v.element_size()
+            t, present = self.wholes[root]
+            present.discard(rows)
+            if not present:
+                del self.wholes[root]
 
 
 # ---- host -----------------------------------------------------------------------------------

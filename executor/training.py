@@ -18,7 +18,7 @@ from tensorstow.executor.program import Program, model_state
 from tensorstow.executor.ssd import SSDStore
 from tensorstow.executor.statedir import RNG, rng_bytes, set_rng
 from tensorstow.executor.stores import DeviceTier, HostCopy, HostTier, SSDTier, clone_to
-from tensorstow.schema.schedule import STATE_KINDS, BufferKind, buffer_kind
+from tensorstow.schema.schedule import STATE_KINDS, BufferKind, block_of, buffer_kind, parent_of
 
 
 class TrainingState:
@@ -46,15 +46,20 @@ class TrainingState:
         `ir.models.gpt_init_stream`); each block's values are dropped once it is placed."""
         source = _Source(model, values)
         ph = self.program.joint.placeholder
+        units = {}
+        for u in self.program.unit_rows:
+            units.setdefault(parent_of(u), []).append(u)
         for blk in self.program.graph.blocks:
             b = blk.name
-            todo = [f"{k}:{b}" for k in STATE_KINDS if k in kinds]
+            owners = [b, *units.get(b, ())]  # the block and its units: their parameters are the block's
+            todo = [f"{k}:{o}" for o in owners for k in STATE_KINDS if k in kinds]
             todo = [n for n in todo if n in self.homes and not (skip_ssd and self.homes[n] == "ssd")]
+            taken = [p for o in owners for p in self.program.block_params[o]] + self.program.block_consts.get(b, [])
             if not todo:
                 if self.program.block_gpu[b] != self.gpu:  # another rank's block: an init stream is sequential
-                    source.take(self.program.block_params[b] + self.program.block_consts.get(b, []))
+                    source.take(taken)
                 continue
-            state = source.take(self.program.block_params[b] + self.program.block_consts.get(b, []))
+            state = source.take(taken)
             for name in todo:
                 kind, home = buffer_kind(name), self.homes[name]
                 if kind == "OS" and home != self.gpu:  # zeros, written in place: no temporaries
@@ -64,15 +69,19 @@ class TrainingState:
                         self.host.drop(name)
                     continue
                 vals = {}
-                for p in self.program.block_consts.get(b, ()) if kind == "C" else self.program.block_params[b]:
+                o = block_of(name)
+                key, rows = self.program.row_key(o), self.program.unit_rows.get(o)
+                for p in self.program.block_consts.get(b, ()) if kind == "C" else self.program.block_params[o]:
                     w = state[p].detach()
+                    if rows is not None:
+                        w = w[rows[0]:rows[1]]
                     if kind in ("P", "C"):
-                        vals[ph[p]] = w.to(self.program.joint.meta(ph[p])[0])
+                        vals[key(ph[p])] = w.to(self.program.joint.meta(ph[p])[0])
                     elif kind == "M":
-                        vals[p] = w.float()
+                        vals[key(p)] = w.float()
                     else:
-                        vals[f"{p}.exp_avg"] = torch.zeros_like(w, dtype=torch.float32)
-                        vals[f"{p}.exp_avg_sq"] = torch.zeros_like(w, dtype=torch.float32)
+                        vals[key(f"{p}.exp_avg")] = torch.zeros_like(w, dtype=torch.float32)
+                        vals[key(f"{p}.exp_avg_sq")] = torch.zeros_like(w, dtype=torch.float32)
                 layout = self.layouts[name]
                 if home == self.gpu:
                     self.dev.put(name, {k: clone_to(vals[k], self.dev.device) for k in layout.keys()})
@@ -197,12 +206,19 @@ class TrainingState:
         """The parameters by qualified name, as fp32 CPU tensors: trainable ones from their
         masters, frozen ones from their constants (buffers are not parameters)."""
         p, out = self.program, {}
+        rows: dict[str, list[tuple[tuple[int, int], torch.Tensor]]] = {}  # a weight's rows, unit by unit
         for b, params in p.block_params.items():
             if not params or p.block_gpu[b] != self.gpu:  # another rank's stage
                 continue
-            copy = self.latest(BufferKind.M.of(b) if p.mixed else BufferKind.P.of(b))
+            copy, key = self.latest(BufferKind.M.of(b) if p.mixed else BufferKind.P.of(b)), p.row_key(b)
             for q in params:
-                out[q] = copy[q if p.mixed else p.joint.placeholder[q]].detach().float().cpu().clone()
+                v = copy[key(q if p.mixed else p.joint.placeholder[q])].detach().float().cpu().clone()
+                if b in p.unit_rows:
+                    rows.setdefault(q, []).append((p.unit_rows[b], v))
+                else:
+                    out[q] = v
+        for q, parts in rows.items():
+            out[q] = torch.cat([v for _, v in sorted(parts, key=lambda x: x[0])])
         for b, consts in p.block_consts.items():
             frozen = [c for c in consts if c in p.frozen and p.block_gpu[b] == self.gpu]
             if frozen:

@@ -9,16 +9,39 @@ Eq. 2: reads and writes share the SSDs' bandwidth). The CPU optimizer updates
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 from tensorstow.ir.graph import FLASH_MIN_CAPABILITY, Graph, attention_flops, draws_random, flash_eligible, lsum, numel
 from tensorstow.schema.hardware import CPU_GPU_NAME, Hardware
-from tensorstow.schema.schedule import InstrKind, gpu_index, is_gpu
+from tensorstow.schema.schedule import UNIT, InstrKind, gpu_index, is_gpu, parent_of, rows_member
 
 # Bytes moved per parameter by one Adam step on the GPU: read param, grad, master, m, v and
 # write master, m, v, param (mixed precision: 2+2+4+4+4 read, 4+4+4+2 written).
 GPU_ADAM_BYTES_PER_PARAM = 30
+
+
+@dataclass(frozen=True)
+class UnitProfile:
+    """A group of a block's experts as a placement unit (`schema.schedule.UNIT`): rows [a, b) of each
+    of the block's expert weights (a mixture of experts' (experts, ...) parameters), their gradients'
+    rows, and what an update of them takes."""
+
+    name: str
+    """The unit's suffix in its block's name (`x0`: `b3/x0`)."""
+    rows: tuple[int, int]
+    """The experts it holds: [a, b)."""
+    params: tuple[str, ...]
+    """P:<unit> members: `rows_member` of each expert weight."""
+    grads: tuple[str, ...]
+    """G:<unit> members: the same rows of each expert weight's gradient storage root."""
+    param_count: int
+    param_bytes: int
+    grad_bytes: int
+    grad_fp32_bytes: int
+    opt_workspace: int
+    """Scratch of a GPU Adam step of the unit (two fp32 tensors the size of its largest slice)."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +139,23 @@ class BlockProfile:
     bwd2_workspace: int = 0
     sizes: tuple[tuple[str, int], ...] = ()
     """Bytes of each storage in `saved`, `swapped` and `rest` (how a cut splits their buffers)."""
+    units: tuple[UnitProfile, ...] = ()
+    """`Options.expert_groups`: the block's experts in groups, each a placement unit of its own; the
+    block's own buffers hold the rest of its state (`own`)."""
+    experts: tuple[str, ...] = ()
+    """The expert weights (in `params`) and their gradients' roots (in `grads`) the units hold."""
+
+    def own(self) -> dict:
+        """The block's own state, without what its units hold: params, grads, param_count,
+        param_bytes, grad_bytes, grad_fp32_bytes."""
+        if not self.units:
+            return dict(params=self.params, grads=self.grads, param_count=self.param_count,
+                        param_bytes=self.param_bytes, grad_bytes=self.grad_bytes, grad_fp32_bytes=self.grad_fp32_bytes)
+        held = set(self.experts)
+        return dict(params=tuple(p for p in self.params if p not in held),
+                    grads=tuple(g for g in self.grads if g not in held),
+                    **{k: getattr(self, k) - sum(getattr(u, k) for u in self.units)
+                       for k in ("param_count", "param_bytes", "grad_bytes", "grad_fp32_bytes")})
 
 
 def commit_time(hw, instrs) -> float:
@@ -237,8 +277,9 @@ def _in_fp32(o, tensors) -> bool:
     return False
 
 
-def profiles(graph: Graph, hw: Hardware) -> dict[str, BlockProfile]:
-    """One profile per traced block."""
+def profiles(graph: Graph, hw: Hardware, expert_groups: int = 1) -> dict[str, BlockProfile]:
+    """One profile per traced block; with `expert_groups` > 1 a mixture of experts' layer holds its
+    experts in that many units (`expert_units`)."""
     tensors = {t.name: t for t in graph.tensors}
     ops = graph.ops
     order = [blk.profile for blk in graph.blocks]  # forward order, as the ops name their blocks
@@ -313,7 +354,50 @@ def profiles(graph: Graph, hw: Hardware) -> dict[str, BlockProfile]:
             refwd_time_s=ops_time(refwd, tensors, hw),
             refwd_workspace=_workspace(refwd, tensors, ops),
             sizes=tuple(sorted((n, tensors[n].nbytes) for n in {*saved, *swapped, *rest})), **cut)
+        if expert_groups > 1:
+            out[b] = expert_units(out[b], fwd, tensors, expert_groups)
     return out
+
+
+def expert_units(p: BlockProfile, fwd, tensors, groups: int) -> BlockProfile:
+    """Block profile `p` with its experts in `groups` units (`UnitProfile`), where its forward runs
+    a grouped matmul over a trainable (experts, ...) weight of its own and every such weight's
+    gradient roots have the experts first too; `p` as it is otherwise. Group k holds experts
+    [E k / groups, E (k + 1) / groups)."""
+    weights: dict[str, int] = {}  # the block's expert weights (model-state names) -> experts
+    for o in fwd:
+        if "_grouped_mm" not in o.target or len(o.inputs) < 2:
+            continue
+        w = tensors[tensors[o.inputs[1]].storage]
+        if w.kind == "parameter" and w.param in p.params and len(w.shape) == 3:
+            weights[w.param] = w.shape[0]
+    by_param: dict[str, set[str]] = {}
+    for t in tensors.values():
+        if t.kind == "gradient" and t.param in weights:
+            by_param.setdefault(t.param, set()).add(t.storage)
+    roots = {w: sorted(by_param.get(w, ())) for w in weights}
+    if not weights or len(set(weights.values())) != 1 or not all(roots.values()):
+        return p
+    experts = next(iter(weights.values()))
+    if any(tensors[r].shape[0] != experts for rs in roots.values() for r in rs) or groups > experts:
+        return p
+    params = {t.param: t for t in tensors.values() if t.kind == "parameter" and t.storage == t.name and t.param in weights}
+    units = []
+    for k in range(groups):
+        a, b = experts * k // groups, experts * (k + 1) // groups
+        share = lambda n: n * (b - a) // experts  # noqa: E731 (rows a..b of a tensor of `experts` rows)
+        ws = [w for w in p.params if w in weights]
+        gs = [r for w in ws for r in roots[w]]
+        units.append(UnitProfile(
+            name=f"x{k}", rows=(a, b), params=tuple(rows_member(w, (a, b)) for w in ws),
+            grads=tuple(rows_member(r, (a, b)) for r in gs),
+            param_count=sum(share(numel(params[w].shape)) for w in ws),
+            param_bytes=sum(share(params[w].nbytes) for w in ws),
+            grad_bytes=sum(share(tensors[r].nbytes) for r in gs),
+            grad_fp32_bytes=sum(share(tensors[r].nbytes * 4 // _ITEMSIZE[tensors[r].dtype]) for r in gs),
+            opt_workspace=2 * 4 * max(share(numel(params[w].shape)) for w in ws)))
+    held = tuple(w for w in p.params if w in weights) + tuple(r for w in p.params if w in weights for r in roots[w])
+    return dataclasses.replace(p, units=tuple(units), experts=held)
 
 
 def _op_times(seg, tensors, hw: Hardware) -> float:
@@ -595,5 +679,22 @@ def optimizer_time(params: int, device: str, hw: Hardware, tensors: int = 0) -> 
 
 def update_time(prof: BlockProfile, device: str, problem) -> float:
     """`optimizer_time` of a block profile: its trainable parameters and their tensors (those of
-    the traced block the profile describes)."""
+    the traced block the profile describes), its units' included (what a policy decides on)."""
     return optimizer_time(prof.param_count, device, problem.hw, len(problem.graph.block(prof.name).params))
+
+
+def segment_update_time(problem, segment: str, device: str) -> float:
+    """`optimizer_time` of one `optimizer_step`: of a block's own parameters, or of a unit's
+    (`schema.schedule.UNIT`)."""
+    prof = problem.profiles[problem.profile_of[parent_of(segment)]]
+    if segment != parent_of(segment):
+        u = unit_profile(prof, segment)
+        return optimizer_time(u.param_count, device, problem.hw, len(u.params))
+    tensors = len(problem.graph.block(prof.name).params) - (len(prof.units[0].params) if prof.units else 0)
+    return optimizer_time(prof.own()["param_count"], device, problem.hw, tensors)
+
+
+def unit_profile(prof: BlockProfile, unit: str) -> UnitProfile:
+    """The `UnitProfile` of unit `unit` (`b3/x1`) of the block `prof` describes."""
+    suffix = unit.split(UNIT, 1)[1]
+    return next(u for u in prof.units if u.name == suffix)

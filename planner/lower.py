@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from tensorstow.planner.cost import BlockProfile
 from tensorstow.schema.schedule import (CPU_OPTIMIZER, OPTIMIZER_INPUTS, TIERS, BlockDecision, Buffer, BufferKind, Decisions,
-                                        Instr, InstrKind, Stream, block_of, buffer_kind, carried_buffers, tier_class)
+                                        Instr, InstrKind, Stream, block_of, buffer_kind, carried_buffers, member_rows,
+                                        parent_of, rows_member, tier_class, unit_name)
 
 
 def ssd_read_stream(buf: str, first: bool) -> str:
@@ -31,15 +32,11 @@ def buffers_for(order: list[str], prof: dict[str, BlockProfile], profile_of: dic
     for b in order:
         p, d = prof[profile_of[b]], decisions.blocks[b]
         n = p.param_count
-        if n:
-            out[f"P:{b}"] = Buffer(f"P:{b}", p.param_bytes, b, d.params, p.params)
-            g = p.grad_fp32_bytes if decisions.fp32_grads(mixed) else p.grad_bytes
-            out[f"G:{b}"] = Buffer(f"G:{b}", g, b, members=p.grads)
-            if mixed:
-                out[f"M:{b}"] = Buffer(f"M:{b}", 4 * n, b, d.states,
-                                       tuple(f"{q}.master" for q in p.params))
-            out[f"OS:{b}"] = Buffer(f"OS:{b}", 8 * n, b, d.states,
-                                    tuple(f"{q}{s}" for q in p.params for s in (".exp_avg", ".exp_avg_sq")))
+        for u, own in ((b, p.own()), *((unit_name(b, k), unit_state(x)) for k, x in enumerate(p.units))):
+            out.update(state_buffers(u, own, decisions.of(u), decisions.fp32_grads(mixed), mixed))
+        for k, x in enumerate(p.units):
+            if decisions.of(unit_name(b, k)).optimizer == "gpu":
+                out[f"W:opt:{unit_name(b, k)}"] = Buffer(f"W:opt:{unit_name(b, k)}", x.opt_workspace, unit_name(b, k))
         if p.const_bytes:
             out[f"C:{b}"] = Buffer(f"C:{b}", p.const_bytes, b, d.params, p.consts)
         if p.carried_bytes:
@@ -78,6 +75,39 @@ def buffers_for(order: list[str], prof: dict[str, BlockProfile], profile_of: dic
             # G: one more gradient in the workspace of the segment that makes G.
             out[f"W:acc:{b}"] = Buffer(f"W:acc:{b}", phases[-1][1] + p.grad_bytes, b)
     return out
+
+
+def state_buffers(b: str, own: dict, d: BlockDecision, fp32_grads: bool, mixed: bool) -> dict[str, Buffer]:
+    """P:, G:, M: (mixed precision) and OS:<b> of a block's own trainable state, or of a unit's
+    (`own`: `BlockProfile.own`, `unit_state`), with the homes `d` gives them; none without any."""
+    n, params = own["param_count"], own["params"]
+    if not n:
+        return {}
+    out = {f"P:{b}": Buffer(f"P:{b}", own["param_bytes"], b, d.params, params),
+           f"G:{b}": Buffer(f"G:{b}", own["grad_fp32_bytes"] if fp32_grads else own["grad_bytes"], b,
+                            members=own["grads"])}
+    if mixed:
+        out[f"M:{b}"] = Buffer(f"M:{b}", 4 * n, b, d.states, tuple(_state_member(q, ".master") for q in params))
+    out[f"OS:{b}"] = Buffer(f"OS:{b}", 8 * n, b, d.states,
+                            tuple(_state_member(q, s) for q in params for s in (".exp_avg", ".exp_avg_sq")))
+    return out
+
+
+def _state_member(param: str, suffix: str) -> str:
+    """The member of a parameter's optimizer state: `w.exp_avg`, for rows of it `w.exp_avg[2:4]`."""
+    name, rows = member_rows(param)
+    return f"{name}{suffix}" if rows is None else rows_member(f"{name}{suffix}", rows)
+
+
+def unit_state(u) -> dict:
+    """A `UnitProfile`'s state as `BlockProfile.own` gives a block's."""
+    return dict(params=u.params, grads=u.grads, param_count=u.param_count, param_bytes=u.param_bytes,
+                grad_bytes=u.grad_bytes, grad_fp32_bytes=u.grad_fp32_bytes)
+
+
+def units_of(b: str, prof: BlockProfile) -> list[str]:
+    """The placement units of block b (`schema.schedule.UNIT`), in order."""
+    return [unit_name(b, k) for k in range(len(prof.units))]
 
 
 def split_backward(p: BlockProfile, d: BlockDecision) -> bool:
@@ -238,6 +268,8 @@ class _Lowering:
         """The GPU's compute stream."""
         self.updates_wait = updates_wait
         """Updates wait for the last backward, state reads double-buffered (`lower`)."""
+        self.units = {b: units_of(b, prof[profile_of[b]]) for b in order}
+        """Block -> its placement units (`schema.schedule.UNIT`)."""
         self.e = Emitter(gpu, decisions.ssd_reads_first)
         """The instructions so far, and where each buffer's copies are."""
         self.home = {n: (gpu if b.home == "gpu" else b.home) for n, b in buffers.items() if b.home}
@@ -310,12 +342,21 @@ class _Lowering:
         return f"W:{phase}:{b}" if self.has(f"W:{phase}:{b}") else ""
 
     def state(self, b: str) -> list[str]:
-        """The block's parameter-like buffers: what its segments read of its own state."""
-        return [x for x in (f"P:{b}", f"C:{b}") if self.has(x)]
+        """The block's parameter-like buffers: what its segments read of its own state (its units'
+        parameters included)."""
+        return [x for x in (f"P:{b}", f"C:{b}", *(f"P:{u}" for u in self.units[b])) if self.has(x)]
+
+    def off_gpu(self, b: str) -> list[str]:
+        """The block's parameter-like buffers that live off the GPU and are loaded for each use."""
+        return [x for x in self.state(b) if self.home[x] != self.gpu]
 
     def streams(self, b: str) -> bool:
-        """Whether the block's P:/C: live off the GPU and are loaded for each use."""
-        return bool(self.state(b)) and self.dec[b].params != "gpu"
+        """Whether some of the block's P:/C: live off the GPU and are loaded for each use."""
+        return bool(self.off_gpu(b))
+
+    def owners(self, b: str) -> list[str]:
+        """The block and its units: what has a gradient G:<x> and an update of its own."""
+        return [b, *self.units[b]]
 
     def gate(self, done: dict[str, int], seq: list[str], b: str, lag: int) -> int | None:
         """`done` of the block `lag` places before b in `seq` (None where there is none): what a
@@ -330,12 +371,12 @@ class _Lowering:
         from its DRAM copy, which goes once it is also home."""
         e, gpu = self.e, self.gpu
         last = None
-        for x in self.state(b):
+        for x in self.off_gpu(b):
             if x in self.written_back and (x, "dram") in e.where:
                 last = e.move(x, "dram", gpu, gates)
                 e.free(x, "dram", (last,), on=self.written_back[x])
-            elif (for_update and self.keep and x == f"P:{b}" and self.home[x] == "ssd"
-                  and self.dec[b].optimizer == "cpu"):
+            elif (for_update and self.keep and buffer_kind(x) is BufferKind.P and self.home[x] == "ssd"
+                  and self.decisions.of(block_of(x)).optimizer == "cpu"):
                 last = e.move(x, "dram", gpu, (e.move(x, "ssd", "dram", gates),))
             else:
                 last = e.move(x, self.home[x], gpu, gates)
@@ -344,7 +385,7 @@ class _Lowering:
     def free_state(self, b: str, after: int) -> int | None:
         """Release the block's P:/C: on the GPU after `after`; returns the last release."""
         last = None
-        for x in self.state(b):
+        for x in self.off_gpu(b):
             last = self.e.free(x, self.gpu, (after,))
         return last
 
@@ -480,9 +521,10 @@ class _Lowering:
                 deps.append(r)
         if has(f"X:{b}") and d.checkpoint != "gpu":
             e.free(f"X:{b}", d.checkpoint, (deps[-1] if deps else None,))
-        if self.micro and has(f"G:{b}") and d.accum != "gpu":  # the sum so far, back to be added into
-            deps.append(e.move(f"G:{b}", d.accum, gpu, (self.last_comp,)))
-            e.free(f"G:{b}", d.accum, (deps[-1],))
+        for o in self.owners(b):
+            if self.micro and has(f"G:{o}") and d.accum != "gpu":  # the sum so far, back to be added into
+                deps.append(e.move(f"G:{o}", d.accum, gpu, (self.last_comp,)))
+                e.free(f"G:{o}", d.accum, (deps[-1],))
         return deps
 
     def swap_in(self, b: str, acts: list[str], deps: list[int]) -> None:
@@ -506,8 +548,9 @@ class _Lowering:
         first part reads between them); returns its last compute and the buffers it makes."""
         e, gpu, d, has = self.e, self.gpu, self.dec[b], self.has
         adds = self.micro > 0 and has(f"G:{b}")
-        allocs = tuple(x for x in (f"G:{b}", f"T:{b}", f"H:{b}") if has(x) and not (adds and x == f"G:{b}"))
-        accum = (f"G:{b}",) if adds else ()
+        grads = tuple(f"G:{o}" for o in self.owners(b) if has(f"G:{o}"))
+        allocs = tuple(x for x in (*grads, f"T:{b}", f"H:{b}") if has(x) and not (adds and x in grads))
+        accum = grads if adds else ()
         grad_buffers = self.decisions.grad_buffers
         if grad_buffers and has(f"G:{b}") and d.optimizer == "cpu" and self.last_micro:
             if len(self.cpu_grads) >= grad_buffers and self.overlap:
@@ -550,9 +593,19 @@ class _Lowering:
             self.frees_bwd[b] = self.free_state(b, c)
 
     def send_gradient(self, b: str, c: int) -> int | None:
-        """b's gradient to its update's device (a CPU update: to DRAM, and on to SSD with
-        `swap_grads`), then, overlapped, the update; returns the gradient's copy to DRAM."""
-        e, gpu, d = self.e, self.gpu, self.dec[b]
+        """The gradients of b and its units, each to its update's device (`send_one`); returns the
+        last copy to DRAM."""
+        flushed = None
+        for o in self.owners(b):
+            s = self.send_one(o, c)
+            flushed = s if s is not None else flushed
+        return flushed
+
+    def send_one(self, b: str, c: int) -> int | None:
+        """b's gradient (a block's or a unit's) to its update's device (a CPU update: to DRAM, and
+        on to SSD with `swap_grads`), then, overlapped, the update; returns the gradient's copy to
+        DRAM."""
+        e, gpu, d = self.e, self.gpu, self.decisions.of(b)
         if not self.has(f"G:{b}"):
             return None
         if not self.last_micro:  # a partial sum: to where it waits for the next microbatch
@@ -572,7 +625,7 @@ class _Lowering:
             self.grads_ready[b] = s
         else:
             self.grads_ready[b] = c
-        if self.overlap or b in self.spec:
+        if self.overlap or parent_of(b) in self.spec:
             self.update(b, (self.grads_ready[b],))
         return flushed
 
@@ -580,13 +633,14 @@ class _Lowering:
         """Every update after the last backward, in backward order (not overlapped)."""
         last_bwd = len(self.e.instrs) - 1
         for b in reversed(self.order):
-            if self.has(f"G:{b}") and b not in self.spec:
-                self.update(b, (self.grads_ready[b], last_bwd))
+            for o in self.owners(b):
+                if self.has(f"G:{o}") and b not in self.spec:
+                    self.update(o, (self.grads_ready[o], last_bwd))
 
     def update(self, b: str, start: tuple) -> None:
         """One subgroup's update after `start` (its gradient first): bring its states to the
         update's device, update, write the results home."""
-        e, gpu, d, has, home = self.e, self.gpu, self.dec[b], self.has, self.home
+        e, gpu, d, has, home = self.e, self.gpu, self.decisions.of(b), self.has, self.home
         if self.decisions.serialize_optimizer:
             start = (*start, self.writes[-1] if self.writes else None)
         elif self.updates_wait and len(self.writes) >= 2:
@@ -611,8 +665,8 @@ class _Lowering:
         fresh = (f"P:{b}",) if self.mixed and home[f"P:{b}"] != tier else ()
         u = e.emit(InstrKind.OPTIMIZER_STEP, "cpu.opt" if dev == "cpu" else self.comp, tuple(ready), segment=b,
                    dst=dev, allocs=fresh, workspace=self.ws("opt", b))
-        if b not in self.spec or self.redoing:  # a speculated update's gradient waits for the norm
-            self.g_freed[b] = e.free(f"G:{b}", tier, (u,))
+        if parent_of(b) not in self.spec or self.redoing:  # a speculated update's gradient waits for the norm
+            self.g_freed[parent_of(b)] = e.free(f"G:{b}", tier, (u,))
         self.writes.append(self.write_home(b, states, tier, u))
 
     def write_home(self, b: str, states: list[str], tier: str, u: int) -> int:
@@ -662,7 +716,7 @@ class _SidePrograms(_Lowering):
                 ready = None
                 if self.streams(b):
                     gate = self.gate(frees, self.streamed, b, 1 + prefetch)
-                    for x in self.state(b):
+                    for x in self.off_gpu(b):
                         ready = e.move(x, self.home[x], gpu, (gate,))
                 foreign = self.load_foreign(b)
                 nxt = self.order[self.order.index(b) + 1] if b != self.last_fwd else None
@@ -687,9 +741,10 @@ class _SidePrograms(_Lowering):
             e.where[(x, "dram")] = None
         for b in reversed(self.order):
             if b in self.spec:
-                e.where[(f"G:{b}", "dram")] = None
-                for x in self.carried:
-                    if block_of(x) == b:  # read again from the commit this step made of the one before
-                        e.free(x, "dram")
-                self.update(b, ())
+                for o in self.owners(b):
+                    e.where[(f"G:{o}", "dram")] = None
+                    for x in self.carried:
+                        if block_of(x) == o:  # read again from the commit this step made of the one before
+                            e.free(x, "dram")
+                    self.update(o, ())
         return e.instrs

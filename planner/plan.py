@@ -48,6 +48,11 @@ def plan_problem(problem: Problem, policy: str) -> PlanResult:
             "a pipeline accumulates over --microbatches instead; give one of the two" if micro > 1 else
             f"the {policy} policy pipelines microbatches over GPUs; accumulate with its --microbatches, or plan "
             f"--grad-accum with a one-GPU policy (auto, lohan, zero-infinity, ...)"))
+    groups = problem.options.expert_groups
+    if groups > 1 and (micro > 1 or policy in ("mobius", *BASELINES)):  # refused, never ignored
+        raise TensorstowError(f"--expert-groups {groups}: pipelines place whole layers; plan the groups with a one-GPU "
+                              f"policy (auto, lohan, zero-infinity, ilp, ...)"
+                              + (" and no --microbatches (--grad-accum accumulates)" if micro > 1 else ""))
     if policy == "auto":  # Mobius only where there are several GPUs or microbatches; baselines never
         names = [n for n in sorted(table) if n not in BASELINES + SUBSUMED
                  and (n != "mobius" or (len(problem.hw.gpus) > 1 and accum == 1) or micro > 1)

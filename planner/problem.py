@@ -74,6 +74,11 @@ def check_options(options: Options, model=None) -> ModelSpec | None:
         raise TensorstowError(f"--max-grad-norm must be >= 0 (0: no clipping), got {options.max_grad_norm}")
     for spec in options.param_groups:  # their patterns are matched when the executor starts
         parse_param_group(spec)
+    if options.expert_groups < 1:
+        raise TensorstowError(f"--expert-groups must be >= 1 (1: a layer's experts are one unit), got {options.expert_groups}")
+    if options.expert_groups > 1 and (options.gpus or 1) > 1:
+        raise TensorstowError(f"--expert-groups {options.expert_groups}: placement units finer than a layer are planned on "
+                              f"one GPU; plan with --gpus 1 or without --expert-groups")
     if model is not None and options.lora:
         raise TensorstowError("lora: a model object brings its own adapters (get_peft_model); leave lora out")
     if model is not None and (options.quantize or options.quantize_skip):
@@ -93,7 +98,12 @@ def build_problem(options: Options, hw: Hardware, model=None) -> Problem:
         traced = trace_spec(spec, batch=batch, seq=options.seq or None,
                             precision=options.precision, packing=options.packing)
     g = traced.graph
-    return Problem(graph=g, hw=hw, options=options, profiles=cost.profiles(g, hw),
+    profiles = cost.profiles(g, hw, options.expert_groups)
+    if options.expert_groups > 1 and not any(p.units for p in profiles.values()):
+        raise TensorstowError(f"--expert-groups {options.expert_groups}: {options.model} has no layer whose experts can be "
+                              f"grouped (a grouped matmul over a trained (experts, ...) weight with at least "
+                              f"{options.expert_groups} experts); plan it without --expert-groups")
+    return Problem(graph=g, hw=hw, options=options, profiles=profiles,
                    order=[b.name for b in g.blocks], profile_of={b.name: b.profile for b in g.blocks},
                    frozen_params=traced.frozen_params)
 

@@ -178,8 +178,8 @@ def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer],
         elif ins.kind == InstrKind.COMMIT:
             out.append(cost.commit_time(hw, instrs))
         elif ins.kind == InstrKind.OPTIMIZER_STEP:
-            prof = problem.profiles[problem.profile_of[ins.segment]]
-            out.append(cost.update_time(prof, ins.dst, problem)
+            prof = problem.profiles[problem.profile_of[ins.segment]] if zero3 else None
+            out.append(cost.segment_update_time(problem, ins.segment, ins.dst)
                        + (cost.zero3_param_writeback_time(prof.param_bytes, zero3, problem.mixed, hw) if zero3 else 0.0))
         else:
             out.append(0.0)

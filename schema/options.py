@@ -135,6 +135,11 @@ class Options:
     """With quantize: more linear layers to keep in full precision besides the LM head, as
     comma-separated fnmatch patterns on their module names or last names (`*.down_proj`, `o_proj`;
     `llm_int8_skip_modules`)."""
+    expert_groups: int = 1
+    """A mixture of experts: each layer's experts in this many groups, each a placement unit of its
+    own (its rows of the expert weights, their gradient, master copy and Adam states on a tier of
+    their own, updated on its own as its gradient arrives); 1: a layer is one unit. The device
+    holds a layer's experts whole while the layer computes (its grouped matmul reads them all)."""
     packing: bool = False
     """Train on windows of seq tokens that pack several examples (best-fit decreasing, as TRL packs):
     the step takes each token's position in its document, every document starts at position 0 and
@@ -219,7 +224,8 @@ LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 """Learning rate schedules by transformers' `get_scheduler` names (`executor.lr`)."""
 
 _LATER_OPTIONS = {"gpus": None, "microbatches": 0, "grad_accum": 1, "lora": None, "clip_rate": 0.5, "mapping": "cross", "decay_all": False, "param_groups": (), "max_grad_norm": 0.0,
-                  "lr_scheduler": "constant", "warmup_steps": 0, "min_lr_ratio": 0.0, "packing": False, "quantize": None, "quantize_skip": None}
+                  "lr_scheduler": "constant", "warmup_steps": 0, "min_lr_ratio": 0.0, "packing": False, "quantize": None, "quantize_skip": None,
+                  "expert_groups": 1}
 
 
 # ---- the options as the command line and the Python API take them -------------------------------

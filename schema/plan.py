@@ -20,7 +20,7 @@ from tensorstow.schema.hardware import Hardware
 from tensorstow.schema.options import Options
 from tensorstow.schema.run import Run
 from tensorstow.schema.schedule import (TENSOR_KINDS, Buffer, BufferKind, Decisions, Instr, InstrKind, buffer_kind,
-                                        is_gpu)
+                                        is_gpu, parent_of)
 from tensorstow.schema.typed import decode, encode, freeze
 
 SCHEMA_VERSION = 4
@@ -217,8 +217,9 @@ class Plan:
             if b.profile not in self.model.profiles:
                 raise TensorstowError(f"{where}: block {b.name} has profile '{b.profile}', which "
                                       f"model.profiles lacks")
-        if set(self.decisions.blocks) != names:
-            raise TensorstowError(f"{where}: decisions.blocks must name exactly the model's blocks")
+        units = {b for b in self.decisions.blocks if parent_of(b) != b}  # a block's placement units
+        if set(self.decisions.blocks) - units != names or not {parent_of(u) for u in units} <= names:
+            raise TensorstowError(f"{where}: decisions.blocks must name exactly the model's blocks (and units of them)")
 
     def to_json(self) -> dict:
         d = {f.name: encode(getattr(self, f.name)) for f in dataclasses.fields(self)}

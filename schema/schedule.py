@@ -334,6 +334,11 @@ class Decisions:
     def __post_init__(self):
         freeze(self)
 
+    def of(self, block: str) -> BlockDecision:
+        """The decision of a block, or of a unit (`UNIT`): its own where it has one, else its block's."""
+        d = self.blocks.get(block)
+        return d if d is not None else self.blocks[parent_of(block)]
+
     def fp32_grads(self, mixed: bool) -> bool:
         """Whether a mixed-precision plan's G buffers hold fp32 gradients: accumulated over
         microbatches (as eager's fp32 `.grad`, `grad_accum` or a pipeline's; not the data-parallel baseline's per-GPU ones), or on
@@ -464,7 +469,7 @@ def carried_buffers(decisions: Decisions, buffers: dict[str, Buffer]) -> list[st
     of blocks updated on the CPU), in the order the next step writes them home: the master and
     Adam's states, then the parameters."""
     return [f"{k}:{b}" for b in decisions.deferred_writes for k in ("M", "OS", "P")
-            if f"{k}:{b}" in buffers and buffers[f"{k}:{b}"].home == "ssd" and decisions.blocks[b].optimizer == "cpu"]
+            if f"{k}:{b}" in buffers and buffers[f"{k}:{b}"].home == "ssd" and decisions.of(b).optimizer == "cpu"]
 
 
 def split_micro(name: str) -> tuple[str, int | None]:
@@ -480,8 +485,38 @@ def split_segment(segment: str) -> tuple[str, str]:
 
 
 def block_of(name: str) -> str:
-    """The block a buffer name belongs to: `A:h.3@1` -> `h.3`."""
+    """The block a buffer name belongs to: `A:h.3@1` -> `h.3`; `P:b3/x1` -> `b3/x1` (a unit)."""
     return split_micro(name)[0].split(":")[-1]
+
+
+UNIT = "/"
+"""Separates a block from one of its placement units: `b3/x1`, the second group of block b3's
+experts. A unit owns its parameters' state (P, G, M, OS: rows of the block's expert weights,
+`rows_member`) and has a decision of its own; the block's segments compute with all of it."""
+
+
+def unit_name(block: str, k: int) -> str:
+    """Block `block`'s k-th group of experts as a placement unit: `b3/x1`."""
+    return f"{block}{UNIT}x{k}"
+
+
+def parent_of(block: str) -> str:
+    """The block a unit belongs to (a block is its own): `b3/x1` -> `b3`."""
+    return block.split(UNIT, 1)[0]
+
+
+def rows_member(name: str, rows: tuple[int, int]) -> str:
+    """A buffer member holding rows [a, b) of the first dimension of `name`: `w[2:4]`."""
+    return f"{name}[{rows[0]}:{rows[1]}]"
+
+
+def member_rows(member: str) -> tuple[str, tuple[int, int] | None]:
+    """`w[2:4]` -> ("w", (2, 4)); a whole member `w` -> ("w", None)."""
+    if not member.endswith("]") or "[" not in member:
+        return member, None
+    name, _, rows = member[:-1].rpartition("[")
+    a, _, b = rows.partition(":")
+    return name, (int(a), int(b))
 
 
 def gpus_of_blocks(decisions: Decisions, order: list[str]) -> dict[str, str]:
@@ -489,14 +524,23 @@ def gpus_of_blocks(decisions: Decisions, order: list[str]) -> dict[str, str]:
     (`order`: the blocks in forward order)."""
     pl = decisions.pipeline
     if pl is None or pl.kind == "data-parallel":
-        return {b: gpu_tier(0) for b in order}
-    return {b: gpu_tier(pl.gpus[j]) for b, j in pl.stage_of(order).items()}
+        return ByBlock({b: gpu_tier(0) for b in order})
+    return ByBlock({b: gpu_tier(pl.gpus[j]) for b, j in pl.stage_of(order).items()})
+
+
+class ByBlock(dict):
+    """Block -> a value, which a block's units (`UNIT`) share."""
+
+    def __missing__(self, key: str):
+        if UNIT in key:
+            return self[parent_of(key)]
+        raise KeyError(key)
 
 
 def home_tiers(buffers: dict[str, Buffer], decisions: Decisions, order: list[str]) -> dict[str, str]:
     """Buffer -> the tier it lives on between steps: a "gpu" home is its stage's GPU."""
     gpu_of = gpus_of_blocks(decisions, order)
-    return {n: (gpu_of[b.block] if b.home == "gpu" else b.home) for n, b in buffers.items() if b.home}
+    return {n: (gpu_of[parent_of(b.block)] if b.home == "gpu" else b.home) for n, b in buffers.items() if b.home}
 
 
 def initial_residency(buffers: dict[str, Buffer], decisions: Decisions, order: list[str]) -> set[tuple[str, str]]:
@@ -510,7 +554,9 @@ def final_residency(buffers: dict[str, Buffer], decisions: Decisions, order: lis
     """The (buffer, tier) copies present when a step's instructions end: those it began with, and
     the gradients of the speculated updates, kept in DRAM for the redo program until the norm
     is known (`Decisions.speculated`)."""
-    return initial_residency(buffers, decisions, order) | {(f"G:{b}", "dram") for b in decisions.speculated}
+    spec = set(decisions.speculated)
+    return initial_residency(buffers, decisions, order) | {
+        (n, "dram") for n, b in buffers.items() if b.buffer_kind is BufferKind.G and parent_of(b.block) in spec}
 
 
 def block_gpus(plan) -> dict[str, str]:
@@ -538,4 +584,4 @@ def runs_on(ins: Instr, gpu: str, block_gpu: dict[str, str], buffers) -> bool:
     dev = Stream.of(ins.stream).device
     if is_gpu(dev):
         return dev == gpu
-    return block_gpu[ins.segment if ins.kind == InstrKind.OPTIMIZER_STEP else buffers[ins.tensor].block] == gpu
+    return block_gpu[parent_of(ins.segment if ins.kind == InstrKind.OPTIMIZER_STEP else buffers[ins.tensor].block)] == gpu

@@ -220,9 +220,11 @@ def test_lora_on_a_mixture_of_experts_trains_its_attention_adapters_like_eager_p
         assert frozen and all(torch.equal(got[1]["model." + n], initial[n]) for n in frozen)
 
 
-def test_a_mixture_of_experts_killed_mid_step_resumes_exactly(tmp_path):
-    """SIGKILL inside the third of 4 steps of a Mixtral trained from SSD; the same command resumes
-    from the last commit, and the exported weights equal those of the run nobody interrupted."""
+@pytest.mark.parametrize("groups", ["1", "2"], ids=["layers", "expert-groups"])
+def test_a_mixture_of_experts_killed_mid_step_resumes_exactly(groups, tmp_path):
+    """SIGKILL inside the third of 4 steps of a Mixtral trained from SSD (its experts one unit a
+    layer, or in two groups: `--expert-groups`); the same command resumes from the last commit, and
+    the exported weights equal those of the run nobody interrupted."""
     import os
     import subprocess
     import sys
@@ -234,7 +236,7 @@ def test_a_mixture_of_experts_killed_mid_step_resumes_exactly(tmp_path):
     ref = moe_ref("mixtral", tmp_path)
     plan = tmp_path / "p.json"
     assert main(["plan", ref, "--hw", "lohan-rtx4090", "--policy", "lohan", "--batch", "2", "--seq", "16",
-                 "--gpu-mem", "400KB", "-o", str(plan)]) == 0
+                 "--gpu-mem", "400KB", "--expert-groups", groups, "-o", str(plan)]) == 0
     per_step = len(json.loads(plan.read_text())["instructions"])
 
     def run(state, kill_at=None):

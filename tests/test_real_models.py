@@ -109,12 +109,13 @@ def data():
     return list(batches("synthetic", B, T, VOCAB, STEPS, seed=0))
 
 
-def offloaded_plans(ref: str, policies=("lohan", "zero-infinity"), precision="fp32") -> dict[str, dict]:
+def offloaded_plans(ref: str, policies=("lohan", "zero-infinity"), precision="fp32", **options) -> dict[str, dict]:
     """The named policies' plans for a device budget below the model's all-resident peak: the
-    largest of a few fractions of that peak for which every policy's plan fits."""
+    largest of a few fractions of that peak for which every policy's plan fits (`options`: more
+    plan options)."""
     hw = load_hardware("lohan-rtx4090")
     o = Options(model=ref, hardware="lohan-rtx4090", policy="all-gpu", batch=B, seq=T, precision=precision, lr=LR,
-                exact_optimizer=True)  # bit-identical with eager's default AdamW
+                exact_optimizer=True, **options)  # bit-identical with eager's default AdamW
     problem = build_problem(o, hw)
     resident = plan_problem(problem, "all-gpu").peak("gpu")
     for frac in (0.5, 0.65, 0.8, 0.95):

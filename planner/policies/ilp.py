@@ -54,8 +54,8 @@ from tensorstow.planner.cost import GPU_ADAM_BYTES_PER_PARAM, BlockProfile, upda
 from tensorstow.planner.policies import heuristic_plans
 from tensorstow.planner.passes import defer_writes, schedule
 from tensorstow.planner.result import fmt_bytes
-from tensorstow.planner.lower import swap_bytes
-from tensorstow.schema.schedule import ACTIVATION_CHOICES, BlockDecision, Decisions, InstrKind, SEARCH_NOTE
+from tensorstow.planner.lower import swap_bytes, units_of
+from tensorstow.schema.schedule import ACTIVATION_CHOICES, UNIT, BlockDecision, Decisions, InstrKind, SEARCH_NOTE
 
 MiB = 2**20
 TIME_LIMIT_S = 20.0
@@ -385,7 +385,8 @@ def refine_homes(problem, pl, schedule) -> tuple:
         for buf in pl.buffers.values():
             if buf.home == "ssd" and buf.kind in kinds:
                 on_ssd[buf.block] = on_ssd.get(buf.block, 0) + buf.bytes
-        sizes = [(b, on_ssd[b]) for b in reversed(problem.order) if b in on_ssd]
+        sizes = [(u, on_ssd[u]) for b in reversed(problem.order)
+                 for u in (*reversed(units_of(b, problem.profiles[problem.profile_of[b]])), b) if u in on_ssd]
         k, total = 0, 0
         while k < len(sizes) and total + sizes[k][1] <= spare:
             total += sizes[k][1]
@@ -395,8 +396,8 @@ def refine_homes(problem, pl, schedule) -> tuple:
 
         def moved(k: int):
             blocks = dict(pl.decisions.blocks)
-            for b, _ in sizes[:k]:
-                blocks[b] = replace(blocks[b], **{field: "dram"})
+            for b, _ in sizes[:k]:  # a unit (an expert group) gets a decision of its own
+                blocks[b] = replace(pl.decisions.of(b), **{field: "dram"})
             cand = schedule(problem, replace(pl.decisions, blocks=blocks))
             return cand if cand.fits and cand.sim.step_time_s <= pl.sim.step_time_s else None
 
@@ -411,7 +412,8 @@ def refine_homes(problem, pl, schedule) -> tuple:
                 else:
                     best, lo = cand, mid
         if best is not None:
-            notes.append(f"homes: {field} of {lo} block(s) from SSD to DRAM, which had "
+            notes.append(f"homes: {field} of {lo} {'unit' if any(UNIT in b for b, _ in sizes) else 'block'}(s) "
+                         f"from SSD to DRAM, which had "
                          f"{fmt_bytes(spare)} free ({', '.join(b for b, _ in sizes[:lo])}; simulated without "
                          f"deferred writes {pl.sim.step_time_s:.4g} -> {best.sim.step_time_s:.4g} s, SSD traffic "
                          f"{fmt_bytes(_ssd_traffic(pl))} -> {fmt_bytes(_ssd_traffic(best))} a step)")

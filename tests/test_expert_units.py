@@ -1,0 +1,112 @@
+"""A mixture of experts' experts as placement units (`--expert-groups N`): each layer's experts in N
+groups, each group's rows of the expert weights, their gradient, master copy and Adam states in
+buffers of their own (`P:b3/x1` ...), on tiers of their own, updated on their own. The device holds
+a layer's experts whole while it computes (transformers' grouped matmul reads them all): the
+groups' rows are views of that whole (`stores.DeviceTier.parts`). Training equals eager Hugging
+Face training, bit for bit, as the one-unit plans do (tests/test_moe.py).
+"""
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the 'hf' extra (transformers) is not installed")
+
+from tensorstow.cli import main  # noqa: E402
+from tensorstow.ir.models import resolve_model  # noqa: E402
+from tests import test_real_models as real  # noqa: E402
+from tests.test_moe import eager, moe_ref  # noqa: E402
+from tests.test_real_models import offloaded_plans, one_thread, run_executor  # noqa: E402,F401
+
+
+def unit_homes(pj: dict) -> dict[str, str]:
+    return {n: b["home"] for n, b in pj["buffers"].items() if "/x" in b["block"] and b["home"]}
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_experts_in_groups_train_exactly_like_eager_hf(family, tmp_path):
+    """Two groups a layer, offloaded under lohan, zero-infinity and ilp (fp32): losses and weights
+    bit-identical to eager Hugging Face training."""
+    ref = moe_ref(family, tmp_path)
+    want = eager(ref)
+    for name, pj in offloaded_plans(ref, policies=("lohan", "zero-infinity", "ilp"), expert_groups=2).items():
+        homes = unit_homes(pj)
+        assert {n.split(":")[1] for n in homes} == {f"b{k}/x{g}" for k in range(3) for g in range(2)}
+        assert any(h != "gpu" for h in homes.values())
+        updates = [i["segment"] for i in pj["instructions"] if i["kind"] == "optimizer_step"]
+        assert {f"b{k}/x{g}" for k in range(3) for g in range(2)} <= set(updates)  # each group updated on its own
+        real.assert_equal(run_executor(pj, resolve_model(ref).build, tmp_path / name), want, prefix="model.")
+
+
+def test_experts_in_groups_train_bf16_mixed_like_eager_autocast(tmp_path):
+    ref = moe_ref("qwen3_moe", tmp_path)
+    pj = offloaded_plans(ref, policies=("ilp",), precision="bf16-mixed", expert_groups=4)["ilp"]
+    got, want = run_executor(pj, resolve_model(ref).build, tmp_path / "s"), eager(ref, "bf16-mixed")
+    assert got[0] == want[0]
+    assert all(torch.equal(got[1]["model." + n], p) for n, p in want[1].items())
+
+
+def test_the_planner_places_each_group_on_its_own_tier_and_show_reports_them(tmp_path, capsys):
+    """With DRAM for only part of the state, ilp fills it group by group (those updated last first:
+    a layer's state ends up partly in DRAM, partly on SSD), `show` counts the groups' homes and with
+    -v lists each group; the plan trains like eager."""
+    ref = moe_ref("qwen3_moe", tmp_path)
+    out = tmp_path / "p.json"
+    assert main(["plan", ref, "--hw", "lohan-rtx4090", "--policy", "ilp", "--batch", "2", "--seq", "16",
+                 "--gpu-mem", "300KB", "--dram", "600KB", "--ssds", "1", "--expert-groups", "4", "--precision", "fp32",
+                 "--lr", str(real.LR), "--exact-optimizer", "-o", str(out)]) == 0
+    pj = json.loads(out.read_text())
+    homes = unit_homes(pj)
+    split = [k for k in range(3) if {pj["buffers"][f"OS:b{k}"]["home"], *(homes[f"OS:b{k}/x{g}"] for g in range(4))}
+             == {"dram", "ssd"}]
+    assert split, homes  # a layer's state partly in DRAM, partly on SSD, group by group
+    capsys.readouterr()
+    assert main(["show", str(out), "-v"]) == 0
+    text = capsys.readouterr().out
+    states = sorted(homes[f"OS:b{k}/x{g}"] for k in range(3) for g in range(4))
+    counts = ", ".join(f"{t} x{states.count(t)}" for t in sorted(set(states)))
+    assert f"expert groups: 12 in 3 layers (--expert-groups 4):" in text and f"states {counts}" in text
+    assert f"  b2/x1: experts 2..3, params {homes['P:b2/x1']}, states {homes['OS:b2/x1']}, updated on cpu" in text
+    torch.manual_seed(0)
+    real.assert_equal(run_executor(pj, resolve_model(ref).build, tmp_path / "s"), eager(ref), prefix="model.")
+
+
+def test_groups_with_accumulation_and_clipping_train_like_eager(tmp_path):
+    """Two microbatches accumulated into each group's gradient rows, clipped by the global norm (a
+    weight's norm from its groups' rows: equal up to rounding) under a speculating plan."""
+    import transformers
+    from tensorstow.executor.data import batches
+    from tensorstow.executor.executor import Executor
+    from tests.oracle import train_eager
+    from tests.test_moe import moe_loss
+    ref = moe_ref("mixtral", tmp_path)
+    pj = offloaded_plans(ref, policies=("lohan",), expert_groups=2, grad_accum=2, max_grad_norm=0.05)["lohan"]
+    steps = list(batches("synthetic", 2 * real.B, real.T, real.VOCAB, real.STEPS, seed=0))
+    torch.manual_seed(0)
+    ex = Executor(pj, resolve_model(ref).build(), state_dir=tmp_path / "s")
+    got = [ex.step(x, y) for x, y in steps]
+    params = ex.parameters()
+    ex.close()
+    config = transformers.AutoConfig.from_pretrained(ref[3:])
+    config.use_cache = False
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).train()
+    norms = []
+    want, weights = train_eager(model, steps, lr=real.LR, loss=moe_loss, microbatches=2, max_grad_norm=0.05, norms=norms)
+    assert min(norms) > 0.05  # the clip fires
+    assert got == pytest.approx(want, rel=1e-6)
+    for n, w in weights.items():
+        torch.testing.assert_close(params["model." + n], w, rtol=1e-5, atol=1e-6)
+
+
+def test_expert_groups_the_plan_cannot_honour_are_one_line_each(tmp_path, capsys):
+    from tests.test_real_models import hf_ref
+    ref = hf_ref("llama", tmp_path)
+    for groups, why in (("2", "has no layer whose experts can be grouped"), ("0", "must be >= 1")):
+        assert main(["plan", ref, "--hw", "lohan-rtx4090", "--batch", "2", "--seq", "16", "--expert-groups", groups]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("tensorstow: error: --expert-groups") and why in err
+    assert main(["plan", moe_ref("mixtral", tmp_path), "--hw", "lohan-rtx4090", "--batch", "2", "--seq", "16",
+                 "--policy", "mobius", "--expert-groups", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "pipelines place whole layers" in err
