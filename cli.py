@@ -132,7 +132,7 @@ def replay_line(plan, sim=None) -> str:
 
 def _placement(dec) -> str:
     counts: dict[str, dict[str, int]] = {}
-    for bd in dec.blocks.values():
+    for bd in (d for b, d in dec.blocks.items() if UNIT not in b):  # expert groups: `_expert_groups`
         for k, v in vars(bd).items():
             if k == "accum" and not v:
                 continue
@@ -196,7 +196,7 @@ def diff_text(a, b) -> tuple[str, bool]:
             out.append(f"decision {k}: {da.get(k, '-')} -> {db.get(k, '-')}")
     changes: dict[str, list[str]] = {}
     for blk in sorted(set(da["blocks"]) | set(db["blocks"]), key=_block_key):
-        x, y = da["blocks"].get(blk, {}), db["blocks"].get(blk, {})
+        x, y = (d["blocks"].get(blk) or d["blocks"].get(parent_of(blk), {}) for d in (da, db))  # a unit: its own, or its block's
         for f in sorted(set(x) | set(y)):
             if x.get(f) != y.get(f):
                 changes.setdefault(f"{f}: {x.get(f)} -> {y.get(f)}", []).append(blk)
@@ -218,7 +218,10 @@ def diff_text(a, b) -> tuple[str, bool]:
 
 
 def _block_key(b: str):
-    return (0, 0) if b == "pre" else (2, 0) if b == "post" else (1, int(b[1:]))
+    """Forward order: pre, b0, b0's units (`b0/x0`, ...), b1, ..., post."""
+    block, _, unit = b.partition(UNIT)
+    return ((0, 0) if block == "pre" else (2, 0) if block == "post" else (1, int(block[1:]))) + (
+        int(unit[1:]) + 1 if unit else 0,)
 
 
 def _ranges(blocks: list[str]) -> str:

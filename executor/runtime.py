@@ -258,8 +258,6 @@ class Runtime:
                     self._put_rows(a, kept, passed, fetch, fp32=prog.fp32_grads and grads)
                     if sem.scaler is not None and grads:
                         sem.scaler.check(list(self.dev.get(a).values()))
-                    if grads and prog.M == 1 and self.comm is None:
-                        sem.record_norms(block_of(a), self.dev.get(a))
                     continue
                 vals = {r: kept[r] if r in kept else fetch(r) for r in prog.members[a]}
                 if prog.fp32_grads and grads:  # accumulated in fp32 (eager's .grad)
@@ -278,8 +276,12 @@ class Runtime:
                     into[key].add_(v if rows is None else v[rows[0]:rows[1]])
                 if sem.scaler is not None:
                     sem.scaler.check(list(into.values()))
-                if ins.micro == prog.M - 1 and self.comm is None:  # the sum is whole
+                if ins.micro == prog.M - 1 and self.comm is None and a not in prog.parts:  # the sum is whole
                     sem.record_norms(block_of(a), into)
+            if self.comm is None and ins.micro == prog.M - 1:  # units' gradients: their weights' norms, whole
+                for a in ins.allocs + ins.accum:
+                    if a in prog.parts and buffer_kind(a) is BufferKind.G:
+                        sem.record_norms(block_of(a), self.dev.wholes)
             if j.loss in kept:
                 sem.losses[ins.micro] = kept[j.loss]  # read when the step ends: no host wait here
         finally:
@@ -306,14 +308,15 @@ class Runtime:
         """`root`'s value for microbatch `micro`: a step input, else the copy of a buffer on the
         device that holds it (but `besides`); a value units hold in rows, whole."""
         v = self.inputs.get(root)
-        if v is None and root in self.dev.wholes:
-            return self.dev.whole(root)
         if v is None:
-            holders = self.program.holders_of(root, micro)
+            holders, parts = self.program.holders_of(root, micro), self.program.parts
             for h in holders:
-                c = self.dev.copies.get(h) if h != besides else None
+                c = self.dev.copies.get(h) if h != besides and h not in parts else None
                 if c is not None:
                     return c[root]
+            # rows units hold (a weight's; a gradient's are the sum being accumulated into, never read)
+            if besides not in parts and root in self.dev.wholes:
+                return self.dev.whole(root)
             raise ExecutionError(
                 f"{root} (in {', '.join(holders or ['no buffer'])}) is not on {self.tiers.gpu}; "
                 f"the plan does not make it wait for the load that brings it")

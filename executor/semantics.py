@@ -159,24 +159,22 @@ class StepSemantics:
         for the step's global norm (`total_norm`)."""
         j = self.program.joint
         inv = None if self.scaler is None else self.scaler.scale.double().reciprocal().float()
-        key, rows = self.program.row_key(b), self.program.unit_rows.get(b)
+        rows = self.program.unit_rows.get(b)
+        if rows is not None and rows[0]:
+            return  # a layer's first unit takes its weights' norms, whole (`grads`: `DeviceTier.wholes`)
+        get = grads.__getitem__ if rows is None else (lambda r: grads[r][0])
         for p in self.program.block_params.get(b, ()):
             if p not in j.grad:
                 continue
-            g = j.materialize(j.grad[p], lambda r: grads[key(r)]).float()
+            g = j.materialize(j.grad[p], get).float()
             if inv is not None:
                 g = g * inv.to(g.device)  # a copy: G itself is unscaled at its update
-            self.norms[p if rows is None else (p, rows)] = torch._foreach_norm([g], 2.0)[0]
+            self.norms[p] = torch._foreach_norm([g], 2.0)[0]
 
     def total_norm(self) -> torch.Tensor:
         """clip_grad_norm_'s total_norm: the 2-norm of the parameters' norms stacked in the model's
         parameter order."""
-        rows: dict[str, list[torch.Tensor]] = {}  # a weight's norm from its units' rows of it
-        for k, n in sorted((k, n) for k, n in self.norms.items() if isinstance(k, tuple)):
-            rows.setdefault(k[0], []).append(n)
-        whole = {p: torch.linalg.vector_norm(torch.stack(ns), 2.0) for p, ns in rows.items()}
-        norms = [self.norms[p] if p in self.norms else whole[p] for p in self.program.param_order
-                 if p in self.norms or p in whole]
+        norms = [self.norms[p] for p in self.program.param_order if p in self.norms]
         dev = norms[0].device
         return torch.linalg.vector_norm(torch.stack([n.to(dev) for n in norms]), 2.0)
 

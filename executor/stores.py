@@ -122,7 +122,8 @@ class DeviceTier:
         self.parts: dict[str, list[tuple[str, str, tuple[int, int], tuple[int, ...]]]] = {}
         """Buffer -> (key, root, rows, the root's shape) of each member that is rows of a tensor the
         device holds whole (a unit's rows of an expert weight, or of its gradient): its copy is a view
-        of that whole, counted by its own bytes (`wholes`)."""
+        of that whole (`wholes`), which is counted whole from its first rows' buffer to its last, as
+        the planner counts it (`planner.simulate._Joined`)."""
         self.wholes: dict[str, tuple[torch.Tensor, set[tuple[int, int]]]] = {}
         """Root -> (the tensor, the rows of it some buffer's copy holds)."""
 
@@ -259,20 +260,23 @@ class DeviceTier:
     # rows of a tensor held whole (`parts`) ---------------------------------------------------
     def adopt(self, root: str, t: torch.Tensor) -> None:
         """Make `t` the whole tensor of `root` whose rows buffers put next take (a gradient the
-        backward made whole); the caller's hold of it stays the caller's."""
-        if root in self.wholes:
-            raise TensorstowError(f"{root} is on {self.name} twice (the plan must free its rows first)")
-        self.wholes[root] = (t, set())
+        backward made whole), counted from here until its last rows go; the caller's hold of it stays
+        the caller's."""
+        with self._lock:
+            if root in self.wholes:
+                raise TensorstowError(f"{root} is on {self.name} twice (the plan must free its rows first)")
+            self._grow(t.numel() * t.element_size(), root)
+            self.wholes[root] = (t, set())
 
     def whole(self, root: str) -> torch.Tensor | None:
         """The tensor `root` whose rows buffers hold, where every row is there; None where no
         buffer holds rows of it."""
-        w = self.wholes.get(root)
-        if w is None:
-            return None
-        t, present = w
-        rows = sorted(present)
-        if rows[0][0] != 0 or rows[-1][1] != t.shape[0] or any(a[1] != b[0] for a, b in zip(rows, rows[1:])):
+        with self._lock:
+            w = self.wholes.get(root)
+            if w is None:
+                return None
+            t, rows = w[0], sorted(w[1])
+        if not rows or rows[0][0] != 0 or rows[-1][1] != t.shape[0] or any(a[1] != b[0] for a, b in zip(rows, rows[1:])):
             raise TensorstowError(f"{root} is read on {self.name} with rows {rows} of {t.shape[0]} there: the plan "
                                   f"does not make the read wait for every unit's load")
         return t
@@ -282,16 +286,17 @@ class DeviceTier:
         try:
             for key, root, (a, b), shape in self.parts[buf]:
                 v = value_of(key)
-                if root not in self.wholes:
-                    self.wholes[root] = (torch.empty(shape, dtype=v.dtype, device=self.device), set())
-                t, present = self.wholes[root]
-                view = t[a:b]
+                with self._lock:  # lanes load and free rows of one weight side by side
+                    if root not in self.wholes:
+                        w = torch.empty(shape, dtype=v.dtype, device=self.device)
+                        self._grow(w.numel() * w.element_size(), f"{buf}[{key}]")
+                        self.wholes[root] = (w, set())
+                    t, present = self.wholes[root]
+                    view = t[a:b]
+                    present.add((a, b))
+                out[key] = view
                 if view.data_ptr() != v.data_ptr() or view.stride() != v.stride():
                     view.copy_(v, non_blocking=self.device.type == "cuda")
-                with self._lock:
-                    self._grow(view.numel() * view.element_size(), f"{buf}[{key}]")
-                present.add((a, b))
-                out[key] = view
         except BaseException:
             self._drop_rows(buf, out)
             raise
@@ -299,15 +304,14 @@ class DeviceTier:
 
     def _drop_rows(self, buf: str, c: dict[str, torch.Tensor]) -> None:
         for key, root, rows, _ in self.parts[buf]:
-            v = c.get(key)
-            if v is None:
+            if key not in c:
                 continue
             with self._lock:
-                self.used -= v.numel() * v.element_size()
-            t, present = self.wholes[root]
-            present.discard(rows)
-            if not present:
-                del self.wholes[root]
+                t, present = self.wholes[root]
+                present.discard(rows)
+                if not present:
+                    del self.wholes[root]
+                    self.used -= t.numel() * t.element_size()
 
 
 # ---- host -----------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from tensorstow.planner import cost
-from tensorstow.planner.lower import buffers_for, lower
+from tensorstow.planner.lower import buffers_for, lower, units_of
 from tensorstow.planner.pipeline import lower_pipeline, pipeline_buffers
 from tensorstow.planner.problem import Problem, waits_for_every_gradient
 from tensorstow.planner.result import PlanResult, durations, fmt_bytes
@@ -97,8 +97,12 @@ def speculating(problem: Problem, decisions: Decisions) -> Decisions | None:
     decisions = dataclasses.replace(decisions, deferred_writes=())
     bufs = buffers_for(problem.order, problem.profiles, problem.profile_of, decisions, problem.mixed)
     state = ("M", "OS") if problem.mixed else ("P", "OS")
-    blocks = tuple(b for b in problem.order if f"G:{b}" in bufs and decisions.blocks[b].optimizer == "cpu"
-                   and all(bufs[f"{k}:{b}"].home == "ssd" for k in state))
+
+    def redoable(b: str) -> bool:  # the block and each of its units (expert groups)
+        owners = [b, *units_of(b, problem.profiles[problem.profile_of[b]])]
+        return all(f"G:{o}" not in bufs or decisions.of(o).optimizer == "cpu"
+                   and all(bufs[f"{k}:{o}"].home == "ssd" for k in state) for o in owners)
+    blocks = tuple(b for b in problem.order if f"G:{b}" in bufs and redoable(b))
     return dataclasses.replace(decisions, speculated=blocks) if blocks else None
 
 

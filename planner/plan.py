@@ -49,9 +49,9 @@ def plan_problem(problem: Problem, policy: str) -> PlanResult:
             f"the {policy} policy pipelines microbatches over GPUs; accumulate with its --microbatches, or plan "
             f"--grad-accum with a one-GPU policy (auto, lohan, zero-infinity, ...)"))
     groups = problem.options.expert_groups
-    if groups > 1 and (micro > 1 or policy in ("mobius", *BASELINES)):  # refused, never ignored
-        raise TensorstowError(f"--expert-groups {groups}: pipelines place whole layers; plan the groups with a one-GPU "
-                              f"policy (auto, lohan, zero-infinity, ilp, ...)"
+    if groups > 1 and (micro > 1 or policy in ("mobius", *BASELINES) or len(problem.hw.gpus) > 1):  # refused, never ignored
+        raise TensorstowError(f"--expert-groups {groups}: pipelines place whole layers; plan the groups on one GPU "
+                              f"(--gpus 1) with a one-GPU policy (auto, lohan, zero-infinity, ilp, ...)"
                               + (" and no --microbatches (--grad-accum accumulates)" if micro > 1 else ""))
     if policy == "auto":  # Mobius only where there are several GPUs or microbatches; baselines never
         names = [n for n in sorted(table) if n not in BASELINES + SUBSUMED

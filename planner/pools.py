@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from tensorstow.schema.plan import PoolSizes
 from tensorstow.schema.schedule import (PAGE_BYTES, STATE_KINDS, Buffer, Decisions, Instr, InstrKind, carried_buffers,
-                                        home_tiers, runs_on)
+                                        UNIT, home_tiers, parent_of, runs_on)
 
 
 def page(n: int) -> int:
@@ -84,8 +84,11 @@ def dram_events(order: list[Instr], blocks: list[str], buffers: dict[str, Buffer
     def free(n):
         here.discard(n)
         events.append(("free", n))
+    units: dict[str, list[str]] = {}  # a block's placement units (expert groups), placed after it
+    for u in sorted({x.block for x in buffers.values() if UNIT in x.block}, key=lambda u: int(u.rsplit("x", 1)[1])):
+        units.setdefault(parent_of(u), []).append(u)
     for b in blocks:
-        for n in (f"{k}:{b}" for k in STATE_KINDS):
+        for n in (f"{k}:{o}" for o in (b, *units.get(b, ())) for k in STATE_KINDS):
             home = buffers[n].home if n in homes else None
             if home == "dram" or home == "ssd" and not resume or home == "gpu" and resume:
                 alloc(n)

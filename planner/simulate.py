@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 
 from tensorstow.ir.graph import lsum
 from tensorstow.planner.cost import commit_time
-from tensorstow.schema.schedule import (CPU_OPTIMIZER, Instr, InstrKind, Stream, final_residency, gpu_index,
-                                        initial_residency, is_gpu, resource_of)
+from tensorstow.schema.schedule import (CPU_OPTIMIZER, UNIT, BufferKind, Instr, InstrKind, Stream, block_of,
+                                        buffer_kind, final_residency, gpu_index, initial_residency, is_gpu,
+                                        parent_of, resource_of)
 
 
 class ScheduleError(Exception):
@@ -322,6 +323,46 @@ def _memory_events(instrs: list[Instr], order: list[int], start: list, end: list
     return events
 
 
+class _Joined:
+    """Bytes a buffer takes on a tier: its own, but for a unit's rows of a weight or of its gradient
+    on a GPU (`schema.schedule.UNIT`, P:/G:<b>/x<k>), which the device holds whole: the first of a
+    block's row buffers there takes the whole, the last one released gives it back."""
+
+    def __init__(self, nbytes: dict[str, int]):
+        self.nbytes = nbytes
+        self.group: dict[str, str] = {}
+        self.total: dict[str, int] = {}
+        for b, n in nbytes.items():
+            if UNIT not in b:
+                continue
+            blk = block_of(b)
+            if UNIT in blk and buffer_kind(b) in (BufferKind.P, BufferKind.G):
+                g = self.group[b] = f"{buffer_kind(b)}:{parent_of(blk)}"
+                self.total[g] = self.total.get(g, 0) + n
+        self.count: dict[tuple[str, str], int] = {}
+
+    def need(self, buf: str, tier: str) -> int:
+        """What `add` would count."""
+        g = self.group.get(buf)
+        if g is None or not is_gpu(tier):
+            return self.nbytes[buf]
+        return 0 if self.count.get((g, tier)) else self.total[g]
+
+    def add(self, buf: str, tier: str) -> int:
+        n = self.need(buf, tier)
+        g = self.group.get(buf)
+        if g is not None and is_gpu(tier):
+            self.count[g, tier] = self.count.get((g, tier), 0) + 1
+        return n
+
+    def remove(self, buf: str, tier: str) -> int:
+        g = self.group.get(buf)
+        if g is None or not is_gpu(tier):
+            return self.nbytes[buf]
+        self.count[g, tier] -= 1
+        return 0 if self.count[g, tier] else self.total[g]
+
+
 class _Ledger:
     """Bytes live per tier as `simulate`'s memory events replay (`_memory_events`): the peaks, what
     is live at them, the timeline and the memory fences; it checks that every copy is made from a
@@ -336,8 +377,9 @@ class _Ledger:
         """The (buffer, tier) pairs present."""
         self.use: dict[str, int] = {t: v for t, v in (reserved or {}).items() if v}
         """Tier -> bytes live there (reserved bytes included)."""
-        for (b, t) in self.live:
-            self.use[t] = self.use.get(t, 0) + nbytes[b]
+        self.joined = _Joined(nbytes)
+        for (b, t) in sorted(self.live):
+            self.use[t] = self.use.get(t, 0) + self.joined.add(b, t)
         self.peak = dict(self.use)
         """Tier -> its peak bytes."""
         self.peak_live = {t: sorted(b for b, tt in self.live if tt == t) for t in self.use}
@@ -378,7 +420,7 @@ class _Ledger:
         if (buf, tier) not in self.live:
             raise ScheduleError(f"free of {buf} on {tier}, which does not hold it")
         self.live.remove((buf, tier))
-        self.use[tier] -= self.nbytes[buf]
+        self.use[tier] -= self.joined.remove(buf, tier)
 
     def make(self, what: str, buf: str, tier: str, src: str | None) -> bool:
         """An allocation or a copy's destination: False where the copy overwrites one already there."""
@@ -389,7 +431,7 @@ class _Ledger:
                 raise ScheduleError(f"{buf} allocated twice on {tier}")
             return False
         self.live.add((buf, tier))
-        self.use[tier] = self.use.get(tier, 0) + self.nbytes[buf]
+        self.use[tier] = self.use.get(tier, 0) + self.joined.add(buf, tier)
         if self.use[tier] > self.peak.get(tier, -1) or tier not in self.peak_live:
             self.peak[tier] = self.use[tier]
             self.peak_live[tier] = sorted(b for b, t in self.live if t == tier)
@@ -526,8 +568,9 @@ class _Memory:
     def reset(self) -> None:
         self.live = set(self.initial)
         self.use = dict(self.reserved)
-        for b, t in self.live:
-            self.use[t] = self.use.get(t, 0) + self.nbytes[b]
+        self.joined = _Joined(self.nbytes)
+        for b, t in sorted(self.live):
+            self.use[t] = self.use.get(t, 0) + self.joined.add(b, t)
         self.releases: list[tuple[float, str, int]] = []  # (time, tier, bytes): workspaces ending
         self.started = [False] * len(self.instrs)
         self.first = 0  # the lowest id not yet started
@@ -544,7 +587,7 @@ class _Memory:
             return True, set()
         self._settle(t)
         ahead = {j for j in range(self.first, i) if not self.started[j] and self.grows[j][0] == tier and self.grows[j][1]}
-        need = self.use.get(tier, 0) + self.nbytes[ins.tensor] + sum(self.grows[j][1] for j in ahead)
+        need = self.use.get(tier, 0) + self.joined.need(ins.tensor, tier) + sum(self.grows[j][1] for j in ahead)
         return need <= self.capacity[tier], ahead
 
     def pick(self, cands: list[tuple[float, int, str]], now: float) -> tuple[float, int, str]:
@@ -573,13 +616,13 @@ class _Memory:
         if ins.kind == InstrKind.FREE:
             if (ins.tensor, ins.dst) in self.live:
                 self.live.remove((ins.tensor, ins.dst))
-                self.use[ins.dst] -= self.nbytes[ins.tensor]
+                self.use[ins.dst] -= self.joined.remove(ins.tensor, ins.dst)
         for a in ins.allocs:
             self.live.add((a, dev))
-            self.use[dev] = self.use.get(dev, 0) + self.nbytes[a]
+            self.use[dev] = self.use.get(dev, 0) + self.joined.add(a, dev)
         if ins.kind in (InstrKind.LOAD, InstrKind.STORE, InstrKind.SEND) and (ins.tensor, ins.dst) not in self.live:
             self.live.add((ins.tensor, ins.dst))
-            self.use[ins.dst] = self.use.get(ins.dst, 0) + self.nbytes[ins.tensor]
+            self.use[ins.dst] = self.use.get(ins.dst, 0) + self.joined.add(ins.tensor, ins.dst)
         if ins.workspace:
             self.use[dev] = self.use.get(dev, 0) + self.nbytes[ins.workspace]
             heapq.heappush(self.releases, (end, dev, self.nbytes[ins.workspace]))

@@ -331,6 +331,8 @@ def refine_tail(problem, pl, schedule) -> tuple:
     the fastest plan that fits. Returns (the plan, notes). [OURS]"""
     last = next((i.segment for i in reversed(pl.instructions) if i.kind == InstrKind.OPTIMIZER_STEP), None)
     notes = []
+    if last is not None and UNIT in last:
+        return pl, ()  # a group of experts is updated last: refine_homes places units
 
     def size(b: str) -> int:  # a block's P and its states both scale with its parameters
         return problem.profiles[problem.profile_of[b]].param_bytes
@@ -412,7 +414,7 @@ def refine_homes(problem, pl, schedule) -> tuple:
                 else:
                     best, lo = cand, mid
         if best is not None:
-            notes.append(f"homes: {field} of {lo} {'unit' if any(UNIT in b for b, _ in sizes) else 'block'}(s) "
+            notes.append(f"homes: {field} of {lo} {'block(s) and expert group' if any(UNIT in b for b, _ in sizes) else 'block'}(s) "
                          f"from SSD to DRAM, which had "
                          f"{fmt_bytes(spare)} free ({', '.join(b for b, _ in sizes[:lo])}; simulated without "
                          f"deferred writes {pl.sim.step_time_s:.4g} -> {best.sim.step_time_s:.4g} s, SSD traffic "
