@@ -1,7 +1,7 @@
 """Train a model whose training state is several times this machine's DRAM budget, from SSD.
 
     python benchmarks/bench_scale.py [--model gpt3-1.3b] [--dram 6GB] [--gpu-mem 2GB] [--batch 1]
-        [--seq 512] [--precision fp32] [--steps 3] [--mode both] [--threads 1] [--dir DIR]
+        [--seq 512] [--precision fp32] [--steps 3] [--mode both] [--threads 1] [--dir DIR] [--expert-groups N]
 
 Probes this machine (`tensorstow probe`, its disk under DIR) with `--threads` torch threads,
 plans the model for it with the given DRAM and device budgets (the device tier is CPU memory
@@ -109,6 +109,7 @@ def main() -> int:
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--policy", default="lohan")
+    ap.add_argument("--expert-groups", default="1", help="a mixture of experts: its experts in this many units a layer")
     ap.add_argument("--mode", default="both", choices=["sync", "overlap", "both"])
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads of the compute (1 on a 2-core box leaves a core to the other lanes)")
@@ -127,7 +128,7 @@ def main() -> int:
         plan = work / "plan.json"
         r = tensorstow("plan", a.model, "--hw", str(spec), "--dram", a.dram, "--gpu-mem", a.gpu_mem, "--ssds", "1",
                        "--policy", a.policy, "--precision", a.precision, "--batch", a.batch, "--seq", a.seq,
-                       "-o", str(plan), env=env)
+                       *(["--expert-groups", a.expert_groups] if a.expert_groups != "1" else []), "-o", str(plan), env=env)
         print(r.stdout)
         if r.returncode:
             print(r.stderr, file=sys.stderr)
