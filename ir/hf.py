@@ -149,12 +149,15 @@ def has_tokenizer(d: Path) -> bool:
 
 def lora_config(spec: str):
     """`Options.lora` ("r=8,alpha=16,targets=q_proj,v_proj[,dropout=0.1]") as a peft LoraConfig;
-    one TensorstowError naming the fault."""
+    `parameters=mlp.experts.gate_up_proj,...` also adapts those parameters themselves (LoraConfig's
+    `target_parameters`: a mixture of experts' expert weights, each expert its own pair); one
+    TensorstowError naming the fault."""
     try:
         import peft
     except ImportError:
         raise TensorstowError("--lora needs the peft package: pip install 'tensorstow[hf]'") from None
-    keys = {"r": "r", "alpha": "lora_alpha", "targets": "target_modules", "dropout": "lora_dropout"}
+    keys = {"r": "r", "alpha": "lora_alpha", "targets": "target_modules", "parameters": "target_parameters",
+            "dropout": "lora_dropout"}
     given: dict[str, list[str]] = {}
     key = None
     for item in (x.strip() for x in spec.split(",")):
@@ -162,16 +165,18 @@ def lora_config(spec: str):
         if eq:
             key = name.strip()
             if key not in keys:
-                raise TensorstowError(f"--lora {spec}: unknown key '{key}'; use r, alpha, targets and dropout")
+                raise TensorstowError(f"--lora {spec}: unknown key '{key}'; use r, alpha, targets, parameters and dropout")
             given[key] = [value.strip()]
-        elif key == "targets" and item:  # targets=q_proj,v_proj: the names after the first
+        elif key in ("targets", "parameters") and item:  # targets=q_proj,v_proj: the names after the first
             given[key].append(item)
         else:
             raise TensorstowError(f"--lora {spec}: '{item}' is not key=value (r=8,alpha=16,targets=q_proj,v_proj)")
-    if "r" not in given or "targets" not in given:
+    if "r" not in given or not ({"targets", "parameters"} & set(given)):
         raise TensorstowError(f"--lora {spec}: give at least r and targets (r=8,alpha=16,targets=q_proj,v_proj)")
     try:
-        kw = {"r": int(given["r"][0]), "target_modules": given["targets"]}
+        kw = {"r": int(given["r"][0]), "target_modules": given.get("targets", [])}
+        if "parameters" in given:
+            kw["target_parameters"] = given["parameters"]
         if "alpha" in given:
             kw["lora_alpha"] = float(given["alpha"][0])
         if "dropout" in given:

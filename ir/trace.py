@@ -188,7 +188,7 @@ def _capture_joint(model: nn.Module, model_name: str, layers: nn.ModuleList | No
         return loss_of(functional_call(model, {**p, **b}, (i, t, *positions)), f"{model_name}' ({forward_site(model)})")
 
     try:
-        with fm, quiet_tracing(), ShapeConstants(), grouped_mm_any_dtype(), \
+        with model_left_as_it_was(model), fm, quiet_tracing(), ShapeConstants(), grouped_mm_any_dtype(), \
                 transformers_sees_a_trace() if len(inputs) > 4 else contextlib.nullcontext(), \
                 gpu_autocast(autocast) if autocast is not None else contextlib.nullcontext(), \
                 functorch_config.patch(backward_pass_autocast="off"):
@@ -206,6 +206,24 @@ def _capture_joint(model: nn.Module, model_name: str, layers: nn.ModuleList | No
         raise TensorstowError(f"model '{model_name}': no joint graph was produced "
                               f"(does forward return a loss that requires grad?)")
     return captured["gm"], captured["bounds"]
+
+
+@contextmanager
+def model_left_as_it_was(model: nn.Module):
+    """Every module of `model` keeps its class, parameters, buffers and submodules whatever its
+    forward does to them while traced: PEFT's LoRA on a parameter itself (`target_parameters`)
+    registers a parametrization of the parameter for each forward and removes it after, which under
+    `functional_call`'s swapped-in tensors left the module without its parameter."""
+    saved = [(m, m.__class__, dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for m, cls, params, buffers, modules in saved:
+            m.__class__ = cls
+            for d, old in ((m._parameters, params), (m._buffers, buffers), (m._modules, modules)):
+                if d != old:
+                    d.clear()
+                    d.update(old)
 
 
 @contextmanager

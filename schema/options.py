@@ -112,9 +112,10 @@ class Options:
     lora: str | None = None
     """Train LoRA adapters (PEFT) on an `hf:` checkpoint instead of every weight, as
     "r=8,alpha=16,targets=q_proj,v_proj[,dropout=0.1]" (LoraConfig's r, lora_alpha,
-    target_modules, lora_dropout): `get_peft_model(AutoModelForCausalLM.from_pretrained(DIR),
-    LoraConfig(...))`, the frozen base streamed from the checkpoint; `export` writes the adapter
-    (or, with --merge, merged weights)."""
+    target_modules, lora_dropout; `parameters=mlp.experts.gate_up_proj,...` adapts parameters
+    themselves, target_parameters: a mixture of experts' expert weights):
+    `get_peft_model(AutoModelForCausalLM.from_pretrained(DIR), LoraConfig(...))`, the frozen base
+    streamed from the checkpoint; `export` writes the adapter (or, with --merge, merged weights)."""
     grad_accum: int = 1
     """Gradient accumulation on one GPU: an optimizer step runs the forward and backward of K
     microbatches of `batch` rows one after the other, their gradients summed in fp32 where the

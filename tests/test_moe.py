@@ -220,6 +220,47 @@ def test_lora_on_a_mixture_of_experts_trains_its_attention_adapters_like_eager_p
         assert frozen and all(torch.equal(got[1]["model." + n], initial[n]) for n in frozen)
 
 
+def test_lora_on_the_experts_own_weights_trains_like_eager_peft_and_exports_its_adapter(tmp_path):
+    """PEFT LoRA on the experts' weights themselves (`target_parameters`, each expert its own pair)
+    beside q_proj: bit for bit as eager PEFT training, the frozen base unchanged (and the model
+    object keeps its parameters through the trace, which PEFT's parametrization under the trace's
+    swapped-in tensors took away); `--lora ...,parameters=...` plans it from an `hf:` checkpoint, and
+    the exported adapter loads with `PeftModel.from_pretrained`, every tensor matched."""
+    peft = pytest.importorskip("peft", reason="peft is not installed")
+    from safetensors.torch import load_file
+    from tensorstow.cli import main
+    from tensorstow.ir.trace import trace
+    from tests.fixtures import real_models
+    ref = "tests.fixtures.real_models:lora_mixtral_experts"
+    model = real_models.lora_mixtral_experts()
+    names = {n for n, _ in model.named_parameters()}
+    trace(model, batch=2, seq=16, model_name=ref)
+    assert {n for n, _ in model.named_parameters()} == names
+    torch.manual_seed(0)
+    initial = {n: p.detach().clone() for n, p in real_models.lora_mixtral_experts().named_parameters()}
+    trainable = {n for n, p in real_models.lora_mixtral_experts().named_parameters() if p.requires_grad}
+    assert any(".experts.lora_" in n for n in trainable) and all("lora_" in n for n in trainable)
+    torch.manual_seed(0)
+    want = real.run_eager(real_models.lora_mixtral_experts(), moe_loss)
+    for name, pj in offloaded_plans(ref).items():
+        got = run_executor(pj, real_models.lora_mixtral_experts, tmp_path / name)
+        real.assert_equal(got, want, prefix="model.")
+        assert all(torch.equal(got[1]["model." + n], initial[n]) for n in set(initial) - trainable)
+    hf = moe_ref("mixtral", tmp_path)
+    plan, state, out = tmp_path / "p.json", tmp_path / "s", tmp_path / "out"
+    assert main(["plan", hf, "--hw", "lohan-rtx4090", "--policy", "lohan", "--batch", "2", "--seq", "16", "--gpu-mem",
+                 "600KB", "--lora", "r=4,alpha=8,targets=q_proj,parameters=mlp.experts.gate_up_proj,mlp.experts.down_proj",
+                 "-o", str(plan)]) == 0
+    assert main(["execute", str(plan), "--hw-mismatch", "ok", "--steps", "2", "--state-dir", str(state)]) == 0
+    assert main(["export", str(state), "-o", str(out)]) == 0
+    config = transformers.AutoConfig.from_pretrained(hf[3:])
+    loaded = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_config(config), str(out))
+    saved = load_file(str(out / "adapter_model.safetensors"))
+    held = peft.get_peft_model_state_dict(loaded)
+    assert saved.keys() == held.keys() and any(".experts.lora_" in k for k in saved)
+    assert all(torch.equal(saved[k], held[k]) for k in saved)
+
+
 @pytest.mark.parametrize("groups", ["1", "2"], ids=["layers", "expert-groups"])
 def test_a_mixture_of_experts_killed_mid_step_resumes_exactly(groups, tmp_path):
     """SIGKILL inside the third of 4 steps of a Mixtral trained from SSD (its experts one unit a
