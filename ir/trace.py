@@ -221,7 +221,7 @@ def model_left_as_it_was(model: nn.Module):
         for m, cls, params, buffers, modules in saved:
             m.__class__ = cls
             for d, old in ((m._parameters, params), (m._buffers, buffers), (m._modules, modules)):
-                if d != old:
+                if d.keys() != old.keys() or any(d[k] is not v for k, v in old.items()):
                     d.clear()
                     d.update(old)
 
