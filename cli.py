@@ -22,7 +22,7 @@ from tensorstow.schema.hardware import parse_size
 from tensorstow.schema.options import asked, field_docs, from_asked
 from tensorstow.schema.run import CHOICES as RUN_CHOICES
 from tensorstow.schema.run import Run
-from tensorstow.schema.schedule import SEARCH_NOTE, TIERS, UNIT, block_of, member_rows, parent_of
+from tensorstow.schema.schedule import SEARCH_NOTE, TIERS, UNIT, block_of, member_rows, parent_of, units_by_block
 
 
 def _fmt(n: float) -> str:
@@ -149,7 +149,8 @@ def _expert_groups(plan, verbose: bool) -> list[str]:
     if not rows:
         return []
     home = {n: b.home for n, b in plan.buffers.items()}
-    per = {u: (home.get(f"P:{u}"), home.get(f"OS:{u}"), plan.decisions.of(u).optimizer) for u in rows}
+    per = {u: (home.get(f"P:{u}"), home.get(f"OS:{u}"), plan.decisions.of(u).optimizer)
+           for us in units_by_block(rows).values() for u in us}
     counts = [{}, {}, {}]
     for where in per.values():
         for c, v in zip(counts, where):

@@ -27,7 +27,7 @@ from tensorstow.executor import statedir
 from tensorstow.executor.aio import aligned_empty
 from tensorstow.executor.ssd import SSDStore
 from tensorstow.ir.quant import PARTS, Quantization, dequantized
-from tensorstow.schema.schedule import block_of, member_rows, parent_of
+from tensorstow.schema.schedule import block_of, member_rows, parent_of, units_by_block
 
 SHARD_BYTES = 4 << 30
 
@@ -38,11 +38,10 @@ def _weight_buffers(plan, layout: dict) -> list[tuple[str, list[dict]]]:
     mixed = plan.model.precision != "fp32"
     order = [b.name for b in plan.model.blocks]
     out = []
+    units = units_by_block(block_of(n) for n in layout["buffers"])
     for b in order:
-        units = sorted({parent_of(block_of(n)) != block_of(n) and block_of(n) for n in layout["buffers"]
-                        if parent_of(block_of(n)) == b} - {False}, key=lambda u: int(u.rsplit("x", 1)[1]))
         for kind in ("M", "C") if mixed else ("P", "C"):
-            for buf in (f"{kind}:{b}", *(f"{kind}:{u}" for u in units)):  # a block's units: its expert rows
+            for buf in (f"{kind}:{b}", *(f"{kind}:{u}" for u in units.get(b, ()))):  # a block's units: its expert rows
                 slots = [s for s in layout["buffers"].get(buf, []) if kind != "C" or s["frozen"]]
                 if slots:
                     out.append((buf, slots))

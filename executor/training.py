@@ -18,7 +18,7 @@ from tensorstow.executor.program import Program, model_state
 from tensorstow.executor.ssd import SSDStore
 from tensorstow.executor.statedir import RNG, rng_bytes, set_rng
 from tensorstow.executor.stores import DeviceTier, HostCopy, HostTier, SSDTier, clone_to
-from tensorstow.schema.schedule import STATE_KINDS, BufferKind, block_of, buffer_kind, parent_of
+from tensorstow.schema.schedule import STATE_KINDS, BufferKind, block_of, buffer_kind, units_by_block
 
 
 class TrainingState:
@@ -46,9 +46,7 @@ class TrainingState:
         `ir.models.gpt_init_stream`); each block's values are dropped once it is placed."""
         source = _Source(model, values)
         ph = self.program.joint.placeholder
-        units = {}
-        for u in self.program.unit_rows:
-            units.setdefault(parent_of(u), []).append(u)
+        units = units_by_block(self.program.unit_rows)  # in the order the DRAM arena's replay places them
         for blk in self.program.graph.blocks:
             b = blk.name
             owners = [b, *units.get(b, ())]  # the block and its units: their parameters are the block's

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from tensorstow.schema.plan import PoolSizes
 from tensorstow.schema.schedule import (PAGE_BYTES, STATE_KINDS, Buffer, Decisions, Instr, InstrKind, carried_buffers,
-                                        UNIT, home_tiers, parent_of, runs_on)
+                                        home_tiers, runs_on, units_by_block)
 
 
 def page(n: int) -> int:
@@ -84,9 +84,7 @@ def dram_events(order: list[Instr], blocks: list[str], buffers: dict[str, Buffer
     def free(n):
         here.discard(n)
         events.append(("free", n))
-    units: dict[str, list[str]] = {}  # a block's placement units (expert groups), placed after it
-    for u in sorted({x.block for x in buffers.values() if UNIT in x.block}, key=lambda u: int(u.rsplit("x", 1)[1])):
-        units.setdefault(parent_of(u), []).append(u)
+    units = units_by_block(x.block for x in buffers.values())  # a block's expert groups, placed after it
     for b in blocks:
         for n in (f"{k}:{o}" for o in (b, *units.get(b, ())) for k in STATE_KINDS):
             home = buffers[n].home if n in homes else None

@@ -500,6 +500,14 @@ def unit_name(block: str, k: int) -> str:
     return f"{block}{UNIT}x{k}"
 
 
+def units_by_block(blocks) -> dict[str, list[str]]:
+    """Block -> its placement units among `blocks` (names of blocks and units), in unit order."""
+    out: dict[str, list[str]] = {}
+    for u in sorted({b for b in blocks if UNIT in b}, key=lambda u: (parent_of(u), int(u.rsplit("x", 1)[1]))):
+        out.setdefault(parent_of(u), []).append(u)
+    return out
+
+
 def parent_of(block: str) -> str:
     """The block a unit belongs to (a block is its own): `b3/x1` -> `b3`."""
     return block.split(UNIT, 1)[0]

@@ -156,3 +156,16 @@ def test_expert_groups_the_plan_cannot_honour_are_one_line_each(tmp_path, capsys
         assert main(["plan", moe, "--hw", hw, "--batch", "2", "--seq", "16", "--policy", policy, "--expert-groups", "2"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "pipelines place whole layers" in err
+
+
+def test_more_than_ten_groups_are_placed_in_the_order_the_dram_arena_replays(tmp_path):
+    """12 groups a layer (`b0/x10` after `b0/x9`, not after `b0/x1`): the executor places their homes
+    in the order the plan's DRAM arena was sized with, so nothing is allocated outside it."""
+    from tensorstow.schema.schedule import units_by_block
+    assert units_by_block(["b0/x10", "b0/x2", "b0", "b1/x0"]) == {"b0": ["b0/x2", "b0/x10"], "b1": ["b1/x0"]}
+    ref = moe_ref("qwen3_moe", tmp_path, num_experts=12)
+    pj, got, want, overflow = plan_and_train(ref, tmp_path, "--policy", "ilp", "--gpu-mem", "400KB", "--dram", "900KB",
+                                             "--ssds", "1", "--expert-groups", "12")
+    assert any(h == "dram" for n, h in unit_homes(pj).items() if n.startswith("OS:"))
+    real.assert_equal(got, want, prefix="model.")
+    assert overflow == 0

@@ -59,7 +59,7 @@ OTHER_FAMILIES = {
 def moe_ref(family: str, root, **overrides) -> str:
     cls, kw = {**FAMILIES, **OTHER_FAMILIES}[family]
     d = root / (family + "".join(f"-{k}" for k in overrides))
-    getattr(transformers, cls)(**kw, **overrides).save_pretrained(d)
+    getattr(transformers, cls)(**{**kw, **overrides}).save_pretrained(d)
     return f"hf:{d}"
 
 
