@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from tensorstow.errors import TensorstowError
+from tensorstow.planner import cost
 from tensorstow.planner.policies import HEURISTICS, ilp, lohan, mobius, planned
 from tensorstow.planner.problem import Problem, build_problem
 from tensorstow.planner.result import PlanResult, infeasible_message
@@ -81,13 +82,36 @@ def arena_bytes(plan: PlanResult) -> int:
     return sum(p.overlap for p in plan.pools.values())
 
 
+EXPERT_GROUP_CHOICES = (1, 2, 4, 8)
+"""The group counts `--expert-groups 0` plans with (those a layer has experts for)."""
+
+
 def make_plan(options: Options, hw: Hardware, model=None) -> PlanResult:
     problem = build_problem(options, hw, model)
-    plan = plan_problem(problem, options.policy)
+    plan = expert_groups_chosen(problem) if options.expert_groups == 0 else plan_problem(problem, options.policy)
     over = plan.over_capacity()
     if over:
         raise TensorstowError(infeasible_message(plan, over))
-    return _within_arena(plan, problem, options.policy)
+    return _within_arena(plan, plan.problem, options.policy)
+
+
+def expert_groups_chosen(problem: Problem) -> PlanResult:
+    """`--expert-groups 0`: the plan with each count of EXPERT_GROUP_CHOICES the model's layers have
+    experts for (one GPU, no pipeline: otherwise 1 only), the fastest that fits (the fewer groups
+    on a tie); the plan records the count, a note every count's step."""
+    o, policy = problem.options, problem.options.policy
+    one_gpu = len(problem.hw.gpus) == 1 and o.microbatches <= 1 and policy not in ("mobius", *BASELINES)
+    tries = []
+    for n in EXPERT_GROUP_CHOICES if one_gpu else (1,):
+        profiles = cost.profiles(problem.graph, problem.hw, n) if n > 1 else problem.profiles
+        if n > 1 and not any(len(p.units) == n for p in profiles.values()):
+            break  # a layer has fewer experts than n, or the model none
+        tries.append((n, plan_problem(dataclasses.replace(
+            problem, options=dataclasses.replace(o, expert_groups=n), profiles=profiles), policy)))
+    n, best = min([t for t in tries if t[1].fits] or tries, key=lambda t: (t[1].sim.step_time_s, t[0]))
+    steps = ", ".join(f"{k}: {r.sim.step_time_s:.4g} s" + ("" if r.fits else " (does not fit)") for k, r in tries)
+    note = f"--expert-groups 0 chose {n} ({steps})" if one_gpu else "--expert-groups 0: one group a layer (pipelines place whole layers)"
+    return dataclasses.replace(best, decisions=dataclasses.replace(best.decisions, notes=(*best.decisions.notes, note)))
 
 
 def _within_arena(plan: PlanResult, problem: Problem, policy: str) -> PlanResult:

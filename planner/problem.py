@@ -74,8 +74,9 @@ def check_options(options: Options, model=None) -> ModelSpec | None:
         raise TensorstowError(f"--max-grad-norm must be >= 0 (0: no clipping), got {options.max_grad_norm}")
     for spec in options.param_groups:  # their patterns are matched when the executor starts
         parse_param_group(spec)
-    if options.expert_groups < 1:
-        raise TensorstowError(f"--expert-groups must be >= 1 (1: a layer's experts are one unit), got {options.expert_groups}")
+    if options.expert_groups < 0:
+        raise TensorstowError(f"--expert-groups must be >= 0 (1: a layer's experts are one unit; 0: the planner "
+                              f"chooses), got {options.expert_groups}")
     if options.expert_groups > 1 and (options.gpus or 1) > 1:
         raise TensorstowError(f"--expert-groups {options.expert_groups}: placement units finer than a layer are planned on "
                               f"one GPU; plan with --gpus 1 or without --expert-groups")

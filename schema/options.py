@@ -139,7 +139,8 @@ class Options:
     expert_groups: int = 1
     """A mixture of experts: each layer's experts in this many groups, each a placement unit of its
     own (its rows of the expert weights, their gradient, master copy and Adam states on a tier of
-    their own, updated on its own as its gradient arrives); 1: a layer is one unit. The device
+    their own, updated on its own as its gradient arrives); 1: a layer is one unit; 0: the planner
+    plans 1, 2, 4 and 8 (as many as a layer has experts for) and keeps the fastest. The device
     holds a layer's experts whole while the layer computes (its grouped matmul reads them all)."""
     packing: bool = False
     """Train on windows of seq tokens that pack several examples (best-fit decreasing, as TRL packs):

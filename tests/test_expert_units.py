@@ -147,7 +147,7 @@ def test_groups_clip_exactly_and_a_block_speculates_only_with_every_group_redoab
 def test_expert_groups_the_plan_cannot_honour_are_one_line_each(tmp_path, capsys):
     from tests.test_real_models import hf_ref
     ref = hf_ref("llama", tmp_path)
-    for groups, why in (("2", "has no layer whose experts can be grouped"), ("0", "must be >= 1")):
+    for groups, why in (("2", "has no layer whose experts can be grouped"), ("-1", "must be >= 0")):
         assert main(["plan", ref, "--hw", "lohan-rtx4090", "--batch", "2", "--seq", "16", "--expert-groups", groups]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("tensorstow: error: --expert-groups") and why in err
@@ -169,3 +169,24 @@ def test_more_than_ten_groups_are_placed_in_the_order_the_dram_arena_replays(tmp
     assert any(h == "dram" for n, h in unit_homes(pj).items() if n.startswith("OS:"))
     real.assert_equal(got, want, prefix="model.")
     assert overflow == 0
+
+
+def test_expert_groups_0_keeps_the_fastest_count_it_plans(tmp_path):
+    """`--expert-groups 0`: the planner plans each count a layer has experts for (1, 2, 4; the model
+    has 4 experts a layer, so not 8) and keeps the fastest, which the plan records; each count's
+    step is the one that count gives planned on its own."""
+    ref = moe_ref("qwen3_moe", tmp_path, num_experts=4)
+    args = ["plan", ref, "--hw", "lohan-rtx4090", "--policy", "ilp", "--batch", "2", "--seq", "16", "--gpu-mem",
+            "300KB", "--dram", "600KB", "--ssds", "1", "--precision", "fp32"]
+    steps = {}
+    for n in (1, 2, 4):
+        assert main([*args, "--expert-groups", str(n), "-o", str(tmp_path / f"{n}.json")]) == 0
+        steps[n] = json.loads((tmp_path / f"{n}.json").read_text())["predicted"]["step_time_s"]
+    assert main([*args, "--expert-groups", "0", "-o", str(tmp_path / "auto.json")]) == 0
+    pj = json.loads((tmp_path / "auto.json").read_text())
+    best = min(steps, key=lambda n: (steps[n], n))
+    assert pj["options"]["expert_groups"] == best
+    assert pj["predicted"]["step_time_s"] == steps[best]
+    note = next(n for n in pj["decisions"]["notes"] if n.startswith("--expert-groups 0 chose"))
+    assert note.startswith(f"--expert-groups 0 chose {best} (") and all(f"{n}: " in note for n in steps)
+    assert "8: " not in note
