@@ -400,7 +400,9 @@ def refine_homes(problem, pl, schedule) -> tuple:
             blocks = dict(pl.decisions.blocks)
             for b, _ in sizes[:k]:  # a unit (an expert group) gets a decision of its own
                 blocks[b] = replace(pl.decisions.of(b), **{field: "dram"})
-            cand = schedule(problem, replace(pl.decisions, blocks=blocks))
+            # as the policy's final plan is scheduled (`planned`): more homes in DRAM take the SSD's
+            # waits out of the prefetches, which then fit the GPU only by waiting for room
+            cand = schedule(problem, replace(pl.decisions, blocks=blocks), wait=True)
             return cand if cand.fits and cand.sim.step_time_s <= pl.sim.step_time_s else None
 
         best, lo = moved(k), k
