@@ -148,9 +148,9 @@ def defer_writes(plan: PlanResult) -> PlanResult:
     updated = [i.segment for i in plan.instructions if i.kind == InstrKind.OPTIMIZER_STEP]
     blocks = [b for b in reversed(updated)
               if carried_buffers(dataclasses.replace(d, deferred_writes=(b,)), plan.buffers)]
-    best = plan
+    best, wait = plan, bool(plan.over_unless_waiting)  # replayed as the plan was: its copies may wait for room
     for k in range(1, min(DEFERRED_MAX, len(blocks)) + 1):
-        r = lower_and_simulate(problem, dataclasses.replace(d, deferred_writes=tuple(blocks[:k])))
+        r = lower_and_simulate(problem, dataclasses.replace(d, deferred_writes=tuple(blocks[:k])), wait=wait)
         if not r.fits or r.sim.step_time_s >= best.sim.step_time_s:
             break
         best = r
@@ -168,6 +168,10 @@ def keep_params(problem: Problem, decisions: Decisions) -> PlanResult:
     if kept.fits and (not plain.fits or kept.sim.step_time_s <= plain.sim.step_time_s):
         return kept
     return plain
+
+
+WAIT_NOTE = "copies wait for room on "
+"""How the note a plan whose copies wait for room (`wait_for_room`) carries begins."""
 
 
 def lower_and_simulate(problem: Problem, decisions: Decisions, wait: bool = False) -> PlanResult:
@@ -198,7 +202,8 @@ def lower_and_simulate(problem: Problem, decisions: Decisions, wait: bool = Fals
             over = {"gpu" if is_gpu(t) else t: (sim.peak_bytes[t], c) for t, c in caps.items()
                     if sim.peak_bytes.get(t, 0) > c}
             instrs, sim = fitted
-            decisions = dataclasses.replace(decisions, notes=(*decisions.notes, "copies wait for room on " + ", ".join(
+            kept = tuple(n for n in decisions.notes if not n.startswith(WAIT_NOTE))  # a replan's own note only
+            decisions = dataclasses.replace(decisions, notes=(*kept, WAIT_NOTE + ", ".join(
                 f"{t} (without the waits {fmt_bytes(n)} at peak > {fmt_bytes(c)})" for t, (n, c) in sorted(over.items()))))
     # Memory fences: an allocation waits for the releases that preceded it in the replay, so an
     # executor whose real timing differs (overlap mode) never holds more than the simulated peak.
