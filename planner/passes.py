@@ -32,7 +32,8 @@ def schedule(problem: Problem, decisions: Decisions, wait: bool = False) -> Plan
     that wait for room (`wait_for_room`) and kept where that fits. Policies search without it: a
     candidate that fits only by waiting ranks as one that does not, as before, so waiting rescues a
     plan whose probed timings let a prefetch take the memory of what runs before it, and changes
-    no plan that fits without it.
+    no plan that fits without it. What refines a chosen plan (ilp's homes, `defer_writes`) replays
+    its candidates as that plan is replayed, waits included.
     A plan that reads from SSD runs the reads a computation waits for ahead of queued writes
     (`Decisions.ssd_reads_first`) where that still fits, else keeps every read in program order.
     An fp32 plan whose CPU updates read parameters from SSD is replayed both ways and keeps the
