@@ -68,7 +68,7 @@ def test_the_planner_places_each_group_on_its_own_tier_and_show_reports_them(tmp
     text = capsys.readouterr().out
     states = sorted(homes[f"OS:b{k}/x{g}"] for k in range(3) for g in range(4))
     counts = ", ".join(f"{t} x{states.count(t)}" for t in sorted(set(states)))
-    assert f"expert groups: 12 in 3 layers (--expert-groups 4):" in text and f"states {counts}" in text
+    assert "expert groups: 12 in 3 layers (--expert-groups 4):" in text and f"states {counts}" in text
     assert f"  b2/x1: experts 2..3, params {homes['P:b2/x1']}, states {homes['OS:b2/x1']}, updated on cpu" in text
     more = tmp_path / "more.json"  # all of it in DRAM: `diff` names the groups that moved, in forward order
     assert main(["plan", ref, "--hw", "lohan-rtx4090", "--policy", "ilp", "--batch", "2", "--seq", "16", "--gpu-mem",
