@@ -156,7 +156,9 @@ def _expert_groups(plan, verbose: bool) -> list[str]:
         for c, v in zip(counts, where):
             c[v] = c.get(v, 0) + 1
     layers = len({parent_of(u) for u in rows})
-    out = [f"expert groups: {len(rows)} in {layers} layers (--expert-groups {plan.options.expert_groups}): "
+    asked = plan.options.expert_groups  # 0: the planner chose the count
+    flag = f"--expert-groups {asked}" if asked else f"--expert-groups 0 chose {len(rows) // layers}"
+    out = [f"expert groups: {len(rows)} in {layers} layers ({flag}): "
            + "; ".join(f"{k} " + ", ".join(f"{v} x{n}" for v, n in sorted(c.items()))
                        for k, c in zip(("params", "states", "optimizer"), counts))]
     if verbose:

@@ -178,7 +178,8 @@ WAIT_NOTE = "copies wait for room on "
 def lower_and_simulate(problem: Problem, decisions: Decisions, wait: bool = False) -> PlanResult:
     micro = decisions.microbatches()
     inputs = sum(t.nbytes for t in problem.graph.tensors if t.kind == "input")
-    decisions = dataclasses.replace(decisions, device_reserved=micro * inputs,
+    notes = tuple(n for n in decisions.notes if not n.startswith(WAIT_NOTE))  # this replay's own, added below
+    decisions = dataclasses.replace(decisions, notes=notes, device_reserved=micro * inputs,
                                     updates_wait=waits_for_every_gradient(problem.options))
     if decisions.pipeline is None:
         bufs = buffers_for(problem.order, problem.profiles, problem.profile_of, decisions, problem.mixed)
@@ -203,8 +204,7 @@ def lower_and_simulate(problem: Problem, decisions: Decisions, wait: bool = Fals
             over = {"gpu" if is_gpu(t) else t: (sim.peak_bytes[t], c) for t, c in caps.items()
                     if sim.peak_bytes.get(t, 0) > c}
             instrs, sim = fitted
-            kept = tuple(n for n in decisions.notes if not n.startswith(WAIT_NOTE))  # a replan's own note only
-            decisions = dataclasses.replace(decisions, notes=(*kept, WAIT_NOTE + ", ".join(
+            decisions = dataclasses.replace(decisions, notes=(*decisions.notes, WAIT_NOTE + ", ".join(
                 f"{t} (without the waits {fmt_bytes(n)} at peak > {fmt_bytes(c)})" for t, (n, c) in sorted(over.items()))))
     # Memory fences: an allocation waits for the releases that preceded it in the replay, so an
     # executor whose real timing differs (overlap mode) never holds more than the simulated peak.

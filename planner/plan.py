@@ -88,17 +88,26 @@ EXPERT_GROUP_CHOICES = (1, 2, 4, 8)
 
 def make_plan(options: Options, hw: Hardware, model=None) -> PlanResult:
     problem = build_problem(options, hw, model)
-    plan = expert_groups_chosen(problem) if options.expert_groups == 0 else plan_problem(problem, options.policy)
+    if options.expert_groups == 0:
+        plan, note = expert_groups_chosen(problem)
+    else:
+        plan, note = plan_problem(problem, options.policy), None
     over = plan.over_capacity()
     if over:
         raise TensorstowError(infeasible_message(plan, over))
-    return _within_arena(plan, plan.problem, options.policy)
+    plan = _within_arena(plan, plan.problem, options.policy)
+    return with_note(plan, note) if note else plan
 
 
-def expert_groups_chosen(problem: Problem) -> PlanResult:
+def with_note(plan: PlanResult, note: str) -> PlanResult:
+    return dataclasses.replace(plan, decisions=dataclasses.replace(plan.decisions, notes=(*plan.decisions.notes, note)))
+
+
+def expert_groups_chosen(problem: Problem) -> tuple[PlanResult, str]:
     """`--expert-groups 0`: the plan with each count of EXPERT_GROUP_CHOICES the model's layers have
     experts for (one GPU, no pipeline: otherwise 1 only), the fastest that fits (the fewer groups
-    on a tie); the plan records the count, a note every count's step."""
+    on a tie), and the note that says so. The plan's options keep the 0 asked for (replanning it
+    chooses again); its units are the chosen count's."""
     o, policy = problem.options, problem.options.policy
     one_gpu = len(problem.hw.gpus) == 1 and o.microbatches <= 1 and policy not in ("mobius", *BASELINES)
     tries = []
@@ -106,12 +115,12 @@ def expert_groups_chosen(problem: Problem) -> PlanResult:
         profiles = cost.profiles(problem.graph, problem.hw, n) if n > 1 else problem.profiles
         if n > 1 and not any(len(p.units) == n for p in profiles.values()):
             break  # a layer has fewer experts than n, or the model none
-        tries.append((n, plan_problem(dataclasses.replace(
-            problem, options=dataclasses.replace(o, expert_groups=n), profiles=profiles), policy)))
+        tries.append((n, plan_problem(dataclasses.replace(problem, profiles=profiles), policy)))
     n, best = min([t for t in tries if t[1].fits] or tries, key=lambda t: (t[1].sim.step_time_s, t[0]))
+    if not one_gpu:
+        return best, "--expert-groups 0: one group a layer (pipelines place whole layers)"
     steps = ", ".join(f"{k}: {r.sim.step_time_s:.4g} s" + ("" if r.fits else " (does not fit)") for k, r in tries)
-    note = f"--expert-groups 0 chose {n} ({steps})" if one_gpu else "--expert-groups 0: one group a layer (pipelines place whole layers)"
-    return dataclasses.replace(best, decisions=dataclasses.replace(best.decisions, notes=(*best.decisions.notes, note)))
+    return best, f"--expert-groups 0 chose {n} ({steps})"
 
 
 def _within_arena(plan: PlanResult, problem: Problem, policy: str) -> PlanResult:

@@ -173,10 +173,11 @@ def test_more_than_ten_groups_are_placed_in_the_order_the_dram_arena_replays(tmp
     assert overflow == 0
 
 
-def test_expert_groups_0_keeps_the_fastest_count_it_plans(tmp_path):
+def test_expert_groups_0_keeps_the_fastest_count_it_plans(tmp_path, capsys):
     """`--expert-groups 0`: the planner plans each count a layer has experts for (1, 2, 4; the model
-    has 4 experts a layer, so not 8) and keeps the fastest, which the plan records; each count's
-    step is the one that count gives planned on its own."""
+    has 4 experts a layer, so not 8) and keeps the fastest, each count's step the one that count
+    gives planned on its own; the plan keeps the 0 asked for, so `check` replans it to the same
+    bytes, and `show` says which count it chose."""
     ref = moe_ref("qwen3_moe", tmp_path, num_experts=4)
     args = ["plan", ref, "--hw", "lohan-rtx4090", "--policy", "ilp", "--batch", "2", "--seq", "16", "--gpu-mem",
             "300KB", "--dram", "600KB", "--ssds", "1", "--precision", "fp32"]
@@ -184,11 +185,17 @@ def test_expert_groups_0_keeps_the_fastest_count_it_plans(tmp_path):
     for n in (1, 2, 4):
         assert main([*args, "--expert-groups", str(n), "-o", str(tmp_path / f"{n}.json")]) == 0
         steps[n] = json.loads((tmp_path / f"{n}.json").read_text())["predicted"]["step_time_s"]
-    assert main([*args, "--expert-groups", "0", "-o", str(tmp_path / "auto.json")]) == 0
-    pj = json.loads((tmp_path / "auto.json").read_text())
-    best = min(steps, key=lambda n: (steps[n], n))
-    assert pj["options"]["expert_groups"] == best
-    assert pj["predicted"]["step_time_s"] == steps[best]
+    auto = tmp_path / "auto" / "p.json"
+    auto.parent.mkdir()
+    assert main([*args, "--expert-groups", "0", "-o", str(auto)]) == 0
+    pj = json.loads(auto.read_text())
+    chosen = len({n for n in unit_homes(pj) if n.startswith("P:b0/")})
+    assert pj["options"]["expert_groups"] == 0 and chosen in steps
+    assert pj["predicted"]["step_time_s"] == steps[chosen] == min(steps.values())
     note = next(n for n in pj["decisions"]["notes"] if n.startswith("--expert-groups 0 chose"))
-    assert note.startswith(f"--expert-groups 0 chose {best} (") and all(f"{n}: " in note for n in steps)
+    assert note.startswith(f"--expert-groups 0 chose {chosen} (") and all(f"{n}: " in note for n in steps)
     assert "8: " not in note
+    capsys.readouterr()
+    assert main(["check", str(auto.parent)]) == 0, capsys.readouterr().out
+    assert main(["show", str(auto)]) == 0
+    assert f"(--expert-groups 0 chose {chosen}):" in capsys.readouterr().out

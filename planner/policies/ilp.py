@@ -52,7 +52,7 @@ from tensorstow.ir.graph import lsum
 from tensorstow.planner import highs
 from tensorstow.planner.cost import GPU_ADAM_BYTES_PER_PARAM, BlockProfile, update_time
 from tensorstow.planner.policies import heuristic_plans
-from tensorstow.planner.passes import defer_writes, schedule
+from tensorstow.planner.passes import defer_writes, lower_and_simulate, schedule
 from tensorstow.planner.result import fmt_bytes
 from tensorstow.planner.lower import swap_bytes, units_of
 from tensorstow.schema.schedule import ACTIVATION_CHOICES, UNIT, BlockDecision, Decisions, InstrKind, SEARCH_NOTE
@@ -376,7 +376,7 @@ def refine_homes(problem, pl, schedule) -> tuple:
     if not any(buf.home == "ssd" for buf in pl.buffers.values()):
         return pl, ()
     if pl.decisions.deferred_writes:
-        base = schedule(problem, replace(pl.decisions, deferred_writes=()))
+        base = _undeferred(problem, pl.decisions, schedule)
         if not base.fits:
             return pl, ()
         pl = base
@@ -400,9 +400,7 @@ def refine_homes(problem, pl, schedule) -> tuple:
             blocks = dict(pl.decisions.blocks)
             for b, _ in sizes[:k]:  # a unit (an expert group) gets a decision of its own
                 blocks[b] = replace(pl.decisions.of(b), **{field: "dram"})
-            # as the policy's final plan is scheduled (`planned`): more homes in DRAM take the SSD's
-            # waits out of the prefetches, which then fit the GPU only by waiting for room
-            cand = schedule(problem, replace(pl.decisions, blocks=blocks), wait=True)
+            cand = _undeferred(problem, replace(pl.decisions, blocks=blocks), schedule)
             return cand if cand.fits and cand.sim.step_time_s <= pl.sim.step_time_s else None
 
         best, lo = moved(k), k
@@ -423,6 +421,16 @@ def refine_homes(problem, pl, schedule) -> tuple:
                          f"{fmt_bytes(_ssd_traffic(pl))} -> {fmt_bytes(_ssd_traffic(best))} a step)")
             pl = best
     return pl, tuple(notes)
+
+
+def _undeferred(problem, decisions: Decisions, schedule):
+    """`decisions` scheduled as the policy's final plan is (`planned`: copies may wait for room, as
+    they must where more homes in DRAM take the SSD's delay out of the prefetches), with no
+    write-back deferred: what `refine_homes` compares (`plan` defers them again)."""
+    r = schedule(problem, replace(decisions, deferred_writes=()), wait=True)
+    if r.decisions.deferred_writes:  # a speculating final plan defers its own (`speculate_or_wait`)
+        r = lower_and_simulate(problem, replace(r.decisions, deferred_writes=()), wait=True)
+    return r
 
 
 def _ssd_traffic(pl) -> int:
