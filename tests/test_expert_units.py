@@ -199,3 +199,19 @@ def test_expert_groups_0_keeps_the_fastest_count_it_plans(tmp_path, capsys):
     assert main(["check", str(auto.parent)]) == 0, capsys.readouterr().out
     assert main(["show", str(auto)]) == 0
     assert f"(--expert-groups 0 chose {chosen}):" in capsys.readouterr().out
+
+
+def test_a_sweep_with_expert_groups_0_chooses_the_count_at_each_value(tmp_path):
+    """`plan --sweep` with `--expert-groups 0` chooses the group count at each value, as `plan` does."""
+    from tensorstow.planner.plan import make_plan
+    from tensorstow.planner.presets import load_hardware
+    from tensorstow.planner.report import sweep
+    from tensorstow.schema.options import Options
+    ref = moe_ref("qwen3_moe", tmp_path, num_experts=4)
+    o = Options(model=ref, hardware="lohan-rtx4090", policy="ilp", batch=2, seq=16, gpu_mem=300_000, dram=600_000,
+                ssds=1, precision="fp32", expert_groups=0)
+    hw = load_hardware("lohan-rtx4090").with_overrides(gpu_mem=o.gpu_mem, dram=o.dram, ssds=o.ssds)
+    (row,) = sweep(o, hw, "batch", [2])
+    chosen = make_plan(o, hw)
+    assert row["step_time_s"] == chosen.to_plan().predicted.step_time_s
+    assert any(n.startswith("--expert-groups 0 chose") for n in chosen.decisions.notes)
