@@ -36,7 +36,14 @@ def policy_plan(problem: Problem, name: str) -> PlanResult:
 
 
 def plan_problem(problem: Problem, policy: str) -> PlanResult:
-    """Plan with one policy, or with `auto`: every policy, keeping the fastest feasible."""
+    """Plan with one policy, or with `auto`: every policy, keeping the fastest feasible; with
+    `--expert-groups 0`, with the group count it chooses (`expert_groups_chosen`)."""
+    if problem.options.expert_groups == 0:
+        return expert_groups_chosen(problem, policy)
+    return _plan_with(problem, policy)
+
+
+def _plan_with(problem: Problem, policy: str) -> PlanResult:
     table = POLICIES
     micro = problem.options.microbatches
     if micro > 1 and policy not in ("auto", "mobius"):  # refused, never ignored
@@ -65,9 +72,7 @@ def plan_problem(problem: Problem, policy: str) -> PlanResult:
         name = min(sorted(feasible), key=lambda n: feasible[n].time_per_sample)  # a pipeline's step has M microbatches
         times = ", ".join(f"{n} {p.sim.step_time_s:.4g} s" + (f"/{p.samples} samples" if p.samples > 1 else "")
                           + ("" if p.fits else " (does not fit)") for n, p in sorted(plans.items()))
-        best = feasible[name]
-        return dataclasses.replace(best, decisions=dataclasses.replace(
-            best.decisions, notes=(*best.decisions.notes, f"auto chose {name}: {times}")))
+        return with_note(feasible[name], f"auto chose {name}: {times}")
     check_policy(policy)
     return policy_plan(problem, policy)
 
@@ -88,39 +93,36 @@ EXPERT_GROUP_CHOICES = (1, 2, 4, 8)
 
 def make_plan(options: Options, hw: Hardware, model=None) -> PlanResult:
     problem = build_problem(options, hw, model)
-    if options.expert_groups == 0:
-        plan, note = expert_groups_chosen(problem)
-    else:
-        plan, note = plan_problem(problem, options.policy), None
+    plan = plan_problem(problem, options.policy)
     over = plan.over_capacity()
     if over:
         raise TensorstowError(infeasible_message(plan, over))
-    plan = _within_arena(plan, plan.problem, options.policy)
-    return with_note(plan, note) if note else plan
+    return _within_arena(plan, problem, options.policy)
 
 
 def with_note(plan: PlanResult, note: str) -> PlanResult:
     return dataclasses.replace(plan, decisions=dataclasses.replace(plan.decisions, notes=(*plan.decisions.notes, note)))
 
 
-def expert_groups_chosen(problem: Problem) -> tuple[PlanResult, str]:
+def expert_groups_chosen(problem: Problem, policy: str) -> PlanResult:
     """`--expert-groups 0`: the plan with each count of EXPERT_GROUP_CHOICES the model's layers have
     experts for (one GPU, no pipeline: otherwise 1 only), the fastest that fits (the fewer groups
-    on a tie), and the note that says so. The plan's options keep the 0 asked for (replanning it
-    chooses again); its units are the chosen count's."""
-    o, policy = problem.options, problem.options.policy
+    on a tie), with a note that says so. The plan's options keep the 0 asked for (replanning it,
+    as `check` and the DRAM arena's tighter budgets do, chooses again); its units are the chosen
+    count's."""
+    o = problem.options
     one_gpu = len(problem.hw.gpus) == 1 and o.microbatches <= 1 and policy not in ("mobius", *BASELINES)
     tries = []
     for n in EXPERT_GROUP_CHOICES if one_gpu else (1,):
         profiles = cost.profiles(problem.graph, problem.hw, n) if n > 1 else problem.profiles
         if n > 1 and not any(len(p.units) == n for p in profiles.values()):
             break  # a layer has fewer experts than n, or the model none
-        tries.append((n, plan_problem(dataclasses.replace(problem, profiles=profiles), policy)))
+        tries.append((n, _plan_with(dataclasses.replace(problem, profiles=profiles), policy)))
     n, best = min([t for t in tries if t[1].fits] or tries, key=lambda t: (t[1].sim.step_time_s, t[0]))
     if not one_gpu:
-        return best, "--expert-groups 0: one group a layer (pipelines place whole layers)"
+        return with_note(best, "--expert-groups 0: one group a layer (pipelines place whole layers)")
     steps = ", ".join(f"{k}: {r.sim.step_time_s:.4g} s" + ("" if r.fits else " (does not fit)") for k, r in tries)
-    return best, f"--expert-groups 0 chose {n} ({steps})"
+    return with_note(best, f"--expert-groups 0 chose {n} ({steps})")
 
 
 def _within_arena(plan: PlanResult, problem: Problem, policy: str) -> PlanResult:
@@ -147,7 +149,7 @@ def _within_arena(plan: PlanResult, problem: Problem, policy: str) -> PlanResult
             break
         arena = arena_bytes(tighter)
         if arena <= cap:
-            plan = dataclasses.replace(tighter, problem=problem)
+            plan = dataclasses.replace(tighter, problem=dataclasses.replace(tighter.problem, hw=problem.hw))
     if arena <= cap and held:
         note = (f"planned with {held / 1e6:.4g} MB of DRAM held back, so the overlap-mode arena "
                 f"({arena / 1e6:.4g} MB) fits --dram")

@@ -7,7 +7,7 @@ from html import escape
 
 from tensorstow.errors import TensorstowError
 from tensorstow.ir.models import PRESETS, gpt_param_count
-from tensorstow.planner.plan import expert_groups_chosen, plan_problem
+from tensorstow.planner.plan import plan_problem
 from tensorstow.planner.problem import build_problem
 from tensorstow.schema.options import Options
 
@@ -40,8 +40,7 @@ def sweep(options: Options, hw, key: str, values: list[int]) -> list[dict]:
         val = v * 10**9 if key == "dram" else v
         o = dataclasses.replace(options, **{field: val})
         h = hw.with_overrides(ssds=o.ssds, dram=o.dram)
-        problem = build_problem(o, h)
-        plan = expert_groups_chosen(problem)[0] if o.expert_groups == 0 else plan_problem(problem, o.policy)
+        plan = plan_problem(build_problem(o, h), o.policy)
         pred = plan.to_plan().predicted
         rows.append({"value": v, "fits": plan.fits, "step_time_s": pred.step_time_s,
                      "tokens_per_s": pred.tokens_per_s if plan.fits else 0.0,
