@@ -1191,7 +1191,8 @@ def hardware_for(o: Options, reprobe: bool = False) -> Hardware:
     """The hardware an Options names, with its overrides: a preset, a spec file, or "local" (this
     machine's quick probe, from the probe cache where it holds one: `local_hardware`)."""
     hw = local_hardware(reprobe) if o.hardware == "local" else load_hardware(o.hardware)
-    return hw.with_overrides(gpu_mem=o.gpu_mem, dram=o.dram, ssds=o.ssds, gpus=o.gpus)
+    gpus = o.gpus if o.gpus is not None or o.dp <= 1 else max(1, o.dp // max(1, o.nodes))  # a machine's share
+    return hw.with_overrides(gpu_mem=o.gpu_mem, dram=o.dram, ssds=o.ssds, gpus=gpus)
 
 
 probe_cache_dir = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tensorstow" / "probe"

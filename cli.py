@@ -22,7 +22,7 @@ from tensorstow.schema.hardware import parse_size
 from tensorstow.schema.options import asked, field_docs, from_asked
 from tensorstow.schema.run import CHOICES as RUN_CHOICES
 from tensorstow.schema.run import Run
-from tensorstow.schema.schedule import SEARCH_NOTE, TIERS, UNIT, block_of, member_rows, parent_of, units_by_block
+from tensorstow.schema.schedule import SEARCH_NOTE, TIERS, InstrKind, UNIT, block_of, member_rows, parent_of, units_by_block
 
 
 def _fmt(n: float) -> str:
@@ -100,6 +100,16 @@ def _pipeline_lines(plan, sim=None) -> list[str]:
     """Stages, their GPUs and root complexes, and each GPU's simulated peak (multi-GPU plans); one
     GPU's gradient accumulation."""
     pl, dec = plan.decisions.pipeline, plan.decisions
+    if pl is None and dec.dp > 1:
+        o = plan.options
+        reduced = sum(plan.buffers[i.tensor].bytes for i in plan.instructions if i.kind == InstrKind.REDUCE)
+        return [f"data parallel: {dec.dp} ranks ({o.nodes} machine(s) x {dec.dp // o.nodes} GPU(s)), each "
+                f"{dec.grad_accum} x batch {plan.model.batch}: a step trains {dec.dp * dec.grad_accum * plan.model.batch} "
+                f"rows; memory, capacity and busy times are one rank's (its share of DRAM, SSDs and cores; "
+                f"optimizer state sharded 1/{dec.dp})",
+                f"  gradients all-reduced per block: {_fmt(reduced)} a step "
+                f"({plan.predicted.busy_s.get('gpu0.reduce', 0):.4g} s busy)"
+                + (f", {_fmt(o.net_bw)}/s between machines" if o.nodes > 1 else "")]
     if pl is None:
         if dec.grad_accum > 1:
             tiers = sorted({d.accum for d in dec.blocks.values()})

@@ -144,18 +144,29 @@ class BlockProfile:
     block's own buffers hold the rest of its state (`own`)."""
     experts: tuple[str, ...] = ()
     """The expert weights (in `params`) and their gradients' roots (in `grads`) the units hold."""
+    shapes: tuple[tuple[int, int], ...] = ()
+    """Per parameter of `params`: (rows, elements a row), its first dimension and the rest (a
+    data-parallel rank's shard of its optimizer state is whole rows: `shard_count`)."""
 
     def own(self) -> dict:
         """The block's own state, without what its units hold: params, grads, param_count,
         param_bytes, grad_bytes, grad_fp32_bytes."""
         if not self.units:
-            return dict(params=self.params, grads=self.grads, param_count=self.param_count,
+            return dict(params=self.params, grads=self.grads, param_count=self.param_count, shapes=self.shapes,
                         param_bytes=self.param_bytes, grad_bytes=self.grad_bytes, grad_fp32_bytes=self.grad_fp32_bytes)
         held = set(self.experts)
         return dict(params=tuple(p for p in self.params if p not in held),
+                    shapes=tuple(x for p, x in zip(self.params, self.shapes) if p not in held),
                     grads=tuple(g for g in self.grads if g not in held),
                     **{k: getattr(self, k) - sum(getattr(u, k) for u in self.units)
                        for k in ("param_count", "param_bytes", "grad_bytes", "grad_fp32_bytes")})
+
+
+def shard_count(shapes, ranks: int) -> int:
+    """The elements of one data-parallel rank's shard of parameters of `shapes` ((rows, elements a
+    row) each, `BlockProfile.shapes`): of each, ceil(rows / ranks) rows, so every rank's shard has
+    the same size (the last ranks' ends padded) and the ranks gather them in one collective."""
+    return sum(-(-rows // ranks) * row for rows, row in shapes)
 
 
 def commit_time(hw, instrs) -> float:
@@ -522,9 +533,11 @@ def _state(b: str, tensors: dict) -> dict:
     for p in params:
         for r in sorted(set(by_param.get(p, ()))):
             grads.setdefault(r)
-    roots = {t.param: t.nbytes for t in tensors.values() if t.block == b and t.producer is None
-             and t.kind == "parameter" and t.storage == t.name and t.param}
-    return dict(params=params, consts=tuple(p for p, k in own if k == "constant"), grads=tuple(grads),
+    mine = {t.param: t for t in tensors.values() if t.block == b and t.producer is None
+            and t.kind == "parameter" and t.storage == t.name and t.param}
+    roots = {p: t.nbytes for p, t in mine.items()}
+    shapes = tuple((mine[p].shape[0] if mine[p].shape else 1, numel(mine[p].shape[1:])) for p in params)
+    return dict(params=params, consts=tuple(p for p, k in own if k == "constant"), grads=tuple(grads), shapes=shapes,
                 param_bytes=sum(roots[p] for p in params), grad_bytes=sum(tensors[r].nbytes for r in grads),
                 grad_fp32_bytes=sum(tensors[r].nbytes * 4 // _ITEMSIZE[tensors[r].dtype] for r in grads))
 
@@ -691,7 +704,48 @@ def segment_update_time(problem, segment: str, device: str) -> float:
         u = unit_profile(prof, segment)
         return optimizer_time(u.param_count, device, problem.hw, len(u.params))
     tensors = len(problem.graph.block(prof.name).params) - (len(prof.units[0].params) if prof.units else 0)
+    ranks = problem.options.dp
+    if ranks > 1:  # the rank's shard, then the other ranks' rows of P gathered
+        return (optimizer_time(shard_count(prof.shapes, ranks), device, problem.hw, tensors)
+                + all_gather_time(prof.param_bytes, problem))
     return optimizer_time(prof.own()["param_count"], device, problem.hw, tensors)
+
+
+GLOO_COPIES = 16
+"""Without a measured `CPU.gloo_bw`: DRAM bandwidth over this, gloo's all-reduce bus bandwidth
+(on a 2-core VM gloo reached 0.8 GB/s beside a 13 GB/s memcpy: benchmarks/RESULTS.md "Data
+parallel")."""
+
+
+def collective_bw(problem) -> float:
+    """Bus bandwidth of a ring collective over the data-parallel ranks, bytes/s: the slowest link
+    of the ring. Inside a machine GPU to GPU (P2P where the spec has it, else through host memory:
+    the slower of the GPU's two copy engines; CPU device tiers: the measured gloo rate,
+    `CPU.gloo_bw`), and across machines `Options.net_bw`."""
+    hw, o = problem.machine or problem.hw, problem.options
+    g = hw.gpu
+    if hw.gpu_p2p_bw:
+        inside = hw.gpu_p2p_bw
+    elif g.name != CPU_GPU_NAME:
+        inside = min(g.h2d_bw, g.d2h_bw)
+    else:  # unmeasured: gloo's ring copies each chunk through loopback TCP, several times over
+        inside = hw.cpu.gloo_bw or hw.dram.bandwidth / GLOO_COPIES
+    return min(inside, o.net_bw) if o.nodes > 1 else inside
+
+
+def all_reduce_time(nbytes: int, problem) -> float:
+    """A ring all-reduce of `nbytes` over the `Options.dp` ranks: each rank sends and receives
+    2 (N - 1) / N of the bytes (reduce-scatter, then all-gather; Patarasuk & Yuan, "Bandwidth
+    optimal all-reduce algorithms for clusters of workstations", JPDC 2009; NCCL's bus bandwidth)."""
+    n = problem.options.dp
+    return 2 * (n - 1) / n * nbytes / collective_bw(problem)
+
+
+def all_gather_time(nbytes: int, problem) -> float:
+    """A ring all-gather of a tensor of `nbytes` whose N shards the ranks hold: (N - 1) / N of it
+    through each rank's link."""
+    n = problem.options.dp
+    return (n - 1) / n * nbytes / collective_bw(problem)
 
 
 def unit_profile(prof: BlockProfile, unit: str) -> UnitProfile:

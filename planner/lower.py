@@ -8,7 +8,7 @@ The buffer kinds and the names they use are `schema.schedule`'s.
 """
 from __future__ import annotations
 
-from tensorstow.planner.cost import BlockProfile
+from tensorstow.planner.cost import BlockProfile, shard_count
 from tensorstow.schema.schedule import (CPU_OPTIMIZER, OPTIMIZER_INPUTS, TIERS, BlockDecision, Buffer, BufferKind, Decisions,
                                         Instr, InstrKind, Stream, block_of, buffer_kind, carried_buffers, member_rows,
                                         parent_of, rows_member, tier_class, unit_name)
@@ -33,7 +33,7 @@ def buffers_for(order: list[str], prof: dict[str, BlockProfile], profile_of: dic
         p, d = prof[profile_of[b]], decisions.blocks[b]
         n = p.param_count
         for u, own in ((b, p.own()), *((unit_name(b, k), unit_state(x)) for k, x in enumerate(p.units))):
-            out.update(state_buffers(u, own, decisions.of(u), decisions.fp32_grads(mixed), mixed))
+            out.update(state_buffers(u, own, decisions.of(u), decisions.fp32_grads(mixed), mixed, decisions.dp))
         for k, x in enumerate(p.units):
             if decisions.of(unit_name(b, k)).optimizer == "gpu":
                 out[f"W:opt:{unit_name(b, k)}"] = Buffer(f"W:opt:{unit_name(b, k)}", x.opt_workspace, unit_name(b, k))
@@ -77,12 +77,16 @@ def buffers_for(order: list[str], prof: dict[str, BlockProfile], profile_of: dic
     return out
 
 
-def state_buffers(b: str, own: dict, d: BlockDecision, fp32_grads: bool, mixed: bool) -> dict[str, Buffer]:
+def state_buffers(b: str, own: dict, d: BlockDecision, fp32_grads: bool, mixed: bool, ranks: int = 1
+                  ) -> dict[str, Buffer]:
     """P:, G:, M: (mixed precision) and OS:<b> of a block's own trainable state, or of a unit's
-    (`own`: `BlockProfile.own`, `unit_state`), with the homes `d` gives them; none without any."""
+    (`own`: `BlockProfile.own`, `unit_state`), with the homes `d` gives them; none without any.
+    Data parallel over `ranks`: M: and OS: hold one rank's shard (`BlockProfile.shard_count`)."""
     n, params = own["param_count"], own["params"]
     if not n:
         return {}
+    if ranks > 1:
+        n = shard_count(own["shapes"], ranks)
     out = {f"P:{b}": Buffer(f"P:{b}", own["param_bytes"], b, d.params, params),
            f"G:{b}": Buffer(f"G:{b}", own["grad_fp32_bytes"] if fp32_grads else own["grad_bytes"], b,
                             members=own["grads"])}
@@ -615,6 +619,8 @@ class _Lowering:
             e.free(f"G:{b}", gpu, (s,))
             return s
         flushed = None
+        if self.decisions.dp > 1:  # summed over the ranks where the backward made it
+            c = e.emit(InstrKind.REDUCE, f"{gpu}.reduce", (c,), tensor=f"G:{b}", src=gpu, dst=gpu)
         if d.optimizer == "cpu":
             s = e.move(f"G:{b}", gpu, "dram", (c,))
             e.free(f"G:{b}", gpu, (s,))

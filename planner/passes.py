@@ -180,7 +180,7 @@ def lower_and_simulate(problem: Problem, decisions: Decisions, wait: bool = Fals
     inputs = sum(t.nbytes for t in problem.graph.tensors if t.kind == "input")
     notes = tuple(n for n in decisions.notes if not n.startswith(WAIT_NOTE))  # this replay's own, added below
     decisions = dataclasses.replace(decisions, notes=notes, device_reserved=micro * inputs,
-                                    updates_wait=waits_for_every_gradient(problem.options))
+                                    updates_wait=waits_for_every_gradient(problem.options), dp=problem.options.dp)
     if decisions.pipeline is None:
         bufs = buffers_for(problem.order, problem.profiles, problem.profile_of, decisions, problem.mixed)
         instrs = lower(problem.order, problem.profiles, problem.profile_of, decisions, bufs, mixed=problem.mixed)

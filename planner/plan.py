@@ -56,6 +56,10 @@ def _plan_with(problem: Problem, policy: str) -> PlanResult:
             "a pipeline accumulates over --microbatches instead; give one of the two" if micro > 1 else
             f"the {policy} policy pipelines microbatches over GPUs; accumulate with its --microbatches, or plan "
             f"--grad-accum with a one-GPU policy (auto, lohan, zero-infinity, ...)"))
+    dp = problem.options.dp
+    if dp > 1 and policy in ("mobius", *BASELINES):  # refused, never ignored
+        raise TensorstowError(f"--dp {dp}: each rank runs a one-GPU plan; plan it with a one-GPU policy (auto, lohan, "
+                              f"zero-infinity, ilp, ...), not {policy}")
     groups = problem.options.expert_groups
     if groups > 1 and (micro > 1 or policy in ("mobius", *BASELINES) or len(problem.hw.gpus) > 1):  # refused, never ignored
         raise TensorstowError(f"--expert-groups {groups}: pipelines place whole layers; plan the groups on one GPU "

@@ -29,6 +29,9 @@ class Problem:
     profile_of: dict[str, str]
     frozen_params: int = 0
     """Parameters that do not train (`Traced.frozen_params`)."""
+    machine: Hardware | None = None
+    """Data parallel (`Options.dp`): the machine the plan names, of which `hw` is one rank's share
+    (`Hardware.rank_share`); None: `hw` is the machine."""
     plans: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
     """Each heuristic policy's plan for this problem, once made (`planner.policies.planned`); a
     problem made from it by `dataclasses.replace` starts without them."""
@@ -80,6 +83,7 @@ def check_options(options: Options, model=None) -> ModelSpec | None:
     if options.expert_groups > 1 and (options.gpus or 1) > 1:
         raise TensorstowError(f"--expert-groups {options.expert_groups}: placement units finer than a layer are planned on "
                               f"one GPU; plan with --gpus 1 or without --expert-groups")
+    _check_dp(options)
     if model is not None and options.lora:
         raise TensorstowError("lora: a model object brings its own adapters (get_peft_model); leave lora out")
     if model is not None and (options.quantize or options.quantize_skip):
@@ -88,9 +92,39 @@ def check_options(options: Options, model=None) -> ModelSpec | None:
     return resolve_model(options.model, options.lora, options.quantize, options.quantize_skip) if model is None else None
 
 
+def _check_dp(o: Options) -> None:
+    if o.dp < 1 or o.nodes < 1 or o.net_bw <= 0:
+        raise TensorstowError(f"need --dp >= 1, --nodes >= 1 and --net-bw > 0, got {o.dp}, {o.nodes} and {o.net_bw:g}")
+    if o.nodes > 1 and o.dp == 1:
+        raise TensorstowError(f"--nodes {o.nodes}: machines train together data-parallel; give --dp (machines x "
+                              f"GPUs per machine)")
+    if o.dp == 1:
+        return
+    if o.microbatches > 1:
+        raise TensorstowError(f"--dp {o.dp}: each rank runs a one-GPU plan; accumulate with --grad-accum, not "
+                              f"--microbatches (a pipeline's)")
+    if o.expert_groups != 1:
+        raise TensorstowError(f"--dp {o.dp}: expert groups (--expert-groups {o.expert_groups}) are planned on one "
+                              f"process; leave --expert-groups out")
+
+
+def data_parallel_share(options: Options, hw: Hardware) -> Hardware:
+    """Data parallel: one rank's share of `hw` (one machine of `options.nodes`, whose GPUs are the
+    ranks on it), refused unless dp = nodes x GPUs."""
+    per = len(hw.gpus)
+    if options.dp != options.nodes * per:
+        raise TensorstowError(f"--dp {options.dp} needs {options.nodes} machine(s) x {per} GPU(s) = "
+                              f"{options.nodes * per} ranks: give --gpus {max(1, options.dp // options.nodes)} "
+                              f"(GPUs per machine) or --dp {options.nodes * per}")
+    return hw.rank_share(per)
+
+
 def build_problem(options: Options, hw: Hardware, model=None) -> Problem:
     """`model`: an nn.Module to trace instead of building `options.model` (the Python API)."""
     spec = check_options(options, model)
+    machine = None
+    if options.dp > 1:
+        machine, hw = hw, data_parallel_share(options, hw)
     batch = options.batch or DEFAULT_BATCH.get(options.model, 1)
     if model is not None:
         traced = trace_model(model, batch=batch, seq=options.seq or model_dims(model)[1] or 1,
@@ -106,6 +140,6 @@ def build_problem(options: Options, hw: Hardware, model=None) -> Problem:
                               f"{options.expert_groups} experts); plan it without --expert-groups")
     return Problem(graph=g, hw=hw, options=options, profiles=profiles,
                    order=[b.name for b in g.blocks], profile_of={b.name: b.profile for b in g.blocks},
-                   frozen_params=traced.frozen_params)
+                   frozen_params=traced.frozen_params, machine=machine)
 
 

@@ -35,8 +35,8 @@ class PlanResult:
 
     @property
     def samples(self) -> int:
-        """Microbatches of `model.batch` one step trains on."""
-        return self.decisions.microbatches()
+        """Microbatches of `model.batch` one step trains on (over every data-parallel rank)."""
+        return self.decisions.microbatches() * self.decisions.dp
 
     @property
     def time_per_sample(self) -> float:
@@ -111,7 +111,8 @@ class PlanResult:
                 batch=g.batch, seq=g.seq, precision=g.precision,
                 blocks=tuple(BlockInfo(name=b.name, profile=b.profile, params=b.param_count) for b in g.blocks),
                 profiles={k: _profile_info(v) for k, v in sorted(p.profiles.items())}),
-            hardware=HardwareInfo(name=p.hw.name, fingerprint=p.hw.fingerprint(), spec=p.hw),
+            hardware=HardwareInfo(name=(p.machine or p.hw).name, fingerprint=(p.machine or p.hw).fingerprint(),
+                                  spec=p.machine or p.hw),
             options=p.options,
             decisions=self.decisions,
             buffers=dict(sorted(self.buffers.items())),
@@ -177,6 +178,8 @@ def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer],
                                           durable=bool(buf.home)))
         elif ins.kind == InstrKind.COMMIT:
             out.append(cost.commit_time(hw, instrs))
+        elif ins.kind == InstrKind.REDUCE:
+            out.append(cost.all_reduce_time(buffers[ins.tensor].bytes, problem))
         elif ins.kind == InstrKind.OPTIMIZER_STEP:
             prof = problem.profiles[problem.profile_of[ins.segment]] if zero3 else None
             out.append(cost.segment_update_time(problem, ins.segment, ins.dst)

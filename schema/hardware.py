@@ -36,7 +36,8 @@ CPU_GPU_NAME = "cpu (no CUDA)"
 
 OMITTED_WHEN_ZERO = ("op_s", "matmul_rates", "matmul_rates_unaligned", "attention_rates", "matmul_rates_fp32",
                      "attention_rates_fp32", "elementwise_bw", "kernel_s", "d2h_convert_bw", "h2d_convert_bw", "copy_tensor_s", "host_contention", "ssd_contention",
-                     "compute_capability", "request_s", "commit_s", "sync_s", "flush_bw", "adam_tensor_s")
+                     "compute_capability", "request_s", "commit_s", "sync_s", "flush_bw", "adam_tensor_s",
+                     "gloo_bw")
 """GPU, SSD and CPU fields a spec's JSON leaves out when 0 (added after specs existed: their
 fingerprints stay)."""
 
@@ -243,6 +244,10 @@ class CPU:
     Adam"). Measured by `tensorstow probe` through those stores and that kernel, without the recipe
     (a lower bound); 0 in the papers' presets (their rates are measured updates). Left out of the
     spec's JSON when 0."""
+    gloo_bw: float = 0.0
+    """Bus bandwidth of a ring all-reduce between processes on this machine over gloo (host
+    memory and loopback TCP), bytes/s: data-parallel ranks whose device tier is the CPU reduce
+    through it. Measured by `tensorstow probe`; left out of the spec's JSON when 0."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -280,6 +285,21 @@ class Hardware:
 
     def fingerprint(self) -> str:
         return stable_hash(self.to_json())
+
+    def rank_share(self, ranks: int) -> "Hardware":
+        """What one of `ranks` data-parallel processes on this machine has: its first GPU, and an
+        equal share of the DRAM (capacity and bandwidth), the SSDs' bandwidth and capacity and the
+        CPU's cores and Adam rate (every rank updates its shard beside the others)."""
+        if ranks <= 1:
+            return dataclasses.replace(self, gpus=self.gpus[:1])
+        d, s, c = self.dram, self.ssd, self.cpu
+        return dataclasses.replace(
+            self, name=f"{self.name} (1 of {ranks} ranks)", gpus=self.gpus[:1],
+            dram=dataclasses.replace(d, capacity_bytes=d.capacity_bytes // ranks, bandwidth=d.bandwidth / ranks),
+            ssd=dataclasses.replace(s, read_bw=s.read_bw / ranks, write_bw=s.write_bw / ranks,
+                                    max_total_bw=s.max_total_bw / ranks, capacity_bytes=s.capacity_bytes // ranks,
+                                    flush_bw=s.flush_bw / ranks),
+            cpu=dataclasses.replace(c, cores=max(1, c.cores // ranks), adam_rate=c.adam_rate / ranks))
 
     def with_overrides(self, *, gpu_mem: int | None = None, dram: int | None = None,
                        ssds: int | None = None, gpus: int | None = None) -> "Hardware":

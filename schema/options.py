@@ -142,6 +142,18 @@ class Options:
     their own, updated on its own as its gradient arrives); 1: a layer is one unit; 0: the planner
     plans 1, 2, 4 and 8 (as many as a layer has experts for) and keeps the fastest. The device
     holds a layer's experts whole while the layer computes (its grouped matmul reads them all)."""
+    dp: int = 1
+    """Data parallel: this many replicas of a one-GPU plan (one process each, `execute --nproc`),
+    each on its own `batch` rows (the Trainer's per-device batch; `grad_accum` on top), their
+    gradients summed over the ranks as each block's backward makes them (ring all-reduce); each
+    rank's CPU updates its 1/dp of every block's rows and the ranks gather the updated parameters.
+    The hardware is `nodes` machines of `gpus` GPUs each (dp = nodes x gpus); each rank plans on
+    its GPU and its machine's DRAM, SSDs and cores shared by that machine's ranks."""
+    nodes: int = 1
+    """Data parallel: machines (each with the hardware's GPUs, DRAM, SSDs and cores)."""
+    net_bw: float = 25e9
+    """Data parallel across machines: each machine's network bandwidth to the others, bytes/s (25
+    GB/s: 200 Gb/s InfiniBand)."""
     packing: bool = False
     """Train on windows of seq tokens that pack several examples (best-fit decreasing, as TRL packs):
     the step takes each token's position in its document, every document starts at position 0 and
@@ -227,7 +239,7 @@ LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 
 _LATER_OPTIONS = {"gpus": None, "microbatches": 0, "grad_accum": 1, "lora": None, "clip_rate": 0.5, "mapping": "cross", "decay_all": False, "param_groups": (), "max_grad_norm": 0.0,
                   "lr_scheduler": "constant", "warmup_steps": 0, "min_lr_ratio": 0.0, "packing": False, "quantize": None, "quantize_skip": None,
-                  "expert_groups": 1}
+                  "expert_groups": 1, "dp": 1, "nodes": 1, "net_bw": 25e9}
 
 
 # ---- the options as the command line and the Python API take them -------------------------------
@@ -251,6 +263,7 @@ ASKED: Mapping[str, Asked] = {
     "precision": Asked(choices=("fp32", "bf16-mixed", "fp16-mixed")),
     "gpu_mem": Asked(size=True),
     "dram": Asked(size=True),
+    "net_bw": Asked(size=True),
     "optimizer": Asked(choices=("adam", "adamw")),
     "mapping": Asked(choices=("cross", "sequential")),
     "lr_scheduler": Asked(choices=LR_SCHEDULERS),

@@ -292,6 +292,9 @@ def _missing_fields(ins: Instr) -> str:
             return "names no buffer"
         if not (_is_tier(ins.src) and _is_tier(ins.dst)) or ins.src == ins.dst:
             return f"copies {ins.src or '?'} -> {ins.dst or '?'}, not between two tiers (gpuK, dram, ssd)"
+    elif ins.kind == InstrKind.REDUCE:
+        if not ins.tensor or not is_gpu(ins.dst):
+            return "names no gradient and GPU tier to reduce on"
     elif ins.kind == InstrKind.FREE:
         if not ins.tensor or not _is_tier(ins.dst):
             return "names no buffer and tier to release"

@@ -132,6 +132,8 @@ class InstrKind(enum.StrEnum):
     """Update one block's parameters (its optimizer subgroup)."""
     COMMIT = "commit"
     """Commit the step before to the SSD store once its deferred write-backs are home."""
+    REDUCE = "reduce"
+    """Data parallel: sum a block's gradient over the ranks, in place (all-reduce)."""
 
 
 STATE_KINDS = (BufferKind.P, BufferKind.C, BufferKind.M, BufferKind.OS)
@@ -331,6 +333,12 @@ class Decisions:
     targets, the loss tangent) of every microbatch, which the executor puts on the device when the
     step starts. Set by `planner.passes.schedule`."""
 
+    dp: int = 1
+    """Data parallel (`Options.dp`): the ranks running this schedule, each on its own rows. Each
+    block's last backward is followed by a `reduce` of its gradient over them, and its
+    `optimizer_step` updates the rank's shard (M: and OS: hold ceil(rows / dp) rows of each
+    parameter) and gathers the other ranks' rows of P. Set by `planner.passes.schedule`."""
+
     def __post_init__(self):
         freeze(self)
 
@@ -341,10 +349,10 @@ class Decisions:
 
     def fp32_grads(self, mixed: bool) -> bool:
         """Whether a mixed-precision plan's G buffers hold fp32 gradients: accumulated over
-        microbatches (as eager's fp32 `.grad`, `grad_accum` or a pipeline's; not the data-parallel baseline's per-GPU ones), or on
+        microbatches or ranks (as eager's fp32 `.grad`: `grad_accum`, a pipeline's, `dp`; not the data-parallel baseline's per-GPU ones), or on
         their way to SSD (`swap_grads`). The planner sizes G by it and the executor casts to it."""
         pl = self.pipeline
-        return mixed and (self.swap_grads or self.grad_accum > 1
+        return mixed and (self.swap_grads or self.grad_accum > 1 or self.dp > 1
                           or (pl is not None and pl.microbatches > 1 and pl.kind != "data-parallel"))
 
     def microbatches(self) -> int:
@@ -387,6 +395,8 @@ class Decisions:
             d["device_reserved"] = self.device_reserved
         if self.updates_wait:
             d["updates_wait"] = True
+        if self.dp > 1:
+            d["dp"] = self.dp
         return d
 
 
@@ -396,7 +406,7 @@ class Instr:
     kind: str
     """An `InstrKind` (its value, as the plan file writes it)."""
     stream: str
-    """gpuK.compute, gpuK.h2d, gpuK.d2h, gpuK.send, ssd.first, ssd.read, ssd.write, cpu.opt"""
+    """gpuK.compute, gpuK.h2d, gpuK.d2h, gpuK.send, gpuK.reduce, ssd.first, ssd.read, ssd.write, cpu.opt"""
     deps: tuple[int, ...]
     segment: str = ""
     """compute/recompute: "fwd:<b>", "bwd:<b>" or "refwd:<b>" (a partial swap's re-forward);
