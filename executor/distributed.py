@@ -40,10 +40,49 @@ TIMEOUT_S = 600
 class Comm:
     """Stage boundaries and step agreement between the ranks (torch.distributed, gloo)."""
 
-    def __init__(self, rank: int, world: int, on_device: bool = False):
+    def __init__(self, rank: int, world: int, on_device: bool = False, data_parallel: bool = False):
         self.rank, self.world = rank, world
         self.on_device = on_device
         """NCCL: boundaries move GPU to GPU in device memory; gloo: staged in host memory."""
+        self.groups: dict[str, object] = {}
+        """Data parallel: a process group per lane that issues collectives ("reduce": the gradients'
+        all-reduces, "gather": the updated parameters' all-gathers), so each group sees its
+        collectives in one order, the schedule's, on every rank, however the lanes interleave."""
+        if data_parallel:
+            import torch.distributed as dist
+            backend = "cpu:gloo,cuda:nccl" if on_device else "gloo"
+            self.groups = {lane: dist.new_group(backend=backend) for lane in ("reduce", "gather")}
+
+    def all_reduce(self, tensors: list[torch.Tensor], in_order: bool = False) -> None:
+        """Sum `tensors` (one dtype, one device) over the ranks, in place: one ring all-reduce of
+        their bytes laid end to end. `in_order`: summed rank after rank, ((t0 + t1) + t2) + ..., as
+        one process accumulating the ranks' microbatches in order sums them (bit-identical with
+        it; a ring's partial sums start at a different rank for each chunk): every rank gathers
+        every rank's tensors, (N - 1) x their bytes instead of 2 (N - 1) / N x (two ranks: the
+        same sum either way, as a + b == b + a)."""
+        import torch.distributed as dist
+        flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1)
+        if in_order and self.world > 2:
+            every = flat.new_empty(self.world * flat.numel())
+            dist.all_gather_into_tensor(every, flat, group=self.groups["reduce"])
+            parts = every.view(self.world, -1)
+            flat = parts[0]
+            for r in range(1, self.world):
+                flat += parts[r]
+        else:
+            dist.all_reduce(flat, group=self.groups["reduce"])
+        if len(tensors) > 1 or flat.data_ptr() != tensors[0].data_ptr():
+            at = 0
+            for t in tensors:
+                t.copy_(flat[at:at + t.numel()].view_as(t))
+                at += t.numel()
+
+    def all_gather(self, mine: torch.Tensor) -> torch.Tensor:
+        """Every rank's `mine` (equal sizes, 1-D), end to end in rank order."""
+        import torch.distributed as dist
+        out = mine.new_empty(self.world * mine.numel())
+        dist.all_gather_into_tensor(out, mine, group=self.groups["gather"])
+        return out
 
     def send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> list:
         """Start sending `tensors` (CPU, contiguous) to `peer`; returns the requests to wait for."""
@@ -61,6 +100,13 @@ class Comm:
         t = torch.tensor([0.0 if value is None else value], dtype=torch.float64)
         dist.broadcast(t, src)
         return float(t[0])
+
+    def gather_floats(self, values: list[float]) -> list[float]:
+        """Every rank's `values` (as many on each), end to end in rank order."""
+        import torch.distributed as dist
+        out = [torch.zeros(len(values), dtype=torch.float64) for _ in range(self.world)]
+        dist.all_gather(out, torch.tensor(values, dtype=torch.float64))
+        return [float(v) for t in out for v in t]
 
     def barrier(self) -> None:
         import torch.distributed as dist

@@ -168,6 +168,8 @@ class Executor:
         self.plan, self.M, self.rank, self.gpu, self.comm, self.mode = prog.plan, prog.M, prog.rank, prog.gpu, comm, mode
         self.joint, self.layouts, self.homes, self.carried, self.vocab = (
             prog.joint, prog.layouts, prog.homes, prog.carried, prog.vocab)
+        self.rows = prog.plan.model.batch * self.M * prog.dp
+        """Rows a step takes: its microbatches', on every data-parallel rank."""
         self.checkpoint_every = checkpoint_every
         self.state_dir = None
         """Where `state_dir=` keeps the run: a crash-safe store of every checkpoint, described for
@@ -373,9 +375,10 @@ class Executor:
                    else torch.ones(tshape, dtype=tdtype, device=self.device))
         consts = tuple(c.to(self.device, copy=True) for c in j.constants.values())
         inputs: dict[str, list[torch.Tensor]] = {}
+        first = self.rank * self.M if self.program.dp > 1 else 0  # data parallel: this rank's rows
         for k in range(self.M):
-            t_k = tangent if self.M == 1 else tangent * sem.weights[k]
-            rows = [t[k * b:(k + 1) * b].to(self.device, copy=True)
+            t_k = tangent if self.M * self.program.dp == 1 else tangent * sem.weights[k]
+            rows = [t[(first + k) * b:(first + k + 1) * b].to(self.device, copy=True)
                     for t in (idx, targets, positions) if t is not None]
             vals = (*rows, t_k)
             for name, v in zip((*j.inputs, *j.constants), vals + consts):
@@ -443,6 +446,10 @@ class Executor:
     def _mean_loss(self) -> float:
         """The step's loss (`StepSemantics.step_loss`); on a rank without the loss, the one the
         loss's rank sends."""
+        if self.program.dp > 1:  # every rank's terms, summed in the order one process sums them
+            sem = self.semantics
+            terms = self.comm.gather_floats([t if w else 0.0 for t, w in zip(sem.loss_terms(), sem.weights)])
+            return sum(t for t in terms if t)
         here = self.semantics.step_loss()
         if self.comm is not None:
             return self.comm.share(here, gpu_index(self.program.block_gpu[self.program.loss_block()]))

@@ -26,8 +26,9 @@ from tensorstow.errors import TensorstowError
 from tensorstow.executor import statedir
 from tensorstow.executor.aio import aligned_empty
 from tensorstow.executor.ssd import SSDStore
+from tensorstow.ir.graph import numel
 from tensorstow.ir.quant import PARTS, Quantization, dequantized
-from tensorstow.schema.schedule import block_of, member_rows, parent_of, units_by_block
+from tensorstow.schema.schedule import BufferKind, block_of, buffer_kind, member_rows, parent_of, units_by_block
 
 SHARD_BYTES = 4 << 30
 
@@ -65,8 +66,9 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, merge: bool = 
     ranks = sorted((p for p in d.glob("rank*") if p.is_dir() and p.name[4:].isdigit()), key=lambda p: int(p.name[4:]))
     dirs = ranks if ranks and not (d / statedir.PLAN).exists() else [d]
     described = [statedir.read(x) for x in dirs]
+    dp = described[0][0].decisions.dp
     if dirs is ranks:
-        n = len(described[0][0].hardware.spec.gpus)
+        n = dp if dp > 1 else len(described[0][0].hardware.spec.gpus)
         if [x.name for x in ranks] != [f"rank{k}" for k in range(n)]:
             raise TensorstowError(f"export: {d} holds {', '.join(x.name for x in ranks)} but its plan runs on {n} "
                                   f"GPUs (rank0..rank{n - 1}): a rank's state is missing; restore it")
@@ -86,18 +88,20 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, merge: bool = 
         shards: list[dict[str, torch.Tensor]] = [{}]
         sizes = [0]
         merger = _Merger(adapter, peft, described[0][0].options.quantize) if merge else None
-        for (plan, layout), store in zip(described, stores):
-            for block in _blocks(plan, layout, store, prefix):
-                if peft is not None:
-                    block = merger(block) if merge else _adapter(block, adapter)
-                _check_names(block, d, adapter=peft is not None and not merge)
-                for name, t in block.items():
-                    n = t.numel() * t.element_size()
-                    if sizes[-1] and sizes[-1] + n > shard_bytes:
-                        _flush(shards, tmp, save_file)
-                        sizes.append(0)
-                    shards[-1][name] = t
-                    sizes[-1] += n
+        every = ([_blocks(plan, layout, store, prefix) for (plan, layout), store in zip(described, stores)] if dp == 1
+                 else [_gathered_blocks(described, stores, prefix)])
+        for blocks in every:
+            for block in blocks:
+                    if peft is not None:
+                        block = merger(block) if merge else _adapter(block, adapter)
+                    _check_names(block, d, adapter=peft is not None and not merge)
+                    for name, t in block.items():
+                        n = t.numel() * t.element_size()
+                        if sizes[-1] and sizes[-1] + n > shard_bytes:
+                            _flush(shards, tmp, save_file)
+                            sizes.append(0)
+                        shards[-1][name] = t
+                        sizes[-1] += n
         if merger is not None:
             merger.close()
         if peft is not None and not merge:  # PEFT's adapter files
@@ -159,7 +163,7 @@ def _open_at_one_step(d: Path, dirs: list[Path], plans: list, stores: list[SSDSt
     `stores` (the caller closes them), read-only, at the last step every one committed: a rank one
     commit ahead is rolled back to it, as a resumed run would. Returns that step."""
     def store(k: int, read_only: bool) -> SSDStore:
-        gpu = f"gpu{dirs[k].name[4:]}" if dirs[k] != d else None
+        gpu = None if dirs[k] == d else "gpu0" if plans[k].decisions.dp > 1 else f"gpu{dirs[k].name[4:]}"
         return SSDStore(dirs[k], statedir.store_sizes(plans[k], gpu), owner=statedir.fingerprint(plans[k]),
                         read_only=read_only)
 
@@ -215,6 +219,25 @@ def _blocks(plan, layout: dict, store, prefix: str):
                 rows.setdefault(name, []).append((at, t.reshape(s["shape"]).clone()))
     if out or rows:
         yield whole()
+
+
+def _gathered_blocks(described: list, stores: list, prefix: str):
+    """A data-parallel run's blocks (`_blocks`) with each trained weight put together from the
+    ranks' shards of its master (whole rows, rank after rank, the last ones' padding cut; the
+    shape is its compute copy's, P); fp32 runs keep P whole on every rank, so rank 0's is read."""
+    plan, layout = described[0]
+    if plan.model.precision == "fp32":
+        yield from _blocks(plan, layout, stores[0], prefix)
+        return
+    shapes = {member_rows(s["name"][len(prefix):] if prefix and s["name"].startswith(prefix) else s["name"])[0]:
+              s["shape"] for buf, slots in layout["buffers"].items() if buffer_kind(buf) == BufferKind.P for s in slots}
+    for parts in zip(*(_blocks(p, lay, st, prefix) for (p, lay), st in zip(described, stores))):
+        out = dict(parts[0])
+        for name, t in parts[0].items():
+            if name in shapes and list(t.shape) != shapes[name]:
+                whole = torch.cat([part[name].reshape(-1) for part in parts])
+                out[name] = whole[:numel(shapes[name])].reshape(shapes[name]).clone()
+        yield out
 
 
 LORA = (".lora_A.", ".lora_B.")

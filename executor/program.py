@@ -22,6 +22,7 @@ import torch.nn as nn
 from tensorstow.errors import TensorstowError
 from tensorstow.executor.segments import Joint
 from tensorstow.executor.stores import Layout
+from tensorstow.ir.graph import numel
 from tensorstow.ir.hf import wrap
 from tensorstow.ir.models import IGNORE_INDEX, build_for_execution, resolve_model
 from tensorstow.ir.trace import Traced, model_dims, trace_model
@@ -98,8 +99,10 @@ class Program:
         self.block_gpu = block_gpus(plan)
         """Block -> the GPU tier that runs it."""
         self.rank = rank = check_runnable(plan, rank)
-        self.gpu, self.comm = gpu_tier(rank), comm
-        """The GPU this process drives: the plan's tier "gpuK"."""
+        self.dp = plan.decisions.dp
+        """Data parallel: the ranks that each run this schedule on their own rows (`Decisions.dp`)."""
+        self.gpu, self.comm = gpu_tier(0 if self.dp > 1 else rank), comm
+        """The GPU tier this process drives: the plan's "gpuK" (every data-parallel rank's is gpu0)."""
         order = [b.name for b in plan.model.blocks]
         self.homes = {n: t for n, t in home_tiers(dict(plan.buffers), plan.decisions, order).items()
                       if self.block_gpu[plan.buffers[n].block] == self.gpu}
@@ -316,6 +319,8 @@ class Program:
                     if kind not in OPTIMIZER_STATE:
                         self.parts.setdefault(name, []).append((rows_member(key, rows), key, rows, tuple(shape)))
                     key, shape = rows_member(key, rows), (rows[1] - rows[0], *shape[1:])
+                if kind in OPTIMIZER_STATE and self.dp > 1:  # this rank's shard: whole rows, padded
+                    shape = shard_shape(tuple(shape), self.dp)
                 fp32 = kind in OPTIMIZER_STATE or kind is BufferKind.G and self.fp32_grads
                 entries.append((key, torch.float32 if fp32 else dtype, shape))
                 if kind not in OPTIMIZER_STATE:
@@ -346,6 +351,22 @@ class Program:
                     raise TensorstowError(f"plan buffer {kind}:{b} does not hold what block {b} of the traced "
                                           f"model has for it; re-plan it")
         return layouts, members
+
+    def shard(self, p: str) -> tuple[int, int]:
+        """Data parallel: the elements [a, b) of parameter `p` (flattened) whose update is this
+        rank's: its whole rows [r c, (r + 1) c) of ceil(rows / dp) = c each, cut at the end."""
+        shape = self.joint.meta(self.joint.placeholder[p])[1]
+        rows, row = (shape[0], numel(shape[1:])) if len(shape) else (1, 1)
+        c = -(-rows // self.dp)
+        lo, hi = min(rows, self.rank * c), min(rows, (self.rank + 1) * c)
+        return lo * row, hi * row
+
+    def shard_value(self, p: str, w: torch.Tensor) -> torch.Tensor:
+        """This rank's shard (`shard_shape`, its padding zeros) of a value of parameter `p`'s shape."""
+        a, b = self.shard(p)
+        out = torch.zeros(shard_shape(tuple(w.shape), self.dp), dtype=w.dtype)
+        out.view(-1)[:b - a] = w.reshape(-1)[a:b]
+        return out
 
     def row_key(self, b: str):
         """A layout key of block b's buffers, for a unit its rows' (`w` -> `w[0:4]`)."""
@@ -445,6 +466,12 @@ class Program:
         return out
 
 
+def shard_shape(shape: tuple, ranks: int) -> tuple:
+    """The shape of one data-parallel rank's shard of a parameter of `shape`'s optimizer state:
+    ceil(rows / ranks) of its rows (a scalar: one element)."""
+    return (-(-shape[0] // ranks), *shape[1:]) if shape else (1,)
+
+
 def check_runnable(plan: Plan, rank: int | None) -> int:
     """The GPU a process runs of `plan` (`rank`; None: a one-GPU plan's, 0), or one clear refusal
     before anything is traced: a simulated baseline, or a multi-GPU plan without a rank."""
@@ -452,6 +479,9 @@ def check_runnable(plan: Plan, rank: int | None) -> int:
     if pl is not None and pl.kind == "data-parallel":
         raise TensorstowError("a zero3-dp plan is a simulated baseline (the Mobius comparison), not "
                               "executable: execute a mobius, gpipe or single-GPU plan")
+    if rank is None and plan.decisions.dp > 1:
+        raise TensorstowError(f"this plan trains data-parallel on {plan.decisions.dp} ranks: execute it with one "
+                              f"process each (`tensorstow execute PLAN --nproc {plan.decisions.dp}`, or torchrun)")
     if rank is None:
         if sorted({gpu_index(g) for g in block_gpus(plan).values()}) != [0]:
             n = len(plan.hardware.spec.gpus)

@@ -67,7 +67,7 @@ def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, 
             if run.restart:
                 statedir.clear(where)
             d, owner = statedir.claim(where, plan)
-            store = closing.enter_context(SSDStore(d, statedir.store_sizes(plan, None if comm is None else gpu_tier(rank)),
+            store = closing.enter_context(SSDStore(d, statedir.store_sizes(plan, None if comm is None else gpu_tier(0 if plan.decisions.dp > 1 else rank)),
                                                    owner=statedir.fingerprint(owner), shared=True))
             if comm is not None:
                 agree_on_step(store, comm)
@@ -143,7 +143,7 @@ def _feed(ex: Executor, plan: Plan, run: Run, start: int) -> tuple[int, Iterator
     plan each token's position too, what the run reads of its data): examples (executor.examples)
     or tokens (executor.data; epoch and example None; a row of tokens is one document)."""
     m = plan.model
-    rows = m.batch * ex.M
+    rows = ex.rows
     if not is_examples(run.data):
         return run.steps, ((None, None, x, y, *_one_document(x, plan)) for x, y in batches(
             run.data, rows, m.seq, ex.vocab, run.steps, run.seed, start)), \
@@ -236,7 +236,7 @@ def _eval_batches(ex: Executor, plan: Plan, run: Run) -> tuple[list, record.Data
 
 def _held_out(ex: Executor, plan: Plan, run: Run) -> list:
     m = plan.model
-    rows = m.batch * ex.M
+    rows = ex.rows
     if run.eval_batches is not None and run.eval_batches < 1:
         raise TensorstowError(f"--eval-batches must be >= 1, got {run.eval_batches}")
     if run.eval_every < 0:
@@ -311,7 +311,7 @@ def _train(ex: Executor, plan: Plan, feed: Iterator, steps: int, start: int, log
     (`Executor.skip_step`) trains nothing and says so. A Ctrl-C (`stop`) ends the run after the
     step under way, committed."""
     m = plan.model
-    tokens = m.batch * ex.M * m.seq
+    tokens = ex.rows * m.seq
     ignored = torch.tensor(sorted(ex.program.ignore_index))
     times, losses = [], []
     for k, (epoch, example, x, y, *positions) in enumerate(feed, start):
@@ -582,6 +582,8 @@ def _report(ex: Executor, plan: Plan, mode: str, times: list[float], trace: str 
 
 def _gpus_of(plan: Plan) -> int:
     """How many processes the plan needs: one per GPU of its hardware when it spans several."""
+    if plan.decisions.dp > 1:
+        return plan.decisions.dp
     used = set(block_gpus(plan).values())
     return len(plan.hardware.spec.gpus) if used != {gpu_tier(0)} else 1
 
@@ -679,7 +681,8 @@ def worker(kw: dict) -> int:
         out = sys.stdout if rank == 0 else open(os.devnull, "w")
         if rank:  # one log and one trace, rank 0's
             kw = dict(kw, log_json=None, trace=None)
-        execute(plan, Run.from_json(kw, where="rank options"), rank=rank, comm=Comm(rank, world, on_device=nccl), out=out)
+        comm = Comm(rank, world, on_device=nccl, data_parallel=plan.decisions.dp > 1)
+        execute(plan, Run.from_json(kw, where="rank options"), rank=rank, comm=comm, out=out)
         # every rank done before any leaves: gloo aborts a process (SIGABRT) whose peer closed its
         # connections while it was still tearing its own down
         dist.barrier()

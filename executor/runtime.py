@@ -48,7 +48,8 @@ from tensorstow.errors import TensorstowError
 from tensorstow.executor.cuda import lanes_for, out_of_memory
 from tensorstow.executor.lanes import LaneThreads, lane_cores, optimizer_threads, pin_off_compute, unpin
 from tensorstow.executor.malloc import give_back_free_heap
-from tensorstow.executor.program import Program
+from tensorstow.executor.program import Program, shard_shape
+from tensorstow.ir.graph import numel
 from tensorstow.executor.semantics import StepSemantics
 from tensorstow.executor.stores import DeviceMemoryError, HostCopy, RoomWait, Tiers
 from tensorstow.schema.schedule import (CPU_OPTIMIZER, BufferKind, Instr, InstrKind, Stream, block_of, buffer_kind,
@@ -384,10 +385,21 @@ class Runtime:
             written = self.sem.update(b, tier.get(BufferKind.G.of(b)), tier.get(BufferKind.OS.of(b)), master,
                                       on_dev, self.dev, fresh_p, self.scalars)
         if not prog.mixed:
+            if prog.dp > 1:
+                self._gather_rows(b, master)
             return
         ph = prog.joint.placeholder
         rest = [p for p in prog.block_params[b] if key(ph[p]) not in written]
-        if fresh_p is None:  # a copy also for fp32 ones: P never aliases M
+        if prog.dp > 1:  # this rank's rows of P from its shard of M, then the other ranks' rows
+            if fresh_p is None:
+                self.dev.put(p_buf, {ph[p]: torch.empty(*prog.joint.meta(ph[p])[1], dtype=prog.joint.meta(ph[p])[0],
+                                                         device=self.dev.device) for p in prog.block_params[b]})
+                fresh_p = self.dev.get(p_buf)
+            for p in rest:
+                a, z = prog.shard(p)
+                fresh_p[ph[p]].view(-1)[a:z].copy_(master[p].view(-1)[:z - a])
+            self._gather_rows(b, fresh_p)
+        elif fresh_p is None:  # a copy also for fp32 ones: P never aliases M
             self.dev.put(p_buf, {key(ph[p]): master[key(p)].to(prog.joint.meta(ph[p])[0], copy=True) for p in rest})
         else:
             # straight into P's memory, rounded as `.to` rounds: no temporary the size of the
@@ -395,10 +407,50 @@ class Runtime:
             for p in rest:
                 fresh_p[key(ph[p])].copy_(master[key(p)])
 
+    def _gather_rows(self, b: str, params) -> None:
+        """Data parallel: the other ranks' rows of block b's parameters into `params` (P:b's copy,
+        this rank's rows updated), one all-gather per dtype of each rank's shards end to end."""
+        prog = self.program
+        ph = prog.joint.placeholder
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for p in prog.block_params[b]:
+            by_dtype.setdefault(params[ph[p]].dtype, []).append(p)
+        for names in by_dtype.values():
+            sizes = [shard_numel(prog, p) for p in names]
+            mine = params[ph[names[0]]].new_zeros(sum(sizes))
+            at = 0
+            for p, n in zip(names, sizes):
+                a, z = prog.shard(p)
+                mine[at:at + z - a] = params[ph[p]].reshape(-1)[a:z]
+                at += n
+            every = self.comm.all_gather(mine)
+            for r in range(prog.dp):
+                at = r * mine.numel()
+                for p, n in zip(names, sizes):
+                    flat = params[ph[p]].view(-1)
+                    lo, hi = min(flat.numel(), r * n), min(flat.numel(), (r + 1) * n)
+                    flat[lo:hi] = every[at:at + hi - lo]
+                    at += n
+
+    def _reduce(self, ins: Instr) -> None:
+        """Data parallel: a block's gradient summed over the ranks (every rank then holds the sum one
+        process accumulating all their microbatches holds), its inf/NaN check and norms taken of it."""
+        grads = self.dev.get(ins.tensor)
+        self.comm.all_reduce(list(grads.values()), in_order=self.program.plan.options.exact_optimizer)
+        if self.sem.scaler is not None:  # any rank's overflow is in the sum: every rank skips alike
+            self.sem.scaler.check(list(grads.values()))
+        self.sem.record_norms(block_of(ins.tensor), grads)
+
     def _commit_previous(self, ins: Instr) -> None:
         """A step's `commit` instruction: the carried buffers are home, so the SSD holds the whole
         state of the step before (`on_commit` commits it when due)."""
         self.on_commit()
+
+
+def shard_numel(prog, p: str) -> int:
+    """Elements of one rank's shard of parameter p: ceil(rows / dp) of its rows (`shard_shape`)."""
+    shape = prog.joint.meta(prog.joint.placeholder[p])[1]
+    return numel(shard_shape(tuple(shape), prog.dp))
 
 
 def _keys(prog, buf: str) -> list[tuple[str, str, tuple[int, int] | None]]:
@@ -417,6 +469,7 @@ HANDLERS = {
     InstrKind.OPTIMIZER_STEP: Runtime._optimizer_step,
     InstrKind.SEND: Runtime._send,
     InstrKind.COMMIT: Runtime._commit_previous,
+    InstrKind.REDUCE: Runtime._reduce,
 }
 
 
@@ -433,4 +486,6 @@ def _describe(ins: Instr) -> str:
         return f"free {ins.tensor} on {ins.dst}"
     if ins.kind == InstrKind.SEND:
         return f"send {ins.tensor} {ins.src}->{ins.dst}"
+    if ins.kind == InstrKind.REDUCE:
+        return f"reduce {ins.tensor} over the ranks"
     return f"{ins.kind} {ins.tensor} {ins.src}->{ins.dst}"

@@ -72,7 +72,7 @@ class StepSemantics:
         its shape, token ids in the model's vocabulary (labels the loss ignores aside), positions
         from 0 below seq."""
         m, vocab = self.program.plan.model, self.program.vocab
-        rows = m.batch * self.M
+        rows = m.batch * self.M * self.program.dp
         packing = self.program.plan.options.packing
         if packing != (positions is not None):
             raise TensorstowError("the plan packs several examples a window (--packing): give each token's position "
@@ -83,6 +83,7 @@ class StepSemantics:
                     or t.dtype != torch.long:
                 raise TensorstowError(f"{what} must be an int64 tensor of shape ({rows}, {m.seq}) "
                                       + (f"({self.M} microbatches of {m.batch}) " if self.M > 1 else "")
+                                      + (f"(the step's rows on all {self.program.dp} ranks) " if self.program.dp > 1 else "")
                                       + f"as planned, got {getattr(t, 'dtype', type(t))} "
                                       f"{tuple(getattr(t, 'shape', ()))}")
         if packing and not bool(((positions >= 0) & (positions < m.seq)).all()):
@@ -134,12 +135,21 @@ class StepSemantics:
         labels) in the step's: its count of labels the loss does not ignore over the step's count,
         so the step's loss is the sum of every token loss over the count of labels in all M
         microbatches (the Hugging Face Trainer's `num_items_in_batch` normalisation; eager:
-        `(loss_k * w_k).backward()` per microbatch). 1/M each where no label counts; [1.0] for one."""
-        if self.M == 1:
+        `(loss_k * w_k).backward()` per microbatch). 1/M each where no label counts; [1.0] for one. Data parallel: `targets` are
+        the step's rows on every rank, dp x M microbatches, rank r's M after the r x M before
+        them (one process accumulating all dp x M in that order trains the same); the weights
+        are this rank's."""
+        dp = self.program.dp
+        if self.M * dp == 1:
             return [1.0]
-        counts = [int((~torch.isin(t, self.ignored)).sum()) for t in targets.chunk(self.M)]
+        counts = [int((~torch.isin(t, self.ignored)).sum()) for t in targets.chunk(self.M * dp)]
         total = sum(counts)
-        return [n / total if total else 1 / self.M for n in counts]
+        weights = [n / total if total else 1 / (self.M * dp) for n in counts]
+        return weights[self.program.rank * self.M:(self.program.rank + 1) * self.M] if dp > 1 else weights
+
+    def loss_terms(self) -> list[float]:
+        """This rank's microbatches' terms loss_k * w_k of the step's loss (`step_loss`)."""
+        return [float(v * w) for v, w in zip(self.losses, self.weights)]
 
     def step_loss(self) -> float | None:
         """The step's loss: sum over its microbatches of loss_k * w_k (`micro_weights`), in
@@ -149,7 +159,7 @@ class StepSemantics:
             return None
         if self.M == 1:
             return float(self.losses[0])
-        return sum(float(v * w) for v, w in zip(self.losses, self.weights) if w)
+        return sum(t for t, w in zip(self.loss_terms(), self.weights) if w)
 
     # ---- gradients: norms, clipping, speculation --------------------------------------------
     def record_norms(self, b: str, grads: dict[str, torch.Tensor]) -> None:
@@ -220,6 +230,8 @@ class StepSemantics:
         j, mixed = prog.joint, prog.mixed
         ph, key = j.placeholder, prog.row_key(b)
         trained = [p for p in prog.block_params[b] if p in j.grad]  # no gradient: torch.optim skips it too
+        if prog.dp > 1:  # data parallel: this rank's rows of each (`Program.shard`), a rank with none skips it
+            trained = [p for p in trained if prog.shard(p)[1] > prog.shard(p)[0]]
         params, gs, moments, held = [], [], [], []
         # a speculated update's gradients are kept for a redo: unscaled on copies, never in place
         kept = self.scaler is not None and parent_of(b) in prog.speculated and not self.redoing
@@ -231,6 +243,8 @@ class StepSemantics:
         try:
             for p in trained:
                 g = j.materialize(j.grad[p], lambda r: grads[key(r)])
+                if prog.dp > 1:
+                    g = _rows(g, *prog.shard(p))
                 if kept and g.dtype == torch.float32:
                     g = g.clone()
                 if mixed and g.dtype != torch.float32 and not direct:
@@ -238,9 +252,15 @@ class StepSemantics:
                     if on_dev:
                         dev.hold(g, f"{p} fp32 gradient")
                         held.append(g)
-                params.append(master[key(p) if mixed else key(ph[p])])
+                m, v = states[key(f"{p}.exp_avg")], states[key(f"{p}.exp_avg_sq")]
+                w = master[key(p) if mixed else key(ph[p])]
+                if prog.dp > 1:  # the shards' first rows hold it; fp32's P is whole
+                    n = g.numel()
+                    w = w.view(-1)[:n] if mixed else _rows(w, *prog.shard(p))
+                    m, v = m.view(-1)[:n], v.view(-1)[:n]
+                params.append(w)
                 gs.append(g)
-                moments.append((states[key(f"{p}.exp_avg")], states[key(f"{p}.exp_avg_sq")]))
+                moments.append((m, v))
             if self.scaler is not None:
                 self.scaler.unscale_(gs)
             grad_scale = 1.0
@@ -253,7 +273,8 @@ class StepSemantics:
                 torch._foreach_mul_(unique, self.clip_coef().to(unique[0].device))
             out16, written = None, set()
             if mixed and not on_dev and not self.adam[b].exact:
-                out16 = [fresh_p[key(ph[p])] if fresh_p[key(ph[p])].dtype != torch.float32 else None for p in trained]
+                out16 = [(fresh_p[key(ph[p])] if prog.dp == 1 else _rows(fresh_p[key(ph[p])], *prog.shard(p)))
+                         if fresh_p[key(ph[p])].dtype != torch.float32 else None for p in trained]
                 written = {key(ph[p]) for p, o in zip(trained, out16) if o is not None}
             # torch's single-tensor Adam allocates two parameter-sized temporaries (sqrt, denom)
             scratch = 2 * max((t.numel() * 4 for t in params), default=0) if on_dev and self.adam[b].exact else 0
@@ -265,3 +286,8 @@ class StepSemantics:
             for g in held:
                 dev.release(g)
         return written
+
+
+def _rows(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """Elements [a, b) of `t` flattened: a view where `t` is contiguous (a data-parallel rank's rows)."""
+    return t.reshape(-1)[a:b]

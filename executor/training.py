@@ -73,6 +73,8 @@ class TrainingState:
                     w = state[p].detach()
                     if rows is not None:
                         w = w[rows[0]:rows[1]]
+                    if kind in ("M", "OS") and self.program.dp > 1:  # data parallel: this rank's shard
+                        w = self.program.shard_value(p, w)
                     if kind in ("P", "C"):
                         vals[key(ph[p])] = w.to(self.program.joint.meta(ph[p])[0])
                     elif kind == "M":

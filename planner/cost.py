@@ -738,6 +738,8 @@ def all_reduce_time(nbytes: int, problem) -> float:
     2 (N - 1) / N of the bytes (reduce-scatter, then all-gather; Patarasuk & Yuan, "Bandwidth
     optimal all-reduce algorithms for clusters of workstations", JPDC 2009; NCCL's bus bandwidth)."""
     n = problem.options.dp
+    if problem.options.exact_optimizer and n > 2:  # summed in rank order: every rank gathers every rank's
+        return (n - 1) * nbytes / collective_bw(problem)
     return 2 * (n - 1) / n * nbytes / collective_bw(problem)
 
 

@@ -67,6 +67,8 @@ def buffers_for(order: list[str], prof: dict[str, BlockProfile], profile_of: dic
             out[f"K:{b}"] = Buffer(f"K:{b}", p.handoff_bytes, b, members=p.handoff)
         ws_opt = p.opt_workspace if d.optimizer == "gpu" else 0
         phases = (("bwd1", p.bwd1_workspace), ("bwd2", p.bwd2_workspace)) if cut else (("bwd", p.bwd_workspace),)
+        if decisions.dp > 1 and mixed and n:  # the 16-bit gradients the backward makes, beside their fp32 G
+            phases = (*phases[:-1], (phases[-1][0], phases[-1][1] + p.grad_bytes))
         for ph, ws in (("fwd", p.fwd_workspace), *phases, ("opt", ws_opt)):
             if ws:
                 out[f"W:{ph}:{b}"] = Buffer(f"W:{ph}:{b}", ws, b)
