@@ -257,7 +257,8 @@ def hardware_differences(plan, device: torch.device, rank: int = 0) -> list[str]
     for (`Plan.hardware`): on CUDA, GPU `rank`'s model and memory; without CUDA, a plan for a real
     GPU (the device tier is then budgeted CPU memory: `tensorstow probe` here names it
     `CPU_GPU_NAME`). Empty where they agree."""
-    g = plan.hardware.spec.gpus[rank]
+    gpus = plan.hardware.spec.gpus
+    g = gpus[rank % len(gpus)]  # data parallel over machines: the rank's GPU on its machine
     if device.type != "cuda":
         return [] if g.name == CPU_GPU_NAME else [f"GPU {g.name!r} vs this machine's CPU device tier"]
     index = 0 if device.index is None else device.index
@@ -284,7 +285,7 @@ def check_device(plan, device: torch.device | None = None, rank: int = 0) -> Non
                               f"{', '.join(g.name for g in spec.gpus[:len(used)])}) but this machine has {have}; "
                               f"re-plan it for this machine (--hw local)")
     index = 0 if device is None or device.index is None else device.index
-    g = spec.gpus[rank]
+    g = spec.gpus[rank % len(spec.gpus)]
     cap, reserved = min(plan.predicted.capacity_bytes["gpu"], g.plan_bytes), g.reserved_bytes
     total = torch.cuda.get_device_properties(index).total_memory
     if cap + reserved > total:

@@ -65,7 +65,7 @@ def open_tiers(prog: Program, device, device_budget: int | None, ssd_store, mode
         check_device(plan, device, prog.rank)
     check_portable(prog.traced.gm, device)
     prog.joint.targets = targets_for(device)
-    budget = min(plan.predicted.capacity_bytes["gpu"], plan.hardware.spec.gpus[prog.rank].plan_bytes)  # this GPU's
+    budget = min(plan.predicted.capacity_bytes["gpu"], plan.hardware.spec.gpus[gpu_index(prog.gpu)].plan_bytes)  # this GPU's
     dev = DeviceTier(budget if device_budget is None else device_budget, device, prog.gpu)
     dev.parts = prog.parts
     if ssd_store is None and plan.ssd_sizes():

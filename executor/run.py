@@ -660,14 +660,16 @@ def worker(kw: dict) -> int:
         if world != _gpus_of(plan):
             raise TensorstowError(f"this plan runs on {_gpus_of(plan)} GPU(s) ({plan.hardware.name}) but {world} "
                                   f"processes were started: start one per GPU")
-        device = resolve_device(kw.get("device"), rank)
+        # torchrun over several machines: the rank's GPU and cores are its machine's (LOCAL_RANK)
+        local, local_world = int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        device = resolve_device(kw.get("device"), local)
         # NCCL where every rank has a GPU of its own; else gloo (CPU device tiers, or several
         # ranks sharing one GPU), staging the boundaries through host memory
-        nccl = device.type == "cuda" and torch.cuda.device_count() >= world and dist.is_nccl_available()
+        nccl = device.type == "cuda" and torch.cuda.device_count() >= local_world and dist.is_nccl_available()
         if nccl:
             torch.cuda.set_device(device)
         if device.type == "cpu" and hasattr(os, "sched_setaffinity"):
-            os.sched_setaffinity(0, rank_cores(sorted(os.sched_getaffinity(0)), rank, world))
+            os.sched_setaffinity(0, rank_cores(sorted(os.sched_getaffinity(0)), local, local_world))
         # NCCL moves device tensors; the step's agreement (losses, committed steps) is CPU tensors
         dist.init_process_group("cpu:gloo,cuda:nccl" if nccl else "gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=TIMEOUT_S))

@@ -11,7 +11,7 @@ import dataclasses
 from tensorstow.errors import TensorstowError
 from tensorstow.planner import cost
 from tensorstow.planner.policies import HEURISTICS, ilp, lohan, mobius, planned
-from tensorstow.planner.problem import Problem, build_problem
+from tensorstow.planner.problem import Problem, build_problem, data_parallel_share
 from tensorstow.planner.result import PlanResult, infeasible_message
 from tensorstow.schema.hardware import Hardware
 from tensorstow.schema.options import Options
@@ -70,6 +70,9 @@ def _plan_with(problem: Problem, policy: str) -> PlanResult:
                  and (n != "mobius" or (len(problem.hw.gpus) > 1 and accum == 1) or micro > 1)
                  and (n == "mobius" or micro <= 1)]
         plans = {name: policy_plan(problem, name) for name in names}
+        gpus = len(problem.hw.gpus)
+        if gpus > 1 and dp == 1 and micro <= 1 and groups == 1:  # every GPU a replica of a one-GPU plan
+            plans[f"data-parallel x{gpus}"] = _plan_with(data_parallel(problem, gpus), "auto")
         feasible = {n: p for n, p in plans.items() if p.fits}
         if not feasible:
             return min(plans.values(), key=lambda p: sum(n for n, _ in p.over_capacity().values()))
@@ -79,6 +82,13 @@ def _plan_with(problem: Problem, policy: str) -> PlanResult:
         return with_note(feasible[name], f"auto chose {name}: {times}")
     check_policy(policy)
     return policy_plan(problem, policy)
+
+
+def data_parallel(problem: Problem, ranks: int) -> Problem:
+    """`problem` as `ranks` data-parallel replicas on its machine's GPUs (`Options.dp`), each
+    planned on its share (`data_parallel_share`)."""
+    o = dataclasses.replace(problem.options, dp=ranks, nodes=1, gpus=ranks)
+    return dataclasses.replace(problem, options=o, hw=data_parallel_share(o, problem.hw), machine=problem.hw)
 
 
 ARENA_TRIES = 6
@@ -136,6 +146,8 @@ def _within_arena(plan: PlanResult, problem: Problem, policy: str) -> PlanResult
     --dram 6GB: 5.91 GB simulated peak, a 6.17 GB arena). The plan keeps the budget it was asked
     for; a note says what was held back, or, where no plan fits that way, by how much the arena
     exceeds the budget."""
+    if plan.problem.machine is not None and problem.machine is None:  # auto chose data parallel: its ranks' terms
+        problem, policy = plan.problem, "auto"
     cap = problem.capacity()["dram"]
     first, held = arena_bytes(plan), 0
     arena = first

@@ -1,0 +1,224 @@
+"""Data parallel (`plan --dp N`, `execute --nproc N`): N ranks each run an offloaded one-GPU plan on
+their rows of the step's batch (gloo; each rank's device tier is CPU memory under its budget),
+reduce each block's gradient over the ranks, update their shard of its rows and gather the
+parameters; trained like one process accumulating every rank's microbatches in order (eager
+gradient accumulation, the Trainer's label-count normalisation over the whole step); a rank
+killed mid-step stops every rank and the committed step resumes; torchrun across two "machines"
+on this box runs the same ranks.
+
+Eager runs here use 1 torch thread, as every rank does (`launch` gives each rank cpu_count /
+nproc threads: 1 on a 2-core machine)."""
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from tensorstow import TensorstowError
+from tensorstow.calibrate import hardware_for
+from tensorstow.executor.data import batches
+from tensorstow.executor.executor import Executor
+from tensorstow.ir.models import GPT, PRESETS
+from tensorstow.planner.plan import make_plan
+from tensorstow.schema.options import Options
+from tests.oracle import train_eager
+
+transformers = pytest.importorskip("transformers", reason="the 'hf' extra (transformers) is not installed")
+
+ROOT = Path(__file__).resolve().parent.parent
+B, T, VOCAB, LR = 2, 16, 128, 1e-3
+LLAMA = dict(vocab_size=VOCAB, max_position_embeddings=64, hidden_size=32, intermediate_size=64,
+             num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> str:
+    """A tiny LLaMA checkpoint with its weights (every process and eager start from them)."""
+    d = tmp_path_factory.mktemp("hf") / "llama"
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(**LLAMA)).save_pretrained(d)
+    return str(d)
+
+
+def dp_plan(ckpt: str, dp: int, precision: str = "fp32", **kw):
+    o = Options(model=f"hf:{ckpt}", hardware="lohan-rtx4090", policy="lohan", batch=B, seq=T, precision=precision,
+                lr=LR, exact_optimizer=True, dp=dp, gpu_mem=kw.pop("gpu_mem", 400_000), **kw)
+    plan = make_plan(o, hardware_for(o))
+    assert any(b.home == "ssd" for b in plan.buffers.values()), "the plan must offload"
+    return plan
+
+
+def cli(*args, env=None) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.Popen([sys.executable, "-m", "tensorstow.cli", *map(str, args)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def finish(p: subprocess.Popen) -> tuple[int, str, str]:
+    try:
+        out, err = p.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+    return p.returncode, out, err
+
+
+def exported(state: Path, out: Path) -> dict[str, torch.Tensor]:
+    rc, _, err = finish(cli("export", state, "-o", out))
+    assert rc == 0, err
+    return load_file(str(out / "model.safetensors"))
+
+
+def logged_losses(path: Path) -> list[float]:
+    import json
+    return [json.loads(ln)["loss"] for ln in path.read_text().splitlines()]
+
+
+def eager(ckpt: str, dp: int, steps: int, accum: int = 1, precision: str = "fp32", max_grad_norm=None):
+    """One process accumulating every rank's microbatches in rank order: the step's rows are
+    dp x accum microbatches of B, rank r's accum after the r x accum before them."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
+        model.train()
+
+        def loss(m, x, y):
+            return F.cross_entropy(m(input_ids=x).logits.flatten(0, 1).float(), y.flatten())
+        return train_eager(model, batches("synthetic", B * dp * accum, T, VOCAB, steps, seed=0), lr=LR, loss=loss,
+                           microbatches=dp * accum, precision=precision, max_grad_norm=max_grad_norm,
+                           norms=[] if max_grad_norm else None)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def train(plan, tmp_path: Path, steps: int = 3, nproc: int | None = None) -> tuple[list[float], dict]:
+    path = tmp_path / "plan.json"
+    path.write_text(plan.dumps())
+    rc, _, err = finish(cli("execute", path, "--hw-mismatch", "ok", "--nproc", nproc or plan.decisions.dp,
+                            "--steps", steps, "--state-dir", tmp_path / "state", "--log-json", tmp_path / "log.jsonl"))
+    assert rc == 0, err
+    return logged_losses(tmp_path / "log.jsonl"), exported(tmp_path / "state", tmp_path / "export")
+
+
+def assert_bit_identical(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    bad = [n for n in want if not torch.equal(got[n], want[n])]
+    assert not bad, f"parameters differ: {bad[:5]}"
+
+
+@pytest.mark.parametrize("dp", [2, 3])
+def test_ranks_train_an_hf_model_bit_identically_to_eager_accumulation(llama, dp, tmp_path):
+    plan = dp_plan(llama, dp)
+    reduces = [i for i in plan.instructions if i.kind == "reduce"]
+    assert len(reduces) == sum(1 for n in plan.buffers if n.startswith("G:"))  # each block's gradient once
+    losses, params = train(plan, tmp_path)
+    want_losses, want = eager(llama, dp, 3)
+    assert losses == want_losses
+    assert_bit_identical(params, want)
+    assert sorted(p.name for p in (tmp_path / "state").iterdir()) == [*(f"rank{k}" for k in range(dp)),
+                                                                      "tensorstow.json"]
+
+
+def test_accumulation_clipping_and_bf16_on_two_ranks_train_as_eager_autocast(llama, tmp_path):
+    plan = dp_plan(llama, 2, precision="bf16-mixed", grad_accum=2, max_grad_norm=1.0, gpu_mem=600_000)
+    losses, params = train(plan, tmp_path)
+    want_losses, want = eager(llama, 2, 3, accum=2, precision="bf16-mixed", max_grad_norm=1.0)
+    assert losses == pytest.approx(want_losses, rel=1e-2)
+    for n, w in want.items():
+        assert (params[n] - w).norm() <= 1e-2 * w.norm(), n
+
+
+def test_two_machines_under_torchrun_train_the_same(llama, tmp_path):
+    """Two `torchrun --nnodes 2 --nproc-per-node 1` commands, each a "machine" with one rank, meeting
+    at a localhost rendezvous (c10d), train as `execute --nproc 2` does."""
+    plan = dp_plan(llama, 2, nodes=2, gpus=1)
+    assert plan.to_plan().options.nodes == 2
+    path = tmp_path / "plan.json"
+    path.write_text(plan.dumps())
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
+    procs = [subprocess.Popen([str(torchrun), "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(k),
+                               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "dp",
+                               "-m", "tensorstow.cli", "execute", str(path), "--hw-mismatch", "ok", "--steps", "3",
+                               "--state-dir", str(tmp_path / "state")], env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+              for k in range(2)]
+    results = [finish(p) for p in procs]
+    assert all(rc == 0 for rc, _, _ in results), [err[-2000:] for _, _, err in results]
+    assert sum(out.count("step 3/3") for _, out, _ in results) == 1  # rank 0 reports
+    assert_bit_identical(exported(tmp_path / "state", tmp_path / "export"), eager(llama, 2, 3)[1])
+
+
+def test_a_rank_killed_mid_run_stops_every_rank_and_the_rerun_resumes_exactly(llama, tmp_path):
+    plan = dp_plan(llama, 2)
+    path = tmp_path / "plan.json"
+    path.write_text(plan.dumps())
+    args = ("execute", path, "--hw-mismatch", "ok", "--nproc", 2, "--steps", 5, "--state-dir", tmp_path / "state")
+    p = cli(*args)
+    for line in p.stdout:
+        if line.startswith("step 2/5"):
+            time.sleep(0.05)  # inside step 3
+            ranks = Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()
+            os.kill(int(ranks[1]), signal.SIGKILL)
+            break
+    rc, _, err = finish(p)
+    lines = err.strip().splitlines()
+    assert rc != 0 and len(lines) == 1, err
+    assert "rank 1 of 2 was killed by signal SIGKILL" in lines[0] and "run the same command to resume" in lines[0]
+    rc, out, err = finish(cli(*args))
+    assert rc == 0, err
+    assert "resuming from step" in out
+    assert_bit_identical(exported(tmp_path / "state", tmp_path / "export"), eager(llama, 2, 5)[1])
+    # another number of ranks cannot resume it: the shards are the plan's
+    rc, _, err = finish(cli("execute", path, "--hw-mismatch", "ok", "--nproc", 3, "--steps", 6, "--state-dir",
+                            tmp_path / "state"))
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "--nproc 2" in err
+
+
+def test_the_plan_reduces_each_gradient_and_shards_the_optimizer_state():
+    o = Options(model="gpt-small", hardware="lohan-rtx4090", policy="lohan", batch=2, seq=32, precision="bf16-mixed")
+    one = make_plan(o, hardware_for(o)).to_plan()
+    o2 = dataclasses.replace(o, dp=2)
+    two = make_plan(o2, hardware_for(o2)).to_plan()
+    assert len(two.hardware.spec.gpus) == 2 and two.decisions.dp == 2
+    for name, buf in one.buffers.items():
+        if name.startswith(("M:", "OS:")):  # whole rows, ceil(rows / 2) of each parameter
+            assert buf.bytes / 2 <= two.buffers[name].bytes < buf.bytes
+    instrs = two.instructions
+    for r in (i for i in instrs if i.kind == "reduce"):
+        (bwd,) = [instrs[d] for d in r.deps]
+        assert bwd.kind == "compute" and bwd.segment.startswith("bwd")
+        assert r.stream == "gpu0.reduce" and any(r.id in i.deps and i.tensor == r.tensor for i in instrs)
+    # the step trains both ranks' rows: twice the tokens in about the step time
+    assert two.predicted.tokens_per_s > 1.5 * one.predicted.tokens_per_s
+
+
+@pytest.mark.parametrize("extra,message", [
+    (dict(policy="mobius"), "one-GPU policy"),
+    (dict(microbatches=2), "--grad-accum"),
+    (dict(gpus=3), "--dp 2 needs 1 machine"),
+    (dict(nodes=3), "--dp 2 needs 3 machine"),
+    (dict(expert_groups=2), "--expert-groups"),
+])
+def test_data_parallel_plans_refuse_what_they_cannot_run_in_one_line(extra, message):
+    o = Options(model="gpt-tiny", hardware="lohan-rtx4090", **{"policy": "lohan", "dp": 2, **extra})
+    with pytest.raises(TensorstowError, match=message):
+        make_plan(o, hardware_for(o))
+
+
+def test_a_data_parallel_plan_is_not_run_in_one_process():
+    o = Options(model="gpt-tiny", hardware="lohan-rtx4090", policy="lohan", dp=2, precision="fp32")
+    with pytest.raises(TensorstowError, match="--nproc 2"):
+        Executor(make_plan(o, hardware_for(o)), GPT(PRESETS["gpt-tiny"]))
