@@ -91,6 +91,8 @@ class _Params:
     gpu_mm_reps: int
     gpu_copy_bytes: int
     gpu_copy_reps: int
+    gloo_bytes: int = 16 * MiB
+    gloo_reps: int = 5
 
 
 _QUICK = _Params(cpu_block_reps=6, memcpy_bytes=128 * MiB, memcpy_reps=6,
@@ -216,19 +218,23 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
             gpu_result = _probe_cuda(p)
         except Exception as e:  # a broken driver/runtime must not kill the probe
             notes.append(f"CUDA probe failed ({type(e).__name__}: {e}); using CPU pseudo-GPU")
+    gloo_bw = 0.0  # GPUs reduce over their own links (`cost.collective_bw`)
     if gpu_result is not None:
         gpus, p2p_bw, gpu_notes = gpu_result
         notes += gpu_notes
     else:
         gpus, dram = _cpu_device_tier(p, total_ram, copy_bw, dram, disk_dir, other, notes)
         p2p_bw = 0.0
+        gloo_bw = _gloo_bw(p.gloo_bytes, p.gloo_reps)
+        notes.append(f"gloo all-reduce between 2 processes: {gloo_bw / 1e9:.3g} GB/s bus bandwidth "
+                     f"({p.gloo_bytes // MiB} MiB, median of {p.gloo_reps})")
     if nvml_note:
         notes.append(nvml_note)
     _note_other_load(other, cores, gpu_result is not None, notes)
 
     ssd = SSD(count=1, read_bw=disk.read_bw, write_bw=disk.write_bw, capacity_bytes=disk.capacity,
               request_s=disk.request_s, commit_s=disk.commit_s, sync_s=disk.sync_s, flush_bw=disk.flush_bw)
-    cpu = CPU(cores=cores, adam_rate=adam_rate, adam_tensor_s=adam_tensor_s)
+    cpu = CPU(cores=cores, adam_rate=adam_rate, adam_tensor_s=adam_tensor_s, gloo_bw=gloo_bw)
     source = _source(p, quick, t0, notes, mem, disk, adam_kind, adam_tensor_s)
     return Hardware(name="local", gpus=gpus, dram=dram, ssd=ssd, cpu=cpu,
                     gpu_p2p_bw=p2p_bw, source=source)
@@ -381,6 +387,51 @@ def _cpu_memcpy_bw(nbytes: int, reps: int) -> float:
 
 CPU_BLOCK = (512, 8, 4, 128)
 """(d, heads, batch, seq) of the transformer block whose throughput is the CPU device's `flops`."""
+
+
+_GLOO_RANK = """
+import sys, time, torch, torch.distributed as dist
+rank, port, nbytes, reps = map(int, sys.argv[1:])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+t = torch.ones(nbytes // 4)
+dist.all_reduce(t)
+times = []
+for _ in range(reps):
+    dist.barrier()
+    t0 = time.perf_counter()
+    dist.all_reduce(t)
+    times.append(time.perf_counter() - t0)
+print(sorted(times)[len(times) // 2])
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def _gloo_bw(nbytes: int, reps: int) -> float:
+    """Bus bandwidth of gloo's all-reduce of `nbytes` between two processes on this machine, one
+    torch thread each as data-parallel ranks on the CPU run (`CPU.gloo_bw`): 2 (N - 1) / N x bytes
+    over the median time, N = 2. 0 where the two processes could not meet."""
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", _GLOO_RANK, str(r), str(port), str(nbytes), str(reps)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+            p.wait()
+        return 0.0
+    try:
+        seconds = float(outs[0].strip())
+    except ValueError:
+        return 0.0
+    return nbytes / seconds if seconds > 0 else 0.0
 
 
 def _cpu_block_flops(reps: int) -> float:

@@ -51,7 +51,7 @@ def on_host(ins) -> bool:
         return not (is_gpu(ins.src) or is_gpu(ins.dst))
     if ins.kind == InstrKind.FREE:
         return not is_gpu(ins.dst)
-    return ins.kind in (InstrKind.SEND, InstrKind.COMMIT, InstrKind.REDUCE)  # a transfer the lane's thread waits for; the SSD store's commit
+    return ins.kind in (InstrKind.SEND, InstrKind.COMMIT, InstrKind.REDUCE, InstrKind.GATHER)  # a transfer the lane's thread waits for; the SSD store's commit
 
 
 class HostLanes:

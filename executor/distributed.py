@@ -44,14 +44,13 @@ class Comm:
         self.rank, self.world = rank, world
         self.on_device = on_device
         """NCCL: boundaries move GPU to GPU in device memory; gloo: staged in host memory."""
-        self.groups: dict[str, object] = {}
-        """Data parallel: a process group per lane that issues collectives ("reduce": the gradients'
-        all-reduces, "gather": the updated parameters' all-gathers), so each group sees its
-        collectives in one order, the schedule's, on every rank, however the lanes interleave."""
+        self.net = None
+        """Data parallel: the process group of the `gpuK.net` lane's collectives (the gradients'
+        all-reduces, the parameters' all-gathers), which it issues in the schedule's order, the
+        same on every rank, apart from what other threads exchange between steps."""
         if data_parallel:
             import torch.distributed as dist
-            backend = "cpu:gloo,cuda:nccl" if on_device else "gloo"
-            self.groups = {lane: dist.new_group(backend=backend) for lane in ("reduce", "gather")}
+            self.net = dist.new_group(backend="cpu:gloo,cuda:nccl" if on_device else "gloo")
 
     def all_reduce(self, tensors: list[torch.Tensor], in_order: bool = False) -> None:
         """Sum `tensors` (one dtype, one device) over the ranks, in place: one ring all-reduce of
@@ -64,13 +63,13 @@ class Comm:
         flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1)
         if in_order and self.world > 2:
             every = flat.new_empty(self.world * flat.numel())
-            dist.all_gather_into_tensor(every, flat, group=self.groups["reduce"])
+            dist.all_gather_into_tensor(every, flat, group=self.net)
             parts = every.view(self.world, -1)
             flat = parts[0]
             for r in range(1, self.world):
                 flat += parts[r]
         else:
-            dist.all_reduce(flat, group=self.groups["reduce"])
+            dist.all_reduce(flat, group=self.net)
         if len(tensors) > 1 or flat.data_ptr() != tensors[0].data_ptr():
             at = 0
             for t in tensors:
@@ -81,7 +80,7 @@ class Comm:
         """Every rank's `mine` (equal sizes, 1-D), end to end in rank order."""
         import torch.distributed as dist
         out = mine.new_empty(self.world * mine.numel())
-        dist.all_gather_into_tensor(out, mine, group=self.groups["gather"])
+        dist.all_gather_into_tensor(out, mine, group=self.net)
         return out
 
     def send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> list:

@@ -385,8 +385,6 @@ class Runtime:
             written = self.sem.update(b, tier.get(BufferKind.G.of(b)), tier.get(BufferKind.OS.of(b)), master,
                                       on_dev, self.dev, fresh_p, self.scalars)
         if not prog.mixed:
-            if prog.dp > 1:
-                self._gather_rows(b, master)
             return
         ph = prog.joint.placeholder
         rest = [p for p in prog.block_params[b] if key(ph[p]) not in written]
@@ -398,7 +396,6 @@ class Runtime:
             for p in rest:
                 a, z = prog.shard(p)
                 fresh_p[ph[p]].view(-1)[a:z].copy_(master[p].view(-1)[:z - a])
-            self._gather_rows(b, fresh_p)
         elif fresh_p is None:  # a copy also for fp32 ones: P never aliases M
             self.dev.put(p_buf, {key(ph[p]): master[key(p)].to(prog.joint.meta(ph[p])[0], copy=True) for p in rest})
         else:
@@ -407,10 +404,12 @@ class Runtime:
             for p in rest:
                 fresh_p[key(ph[p])].copy_(master[key(p)])
 
-    def _gather_rows(self, b: str, params) -> None:
-        """Data parallel: the other ranks' rows of block b's parameters into `params` (P:b's copy,
-        this rank's rows updated), one all-gather per dtype of each rank's shards end to end."""
-        prog = self.program
+    def _gather(self, ins: Instr) -> None:
+        """Data parallel: the other ranks' rows of block b's parameters into its copy of P:b on the
+        update's tier (this rank's rows updated there), one all-gather per dtype of each rank's
+        shards end to end."""
+        prog, b = self.program, block_of(ins.tensor)
+        params = self.tiers.by_name[ins.dst].get(ins.tensor)
         ph = prog.joint.placeholder
         by_dtype: dict[torch.dtype, list[str]] = {}
         for p in prog.block_params[b]:
@@ -470,6 +469,7 @@ HANDLERS = {
     InstrKind.SEND: Runtime._send,
     InstrKind.COMMIT: Runtime._commit_previous,
     InstrKind.REDUCE: Runtime._reduce,
+    InstrKind.GATHER: Runtime._gather,
 }
 
 
@@ -486,6 +486,6 @@ def _describe(ins: Instr) -> str:
         return f"free {ins.tensor} on {ins.dst}"
     if ins.kind == InstrKind.SEND:
         return f"send {ins.tensor} {ins.src}->{ins.dst}"
-    if ins.kind == InstrKind.REDUCE:
-        return f"reduce {ins.tensor} over the ranks"
+    if ins.kind in (InstrKind.REDUCE, InstrKind.GATHER):
+        return f"{ins.kind} {ins.tensor} over the ranks"
     return f"{ins.kind} {ins.tensor} {ins.src}->{ins.dst}"

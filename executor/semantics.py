@@ -289,5 +289,9 @@ class StepSemantics:
 
 
 def _rows(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
-    """Elements [a, b) of `t` flattened: a view where `t` is contiguous (a data-parallel rank's rows)."""
-    return t.reshape(-1)[a:b]
+    """Elements [a, b) of `t` flattened, whole rows of it (a data-parallel rank's): a view where `t`
+    is contiguous, else a copy of those rows only (a gradient the graph makes transposed)."""
+    if t.is_contiguous() or t.dim() == 0:
+        return t.reshape(-1)[a:b]
+    row = t[0].numel() if t.shape[0] else 1
+    return t.narrow(0, a // row, (b - a) // row).reshape(-1)

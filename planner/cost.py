@@ -705,9 +705,8 @@ def segment_update_time(problem, segment: str, device: str) -> float:
         return optimizer_time(u.param_count, device, problem.hw, len(u.params))
     tensors = len(problem.graph.block(prof.name).params) - (len(prof.units[0].params) if prof.units else 0)
     ranks = problem.options.dp
-    if ranks > 1:  # the rank's shard, then the other ranks' rows of P gathered
-        return (optimizer_time(shard_count(prof.shapes, ranks), device, problem.hw, tensors)
-                + all_gather_time(prof.param_bytes, problem))
+    if ranks > 1:  # the rank's shard (the other ranks' rows come by a `gather`)
+        return optimizer_time(shard_count(prof.shapes, ranks), device, problem.hw, tensors)
     return optimizer_time(prof.own()["param_count"], device, problem.hw, tensors)
 
 

@@ -622,7 +622,7 @@ class _Lowering:
             return s
         flushed = None
         if self.decisions.dp > 1:  # summed over the ranks where the backward made it
-            c = e.emit(InstrKind.REDUCE, f"{gpu}.reduce", (c,), tensor=f"G:{b}", src=gpu, dst=gpu)
+            c = e.emit(InstrKind.REDUCE, f"{gpu}.net", (c,), tensor=f"G:{b}", src=gpu, dst=gpu)
         if d.optimizer == "cpu":
             s = e.move(f"G:{b}", gpu, "dram", (c,))
             e.free(f"G:{b}", gpu, (s,))
@@ -675,24 +675,29 @@ class _Lowering:
                    dst=dev, allocs=fresh, workspace=self.ws("opt", b))
         if parent_of(b) not in self.spec or self.redoing:  # a speculated update's gradient waits for the norm
             self.g_freed[parent_of(b)] = e.free(f"G:{b}", tier, (u,))
-        self.writes.append(self.write_home(b, states, tier, u))
+        p_done = u
+        if self.decisions.dp > 1:  # the other ranks' rows of P, where the update left it
+            p_done = e.emit(InstrKind.GATHER, f"{self.gpu}.net", (u,), tensor=f"P:{b}", src=tier, dst=tier)
+        self.writes.append(self.write_home(b, states, tier, u, p_done))
 
-    def write_home(self, b: str, states: list[str], tier: str, u: int) -> int:
-        """After b's update `u` on `tier`: its states and parameters home (a carried one stays in
-        DRAM for the next step to write); returns the last write."""
+    def write_home(self, b: str, states: list[str], tier: str, u: int, p_done: int) -> int:
+        """After b's update `u` on `tier` (and `p_done`, P whole there: `u`, or data parallel its
+        gather): its states and parameters home (a carried one stays in DRAM for the next step to
+        write); returns the last write."""
         e, home = self.e, self.home
-        last = u
+        last = p_done
         for s in states + [f"P:{b}"]:
+            after = p_done if s == f"P:{b}" else u
             if home[s] == tier:
                 continue
             if s in self.carried:  # stays in DRAM: the next step writes it home
-                e.where[(s, tier)] = u
+                e.where[(s, tier)] = after
                 continue
             if s == f"P:{b}" and self.mixed:
                 # LoHan Table II: the optimizer produces P16 from P32; send it to P's home.
-                last = write_new(e, s, tier, home[s], u, self.gpu)
+                last = write_new(e, s, tier, home[s], after, self.gpu)
             else:
-                last = e.move(s, tier, home[s], (u,))
+                last = e.move(s, tier, home[s], (after,))
                 e.free(s, tier, (last,))
         return last
 

@@ -180,6 +180,8 @@ def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer],
             out.append(cost.commit_time(hw, instrs))
         elif ins.kind == InstrKind.REDUCE:
             out.append(cost.all_reduce_time(buffers[ins.tensor].bytes, problem))
+        elif ins.kind == InstrKind.GATHER:
+            out.append(cost.all_gather_time(buffers[ins.tensor].bytes, problem))
         elif ins.kind == InstrKind.OPTIMIZER_STEP:
             prof = problem.profiles[problem.profile_of[ins.segment]] if zero3 else None
             out.append(cost.segment_update_time(problem, ins.segment, ins.dst)

@@ -295,6 +295,9 @@ def _missing_fields(ins: Instr) -> str:
     elif ins.kind == InstrKind.REDUCE:
         if not ins.tensor or not is_gpu(ins.dst):
             return "names no gradient and GPU tier to reduce on"
+    elif ins.kind == InstrKind.GATHER:
+        if not ins.tensor or not (ins.dst == "dram" or is_gpu(ins.dst)):
+            return "names no parameters and tier (dram, gpuK) to gather on"
     elif ins.kind == InstrKind.FREE:
         if not ins.tensor or not _is_tier(ins.dst):
             return "names no buffer and tier to release"

@@ -134,6 +134,8 @@ class InstrKind(enum.StrEnum):
     """Commit the step before to the SSD store once its deferred write-backs are home."""
     REDUCE = "reduce"
     """Data parallel: sum a block's gradient over the ranks, in place (all-reduce)."""
+    GATHER = "gather"
+    """Data parallel: the other ranks' updated rows of a block's parameters P, in place (all-gather)."""
 
 
 STATE_KINDS = (BufferKind.P, BufferKind.C, BufferKind.M, BufferKind.OS)
@@ -335,9 +337,10 @@ class Decisions:
 
     dp: int = 1
     """Data parallel (`Options.dp`): the ranks running this schedule, each on its own rows. Each
-    block's last backward is followed by a `reduce` of its gradient over them, and its
+    block's last backward is followed by a `reduce` of its gradient over them, its
     `optimizer_step` updates the rank's shard (M: and OS: hold ceil(rows / dp) rows of each
-    parameter) and gathers the other ranks' rows of P. Set by `planner.passes.schedule`."""
+    parameter) and a `gather` brings the other ranks' rows of P, both on the rank's `gpuK.net`
+    stream (in program order, the same on every rank). Set by `planner.passes.schedule`."""
 
     def __post_init__(self):
         freeze(self)
@@ -406,7 +409,7 @@ class Instr:
     kind: str
     """An `InstrKind` (its value, as the plan file writes it)."""
     stream: str
-    """gpuK.compute, gpuK.h2d, gpuK.d2h, gpuK.send, gpuK.reduce, ssd.first, ssd.read, ssd.write, cpu.opt"""
+    """gpuK.compute, gpuK.h2d, gpuK.d2h, gpuK.send, gpuK.net, ssd.first, ssd.read, ssd.write, cpu.opt"""
     deps: tuple[int, ...]
     segment: str = ""
     """compute/recompute: "fwd:<b>", "bwd:<b>" or "refwd:<b>" (a partial swap's re-forward);

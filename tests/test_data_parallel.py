@@ -200,7 +200,11 @@ def test_the_plan_reduces_each_gradient_and_shards_the_optimizer_state():
     for r in (i for i in instrs if i.kind == "reduce"):
         (bwd,) = [instrs[d] for d in r.deps]
         assert bwd.kind == "compute" and bwd.segment.startswith("bwd")
-        assert r.stream == "gpu0.reduce" and any(r.id in i.deps and i.tensor == r.tensor for i in instrs)
+        assert r.stream == "gpu0.net" and any(r.id in i.deps and i.tensor == r.tensor for i in instrs)
+    for u in (i for i in instrs if i.kind == "optimizer_step"):  # then the other ranks' rows of P
+        (g,) = [i for i in instrs if i.kind == "gather" and u.id in i.deps]
+        assert g.tensor == f"P:{u.segment}" and g.stream == "gpu0.net" and g.dst == "dram"
+        assert all(g.id in i.deps for i in instrs if i.kind == "store" and i.tensor == g.tensor and i.id > g.id)
     # the step trains both ranks' rows: twice the tokens in about the step time
     assert two.predicted.tokens_per_s > 1.5 * one.predicted.tokens_per_s
 
