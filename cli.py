@@ -102,14 +102,15 @@ def _pipeline_lines(plan, sim=None) -> list[str]:
     pl, dec = plan.decisions.pipeline, plan.decisions
     if pl is None and dec.dp > 1:
         o = plan.options
-        reduced = sum(plan.buffers[i.tensor].bytes for i in plan.instructions if i.kind == InstrKind.REDUCE)
+        moved = {k: sum(plan.buffers[i.tensor].bytes for i in plan.instructions if i.kind == k)
+                 for k in (InstrKind.REDUCE, InstrKind.GATHER)}
         return [f"data parallel: {dec.dp} ranks ({o.nodes} machine(s) x {dec.dp // o.nodes} GPU(s)), each "
                 f"{dec.grad_accum} x batch {plan.model.batch}: a step trains {dec.dp * dec.grad_accum * plan.model.batch} "
-                f"rows; memory, capacity and busy times are one rank's (its share of DRAM, SSDs and cores; "
+                f"rows; memory, capacity, traffic and busy times are one rank's (its share of DRAM, SSDs and cores; "
                 f"optimizer state sharded 1/{dec.dp})",
-                f"  gradients all-reduced per block: {_fmt(reduced)} a step "
-                f"({plan.predicted.busy_s.get('gpu0.reduce', 0):.4g} s busy)"
-                + (f", {_fmt(o.net_bw)}/s between machines" if o.nodes > 1 else "")]
+                f"  collectives a step: gradients all-reduced {_fmt(moved[InstrKind.REDUCE])}, parameters all-gathered "
+                f"{_fmt(moved[InstrKind.GATHER])} (gpu0.net busy {plan.predicted.busy_s.get('gpu0.net', 0):.4g} s)"
+                + (f"; {_fmt(o.net_bw)}/s between machines" if o.nodes > 1 else "")]
     if pl is None:
         if dec.grad_accum > 1:
             tiers = sorted({d.accum for d in dec.blocks.values()})

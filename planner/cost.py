@@ -710,43 +710,43 @@ def segment_update_time(problem, segment: str, device: str) -> float:
     return optimizer_time(prof.own()["param_count"], device, problem.hw, tensors)
 
 
-GLOO_COPIES = 16
-"""Without a measured `CPU.gloo_bw`: DRAM bandwidth over this, gloo's all-reduce bus bandwidth
-(on a 2-core VM gloo reached 0.8 GB/s beside a 13 GB/s memcpy: benchmarks/RESULTS.md "Data
-parallel")."""
+GLOO_COPIES = 32
+"""Without a measured `CPU.gloo_bw`: DRAM bandwidth over this, gloo's all-reduce bus bandwidth in
+host memory (on a 2-core VM 1.1-1.4 GB/s beside 37 GB/s of DRAM bandwidth: benchmarks/RESULTS.md
+"Data parallel")."""
 
 
-def collective_bw(problem) -> float:
-    """Bus bandwidth of a ring collective over the data-parallel ranks, bytes/s: the slowest link
-    of the ring. Inside a machine GPU to GPU (P2P where the spec has it, else through host memory:
-    the slower of the GPU's two copy engines; CPU device tiers: the measured gloo rate,
-    `CPU.gloo_bw`), and across machines `Options.net_bw`."""
+def collective_bw(problem, tier: str) -> float:
+    """Bus bandwidth of a ring collective over the data-parallel ranks of buffers on `tier`,
+    bytes/s: the slowest link of the ring. GPU memory moves GPU to GPU (NCCL: P2P where the spec
+    has it, else through host memory at the slower of the GPU's two copy engines); host memory,
+    and a CPU device tier's, through gloo (`CPU.gloo_bw`, measured by the probe); across machines
+    at most `Options.net_bw`."""
     hw, o = problem.machine or problem.hw, problem.options
     g = hw.gpu
-    if hw.gpu_p2p_bw:
-        inside = hw.gpu_p2p_bw
-    elif g.name != CPU_GPU_NAME:
-        inside = min(g.h2d_bw, g.d2h_bw)
+    if is_gpu(tier) and g.name != CPU_GPU_NAME:
+        inside = hw.gpu_p2p_bw or min(g.h2d_bw, g.d2h_bw)
     else:  # unmeasured: gloo's ring copies each chunk through loopback TCP, several times over
         inside = hw.cpu.gloo_bw or hw.dram.bandwidth / GLOO_COPIES
     return min(inside, o.net_bw) if o.nodes > 1 else inside
 
 
-def all_reduce_time(nbytes: int, problem) -> float:
-    """A ring all-reduce of `nbytes` over the `Options.dp` ranks: each rank sends and receives
-    2 (N - 1) / N of the bytes (reduce-scatter, then all-gather; Patarasuk & Yuan, "Bandwidth
-    optimal all-reduce algorithms for clusters of workstations", JPDC 2009; NCCL's bus bandwidth)."""
+def all_reduce_time(nbytes: int, tier: str, problem) -> float:
+    """A ring all-reduce of `nbytes` on `tier` over the `Options.dp` ranks: each rank sends and
+    receives 2 (N - 1) / N of the bytes (reduce-scatter, then all-gather; Patarasuk & Yuan,
+    "Bandwidth optimal all-reduce algorithms for clusters of workstations", JPDC 2009; NCCL's bus
+    bandwidth)."""
     n = problem.options.dp
     if problem.options.exact_optimizer and n > 2:  # summed in rank order: every rank gathers every rank's
-        return (n - 1) * nbytes / collective_bw(problem)
-    return 2 * (n - 1) / n * nbytes / collective_bw(problem)
+        return (n - 1) * nbytes / collective_bw(problem, tier)
+    return 2 * (n - 1) / n * nbytes / collective_bw(problem, tier)
 
 
-def all_gather_time(nbytes: int, problem) -> float:
-    """A ring all-gather of a tensor of `nbytes` whose N shards the ranks hold: (N - 1) / N of it
-    through each rank's link."""
+def all_gather_time(nbytes: int, tier: str, problem) -> float:
+    """A ring all-gather on `tier` of a tensor of `nbytes` whose N shards the ranks hold: (N - 1) / N
+    of it through each rank's link."""
     n = problem.options.dp
-    return (n - 1) / n * nbytes / collective_bw(problem)
+    return (n - 1) / n * nbytes / collective_bw(problem, tier)
 
 
 def unit_profile(prof: BlockProfile, unit: str) -> UnitProfile:

@@ -179,9 +179,9 @@ def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer],
         elif ins.kind == InstrKind.COMMIT:
             out.append(cost.commit_time(hw, instrs))
         elif ins.kind == InstrKind.REDUCE:
-            out.append(cost.all_reduce_time(buffers[ins.tensor].bytes, problem))
+            out.append(cost.all_reduce_time(buffers[ins.tensor].bytes, ins.dst, problem))
         elif ins.kind == InstrKind.GATHER:
-            out.append(cost.all_gather_time(buffers[ins.tensor].bytes, problem))
+            out.append(cost.all_gather_time(buffers[ins.tensor].bytes, ins.dst, problem))
         elif ins.kind == InstrKind.OPTIMIZER_STEP:
             prof = problem.profiles[problem.profile_of[ins.segment]] if zero3 else None
             out.append(cost.segment_update_time(problem, ins.segment, ins.dst)

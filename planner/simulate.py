@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from tensorstow.ir.graph import lsum
 from tensorstow.planner.cost import commit_time
+from tensorstow.schema.hardware import CPU_GPU_NAME
 from tensorstow.schema.schedule import (CPU_OPTIMIZER, UNIT, BufferKind, Instr, InstrKind, Stream, block_of,
                                         buffer_kind, final_residency, gpu_index, initial_residency, is_gpu,
                                         parent_of, resource_of)
@@ -88,6 +89,10 @@ def contention(instrs: list[Instr], hw) -> tuple[list[tuple[str, ...]], dict[str
         if ins.kind == InstrKind.SEND and not hw.gpu_p2p_bw:
             a, b = gpu_index(ins.src), gpu_index(ins.dst)
             x = (f"{ins.src}.d2h", f"{ins.dst}.h2d", *up(a, "d2h"), *up(b, "h2d"), *dram)
+        elif ins.kind in (InstrKind.REDUCE, InstrKind.GATHER) and is_gpu(ins.dst) and not hw.gpu_p2p_bw \
+                and gpus[gpu_index(ins.dst)].name != CPU_GPU_NAME:  # NCCL's ring through host memory
+            k = gpu_index(ins.dst)
+            x = (f"{ins.dst}.d2h", f"{ins.dst}.h2d", *up(k, "d2h"), *up(k, "h2d"), *dram)
         elif ins.kind in (InstrKind.LOAD, InstrKind.STORE) and "ssd" in (ins.src, ins.dst):
             x = dram
         elif ins.kind in (InstrKind.LOAD, InstrKind.STORE):
