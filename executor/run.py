@@ -198,6 +198,10 @@ def evaluate_state(plan: Plan, run: Run, *, out=None) -> dict:
     if run.state_dir is None or run.eval_data is None:
         raise TensorstowError("evaluate needs --state-dir DIR (of tensorstow execute) and --data F")
     d = Path(run.state_dir)
+    if not (d / statedir.PLAN).is_file() and (d / "rank0" / statedir.PLAN).is_file():
+        raise TensorstowError(f"{d} holds a run of several processes (rank0, rank1, ...); tensorstow evaluate reads "
+                              f"a one-process run's: evaluate during the run (--eval-data, --eval-every), or export it "
+                              f"(tensorstow export {d} -o DIR) and evaluate that model")
     if not (d / statedir.PLAN).is_file():
         raise TensorstowError(f"{d} is not a tensorstow state dir (no {statedir.PLAN}); pass the --state-dir "
                               f"of a tensorstow execute run")
@@ -591,8 +595,9 @@ def _gpus_of(plan: Plan) -> int:
 def _launch(plan: Plan, run: Run, out) -> dict:
     need, nproc = _gpus_of(plan), run.nproc
     if nproc != need:
-        raise TensorstowError(f"this plan runs on {need} GPU(s) ({plan.hardware.name}): execute it with "
-                              f"--nproc {need}, one process per GPU")
+        raise TensorstowError((f"this plan trains data-parallel on {need} ranks, each with its shard of the state: "
+                               if plan.decisions.dp > 1 else f"this plan runs on {need} GPU(s) ({plan.hardware.name}): ")
+                              + f"execute it with --nproc {need}, one process per GPU")
     with tempfile.TemporaryDirectory(prefix="tensorstow-plan-") as tmp:
         path = Path(tmp) / "plan.json"
         path.write_text(plan.dumps())

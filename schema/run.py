@@ -95,7 +95,8 @@ class Run:
     trace: str | None = None
     """Write the measured timeline of the last step (Perfetto JSON) (default: not written)."""
     nproc: int = 1
-    """Processes, one per GPU: a multi-GPU plan (mobius, gpipe) needs one per GPU of its hardware."""
+    """Processes, one per GPU: a multi-GPU plan (mobius, gpipe) needs one per GPU of its hardware, a
+    data-parallel plan (--dp N) one per rank (across machines: torchrun)."""
     eval_data: str | None = None
     """Held-out data, in any form --data takes, evaluated every eval_every steps: its mean loss and
     perplexity logged, as `Executor.evaluate` computes them (default: none)."""
