@@ -226,3 +226,34 @@ def test_a_data_parallel_plan_is_not_run_in_one_process():
     o = Options(model="gpt-tiny", hardware="lohan-rtx4090", policy="lohan", dp=2, precision="fp32")
     with pytest.raises(TensorstowError, match="--nproc 2"):
         Executor(make_plan(o, hardware_for(o)), GPT(PRESETS["gpt-tiny"]))
+
+
+def test_collectives_are_priced_on_the_rings_slowest_link():
+    """Inside a machine without P2P the ring runs through host memory at the slower copy engine;
+    across machines the network bounds it (Patarasuk & Yuan's ring: an all-reduce moves
+    2 (N - 1) / N of the bytes through each link, an all-gather (N - 1) / N)."""
+    def reduce_and_gather(**kw):
+        o = Options(model="gpt-small", hardware="lohan-rtx4090", policy="lohan", batch=2, seq=32, **kw)
+        plan = make_plan(o, hardware_for(o)).to_plan()
+        first = {k: next(i for i in plan.instructions if i.kind == k) for k in ("reduce", "gather")}
+        return plan, {k: (plan.buffers[i.tensor].bytes, i.est_s) for k, i in first.items()}
+    plan, one = reduce_and_gather(dp=4)
+    pcie = min(plan.hardware.spec.gpu.h2d_bw, plan.hardware.spec.gpu.d2h_bw)
+    nbytes, est = one["reduce"]
+    assert est == pytest.approx(2 * 3 / 4 * nbytes / pcie, rel=1e-4)
+    _, two = reduce_and_gather(dp=8, nodes=2, gpus=4, net_bw=5e9)
+    nbytes, est = two["reduce"]
+    assert est == pytest.approx(2 * 7 / 8 * nbytes / 5e9, rel=1e-4)
+    # the CPU update's P is gathered in host memory, through gloo
+    assert two["gather"][1] > 7 / 8 * two["gather"][0] / pcie
+
+
+def test_evaluate_of_a_several_process_state_dir_says_what_to_do(tmp_path):
+    from tensorstow.executor.run import evaluate_state
+    from tensorstow.schema.run import Run
+    o = Options(model="gpt-tiny", hardware="lohan-rtx4090", policy="lohan", dp=2, precision="fp32")
+    plan = make_plan(o, hardware_for(o)).to_plan()
+    (tmp_path / "rank0").mkdir()
+    (tmp_path / "rank0" / "plan.json").write_text(plan.dumps())
+    with pytest.raises(TensorstowError, match="several processes.*--eval-data"):
+        evaluate_state(plan, Run(state_dir=str(tmp_path), eval_data="synthetic"))
