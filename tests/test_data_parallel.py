@@ -14,7 +14,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +29,7 @@ from tensorstow.ir.models import GPT, PRESETS
 from tensorstow.planner.plan import make_plan
 from tensorstow.schema.options import Options
 from tests.oracle import train_eager
+from tests.test_multigpu import kill_rank_1_inside_step_3
 
 transformers = pytest.importorskip("transformers", reason="the 'hf' extra (transformers) is not installed")
 
@@ -166,17 +166,7 @@ def test_a_rank_killed_mid_run_stops_every_rank_and_the_rerun_resumes_exactly(ll
     path = tmp_path / "plan.json"
     path.write_text(plan.dumps())
     args = ("execute", path, "--hw-mismatch", "ok", "--nproc", 2, "--steps", 5, "--state-dir", tmp_path / "state")
-    p = cli(*args)
-    for line in p.stdout:
-        if line.startswith("step 2/5"):
-            time.sleep(0.05)  # inside step 3
-            ranks = Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()
-            os.kill(int(ranks[1]), signal.SIGKILL)
-            break
-    rc, _, err = finish(p)
-    lines = err.strip().splitlines()
-    assert rc != 0 and len(lines) == 1, err
-    assert "rank 1 of 2 was killed by signal SIGKILL" in lines[0] and "run the same command to resume" in lines[0]
+    kill_rank_1_inside_step_3(cli(*args), finish)
     rc, out, err = finish(cli(*args))
     assert rc == 0, err
     assert "resuming from step" in out

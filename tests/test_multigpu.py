@@ -114,16 +114,7 @@ def test_a_rank_killed_mid_step_stops_every_rank_and_the_committed_step_resumes(
     path.write_text(plan.dumps())
     args = ("execute", path, "--hw-mismatch", "ok", "--nproc", 2, "--steps", 5, "--state-dir", tmp_path / "state")
     p = cli(*args)
-    for line in p.stdout:
-        if line.startswith("step 2/5"):
-            time.sleep(0.05)  # inside step 3
-            ranks = Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()
-            os.kill(int(ranks[1]), signal.SIGKILL)
-            break
-    rc, _, err = finish(p)
-    lines = err.strip().splitlines()
-    assert rc != 0 and len(lines) == 1, err
-    assert "rank 1 of 2 was killed by signal SIGKILL" in lines[0] and "run the same command to resume" in lines[0]
+    kill_rank_1_inside_step_3(p, finish)
     assert not Path(f"/proc/{p.pid}").exists() or p.poll() is not None
     rc, out, err = finish(cli(*args))
     assert rc == 0, err
@@ -134,6 +125,21 @@ def test_a_rank_killed_mid_step_stops_every_rank_and_the_committed_step_resumes(
     shutil.rmtree(tmp_path / "state" / "rank1")
     rc, _, err = finish(cli("export", tmp_path / "state", "-o", tmp_path / "partial"))
     assert rc != 0 and "a rank's state is missing" in err and not (tmp_path / "partial").exists()
+
+
+def kill_rank_1_inside_step_3(p: subprocess.Popen, finish) -> None:
+    """SIGKILL rank 1 of the launcher `p` (`execute --nproc 2`) once step 2 is printed; every rank
+    then stops with one line naming it and saying the same command resumes."""
+    for line in p.stdout:
+        if line.startswith("step 2/"):
+            time.sleep(0.05)  # inside step 3
+            ranks = Path(f"/proc/{p.pid}/task/{p.pid}/children").read_text().split()
+            os.kill(int(ranks[1]), signal.SIGKILL)
+            break
+    rc, _, err = finish(p)
+    lines = err.strip().splitlines()
+    assert rc != 0 and len(lines) == 1, err
+    assert "rank 1 of 2 was killed by signal SIGKILL" in lines[0] and "run the same command to resume" in lines[0]
 
 
 class _Comm:
