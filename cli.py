@@ -109,7 +109,8 @@ def _pipeline_lines(plan, sim=None) -> list[str]:
                 f"rows; memory, capacity, traffic and busy times are one rank's (its share of DRAM, SSDs and cores; "
                 f"optimizer state sharded 1/{dec.dp})",
                 f"  collectives a step: gradients all-reduced {_fmt(moved[InstrKind.REDUCE])}, parameters all-gathered "
-                f"{_fmt(moved[InstrKind.GATHER])} (gpu0.net busy {plan.predicted.busy_s.get('gpu0.net', 0):.4g} s)"
+                f"{_fmt(moved[InstrKind.GATHER])} (busy {plan.predicted.busy_s.get('gpu0.reduce', 0):.4g} s and "
+                f"{plan.predicted.busy_s.get('gpu0.gather', 0):.4g} s)"
                 + (f"; {_fmt(o.net_bw)}/s between machines" if o.nodes > 1 else "")]
     if pl is None:
         if dec.grad_accum > 1:

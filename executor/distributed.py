@@ -18,6 +18,7 @@ and that the same command resumes.
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -44,43 +45,43 @@ class Comm:
         self.rank, self.world = rank, world
         self.on_device = on_device
         """NCCL: boundaries move GPU to GPU in device memory; gloo: staged in host memory."""
-        self.net = None
-        """Data parallel: the process group of the `gpuK.net` lane's collectives (the gradients'
-        all-reduces, the parameters' all-gathers), which it issues in the schedule's order, the
-        same on every rank, apart from what other threads exchange between steps."""
+        self.groups: dict[str, object] = {}
+        """Data parallel: a process group per lane that issues collectives (`gpuK.reduce`: the
+        gradients' all-reduces, `gpuK.gather`: the updated parameters' all-gathers), so each group
+        sees its lane's collectives in the schedule's order, the same on every rank, however the
+        lanes interleave."""
         if data_parallel:
             import torch.distributed as dist
-            self.net = dist.new_group(backend="cpu:gloo,cuda:nccl" if on_device else "gloo")
+            self.groups = {lane: dist.new_group(backend="cpu:gloo,cuda:nccl" if on_device else "gloo",
+                                                timeout=datetime.timedelta(seconds=TIMEOUT_S))
+                           for lane in ("reduce", "gather")}
 
     def all_reduce(self, tensors: list[torch.Tensor], in_order: bool = False) -> None:
-        """Sum `tensors` (one dtype, one device) over the ranks, in place: one ring all-reduce of
-        their bytes laid end to end. `in_order`: summed rank after rank, ((t0 + t1) + t2) + ..., as
-        one process accumulating the ranks' microbatches in order sums them (bit-identical with
-        it; a ring's partial sums start at a different rank for each chunk): every rank gathers
-        every rank's tensors, (N - 1) x their bytes instead of 2 (N - 1) / N x (two ranks: the
-        same sum either way, as a + b == b + a)."""
+        """Sum each of `tensors` over the ranks, in place (ring all-reduce, no copy of them). `in_order`:
+        summed rank after rank, ((t0 + t1) + t2) + ..., as one process accumulating the ranks'
+        microbatches in order sums them (bit-identical with it; a ring's partial sums start at a
+        different rank for each chunk): every rank gathers every rank's tensor, (N - 1) x its bytes
+        instead of 2 (N - 1) / N, into a temporary of N x its bytes (two ranks: the same sum either
+        way, as a + b == b + a)."""
         import torch.distributed as dist
-        flat = torch.cat([t.reshape(-1) for t in tensors]) if len(tensors) > 1 else tensors[0].reshape(-1)
-        if in_order and self.world > 2:
-            every = flat.new_empty(self.world * flat.numel())
-            dist.all_gather_into_tensor(every, flat, group=self.net)
-            parts = every.view(self.world, -1)
-            flat = parts[0]
+        for t in tensors:
+            if not (in_order and self.world > 2):
+                c = t if t.is_contiguous() else t.contiguous()  # a gradient the graph made transposed
+                dist.all_reduce(c, group=self.groups["reduce"])
+                if c is not t:
+                    t.copy_(c)
+                continue
+            every = self.all_gather(t.reshape(-1).contiguous(), "reduce").view(self.world, -1)
+            total = every[0].clone()
             for r in range(1, self.world):
-                flat += parts[r]
-        else:
-            dist.all_reduce(flat, group=self.net)
-        if len(tensors) > 1 or flat.data_ptr() != tensors[0].data_ptr():
-            at = 0
-            for t in tensors:
-                t.copy_(flat[at:at + t.numel()].view_as(t))
-                at += t.numel()
+                total += every[r]
+            t.copy_(total.view_as(t))
 
-    def all_gather(self, mine: torch.Tensor) -> torch.Tensor:
-        """Every rank's `mine` (equal sizes, 1-D), end to end in rank order."""
+    def all_gather(self, mine: torch.Tensor, lane: str = "gather") -> torch.Tensor:
+        """Every rank's `mine` (equal sizes, 1-D), end to end in rank order, in `lane`'s group."""
         import torch.distributed as dist
         out = mine.new_empty(self.world * mine.numel())
-        dist.all_gather_into_tensor(out, mine, group=self.net)
+        dist.all_gather_into_tensor(out, mine, group=self.groups[lane])
         return out
 
     def send(self, tensors: list[torch.Tensor], peer: int, tag: int) -> list:

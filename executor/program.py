@@ -101,6 +101,9 @@ class Program:
         self.rank = rank = check_runnable(plan, rank)
         self.dp = plan.decisions.dp
         """Data parallel: the ranks that each run this schedule on their own rows (`Decisions.dp`)."""
+        if self.dp > 1 and comm is None:
+            raise TensorstowError(f"this plan trains data-parallel on {self.dp} ranks, which exchange gradients and "
+                                  f"parameters: run it with `tensorstow execute PLAN --nproc {self.dp}` (or torchrun)")
         self.gpu, self.comm = gpu_tier(0 if self.dp > 1 else rank), comm
         """The GPU tier this process drives: the plan's "gpuK" (every data-parallel rank's is gpu0)."""
         order = [b.name for b in plan.model.blocks]

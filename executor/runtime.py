@@ -53,7 +53,7 @@ from tensorstow.ir.graph import numel
 from tensorstow.executor.semantics import StepSemantics
 from tensorstow.executor.stores import DeviceMemoryError, HostCopy, RoomWait, Tiers
 from tensorstow.schema.schedule import (CPU_OPTIMIZER, BufferKind, Instr, InstrKind, Stream, block_of, buffer_kind,
-                                        gpu_index, split_segment)
+                                        gpu_index, is_gpu, split_segment)
 
 MODES = ("sync", "overlap")
 
@@ -390,7 +390,7 @@ class Runtime:
         rest = [p for p in prog.block_params[b] if key(ph[p]) not in written]
         if prog.dp > 1:  # this rank's rows of P from its shard of M, then the other ranks' rows
             if fresh_p is None:
-                self.dev.put(p_buf, {ph[p]: torch.empty(*prog.joint.meta(ph[p])[1], dtype=prog.joint.meta(ph[p])[0],
+                self.dev.put(p_buf, {ph[p]: torch.empty(tuple(prog.joint.meta(ph[p])[1]), dtype=prog.joint.meta(ph[p])[0],
                                                          device=self.dev.device) for p in prog.block_params[b]})
                 fresh_p = self.dev.get(p_buf)
             for p in rest:
@@ -406,30 +406,29 @@ class Runtime:
 
     def _gather(self, ins: Instr) -> None:
         """Data parallel: the other ranks' rows of block b's parameters into its copy of P:b on the
-        update's tier (this rank's rows updated there), one all-gather per dtype of each rank's
-        shards end to end."""
+        update's tier (this rank's rows updated there), one parameter at a time (an all-gather of
+        each rank's shard of it: a temporary of the parameter's size, padded)."""
         prog, b = self.program, block_of(ins.tensor)
         params = self.tiers.by_name[ins.dst].get(ins.tensor)
         ph = prog.joint.placeholder
-        by_dtype: dict[torch.dtype, list[str]] = {}
         for p in prog.block_params[b]:
-            by_dtype.setdefault(params[ph[p]].dtype, []).append(p)
-        for names in by_dtype.values():
-            sizes = [shard_numel(prog, p) for p in names]
-            mine = params[ph[names[0]]].new_zeros(sum(sizes))
-            at = 0
-            for p, n in zip(names, sizes):
-                a, z = prog.shard(p)
-                mine[at:at + z - a] = params[ph[p]].reshape(-1)[a:z]
-                at += n
+            flat = params[ph[p]].view(-1)
+            n = shard_numel(prog, p)
+            a, z = prog.shard(p)
+            mine = flat.new_zeros(n)
+            mine[:z - a] = flat[a:z]
             every = self.comm.all_gather(mine)
             for r in range(prog.dp):
-                at = r * mine.numel()
-                for p, n in zip(names, sizes):
-                    flat = params[ph[p]].view(-1)
-                    lo, hi = min(flat.numel(), r * n), min(flat.numel(), (r + 1) * n)
-                    flat[lo:hi] = every[at:at + hi - lo]
-                    at += n
+                lo, hi = min(flat.numel(), r * n), min(flat.numel(), (r + 1) * n)
+                if r != prog.rank:
+                    flat[lo:hi] = every[r * n:r * n + hi - lo]
+        self._device_done(ins.dst)
+
+    def _device_done(self, tier: str) -> None:
+        """CUDA: the collective's work on this lane's stream done before its readers on other
+        streams run (host instructions record no event for them to wait on), as a send's receive."""
+        if self.device.type == "cuda" and is_gpu(tier):
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _reduce(self, ins: Instr) -> None:
         """Data parallel: a block's gradient summed over the ranks (every rank then holds the sum one
@@ -439,6 +438,7 @@ class Runtime:
         if self.sem.scaler is not None:  # any rank's overflow is in the sum: every rank skips alike
             self.sem.scaler.check(list(grads.values()))
         self.sem.record_norms(block_of(ins.tensor), grads)
+        self._device_done(ins.dst)
 
     def _commit_previous(self, ins: Instr) -> None:
         """A step's `commit` instruction: the carried buffers are home, so the SSD holds the whole

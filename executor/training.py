@@ -206,6 +206,9 @@ class TrainingState:
         """The parameters by qualified name, as fp32 CPU tensors: trainable ones from their
         masters, frozen ones from their constants (buffers are not parameters)."""
         p, out = self.program, {}
+        if p.dp > 1 and p.mixed:
+            raise TensorstowError(f"the fp32 masters are sharded over the {p.dp} data-parallel ranks: export the "
+                                  f"state dir (tensorstow export), which puts them together")
         rows: dict[str, list[tuple[tuple[int, int], torch.Tensor]]] = {}  # a weight's rows, unit by unit
         for b, params in p.block_params.items():
             if not params or p.block_gpu[b] != self.gpu:  # another rank's stage

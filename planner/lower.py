@@ -622,7 +622,7 @@ class _Lowering:
             return s
         flushed = None
         if self.decisions.dp > 1:  # summed over the ranks where the backward made it
-            c = e.emit(InstrKind.REDUCE, f"{gpu}.net", (c,), tensor=f"G:{b}", src=gpu, dst=gpu)
+            c = e.emit(InstrKind.REDUCE, f"{gpu}.reduce", (c,), tensor=f"G:{b}", src=gpu, dst=gpu)
         if d.optimizer == "cpu":
             s = e.move(f"G:{b}", gpu, "dram", (c,))
             e.free(f"G:{b}", gpu, (s,))
@@ -677,7 +677,7 @@ class _Lowering:
             self.g_freed[parent_of(b)] = e.free(f"G:{b}", tier, (u,))
         p_done = u
         if self.decisions.dp > 1:  # the other ranks' rows of P, where the update left it
-            p_done = e.emit(InstrKind.GATHER, f"{self.gpu}.net", (u,), tensor=f"P:{b}", src=tier, dst=tier)
+            p_done = e.emit(InstrKind.GATHER, f"{self.gpu}.gather", (u,), tensor=f"P:{b}", src=tier, dst=tier)
         self.writes.append(self.write_home(b, states, tier, u, p_done))
 
     def write_home(self, b: str, states: list[str], tier: str, u: int, p_done: int) -> int:

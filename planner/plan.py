@@ -69,9 +69,16 @@ def _plan_with(problem: Problem, policy: str) -> PlanResult:
         names = [n for n in sorted(table) if n not in BASELINES + SUBSUMED
                  and (n != "mobius" or (len(problem.hw.gpus) > 1 and accum == 1) or micro > 1)
                  and (n == "mobius" or micro <= 1)]
-        plans = {name: policy_plan(problem, name) for name in names}
         gpus = len(problem.hw.gpus)
-        if gpus > 1 and dp == 1 and micro <= 1 and groups == 1:  # every GPU a replica of a one-GPU plan
+        replicas = gpus > 1 and dp == 1 and micro <= 1 and groups == 1  # every GPU a replica of a one-GPU plan
+        plans = {}
+        for name in names:
+            try:
+                plans[name] = policy_plan(problem, name)
+            except TensorstowError:
+                if not (replicas and name == "mobius"):  # no pipeline fits: data parallel may
+                    raise
+        if replicas:
             plans[f"data-parallel x{gpus}"] = _plan_with(data_parallel(problem, gpus), "auto")
         feasible = {n: p for n, p in plans.items() if p.fits}
         if not feasible:

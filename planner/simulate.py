@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 from tensorstow.ir.graph import lsum
 from tensorstow.planner.cost import commit_time
-from tensorstow.schema.hardware import CPU_GPU_NAME
 from tensorstow.schema.schedule import (CPU_OPTIMIZER, UNIT, BufferKind, Instr, InstrKind, Stream, block_of,
                                         buffer_kind, final_residency, gpu_index, initial_residency, is_gpu,
                                         parent_of, resource_of)
@@ -89,10 +88,6 @@ def contention(instrs: list[Instr], hw) -> tuple[list[tuple[str, ...]], dict[str
         if ins.kind == InstrKind.SEND and not hw.gpu_p2p_bw:
             a, b = gpu_index(ins.src), gpu_index(ins.dst)
             x = (f"{ins.src}.d2h", f"{ins.dst}.h2d", *up(a, "d2h"), *up(b, "h2d"), *dram)
-        elif ins.kind in (InstrKind.REDUCE, InstrKind.GATHER) and is_gpu(ins.dst) and not hw.gpu_p2p_bw \
-                and gpus[gpu_index(ins.dst)].name != CPU_GPU_NAME:  # NCCL's ring through host memory
-            k = gpu_index(ins.dst)
-            x = (f"{ins.dst}.d2h", f"{ins.dst}.h2d", *up(k, "d2h"), *up(k, "h2d"), *dram)
         elif ins.kind in (InstrKind.LOAD, InstrKind.STORE) and "ssd" in (ins.src, ins.dst):
             x = dram
         elif ins.kind in (InstrKind.LOAD, InstrKind.STORE):
@@ -530,7 +525,10 @@ def reads_ssd_first(ins: Instr) -> bool:
 
 def commit_background(instrs: list[Instr]) -> bool:
     """Whether the step's SSD commit runs in the background (the plan runs in one process: its
-    instructions use at most one GPU) rather than after the last instruction (`simulate`)."""
+    instructions use at most one GPU, and exchange nothing with data-parallel ranks) rather than
+    after the last instruction (`simulate`)."""
+    if any(i.kind in (InstrKind.REDUCE, InstrKind.GATHER) for i in instrs):
+        return False
     return len({s.device for s in (Stream.of(i.stream) for i in instrs) if s.on_gpu}) <= 1
 
 

@@ -158,10 +158,11 @@ class GPU:
     by `tensorstow probe`. Left out of the spec's JSON when 0."""
 
     def shared_by(self, n: int) -> "GPU":
-        """This device as one of `n` processes that share its cores and memory: every rate / n."""
+        """This device as one of `n` processes that share its cores and memory: every rate / n, and
+        1/n of its memory."""
         def curve(c):
             return tuple((f, r / n) for f, r in c)
-        return dataclasses.replace(self, flops=self.flops / n, flops_fp32=self.flops_fp32 / n, mem_bw=self.mem_bw / n,
+        return dataclasses.replace(self, memory_bytes=self.memory_bytes // n, flops=self.flops / n, flops_fp32=self.flops_fp32 / n, mem_bw=self.mem_bw / n,
                                    elementwise_bw=self.elementwise_bw / n,
                                    **{k: curve(getattr(self, k)) for k in RATE_CURVES})
 
@@ -293,8 +294,10 @@ class Hardware:
         if ranks <= 1:
             return dataclasses.replace(self, gpus=self.gpus[:1])
         d, s, c = self.dram, self.ssd, self.cpu
+        under = sum(g.root_complex == self.gpu.root_complex for g in self.gpus[:ranks])  # ranks sharing its uplink
         return dataclasses.replace(
             self, name=f"{self.name} (1 of {ranks} ranks)", gpus=self.gpus[:1],
+            root_complex_bw=self.root_complex_bw / max(1, under),
             dram=dataclasses.replace(d, capacity_bytes=d.capacity_bytes // ranks, bandwidth=d.bandwidth / ranks),
             ssd=dataclasses.replace(s, read_bw=s.read_bw / ranks, write_bw=s.write_bw / ranks,
                                     max_total_bw=s.max_total_bw / ranks, capacity_bytes=s.capacity_bytes // ranks,

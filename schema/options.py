@@ -92,7 +92,9 @@ class Options:
     path (slower); otherwise the fast update (csrc/adam.cpp on the CPU, with the fused downcast of
     the fresh compute copy; torch's fused kernel on a GPU), within a few ulps of torch's. With
     `dp` above 2 the ranks' gradients are also summed in rank order, as one process accumulating
-    their microbatches sums them (each rank gathers every rank's: more traffic than a ring)."""
+    their microbatches sums them (each rank gathers every rank's: more traffic than a ring); with
+    `grad_accum` too, each rank sums its own microbatches first, (g0 + g1) + (g2 + g3), which
+    differs from one process's ((g0 + g1) + g2) + g3 in the last bits."""
     init_scale: float = 65536.0
     """fp16-mixed: the initial loss scale. Dynamic loss scaling has torch.amp.GradScaler's
     semantics and defaults; the loss-scaling options are ignored for other precisions."""

@@ -339,8 +339,8 @@ class Decisions:
     """Data parallel (`Options.dp`): the ranks running this schedule, each on its own rows. Each
     block's last backward is followed by a `reduce` of its gradient over them, its
     `optimizer_step` updates the rank's shard (M: and OS: hold ceil(rows / dp) rows of each
-    parameter) and a `gather` brings the other ranks' rows of P, both on the rank's `gpuK.net`
-    stream (in program order, the same on every rank). Set by `planner.passes.schedule`."""
+    parameter) and a `gather` brings the other ranks' rows of P, on the rank's `gpuK.reduce` and
+    `gpuK.gather` streams (each in program order, the same on every rank). Set by `planner.passes.schedule`."""
 
     def __post_init__(self):
         freeze(self)
@@ -409,7 +409,7 @@ class Instr:
     kind: str
     """An `InstrKind` (its value, as the plan file writes it)."""
     stream: str
-    """gpuK.compute, gpuK.h2d, gpuK.d2h, gpuK.send, gpuK.net, ssd.first, ssd.read, ssd.write, cpu.opt"""
+    """gpuK.compute, gpuK.h2d, gpuK.d2h, gpuK.send, gpuK.reduce, gpuK.gather, ssd.first, ssd.read, ssd.write, cpu.opt"""
     deps: tuple[int, ...]
     segment: str = ""
     """compute/recompute: "fwd:<b>", "bwd:<b>" or "refwd:<b>" (a partial swap's re-forward);

@@ -190,10 +190,10 @@ def test_the_plan_reduces_each_gradient_and_shards_the_optimizer_state():
     for r in (i for i in instrs if i.kind == "reduce"):
         (bwd,) = [instrs[d] for d in r.deps]
         assert bwd.kind == "compute" and bwd.segment.startswith("bwd")
-        assert r.stream == "gpu0.net" and any(r.id in i.deps and i.tensor == r.tensor for i in instrs)
+        assert r.stream == "gpu0.reduce" and any(r.id in i.deps and i.tensor == r.tensor for i in instrs)
     for u in (i for i in instrs if i.kind == "optimizer_step"):  # then the other ranks' rows of P
         (g,) = [i for i in instrs if i.kind == "gather" and u.id in i.deps]
-        assert g.tensor == f"P:{u.segment}" and g.stream == "gpu0.net" and g.dst == "dram"
+        assert g.tensor == f"P:{u.segment}" and g.stream == "gpu0.gather" and g.dst == "dram"
         assert all(g.id in i.deps for i in instrs if i.kind == "store" and i.tensor == g.tensor and i.id > g.id)
     # the step trains both ranks' rows: twice the tokens in about the step time
     assert two.predicted.tokens_per_s > 1.5 * one.predicted.tokens_per_s
@@ -247,3 +247,32 @@ def test_evaluate_of_a_several_process_state_dir_says_what_to_do(tmp_path):
     (tmp_path / "rank0" / "plan.json").write_text(plan.dumps())
     with pytest.raises(TensorstowError, match="several processes.*--eval-data"):
         evaluate_state(plan, Run(state_dir=str(tmp_path), eval_data="synthetic"))
+
+
+@pytest.mark.parametrize("dp,policy,precision,gpu_mem", [(3, "lohan", "fp32", 60_000), (2, "dos", "bf16-mixed", 50_000)])
+def test_scalars_and_parameters_with_fewer_rows_than_ranks_train_as_eager(dp, policy, precision, gpu_mem, tmp_path):
+    """0-d parameters and ones of 1 or 2 rows on 3 ranks (some ranks' shards of them empty); the
+    GPU update of a mixed-precision plan whose P lives in DRAM makes P anew on the device."""
+    from tests.fixtures.user_models import odd_shapes
+    o = Options(model="tests.fixtures.user_models:odd_shapes", hardware="lohan-rtx4090", policy=policy, batch=B,
+                seq=T, precision=precision, lr=LR, exact_optimizer=True, dp=dp, gpu_mem=gpu_mem)
+    plan = make_plan(o, hardware_for(o))
+    if policy == "dos":
+        assert {d.optimizer for d in plan.decisions.blocks.values()} == {"gpu"}
+        assert {d.params for d in plan.decisions.blocks.values()} == {"dram"}
+    losses, params = train(plan, tmp_path)
+    model = odd_shapes()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        want_losses, want = train_eager(model, batches("synthetic", B * dp, T, model.vocab_size, 3, seed=0), lr=LR,
+                                        microbatches=dp, precision=precision)
+    finally:
+        torch.set_num_threads(threads)
+    if precision == "fp32":
+        assert losses == want_losses
+        assert_bit_identical(params, want)
+    else:
+        assert losses == pytest.approx(want_losses, rel=1e-2)
+        for n, w in want.items():
+            assert (params[n] - w).norm() <= 1e-2 * w.norm(), n
