@@ -243,6 +243,8 @@ class StepSemantics:
         try:
             for p in trained:
                 g = j.materialize(j.grad[p], lambda r: grads[key(r)])
+                if any(st == 0 and n > 1 for st, n in zip(g.stride(), g.shape)):
+                    g = g.contiguous()  # an expanded gradient (of `w.sum(0)`): its elements, one each
                 if prog.dp > 1:
                     g = _rows(g, *prog.shard(p))
                 if kept and g.dtype == torch.float32:

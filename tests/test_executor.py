@@ -1192,3 +1192,27 @@ def test_the_executor_takes_one_typed_config_or_its_fields_as_keywords(tmp_path)
         Executor(plan, GPT(PRESETS["gpt-tiny"]), tensorstow.ExecutorConfig(), mode="sync")
     with pytest.raises(TypeError, match="not both"):
         Executor(plan, GPT(PRESETS["gpt-tiny"]), "sync")
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 1.0])
+def test_an_expanded_gradient_updates_as_eager_with_the_fast_cpu_adam(max_grad_norm, tmp_path):
+    """`w.sum(0)` makes w's gradient an expanded view (stride 0): the fast CPU update read it as if
+    it held an element per parameter (5 learning-rate steps off after 3), and clipping multiplied
+    it in place ("more than one element ... refers to a single memory location")."""
+    from tests.fixtures.user_models import expanded_gradient
+    o = Options(model="tests.fixtures.user_models:expanded_gradient", hardware="lohan-rtx4090", policy="lohan",
+                batch=2, seq=16, precision="fp32", lr=1e-3, gpu_mem=60_000, max_grad_norm=max_grad_norm)
+    plan = make_plan(o, load_hardware("lohan-rtx4090").with_overrides(gpu_mem=60_000))
+    assert {d.optimizer for d in plan.decisions.blocks.values()} == {"cpu"}
+    data = list(batches("synthetic", 2, 16, 64, 3, seed=0))
+    ex = Executor(plan, expanded_gradient(), state_dir=tmp_path / "state", mode="sync")
+    try:
+        got = [ex.step(x, y) for x, y in data]
+        params = ex.parameters()
+    finally:
+        ex.close()
+    kw = dict(max_grad_norm=max_grad_norm, norms=[]) if max_grad_norm else {}
+    want, weights = train_eager(expanded_gradient(), data, lr=1e-3, **kw)
+    assert got == pytest.approx(want, rel=1e-6)
+    for n, w in weights.items():
+        torch.testing.assert_close(params[n], w, rtol=1e-5, atol=1e-6, msg=n)
