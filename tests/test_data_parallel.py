@@ -115,8 +115,9 @@ def assert_bit_identical(got: dict, want: dict) -> None:
     assert not bad, f"parameters differ: {bad[:5]}"
 
 
-@pytest.mark.parametrize("dp", [2, 3])
-def test_ranks_train_an_hf_model_bit_identically_to_eager_accumulation(llama, dp, tmp_path):
+def test_three_ranks_train_an_hf_model_bit_identically_to_eager_accumulation(llama, tmp_path):
+    """(Two ranks: `test_a_rank_killed_mid_run_...`, which ends bit-identical with eager too.)"""
+    dp = 3
     plan = dp_plan(llama, dp)
     reduces = [i for i in plan.instructions if i.kind == "reduce"]
     assert len(reduces) == sum(1 for n in plan.buffers if n.startswith("G:"))  # each block's gradient once
@@ -165,12 +166,15 @@ def test_a_rank_killed_mid_run_stops_every_rank_and_the_rerun_resumes_exactly(ll
     plan = dp_plan(llama, 2)
     path = tmp_path / "plan.json"
     path.write_text(plan.dumps())
-    args = ("execute", path, "--hw-mismatch", "ok", "--nproc", 2, "--steps", 5, "--state-dir", tmp_path / "state")
+    args = ("execute", path, "--hw-mismatch", "ok", "--nproc", 2, "--steps", 5, "--state-dir", tmp_path / "state",
+            "--log-json", tmp_path / "log.jsonl")
     kill_rank_1_inside_step_3(cli(*args), finish)
     rc, out, err = finish(cli(*args))
     assert rc == 0, err
     assert "resuming from step" in out
-    assert_bit_identical(exported(tmp_path / "state", tmp_path / "export"), eager(llama, 2, 5)[1])
+    want_losses, want = eager(llama, 2, 5)
+    assert logged_losses(tmp_path / "log.jsonl") == want_losses  # every step, the killed run's and the resumed one's
+    assert_bit_identical(exported(tmp_path / "state", tmp_path / "export"), want)
     # another number of ranks cannot resume it: the shards are the plan's
     rc, _, err = finish(cli("execute", path, "--hw-mismatch", "ok", "--nproc", 3, "--steps", 6, "--state-dir",
                             tmp_path / "state"))
@@ -249,7 +253,7 @@ def test_evaluate_of_a_several_process_state_dir_says_what_to_do(tmp_path):
         evaluate_state(plan, Run(state_dir=str(tmp_path), eval_data="synthetic"))
 
 
-@pytest.mark.parametrize("dp,policy,precision,gpu_mem", [(3, "lohan", "fp32", 60_000), (2, "dos", "bf16-mixed", 50_000)])
+@pytest.mark.parametrize("dp,policy,precision,gpu_mem", [(3, "dos", "bf16-mixed", 50_000)])
 def test_scalars_and_parameters_with_fewer_rows_than_ranks_train_as_eager(dp, policy, precision, gpu_mem, tmp_path):
     """0-d parameters and ones of 1 or 2 rows on 3 ranks (some ranks' shards of them empty); the
     GPU update of a mixed-precision plan whose P lives in DRAM makes P anew on the device."""
