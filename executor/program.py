@@ -98,12 +98,9 @@ class Program:
         plan's batch."""
         self.block_gpu = block_gpus(plan)
         """Block -> the GPU tier that runs it."""
-        self.rank = rank = check_runnable(plan, rank)
+        self.rank = rank = check_runnable(plan, rank, comm)
         self.dp = plan.decisions.dp
         """Data parallel: the ranks that each run this schedule on their own rows (`Decisions.dp`)."""
-        if self.dp > 1 and comm is None:
-            raise TensorstowError(f"this plan trains data-parallel on {self.dp} ranks, which exchange gradients and "
-                                  f"parameters: run it with `tensorstow execute PLAN --nproc {self.dp}` (or torchrun)")
         self.gpu, self.comm = gpu_tier(0 if self.dp > 1 else rank), comm
         """The GPU tier this process drives: the plan's "gpuK" (every data-parallel rank's is gpu0)."""
         order = [b.name for b in plan.model.blocks]
@@ -364,6 +361,10 @@ class Program:
         lo, hi = min(rows, self.rank * c), min(rows, (self.rank + 1) * c)
         return lo * row, hi * row
 
+    def shard_numel(self, p: str) -> int:
+        """Elements of one rank's shard of parameter p, padding included (`shard_shape`)."""
+        return numel(shard_shape(tuple(self.joint.meta(self.joint.placeholder[p])[1]), self.dp))
+
     def shard_value(self, p: str, w: torch.Tensor) -> torch.Tensor:
         """This rank's shard (`shard_shape`, its padding zeros) of a value of parameter `p`'s shape."""
         a, b = self.shard(p)
@@ -475,16 +476,17 @@ def shard_shape(shape: tuple, ranks: int) -> tuple:
     return (-(-shape[0] // ranks), *shape[1:]) if shape else (1,)
 
 
-def check_runnable(plan: Plan, rank: int | None) -> int:
+def check_runnable(plan: Plan, rank: int | None, comm=None) -> int:
     """The GPU a process runs of `plan` (`rank`; None: a one-GPU plan's, 0), or one clear refusal
     before anything is traced: a simulated baseline, or a multi-GPU plan without a rank."""
     pl = plan.decisions.pipeline
     if pl is not None and pl.kind == "data-parallel":
         raise TensorstowError("a zero3-dp plan is a simulated baseline (the Mobius comparison), not "
                               "executable: execute a mobius, gpipe or single-GPU plan")
-    if rank is None and plan.decisions.dp > 1:
-        raise TensorstowError(f"this plan trains data-parallel on {plan.decisions.dp} ranks: execute it with one "
-                              f"process each (`tensorstow execute PLAN --nproc {plan.decisions.dp}`, or torchrun)")
+    if comm is None and plan.decisions.dp > 1:
+        raise TensorstowError(f"this plan trains data-parallel on {plan.decisions.dp} ranks, which exchange gradients "
+                              f"and parameters: execute it with one process each (`tensorstow execute PLAN --nproc "
+                              f"{plan.decisions.dp}`, or torchrun)")
     if rank is None:
         if sorted({gpu_index(g) for g in block_gpus(plan).values()}) != [0]:
             n = len(plan.hardware.spec.gpus)
@@ -509,7 +511,7 @@ def compile_program(plan, model, *, rank: int | None = None, comm=None, traced: 
     with `seed`'s weights or the checkpoint's, streamed); traced for `plan` unless `traced` is
     given; compiled into `plan`'s runtime tables for GPU `rank`."""
     plan = as_plan(plan)
-    check_runnable(plan, rank)
+    check_runnable(plan, rank, comm)
     if isinstance(model, str):
         if init_values is not None:
             raise TensorstowError("init_values is for a model object; a model named by a string brings its own")

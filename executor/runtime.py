@@ -48,8 +48,7 @@ from tensorstow.errors import TensorstowError
 from tensorstow.executor.cuda import lanes_for, out_of_memory
 from tensorstow.executor.lanes import LaneThreads, lane_cores, optimizer_threads, pin_off_compute, unpin
 from tensorstow.executor.malloc import give_back_free_heap
-from tensorstow.executor.program import Program, shard_shape
-from tensorstow.ir.graph import numel
+from tensorstow.executor.program import Program
 from tensorstow.executor.semantics import StepSemantics
 from tensorstow.executor.stores import DeviceMemoryError, HostCopy, RoomWait, Tiers
 from tensorstow.schema.schedule import (CPU_OPTIMIZER, BufferKind, Instr, InstrKind, Stream, block_of, buffer_kind,
@@ -413,7 +412,7 @@ class Runtime:
         ph = prog.joint.placeholder
         for p in prog.block_params[b]:
             flat = params[ph[p]].view(-1)
-            n = shard_numel(prog, p)
+            n = prog.shard_numel(p)
             a, z = prog.shard(p)
             mine = flat.new_zeros(n)
             mine[:z - a] = flat[a:z]
@@ -444,12 +443,6 @@ class Runtime:
         """A step's `commit` instruction: the carried buffers are home, so the SSD holds the whole
         state of the step before (`on_commit` commits it when due)."""
         self.on_commit()
-
-
-def shard_numel(prog, p: str) -> int:
-    """Elements of one rank's shard of parameter p: ceil(rows / dp) of its rows (`shard_shape`)."""
-    shape = prog.joint.meta(prog.joint.placeholder[p])[1]
-    return numel(shard_shape(tuple(shape), prog.dp))
 
 
 def _keys(prog, buf: str) -> list[tuple[str, str, tuple[int, int] | None]]:
