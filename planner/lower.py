@@ -83,7 +83,7 @@ def state_buffers(b: str, own: dict, d: BlockDecision, fp32_grads: bool, mixed: 
                   ) -> dict[str, Buffer]:
     """P:, G:, M: (mixed precision) and OS:<b> of a block's own trainable state, or of a unit's
     (`own`: `BlockProfile.own`, `unit_state`), with the homes `d` gives them; none without any.
-    Data parallel over `ranks`: M: and OS: hold one rank's shard (`BlockProfile.shard_count`)."""
+    Data parallel over `ranks`: M: and OS: hold one rank's shard (`cost.shard_count`)."""
     n, params = own["param_count"], own["params"]
     if not n:
         return {}
