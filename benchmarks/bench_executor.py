@@ -6,7 +6,8 @@ Prints ratios measured in the same run (the machines are shared and noisy):
   2. the zero-infinity plan with its state on SSD and (no SSD) in DRAM, for a probed spec of this
      machine with a small device budget: measured / predicted step time in sync mode (predicted:
      the instructions' modeled durations one after another) and overlap mode (the simulated
-     schedule)
+     schedule); `--device-arena compare` runs each with the device arena off and on
+     (`execute --device-arena`) and prints on/off
 Usage: python benchmarks/bench_executor.py [--model gpt-small] [--batch 4] [--steps 4] [--mode both]
                                           [--precision fp32|bf16-mixed|fp16-mixed] [--device cpu|cuda]
 On a GPU (`--device cuda`) eager is all-GPU PyTorch (the model and AdamW on the GPU, CUDA
@@ -104,6 +105,8 @@ def main():
                     help="the offloaded plans' policy (zero-infinity: DeepSpeed's schedule; lohan, ilp, ...)")
     ap.add_argument("--offload", default="ssd,dram", help="offloaded plans to run: ssd, dram, both (ssd,dram) or none")
     ap.add_argument("--trace-dir", dest="trace_dir", help="write measured and simulated traces here")
+    ap.add_argument("--device-arena", dest="device_arena", default="auto", choices=["auto", "on", "off", "compare"],
+                    help="the offloaded runs' device arena; compare: each run off, then on, and the ratio")
     ap.add_argument("--resident", default=True, action=argparse.BooleanOptionalAction,
                     help="also run the all-resident plan (--no-resident: eager and the offloaded plans only)")
     a = ap.parse_args()
@@ -150,11 +153,13 @@ def main():
         ex = Executor(resident, spec.build(), mode=mode, device=device, graphs=graphed)
         t_res = median_step(ex.step, data, skip=graphs.WARMUP + 1 if graphed == "on" else 1)
         ex.close()
+        ex = None  # its memory goes before the next run's
         label = "graph" if graphed == "on" else mode
         print(f"executor, all-resident {label:8s} {t_res:.4f} s   ratio executor/eager = {t_res / t_eager:.2f}x"
               f"{rate(t_res)}{peak()}")
 
     from tensorstow.executor.run import predicted_step
+    from tensorstow.planner.pools import arena_need
     from tensorstow.schema.hardware import parse_size
     # the same policy with the state homed on the SSD, and (no SSD) in DRAM
     offload = {"both": "ssd,dram", "none": ""}.get(a.offload, a.offload).split(",")
@@ -162,20 +167,30 @@ def main():
                       if key in offload]:
         offl = plan(policy=a.offload_policy, gpu_mem=parse_size(a.gpu_mem), **kw)
         p = as_plan(offl)
-        for mode in ("sync", "overlap") if a.mode == "both" else (a.mode,):
+        arenas = ("off", "on") if a.device_arena == "compare" else (a.device_arena,)
+        for mode, arena in [(m, x) for m in (("sync", "overlap") if a.mode == "both" else (a.mode,)) for x in arenas]:
             with tempfile.TemporaryDirectory(dir=".") as d:
                 torch.manual_seed(0)
                 store = SSDStore(d, p.ssd_sizes()) if p.ssd_sizes() else None
-                ex = Executor(offl, spec.build(), mode=mode, ssd_store=store, device=device)
+                # with the arena, room for it and what a segment holds beside it, where that is more
+                budget = max(arena_need(p, "gpu0"), p.predicted.capacity_bytes["gpu"]) if arena == "on" else None
+                ex = Executor(offl, spec.build(), mode=mode, ssd_store=store, device=device, device_arena=arena,
+                              device_budget=budget)
                 t_off = median_step(ex.step, data)
                 busy = ex.lane_busy()
+                used = f"arena, device budget {ex.dev.budget / 1e9:.3g} GB" if ex.dev.arena is not None else "no arena"
                 if a.trace_dir:
-                    write_traces(a.trace_dir, f"{a.model}-{label}-{mode}", ex, p)
+                    write_traces(a.trace_dir, f"{a.model}-{label}-{mode}-{arena}", ex, p)
                 ex.close()
+                ex = None  # its arena goes before the next run's
             expect = predicted_step(p, mode)
+            if arena == "off":
+                off_s = t_off  # the baseline of the next run's ratio (compare)
             print(f"executor, {label:15s} {mode:8s} {t_off:.4f} s   predicted {expect:.4f} s   "
-                  f"measured/predicted = {t_off / expect:.2f}x   ({a.offload_policy}, device budget {a.gpu_mem}, "
-                  f"offloaded/eager {t_off / t_eager:.2f}x){rate(t_off)}{peak()}")
+                  f"measured/predicted = {t_off / expect:.2f}x   ({a.offload_policy}, device budget {a.gpu_mem}, {used}, "
+                  f"offloaded/eager {t_off / t_eager:.2f}x)" + (f"   arena on/off = {t_off / off_s:.2f}x" if
+                                                                arena == "on" and len(arenas) == 2 else "")
+                  + f"{rate(t_off)}{peak()}")
             print("  lane busy measured/predicted: " + ", ".join(
                 f"{r} {v / p.predicted.busy_s[r]:.2f}x" for r, v in busy.items() if p.predicted.busy_s.get(r)))
             if p.ssd_sizes():  # the VM's disk moves by 30% from minute to minute: its rate now, as probed

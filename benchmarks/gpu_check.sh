@@ -7,7 +7,8 @@
 #
 # Usage: bash benchmarks/gpu_check.sh [STAGES]
 #   STAGES    default "env probe bench cuda profile"; also "demo" and "suite"
-#   BENCH     "model:batch:seq:gpu-mem:precision:steps:offload:policy ..." (offload: dram, ssd, ssd,dram, none)
+#   BENCH     "model:batch:seq:gpu-mem:precision:steps:offload:policy[:arena] ..." (offload: dram, ssd, ssd,dram,
+#             none; arena: the device arena, auto (default), on, off, or compare: each offloaded run off then on)
 #   BENCH_ARGS more arguments for every bench_executor.py run (e.g. --no-resident)
 #   DEADLINE  seconds from the start by which every stage has ended (default 420)
 #   HW        a spec file from `tensorstow probe` instead of probing
@@ -24,7 +25,7 @@ export PYTHONUNBUFFERED=1
 STAGES=${*:-env probe bench cuda profile}
 DEVICE=${DEVICE:-cuda}
 DEADLINE=${DEADLINE:-420}
-BENCH=${BENCH:-"gpt3-125m:8:1024:8GB:bf16-mixed:6:dram:lohan gpt3-1.3b:8:1024:20GB:bf16-mixed:4:dram:lohan \
+BENCH=${BENCH:-"gpt3-125m:8:1024:8GB:bf16-mixed:6:dram:lohan gpt3-1.3b:8:1024:20GB:bf16-mixed:4:dram:lohan:compare \
 gpt3-350m:8:1024:12GB:bf16-mixed:5:dram:lohan gpt3-125m:8:1024:8GB:bf16-mixed:6:dram:zero-infinity"}
 T0=$(date +%s)
 stage() { echo "== $1 (+$(( $(date +%s) - T0 )) s)"; }
@@ -74,12 +75,13 @@ for s in $STAGES; do
       [ -s "$OUT/probe.json" ] && hw="$OUT/probe.json" ;;
     bench)
       for cfg in $BENCH; do
-        IFS=: read -r model batch seq mem prec steps offload policy <<<"$cfg"
+        IFS=: read -r model batch seq mem prec steps offload policy arena <<<"$cfg"
         t=$(budget 200); [ "$t" = 0 ] && { echo "skipped $cfg: out of time" | tee -a "$OUT/bench.log"; continue; }
         echo "## $cfg" >>"$OUT/bench.log"
         timeout "$t" python3 benchmarks/bench_executor.py --device "$DEVICE" --hw "$hw" --model "$model" --batch "$batch" \
           --seq "$seq" --gpu-mem "$mem" --precision "$prec" --steps "${steps:-6}" --offload "${offload:-dram}" \
-          --offload-policy "${policy:-lohan}" --trace-dir /tmp/traces ${BENCH_ARGS:-} >>"$OUT/bench.log" 2>&1
+          --offload-policy "${policy:-lohan}" --device-arena "${arena:-auto}" --trace-dir /tmp/traces ${BENCH_ARGS:-} \
+          >>"$OUT/bench.log" 2>&1
         echo "rc $? ($cfg)" | tee -a "$OUT/bench.log"
       done
       tar czf "$OUT/traces.tgz" -C /tmp traces 2>/dev/null ;;

@@ -41,7 +41,9 @@ from tensorstow.executor.statedir import rng_bytes, set_rng
 from tensorstow.executor.stores import DeviceTier, HostPool, HostTier, SSDTier, Tiers
 from tensorstow.executor.training import TrainingState
 from tensorstow.ir.trace import Traced
+from tensorstow.planner.pools import arena_need, device_arena
 from tensorstow.planner.simulate import SimResult, perfetto_trace
+from tensorstow.schema.run import ARENA
 from tensorstow.schema.schedule import BufferKind, gpu_index, resource_of
 
 
@@ -55,9 +57,10 @@ def _state_dir_store(state_dir, plan, comm) -> tuple[Path, SSDStore]:
 
 
 def open_tiers(prog: Program, device, device_budget: int | None, ssd_store, mode: str) -> Tiers:
-    """The device tier under the plan's budget (`device_budget`: bytes instead), the DRAM arena
-    the plan sizes for `mode`, the SSD tier (a store also for checkpoints where nothing lives on
-    SSD). A device the plan does not fit, or a plan on SSD without a store, is refused."""
+    """The device tier under the plan's budget (`device_budget`: bytes instead; its arena is
+    `open_device_arena`'s), the DRAM arena the plan sizes for `mode`, the SSD tier (a store also for
+    checkpoints where nothing lives on SSD). A device the plan does not fit, or a plan on SSD
+    without a store, is refused."""
     plan = prog.plan
     device = resolve_device(device, prog.rank)
     cuda = device.type == "cuda"
@@ -86,6 +89,41 @@ def _of(part: str, name: str, doc: str, settable: bool = False) -> property:
     def put(self, value):
         setattr(getattr(self, part), name, value)
     return property(get, put if settable else None, doc=doc)
+
+
+def open_device_arena(prog: Program, dev: DeviceTier, setting: str) -> None:
+    """Allocate the device arena the plan sizes (`PoolSizes.device`) where `setting` says: "on"
+    (refused, in one line, where it cannot be), "auto" (on a CUDA device, where it fits: on a CPU
+    device tier copying segments' outputs in costs what the allocations it saves cost,
+    benchmarks/RESULTS.md "Device arena"), "off". It fits where the arena, the most a segment holds
+    beside it and the step's inputs (`planner.pools.arena_need`) fit the device budget; a plan
+    with expert units keeps their rows outside it, unbounded, and has none. Where none is
+    allocated, `dev.arena_note` says why."""
+    if setting not in ARENA:
+        raise TensorstowError(f"unknown device arena setting '{setting}': use one of {list(ARENA)}")
+    if setting == "off":
+        dev.arena_note = "off"
+        return
+    plan = prog.plan
+    size = plan.pools[prog.gpu].device if prog.gpu in plan.pools else 0
+    beside = arena_need(plan, prog.gpu) - size if size else 0
+    if not size:
+        why = "the plan sizes no device arena (a plan of an older tensorstow): re-plan it"
+    elif prog.parts:
+        why = "the plan's expert units hold their rows of the expert weights outside it: run without one"
+    elif size + beside > dev.budget:
+        why = (f"the device arena ({size / 1e6:.1f} MB) and what a segment holds beside it ({beside / 1e6:.1f} MB: "
+               f"its workspace, its outputs before they are copied in, the inputs) exceed the device budget "
+               f"({dev.budget / 1e6:.1f} MB)")
+    elif setting == "auto" and dev.device.type != "cuda":
+        why = "auto: not on a CPU device tier, where copying segments' outputs in costs what it saves"
+    else:
+        homes = device_arena(prog.instrs, plan.buffers, prog.gpu, [n for n, t in prog.homes.items() if t == prog.gpu])
+        dev.open_arena(size, homes.homes)
+        return
+    if setting == "on":
+        raise TensorstowError(f"--device-arena on: {why[:1].lower() + why[1:]}")
+    dev.arena_note = why
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,6 +174,9 @@ class ExecutorConfig:
     warmup and min lr ratio, peak `lr`), whose linear and cosine forms need `total_steps`."""
     total_steps: int | None = None
     """The run's length in optimizer steps, for the plan's linear or cosine schedule."""
+    device_arena: str = "auto"
+    """Each copy on the device a range of one arena the plan sizes, at the offset the plan's order
+    gives it (`open_device_arena`): "auto" (on a CUDA device where it fits), "on", "off"."""
     graphs: str = "auto"
     """"auto" captures the step as a CUDA graph after a few eager steps and replays it where nothing
     in the step needs the host (executor.graphs: every buffer resident, the optimizer on the GPU),
@@ -199,6 +240,7 @@ class Executor:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             self._base = (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device))
+        open_device_arena(prog, self.dev, self.config.device_arena)  # CUDA: counted in this executor's peaks
         self.semantics = StepSemantics(prog, self.device, lr_schedule, total_steps)
         self.runtime = Runtime(prog, tiers, self.semantics, self.mode, self.comm, on_commit=self._commit_previous)
         self.step_replay: Replay = self.runtime.replay_of(prog.instrs, prog.keep, prog.plan_id)

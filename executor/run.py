@@ -76,7 +76,7 @@ def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, 
         # a constant rate until the data is read: the schedule needs the run's length
         ex = Executor(plan, model, mode=mode, ssd_store=store, resume=resume, checkpoint_every=run.checkpoint_every,
                       init_values=init, rank=rank, comm=comm, lr_schedule=LRSchedule("constant", plan.options.lr),
-                      graphs=run.graphs, device=run.device)
+                      graphs=run.graphs, device_arena=run.device_arena, device=run.device)
         if store is not None:
             statedir.describe(d, model, ex.program)
         steps, feed, data = _feed(ex, plan, run, start)
@@ -570,6 +570,8 @@ def _report(ex: Executor, plan: Plan, mode: str, times: list[float], trace: str 
         print(f"CUDA allocator peak: {ex.peak_bytes['gpu_allocated'] / 1e6:.1f} MB allocated, "
               f"{ex.peak_bytes['gpu_reserved'] / 1e6:.1f} MB reserved (held to {ex.alloc_limit / 1e6:.1f} MB: "
               f"the budget + workspaces)", file=out)
+    print(f"device arena: {ex.dev.arena.numel() / 1e6:.1f} MB, every copy at its planned offset"
+          if ex.dev.arena is not None else f"device arena: not used ({ex.dev.arena_note})", file=out)
     if ex.device.type == "cuda":
         print(f"CUDA graph: the step replayed as one graph after {graphs.WARMUP} eager steps"
               if ex.graphs.captured and not ex.graphs.blockers

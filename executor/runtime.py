@@ -51,6 +51,7 @@ from tensorstow.executor.malloc import give_back_free_heap
 from tensorstow.executor.program import Program
 from tensorstow.executor.semantics import StepSemantics
 from tensorstow.executor.stores import DeviceMemoryError, HostCopy, RoomWait, Tiers
+from tensorstow.planner.pools import device_arena, device_bytes, in_device_arena
 from tensorstow.schema.schedule import (CPU_OPTIMIZER, BufferKind, Instr, InstrKind, Stream, block_of, buffer_kind,
                                         gpu_index, is_gpu, split_segment)
 
@@ -71,6 +72,9 @@ class Replay:
     """Each instruction's id in the plan (what errors name)."""
     lanes: object
     """What orders the instructions: host time on the CPU, streams and events on CUDA."""
+    arena: dict[tuple[int, str], int] | None = None
+    """(instruction, buffer) -> the offset in the device arena of the copy it makes
+    (`planner.pools.device_arena`); None: the device tier allocates each copy."""
 
 
 class Runtime:
@@ -102,8 +106,42 @@ class Runtime:
         self._sends: list = []  # this run's transfers in flight to other ranks
 
     def replay_of(self, instrs: list[Instr], keep: dict, plan_id: list[int]) -> Replay:
-        """A program of these instructions, with lanes of its own in this runtime's mode."""
-        return Replay(instrs, keep, plan_id, lanes_for(instrs, self.device, overlap=self.mode == "overlap"))
+        """A program of these instructions, with lanes of its own in this runtime's mode, and where
+        the device tier has an arena, the offsets of the copies it makes there."""
+        arena = None
+        if self.dev.arena is not None:
+            p = self.program
+            placed = device_arena(instrs, p.plan.buffers, p.gpu, [n for n, t in p.homes.items() if t == p.gpu])
+            if placed.nbytes > self.dev.arena.numel():
+                raise TensorstowError(f"the plan's device arena ({self.dev.arena.numel()} bytes) does not hold its "
+                                      f"program's copies ({placed.nbytes} bytes); re-plan it")
+            if placed.homes != self.dev.homes_at:
+                raise TensorstowError("the plan's programs place its homes on the device differently; re-plan it")
+            arena = placed.at
+        return Replay(instrs, keep, plan_id, lanes_for(instrs, self.device, overlap=self.mode == "overlap"), arena)
+
+    def _room(self, ins: Instr, buf: str) -> tuple[int | None, int]:
+        """Where the copy of `buf` that `ins` makes goes in the device arena, and its bytes (None: the
+        tier has no arena, the buffer is kept outside it, or `ins` writes over the copy there)."""
+        arena = self.replay.arena
+        if arena is None:
+            return None, 0
+        spec = self.program.plan.buffers[buf]
+        at = arena.get((ins.id, buf))
+        if at is None:
+            if buf in self.dev.copies or not in_device_arena(spec):
+                return None, 0
+            raise ExecutionError(f"{buf} is made on {self.tiers.gpu} where the device arena has no range for it; "
+                                 f"re-plan it")
+        return at, device_bytes(spec)
+
+    def _put(self, ins: Instr, buf: str, values: dict[str, torch.Tensor], held=frozenset()) -> None:
+        """Make `values` the device copy of `buf` that `ins` makes: in its arena range, else the values themselves."""
+        at, room = self._room(ins, buf)
+        if at is None:
+            self.dev.put(buf, values, held=held)
+        else:
+            self.dev.place(buf, self.program.layouts[buf], at, room, values, held)
 
     def run(self, replay: Replay, inputs: dict[str, list[torch.Tensor]], mode: str | None = None,
             scalars=None) -> list[tuple[int, float, float]]:
@@ -260,10 +298,10 @@ class Runtime:
                         sem.scaler.check(list(self.dev.get(a).values()))
                     continue
                 vals = {r: kept[r] if r in kept else fetch(r) for r in prog.members[a]}
-                if prog.fp32_grads and grads:  # accumulated in fp32 (eager's .grad)
-                    vals = {r: v.float() for r, v in vals.items()}
+                if prog.fp32_grads and grads and self._room(ins, a)[0] is None:  # accumulated in fp32 (eager's .grad)
+                    vals = {r: v.float() for r, v in vals.items()}  # (an arena copy casts as it copies)
                 ours = {r for r, v in vals.items() if r in kept and v is kept[r] and r not in passed}
-                self.dev.put(a, vals, held=ours)
+                self._put(ins, a, vals, held=ours)
                 passed |= ours
                 if sem.scaler is not None and grads:  # GradScaler's inf/NaN check
                     sem.scaler.check(list(self.dev.get(a).values()))
@@ -328,7 +366,7 @@ class Runtime:
         if (src, dst) == (gpu, "dram"):  # CUDA: asynchronous, its readers wait for its event
             self.host.store_from(buf, layout, self.dev.get(buf), non_blocking=True)
         elif (src, dst) == ("dram", gpu):
-            self.dev.load_from(buf, self.host.get(buf))
+            self.dev.load_from(buf, self.host.get(buf), *self._room(ins, buf))
         elif (src, dst) == ("dram", "ssd"):
             self.ssd.write(buf, self.host.get(buf))
         else:
@@ -356,7 +394,7 @@ class Runtime:
         for k, n in zip(layout.keys(), dims):
             got[k] = tuple(strides[at:at + n].tolist())
             at += n
-        self.dev.load_from(buf, HostCopy(layout, blob, got))
+        self.dev.load_from(buf, HostCopy(layout, blob, got), *self._room(ins, buf))
         if self.device.type == "cuda":  # host work records no event: its readers find the copy done
             torch.cuda.current_stream(self.device).synchronize()
 
@@ -388,13 +426,17 @@ class Runtime:
         ph = prog.joint.placeholder
         rest = [p for p in prog.block_params[b] if key(ph[p]) not in written]
         if prog.dp > 1:  # this rank's rows of P from its shard of M, then the other ranks' rows
-            if fresh_p is None:
+            if fresh_p is None and self._room(ins, p_buf)[0] is not None:
+                fresh_p = self.dev.place(p_buf, prog.layouts[p_buf], *self._room(ins, p_buf))
+            elif fresh_p is None:
                 self.dev.put(p_buf, {ph[p]: torch.empty(tuple(prog.joint.meta(ph[p])[1]), dtype=prog.joint.meta(ph[p])[0],
                                                          device=self.dev.device) for p in prog.block_params[b]})
                 fresh_p = self.dev.get(p_buf)
             for p in rest:
                 a, z = prog.shard(p)
                 fresh_p[ph[p]].view(-1)[a:z].copy_(master[p].view(-1)[:z - a])
+        elif fresh_p is None and self._room(ins, p_buf)[0] is not None:  # cast as it is copied in
+            self.dev.place(p_buf, prog.layouts[p_buf], *self._room(ins, p_buf), {key(ph[p]): master[key(p)] for p in rest})
         elif fresh_p is None:  # a copy also for fp32 ones: P never aliases M
             self.dev.put(p_buf, {key(ph[p]): master[key(p)].to(prog.joint.meta(ph[p])[0], copy=True) for p in rest})
         else:

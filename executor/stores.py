@@ -31,7 +31,7 @@ import torch.utils._pytree as pytree
 from tensorstow.errors import TensorstowError
 from tensorstow.executor.aio import aligned_empty, huge_empty
 from tensorstow.ir.graph import numel
-from tensorstow.planner.pools import BestFit, page
+from tensorstow.planner.pools import DEVICE_ALIGN, BestFit, page
 
 
 class DeviceMemoryError(TensorstowError):
@@ -126,6 +126,21 @@ class DeviceTier:
         the planner counts it (`planner.simulate._Joined`)."""
         self.wholes: dict[str, tuple[torch.Tensor, set[tuple[int, int]]]] = {}
         """Root -> (the tensor, the rows of it some buffer's copy holds)."""
+        self.arena: torch.Tensor | None = None
+        """The device arena (`open_arena`): every copy `place` makes is a range of it."""
+        self.homes_at: dict[str, int] = {}
+        """Buffer -> the offset of its home copy in the arena."""
+        self.arena_note = ""
+        """Why the tier has no arena (`executor.executor.open_device_arena`)."""
+        self.ranges: dict[str, tuple[int, int]] = {}
+        """Buffer -> the arena range [start, end) its copy takes."""
+
+    def open_arena(self, nbytes: int, homes_at: dict[str, int]) -> None:
+        """Allocate the device arena the plan sizes (`PoolSizes.device`), counted from here on, and
+        place the homes of `homes_at` in it (buffer -> offset)."""
+        arena = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self.hold(arena, "the device arena")
+        self.arena, self.homes_at = arena, dict(homes_at)
 
     # accounting ---------------------------------------------------------------------------
     def hold(self, value, what: str = "") -> None:
@@ -189,12 +204,15 @@ class DeviceTier:
         if self.used > self.budget:
             used = self.used
             self.used -= n
-            bufs = {b: sum(t.untyped_storage().nbytes() for t in c.values()) for b, c in list(self.copies.items())}
+            bufs = {b: sum(t.numel() * t.element_size() for t in c.values()) for b, c in list(self.copies.items())}
             top = ", ".join(f"{b} {v}" for b, v in sorted(bufs.items(), key=lambda kv: -kv[1])[:6])
+            arena = 0 if self.arena is None else self.arena.numel()
+            outside = sum(v for b, v in bufs.items() if b not in self.ranges)
             raise DeviceMemoryError(
                 f"device tier {self.name} would hold {used} bytes > its budget of {self.budget} bytes "
-                f"(allocating {what or 'a tensor'} of {n} bytes; buffers {top or 'none'}; temporaries "
-                f"and inputs {max(used - n - sum(bufs.values()), 0)}): the plan under-estimates device "
+                f"(allocating {what or 'a tensor'} of {n} bytes; buffers {top or 'none'}"
+                + (f"; the device arena {arena}" if arena else "") + f"; temporaries "
+                f"and inputs {max(used - n - arena - outside, 0)}): the plan under-estimates device "
                 f"memory; re-plan with a smaller --gpu-mem so it leaves headroom (mode='sync', which "
                 f"follows program order, usually needs less than mode='overlap')")
 
@@ -223,12 +241,68 @@ class DeviceTier:
                 self.hold(v, f"{buf}[{k}]")
         self.copies[buf] = values
 
-    def load_from(self, buf: str, src: "HostCopy") -> None:
-        """Copy a host copy onto the device (overwriting the device copy if there is one)."""
+    def place(self, buf: str, layout: "Layout", at: int, room: int, values=None,
+              held: frozenset[str] | set[str] = frozenset(), non_blocking: bool = False,
+              keep_strides: bool = True) -> dict[str, torch.Tensor]:
+        """Make buffer `buf`'s device copy the arena's `room` bytes at offset `at` (`planner.pools.device_arena`):
+        each member a view at the next multiple of DEVICE_ALIGN, with the strides of its value in
+        `values` as `kept_stride` keeps them (`keep_strides`, else contiguous), which is copied in
+        (cast to the layout's dtype); no values: contiguous and unwritten. `held`: keys whose values
+        the caller holds, released here (the copy is the buffer's now). A range that overlaps a copy
+        still here is refused before anything is written (the plan's order must keep them apart)."""
+        if buf in self.copies:
+            raise TensorstowError(f"buffer {buf} is allocated twice on {self.name} (the plan must free it first)")
+        size = sum(-(-s.nbytes // DEVICE_ALIGN) * DEVICE_ALIGN for s in layout.slots.values())
+        if size > room:
+            raise TensorstowError(f"buffer {buf} takes {size} bytes on {self.name}, more than the {room} its "
+                                  f"arena range has; re-plan it")
+        with self._lock:  # lanes place and drop side by side
+            clash = next((b for b, (a, z) in self.ranges.items() if a < at + room and at < z), None)
+            if clash is not None:
+                raise TensorstowError(f"buffer {buf}'s arena range [{at}, {at + room}) overlaps {clash}'s, which is "
+                                      f"still on {self.name}: the plan's order does not keep them apart; re-plan it")
+            self.ranges[buf] = (at, at + room)
+        out, off = {}, at
+        try:
+            for k, slot in layout.slots.items():
+                v = None if values is None else values[k]
+                flat = self.arena[off:off + slot.nbytes].view(slot.dtype)
+                t = flat.as_strided(slot.shape, kept_stride(v) if v is not None and keep_strides
+                                    else contiguous_stride(slot.shape))
+                if v is not None:
+                    t.copy_(v, non_blocking=non_blocking)
+                self.hold(t, buf)  # a view: counted with the arena
+                out[k] = t
+                off += -(-slot.nbytes // DEVICE_ALIGN) * DEVICE_ALIGN
+        except BaseException:
+            for t in out.values():
+                self.release(t)
+            with self._lock:
+                del self.ranges[buf]
+            raise
+        for k in held:
+            self.release(values[k])
+        self.copies[buf] = out
+        return out
+
+    def put_home(self, buf: str, layout: "Layout", room: int, values: dict[str, torch.Tensor]) -> None:
+        """Place a home copy on the device from `values` (host tensors): in the arena where it has one."""
+        if buf in self.homes_at:
+            self.place(buf, layout, self.homes_at[buf], room, values, keep_strides=False)
+        else:
+            self.put(buf, {k: clone_to(values[k], self.device) for k in layout.keys()})
+
+    def load_from(self, buf: str, src: "HostCopy", at: int | None = None, room: int = 0) -> None:
+        """Copy a host copy onto the device (overwriting the device copy if there is one), into the
+        arena's `room` bytes at `at` where the plan places it there."""
         old = self.copies.get(buf)
         if old is not None:
             for k in src.layout.keys():
                 old[k].copy_(src.get(k), non_blocking=self.device.type == "cuda")
+            return
+        if at is not None:
+            self.place(buf, src.layout, at, room, {k: src.get(k) for k in src.layout.keys()},
+                       non_blocking=self.device.type == "cuda")
             return
         if buf in self.parts:
             self.copies[buf] = self._put_rows(buf, src.get)
@@ -251,6 +325,8 @@ class DeviceTier:
         c = self.copies.pop(buf, None)
         if c is None:
             raise TensorstowError(f"free of {buf} on {self.name}, which does not hold it")
+        with self._lock:
+            self.ranges.pop(buf, None)
         if buf in self.parts:
             self._drop_rows(buf, c)
             return

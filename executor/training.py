@@ -17,7 +17,8 @@ from tensorstow.executor.amp import AMP
 from tensorstow.executor.program import Program, model_state
 from tensorstow.executor.ssd import SSDStore
 from tensorstow.executor.statedir import RNG, rng_bytes, set_rng
-from tensorstow.executor.stores import DeviceTier, HostCopy, HostTier, SSDTier, clone_to
+from tensorstow.planner.pools import device_bytes
+from tensorstow.executor.stores import DeviceTier, HostCopy, HostTier, SSDTier
 from tensorstow.schema.schedule import STATE_KINDS, BufferKind, block_of, buffer_kind, units_by_block
 
 
@@ -84,7 +85,7 @@ class TrainingState:
                         vals[key(f"{p}.exp_avg_sq")] = torch.zeros_like(w, dtype=torch.float32)
                 layout = self.layouts[name]
                 if home == self.gpu:
-                    self.dev.put(name, {k: clone_to(vals[k], self.dev.device) for k in layout.keys()})
+                    self.dev.put_home(name, layout, device_bytes(self.program.plan.buffers[name]), vals)
                 else:
                     self.host.store_from(name, layout, vals)
                     if home == "ssd":
@@ -124,7 +125,7 @@ class TrainingState:
                 c = self.host.alloc(n, layout)
                 self.ssd.store.read(n, c.blob)
                 if home == self.gpu:
-                    self.dev.put(n, {k: clone_to(c[k], self.dev.device) for k in layout.keys()})
+                    self.dev.put_home(n, layout, device_bytes(self.program.plan.buffers[n]), {k: c[k] for k in layout.keys()})
                     self.host.drop(n)
         if self.full_checkpoint:
             blob = torch.empty(self.ssd.store.sizes[RNG], dtype=torch.uint8)

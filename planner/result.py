@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from tensorstow.planner import cost
 from tensorstow.planner.lower import lower_eval, lower_redo
-from tensorstow.planner.pools import host_pools
+from tensorstow.planner.pools import process_pools
 from tensorstow.planner.problem import Problem
 from tensorstow.planner.simulate import SimResult, compute_slowdown, contention, simulate
 from tensorstow.schema.plan import (SCHEMA_VERSION, BlockInfo, HardwareInfo, ModelInfo, Plan, PoolSizes, Predicted,
@@ -74,11 +74,12 @@ class PlanResult:
 
     @functools.cached_property
     def pools(self) -> dict[str, PoolSizes]:
-        """Each GPU process's DRAM arena (`planner.pools`), from the schedule and its replay
-        (`make_plan` checks them against the budget, `to_plan` writes them)."""
+        """Each GPU process's DRAM and device arenas (`planner.pools`), from the schedule, its replay
+        and the side programs (`make_plan` checks the DRAM ones against the budget, `to_plan`
+        writes them)."""
         order = self.problem.order
-        return host_pools(self.instructions, self.sim.start, self.buffers, self.decisions, order,
-                          gpus_of_blocks(self.decisions, order))
+        return process_pools(self.instructions, self.sim.start, self.buffers, self.decisions, order,
+                             gpus_of_blocks(self.decisions, order), (self.eval_program[0], self.redo_program[0]))
 
     @functools.cached_property
     def redo_program(self) -> tuple[list[Instr], float]:

@@ -125,13 +125,18 @@ class Predicted:
 
 @dataclass(frozen=True, kw_only=True)
 class PoolSizes:
-    """The DRAM arena one GPU's executor process preallocates, in bytes (STRONGHOLD §3.4 buffer
-    pools): every DRAM copy of a step is a range of it (`planner.pools`)."""
+    """The arenas one GPU's executor process preallocates, in bytes (STRONGHOLD §3.4 buffer pools):
+    every DRAM copy of a step is a range of the DRAM one, every device copy (but workspaces and expert
+    units' rows) a range of the device one (`planner.pools`)."""
     sync: int
     """For a replay in program order (`execute --mode sync`)."""
     overlap: int
     """For lanes that run ahead of program order as the simulated replay does (`--mode overlap`): at
     least `sync`."""
+    device: int = 0
+    """The device arena (`planner.pools.device_arena`): the process's copies on its GPU, each at an
+    offset the plan's instructions determine, in either mode; the largest of the step's, the
+    evaluation's and the redo's. 0: none (a plan without one, or no copy on the GPU)."""
 
 
 def _buffer_entry(name: str, entry, where: str):

@@ -167,6 +167,8 @@ def assert_device_accounting_balanced(ex: Executor) -> None:
             st = t.untyped_storage()
             if st.nbytes():
                 refs.setdefault(st.data_ptr(), [st.nbytes(), 0])[1] += 1
+    if ex.dev.arena is not None:  # held itself besides its views
+        refs.setdefault(ex.dev.arena.data_ptr(), [ex.dev.arena.numel(), 0])[1] += 1
     assert ex.dev._live == refs
     assert ex.dev.used == sum(n for n, _ in refs.values())
 

@@ -161,14 +161,16 @@ def _assert_equal(got, want):
     assert not bad, f"parameters differ: {bad[:5]}"
 
 
-@pytest.mark.parametrize("mode", ["sync", "overlap"])
-def test_a_replayed_resident_step_trains_exactly_as_eager_fused_adamw(mode, cpu_graphs):
+@pytest.mark.parametrize("mode,arena", [("sync", "off"), ("overlap", "off"), ("sync", "on"), ("overlap", "on")])
+def test_a_replayed_resident_step_trains_exactly_as_eager_fused_adamw(mode, arena, cpu_graphs):
     """A warmup-cosine schedule (a new rate every step) and clipping that fires: every replayed
-    step reads its rate, its Adam step count and its batch from memory."""
+    step reads its rate, its Adam step count and its batch from memory. With the device arena the
+    capture records the segments' outputs copied into their planned ranges, and replays them there."""
     plan = _resident(max_grad_norm=0.05)
     torch.manual_seed(0)
-    ex = Executor(plan, GPT(PRESETS["gpt-tiny"]), mode=mode, traced=tiny_trace(), graphs="on",
+    ex = Executor(plan, GPT(PRESETS["gpt-tiny"]), mode=mode, traced=tiny_trace(), graphs="on", device_arena=arena,
                   lr_schedule=LRSchedule("cosine", 1e-3, 2, STEPS))
+    assert (ex.dev.arena is not None) == (arena == "on")
     losses, params, norms = _train(ex)
     eager_norms = []
     want = _eager(max_grad_norm=0.05, norms=eager_norms, scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(

@@ -132,11 +132,11 @@ def offloaded_plans(ref: str, policies=("lohan", "zero-infinity"), precision="fp
     raise AssertionError(f"{ref}: no offloaded plan fits below the all-resident peak {resident}")
 
 
-def run_executor(plan: dict, build, state_dir, mode="sync") -> tuple[list[float], dict]:
+def run_executor(plan: dict, build, state_dir, mode="sync", **kw) -> tuple[list[float], dict]:
     torch.manual_seed(0)
     model = build()
     ex = Executor(plan, model, state_dir=state_dir, mode=mode,
-                  traced=traced(plan["options"]["model"], model, plan["options"]["precision"]))
+                  traced=traced(plan["options"]["model"], model, plan["options"]["precision"]), **kw)
     torch.manual_seed(DROPOUT_SEED)
     losses = [ex.step(x, y) for x, y in data()]
     params = ex.parameters()

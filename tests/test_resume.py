@@ -318,7 +318,7 @@ EVENTS = st.one_of(
     st.tuples(st.just("changed"), st.sampled_from(sorted(set(CHANGES) - {"edited data", "recipe"}))))
 
 
-@settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=2, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(events=st.lists(EVENTS, min_size=1, max_size=3))
 @example(events=[("eval", 3), ("changed", "seed")])          # killed in an evaluation; then another seed
 @example(events=[("sigint", 5), ("commit", 7)])              # Ctrl-C, then killed mid-commit
