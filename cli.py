@@ -17,6 +17,7 @@ from pathlib import Path
 
 from tensorstow.calibrate import hardware_for
 from tensorstow.errors import Interrupted, TensorstowError
+from tensorstow.planner.pools import arena_need
 from tensorstow.planner.simulate import ScheduleError
 from tensorstow.schema.hardware import parse_size
 from tensorstow.schema.options import asked, field_docs, from_asked
@@ -46,6 +47,22 @@ def state_disk_bytes(plan) -> int:
     return sum(2 * round_up(n) for n in store_sizes(plan).values())
 
 
+def _arena_lines(plan) -> list[str]:
+    """Each GPU process's device arena (`execute --arena`) and whether it fits the budget."""
+    if any(UNIT in b.block for b in plan.buffers.values()):
+        return ["device arena: none (the expert units' rows of the expert weights are held outside one)"]
+    cap = plan.predicted.capacity_bytes.get("gpu", 0)
+    out = []
+    for g, pool in sorted(plan.pools.items()):
+        if pool.device:
+            need = arena_need(plan, g)
+            out.append(f"device arena{'' if len(plan.pools) == 1 else ' ' + g}: {_fmt(pool.device)}, {_fmt(need)} with "
+                       f"what a segment holds beside it: " + ("fits the budget" if need <= cap else
+                                                              f"over the budget by {_fmt(need - cap)}, so "
+                                                              f"`execute --arena auto` runs without it"))
+    return out
+
+
 def summary(plan, sim=None, verbose: bool = False) -> str:
     """The plan's summary; `sim`: its simulation, when the caller has one (else it is replayed)."""
     m, pred, dec = plan.model, plan.predicted, plan.decisions
@@ -67,6 +84,7 @@ def summary(plan, sim=None, verbose: bool = False) -> str:
         f"bottleneck: {bn}" + (f" (busy {busy[bn]:.4g} s = {100 * busy[bn] / step:.0f}% of the step)" if bn in busy and step else ""),
         "memory peak / capacity: " + "   ".join(
             f"{t} {_fmt(pred.peak_bytes.get(t, 0))} / {_fmt(pred.capacity_bytes.get(t, 0))}" for t in TIERS),
+        *_arena_lines(plan),
         "busy: " + ", ".join(f"{k} {v:.4g} s" for k, v in sorted(busy.items(), key=lambda kv: -kv[1])),
         "traffic: " + (", ".join(f"{k} {_fmt(v)}" for k, v in pred.traffic_bytes.items()) or "none"),
         "placement: " + _placement(dec),

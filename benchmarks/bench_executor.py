@@ -6,8 +6,11 @@ Prints ratios measured in the same run (the machines are shared and noisy):
   2. the zero-infinity plan with its state on SSD and (no SSD) in DRAM, for a probed spec of this
      machine with a small device budget: measured / predicted step time in sync mode (predicted:
      the instructions' modeled durations one after another) and overlap mode (the simulated
-     schedule); `--device-arena compare` runs each with the device arena off and on
-     (`execute --device-arena`) and prints on/off
+     schedule), and against the plan's bound (its busiest resource: compute, a link, the CPU
+     update) and, with the all-resident runs, as a fraction of the all-resident step's model
+     TFLOPS; `--arena compare` runs each with the device arena off and on (`execute
+     --arena`) and prints on/off. `--repeat N` measures eager and the all-resident runs N
+     times (after the first, only the graph-replayed one), each ratio against its own eager run
 Usage: python benchmarks/bench_executor.py [--model gpt-small] [--batch 4] [--steps 4] [--mode both]
                                           [--precision fp32|bf16-mixed|fp16-mixed] [--device cpu|cuda]
 On a GPU (`--device cuda`) eager is all-GPU PyTorch (the model and AdamW on the GPU, CUDA
@@ -105,8 +108,10 @@ def main():
                     help="the offloaded plans' policy (zero-infinity: DeepSpeed's schedule; lohan, ilp, ...)")
     ap.add_argument("--offload", default="ssd,dram", help="offloaded plans to run: ssd, dram, both (ssd,dram) or none")
     ap.add_argument("--trace-dir", dest="trace_dir", help="write measured and simulated traces here")
-    ap.add_argument("--device-arena", dest="device_arena", default="auto", choices=["auto", "on", "off", "compare"],
+    ap.add_argument("--arena", default="auto", choices=["auto", "on", "off", "compare"],
                     help="the offloaded runs' device arena; compare: each run off, then on, and the ratio")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="measure eager and the all-resident runs this many times, each ratio to its own eager run")
     ap.add_argument("--resident", default=True, action=argparse.BooleanOptionalAction,
                     help="also run the all-resident plan (--no-resident: eager and the offloaded plans only)")
     a = ap.parse_args()
@@ -141,22 +146,27 @@ def main():
         return (f"   max_memory_allocated {m / 2**30:.2f} GiB   cudaMalloc {st.get('num_device_alloc', 0)} "
                 f"cudaFree {st.get('num_device_free', 0)} alloc retries {st.get('num_alloc_retries', 0)}")
 
-    eager = eager_step(spec, device, a.precision)
-    t_eager = median_step(eager, data)
-    print(f"eager PyTorch step        {t_eager:.4f} s{rate(t_eager)}{peak()}")
-    eager = None  # free the eager copy before the executor builds its own
     # on a GPU each mode instruction by instruction, then the step replayed as one CUDA graph
-    # (executor.graphs; timed over the replays, after the eager warmup and the capture)
+    # (executor.graphs; timed over the replays, after the eager warmup and the capture); --repeat:
+    # eager and these again, each ratio against the eager run just before
     runs = [("sync", "off"), ("overlap", "off"), ("sync", "on")] if cuda else [("sync", "off")]
-    for mode, graphed in runs if a.resident else ():
-        torch.manual_seed(0)
-        ex = Executor(resident, spec.build(), mode=mode, device=device, graphs=graphed)
-        t_res = median_step(ex.step, data, skip=graphs.WARMUP + 1 if graphed == "on" else 1)
-        ex.close()
-        ex = None  # its memory goes before the next run's
-        label = "graph" if graphed == "on" else mode
-        print(f"executor, all-resident {label:8s} {t_res:.4f} s   ratio executor/eager = {t_res / t_eager:.2f}x"
-              f"{rate(t_res)}{peak()}")
+    best_resident = None
+    for k in range(max(a.repeat, 1)):
+        eager = eager_step(spec, device, a.precision)
+        t_eager = median_step(eager, data)
+        tag = f" (run {k + 1})" if a.repeat > 1 else ""
+        print(f"eager PyTorch step{tag:8s} {t_eager:.4f} s{rate(t_eager)}{peak()}")
+        eager = None  # free the eager copy before the executor builds its own
+        for mode, graphed in (runs if k == 0 else [r for r in runs if r[1] == "on"]) if a.resident else ():
+            torch.manual_seed(0)
+            ex = Executor(resident, spec.build(), mode=mode, device=device, graphs=graphed)
+            t_res = median_step(ex.step, data, skip=graphs.WARMUP + 1 if graphed == "on" else 1)
+            ex.close()
+            ex = None  # its memory goes before the next run's
+            best_resident = min(best_resident or t_res, t_res)
+            label = "graph" if graphed == "on" else mode
+            print(f"executor, all-resident {label:8s} {t_res:.4f} s   ratio executor/eager = {t_res / t_eager:.2f}x"
+                  f"{rate(t_res)}{peak()}")
 
     from tensorstow.executor.run import predicted_step
     from tensorstow.planner.pools import arena_need
@@ -167,7 +177,7 @@ def main():
                       if key in offload]:
         offl = plan(policy=a.offload_policy, gpu_mem=parse_size(a.gpu_mem), **kw)
         p = as_plan(offl)
-        arenas = ("off", "on") if a.device_arena == "compare" else (a.device_arena,)
+        arenas = ("off", "on") if a.arena == "compare" else (a.arena,)
         for mode, arena in [(m, x) for m in (("sync", "overlap") if a.mode == "both" else (a.mode,)) for x in arenas]:
             with tempfile.TemporaryDirectory(dir=".") as d:
                 torch.manual_seed(0)
@@ -184,6 +194,7 @@ def main():
                 ex.close()
                 ex = None  # its arena goes before the next run's
             expect = predicted_step(p, mode)
+            bound = max(p.predicted.busy_s.values())  # the plan's busiest resource: compute, a link, the CPU update
             if arena == "off":
                 off_s = t_off  # the baseline of the next run's ratio (compare)
             print(f"executor, {label:15s} {mode:8s} {t_off:.4f} s   predicted {expect:.4f} s   "
@@ -191,6 +202,8 @@ def main():
                   f"offloaded/eager {t_off / t_eager:.2f}x)" + (f"   arena on/off = {t_off / off_s:.2f}x" if
                                                                 arena == "on" and len(arenas) == 2 else "")
                   + f"{rate(t_off)}{peak()}")
+            print(f"  measured / the plan's bound (its busiest resource, {bound:.4f} s) = {t_off / bound:.2f}x"
+                  + (f"; model TFLOPS of the all-resident step's: {best_resident / t_off:.2f}" if best_resident else ""))
             print("  lane busy measured/predicted: " + ", ".join(
                 f"{r} {v / p.predicted.busy_s[r]:.2f}x" for r, v in busy.items() if p.predicted.busy_s.get(r)))
             if p.ssd_sizes():  # the VM's disk moves by 30% from minute to minute: its rate now, as probed

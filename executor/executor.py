@@ -30,7 +30,7 @@ from tensorstow.errors import TensorstowError
 from tensorstow.executor import statedir
 from tensorstow.executor.cuda import cap_allocator, check_device, resolve_device
 from tensorstow.executor.device_ops import check_portable, targets_for
-from tensorstow.executor.graphs import Graphs
+from tensorstow.executor.graphs import Graphs, SegmentGraphs
 from tensorstow.executor.lr import LRSchedule
 from tensorstow.executor.malloc import tune as tune_malloc
 from tensorstow.executor.program import Program, compile_program
@@ -106,23 +106,22 @@ def open_device_arena(prog: Program, dev: DeviceTier, setting: str) -> None:
         return
     plan = prog.plan
     size = plan.pools[prog.gpu].device if prog.gpu in plan.pools else 0
-    beside = arena_need(plan, prog.gpu) - size if size else 0
     if not size:
         why = "the plan sizes no device arena (a plan of an older tensorstow): re-plan it"
     elif prog.parts:
         why = "the plan's expert units hold their rows of the expert weights outside it: run without one"
-    elif size + beside > dev.budget:
-        why = (f"the device arena ({size / 1e6:.1f} MB) and what a segment holds beside it ({beside / 1e6:.1f} MB: "
-               f"its workspace, its outputs before they are copied in, the inputs) exceed the device budget "
-               f"({dev.budget / 1e6:.1f} MB)")
     elif setting == "auto" and dev.device.type != "cuda":
         why = "auto: not on a CPU device tier, where copying segments' outputs in costs what it saves"
+    elif arena_need(plan, prog.gpu) > dev.budget:
+        why = (f"the device arena ({size / 1e6:.1f} MB) and what a segment holds beside it "
+               f"({(arena_need(plan, prog.gpu) - size) / 1e6:.1f} MB: its workspace, its outputs before they are "
+               f"copied in, the inputs) exceed the device budget ({dev.budget / 1e6:.1f} MB)")
     else:
         homes = device_arena(prog.instrs, plan.buffers, prog.gpu, [n for n, t in prog.homes.items() if t == prog.gpu])
         dev.open_arena(size, homes.homes)
         return
     if setting == "on":
-        raise TensorstowError(f"--device-arena on: {why[:1].lower() + why[1:]}")
+        raise TensorstowError(f"device arena on: {why[:1].lower() + why[1:]}")
     dev.arena_note = why
 
 
@@ -176,7 +175,7 @@ class ExecutorConfig:
     """The run's length in optimizer steps, for the plan's linear or cosine schedule."""
     device_arena: str = "auto"
     """Each copy on the device a range of one arena the plan sizes, at the offset the plan's order
-    gives it (`open_device_arena`): "auto" (on a CUDA device where it fits), "on", "off"."""
+    gives it (`open_device_arena`; `execute --arena`): "auto" (on a CUDA device where it fits), "on", "off"."""
     graphs: str = "auto"
     """"auto" captures the step as a CUDA graph after a few eager steps and replays it where nothing
     in the step needs the host (executor.graphs: every buffer resident, the optimizer on the GPU),
@@ -226,6 +225,9 @@ class Executor:
             raise
         self.graphs = Graphs(self, c.graphs)
         """Whether the step replays as a captured graph, and the one it replays (executor.graphs)."""
+        self.segment_graphs = SegmentGraphs(self, c.graphs, self.graphs.blockers)
+        """Where the step cannot be one graph, whether its segments are captured one by one (executor.graphs)."""
+        self.runtime.segment_graphs = self.segment_graphs if self.segment_graphs.on else None
         if self.state_dir is not None:
             statedir.describe(self.state_dir, model, prog)
 
@@ -344,6 +346,7 @@ class Executor:
                                   "turns off; set its dropout to 0 to evaluate it here")
         if self.graphs.graph is not None:  # the eager evaluation would stack its memory on the graph's
             self.graphs.drop(self)
+        self.segment_graphs.drop()
         replay = self._side_replay("eval", prog.eval_instrs, prog.eval_keep, prog.eval_plan_id) if prog.eval_instrs \
             else self.step_replay
         rng, timeline, losses = rng_bytes(), self.timeline, []
@@ -401,7 +404,11 @@ class Executor:
             elif not self.graphs.capture(self, graph):
                 graph = None
         if graph is None:
-            self.timeline = self.runtime.run(replay, self.step_inputs(idx, targets, positions))
+            inputs = self.step_inputs(idx, targets, positions)
+            if self.segment_graphs.on and replay is self.step_replay and not self.semantics.evaluating:
+                self.segment_graphs.begin()
+                inputs = self.segment_graphs.feed(inputs)  # where the segments' graphs read them
+            self.timeline = self.runtime.run(replay, inputs)
         else:
             graph.replay()
             self.graphs.replayed, self.timeline = graph, []

@@ -28,6 +28,7 @@ import torch
 
 from tensorstow.errors import TensorstowError
 from tensorstow.executor.cuda import HostLanes, on_host
+from tensorstow.executor.program import draws_random_node
 from tensorstow.schema.run import GRAPHS
 from tensorstow.schema.schedule import InstrKind
 
@@ -48,11 +49,18 @@ class CudaCapture:
             self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
 
     @contextlib.contextmanager
-    def capture(self):
+    def capture(self, shared=None):
+        """`shared`: a segment's capture (`SegmentGraphs`), in the pool the segments share and in
+        thread-local mode (the other lanes go on enqueuing their copies meanwhile)."""
         # torch.cuda.graph synchronizes, returns the cached blocks of the eager steps (the graph
         # allocates from a pool of its own, under the same allocator cap) and captures on the side
         # stream; all of it on the executor's GPU, whichever is current
-        with torch.cuda.device(self.device), torch.cuda.graph(self.graph, stream=self._stream):
+        kw = {}
+        if shared is not None:
+            with torch.cuda.device(self.device):
+                shared.pool = shared.pool if shared.pool is not None else torch.cuda.graph_pool_handle()
+            kw = {"pool": shared.pool, "capture_error_mode": "thread_local"}
+        with torch.cuda.device(self.device), torch.cuda.graph(self.graph, stream=self._stream, **kw):
             yield
 
     def replay(self) -> None:
@@ -233,3 +241,135 @@ def storages(ex) -> tuple:
     """The persistent device buffers' tensors, by buffer, root and address: what a replay reads."""
     return tuple((buf, r, t.untyped_storage().data_ptr(), t.storage_offset())
                  for buf, values in sorted(ex.dev.copies.items()) for r, t in sorted(values.items()))
+
+
+class SegmentGraphs:
+    """Where the step cannot be one graph (host work between its segments: an offloaded plan), each
+    of its segments captured once and replayed every step after: the compute lane launches one
+    graph a segment instead of dispatching op by op, while copies, frees and CPU updates run
+    around them as the schedule orders them (their events).
+
+    A segment's replay reads its inputs and writes its outputs at the capture's addresses, so
+    those must not move: the buffers live in the device arena (`--arena`: each copy at the
+    offset the plan gives it, the same every step), the step's inputs in static tensors each
+    step's values are copied into (`feed`). What the segment leaves for the host is taken from
+    the capture: its buffers' views in the arena (placed again before each replay, through the
+    arena's overlap check), its loss, its gradients' norms. The segments' graphs share one memory
+    pool, captured in program order and replayed in it, so their temporaries take what the largest
+    takes (`planner.pools.device_transient`). A segment that draws random numbers runs eagerly, as
+    does every segment of an evaluation; an evaluation lets the graphs go (its eager memory would
+    stack on theirs). A segment whose capture fails (a host read in it) runs eagerly from then on."""
+
+    def __init__(self, ex, setting: str, step_blockers: list[str]):
+        self.blockers = segment_blockers(ex, setting, step_blockers)
+        """Why segments are not captured (empty: they are, after WARMUP steps)."""
+        self.graphs: dict[int, object] = {}
+        """Step instruction -> its segment's graph (captured, or False: it runs eagerly)."""
+        self.inputs: dict[str, list[torch.Tensor]] | None = None
+        self.pool = None  # CUDA: the memory pool the graphs share
+        self.drawing = {name for name, seg in ex.joint.segments.items() if any(draws_random_node(n) for n in seg.nodes)}
+        """Segments that draw random numbers (dropout): interpreted, the host stepping their generator."""
+        self.captured = 0
+        self.replays = 0
+        """Segments the last step replayed."""
+        self._steps = 0
+
+    @property
+    def on(self) -> bool:
+        return not self.blockers
+
+    def begin(self) -> None:
+        """A training step starts: its segments are captured or replayed once WARMUP steps ran."""
+        self._steps += 1
+        self.replays = 0
+
+    def feed(self, inputs: dict[str, list[torch.Tensor]]) -> dict[str, list[torch.Tensor]]:
+        """The step's inputs in the static tensors the graphs read (the first step's become them)."""
+        if self.inputs is None:
+            self.inputs = inputs
+        else:
+            for name, vs in inputs.items():
+                for s, v in zip(self.inputs[name], vs):
+                    s.copy_(v)
+        return self.inputs
+
+    def drop(self) -> None:
+        """Let every graph go (an evaluation comes): the next training step captures them again (but
+        those whose capture failed)."""
+        self.graphs = {k: g for k, g in self.graphs.items() if g is False}
+        self.pool = None
+
+    def run(self, rt, ins, interpret) -> None:
+        """Run step instruction `ins` (a segment) on runtime `rt`: replayed, captured now and
+        replayed, or interpreted (`interpret()`) during the warmup, an evaluation, or where its
+        segment draws random numbers or failed to capture."""
+        g = self.graphs.get(ins.id)
+        if self.blockers or self._steps <= WARMUP or g is False or rt.sem.evaluating or ins.segment in self.drawing:
+            return interpret()
+        if g is None:
+            return self._capture(rt, ins, interpret)
+        for buf, (views, at, room) in g.views.items():
+            rt.dev.adopt_views(buf, views, at, room)
+        g.replay()
+        if g.loss is not None:
+            rt.sem.losses[ins.micro] = g.loss
+        rt.sem.norms.update(g.norms)
+        self.replays += 1
+
+    def _capture(self, rt, ins, interpret) -> None:
+        dev, sem = rt.dev, rt.sem
+        g = SegmentGraph(BACKENDS[rt.device.type](rt.device), self)
+        norms = dict(sem.norms)
+        loss = sem.losses[ins.micro]
+        try:
+            with g.capture():
+                interpret()
+        except Exception:  # noqa: BLE001 - nothing ran: undo the host's part and interpret it
+            for buf in ins.allocs:
+                if buf in dev.copies:
+                    dev.drop(buf)
+            sem.losses[ins.micro] = loss
+            sem.norms = norms
+            self.graphs[ins.id] = False
+            return interpret()
+        g.views = {buf: (dict(dev.get(buf)), *dev.ranges[buf]) for buf in ins.allocs if buf in dev.ranges}
+        g.views = {buf: (views, a, z - a) for buf, (views, a, z) in g.views.items()}
+        g.loss = sem.losses[ins.micro] if sem.losses[ins.micro] is not loss else None
+        g.norms = {p: t for p, t in sem.norms.items() if norms.get(p) is not t}
+        g.replay()  # the capture computed nothing: this step's work runs now
+        self.graphs[ins.id] = g
+        self.captured += 1
+        self.replays += 1
+
+
+class SegmentGraph:
+    """One segment's captured device work and what it leaves: its buffers' views in the arena (buffer
+    -> (views, offset, bytes)), its loss, its gradients' norms."""
+
+    def __init__(self, backend, graphs: SegmentGraphs):
+        self.backend = backend
+        self._graphs = graphs
+        self.views: dict[str, tuple[dict, int, int]] = {}
+        self.loss: torch.Tensor | None = None
+        self.norms: dict[str, torch.Tensor] = {}
+
+    @contextlib.contextmanager
+    def capture(self):
+        with self.backend.capture(shared=self._graphs):
+            yield
+
+    def replay(self) -> None:
+        self.backend.replay()
+
+
+def segment_blockers(ex, setting: str, step_blockers: list[str]) -> list[str]:
+    """Why executor `ex`'s segments are not captured one by one."""
+    if setting == "off":
+        return ["graphs are off"]
+    if setting == "on" or not step_blockers:
+        return ["the whole step replays as one graph"]
+    if ex.device.type not in BACKENDS:
+        return [f"the device tier is {ex.device.type} memory (graphs are CUDA's)"]
+    if ex.dev.arena is None:
+        return [f"the device tier has no arena ({ex.dev.arena_note}): the segments' buffers move from step to step"]
+    return []

@@ -76,7 +76,7 @@ def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, 
         # a constant rate until the data is read: the schedule needs the run's length
         ex = Executor(plan, model, mode=mode, ssd_store=store, resume=resume, checkpoint_every=run.checkpoint_every,
                       init_values=init, rank=rank, comm=comm, lr_schedule=LRSchedule("constant", plan.options.lr),
-                      graphs=run.graphs, device_arena=run.device_arena, device=run.device)
+                      graphs=run.graphs, device_arena=run.arena, device=run.device)
         if store is not None:
             statedir.describe(d, model, ex.program)
         steps, feed, data = _feed(ex, plan, run, start)
@@ -573,9 +573,14 @@ def _report(ex: Executor, plan: Plan, mode: str, times: list[float], trace: str 
     print(f"device arena: {ex.dev.arena.numel() / 1e6:.1f} MB, every copy at its planned offset"
           if ex.dev.arena is not None else f"device arena: not used ({ex.dev.arena_note})", file=out)
     if ex.device.type == "cuda":
+        segs = ex.segment_graphs
         print(f"CUDA graph: the step replayed as one graph after {graphs.WARMUP} eager steps"
               if ex.graphs.captured and not ex.graphs.blockers
-              else f"CUDA graph: not used ({'; '.join(ex.graphs.blockers) or 'too few steps'})", file=out)
+              else f"CUDA graphs: the step's segments replayed one graph each after {graphs.WARMUP} eager steps "
+                   f"({segs.replays} in the last step; the step as one graph: {'; '.join(ex.graphs.blockers)})"
+              if segs.on and segs.captured
+              else f"CUDA graph: not used ({'; '.join(ex.graphs.blockers) or 'too few steps'}; segment by segment: "
+                   f"{'; '.join(segs.blockers) or 'too few steps'})", file=out)
     busy = ex.lane_busy()
     print("lane busy, measured (predicted): " + ", ".join(
         f"{r} {v:.3g} s ({pred.busy_s.get(r, 0):.3g} s)" for r, v in busy.items()), file=out)

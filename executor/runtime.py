@@ -104,6 +104,10 @@ class Runtime:
         """A captured graph's update scalars, read from memory (executor.graphs); None: eager."""
         self.backward_begun = False
         self._sends: list = []  # this run's transfers in flight to other ranks
+        self.segment_graphs = None
+        """Where segments are captured one by one (executor.graphs.SegmentGraphs)."""
+        self.step_instrs = program.instrs
+        """The step's instructions: the program whose segments may be captured."""
 
     def replay_of(self, instrs: list[Instr], keep: dict, plan_id: list[int]) -> Replay:
         """A program of these instructions, with lanes of its own in this runtime's mode, and where
@@ -276,6 +280,13 @@ class Runtime:
             gen.set_rng_state(now)
 
     def _run_segment(self, ins: Instr) -> None:
+        """Run a segment: replayed or captured as a graph of its own where the executor captures
+        segments (`executor.graphs.SegmentGraphs`, the step's only), else interpreted."""
+        if self.segment_graphs is not None and self.replay.instrs is self.step_instrs:
+            return self.segment_graphs.run(self, ins, lambda: self._interpret(ins))
+        self._interpret(ins)
+
+    def _interpret(self, ins: Instr) -> None:
         prog, sem = self.program, self.sem
         j = prog.joint
         kept: dict[str, torch.Tensor] = {}

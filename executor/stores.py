@@ -256,12 +256,7 @@ class DeviceTier:
         if size > room:
             raise TensorstowError(f"buffer {buf} takes {size} bytes on {self.name}, more than the {room} its "
                                   f"arena range has; re-plan it")
-        with self._lock:  # lanes place and drop side by side
-            clash = next((b for b, (a, z) in self.ranges.items() if a < at + room and at < z), None)
-            if clash is not None:
-                raise TensorstowError(f"buffer {buf}'s arena range [{at}, {at + room}) overlaps {clash}'s, which is "
-                                      f"still on {self.name}: the plan's order does not keep them apart; re-plan it")
-            self.ranges[buf] = (at, at + room)
+        self._claim(buf, at, room)
         out, off = {}, at
         try:
             for k, slot in layout.slots.items():
@@ -284,6 +279,25 @@ class DeviceTier:
             self.release(values[k])
         self.copies[buf] = out
         return out
+
+    def _claim(self, buf: str, at: int, room: int) -> None:
+        """Take the arena range [at, at + room) for `buf`'s copy, refused where it overlaps a copy still here."""
+        with self._lock:  # lanes place and drop side by side
+            clash = next((b for b, (a, z) in self.ranges.items() if a < at + room and at < z), None)
+            if clash is not None:
+                raise TensorstowError(f"buffer {buf}'s arena range [{at}, {at + room}) overlaps {clash}'s, which is "
+                                      f"still on {self.name}: the plan's order does not keep them apart; re-plan it")
+            self.ranges[buf] = (at, at + room)
+
+    def adopt_views(self, buf: str, views: dict[str, torch.Tensor], at: int, room: int) -> None:
+        """Make `views` (of the arena's range [at, at + room), as `place` made them for an earlier step)
+        buffer `buf`'s device copy again: a replayed segment writes them (`executor.graphs`)."""
+        if buf in self.copies:
+            raise TensorstowError(f"buffer {buf} is allocated twice on {self.name} (the plan must free it first)")
+        self._claim(buf, at, room)
+        for t in views.values():
+            self.hold(t, buf)
+        self.copies[buf] = dict(views)
 
     def put_home(self, buf: str, layout: "Layout", room: int, values: dict[str, torch.Tensor]) -> None:
         """Place a home copy on the device from `values` (host tensors): in the arena where it has one."""

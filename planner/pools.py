@@ -246,10 +246,10 @@ def device_transient(instrs: list[Instr], buffers: dict[str, Buffer], gpu: str) 
     """The most device bytes beside the arena while a segment runs: its workspace (the temporaries the
     framework allocates) and the values its buffers keep, made before they are copied into their
     ranges; the largest over the segments of `instrs` on `gpu`."""
-    return max((buffers[i.workspace].bytes if i.workspace else 0)
-               + sum(buffers[b].bytes for b in arena_allocs(i, gpu, buffers))
-               for i in instrs if i.kind in (InstrKind.COMPUTE, InstrKind.RECOMPUTE)
-               and Stream.of(i.stream).device == gpu) if instrs else 0
+    return max(((buffers[i.workspace].bytes if i.workspace else 0)
+                + sum(buffers[b].bytes for b in arena_allocs(i, gpu, buffers))
+                for i in instrs if i.kind in (InstrKind.COMPUTE, InstrKind.RECOMPUTE)
+                and Stream.of(i.stream).device == gpu), default=0)
 
 
 def arena_need(plan, gpu: str) -> int:

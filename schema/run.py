@@ -16,7 +16,7 @@ from tensorstow.schema.typed import decode
 MODES = ("auto", "sync", "overlap")
 GRAPHS = ("auto", "on", "off")
 ARENA = ("auto", "on", "off")
-"""`execute --device-arena`: `executor.executor.open_device_arena`."""
+"""`execute --arena`: `executor.executor.open_device_arena`."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,14 +51,16 @@ class Run:
     computations long enough for the host to keep ahead (a median of 1.5 ms predicted), else
     sync; on a CPU device tier overlap where the compute threads leave a core for the other lanes,
     else sync."""
-    device_arena: str = "auto"
+    arena: str = "auto"
     """Every copy on the device a view of one arena the plan sizes, at the offset the plan's order
     gives it (no allocation in the step, the addresses the same every step): auto on CUDA where it fits
     the device budget with what a segment holds beside it, on (refuse a plan where it does not), off."""
     graphs: str = "auto"
     """Capture the step as a CUDA graph after 2 eager steps and replay it, one launch a step:
     auto where nothing in the step needs the host (every buffer resident on the GPU, the optimizer
-    there, no fp16 loss scaling or dropout), on (refuse a plan where it cannot), off."""
+    there, no fp16 loss scaling or dropout), and where something does but the device arena is in
+    use, each segment as a graph of its own (one launch a segment); on (the whole step: refuse a
+    plan where it cannot), off."""
     device: str | None = None
     """Where the device tier lives: cuda, or cpu (host memory held under the plan's GPU budget:
     every movement still happens) (default: CUDA when there is one)."""
@@ -131,7 +133,7 @@ class Run:
         return decode(Run, d, where)
 
 
-CHOICES = {"mode": MODES, "graphs": GRAPHS, "device_arena": ARENA, "lr_scheduler": LR_SCHEDULERS, "hw_mismatch": ("refuse", "ok"),
+CHOICES = {"mode": MODES, "graphs": GRAPHS, "arena": ARENA, "lr_scheduler": LR_SCHEDULERS, "hw_mismatch": ("refuse", "ok"),
            "device": ("cuda", "cpu"), "io_engine": ("auto", "cpp", "python"), "cpu_adam": ("auto", "cpp", "torch"),
            "malloc": ("tuned", "default"), "loss_on": ("assistant", "all"),
            "report_to": ("none", "tensorboard")}

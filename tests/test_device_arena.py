@@ -1,4 +1,4 @@
-"""The device arena (`planner.pools.device_arena`, `execute --device-arena`): every copy a step makes
+"""The device arena (`planner.pools.device_arena`, `execute --arena`): every copy a step makes
 on the device is a range of one arena the plan sizes, at an offset the plan's order gives it.
 
 The placement is checked against a reference written apart from it (networkx reachability over the
@@ -261,8 +261,8 @@ def test_the_arena_setting_is_one_line_where_it_cannot_be_used(tmp_path, capsys)
     p = tmp_path / "older.json"
     p.write_text(json.dumps(older))
     args = ["execute", str(p), "--steps", "1", "--state-dir", str(tmp_path / "s"), "--hw-mismatch", "ok"]
-    assert main([*args, "--device-arena", "on"]) == 2
-    assert capsys.readouterr().err == ("tensorstow: error: --device-arena on: the plan sizes no device arena (a plan "
+    assert main([*args, "--arena", "on"]) == 2
+    assert capsys.readouterr().err == ("tensorstow: error: device arena on: the plan sizes no device arena (a plan "
                                        "of an older tensorstow): re-plan it\n")
     with pytest.raises(TensorstowError, match=r"the device arena \(.* MB\) and what a segment holds beside it \(.* "
                                               r"MB: its workspace, its outputs before they are copied in, the inputs\) "
@@ -292,7 +292,7 @@ def test_a_mixed_precision_run_casts_into_the_arena_as_eager_autocast_rounds(tmp
 def test_a_hugging_face_mixture_of_experts_trains_through_the_arena_as_eager_hf(tmp_path):
     """A tiny Qwen3-MoE checkpoint (transformers), offloaded under lohan, lanes side by side: the same
     bits as eager Hugging Face training. With its experts in groups (units whose rows the device
-    holds outside the arena) `--device-arena on` is one line."""
+    holds outside the arena) `--arena on` is one line."""
     pytest.importorskip("transformers", reason="the 'hf' extra (transformers) is not installed")
     from tensorstow.ir.models import resolve_model
     from tests import test_real_models as real
@@ -302,6 +302,6 @@ def test_a_hugging_face_mixture_of_experts_trains_through_the_arena_as_eager_hf(
     got = real.run_executor(pj, resolve_model(ref).build, tmp_path / "s", mode="overlap", **with_arena(pj))
     real.assert_equal(got, eager_hf(ref), prefix="model.")
     grouped = real.offloaded_plans(ref, policies=("lohan",), expert_groups=2)["lohan"]
-    with pytest.raises(TensorstowError, match="--device-arena on: the plan's expert units hold their rows of the "
+    with pytest.raises(TensorstowError, match="device arena on: the plan's expert units hold their rows of the "
                                               "expert weights outside it: run without one"):
         real.run_executor(grouped, resolve_model(ref).build, tmp_path / "g", device_arena="on")

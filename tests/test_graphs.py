@@ -91,7 +91,7 @@ class RecordedGraph:
         self._s = 0.0
 
     @contextlib.contextmanager
-    def capture(self):
+    def capture(self, shared=None):
         assert not self.ops, "a graph is captured once"
         with _Recorder(self.ops):
             yield
@@ -287,3 +287,54 @@ def test_a_plan_that_needs_the_host_is_refused_with_its_reasons(tmp_path):
     assert ex.graphs.blockers == ["the device tier is cpu memory (graphs are CUDA's)"]
     with pytest.raises(TensorstowError, match="unknown graphs setting 'yes'"):
         Executor(_resident(), GPT(PRESETS["gpt-tiny"]), traced=tiny_trace(), graphs="yes")
+
+
+@pytest.mark.parametrize("name,mode", [("zero-infinity", "sync"), ("interleaved", "overlap"), ("cut-backward", "overlap"),
+                                       ("deferred", "sync")])
+def test_an_offloaded_steps_segments_replay_one_graph_each_over_the_arena(name, mode, cpu_graphs, tmp_path):
+    """Host work between the segments (copies to and from DRAM and SSD, CPU updates): each segment
+    of the step is captured after the warmup and replayed, reading its inputs and writing its
+    outputs in the device arena at the capture's addresses, the batch through static inputs; the
+    loss and the norms come from the capture. Training equals eager PyTorch bit for bit."""
+    from tests.test_device_arena import with_arena
+    plan = get_plan(name)
+    torch.manual_seed(0)
+    ex = Executor(plan, GPT(PRESETS["gpt-tiny"]), mode=mode, traced=tiny_trace(), state_dir=tmp_path / "s",
+                  **with_arena(plan))
+    assert ex.graphs.blockers and ex.segment_graphs.on
+    losses, params, _ = _train(ex)
+    torch.manual_seed(0)
+    want = train_eager(GPT(PRESETS["gpt-tiny"]), batches("synthetic", B, T, VOCAB, STEPS, seed=0), lr=1e-3,
+                       weight_decay=0.1)
+    _assert_equal((losses, params), want)
+    segments = [i for i in ex.instrs if i.kind in ("compute", "recompute")]
+    assert ex.segment_graphs.captured == len(segments) == len(cpu_graphs) == ex.segment_graphs.replays
+    assert all(g.replays == STEPS - graphs.WARMUP for g in cpu_graphs)  # the capture's step is its first replay
+
+
+def test_segments_capture_again_after_an_evaluation_and_one_that_fails_runs_eagerly(cpu_graphs, tmp_path, monkeypatch):
+    """An evaluation lets the segments' graphs go; the next step captures them again. A segment whose
+    capture fails (here the stand-in refuses the fourth) is interpreted from then on, the step intact."""
+    from tests.test_device_arena import with_arena
+    real = RecordedGraph.capture
+
+    @contextlib.contextmanager
+    def capture(self, shared=None):
+        if len(cpu_graphs) == 4:
+            raise HostReadInCapture("refused by the test")
+        with real(self, shared):
+            yield
+    monkeypatch.setattr(RecordedGraph, "capture", capture)
+    plan = get_plan("zero-infinity")
+    torch.manual_seed(0)
+    ex = Executor(plan, GPT(PRESETS["gpt-tiny"]), traced=tiny_trace(), state_dir=tmp_path / "s", **with_arena(plan))
+    data = list(batches("synthetic", B, T, VOCAB, STEPS + 2, seed=0))
+    losses = [ex.step(x, y) for x, y in data[:STEPS]]
+    segments = sum(i.kind in ("compute", "recompute") for i in ex.instrs)
+    assert ex.segment_graphs.captured == segments - 1 and ex.segment_graphs.replays == segments - 1
+    ex.evaluate(data[:1])
+    losses += [ex.step(x, y) for x, y in data[STEPS:]]
+    assert ex.segment_graphs.captured == 2 * (segments - 1)
+    torch.manual_seed(0)
+    want = train_eager(GPT(PRESETS["gpt-tiny"]), data, lr=1e-3, weight_decay=0.1)
+    _assert_equal((losses, ex.parameters()), want)
