@@ -9,7 +9,7 @@ Prints ratios measured in the same run (the machines are shared and noisy):
      schedule), and against the plan's bound (its busiest resource: compute, a link, the CPU
      update) and, with the all-resident runs, as a fraction of the all-resident step's model
      TFLOPS; `--arena compare` runs each with the device arena off and on (`execute
-     --arena`) and prints on/off. `--repeat N` measures eager and the all-resident runs N
+     --arena`; on CUDA, with it, each segment replays as a graph: `--graphs auto`) and prints on/off. `--repeat N` measures eager and the all-resident runs N
      times (after the first, only the graph-replayed one), each ratio against its own eager run
 Usage: python benchmarks/bench_executor.py [--model gpt-small] [--batch 4] [--steps 4] [--mode both]
                                           [--precision fp32|bf16-mixed|fp16-mixed] [--device cpu|cuda]
@@ -188,7 +188,9 @@ def main():
                               device_budget=budget)
                 t_off = median_step(ex.step, data)
                 busy = ex.lane_busy()
-                used = f"arena, device budget {ex.dev.budget / 1e9:.3g} GB" if ex.dev.arena is not None else "no arena"
+                used = (f"arena, device budget {ex.dev.budget / 1e9:.3g} GB"
+                        + (f", {ex.segment_graphs.replays} segments replayed as graphs" if ex.segment_graphs.captured
+                           else "") if ex.dev.arena is not None else "no arena")
                 if a.trace_dir:
                     write_traces(a.trace_dir, f"{a.model}-{label}-{mode}-{arena}", ex, p)
                 ex.close()

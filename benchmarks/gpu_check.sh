@@ -2,7 +2,8 @@
 # The GPU check: on a CUDA machine, probe it, benchmark the executor against all-GPU eager PyTorch
 # and print one summary table, every figure the GPU issue asks for in one run: gpt3-1.3b under a
 # 20 GB budget (model TFLOPS against the all-resident step's, measured against the plan's bound, the
-# device arena off and on), the all-resident step replayed as a graph against eager in three runs,
+# device arena off and on: on, each segment replays as a CUDA graph), the all-resident step replayed
+# as a graph against eager in three runs,
 # DRAM- and SSD-offloaded plans under lohan and ilp in sync and overlap mode (measured / predicted),
 # and the CUDA tests; `suite` (a second call) runs the whole suite. Every stage has its own time
 # limit and log under $OUT, and all of them end by DEADLINE seconds, so one that fails or runs long

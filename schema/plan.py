@@ -20,7 +20,7 @@ from tensorstow.schema.hardware import Hardware
 from tensorstow.schema.options import Options
 from tensorstow.schema.run import Run
 from tensorstow.schema.schedule import (TENSOR_KINDS, Buffer, BufferKind, Decisions, Instr, InstrKind, buffer_kind,
-                                        is_gpu, parent_of)
+                                        Stream, is_gpu, parent_of)
 from tensorstow.schema.typed import decode, encode, freeze
 
 SCHEMA_VERSION = 4
@@ -212,6 +212,9 @@ class Plan:
             missing = _missing_fields(ins)
             if missing:
                 raise TensorstowError(f"{at} ({ins.kind}) {missing}; re-plan it")
+            if ins.kind in (InstrKind.COMPUTE, InstrKind.RECOMPUTE) and not is_gpu(Stream.of(ins.stream).device):
+                raise TensorstowError(f"{at} ({ins.kind}) runs on stream '{ins.stream}': segments run on a GPU's "
+                                      f"compute stream; re-plan it")
         room = sum(self.predicted.capacity_bytes.values())
         for name, b in self.buffers.items():
             if not 0 <= b.bytes <= room:
@@ -222,6 +225,10 @@ class Plan:
             if b.profile not in self.model.profiles:
                 raise TensorstowError(f"{where}: block {b.name} has profile '{b.profile}', which "
                                       f"model.profiles lacks")
+        for name, b in self.buffers.items():
+            if parent_of(b.block) not in names:
+                raise TensorstowError(f"{where}: buffer {name} belongs to block '{b.block}', which the model does "
+                                      f"not have; re-plan it")
         units = {b for b in self.decisions.blocks if parent_of(b) != b}  # a block's placement units
         if set(self.decisions.blocks) - units != names or not {parent_of(u) for u in units} <= names:
             raise TensorstowError(f"{where}: decisions.blocks must name exactly the model's blocks (and units of them)")

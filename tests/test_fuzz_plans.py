@@ -74,3 +74,28 @@ def test_execute_of_a_mutated_plan_runs_or_says_one_line(tmp_path_factory, capsy
     rc = main(["execute", str(d / "p.json"), "--steps", "1", "--state-dir", str(d / "s"), "--hw-mismatch", "ok"])
     err = capsys.readouterr().err
     assert one_line_or_ran(rc, err), err
+
+
+def test_a_segment_on_a_stream_off_the_gpu_is_one_line(tmp_path, capsys):
+    """A compute instruction moved to the SSD's stream: `show` (which places the plan's device arena)
+    and `execute` refuse it in one line instead of looking its buffer up."""
+    plan = copy.deepcopy(BASE)
+    k = next(i for i, ins in enumerate(plan["instructions"]) if ins["kind"] == "compute")
+    plan["instructions"][k]["stream"] = "ssd"
+    (tmp_path / "p.json").write_text(json.dumps(plan))
+    for args in (["show"], ["execute", "--steps", "1", "--state-dir", str(tmp_path / "s")]):
+        capsys.readouterr()
+        assert main([args[0], str(tmp_path / "p.json"), *args[1:]]) == 2
+        assert capsys.readouterr().err == (f"tensorstow: error: plan file {tmp_path / 'p.json'}: instruction {k} (compute) "
+                                           f"runs on stream 'ssd': segments run on a GPU's compute stream; re-plan it\n")
+
+
+def test_a_buffer_of_no_block_is_one_line(tmp_path, capsys):
+    """A buffer whose block is gone (the fuzzed case that reached the device arena's bookkeeping)."""
+    plan = copy.deepcopy(BASE)
+    name = sorted(plan["buffers"])[0]
+    plan["buffers"][name]["block"] = ""
+    (tmp_path / "p.json").write_text(json.dumps(plan))
+    assert main(["show", str(tmp_path / "p.json")]) == 2
+    assert capsys.readouterr().err == (f"tensorstow: error: plan file {tmp_path / 'p.json'}: buffer {name} belongs to "
+                                       f"block '', which the model does not have; re-plan it\n")
