@@ -346,7 +346,7 @@ class Executor:
                                   "turns off; set its dropout to 0 to evaluate it here")
         if self.graphs.graph is not None:  # the eager evaluation would stack its memory on the graph's
             self.graphs.drop(self)
-        self.segment_graphs.drop()
+        self.segment_graphs.drop(self.device)
         replay = self._side_replay("eval", prog.eval_instrs, prog.eval_keep, prog.eval_plan_id) if prog.eval_instrs \
             else self.step_replay
         rng, timeline, losses = rng_bytes(), self.timeline, []

@@ -29,6 +29,7 @@ import torch
 from tensorstow.errors import TensorstowError
 from tensorstow.executor.cuda import HostLanes, on_host
 from tensorstow.executor.program import draws_random_node
+from tensorstow.planner.pools import arena_need
 from tensorstow.schema.run import GRAPHS
 from tensorstow.schema.schedule import InstrKind
 
@@ -55,13 +56,18 @@ class CudaCapture:
         # torch.cuda.graph synchronizes, returns the cached blocks of the eager steps (the graph
         # allocates from a pool of its own, under the same allocator cap) and captures on the side
         # stream; all of it on the executor's GPU, whichever is current
-        kw = {}
-        if shared is not None:
+        kw, stream = {}, self._stream
+        if shared is not None:  # one stream and one pool for every segment: a block one frees, the next reuses
             with torch.cuda.device(self.device):
                 shared.pool = shared.pool if shared.pool is not None else torch.cuda.graph_pool_handle()
-            kw = {"pool": shared.pool, "capture_error_mode": "thread_local"}
-        with torch.cuda.device(self.device), torch.cuda.graph(self.graph, stream=self._stream, **kw):
-            yield
+                shared.stream = shared.stream if shared.stream is not None else torch.cuda.Stream(self.device)
+            kw, stream = {"pool": shared.pool, "capture_error_mode": "thread_local"}, shared.stream
+        before = torch.cuda.current_stream(self.device)
+        try:
+            with torch.cuda.device(self.device), torch.cuda.graph(self.graph, stream=stream, **kw):
+                yield
+        finally:  # a failed capture leaves the thread on the capturing stream
+            torch.cuda.set_stream(before)
 
     def replay(self) -> None:
         start, end = self._events
@@ -256,19 +262,26 @@ class SegmentGraphs:
     the capture: its buffers' views in the arena (placed again before each replay, through the
     arena's overlap check), its loss, its gradients' norms. The segments' graphs share one memory
     pool, captured in program order and replayed in it, so their temporaries take what the largest
-    takes (`planner.pools.device_transient`). A segment that draws random numbers runs eagerly, as
-    does every segment of an evaluation; an evaluation lets the graphs go (its eager memory would
-    stack on theirs). A segment whose capture fails (a host read in it) runs eagerly from then on."""
+    takes (`planner.pools.device_transient`). A segment that draws random numbers or whose ops'
+    outputs the host reads runs eagerly (where the pool beside them would exceed the budget, no
+    segment is captured), as does every segment of an evaluation; an evaluation lets the graphs go
+    (its eager memory would stack on theirs). A capture that fails anyway stops the run in one line
+    (rerun with --graphs off): CUDA's allocator is then in no known state."""
 
     def __init__(self, ex, setting: str, step_blockers: list[str]):
         self.blockers = segment_blockers(ex, setting, step_blockers)
         """Why segments are not captured (empty: they are, after WARMUP steps)."""
-        self.graphs: dict[int, object] = {}
-        """Step instruction -> its segment's graph (captured, or False: it runs eagerly)."""
+        self.graphs: dict[int, SegmentGraph] = {}
+        """Step instruction -> its segment's graph."""
         self.inputs: dict[str, list[torch.Tensor]] | None = None
         self.pool = None  # CUDA: the memory pool the graphs share
-        self.drawing = {name for name, seg in ex.joint.segments.items() if any(draws_random_node(n) for n in seg.nodes)}
-        """Segments that draw random numbers (dropout): interpreted, the host stepping their generator."""
+        self.stream = None  # CUDA: the stream every segment is captured on
+        self.eager = {name for name, seg in ex.joint.segments.items() if any(_host_decides(n) for n in seg.nodes)}
+        """Segments interpreted every step: they draw random numbers (dropout: the host steps the
+        generator) or have an op whose output's size or value the host reads (a replay cannot)."""
+        if not self.blockers and any(i.segment in self.eager for i in ex.instrs if i.kind in SEGMENT_KINDS) and \
+                arena_need(ex.plan, ex.gpu) + (arena_need(ex.plan, ex.gpu) - ex.plan.pools[ex.gpu].device) > ex.dev.budget:
+            self.blockers = ["the graphs' pool beside the segments that run eagerly would exceed the device budget"]
         self.captured = 0
         self.replays = 0
         """Segments the last step replayed."""
@@ -293,18 +306,20 @@ class SegmentGraphs:
                     s.copy_(v)
         return self.inputs
 
-    def drop(self) -> None:
-        """Let every graph go (an evaluation comes): the next training step captures them again (but
-        those whose capture failed)."""
-        self.graphs = {k: g for k, g in self.graphs.items() if g is False}
-        self.pool = None
+    def drop(self, device) -> None:
+        """Let every graph go and give their pool back (an evaluation comes): the next training step
+        captures them again."""
+        had = bool(self.graphs)
+        self.graphs, self.pool = {}, None  # the pool goes with the last graph that holds it
+        if had and device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def run(self, rt, ins, interpret) -> None:
         """Run step instruction `ins` (a segment) on runtime `rt`: replayed, captured now and
         replayed, or interpreted (`interpret()`) during the warmup, an evaluation, or where its
         segment draws random numbers or failed to capture."""
         g = self.graphs.get(ins.id)
-        if self.blockers or self._steps <= WARMUP or g is False or rt.sem.evaluating or ins.segment in self.drawing:
+        if self.blockers or self._steps <= WARMUP or rt.sem.evaluating or ins.segment in self.eager:
             return interpret()
         if g is None:
             return self._capture(rt, ins, interpret)
@@ -319,23 +334,21 @@ class SegmentGraphs:
     def _capture(self, rt, ins, interpret) -> None:
         dev, sem = rt.dev, rt.sem
         g = SegmentGraph(BACKENDS[rt.device.type](rt.device), self)
-        norms = dict(sem.norms)
+        # with a process group the norms are taken by the reduce lane, beside this one: none here
+        norms = dict(sem.norms) if rt.comm is None else None
         loss = sem.losses[ins.micro]
         try:
             with g.capture():
                 interpret()
-        except Exception:  # noqa: BLE001 - nothing ran: undo the host's part and interpret it
-            for buf in ins.allocs:
-                if buf in dev.copies:
-                    dev.drop(buf)
-            sem.losses[ins.micro] = loss
-            sem.norms = norms
-            self.graphs[ins.id] = False
-            return interpret()
+        except TensorstowError:
+            raise  # the step's own error (a plan that does not fit, a missing load)
+        except Exception as e:  # a failed CUDA capture leaves the allocator's pool state unknown: stop here
+            raise TensorstowError(f"capturing segment {ins.segment} as a CUDA graph failed ({type(e).__name__}: "
+                                  f"{e}); rerun the same command with --graphs off") from None
         g.views = {buf: (dict(dev.get(buf)), *dev.ranges[buf]) for buf in ins.allocs if buf in dev.ranges}
         g.views = {buf: (views, a, z - a) for buf, (views, a, z) in g.views.items()}
         g.loss = sem.losses[ins.micro] if sem.losses[ins.micro] is not loss else None
-        g.norms = {p: t for p, t in sem.norms.items() if norms.get(p) is not t}
+        g.norms = {} if norms is None else {p: t for p, t in sem.norms.items() if norms.get(p) is not t}
         g.replay()  # the capture computed nothing: this step's work runs now
         self.graphs[ins.id] = g
         self.captured += 1
@@ -360,6 +373,15 @@ class SegmentGraph:
 
     def replay(self) -> None:
         self.backend.replay()
+
+
+SEGMENT_KINDS = (InstrKind.COMPUTE, InstrKind.RECOMPUTE)
+
+
+def _host_decides(node) -> bool:
+    """Whether a traced op draws random numbers or makes an output whose size or value the host reads."""
+    tags = getattr(node.target, "tags", ())
+    return draws_random_node(node) or torch.Tag.dynamic_output_shape in tags or torch.Tag.data_dependent_output in tags
 
 
 def segment_blockers(ex, setting: str, step_blockers: list[str]) -> list[str]:

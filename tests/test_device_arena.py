@@ -289,18 +289,35 @@ def test_a_mixed_precision_run_casts_into_the_arena_as_eager_autocast_rounds(tmp
         assert_same((losses, ex.parameters()), want)
 
 
-def test_a_hugging_face_mixture_of_experts_trains_through_the_arena_as_eager_hf(tmp_path):
-    """A tiny Qwen3-MoE checkpoint (transformers), offloaded under lohan, lanes side by side: the same
-    bits as eager Hugging Face training. With its experts in groups (units whose rows the device
-    holds outside the arena) `--arena on` is one line."""
+def test_a_hugging_face_mixture_of_experts_trains_through_the_arena_as_eager_hf(tmp_path, monkeypatch):
+    """A tiny Qwen3-MoE checkpoint (transformers), offloaded under lohan, lanes side by side, its
+    segments replayed as graphs (the CPU stand-in for CUDA's) but those whose routing counts tokens
+    per expert (`bincount`: an output size the host must know) and run eagerly beside the graphs'
+    pool (the device budget leaves room for both): the same bits as eager Hugging Face training.
+    With its experts in groups (units whose rows the device holds outside the arena) `--arena on`
+    is one line."""
     pytest.importorskip("transformers", reason="the 'hf' extra (transformers) is not installed")
+    from tensorstow.executor import graphs
+    from tests.test_graphs import RecordedGraph
+    monkeypatch.setitem(graphs.BACKENDS, "cpu", RecordedGraph)
+    seen = []
+    real_run = graphs.SegmentGraphs.run
+
+    def run_segment(self, rt, ins, interpret):
+        seen.append((ins.segment, ins.segment in self.eager))
+        return real_run(self, rt, ins, interpret)
+    monkeypatch.setattr(graphs.SegmentGraphs, "run", run_segment)
     from tensorstow.ir.models import resolve_model
     from tests import test_real_models as real
     from tests.test_moe import eager as eager_hf, moe_ref
     ref = moe_ref("qwen3_moe", tmp_path)
     pj = real.offloaded_plans(ref, policies=("lohan",))["lohan"]
-    got = real.run_executor(pj, resolve_model(ref).build, tmp_path / "s", mode="overlap", **with_arena(pj))
+    p = Plan.from_json(pj)
+    room = 2 * pools.arena_need(p, "gpu0") - p.pools["gpu0"].device  # the pool beside the eager segments
+    got = real.run_executor(pj, resolve_model(ref).build, tmp_path / "s", mode="overlap", device_arena="on",
+                            device_budget=max(room, p.predicted.capacity_bytes["gpu"]))
     real.assert_equal(got, eager_hf(ref), prefix="model.")
+    assert any(eager for _, eager in seen) and not all(eager for _, eager in seen)
     grouped = real.offloaded_plans(ref, policies=("lohan",), expert_groups=2)["lohan"]
     with pytest.raises(TensorstowError, match="device arena on: the plan's expert units hold their rows of the "
                                               "expert weights outside it: run without one"):

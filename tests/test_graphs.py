@@ -10,6 +10,7 @@ is stale there, and the executor's replayed training differs from eager PyTorch'
 import contextlib
 import json
 import time
+import types
 
 import pytest
 import torch
@@ -312,29 +313,52 @@ def test_an_offloaded_steps_segments_replay_one_graph_each_over_the_arena(name, 
     assert all(g.replays == STEPS - graphs.WARMUP for g in cpu_graphs)  # the capture's step is its first replay
 
 
-def test_segments_capture_again_after_an_evaluation_and_one_that_fails_runs_eagerly(cpu_graphs, tmp_path, monkeypatch):
-    """An evaluation lets the segments' graphs go; the next step captures them again. A segment whose
-    capture fails (here the stand-in refuses the fourth) is interpreted from then on, the step intact."""
+def test_segments_capture_again_after_an_evaluation_and_a_failed_capture_is_one_line(cpu_graphs, tmp_path,
+                                                                                      monkeypatch):
+    """An evaluation lets the segments' graphs go; the next step captures them again, and training
+    stays eager PyTorch's. A capture that fails (the stand-in refuses one, as CUDA refuses a host
+    read) stops the run in one line that says how to run without graphs."""
     from tests.test_device_arena import with_arena
-    real = RecordedGraph.capture
-
-    @contextlib.contextmanager
-    def capture(self, shared=None):
-        if len(cpu_graphs) == 4:
-            raise HostReadInCapture("refused by the test")
-        with real(self, shared):
-            yield
-    monkeypatch.setattr(RecordedGraph, "capture", capture)
     plan = get_plan("zero-infinity")
     torch.manual_seed(0)
     ex = Executor(plan, GPT(PRESETS["gpt-tiny"]), traced=tiny_trace(), state_dir=tmp_path / "s", **with_arena(plan))
     data = list(batches("synthetic", B, T, VOCAB, STEPS + 2, seed=0))
     losses = [ex.step(x, y) for x, y in data[:STEPS]]
     segments = sum(i.kind in ("compute", "recompute") for i in ex.instrs)
-    assert ex.segment_graphs.captured == segments - 1 and ex.segment_graphs.replays == segments - 1
+    assert ex.segment_graphs.captured == segments == ex.segment_graphs.replays
     ex.evaluate(data[:1])
     losses += [ex.step(x, y) for x, y in data[STEPS:]]
-    assert ex.segment_graphs.captured == 2 * (segments - 1)
+    assert ex.segment_graphs.captured == 2 * segments
     torch.manual_seed(0)
     want = train_eager(GPT(PRESETS["gpt-tiny"]), data, lr=1e-3, weight_decay=0.1)
     _assert_equal((losses, ex.parameters()), want)
+
+    real = RecordedGraph.capture
+
+    @contextlib.contextmanager
+    def capture(self, shared=None):
+        if len(cpu_graphs) == 2 * segments + 4:
+            raise HostReadInCapture("refused by the test")
+        with real(self, shared):
+            yield
+    monkeypatch.setattr(RecordedGraph, "capture", capture)
+    ex.evaluate(data[:1])
+    with pytest.raises(TensorstowError, match=r"capturing segment \S+ as a CUDA graph failed \(HostReadInCapture: "
+                                              r"refused by the test\); rerun the same command with --graphs off$"):
+        ex.step(*data[0])
+
+
+def test_a_segment_whose_outputs_the_host_reads_or_that_draws_runs_eagerly():
+    """Ops whose output's size the host must know (nonzero), whose value it reads (item), or that
+    draw random numbers (dropout) keep their segment out of a graph; arithmetic does not."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x):
+        return torch.nonzero(x), torch.bincount(x.long()), torch.nn.functional.dropout(x, 0.5, True), x * 2
+    gm = make_fx(f, tracing_mode="real")(torch.ones(4))
+    decided = {n.target: graphs._host_decides(n) for n in gm.graph.nodes if n.op == "call_function"}
+    assert decided[torch.ops.aten.nonzero.default] and decided[torch.ops.aten.bincount.default]
+    item = types.SimpleNamespace(target=torch.ops.aten._local_scalar_dense.default, args=(), kwargs={})
+    assert graphs._host_decides(item)
+    assert any(v for k, v in decided.items() if "dropout" in str(k) or "bernoulli" in str(k))
+    assert not decided[torch.ops.aten.mul.Tensor]
