@@ -124,7 +124,7 @@ def check_plan(plan: Plan) -> int:
     return shared
 
 
-@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(policy=st.sampled_from(["lohan", "zero-infinity", "ilp", "stronghold", "all-gpu"]),
        precision=st.sampled_from(["fp32", "bf16-mixed"]), gpu_mem=st.sampled_from([1_500_000, 2_500_000, 8_000_000]),
        accum=st.sampled_from([1, 2]), clip=st.sampled_from([0.0, 1.0]))
@@ -204,11 +204,10 @@ def test_no_copy_is_written_over_while_the_executor_still_reads_it(name, tmp_pat
             assert all(reader in ancestors[m] for m in later), (reader, buf, make)
 
 
-@pytest.mark.parametrize("name", ["mobius-8b__mobius-3090ti-topo2+2__mobius", "qwen3-30b-a3b-experts8__lohan-rtx4090__ilp256GB",
-                                  "gpt3-13b-dp4__lohan-rtx4090__ilp"])
+@pytest.mark.parametrize("name", ["mobius-8b__mobius-3090ti-topo2+2__mobius", "gpt3-13b-dp4__lohan-rtx4090__ilp"])
 def test_golden_plans_arenas_keep_live_copies_apart(name):
-    """Pipeline stages with sends, expert units held in rows, data-parallel ranks: each process's
-    arena obeys the rule, and copies do share bytes (the arena is reused, not a copy per instruction)."""
+    """Pipeline stages with sends, data-parallel ranks: each process's arena obeys the rule, and
+    copies do share bytes (the arena is reused, not a copy per instruction)."""
     assert check_plan(Plan.load(ROOT / "plans" / f"{name}.json")) > 0
 
 
