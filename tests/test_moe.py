@@ -350,3 +350,22 @@ def test_a_lora_model_runs_its_head_fused_through_its_base_model(tmp_path, monke
     torch.manual_seed(0)
     want = real.run_eager(CausalLM(real_models.lora_mixtral()), lambda m, x, y: m(x, y))
     real.assert_equal(got, want)
+
+
+def test_tracing_works_where_torch_has_a_python_meta_kernel_for_grouped_mm_already(monkeypatch):
+    """torch 2.11 registers its own Python Meta kernel for `_grouped_mm`, and registering another
+    through torch.library raises there: tracing then replaces the Python kernel alone (a tiny Qwen3-MoE
+    traces and its experts' grouped matmul is in the graph)."""
+    real = torch.library.Library.impl
+
+    def impl(self, name, *args, **kw):
+        if "_grouped_mm" in str(name):
+            raise RuntimeError("This is not allowed since there's already a kernel registered from python "
+                               "overriding _grouped_mm's behavior for Meta dispatch key and aten namespace.")
+        return real(self, name, *args, **kw)
+    monkeypatch.setattr(torch.library.Library, "impl", impl)
+    import tempfile
+    from pathlib import Path
+    ref = moe_ref("qwen3_moe", Path(tempfile.mkdtemp()))
+    traced = trace(resolve_model(ref).build(), batch=2, seq=16, precision="fp32", model_name=ref)
+    assert any(n.target is torch.ops.aten._grouped_mm.default for n in traced.gm.graph.nodes)
