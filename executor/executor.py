@@ -112,9 +112,9 @@ def open_device_arena(prog: Program, dev: DeviceTier, setting: str) -> None:
         why = "the plan's expert units hold their rows of the expert weights outside it: run without one"
     elif setting == "auto" and dev.device.type != "cuda":
         why = "auto: not on a CPU device tier, where copying segments' outputs in costs what it saves"
-    elif arena_need(plan, prog.gpu) > dev.budget:
+    elif (need := arena_need(plan, prog.gpu)) > dev.budget:
         why = (f"the device arena ({size / 1e6:.1f} MB) and what a segment holds beside it "
-               f"({(arena_need(plan, prog.gpu) - size) / 1e6:.1f} MB: its workspace, its outputs before they are "
+               f"({(need - size) / 1e6:.1f} MB: its workspace, its outputs before they are "
                f"copied in, the inputs) exceed the device budget ({dev.budget / 1e6:.1f} MB)")
     else:
         homes = device_arena(prog.instrs, plan.buffers, prog.gpu, [n for n, t in prog.homes.items() if t == prog.gpu])

@@ -345,8 +345,8 @@ class SegmentGraphs:
         except Exception as e:  # a failed CUDA capture leaves the allocator's pool state unknown: stop here
             raise TensorstowError(f"capturing segment {ins.segment} as a CUDA graph failed ({type(e).__name__}: "
                                   f"{e}); rerun the same command with --graphs off") from None
-        g.views = {buf: (dict(dev.get(buf)), *dev.ranges[buf]) for buf in ins.allocs if buf in dev.ranges}
-        g.views = {buf: (views, a, z - a) for buf, (views, a, z) in g.views.items()}
+        g.views = {buf: (dict(dev.get(buf)), dev.ranges[buf][0], dev.ranges[buf][1] - dev.ranges[buf][0])
+                   for buf in ins.allocs if buf in dev.ranges}
         g.loss = sem.losses[ins.micro] if sem.losses[ins.micro] is not loss else None
         g.norms = {} if norms is None else {p: t for p, t in sem.norms.items() if norms.get(p) is not t}
         g.replay()  # the capture computed nothing: this step's work runs now

@@ -436,9 +436,10 @@ class Runtime:
             return
         ph = prog.joint.placeholder
         rest = [p for p in prog.block_params[b] if key(ph[p]) not in written]
+        room = self._room(ins, p_buf) if fresh_p is None else (None, 0)  # the new P's arena range, if any
         if prog.dp > 1:  # this rank's rows of P from its shard of M, then the other ranks' rows
-            if fresh_p is None and self._room(ins, p_buf)[0] is not None:
-                fresh_p = self.dev.place(p_buf, prog.layouts[p_buf], *self._room(ins, p_buf))
+            if fresh_p is None and room[0] is not None:
+                fresh_p = self.dev.place(p_buf, prog.layouts[p_buf], *room)
             elif fresh_p is None:
                 self.dev.put(p_buf, {ph[p]: torch.empty(tuple(prog.joint.meta(ph[p])[1]), dtype=prog.joint.meta(ph[p])[0],
                                                          device=self.dev.device) for p in prog.block_params[b]})
@@ -446,8 +447,8 @@ class Runtime:
             for p in rest:
                 a, z = prog.shard(p)
                 fresh_p[ph[p]].view(-1)[a:z].copy_(master[p].view(-1)[:z - a])
-        elif fresh_p is None and self._room(ins, p_buf)[0] is not None:  # cast as it is copied in
-            self.dev.place(p_buf, prog.layouts[p_buf], *self._room(ins, p_buf), {key(ph[p]): master[key(p)] for p in rest})
+        elif fresh_p is None and room[0] is not None:  # cast as it is copied in
+            self.dev.place(p_buf, prog.layouts[p_buf], *room, {key(ph[p]): master[key(p)] for p in rest})
         elif fresh_p is None:  # a copy also for fp32 ones: P never aliases M
             self.dev.put(p_buf, {key(ph[p]): master[key(p)].to(prog.joint.meta(ph[p])[0], copy=True) for p in rest})
         else:

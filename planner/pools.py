@@ -117,11 +117,11 @@ def process_pools(instrs: list[Instr], start: list[float], buffers: dict[str, Bu
     out = {}
     for gpu in sorted(set(block_gpu.values())):
         mine = [i for i in instrs if runs_on(i, gpu, block_gpu, buffers)]
-        on_gpu = [n for n, t in home_tiers(buffers, decisions, blocks).items() if t == gpu]
-        device = max(device_arena([i for i in prog if runs_on(i, gpu, block_gpu, buffers)], buffers, gpu,
-                                  on_gpu).nbytes for prog in (mine, *side))
         simulated = sorted(mine, key=lambda i: (start[i.id], i.id))
         homes = {n: t for n, t in home_tiers(buffers, decisions, blocks).items() if block_gpu[buffers[n].block] == gpu}
+        on_gpu = [n for n, t in homes.items() if t == gpu]
+        device = max(device_arena([i for i in prog if runs_on(i, gpu, block_gpu, buffers)], buffers, gpu,
+                                  on_gpu).nbytes for prog in (mine, *side))
         carried = [x for x in carried_buffers(decisions, buffers) if x in homes]
 
         def need(order):
