@@ -172,7 +172,7 @@ def launch(nproc: int, kw: dict, out=None) -> None:
     with tempfile.TemporaryDirectory(prefix="tensorstow-ranks-") as tmp:
         errs = [Path(tmp) / f"rank{k}.err" for k in range(nproc)]
         procs = []
-        stopped: set[int] = set()
+        seen: dict[int, int] = {}
         try:
             for k in range(nproc):
                 with open(errs[k], "w") as err:
@@ -180,12 +180,7 @@ def launch(nproc: int, kw: dict, out=None) -> None:
                         [sys.executable, "-m", "tensorstow.executor.run", json.dumps(kw)],
                         env=dict(env, RANK=str(k)), stdout=None if k == 0 else subprocess.DEVNULL, stderr=err,
                         start_new_session=True))
-            while any(p.poll() is None for p in procs) and all(p.poll() in (None, 0) for p in procs):
-                time.sleep(0.05)
-            if any(p.poll() not in (None, 0) for p in procs):  # let the others notice, then find the cause
-                deadline = time.monotonic() + 2
-                while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-                    time.sleep(0.05)
+            seen = _watch(procs)
         finally:
             stopped = _stop(procs)
         why = {}
@@ -198,18 +193,38 @@ def launch(nproc: int, kw: dict, out=None) -> None:
                                          else f"exit status {p.returncode}"))
         if not why:
             return
-        cause = _cause(why, stopped)
+        cause = _cause(why, stopped, seen)
         state = kw.get("state_dir")
         resume = (f"; every rank stopped, and {state} keeps the last step all ranks committed: run the same "
                   f"command to resume") if state else "; every rank stopped"
         raise TensorstowError(f"rank {cause} of {nproc} {why[cause]}{resume}")
 
 
-def _cause(why: dict[int, str], stopped: set[int]) -> int:
+def _watch(procs: list[subprocess.Popen], poll_s: float = 0.05, grace_s: float = 2.0) -> dict[int, int]:
+    """Wait until every rank succeeds or one does not; then give the others `grace_s` to notice and
+    end. Returns rank -> the poll round in which it was first seen ended (the order of deaths)."""
+    seen: dict[int, int] = {}
+    deadline, rnd = None, 0
+    while len(seen) < len(procs) and (deadline is None or time.monotonic() < deadline):
+        for k, p in enumerate(procs):
+            if k not in seen and p.poll() is not None:
+                seen[k] = rnd
+                if p.returncode != 0 and deadline is None:
+                    deadline = time.monotonic() + grace_s
+        rnd += 1
+        if len(seen) < len(procs):
+            time.sleep(poll_s)
+    return seen
+
+
+def _cause(why: dict[int, str], stopped: set[int], seen: dict[int, int] | None = None) -> int:
     """The rank to blame of those that did not succeed (rank -> what happened): not one this
-    launcher terminated when another ended by itself; then a rank that died, else one that failed
-    by itself (not one that lost its peers), else the first."""
-    return min(why, key=lambda k: (k in stopped, "killed" not in why[k], LOST in why[k], k))
+    launcher terminated when another ended by itself; then the first seen ended; then a rank that
+    died by another's hand (not SIGABRT, which a rank raises itself when its transport loses a peer),
+    then one that died, else one that failed by itself (not one that lost its peers), else the first."""
+    seen = seen or {}
+    return min(why, key=lambda k: (k in stopped, seen.get(k, len(seen)), "SIGABRT" in why[k],
+                                   "killed" not in why[k], LOST in why[k], k))
 
 
 def _stop(procs: list[subprocess.Popen]) -> set[int]:

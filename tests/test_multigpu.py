@@ -206,6 +206,28 @@ def test_the_rank_to_blame_is_not_one_the_launcher_stopped():
     assert _cause({0: "was killed by signal SIGTERM", 1: "was killed by signal SIGTERM"}, stopped={0, 1}) == 0
 
 
+def test_the_rank_to_blame_is_the_first_seen_dead_not_the_peer_that_aborted():
+    """Regression: rank 1 SIGKILLed, rank 0's transport aborts it (SIGABRT) before the launcher's
+    next poll; the error blamed rank 0. The first seen dead is to blame, and within one poll a rank
+    that aborted itself is not."""
+    from tensorstow.executor.distributed import _cause
+    why = {0: "was killed by signal SIGABRT", 1: "was killed by signal SIGKILL"}
+    assert _cause(why, stopped=set(), seen={0: 7, 1: 7}) == 1
+    assert _cause(why, stopped=set(), seen={0: 7, 1: 8}) == 0
+    assert _cause({0: "was killed by signal SIGKILL", 1: "was killed by signal SIGKILL"}, set(), {0: 9, 1: 8}) == 1
+
+
+def test_the_launcher_watch_records_the_order_ranks_ended():
+    from tensorstow.executor.distributed import _stop, _watch
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True),
+             subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"], start_new_session=True)]
+    try:
+        seen = _watch(procs, grace_s=0.2)
+    finally:
+        stopped = _stop(procs)
+    assert list(seen) == [1] and procs[1].returncode == 3 and stopped == {0}
+
+
 def test_torchrun_with_the_wrong_number_of_processes_is_one_line(tmp_path):
     plan = mobius_plan(2)
     path = tmp_path / "plan.json"
