@@ -179,17 +179,20 @@ def commit_time(hw, instrs) -> float:
 
 
 def op_time(flops: int, nbytes: int, hw: Hardware, gpu: int = 0, fp32: bool = False, kind: str = "",
-            groups: int = 1) -> float:
+            groups: int = 1, rows: float = 0.0) -> float:
     """Roofline time of one op, plus the host's dispatch cost per op (`GPU.op_s`); `fp32`: its math
     runs in fp32. `kind` ("matmul", "attention", "attention_bwd" from `op_kind`,
-    "matmul_unaligned" from `matmul_kind`): its FLOPs run at the rate the GPU's probe measured at
-    that size and precision (`measured_rate`) where it has one, else at `flops_fp32` (fp32, where
-    the GPU has one) or `flops`; a grouped matmul of `groups` groups, at the rate of one group's
-    share (`flops / groups`). An op that touches memory takes at least `GPU.kernel_s`.
-    An op without FLOPs moves its bytes at `GPU.elementwise_bw` where the probe measured one, else
-    at `mem_bw`."""
+    "matmul_unaligned", "grouped_mm", "grouped_mm_wgrad" from `matmul_kind`): its FLOPs run at the
+    rate the GPU's probe measured at that size and precision (`measured_rate`) where it has one,
+    else at `flops_fp32` (fp32, where the GPU has one) or `flops`; a grouped matmul of `groups`
+    groups of `rows` rows each, at its layout's rate at those rows (`GPU.grouped_mm_rates`), else at
+    the matmul rate of one group's share (`flops / groups`). An op that touches memory takes at
+    least `GPU.kernel_s`. An op without FLOPs moves its bytes at `GPU.elementwise_bw` where the
+    probe measured one, else at `mem_bw`."""
     g = hw.gpus[gpu]
-    rate = measured_rate(g, kind, flops / groups, fp32) if kind else 0.0
+    rate = grouped_rate(g, kind, rows, fp32) if kind.startswith("grouped") else 0.0
+    if kind and not rate:
+        rate = measured_rate(g, "matmul" if kind.startswith("grouped") else kind, flops / groups, fp32)
     if not rate:
         rate = g.flops_fp32 if fp32 and g.flops_fp32 else g.flops
     bw = g.elementwise_bw if not flops and g.elementwise_bw else g.mem_bw
@@ -221,12 +224,53 @@ kernels (16 bytes); with any other, cuBLAS falls back to slower ones (`matmul_un
 def matmul_kind(o, tensors) -> str:
     """`op_kind` of an IR op, telling a matmul with a dimension that is not a multiple of
     TENSOR_CORE_ALIGN ("matmul_unaligned": a vocabulary of 50257, whose LM head ran at 94-145
-    TFLOPS against 693-767 at 50304 on an H200, benchmarks/RESULTS.md "On a GPU") from the rest."""
+    TFLOPS against 693-767 at 50304 on an H200, benchmarks/RESULTS.md "On a GPU") and a grouped
+    matmul's layouts (`grouped_layout`) from the rest."""
     kind = op_kind(o.target)
+    if "_grouped_mm" in o.target:
+        return grouped_layout(o, tensors)[0]
     if kind == "matmul" and any(d % TENSOR_CORE_ALIGN for name in o.inputs if name in tensors
                                 for d in tensors[name].shape[-2:] if len(tensors[name].shape) >= 2):
         return "matmul_unaligned"
     return kind
+
+
+def grouped_layout(o, tensors) -> tuple[str, float]:
+    """(kind, rows per group) of a grouped matmul: "grouped_mm" for a 2-D input times a 3-D weight
+    (the forward, the input gradient), whose rows are the input's; "grouped_mm_wgrad" for 2-D x 2-D
+    into one matrix per group (the weight gradient), whose contracted dimension is the rows; "matmul"
+    (rows 0) for any other. Balanced routing, the cost model's expectation, gives each of the
+    `expert_groups` groups an equal share of the rows."""
+    if len(o.inputs) < 2 or not all(n in tensors for n in o.inputs[:2]):
+        return "matmul", 0.0
+    a, b = (tensors[n].shape for n in o.inputs[:2])
+    groups = expert_groups(o, tensors)
+    if len(a) == 2 and len(b) == 3:
+        return "grouped_mm", a[0] / groups
+    if len(a) == 2 and len(b) == 2:
+        return "grouped_mm_wgrad", a[1] / groups
+    return "matmul", 0.0
+
+
+def grouped_rate(g, kind: str, rows: float, fp32: bool = False) -> float:
+    """FLOP/s of a grouped matmul of `kind` ("grouped_mm", "grouped_mm_wgrad") at `rows` a group from
+    the GPU's probed curve at its precision (`GPU.grouped_mm_rates`), interpolated log-log and held
+    at its ends; 0 where it has none."""
+    return _interpolate(getattr(g, kind + "_rates" + ("_fp32" if fp32 else ""), ()), rows)
+
+
+def _interpolate(curve, x: float) -> float:
+    """A (size, rate) curve's rate at `x`: log-log between its points, held at its ends; 0 where
+    the curve is empty or `x` is not positive."""
+    if not curve or x <= 0:
+        return 0.0
+    if x <= curve[0][0]:
+        return curve[0][1]
+    for (f0, r0), (f1, r1) in zip(curve, curve[1:]):
+        if x <= f1:
+            w = math.log(x / f0) / math.log(f1 / f0)
+            return math.exp(math.log(r0) + w * math.log(r1 / r0))
+    return curve[-1][1]
 
 
 def measured_rate(g, kind: str, flops: float, fp32: bool = False) -> float:
@@ -242,15 +286,7 @@ def measured_rate(g, kind: str, flops: float, fp32: bool = False) -> float:
         curve = attention
         if kind == "attention_bwd":
             flops /= _ATTENTION_BWD_PER_FWD
-    if not curve or flops <= 0:
-        return 0.0
-    if flops <= curve[0][0]:
-        return curve[0][1]
-    for (f0, r0), (f1, r1) in zip(curve, curve[1:]):
-        if flops <= f1:
-            w = math.log(flops / f0) / math.log(f1 / f0)
-            return math.exp(math.log(r0) + w * math.log(r1 / r0))
-    return curve[-1][1]
+    return _interpolate(curve, flops)
 
 
 def ops_time(ops, tensors, hw: Hardware) -> float:
@@ -260,17 +296,17 @@ def ops_time(ops, tensors, hw: Hardware) -> float:
 
 def ir_op_time(o, tensors, hw: Hardware) -> float:
     """`op_time` of an IR op: its precision and kind read from its inputs; a grouped matmul's rate is
-    the one of its per-group size (`expert_groups`)."""
-    return op_time(o.flops, o.bytes_in + o.bytes_out, hw, fp32=_in_fp32(o, tensors), kind=matmul_kind(o, tensors),
-                   groups=expert_groups(o, tensors))
+    its layout's at its rows per group (`grouped_layout`)."""
+    kind = matmul_kind(o, tensors)
+    rows = grouped_layout(o, tensors)[1] if kind.startswith("grouped") else 0.0
+    return op_time(o.flops, o.bytes_in + o.bytes_out, hw, fp32=_in_fp32(o, tensors), kind=kind,
+                   groups=expert_groups(o, tensors), rows=rows)
 
 
 def expert_groups(o, tensors) -> int:
     """The groups a grouped matmul splits its rows into (a mixture of experts' experts: the length of
     its `offs` input, the one 1-D integer input), 1 for any other op. Balanced routing, the cost
-    model's expectation, gives every group 1/groups of the flops, and a grouped kernel runs each group
-    as a matmul of that size (benchmarks/RESULTS.md "A mixture of experts from SSD": the CPU's grouped
-    matmul at 42 rows an expert took 1.30x a dense one of the same total flops)."""
+    model's expectation, gives every group 1/groups of the rows (`grouped_layout`)."""
     if "_grouped_mm" not in o.target:
         return 1
     offs = [tensors[n] for n in o.inputs if n in tensors and len(tensors[n].shape) == 1

@@ -35,15 +35,18 @@ CPU_GPU_NAME = "cpu (no CUDA)"
 
 
 OMITTED_WHEN_ZERO = ("op_s", "matmul_rates", "matmul_rates_unaligned", "attention_rates", "matmul_rates_fp32",
-                     "attention_rates_fp32", "elementwise_bw", "kernel_s", "d2h_convert_bw", "h2d_convert_bw", "copy_tensor_s", "host_contention", "ssd_contention",
+                     "attention_rates_fp32", "grouped_mm_rates", "grouped_mm_wgrad_rates", "grouped_mm_rates_fp32",
+                     "grouped_mm_wgrad_rates_fp32", "elementwise_bw", "kernel_s", "d2h_convert_bw", "h2d_convert_bw", "copy_tensor_s", "host_contention", "ssd_contention",
                      "compute_capability", "request_s", "commit_s", "sync_s", "flush_bw", "adam_tensor_s",
                      "gloo_bw")
 """GPU, SSD and CPU fields a spec's JSON leaves out when 0 (added after specs existed: their
 fingerprints stay)."""
 
 
-RATE_CURVES = ("matmul_rates", "matmul_rates_unaligned", "attention_rates", "matmul_rates_fp32", "attention_rates_fp32")
-"""GPU fields that hold (FLOPs, FLOP/s) curves measured by `tensorstow probe`."""
+RATE_CURVES = ("matmul_rates", "matmul_rates_unaligned", "attention_rates", "matmul_rates_fp32", "attention_rates_fp32",
+               "grouped_mm_rates", "grouped_mm_wgrad_rates", "grouped_mm_rates_fp32", "grouped_mm_wgrad_rates_fp32")
+"""GPU fields that hold (size, FLOP/s) curves measured by `tensorstow probe`: FLOPs of one op, or
+for the grouped matmuls rows per group."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,6 +142,20 @@ class GPU:
     block-wide rate probed at one width mispredicts the others (gpt3-2.7b's compute 0.86x its
     prediction from a d-512 block, benchmarks/RESULTS.md "Training state larger than DRAM").
     Empty: `flops_fp32`, then `flops`. Left out of the spec's JSON when empty."""
+    grouped_mm_rates: tuple[tuple[float, float], ...] = ()
+    grouped_mm_wgrad_rates: tuple[tuple[float, float], ...] = ()
+    grouped_mm_rates_fp32: tuple[tuple[float, float], ...] = ()
+    grouped_mm_wgrad_rates_fp32: tuple[tuple[float, float], ...] = ()
+    """(rows per group, FLOP/s), ascending: what a grouped matmul (a mixture of experts' experts,
+    `torch._grouped_mm`) gets at 16-bit or fp32 (`_fp32`) precision, in its two layouts: a 2-D
+    input times one 3-D weight per group (the forward and the input gradient: `grouped_mm_rates`)
+    and the weight gradient, 2-D x 2-D into one matrix per group, whose contracted dimension is the
+    rows (`grouped_mm_wgrad_rates`). The rate follows the rows each group gets, not the FLOPs: on
+    one core of a 2-core AMD EPYC VM, fp32 at 43 rows a group ran the forward at 77 GFLOP/s and the
+    weight gradient at 34, where a dense matmul of one group's FLOPs runs 102 (benchmarks/RESULTS.md
+    "A mixture of experts from SSD"). The CPU device tier's probe times the three calls of a grouped
+    linear layer (8 groups, 1024 x 1024 weights) at 16, 64 and 256 rows a group. Empty (a GPU, the
+    presets): `matmul_rates` at one group's FLOPs. Left out of the spec's JSON when empty."""
     elementwise_bw: float = 0.0
     """Bytes/s the ops without FLOPs (elementwise, norms, softmax, reductions) move, where it is
     below `mem_bw`. On a CPU they compute per element besides streaming memory: the CPU device

@@ -116,9 +116,9 @@ def test_the_experts_are_priced_on_their_static_token_rows(tmp_path):
         grouped_mm_flops((4,), (4, 4))
 
 
-def test_a_grouped_matmul_runs_at_the_rate_of_one_experts_share(tmp_path):
-    """Balanced routing gives each of E experts 1/E of the rows: the grouped kernel runs E matmuls
-    of that size, so the op is priced at the measured matmul rate of flops / E (forward and both
+def test_a_grouped_matmul_without_grouped_curves_runs_at_the_rate_of_one_experts_share(tmp_path):
+    """Balanced routing gives each of E experts 1/E of the rows: where the GPU has no grouped
+    curves (a preset), the op is priced at the measured matmul rate of flops / E (forward and both
     gradients), not at the rate of its total."""
     import dataclasses
 
@@ -139,6 +139,35 @@ def test_a_grouped_matmul_runs_at_the_rate_of_one_experts_share(tmp_path):
     for o in experts:
         want = o.flops / (1e10 * (o.flops / e / 1e3) ** (1 / 9)) + gpu.op_s
         assert ir_op_time(o, tensors, hw) == pytest.approx(want, rel=1e-9)
+
+
+def test_a_grouped_matmul_runs_at_its_layouts_rate_at_its_rows_per_expert(tmp_path):
+    """Where the probe measured grouped curves (the CPU device tier), a grouped matmul runs at the
+    rate of its layout at the rows balanced routing gives each expert (batch x seq x top-k / E):
+    the forward and the input gradient (2-D x 3-D) at `grouped_mm_rates`, the weight gradient
+    (2-D x 2-D, the rows contracted) at `grouped_mm_wgrad_rates`, which a CPU runs far slower at
+    few rows (benchmarks/RESULTS.md "A mixture of experts from SSD")."""
+    import dataclasses
+
+    from tensorstow.planner.cost import grouped_layout, ir_op_time
+    from tensorstow.planner.presets import load_hardware
+    ref = moe_ref("mixtral", tmp_path)
+    graph = trace(resolve_model(ref).build(), batch=2, seq=16, precision="fp32", model_name=ref).graph
+    tensors = {t.name: t for t in graph.tensors}
+    experts = [o for o in graph.ops if o.target == "aten._grouped_mm.default"]
+    cfg = FAMILIES["mixtral"][1]
+    rows = 2 * 16 * cfg["num_experts_per_tok"] / cfg["num_local_experts"]
+    hw = load_hardware("lohan-rtx4090")
+    # rates growing 4x and 16x from 1 to 256 rows: log-log interpolation gives r^(1/4) and r^(1/2)
+    gpu = dataclasses.replace(hw.gpus[0], matmul_rates_fp32=((1e3, 1e13),), grouped_mm_rates_fp32=((1, 1e9), (256, 4e9)),
+                              grouped_mm_wgrad_rates_fp32=((1, 1e8), (256, 1.6e9)))
+    hw = dataclasses.replace(hw, gpus=(gpu, *hw.gpus[1:]))
+    layouts = [grouped_layout(o, tensors) for o in experts]
+    assert sorted(k for k, _ in layouts) == ["grouped_mm"] * 12 + ["grouped_mm_wgrad"] * 6  # 3 layers: 2 forward, 2 input and 2 weight gradients
+    assert {r for _, r in layouts} == {rows}
+    for o, (kind, _) in zip(experts, layouts):
+        rate = 1e9 * rows ** 0.25 if kind == "grouped_mm" else 1e8 * rows ** 0.5
+        assert ir_op_time(o, tensors, hw) == pytest.approx(o.flops / rate + gpu.op_s, rel=1e-9)
 
 
 @pytest.mark.parametrize("aux", [False, True], ids=["ce", "router-aux-loss"])

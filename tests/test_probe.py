@@ -60,11 +60,15 @@ def test_the_cpu_tier_prices_matmuls_and_attention_at_both_precisions(measured):
     """Without CUDA the device tier carries matmul and attention rate curves in bf16 and fp32
     (ascending FLOPs, positive rates) and the bandwidth its other ops reach, at most a memcpy's."""
     g = measured[0].gpus[0]
-    for curve in (g.matmul_rates, g.matmul_rates_fp32, g.attention_rates, g.attention_rates_fp32):
+    for curve in (g.matmul_rates, g.matmul_rates_fp32, g.attention_rates, g.attention_rates_fp32, g.grouped_mm_rates,
+                  g.grouped_mm_rates_fp32, g.grouped_mm_wgrad_rates, g.grouped_mm_wgrad_rates_fp32):
         assert curve and all(r > 0 for _, r in curve)
         assert [f for f, _ in curve] == sorted({f for f, _ in curve})
+    rows = [r for r, _ in g.grouped_mm_rates_fp32]  # the smallest always, larger ones where they are quick
+    assert rows == [r for r, _ in g.grouped_mm_wgrad_rates_fp32] == list(probe_mod.CPU_GROUPED_ROWS[:len(rows)])
     assert 0 < g.elementwise_bw <= g.mem_bw
     assert "matmul_rates[_fp32]" in measured[0].source and "elementwise_bw" in measured[0].source
+    assert "grouped_mm[_wgrad]_rates[_fp32]" in measured[0].source
 
 
 def test_quick_probe_says_how_long_it_took(measured):
@@ -253,7 +257,10 @@ def _fake_measurements(monkeypatch, tmp_path, calls: list) -> None:
     monkeypatch.setattr(probe_mod, "_disk_bw", recorder("disk", disk))
     for fn, result in (("_cpu_memcpy_bw", 1e10), ("_adam_rate", (1e8, "fake")), ("_cpu_block_flops", 1e10),
                        ("_cpu_rate_curves", {k: ((1e9, 1e10),) for k in ("matmul_rates", "matmul_rates_fp32",
-                                                                              "attention_rates", "attention_rates_fp32")}), ("_cpu_elementwise_bw", 4e9),
+                                                                              "attention_rates", "attention_rates_fp32",
+                                                                              "grouped_mm_rates", "grouped_mm_rates_fp32",
+                                                                              "grouped_mm_wgrad_rates",
+                                                                              "grouped_mm_wgrad_rates_fp32")}), ("_cpu_elementwise_bw", 4e9),
                        ("_cpu_bf16_ratio", 0.5), ("_op_dispatch_s", 1e-5), ("_copy_tensor_s", 1e-5), ("_adam_tensor_s", 2e-5),
                        ("_host_contention", 0.1), ("_ssd_contention", 0.05)):
         monkeypatch.setattr(probe_mod, fn, recorder(fn, result))
