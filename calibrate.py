@@ -218,23 +218,25 @@ def _probe_cached(base: str, quick: bool, default_dir: bool) -> Hardware:
             gpu_result = _probe_cuda(p)
         except Exception as e:  # a broken driver/runtime must not kill the probe
             notes.append(f"CUDA probe failed ({type(e).__name__}: {e}); using CPU pseudo-GPU")
-    gloo_bw = 0.0  # GPUs reduce over their own links (`cost.collective_bw`)
+    gloo_bw = gloo_gather_bw = gloo_step_s = 0.0  # GPUs reduce over their own links (`cost.collective_bw`)
     if gpu_result is not None:
         gpus, p2p_bw, gpu_notes = gpu_result
         notes += gpu_notes
     else:
         gpus, dram = _cpu_device_tier(p, total_ram, copy_bw, dram, disk_dir, other, notes)
         p2p_bw = 0.0
-        gloo_bw = _gloo_bw(p.gloo_bytes, p.gloo_reps)
-        notes.append(f"gloo all-reduce between 2 processes: {gloo_bw / 1e9:.3g} GB/s bus bandwidth "
-                     f"({p.gloo_bytes // MiB} MiB, median of {p.gloo_reps})")
+        gloo_bw, gloo_gather_bw, gloo_step_s = _gloo_rates(p.gloo_bytes, p.gloo_reps)
+        notes.append(f"gloo between 2 processes: all-reduce {gloo_bw / 1e9:.3g} GB/s bus bandwidth, all-gather "
+                     f"{gloo_gather_bw / 1e9:.3g} GB/s ({p.gloo_bytes // MiB} MiB, median of {p.gloo_reps}), a ring step "
+                     f"{gloo_step_s * 1e6:.0f} us (half an all-reduce of one element, median of {8 * p.gloo_reps})")
     if nvml_note:
         notes.append(nvml_note)
     _note_other_load(other, cores, gpu_result is not None, notes)
 
     ssd = SSD(count=1, read_bw=disk.read_bw, write_bw=disk.write_bw, capacity_bytes=disk.capacity,
               request_s=disk.request_s, commit_s=disk.commit_s, sync_s=disk.sync_s, flush_bw=disk.flush_bw)
-    cpu = CPU(cores=cores, adam_rate=adam_rate, adam_tensor_s=adam_tensor_s, gloo_bw=gloo_bw)
+    cpu = CPU(cores=cores, adam_rate=adam_rate, adam_tensor_s=adam_tensor_s, gloo_bw=gloo_bw,
+              gloo_gather_bw=gloo_gather_bw, gloo_step_s=gloo_step_s)
     source = _source(p, quick, t0, notes, mem, disk, adam_kind, adam_tensor_s)
     return Hardware(name="local", gpus=gpus, dram=dram, ssd=ssd, cpu=cpu,
                     gpu_p2p_bw=p2p_bw, source=source)
@@ -390,27 +392,33 @@ CPU_BLOCK = (512, 8, 4, 128)
 
 
 _GLOO_RANK = """
-import sys, time, torch, torch.distributed as dist
+import statistics, sys, time, torch, torch.distributed as dist
 rank, port, nbytes, reps = map(int, sys.argv[1:])
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-t = torch.ones(nbytes // 4)
-dist.all_reduce(t)
-times = []
-for _ in range(reps):
-    dist.barrier()
-    t0 = time.perf_counter()
-    dist.all_reduce(t)
-    times.append(time.perf_counter() - t0)
-print(sorted(times)[len(times) // 2])
+t, one = torch.ones(nbytes // 4), torch.ones(1)
+half, out = torch.ones(nbytes // 8), torch.empty(nbytes // 8 * 2)
+def median(fn, n):
+    fn()
+    times = []
+    for _ in range(n):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+print(median(lambda: dist.all_reduce(t), reps), median(lambda: dist.all_gather_into_tensor(out, half), reps),
+      median(lambda: dist.all_reduce(one), 8 * reps))
 dist.barrier()
 dist.destroy_process_group()
 """
 
 
-def _gloo_bw(nbytes: int, reps: int) -> float:
-    """Bus bandwidth of gloo's all-reduce of `nbytes` between two processes on this machine, one
-    torch thread each as data-parallel ranks on the CPU run (`CPU.gloo_bw`): 2 (N - 1) / N x bytes
-    over the median time, N = 2. 0 where the two processes could not meet."""
+def _gloo_rates(nbytes: int, reps: int) -> tuple[float, float, float]:
+    """(`CPU.gloo_bw`, `CPU.gloo_gather_bw`, `CPU.gloo_step_s`) between two processes on this
+    machine, one torch thread each as data-parallel ranks on the CPU run: the bus bandwidths of an
+    all-reduce of `nbytes` and of an all-gather into `nbytes` (2 (N - 1) / N and (N - 1) / N x
+    bytes over the median time, N = 2), and half the median all-reduce of one element (its
+    2 (N - 1) ring steps). Zeros where the two processes could not meet."""
     import socket
     import subprocess
     import sys
@@ -426,12 +434,14 @@ def _gloo_bw(nbytes: int, reps: int) -> float:
         for p in procs:
             p.kill()
             p.wait()
-        return 0.0
+        return 0.0, 0.0, 0.0
     try:
-        seconds = float(outs[0].strip())
+        reduce_s, gather_s, one_s = map(float, outs[0].split())
     except ValueError:
-        return 0.0
-    return nbytes / seconds if seconds > 0 else 0.0
+        return 0.0, 0.0, 0.0
+    if min(reduce_s, gather_s) <= 0:
+        return 0.0, 0.0, 0.0
+    return nbytes / reduce_s, nbytes / 2 / gather_s, one_s / 2
 
 
 def _cpu_block_flops(reps: int) -> float:

@@ -752,37 +752,53 @@ host memory (on a 2-core VM 1.1-1.4 GB/s beside 37 GB/s of DRAM bandwidth: bench
 "Data parallel")."""
 
 
-def collective_bw(problem, tier: str) -> float:
+def collective_bw(problem, tier: str, gather: bool = False) -> float:
     """Bus bandwidth of a ring collective over the data-parallel ranks of buffers on `tier`,
     bytes/s: the slowest link of the ring. GPU memory moves GPU to GPU (NCCL: P2P where the spec
     has it, else through host memory at the slower of the GPU's two copy engines); host memory,
-    and a CPU device tier's, through gloo (`CPU.gloo_bw`, measured by the probe); across machines
-    at most `Options.net_bw`."""
+    and a CPU device tier's, through gloo (`CPU.gloo_bw`, for an all-gather (`gather`)
+    `CPU.gloo_gather_bw`, measured by the probe); across machines at most `Options.net_bw`."""
     hw, o = problem.machine or problem.hw, problem.options
-    g = hw.gpu
-    if is_gpu(tier) and g.name != CPU_GPU_NAME:
-        inside = hw.gpu_p2p_bw or min(g.h2d_bw, g.d2h_bw)
-    else:  # unmeasured: gloo's ring copies each chunk through loopback TCP, several times over
-        inside = hw.cpu.gloo_bw or hw.dram.bandwidth / GLOO_COPIES
+    if _through_gloo(problem, tier):  # unmeasured: gloo's ring copies each chunk through loopback TCP, several times over
+        inside = (gather and hw.cpu.gloo_gather_bw) or hw.cpu.gloo_bw or hw.dram.bandwidth / GLOO_COPIES
+    else:
+        inside = hw.gpu_p2p_bw or min(hw.gpu.h2d_bw, hw.gpu.d2h_bw)
     return min(inside, o.net_bw) if o.nodes > 1 else inside
 
 
-def all_reduce_time(nbytes: int, tier: str, problem) -> float:
-    """A ring all-reduce of `nbytes` on `tier` over the `Options.dp` ranks: each rank sends and
-    receives 2 (N - 1) / N of the bytes (reduce-scatter, then all-gather; Patarasuk & Yuan,
-    "Bandwidth optimal all-reduce algorithms for clusters of workstations", JPDC 2009; NCCL's bus
-    bandwidth)."""
+def _through_gloo(problem, tier: str) -> bool:
+    """Whether the ranks' collectives of buffers on `tier` run through gloo (host memory, or a CPU
+    device tier) rather than GPU to GPU."""
+    return not (is_gpu(tier) and (problem.machine or problem.hw).gpu.name != CPU_GPU_NAME)
+
+
+def collective_step_s(problem, tier: str) -> float:
+    """Seconds each step of a ring collective on `tier` costs besides its bytes (alpha of the
+    alpha-beta model; Thakur, Rabenseifner & Gropp, "Optimization of collective communication
+    operations in MPICH", IJHPCA 2005): `CPU.gloo_step_s` through gloo, 0 GPU to GPU (unmeasured)."""
+    return (problem.machine or problem.hw).cpu.gloo_step_s if _through_gloo(problem, tier) else 0.0
+
+
+def all_reduce_time(nbytes: int, tier: str, problem, tensors: int = 1) -> float:
+    """A ring all-reduce of `nbytes` in `tensors` collectives (the executor's one per tensor) on
+    `tier` over the `Options.dp` ranks: each rank sends and receives 2 (N - 1) / N of the bytes
+    (reduce-scatter, then all-gather; Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms
+    for clusters of workstations", JPDC 2009; NCCL's bus bandwidth), each collective 2 (N - 1)
+    steps of `collective_step_s`."""
     n = problem.options.dp
+    step = collective_step_s(problem, tier)
     if problem.options.exact_optimizer and n > 2:  # summed in rank order: every rank gathers every rank's
-        return (n - 1) * nbytes / collective_bw(problem, tier)
-    return 2 * (n - 1) / n * nbytes / collective_bw(problem, tier)
+        return tensors * (n - 1) * step + (n - 1) * nbytes / collective_bw(problem, tier, gather=True)
+    return tensors * 2 * (n - 1) * step + 2 * (n - 1) / n * nbytes / collective_bw(problem, tier)
 
 
-def all_gather_time(nbytes: int, tier: str, problem) -> float:
-    """A ring all-gather on `tier` of a tensor of `nbytes` whose N shards the ranks hold: (N - 1) / N
-    of it through each rank's link."""
+def all_gather_time(nbytes: int, tier: str, problem, tensors: int = 1) -> float:
+    """A ring all-gather on `tier`, in `tensors` collectives, of tensors of `nbytes` in all whose N
+    shards the ranks hold: (N - 1) / N of it through each rank's link, each collective N - 1 steps
+    of `collective_step_s`."""
     n = problem.options.dp
-    return (n - 1) / n * nbytes / collective_bw(problem, tier)
+    return tensors * (n - 1) * collective_step_s(problem, tier) + (n - 1) / n * nbytes / collective_bw(
+        problem, tier, gather=True)
 
 
 def unit_profile(prof: BlockProfile, unit: str) -> UnitProfile:

@@ -180,9 +180,11 @@ def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer],
         elif ins.kind == InstrKind.COMMIT:
             out.append(cost.commit_time(hw, instrs))
         elif ins.kind == InstrKind.REDUCE:
-            out.append(cost.all_reduce_time(buffers[ins.tensor].bytes, ins.dst, problem))
+            buf = buffers[ins.tensor]
+            out.append(cost.all_reduce_time(buf.bytes, ins.dst, problem, tensors=max(1, len(buf.members))))
         elif ins.kind == InstrKind.GATHER:
-            out.append(cost.all_gather_time(buffers[ins.tensor].bytes, ins.dst, problem))
+            buf = buffers[ins.tensor]
+            out.append(cost.all_gather_time(buf.bytes, ins.dst, problem, tensors=max(1, len(buf.members))))
         elif ins.kind == InstrKind.OPTIMIZER_STEP:
             prof = problem.profiles[problem.profile_of[ins.segment]] if zero3 else None
             out.append(cost.segment_update_time(problem, ins.segment, ins.dst)

@@ -38,7 +38,7 @@ OMITTED_WHEN_ZERO = ("op_s", "matmul_rates", "matmul_rates_unaligned", "attentio
                      "attention_rates_fp32", "grouped_mm_rates", "grouped_mm_wgrad_rates", "grouped_mm_rates_fp32",
                      "grouped_mm_wgrad_rates_fp32", "elementwise_bw", "kernel_s", "d2h_convert_bw", "h2d_convert_bw", "copy_tensor_s", "host_contention", "ssd_contention",
                      "compute_capability", "request_s", "commit_s", "sync_s", "flush_bw", "adam_tensor_s",
-                     "gloo_bw")
+                     "gloo_bw", "gloo_gather_bw", "gloo_step_s")
 """GPU, SSD and CPU fields a spec's JSON leaves out when 0 (added after specs existed: their
 fingerprints stay)."""
 
@@ -266,6 +266,17 @@ class CPU:
     """Bus bandwidth of a ring all-reduce between processes on this machine over gloo (host
     memory and loopback TCP), bytes/s: data-parallel ranks whose device tier is the CPU reduce
     through it. Measured by `tensorstow probe`; left out of the spec's JSON when 0."""
+    gloo_gather_bw: float = 0.0
+    """The same for gloo's all-gather (`all_gather_into_tensor`), which reaches about half the
+    all-reduce's bus bandwidth here (0.60 against 1.12 GB/s for 16 MiB between two processes on a
+    2-core AMD EPYC VM): the ranks gather the others' rows of P through it. 0: `gloo_bw`. Measured
+    by `tensorstow probe`; left out of the spec's JSON when 0."""
+    gloo_step_s: float = 0.0
+    """Seconds each step of a ring collective over gloo costs besides its bytes (the alpha of the
+    alpha-beta model: an all-reduce takes 2 (N - 1) steps, an all-gather N - 1): half an
+    all-reduce of one element between two processes, 90-200 us on a 2-core AMD EPYC VM, which the
+    executor pays once per tensor it reduces or gathers. Measured by `tensorstow probe`; left out
+    of the spec's JSON when 0."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -242,6 +242,27 @@ def test_collectives_are_priced_on_the_rings_slowest_link():
     assert two["gather"][1] > 7 / 8 * two["gather"][0] / pcie
 
 
+def test_collectives_through_gloo_pay_a_step_per_tensor_and_gather_at_the_gathers_rate():
+    """Through gloo (a CPU device tier, host memory) each collective the executor makes (one per
+    tensor) costs its ring steps at `CPU.gloo_step_s` (2 (N - 1) an all-reduce, N - 1 an
+    all-gather) besides its bytes, and an all-gather moves them at `CPU.gloo_gather_bw`, which gloo
+    reaches at about half its all-reduce's bus bandwidth."""
+    import dataclasses
+
+    from tensorstow.schema.hardware import CPU_GPU_NAME
+    o = Options(model="gpt-small", hardware="lohan-rtx4090", policy="lohan", batch=2, seq=32, dp=2, gpus=2)
+    hw = hardware_for(o)
+    hw = dataclasses.replace(hw, gpus=tuple(dataclasses.replace(g, name=CPU_GPU_NAME) for g in hw.gpus),
+                             cpu=dataclasses.replace(hw.cpu, gloo_bw=1e9, gloo_gather_bw=5e8, gloo_step_s=1e-4))
+    plan = make_plan(o, hw).to_plan()
+    for kind, steps, bw in (("reduce", 2, 1e9), ("gather", 1, 5e8)):
+        ins = [i for i in plan.instructions if i.kind == kind]
+        assert ins, kind
+        for i in ins:
+            buf = plan.buffers[i.tensor]
+            assert i.est_s == pytest.approx(len(buf.members) * steps * 1e-4 + steps / 2 * buf.bytes / bw, rel=1e-4)
+
+
 def test_evaluate_of_a_several_process_state_dir_says_what_to_do(tmp_path):
     from tensorstow.executor.run import evaluate_state
     from tensorstow.schema.run import Run

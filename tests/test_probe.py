@@ -51,6 +51,9 @@ def test_returns_local_hardware_with_plausible_numbers(measured):
     assert hw.ssd.read_bw < 100 * GB and hw.ssd.write_bw < 100 * GB
     assert hw.cpu.cores == os.cpu_count()
     assert hw.cpu.adam_rate > 1e5
+    if not HAS_CUDA:  # data-parallel ranks on the CPU reduce and gather through gloo
+        assert hw.cpu.gloo_bw > 0 and hw.cpu.gloo_gather_bw > 0 and hw.cpu.gloo_step_s > 0
+        assert "gloo between 2 processes" in hw.source
     assert hw.source.startswith("tensorstow probe")
     assert "SSD:" in hw.source and "AdamW" in hw.source
 
