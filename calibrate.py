@@ -725,7 +725,7 @@ def _cpu_rate_curves(block_flops: float, bf16: float) -> dict[str, tuple[tuple[f
             "cpu", dtype, quick(CPU_ATTENTION_SHAPES, lambda s: 3.5 * attention_flops(s, s, s)), timer)
         e, k, n = CPU_GROUPED_SHAPE
         curves["grouped_mm_rates" + suffix], curves["grouped_mm_wgrad_rates" + suffix] = _grouped_rates(
-            "cpu", dtype, quick(CPU_GROUPED_ROWS, lambda r: 6 * e * r * k * n), timer)
+            "cpu", dtype, CPU_GROUPED_SHAPE, quick(CPU_GROUPED_ROWS, lambda r: 6 * e * r * k * n), timer)
     return curves
 
 
@@ -740,14 +740,14 @@ CPU_GROUPED_ROWS = (16, 64, 256)
 get tokens x top-k / experts rows each (Qwen3-30B-A3B at 2048 tokens: 128)."""
 
 
-def _grouped_rates(device, dtype, rows, timer) -> tuple[tuple[tuple[float, float], ...], ...]:
+def _grouped_rates(device, dtype, shape, rows, timer) -> tuple[tuple[tuple[float, float], ...], ...]:
     """(`GPU.grouped_mm_rates`, `GPU.grouped_mm_wgrad_rates`): for each rows per group, a grouped
-    linear layer of CPU_GROUPED_SHAPE's forward and input gradient (2-D x 3-D), timed together,
-    and its weight gradient (2-D x 2-D), as `torch._grouped_mm` runs them in a training step, each
-    keyed by the rows per group."""
+    linear layer of `shape` (groups, in, out)'s forward and input gradient (2-D x 3-D), timed
+    together, and its weight gradient (2-D x 2-D), as `torch._grouped_mm` runs them in a training
+    step, each keyed by the rows per group."""
     import torch
 
-    e, k, n = CPU_GROUPED_SHAPE
+    e, k, n = shape
     mm, wgrad = [], []
     for r in rows:
         x = torch.randn(e * r, k, device=device, dtype=dtype)
@@ -1217,6 +1217,7 @@ def _probe_one_cuda(dev: int, p: _Params) -> tuple[GPU, str]:
         unaligned = _linear_rates(dev, dtype, fits(GPU_UNALIGNED_SHAPES), timer)
         attention = _attention_rates(dev, dtype, GPU_ATTENTION_SHAPES, timer)
         kernel_s = _kernel_floor(dev, timer)
+        grouped, grouped_wgrad, grouped_note = _cuda_grouped_rates(dev, dtype, timer)
         torch.cuda.empty_cache()
 
         d_src = torch.empty(nbytes, dtype=torch.uint8, device=dev).fill_(1)
@@ -1249,12 +1250,37 @@ def _probe_one_cuda(dev: int, p: _Params) -> tuple[GPU, str]:
              f"not a multiple of 8) at {len(unaligned)} ({min((r for _, r in unaligned), default=0) / 1e12:.0f}-"
              f"{max((r for _, r in unaligned), default=0) / 1e12:.0f}); attention_rates: causal "
              f"attention forward + backward at {len(attention)} sizes ({attention[0][1] / 1e12:.0f}-"
-             f"{max(r for _, r in attention) / 1e12:.0f} TFLOPS); kernel_s {kernel_s * 1e6:.1f} us")
+             f"{max(r for _, r in attention) / 1e12:.0f} TFLOPS); kernel_s {kernel_s * 1e6:.1f} us; {grouped_note}")
     return GPU(name=props.name, memory_bytes=int(props.total_memory), flops=flops, mem_bw=mem_bw, h2d_bw=h2d,
                matmul_rates=linear, matmul_rates_unaligned=unaligned, attention_rates=attention, kernel_s=kernel_s,
+               grouped_mm_rates=grouped, grouped_mm_wgrad_rates=grouped_wgrad,
                d2h_bw=d2h, d2h_convert_bw=d2h_conv, h2d_convert_bw=h2d_conv, copy_tensor_s=per_tensor,
                reserved_bytes=context + CUDA_WORKSPACE_BYTES,
                compute_capability=float(f"{props.major}.{props.minor}")), note
+
+
+GPU_GROUPED_SHAPE = (8, 4096, 2048)
+"""(groups, in features, out features) of the grouped linear layer whose 16-bit matmuls give a
+GPU's `grouped_mm_rates` and `grouped_mm_wgrad_rates`: a mixture of experts' expert of Mixtral's
+and Qwen3's widths."""
+GPU_GROUPED_ROWS = (64, 256, 1024, 4096)
+"""Rows per group at which a GPU's grouped curves are timed."""
+
+
+def _cuda_grouped_rates(dev: int, dtype, timer) -> tuple[tuple, tuple, str]:
+    """(`grouped_mm_rates`, `grouped_mm_wgrad_rates`, a note) of CUDA device `dev` at `dtype`: empty
+    curves where this GPU, dtype or torch runs no `torch._grouped_mm` (it needs SM90 and bf16 in
+    torch 2.13), whose grouped matmuls are then priced at `matmul_rates`."""
+    import torch
+
+    try:
+        mm, wgrad = _grouped_rates(torch.device("cuda", dev), dtype, GPU_GROUPED_SHAPE, GPU_GROUPED_ROWS, timer)
+    except (RuntimeError, NotImplementedError, TypeError) as e:
+        return (), (), f"grouped matmuls not timed ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+    span = lambda c: f"{min(r for _, r in c) / 1e12:.0f}-{max(r for _, r in c) / 1e12:.0f} TFLOPS"  # noqa: E731
+    return mm, wgrad, (f"grouped_mm[_wgrad]_rates: a grouped linear layer ({'x'.join(map(str, GPU_GROUPED_SHAPE))}) at "
+                       f"{'/'.join(map(str, GPU_GROUPED_ROWS))} rows a group (forward and input gradient {span(mm)}, "
+                       f"weight gradient {span(wgrad)})")
 
 
 def _probe_p2p(p: _Params) -> float:

@@ -402,3 +402,18 @@ def test_local_hardware_is_probed_once_per_machine_and_kept(measured, tmp_path, 
         assert len(calls) == 4 and len(list((tmp_path / "cache").iterdir())) == 2
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_gpu_without_grouped_matmuls_is_probed_without_their_curves(monkeypatch):
+    """Where a GPU (or its dtype, or torch) runs no `torch._grouped_mm` (SM90 and bf16 in torch
+    2.13), the CUDA probe leaves the grouped curves empty and says why: its mixtures of experts'
+    grouped matmuls are priced at the dense matmul curve."""
+    def refuses(*args):
+        raise RuntimeError("grouped gemm is only supported on SM90\nmore")
+    monkeypatch.setattr(probe_mod, "_grouped_rates", refuses)
+    mm, wgrad, note = probe_mod._cuda_grouped_rates(0, torch.bfloat16, None)
+    assert mm == wgrad == () and note == "grouped matmuls not timed (RuntimeError: grouped gemm is only supported on SM90)"
+    monkeypatch.setattr(probe_mod, "_grouped_rates", lambda *a: (((64.0, 1e14), (256.0, 2e14)), ((64.0, 5e13),)))
+    mm, wgrad, note = probe_mod._cuda_grouped_rates(0, torch.bfloat16, None)
+    assert mm == ((64.0, 1e14), (256.0, 2e14)) and wgrad == ((64.0, 5e13),)
+    assert "forward and input gradient 100-200 TFLOPS, weight gradient 50-50 TFLOPS" in note
