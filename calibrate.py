@@ -1217,7 +1217,7 @@ def _probe_one_cuda(dev: int, p: _Params) -> tuple[GPU, str]:
         unaligned = _linear_rates(dev, dtype, fits(GPU_UNALIGNED_SHAPES), timer)
         attention = _attention_rates(dev, dtype, GPU_ATTENTION_SHAPES, timer)
         kernel_s = _kernel_floor(dev, timer)
-        grouped, grouped_wgrad, grouped_note = _cuda_grouped_rates(dev, dtype, timer)
+        grouped, grouped_note = _cuda_grouped_rates(dev, dtype, timer)
         torch.cuda.empty_cache()
 
         d_src = torch.empty(nbytes, dtype=torch.uint8, device=dev).fill_(1)
@@ -1253,7 +1253,7 @@ def _probe_one_cuda(dev: int, p: _Params) -> tuple[GPU, str]:
              f"{max(r for _, r in attention) / 1e12:.0f} TFLOPS); kernel_s {kernel_s * 1e6:.1f} us; {grouped_note}")
     return GPU(name=props.name, memory_bytes=int(props.total_memory), flops=flops, mem_bw=mem_bw, h2d_bw=h2d,
                matmul_rates=linear, matmul_rates_unaligned=unaligned, attention_rates=attention, kernel_s=kernel_s,
-               grouped_mm_rates=grouped, grouped_mm_wgrad_rates=grouped_wgrad,
+               **grouped,
                d2h_bw=d2h, d2h_convert_bw=d2h_conv, h2d_convert_bw=h2d_conv, copy_tensor_s=per_tensor,
                reserved_bytes=context + CUDA_WORKSPACE_BYTES,
                compute_capability=float(f"{props.major}.{props.minor}")), note
@@ -1267,20 +1267,26 @@ GPU_GROUPED_ROWS = (64, 256, 1024, 4096)
 """Rows per group at which a GPU's grouped curves are timed."""
 
 
-def _cuda_grouped_rates(dev: int, dtype, timer) -> tuple[tuple, tuple, str]:
-    """(`grouped_mm_rates`, `grouped_mm_wgrad_rates`, a note) of CUDA device `dev` at `dtype`: empty
-    curves where this GPU, dtype or torch runs no `torch._grouped_mm` (it needs SM90 and bf16 in
-    torch 2.13), whose grouped matmuls are then priced at `matmul_rates`."""
+def _cuda_grouped_rates(dev: int, dtype, timer) -> tuple[dict[str, tuple], str]:
+    """The grouped curves of CUDA device `dev` (`GPU.grouped_mm_rates`, `grouped_mm_wgrad_rates` at
+    `dtype` and their `_fp32`: a mixture of experts' experts compute in fp32 under autocast, whose
+    lists leave `_grouped_mm` out) and a note; a precision's curves are left empty where this GPU or
+    torch runs no `torch._grouped_mm` at it, its grouped matmuls then priced at the matmul curves."""
     import torch
 
-    try:
-        mm, wgrad = _grouped_rates(torch.device("cuda", dev), dtype, GPU_GROUPED_SHAPE, GPU_GROUPED_ROWS, timer)
-    except (RuntimeError, NotImplementedError, TypeError) as e:
-        return (), (), f"grouped matmuls not timed ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
-    span = lambda c: f"{min(r for _, r in c) / 1e12:.0f}-{max(r for _, r in c) / 1e12:.0f} TFLOPS"  # noqa: E731
-    return mm, wgrad, (f"grouped_mm[_wgrad]_rates: a grouped linear layer ({'x'.join(map(str, GPU_GROUPED_SHAPE))}) at "
-                       f"{'/'.join(map(str, GPU_GROUPED_ROWS))} rows a group (forward and input gradient {span(mm)}, "
-                       f"weight gradient {span(wgrad)})")
+    curves, parts = {}, []
+    for dt, suffix in ((dtype, ""), (torch.float32, "_fp32")):
+        name = str(dt).removeprefix("torch.")
+        try:
+            mm, wgrad = _grouped_rates(torch.device("cuda", dev), dt, GPU_GROUPED_SHAPE, GPU_GROUPED_ROWS, timer)
+        except (RuntimeError, NotImplementedError, TypeError) as e:
+            parts.append(f"{name} not timed ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+            continue
+        curves["grouped_mm_rates" + suffix], curves["grouped_mm_wgrad_rates" + suffix] = mm, wgrad
+        span = lambda c: f"{min(r for _, r in c) / 1e12:.0f}-{max(r for _, r in c) / 1e12:.0f}"  # noqa: E731
+        parts.append(f"{name} forward and input gradient {span(mm)}, weight gradient {span(wgrad)} TFLOPS")
+    return curves, (f"grouped_mm[_wgrad]_rates[_fp32]: a grouped linear layer ({'x'.join(map(str, GPU_GROUPED_SHAPE))}) "
+                    f"at {'/'.join(map(str, GPU_GROUPED_ROWS))} rows a group: " + "; ".join(parts))
 
 
 def _probe_p2p(p: _Params) -> float:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import signal
 import socket
@@ -219,12 +220,13 @@ def _watch(procs: list[subprocess.Popen], poll_s: float = 0.05, grace_s: float =
 
 def _cause(why: dict[int, str], stopped: set[int], seen: dict[int, int] | None = None) -> int:
     """The rank to blame of those that did not succeed (rank -> what happened): not one this
-    launcher terminated when another ended by itself; then the first seen ended; then a rank that
-    died by another's hand (not SIGABRT, which a rank raises itself when its transport loses a peer),
-    then one that died, else one that failed by itself (not one that lost its peers), else the first."""
+    launcher terminated when another ended by itself; then the first seen ended (one it never saw
+    end, after all); then one that did not only lose its peers; then a rank that died by another's
+    hand (not SIGABRT, which a rank raises itself when its transport loses a peer), then one that
+    died; else the first."""
     seen = seen or {}
-    return min(why, key=lambda k: (k in stopped, seen.get(k, len(seen)), "SIGABRT" in why[k],
-                                   "killed" not in why[k], LOST in why[k], k))
+    return min(why, key=lambda k: (k in stopped, seen.get(k, math.inf), LOST in why[k], "SIGABRT" in why[k],
+                                   "killed" not in why[k], k))
 
 
 def _stop(procs: list[subprocess.Popen]) -> set[int]:

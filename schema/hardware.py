@@ -154,8 +154,10 @@ class GPU:
     one core of a 2-core AMD EPYC VM, fp32 at 43 rows a group ran the forward at 77 GFLOP/s and the
     weight gradient at 34, where a dense matmul of one group's FLOPs runs 102 (benchmarks/RESULTS.md
     "A mixture of experts from SSD"). The CPU device tier's probe times the three calls of a grouped
-    linear layer (8 groups, 1024 x 1024 weights) at 16, 64 and 256 rows a group. Empty (a GPU, the
-    presets): `matmul_rates` at one group's FLOPs. Left out of the spec's JSON when empty."""
+    linear layer (8 groups, 1024 x 1024 weights) at 16, 64 and 256 rows a group; a CUDA probe an
+    8 x 4096 x 2048 layer at 64-4096 rows, at each precision where the GPU runs `_grouped_mm`.
+    Empty (the presets, a GPU without it): `matmul_rates` at one group's FLOPs. Left out of the
+    spec's JSON when empty."""
     elementwise_bw: float = 0.0
     """Bytes/s the ops without FLOPs (elementwise, norms, softmax, reductions) move, where it is
     below `mem_bw`. On a CPU they compute per element besides streaming memory: the CPU device
@@ -268,13 +270,13 @@ class CPU:
     through it. Measured by `tensorstow probe`; left out of the spec's JSON when 0."""
     gloo_gather_bw: float = 0.0
     """The same for gloo's all-gather (`all_gather_into_tensor`), which reaches about half the
-    all-reduce's bus bandwidth here (0.60 against 1.12 GB/s for 16 MiB between two processes on a
-    2-core AMD EPYC VM): the ranks gather the others' rows of P through it. 0: `gloo_bw`. Measured
+    all-reduce's bus bandwidth here (0.60-0.67 against 1.12-1.56 GB/s for 16 MiB between two
+    processes on a 2-core AMD EPYC VM): the ranks gather the others' rows of P through it. 0: `gloo_bw`. Measured
     by `tensorstow probe`; left out of the spec's JSON when 0."""
     gloo_step_s: float = 0.0
     """Seconds each step of a ring collective over gloo costs besides its bytes (the alpha of the
     alpha-beta model: an all-reduce takes 2 (N - 1) steps, an all-gather N - 1): half an
-    all-reduce of one element between two processes, 90-200 us on a 2-core AMD EPYC VM, which the
+    all-reduce of one element between two processes, 79-200 us on a 2-core AMD EPYC VM, which the
     executor pays once per tensor it reduces or gathers. Measured by `tensorstow probe`; left out
     of the spec's JSON when 0."""
 

@@ -250,17 +250,24 @@ def test_collectives_through_gloo_pay_a_step_per_tensor_and_gather_at_the_gather
     import dataclasses
 
     from tensorstow.schema.hardware import CPU_GPU_NAME
-    o = Options(model="gpt-small", hardware="lohan-rtx4090", policy="lohan", batch=2, seq=32, dp=2, gpus=2)
-    hw = hardware_for(o)
-    hw = dataclasses.replace(hw, gpus=tuple(dataclasses.replace(g, name=CPU_GPU_NAME) for g in hw.gpus),
-                             cpu=dataclasses.replace(hw.cpu, gloo_bw=1e9, gloo_gather_bw=5e8, gloo_step_s=1e-4))
-    plan = make_plan(o, hw).to_plan()
-    for kind, steps, bw in (("reduce", 2, 1e9), ("gather", 1, 5e8)):
+    def first(dp, kind, **kw):
+        o = Options(model="gpt-small", hardware="lohan-rtx4090", policy="lohan", batch=2, seq=32, dp=dp, gpus=dp, **kw)
+        hw = hardware_for(o)
+        hw = dataclasses.replace(hw, gpus=tuple(dataclasses.replace(g, name=CPU_GPU_NAME) for g in hw.gpus),
+                                 cpu=dataclasses.replace(hw.cpu, gloo_bw=1e9, gloo_gather_bw=5e8, gloo_step_s=1e-4))
+        plan = make_plan(o, hw).to_plan()
         ins = [i for i in plan.instructions if i.kind == kind]
         assert ins, kind
-        for i in ins:
-            buf = plan.buffers[i.tensor]
-            assert i.est_s == pytest.approx(len(buf.members) * steps * 1e-4 + steps / 2 * buf.bytes / bw, rel=1e-4)
+        return [(len(plan.buffers[i.tensor].members), plan.buffers[i.tensor].bytes, i.est_s) for i in ins]
+    # 2 ranks: an all-reduce is 2 ring steps a tensor and moves 2 (N - 1) / N = 1 x its bytes, an
+    # all-gather 1 step a tensor and (N - 1) / N = 1/2 x its bytes
+    for kind, steps, bw in (("reduce", 2, 1e9), ("gather", 1, 5e8)):
+        for tensors, nbytes, est in first(2, kind):
+            assert est == pytest.approx(tensors * steps * 1e-4 + steps / 2 * nbytes / bw, rel=1e-4)
+    # 3 ranks summing in rank order: every rank gathers every rank's gradient, (N - 1) steps a tensor
+    # and (N - 1) x its bytes at the all-gather's rate
+    for tensors, nbytes, est in first(3, "reduce", exact_optimizer=True):
+        assert est == pytest.approx(tensors * 2 * 1e-4 + 2 * nbytes / 5e8, rel=1e-4)
 
 
 def test_evaluate_of_a_several_process_state_dir_says_what_to_do(tmp_path):

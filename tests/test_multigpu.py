@@ -210,11 +210,15 @@ def test_the_rank_to_blame_is_the_first_seen_dead_not_the_peer_that_aborted():
     """Regression: rank 1 SIGKILLed, rank 0's transport aborts it (SIGABRT) before the launcher's
     next poll; the error blamed rank 0. The first seen dead is to blame, and within one poll a rank
     that aborted itself is not."""
-    from tensorstow.executor.distributed import _cause
+    from tensorstow.executor.distributed import LOST, _cause
     why = {0: "was killed by signal SIGABRT", 1: "was killed by signal SIGKILL"}
     assert _cause(why, stopped=set(), seen={0: 7, 1: 7}) == 1
     assert _cause(why, stopped=set(), seen={0: 7, 1: 8}) == 0
     assert _cause({0: "was killed by signal SIGKILL", 1: "was killed by signal SIGKILL"}, set(), {0: 9, 1: 8}) == 1
+    # a rank that aborted by itself is to blame before a peer that only lost it in the same poll
+    assert _cause({0: f"failed: {LOST} (rank 1)", 1: "was killed by signal SIGABRT"}, set(), {0: 7, 1: 7}) == 1
+    # a rank the launcher never saw end (it ended after the watch, not stopped) comes after the seen
+    assert _cause({0: f"failed: {LOST} (rank 1)", 1: "was killed by signal SIGKILL"}, set(), {1: 40}) == 1
 
 
 def test_the_launcher_watch_records_the_order_ranks_ended():

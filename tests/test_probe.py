@@ -405,15 +405,15 @@ def test_local_hardware_is_probed_once_per_machine_and_kept(measured, tmp_path, 
 
 
 def test_a_gpu_without_grouped_matmuls_is_probed_without_their_curves(monkeypatch):
-    """Where a GPU (or its dtype, or torch) runs no `torch._grouped_mm` (SM90 and bf16 in torch
-    2.13), the CUDA probe leaves the grouped curves empty and says why: its mixtures of experts'
-    grouped matmuls are priced at the dense matmul curve."""
-    def refuses(*args):
-        raise RuntimeError("grouped gemm is only supported on SM90\nmore")
-    monkeypatch.setattr(probe_mod, "_grouped_rates", refuses)
-    mm, wgrad, note = probe_mod._cuda_grouped_rates(0, torch.bfloat16, None)
-    assert mm == wgrad == () and note == "grouped matmuls not timed (RuntimeError: grouped gemm is only supported on SM90)"
-    monkeypatch.setattr(probe_mod, "_grouped_rates", lambda *a: (((64.0, 1e14), (256.0, 2e14)), ((64.0, 5e13),)))
-    mm, wgrad, note = probe_mod._cuda_grouped_rates(0, torch.bfloat16, None)
-    assert mm == ((64.0, 1e14), (256.0, 2e14)) and wgrad == ((64.0, 5e13),)
-    assert "forward and input gradient 100-200 TFLOPS, weight gradient 50-50 TFLOPS" in note
+    """Where a GPU (or torch) runs no `torch._grouped_mm` at a precision, the CUDA probe leaves that
+    precision's grouped curves out and says why: its mixtures of experts' grouped matmuls are priced
+    at the dense matmul curve. It times fp32 too: experts compute in fp32 under autocast."""
+    def bf16_only(device, dtype, *args):
+        if dtype == torch.float32:
+            raise RuntimeError("grouped gemm is only supported for bf16\nmore")
+        return ((64.0, 1e14), (256.0, 2e14)), ((64.0, 5e13),)
+    monkeypatch.setattr(probe_mod, "_grouped_rates", bf16_only)
+    curves, note = probe_mod._cuda_grouped_rates(0, torch.bfloat16, None)
+    assert curves == {"grouped_mm_rates": ((64.0, 1e14), (256.0, 2e14)), "grouped_mm_wgrad_rates": ((64.0, 5e13),)}
+    assert "bfloat16 forward and input gradient 100-200, weight gradient 50-50 TFLOPS" in note
+    assert "float32 not timed (RuntimeError: grouped gemm is only supported for bf16)" in note
