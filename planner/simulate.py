@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from tensorstow.ir.graph import lsum
 from tensorstow.planner.cost import commit_time
+from tensorstow.schema.hardware import CPU_GPU_NAME
 from tensorstow.schema.schedule import (CPU_OPTIMIZER, UNIT, BufferKind, Instr, InstrKind, Stream, block_of,
                                         buffer_kind, final_residency, gpu_index, initial_residency, is_gpu,
                                         parent_of, resource_of)
@@ -63,13 +64,37 @@ class SimResult:
         return max(sorted(self.busy_s), key=lambda r: self.busy_s[r])
 
 
+HOST_CORE = "host.core"
+"""The shared link of a process with one core and the CPU as its device tier (`contention`)."""
+
+
+def on_one_core(hw) -> bool:
+    """Whether the plan's process has one core and the CPU as its device tier (a data-parallel rank's
+    share of a small machine): its computations, copies between DRAM and the device tier, optimizer
+    steps and collectives all run on that core."""
+    return hw.cpu.cores == 1 and all(g.name == CPU_GPU_NAME for g in hw.gpus)
+
+
+def _host_work(ins: Instr) -> bool:
+    """An instruction a CPU device tier's process runs on its cores (not the SSD's transfers, which
+    the disk paces)."""
+    if ins.kind in (InstrKind.LOAD, InstrKind.STORE):
+        return "ssd" not in (ins.src, ins.dst)
+    return ins.kind in (InstrKind.COMPUTE, InstrKind.RECOMPUTE, InstrKind.OPTIMIZER_STEP, InstrKind.REDUCE,
+                        InstrKind.GATHER, InstrKind.SEND)
+
+
 def contention(instrs: list[Instr], hw) -> tuple[list[tuple[str, ...]], dict[str, int]]:
     """Per instruction, the shared links it occupies besides its stream's engine, and each shared
     link's slots. A GPU <-> DRAM copy crosses its root complex's uplink (when the spec bounds it:
     `root_complex_bw`) and DRAM; a GPU -> GPU send without P2P goes through DRAM, so it takes the
-    sender's D2H engine and uplink and the receiver's H2D engine and uplink; SSD I/O crosses DRAM."""
+    sender's D2H engine and uplink and the receiver's H2D engine and uplink; SSD I/O crosses DRAM.
+    A process with one core and the CPU as its device tier (`on_one_core`) runs its host work one
+    instruction at a time on HOST_CORE: its overlap mode's lanes share the core (where two ranks
+    shared a 2-core VM, 2 ranks' overlapped steps ran 1.23-1.56x a prediction that let them run side
+    by side, benchmarks/RESULTS.md "Data parallel")."""
     rc_bw, gpus = hw.root_complex_bw, hw.gpus
-    slots: dict[str, int] = {}
+    slots: dict[str, int] = {HOST_CORE: 1} if on_one_core(hw) else {}
     if rc_bw:
         for rc in sorted({g.root_complex for g in gpus}):
             rate = min(rc_bw, max(max(g.h2d_bw, g.d2h_bw) for g in gpus if g.root_complex == rc))
@@ -93,6 +118,8 @@ def contention(instrs: list[Instr], hw) -> tuple[list[tuple[str, ...]], dict[str
         elif ins.kind in (InstrKind.LOAD, InstrKind.STORE):
             g, way = (ins.dst, "h2d") if is_gpu(ins.dst) else (ins.src, "d2h")
             x = (*up(gpu_index(g), way), *dram)
+        if HOST_CORE in slots and _host_work(ins):
+            x = (*x, HOST_CORE)
         extra.append(x)
     return extra, slots
 
@@ -441,12 +468,15 @@ class _Ledger:
 def simulate_plan(plan) -> SimResult:
     """Replay a plan file (`schema.plan.Plan`) as written: its instructions with their
     `est_s` (+ `contended_s`), its buffers' bytes, the homes as the initial placement, its
-    hardware's links."""
+    hardware's links (a data-parallel rank's: its share of the machine)."""
+    from tensorstow.planner.problem import data_parallel_share
     order = [b.name for b in plan.model.blocks]
     initial = initial_residency(dict(plan.buffers), plan.decisions, order)
     instrs = list(plan.instructions)
+    hw = plan.hardware.spec  # a data-parallel plan's: the machine, whose ranks each have a share of it
+    hw = data_parallel_share(plan.options, hw) if plan.options.dp > 1 else hw
     return simulate(instrs, [i.est_s + i.contended_s for i in instrs], {n: b.bytes for n, b in plan.buffers.items()},
-                    initial, links=contention(instrs, plan.hardware.spec), reserved=plan.decisions.reserved(),
+                    initial, links=contention(instrs, hw), reserved=plan.decisions.reserved(),
                     commit_s=plan_commit_s(plan), final=final_residency(dict(plan.buffers), plan.decisions, order))
 
 

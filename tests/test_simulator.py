@@ -307,3 +307,49 @@ def test_a_copy_with_no_room_ever_runs_and_the_peak_shows_the_overflow():
     instrs, dur, sizes, initial = _prefetch_race()
     sim = simulate(instrs, dur, sizes, initial, capacity={"gpu0": 5})
     assert sim.peak_bytes["gpu0"] > 5 and sim.step_time_s > 0
+
+
+def test_a_one_core_process_with_the_cpu_as_its_device_runs_its_host_work_one_at_a_time():
+    """A data-parallel rank's share of a 2-core machine has one core: its computation, its copies
+    between DRAM and the CPU device tier, its optimizer steps and collectives share it, while SSD
+    transfers (paced by the disk) run beside them. With two cores they run side by side."""
+    from tensorstow.planner.presets import load_hardware
+    from tensorstow.planner.simulate import contention
+    from tensorstow.schema.hardware import CPU_GPU_NAME
+    instrs = [Instr(id=0, kind="compute", stream="gpu0.compute", deps=()),
+              Instr(id=1, kind="load", stream="gpu0.h2d", deps=(), tensor="a", src="dram", dst="gpu0"),
+              Instr(id=2, kind="optimizer_step", stream="cpu.opt", deps=(), segment="b0", dst="cpu"),
+              Instr(id=3, kind="load", stream="ssd.read", deps=(), tensor="b", src="ssd", dst="dram")]
+    dur = [1.0, 0.5, 0.25, 2.0]
+    present = {("a", "dram"), ("a", "gpu0"), ("b", "ssd"), ("b", "dram")}
+    hw = load_hardware("lohan-rtx4090")
+    cpu_tier = dataclasses.replace(hw, gpus=(dataclasses.replace(hw.gpus[0], name=CPU_GPU_NAME),))
+
+    def step(h):
+        return simulate(instrs, dur, {"a": 1, "b": 1}, present, links=contention(instrs, h)).step_time_s
+    one = dataclasses.replace(cpu_tier, cpu=dataclasses.replace(hw.cpu, cores=1))
+    assert step(one) == 2.0  # 1.75 s of host work one at a time, beside the 2 s SSD read
+    assert step(dataclasses.replace(one, ssd=dataclasses.replace(hw.ssd, read_bw=hw.ssd.read_bw * 100))) == 2.0
+    dur[3] = 0.1
+    assert step(one) == pytest.approx(1.75)
+    assert step(dataclasses.replace(cpu_tier, cpu=dataclasses.replace(hw.cpu, cores=2))) == 1.0
+    assert step(dataclasses.replace(hw, cpu=dataclasses.replace(hw.cpu, cores=1))) == 1.0  # a GPU computes apart
+
+
+def test_a_data_parallel_plan_replays_on_its_ranks_share_as_it_was_planned():
+    """`simulate_plan` replays a data-parallel plan on one rank's share of its recorded machine, as the
+    planner simulated it: with the CPU as the device tier and two ranks on a 2-core machine, each
+    rank's host work on its one core."""
+    from tensorstow.planner.plan import make_plan
+    from tensorstow.planner.presets import load_hardware
+    from tensorstow.planner.simulate import simulate_plan
+    from tensorstow.schema.hardware import CPU_GPU_NAME
+    from tensorstow.schema.options import Options
+    o = Options(model="gpt-small", hardware="lohan-rtx4090", policy="lohan", batch=2, seq=32, dp=2, gpus=2)
+    hw = load_hardware("lohan-rtx4090").with_overrides(gpus=2)
+    hw = dataclasses.replace(hw, gpus=tuple(dataclasses.replace(g, name=CPU_GPU_NAME) for g in hw.gpus),
+                             cpu=dataclasses.replace(hw.cpu, cores=2))
+    plan = make_plan(o, hw).to_plan()
+    assert simulate_plan(plan).step_time_s == pytest.approx(plan.predicted.step_time_s, rel=1e-6)
+    host = [i for i in plan.instructions if i.kind in ("compute", "reduce", "gather", "optimizer_step")]
+    assert sum(i.est_s for i in host) <= plan.predicted.step_time_s + 1e-9  # one at a time
