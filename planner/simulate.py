@@ -69,10 +69,11 @@ HOST_CORE = "host.core"
 
 
 def on_one_core(hw) -> bool:
-    """Whether the plan's process has one core and the CPU as its device tier (a data-parallel rank's
-    share of a small machine): its computations, copies between DRAM and the device tier, optimizer
-    steps and collectives all run on that core."""
-    return hw.cpu.cores == 1 and all(g.name == CPU_GPU_NAME for g in hw.gpus)
+    """Whether the plan runs in one process with one core and the CPU as its device tier (a
+    data-parallel rank's share of a small machine): its computations, copies between DRAM and the
+    device tier, optimizer steps and collectives all run on that core. (Several CPU devices on one
+    core, a pipeline's, already share its rates: `GPU.shared_by`.)"""
+    return hw.cpu.cores == 1 and len(hw.gpus) == 1 and hw.gpus[0].name == CPU_GPU_NAME
 
 
 def _host_work(ins: Instr) -> bool:
@@ -91,8 +92,8 @@ def contention(instrs: list[Instr], hw) -> tuple[list[tuple[str, ...]], dict[str
     sender's D2H engine and uplink and the receiver's H2D engine and uplink; SSD I/O crosses DRAM.
     A process with one core and the CPU as its device tier (`on_one_core`) runs its host work one
     instruction at a time on HOST_CORE: its overlap mode's lanes share the core (where two ranks
-    shared a 2-core VM, 2 ranks' overlapped steps ran 1.23-1.56x a prediction that let them run side
-    by side, benchmarks/RESULTS.md "Data parallel")."""
+    shared a 2-core VM, their overlapped steps ran 1.56x a prediction that let them run side by
+    side, 1.04-1.10x one that does not, benchmarks/RESULTS.md "Data parallel")."""
     rc_bw, gpus = hw.root_complex_bw, hw.gpus
     slots: dict[str, int] = {HOST_CORE: 1} if on_one_core(hw) else {}
     if rc_bw:

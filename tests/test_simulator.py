@@ -334,6 +334,8 @@ def test_a_one_core_process_with_the_cpu_as_its_device_runs_its_host_work_one_at
     assert step(one) == pytest.approx(1.75)
     assert step(dataclasses.replace(cpu_tier, cpu=dataclasses.replace(hw.cpu, cores=2))) == 1.0
     assert step(dataclasses.replace(hw, cpu=dataclasses.replace(hw.cpu, cores=1))) == 1.0  # a GPU computes apart
+    two = dataclasses.replace(one, gpus=one.gpus * 2)  # two CPU devices on one core already share its rates
+    assert step(two) == 1.0
 
 
 def test_a_data_parallel_plan_replays_on_its_ranks_share_as_it_was_planned():
