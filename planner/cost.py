@@ -182,8 +182,9 @@ def op_time(flops: int, nbytes: int, hw: Hardware, gpu: int = 0, fp32: bool = Fa
             groups: int = 1, rows: float = 0.0) -> float:
     """Roofline time of one op, plus the host's dispatch cost per op (`GPU.op_s`); `fp32`: its math
     runs in fp32. `kind` ("matmul", "attention", "attention_bwd" from `op_kind`,
-    "matmul_unaligned", "grouped_mm", "grouped_mm_wgrad" from `matmul_kind`): its FLOPs run at the
-    rate the GPU's probe measured at that size and precision (`measured_rate`) where it has one,
+    "matmul_unaligned" from `matmul_kind`, "grouped_mm", "grouped_mm_wgrad" from `grouped_layout`):
+    its FLOPs run at the rate the GPU's probe measured at that size and precision (`measured_rate`)
+    where it has one,
     else at `flops_fp32` (fp32, where the GPU has one) or `flops`; a grouped matmul of `groups`
     groups of `rows` rows each, at its layout's rate at those rows (`GPU.grouped_mm_rates`), else at
     the matmul rate of one group's share (`flops / groups`). An op that touches memory takes at
@@ -224,11 +225,8 @@ kernels (16 bytes); with any other, cuBLAS falls back to slower ones (`matmul_un
 def matmul_kind(o, tensors) -> str:
     """`op_kind` of an IR op, telling a matmul with a dimension that is not a multiple of
     TENSOR_CORE_ALIGN ("matmul_unaligned": a vocabulary of 50257, whose LM head ran at 94-145
-    TFLOPS against 693-767 at 50304 on an H200, benchmarks/RESULTS.md "On a GPU") and a grouped
-    matmul's layouts (`grouped_layout`) from the rest."""
+    TFLOPS against 693-767 at 50304 on an H200, benchmarks/RESULTS.md "On a GPU") from the rest."""
     kind = op_kind(o.target)
-    if "_grouped_mm" in o.target:
-        return grouped_layout(o, tensors)[0]
     if kind == "matmul" and any(d % TENSOR_CORE_ALIGN for name in o.inputs if name in tensors
                                 for d in tensors[name].shape[-2:] if len(tensors[name].shape) >= 2):
         return "matmul_unaligned"
@@ -297,8 +295,7 @@ def ops_time(ops, tensors, hw: Hardware) -> float:
 def ir_op_time(o, tensors, hw: Hardware) -> float:
     """`op_time` of an IR op: its precision and kind read from its inputs; a grouped matmul's rate is
     its layout's at its rows per group (`grouped_layout`)."""
-    kind = matmul_kind(o, tensors)
-    rows = grouped_layout(o, tensors)[1] if kind.startswith("grouped") else 0.0
+    kind, rows = grouped_layout(o, tensors) if "_grouped_mm" in o.target else (matmul_kind(o, tensors), 0.0)
     return op_time(o.flops, o.bytes_in + o.bytes_out, hw, fp32=_in_fp32(o, tensors), kind=kind,
                    groups=expert_groups(o, tensors), rows=rows)
 

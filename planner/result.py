@@ -179,12 +179,10 @@ def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer],
                                           durable=bool(buf.home)))
         elif ins.kind == InstrKind.COMMIT:
             out.append(cost.commit_time(hw, instrs))
-        elif ins.kind == InstrKind.REDUCE:
+        elif ins.kind in (InstrKind.REDUCE, InstrKind.GATHER):
             buf = buffers[ins.tensor]
-            out.append(cost.all_reduce_time(buf.bytes, ins.dst, problem, tensors=max(1, len(buf.members))))
-        elif ins.kind == InstrKind.GATHER:
-            buf = buffers[ins.tensor]
-            out.append(cost.all_gather_time(buf.bytes, ins.dst, problem, tensors=max(1, len(buf.members))))
+            collective = cost.all_reduce_time if ins.kind == InstrKind.REDUCE else cost.all_gather_time
+            out.append(collective(buf.bytes, ins.dst, problem, tensors=max(1, len(buf.members))))
         elif ins.kind == InstrKind.OPTIMIZER_STEP:
             prof = problem.profiles[problem.profile_of[ins.segment]] if zero3 else None
             out.append(cost.segment_update_time(problem, ins.segment, ins.dst)
