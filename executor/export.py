@@ -16,17 +16,21 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import stat
+import warnings
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 
 from tensorstow.errors import TensorstowError
 from tensorstow.executor import statedir
 from tensorstow.executor.aio import aligned_empty
 from tensorstow.executor.ssd import SSDStore
 from tensorstow.ir.graph import numel
+from tensorstow.ir.hf import without_base_layers
 from tensorstow.ir.quant import PARTS, Quantization, dequantized
 from tensorstow.schema.schedule import BufferKind, block_of, buffer_kind, member_rows, parent_of, units_by_block
 
@@ -87,7 +91,9 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, merge: bool = 
             raise TensorstowError(f"export --merge: {d} trains no PEFT (LoRA) model; export it without --merge")
         shards: list[dict[str, torch.Tensor]] = [{}]
         sizes = [0]
-        merger = _Merger(adapter, peft, described[0][0].options.quantize) if merge else None
+        hf = (dirs[0] / statedir.CONFIG).exists()
+        merger = (_Merger(adapter, peft, described[0][0].options.quantize,
+                          peft_layers(dirs[0], peft, adapter) if hf else None) if merge else None)
         every = ([_blocks(plan, layout, store, prefix) for (plan, layout), store in zip(described, stores)] if dp == 1
                  else [_gathered_blocks(described, stores, prefix)])
         for blocks in every:
@@ -240,61 +246,121 @@ def _gathered_blocks(described: list, stores: list, prefix: str):
         yield out
 
 
-LORA = (".lora_A.", ".lora_B.")
+LORA = re.compile(r"\.lora_(?:embedding_)?[AB](?:\.|$)")
+"""A LoRA factor's name: `X.lora_A.<adapter>.weight`, an embedding's `X.lora_embedding_A.<adapter>`
+(in an adapter file without the adapter's name)."""
 PEFT_ROOT = "base_model.model."
 
 
 def _adapter(block: dict, adapter: str) -> dict:
-    """The LoRA tensors of a block as PEFT saves an adapter: `...q_proj.lora_A.weight` (the
-    adapter's name dropped). A trained tensor that is no LoRA factor (PEFT's modules_to_save) is
-    refused: its saved name would differ from what PeftModel.from_pretrained loads."""
-    out = {}
-    for name, t in block.items():
-        if any(k in name for k in LORA):
-            out[name.replace(f".{adapter}.", ".")] = t
+    """The LoRA tensors of a block as PEFT saves an adapter: the adapter's name dropped
+    (`...q_proj.lora_A.weight`, an embedding's `...embed_tokens.lora_embedding_A`), and beside an
+    embedding's factors its base weight, as PEFT saves it by default (`save_embedding_layers`)."""
+    named = re.compile(rf"(\.lora_(?:embedding_)?[AB])\.{re.escape(adapter)}(?=\.|$)")
+    embedded = {n[:-len(f".lora_embedding_A.{adapter}")] + ".base_layer.weight" for n in block
+                if n.endswith(f".lora_embedding_A.{adapter}")}
+    return {named.sub(r"\1", name): t for name, t in block.items() if LORA.search(name) or name in embedded}
+
+
+def _factors(module: str, layer, adapter: str) -> tuple[str, str]:
+    """The names of the LoRA factors (A, B) of PEFT `layer`, at `module`."""
+    if adapter in getattr(layer, "lora_embedding_A", {}):
+        return f"{module}.lora_embedding_A.{adapter}", f"{module}.lora_embedding_B.{adapter}"
+    return f"{module}.lora_A.{adapter}.weight", f"{module}.lora_B.{adapter}.weight"
+
+
+def peft_layers(d: Path, peft: dict, adapter: str) -> dict[str, list[tuple[str, object]]]:
+    """The LoRA layers of the PEFT model trained (the `hf:` model of `d`'s config.json, adapted as `peft`
+    says), built on the meta device, by the name of the weight each adapts: `X.base_layer.weight`
+    for a linear or embedding layer, `X.base_layer.down_proj` for a parameter (LoRA's
+    `target_parameters`; several wrappers of one module nest, each adapting one of its parameters)."""
+    import peft as peft_lib
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from peft.tuners.lora import LoraLayer
+    hf_config = AutoConfig.from_pretrained(str(d))
+    if hasattr(hf_config, "quantization_config"):  # the base's weights are given
+        del hf_config.quantization_config
+    with torch.device("meta"), warnings.catch_warnings():  # about the names it was trained under: not the user's concern
+        warnings.simplefilter("ignore")
+        model = peft_lib.get_peft_model(AutoModelForCausalLM.from_config(hf_config),
+                                        peft_lib.LoraConfig.from_peft_type(**peft), adapter_name=adapter)
+    where = {id(m): n for n, m in model.named_modules()}
+    out: dict[str, list[tuple[str, object]]] = {}
+    for name, layer in model.named_modules():
+        if isinstance(layer, LoraLayer) and (adapter in layer.lora_A or adapter in layer.lora_embedding_A):
+            param = getattr(layer, "parameter_name", None)  # a ParamWrapper: the base module's parameter
+            weight = f"{where[id(layer.get_base_layer())]}.{param}" if param else f"{name}.base_layer.weight"
+            out.setdefault(weight, []).append((name, layer))
     return out
 
 
 class _Merger:
     """The weights with each LoRA pair merged into its base weight as PEFT's `merge_and_unload`
-    does: W + transpose(B @ A, fan_in_fan_out) * scaling (scaling = alpha / r, or alpha / sqrt(r)
-    with rslora), under the base model's own names. A base weight and its factors may sit in
+    does (W + the layer's `get_delta_weight`, PEFT's own, of the PEFT model built on the meta
+    device with the trained factors put in: linear layers, embeddings, a mixture of experts'
+    parameters, `fan_in_fan_out`, rslora, per-module ranks), under the base model's own names.
+    `layers` (`peft_layers`) is None for a model that is no `hf:` one: its LoRA layers are linear
+    ones, W + transpose(B @ A, fan_in_fan_out) * scaling. A base weight and its factors may sit in
     neighbouring blocks: each waits (alone in memory) until the other part arrives. A quantized
     base weight (`quantize`: its codes `X.weight` and scales `X.weight_absmax`) is dequantized as the
     step dequantizes it, then merged: full-precision weights, as `merge_and_unload` of the
     dequantized base gives."""
 
-    def __init__(self, adapter: str, peft: dict, quantize: str | None = None):
-        if peft.get("rank_pattern") or peft.get("alpha_pattern"):
+    def __init__(self, adapter: str, peft: dict, quantize: str | None = None, layers: dict | None = None):
+        if layers is None and (peft.get("rank_pattern") or peft.get("alpha_pattern")):
             raise TensorstowError("export --merge: per-module LoRA ranks or alphas (rank_pattern, alpha_pattern) "
-                                  "are not supported; export the adapter and merge it with PEFT")
+                                  "of a model that is no hf: one are not supported; export the adapter and merge it "
+                                  "with PEFT")
         r, alpha = peft["r"], peft["lora_alpha"]
         self.scaling = alpha / math.sqrt(r) if peft.get("use_rslora") else alpha / r
-        self.adapter, self.fan_in_fan_out = adapter, bool(peft.get("fan_in_fan_out"))
+        self.adapter, self.fan_in_fan_out, self.layers = adapter, bool(peft.get("fan_in_fan_out")), layers
         self.quant_type = Quantization.parse(quantize).quant_type if quantize else None
         """A quantized base's format (`Options.quantize`); None: the base is stored as it is."""
         self.pending: dict[str, torch.Tensor] = {}
+
+    def _adapting(self, name: str) -> list[tuple[str, object]]:
+        """The LoRA layers adapting weight `name`, as (module, PEFT layer or None: a linear one)."""
+        if self.layers is not None:
+            return self.layers.get(name, [])
+        return [(name[:-len(".base_layer.weight")], None)] if name.endswith(".base_layer.weight") else []
+
+    def _delta(self, module: str, layer, weight: torch.Tensor) -> torch.Tensor:
+        a_name, b_name = _factors(module, layer, self.adapter)
+        a, b = self.pending.pop(a_name), self.pending.pop(b_name)
+        if layer is None:
+            delta = b @ a
+            return (delta.T if self.fan_in_fan_out else delta) * self.scaling
+        if a_name.endswith(".weight"):
+            layer.lora_A[self.adapter].weight, layer.lora_B[self.adapter].weight = nn.Parameter(a), nn.Parameter(b)
+        else:
+            layer.lora_embedding_A[self.adapter], layer.lora_embedding_B[self.adapter] = nn.Parameter(a), nn.Parameter(b)
+        param = getattr(layer, "parameter_name", None)
+        if param:  # PEFT casts the delta to its parameter's device and dtype
+            setattr(layer.get_base_layer(), param, nn.Parameter(weight, requires_grad=False))
+        try:
+            return layer.get_delta_weight(self.adapter).detach()
+        finally:
+            if param:
+                setattr(layer.get_base_layer(), param, nn.Parameter(weight.to("meta"), requires_grad=False))
 
     def __call__(self, block: dict) -> dict:
         self.pending.update(block)
         out = {}
         for name in list(self.pending):
-            if any(k in name for k in LORA) or name not in self.pending or any(name.endswith(f".{p}") for p in PARTS[1:]):
+            if LORA.search(name) or name not in self.pending or any(name.endswith(f".{p}") for p in PARTS[1:]):
                 continue
             scales = [f"{name}{p[len('weight'):]}" for p in PARTS[1:]] if self.quant_type and name.endswith(".weight") else []
             scales = [s for s in scales if s in self.pending]  # none: a weight stored as it is (the LM head)
-            module = name[:-len(".base_layer.weight")] if name.endswith(".base_layer.weight") else None
-            a_name, b_name = f"{module}.lora_A.{self.adapter}.weight", f"{module}.lora_B.{self.adapter}.weight"
-            if module is not None and not (a_name in self.pending and b_name in self.pending):
+            adapting = self._adapting(name)
+            if any(f not in self.pending for m, layer in adapting for f in _factors(m, layer, self.adapter)):
                 continue  # its factors are in a block still to come
             t = self.pending.pop(name)
             if scales:
                 parts = {"weight": t, **{s.rpartition(".")[2]: self.pending.pop(s) for s in scales}}
                 t = dequantized(parts, self.quant_type)
-            if module is not None:
-                delta = self.pending.pop(b_name) @ self.pending.pop(a_name)
-                t = t + (delta.T if self.fan_in_fan_out else delta) * self.scaling
-            base = name.replace(".base_layer.", ".")
+            for module, layer in adapting:
+                t = t + self._delta(module, layer, t)
+            base = without_base_layers(name)
             out[base[len(PEFT_ROOT):] if base.startswith(PEFT_ROOT) else base] = t
         return out
 
@@ -308,9 +374,9 @@ def _check_names(block: dict, d: Path, adapter: bool) -> None:
     """No export writes names its loader would skip (and load random weights instead): PEFT's
     wrapper names in a model's weights, or anything but LoRA factors in an adapter."""
     if adapter:
-        bad = [n for n in block if not (n.startswith(PEFT_ROOT) and any(k in n for k in LORA))]
+        bad = [n for n in block if not (n.startswith(PEFT_ROOT) and (LORA.search(n) or n.endswith(".base_layer.weight")))]
     else:
-        bad = [n for n in block if n.startswith(PEFT_ROOT) or any(k in n for k in LORA)
+        bad = [n for n in block if n.startswith(PEFT_ROOT) or LORA.search(n)
                or ".base_layer." in n or ".modules_to_save." in n or ".original_module." in n]
     if bad:
         raise TensorstowError(f"export: {d} holds {bad[0]}, a name no from_pretrained loads (a PEFT model whose "

@@ -176,7 +176,8 @@ class StepSemantics:
         for p in self.program.block_params.get(b, ()):
             if p not in j.grad:
                 continue
-            g = j.materialize(j.grad[p], get).float()
+            g = j.materialize(j.grad[p], get).float().contiguous()  # eager's .grad has its parameter's layout, and a
+            # norm's sum runs in memory order (an embedding's LoRA factor A gets a transposed gradient)
             if inv is not None:
                 g = g * inv.to(g.device)  # a copy: G itself is unscaled at its update
             self.norms[p] = torch._foreach_norm([g], 2.0)[0]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 import warnings
 from contextlib import contextmanager
@@ -194,14 +195,20 @@ def _with_lora(model: nn.Module, ref: str, lora: str) -> nn.Module:
     initialisation drew (PEFT moves each adapter to its base layer's device, where it would
     have none: those moves are skipped while it builds them)."""
     import peft
-    to = nn.Module.to
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    to, move = nn.Module.to, BaseTunerLayer._move_adapter_to_device_of_base_layer
 
     def not_to_meta(module, *args, **kwargs):
         device = torch._C._nn._parse_to(*args, **kwargs)[0]
         return module if device is not None and device.type == "meta" else to(module, *args, **kwargs)
 
+    def not_onto_meta(layer, adapter_name, device=None):  # an embedding's adapters are moved tensor by tensor
+        on_meta = any(p.device.type == "meta" for p in layer.get_base_layer().parameters())
+        if not (on_meta if device is None else torch.device(device).type == "meta"):
+            move(layer, adapter_name, device)
+
     if any(p.device.type == "meta" for p in model.parameters()):
-        nn.Module.to = not_to_meta
+        nn.Module.to, BaseTunerLayer._move_adapter_to_device_of_base_layer = not_to_meta, not_onto_meta
     try:
         with warnings.catch_warnings():  # peft asks transformers 5 a deprecated name: not the user's concern
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
@@ -209,7 +216,7 @@ def _with_lora(model: nn.Module, ref: str, lora: str) -> nn.Module:
     except ValueError as e:  # a target module the model does not have
         raise TensorstowError(f"--lora {lora}: {ref}: {str(e).splitlines()[0]}") from None
     finally:
-        nn.Module.to = to
+        nn.Module.to, BaseTunerLayer._move_adapter_to_device_of_base_layer = to, move
 
 
 def load(ref: str, *, weights: bool = True, lora: str | None = None, quantize: str | None = None,
@@ -369,8 +376,15 @@ def _checkpoint_key(name: str) -> str:
     model `base_model.model.` and `.base_layer` too)."""
     key = name[len("model."):]
     if key.startswith("base_model.model."):
-        key = key[len("base_model.model."):].replace(".base_layer.", ".")
+        key = without_base_layers(key[len("base_model.model."):])
     return key
+
+
+def without_base_layers(name: str) -> str:
+    """A PEFT model's parameter name as its base model names it: every `.base_layer` PEFT's
+    wrappers put in left out (several in a row where LoRA adapts several parameters of one module:
+    `experts.base_layer.base_layer.down_proj` is `experts.down_proj`)."""
+    return re.sub(r"\.base_layer(?=\.)", "", name)
 
 
 def load_streaming(ref: str, lora: str | None = None, quantize: str | None = None, quantize_skip: str | None = None

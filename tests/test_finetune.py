@@ -380,21 +380,26 @@ def test_pretrained_llama_finetunes_from_prompt_completion_like_eager(tmp_path):
     assert not bad, f"exported weights differ from eager: {bad[:4]}"
 
 
-def test_lora_from_the_command_line_exports_an_adapter_and_merged_weights(tmp_path):
+@pytest.mark.parametrize("targets", ["q_proj,v_proj", "q_proj,embed_tokens"], ids=["linear", "embedding"])
+def test_lora_from_the_command_line_exports_an_adapter_and_merged_weights(targets, tmp_path):
     """`plan hf:DIR --lora r=4,alpha=8,targets=q_proj,v_proj` with the recipe (accumulation,
     clipping, warmup + cosine), `execute`, `export`: the adapter loads with
     `PeftModel.from_pretrained` onto the base and equals eager PEFT's trained adapters (the frozen
     base streamed from the checkpoint, the adapters initialised as get_peft_model of the loaded
-    checkpoint does); `export --merge` loads with `from_pretrained` and equals merge_and_unload."""
+    checkpoint does); `export --merge` loads with `from_pretrained` and equals merge_and_unload.
+    An embedding's adapters too (PEFT moves them to the base's device tensor by tensor, not
+    module by module; they are saved as `lora_embedding_A`, not `lora_A`), and its file holds
+    what PEFT's `save_pretrained` writes."""
     peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
     ckpt, tok, rows, _, data, _ = recipe(tmp_path)
     plan = tmp_path / "plan.json"
-    lora = {"r": 4, "lora_alpha": 8.0, "target_modules": ["q_proj", "v_proj"]}
+    lora = {"r": 4, "lora_alpha": 8.0, "target_modules": targets.split(",")}
     assert main(["plan", f"hf:{ckpt}", "--hw", "lohan-rtx4090", "--policy", "lohan", "--precision", "fp32",
                  "--batch", str(BATCH), "--seq", str(SEQ), "--gpu-mem", "1MB", "--lr", str(LR), "--weight-decay", str(WD),
                  "--exact-optimizer", "--lr-scheduler", "cosine", "--warmup-steps", str(WARMUP),
                  "--grad-accum", str(ACCUM), "--max-grad-norm", str(CLIP),
-                 "--lora", "r=4,alpha=8,targets=q_proj,v_proj", "-o", str(plan)]) == 0
+                 "--lora", f"r=4,alpha=8,targets={targets}", "-o", str(plan)]) == 0
     state, log = tmp_path / "state", tmp_path / "log.jsonl"
     assert main(["execute", str(plan), "--hw-mismatch", "ok", "--data", str(data), "--epochs", str(EPOCHS), "--state-dir", str(state),
                  "--log-json", str(log)]) == 0
@@ -409,6 +414,10 @@ def test_lora_from_the_command_line_exports_an_adapter_and_merged_weights(tmp_pa
     assert got.keys() == want.keys()
     bad = [n for n in want if not torch.equal(got[n], want[n])]
     assert not bad, f"adapter differs from eager PEFT's: {bad[:4]}"
+    model.save_pretrained(tmp_path / "eager-adapter")
+    saved, eager_saved = (load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in ("adapter", "eager-adapter"))
+    assert saved.keys() == eager_saved.keys()
+    assert all(torch.equal(saved[k], eager_saved[k]) for k in saved)
     merged = weights(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged"))
     eager_merged = weights(model.merge_and_unload())
     assert merged.keys() == eager_merged.keys()

@@ -253,8 +253,11 @@ def test_lora_on_the_experts_own_weights_trains_like_eager_peft_and_exports_its_
     """PEFT LoRA on the experts' weights themselves (`target_parameters`, each expert its own pair)
     beside q_proj: bit for bit as eager PEFT training, the frozen base unchanged (and the model
     object keeps its parameters through the trace, which PEFT's parametrization under the trace's
-    swapped-in tensors took away); `--lora ...,parameters=...` plans it from an `hf:` checkpoint, and
-    the exported adapter loads with `PeftModel.from_pretrained`, every tensor matched."""
+    swapped-in tensors took away); `--lora ...,parameters=...` plans it from an `hf:` checkpoint with
+    weights (each of the experts' parameters a PEFT wrapper, nested: `experts.base_layer.base_layer.
+    down_proj` is the checkpoint's `experts.down_proj`), the exported adapter loads with
+    `PeftModel.from_pretrained`, every tensor matched, and `export --merge` equals PEFT's
+    `merge_and_unload` of it."""
     peft = pytest.importorskip("peft", reason="peft is not installed")
     from safetensors.torch import load_file
     from tensorstow.cli import main
@@ -275,19 +278,27 @@ def test_lora_on_the_experts_own_weights_trains_like_eager_peft_and_exports_its_
         got = run_executor(pj, real_models.lora_mixtral_experts, tmp_path / name)
         real.assert_equal(got, want, prefix="model.")
         assert all(torch.equal(got[1]["model." + n], initial[n]) for n in set(initial) - trainable)
-    hf = moe_ref("mixtral", tmp_path)
+    hf = tmp_path / "mixtral"
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(transformers.MixtralConfig(**FAMILIES["mixtral"][1])).save_pretrained(hf)
+    hf = f"hf:{hf}"
     plan, state, out = tmp_path / "p.json", tmp_path / "s", tmp_path / "out"
     assert main(["plan", hf, "--hw", "lohan-rtx4090", "--policy", "lohan", "--batch", "2", "--seq", "16", "--gpu-mem",
                  "600KB", "--lora", "r=4,alpha=8,targets=q_proj,parameters=mlp.experts.gate_up_proj,mlp.experts.down_proj",
                  "-o", str(plan)]) == 0
     assert main(["execute", str(plan), "--hw-mismatch", "ok", "--steps", "2", "--state-dir", str(state)]) == 0
     assert main(["export", str(state), "-o", str(out)]) == 0
-    config = transformers.AutoConfig.from_pretrained(hf[3:])
-    loaded = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_config(config), str(out))
+    assert main(["export", str(state), "-o", str(tmp_path / "merged"), "--merge"]) == 0
+    loaded = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(hf[3:]), str(out))
     saved = load_file(str(out / "adapter_model.safetensors"))
     held = peft.get_peft_model_state_dict(loaded)
-    assert saved.keys() == held.keys() and any(".experts.lora_" in k for k in saved)
+    assert saved.keys() == held.keys() and any(".experts.base_layer.lora_" in k for k in saved)
     assert all(torch.equal(saved[k], held[k]) for k in saved)
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").state_dict()
+    want = loaded.merge_and_unload().state_dict()
+    assert merged.keys() == want.keys()
+    bad = [k for k in want if not torch.equal(merged[k], want[k])]
+    assert not bad, f"merged weights differ from PEFT's merge_and_unload: {bad[:4]}"
 
 
 @pytest.mark.parametrize("groups", ["1", "2"], ids=["layers", "expert-groups"])
