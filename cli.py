@@ -669,11 +669,18 @@ UNSET = object()
 """An option's value in `parser(explicit=True)`'s parse where the command line does not give it."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose refusal of a command line is one line (argparse's own prints the
+    whole usage first) and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"tensorstow: error: {self.prog}: {message} (`{self.prog} --help` lists the options)\n")
+
+
 def parser(explicit: bool = False) -> argparse.ArgumentParser:
     """The `tensorstow` command line. `explicit`: every option of `plan` and `execute` that a recipe
     may also give defaults to `UNSET`, so a parse says which ones the command line gave (`given`)."""
-    ap = argparse.ArgumentParser(prog="tensorstow", description=__doc__.splitlines()[0],
-                                 epilog=DEMO_LINE)
+    ap = _Parser(prog="tensorstow", description=__doc__.splitlines()[0], epilog=DEMO_LINE)
     sub = ap.add_subparsers(dest="cmd", help="`tensorstow COMMAND --help` shows a command's options "
                             "(required; with no arguments at all, the demo runs).")
     ap.tensorstow_commands = {}

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from tensorstow.errors import TensorstowError
+from tensorstow.errors import Interrupted, TensorstowError
 
 LOST = "lost its peers"
 TIMEOUT_S = 600
@@ -182,6 +182,12 @@ def launch(nproc: int, kw: dict, out=None) -> None:
                         env=dict(env, RANK=str(k)), stdout=None if k == 0 else subprocess.DEVNULL, stderr=err,
                         start_new_session=True))
             seen = _watch(procs)
+        except KeyboardInterrupt:  # Ctrl-C: the ranks (sessions of their own) are stopped where they are
+            _stop(procs)
+            state = kw.get("state_dir")
+            raise Interrupted("interrupted: every rank stopped" + (
+                f"; {state} keeps the last step all ranks committed: rerun the same command to resume" if state
+                else "; nothing is committed without --state-dir")) from None
         finally:
             stopped = _stop(procs)
         why = {}
@@ -196,8 +202,9 @@ def launch(nproc: int, kw: dict, out=None) -> None:
             return
         cause = _cause(why, stopped, seen)
         state = kw.get("state_dir")
-        resume = (f"; every rank stopped, and {state} keeps the last step all ranks committed: run the same "
-                  f"command to resume") if state else "; every rank stopped"
+        refused = procs[cause].returncode == 2  # the rank refused its input: its line says what to change
+        resume = "; every rank stopped" + (f", and {state} keeps the last step all ranks committed" if state else "") + (
+            "" if refused or not state else ": run the same command to resume")
         raise TensorstowError(f"rank {cause} of {nproc} {why[cause]}{resume}")
 
 

@@ -67,8 +67,11 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, merge: bool = 
     from safetensors.torch import save_file
 
     d, out = Path(state_dir), Path(out_dir)
-    ranks = sorted((p for p in d.glob("rank*") if p.is_dir() and p.name[4:].isdigit()), key=lambda p: int(p.name[4:]))
-    dirs = ranks if ranks and not (d / statedir.PLAN).exists() else [d]
+    ranks = statedir.rank_dirs(d)
+    if ranks and (d / statedir.PLAN).exists():
+        raise TensorstowError(f"export: {d} holds a one-process run ({statedir.PLAN}) and a run of several processes "
+                              f"({ranks[0].name}/ ...), written by two runs: move one of them to a directory of its own")
+    dirs = ranks or [d]
     described = [statedir.read(x) for x in dirs]
     dp = described[0][0].decisions.dp
     if dirs is ranks:

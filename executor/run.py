@@ -47,6 +47,8 @@ def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, 
     each keeps its state in `state_dir/rank<K>`)."""
     out = out or sys.stdout  # looked up per call: the stream of the caller (tests swap it)
     use_machinery(run)
+    if run.nproc < 1:
+        raise TensorstowError(f"--nproc must be >= 1, got {run.nproc}")
     if run.nproc > 1 or (run.nproc == 1 and rank is None and _gpus_of(plan) > 1):
         return _launch(plan, run, out)
     mode = pick_mode(run.mode, plan, run.device)
@@ -80,7 +82,7 @@ def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, 
         if store is not None:
             statedir.describe(d, model, ex.program)
         steps, feed, data = _feed(ex, plan, run, start)
-        held_out, eval_data = _eval_batches(ex, plan, run) if run.eval_data is not None else (None, None)
+        held_out, eval_data = _eval_batches(ex, plan, run, out) if run.eval_data is not None else (None, None)
         past = start > steps  # a shorter run than the one committed: nothing to train, nothing recorded
         schedule = _lr_schedule(plan, run, steps, check=not past)
         if d is not None:  # the same run as the state dir's, or refused here: before any step, nothing written
@@ -229,16 +231,17 @@ def evaluate_state(plan: Plan, run: Run, *, out=None) -> dict:
     return {"step": step, "eval_loss": value, "eval_perplexity": ppl, "eval_batches": len(held_out)}
 
 
-def _eval_batches(ex: Executor, plan: Plan, run: Run) -> tuple[list, record.DataId]:
+def _eval_batches(ex: Executor, plan: Plan, run: Run, out=None) -> tuple[list, record.DataId]:
     """`--eval-data` as (x, y) batches of the plan's shape, in file order: `--eval-batches` of
-    them, or (examples) all its examples (a last partial batch dropped); synthetic: drawn with
-    seed + 1, apart from the training data. With what they are, for the run record."""
-    got = _held_out(ex, plan, run)
+    them, or (examples) all its examples (a last partial batch dropped, and said on `out`);
+    synthetic: drawn with seed + 1, apart from the training data. With what they are, for the run
+    record."""
+    got = _held_out(ex, plan, run, out or sys.stdout)
     return got, record.DataId({"kind": "batches", "source": run.eval_data, "batches": len(got),
                                "xxh3": record.digest(*(t.numpy() for xy in got for t in xy))})
 
 
-def _held_out(ex: Executor, plan: Plan, run: Run) -> list:
+def _held_out(ex: Executor, plan: Plan, run: Run, out) -> list:
     m = plan.model
     rows = ex.rows
     if run.eval_batches is not None and run.eval_batches < 1:
@@ -255,6 +258,10 @@ def _held_out(ex: Executor, plan: Plan, run: Run) -> list:
     n = run.eval_batches or examples.steps_per_epoch(rows)
     if n < 1:
         raise TensorstowError(f"--eval-data {run.eval_data} holds fewer examples than one batch of {rows}")
+    if run.eval_batches is None and len(examples) % rows:
+        print(f"eval data {run.eval_data}: the last {len(examples) % rows} of its {len(examples)} "
+              f"{'windows' if plan.options.packing else 'examples'} are not evaluated (fewer than a batch of {rows} "
+              f"rows a step)", file=out)
     return [tuple(b[2:]) for b in examples.batches(rows, n, run.seed, 0, False, positions=plan.options.packing)]
 
 
@@ -687,7 +694,7 @@ def worker(kw: dict) -> int:
                                 timeout=datetime.timedelta(seconds=TIMEOUT_S))
     except TensorstowError as e:
         print(f"tensorstow: error: {e}", file=sys.stderr)
-        return 1
+        return 2
     except Exception as e:  # noqa: BLE001 - the rendezvous failed: one line, not a traceback
         print(f"tensorstow: error: rank {rank} could not join the process group: {e}", file=sys.stderr)
         return 1
@@ -701,9 +708,9 @@ def worker(kw: dict) -> int:
         # connections while it was still tearing its own down
         dist.barrier()
         return 0
-    except TensorstowError as e:
+    except TensorstowError as e:  # refused as it stands: a rerun fails the same way (the launcher says so)
         print(f"tensorstow: error: {e}", file=sys.stderr)
-        return 1
+        return 2
     except Exception as e:  # noqa: BLE001 - one line for the launcher, not a traceback
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         print(f"tensorstow: error: {LOST} ({first})" if peer_lost(e) else f"tensorstow: error: {type(e).__name__}: {first}",

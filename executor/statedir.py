@@ -177,7 +177,8 @@ def survey(state_dir, ranks: bool = False) -> str:
         return "foreign"
     if _store_manifest(d):
         return "state"
-    return "new" if all(_own_temporary(n) or (ranks and RANK_DIR.fullmatch(n)) for n in names) else "foreign"
+    return "new" if all(_own_temporary(n) or (ranks and RANK_DIR.fullmatch(n) and survey(d / n) != "foreign")
+                        for n in names) else "foreign"
 
 
 def _refuse_foreign(d: Path, verb: str) -> TensorstowError:
@@ -241,14 +242,32 @@ def clear(state_dir) -> list[Path]:
 
 def claim_parent(state_dir) -> Path:
     """The directory of a multi-process run's `rank<K>` state dirs: new, empty or already one (its
-    mark), else refused before anything is written; every rank claims it, so it is race-free."""
-    return _take(Path(state_dir), ranks=True)
+    mark), else refused before anything is written (also the state dir of a one-process run);
+    every rank claims it, so it is race-free."""
+    d = Path(state_dir)
+    if (d / PLAN).is_file():
+        raise TensorstowError(f"--state-dir {d} holds a one-process run ({d / PLAN}): a run of several processes "
+                              f"keeps each rank's state in a rank<K>/ of a directory of its own. Use an empty "
+                              f"--state-dir, or execute the plan it holds without --nproc")
+    return _take(d, ranks=True)
+
+
+def rank_dirs(d: Path) -> list[Path]:
+    """The `rank<K>` state dirs of a multi-process run in `d`, in rank order."""
+    found = [p for p in d.iterdir() if p.is_dir() and RANK_DIR.fullmatch(p.name) and survey(p) == "state"] if d.is_dir() else []
+    return sorted(found, key=lambda p: int(p.name[4:]))
 
 
 def claim(state_dir, plan: Plan) -> tuple[Path, Plan]:
     """Make `state_dir` the home of `plan`'s training, or check that it already is; returns (the
     directory, the plan it holds: the store's owner). A directory that is neither new nor a
-    state dir is refused before anything is written in it."""
+    state dir (nor the directory of a multi-process run's ranks) is refused before anything is
+    written in it."""
+    ranks = rank_dirs(Path(state_dir))
+    if ranks:
+        raise TensorstowError(f"--state-dir {state_dir} holds the ranks' state of a run of several processes "
+                              f"({ranks[0].name}/ ...): execute the plan it holds ({ranks[0] / PLAN}) with one process "
+                              f"a rank (--nproc), or use an empty --state-dir")
     d = _take(Path(state_dir), ranks=False)
     if not (d / PLAN).exists():
         _create_atomic(d / PLAN, plan.dumps())  # two claims at once: one creates it, the other reads it below

@@ -145,6 +145,10 @@ def test_bad_options_fail_before_the_machine_is_probed(args, needle, capsys, mon
 def test_error_exit_status_of_the_real_process():
     r = run("plan", "gpt-nope")
     assert r.returncode == 2 and r.stderr.startswith("tensorstow: error: unknown model") and not r.stdout
+    # a value of the wrong type (argparse's own refusal): one line too, not the usage first
+    r = run("plan", "gpt-tiny", "--batch", "x")
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and not r.stdout
+    assert r.stderr.startswith("tensorstow: error: tensorstow plan: argument --batch") and "--help" in r.stderr
 
 
 @pytest.mark.parametrize("content,needle", [

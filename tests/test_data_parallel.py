@@ -179,6 +179,11 @@ def test_a_rank_killed_mid_run_stops_every_rank_and_the_rerun_resumes_exactly(ll
     rc, _, err = finish(cli("execute", path, "--hw-mismatch", "ok", "--nproc", 3, "--steps", 6, "--state-dir",
                             tmp_path / "state"))
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "--nproc 2" in err
+    # a rank that refuses its input (another seed than the run's): one line, which does not say that
+    # rerunning the same command resumes
+    rc, _, err = finish(cli(*args, "--seed", 1))
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "seed" in err
+    assert "every rank stopped" in err and "run the same command" not in err
 
 
 def test_the_plan_reduces_each_gradient_and_shards_the_optimizer_state():

@@ -423,3 +423,19 @@ def test_lora_from_the_command_line_exports_an_adapter_and_merged_weights(target
     assert merged.keys() == eager_merged.keys()
     bad = [n for n in eager_merged if not torch.equal(merged[n], eager_merged[n])]
     assert not bad, f"merged weights differ from merge_and_unload: {bad[:4]}"
+
+
+def test_held_out_examples_short_of_a_batch_are_said_to_be_left_out(tmp_path, capsys):
+    """Evaluation runs whole batches: with 8 + 3 held-out pairs and 2 x 4 rows a step, the last 3
+    are not evaluated, and the run says so rather than leaving them out silently."""
+    ckpt, tok, rows, held_out, data, _ = recipe(tmp_path)
+    evals = write_jsonl(tmp_path / "eval11.jsonl", held_out + pairs(3, seed=2))
+    plan = tmp_path / "plan.json"
+    assert main(["plan", f"hf:{ckpt}", "--hw", "lohan-rtx4090", "--precision", "fp32", "--batch", str(BATCH),
+                 "--seq", str(SEQ), "--grad-accum", str(ACCUM), "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["execute", str(plan), "--hw-mismatch", "ok", "--data", str(data), "--steps", "1",
+                 "--eval-data", str(evals), "--eval-every", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"eval data {evals}: the last 3 of its 11 examples are not evaluated" in out
+    assert "eval after step 1/1" in out

@@ -101,6 +101,43 @@ def test_a_second_execute_on_a_state_dir_is_refused(plans, tmp_path, capsys):
     assert execute(plans["zero-infinity"], tmp_path / "s", 2) == 0  # released: it resumes
 
 
+def test_a_state_dir_holds_a_one_process_run_or_a_several_process_one_never_both(plans, tmp_path, capsys):
+    """A one-process run's state dir refuses a run of several processes (their rank<K>/ would sit
+    beside its store), and theirs a one-process run, in one line before anything is written;
+    export refuses a directory holding both rather than pick one; `--nproc` below 1 is refused
+    before anything is written; a rank<K>/ of the user's makes its parent no state dir."""
+    from tensorstow.errors import TensorstowError
+    from tensorstow.executor import statedir
+    plan = Plan.load(plans["zero-infinity"])
+    one = tmp_path / "one"
+    assert execute(plans["zero-infinity"], one, 1) == 0
+    before = sorted(p.name for p in one.iterdir())
+    with pytest.raises(TensorstowError, match="holds a one-process run"):
+        statedir.claim_parent(one)
+    assert sorted(p.name for p in one.iterdir()) == before
+    many = tmp_path / "many"
+    statedir.claim_parent(many)
+    statedir.claim(many / "rank0", plan)
+    capsys.readouterr()
+    assert execute(plans["zero-infinity"], many, 1) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "rank0/" in err and "--nproc" in err
+    assert sorted(p.name for p in many.iterdir()) == ["rank0", "tensorstow.json"]
+    both = tmp_path / "both"
+    shutil.copytree(one, both)
+    shutil.copytree(one, both / "rank0")
+    assert main(["export", str(both), "-o", str(tmp_path / "out")]) == 2
+    assert "written by two runs" in capsys.readouterr().err and not (tmp_path / "out").exists()
+    assert execute(plans["zero-infinity"], tmp_path / "zero", 1, "--nproc", "0") == 2
+    assert "--nproc must be >= 1" in capsys.readouterr().err and not (tmp_path / "zero").exists()
+    users = tmp_path / "users"
+    (users / "rank0").mkdir(parents=True)
+    (users / "rank0" / "notes.txt").write_text("mine")
+    with pytest.raises(TensorstowError, match="not a tensorstow state dir"):
+        statedir.claim_parent(users)
+    assert sorted(p.name for p in users.iterdir()) == ["rank0"]
+
+
 def test_export_shards_and_index(plans, tmp_path):
     from safetensors.torch import load_file
     assert execute(plans["zero-infinity"], tmp_path / "s", 1) == 0
