@@ -89,12 +89,13 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, merge: bool = 
         tmp.mkdir(parents=True)
         layout0 = described[0][1]
         prefix, adapter = layout0["name_prefix"], layout0.get("peft_adapter")
-        peft = json.loads((dirs[0] / statedir.ADAPTER_CONFIG).read_text()) if adapter else None
+        peft = statedir.described_file(dirs[0], layout0, statedir.ADAPTER_CONFIG) if adapter else None
+        hf = (dirs[0] / statedir.CONFIG).exists() or statedir.CONFIG in layout0.get("files", {})
+        config = statedir.described_file(dirs[0], layout0, statedir.CONFIG) if hf else None
         if merge and peft is None:
             raise TensorstowError(f"export --merge: {d} trains no PEFT (LoRA) model; export it without --merge")
         shards: list[dict[str, torch.Tensor]] = [{}]
         sizes = [0]
-        hf = (dirs[0] / statedir.CONFIG).exists()
         merger = (_Merger(adapter, peft, described[0][0].options.quantize,
                           peft_layers(dirs[0], peft, adapter) if hf else None) if merge else None)
         every = ([_blocks(plan, layout, store, prefix) for (plan, layout), store in zip(described, stores)] if dp == 1
@@ -121,8 +122,7 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, merge: bool = 
             shutil.copyfile(dirs[0] / statedir.ADAPTER_CONFIG, tmp / "adapter_config.json")
         else:
             total = _finish(shards, sizes, tmp, save_file)
-            if (dirs[0] / statedir.CONFIG).exists():  # merged: full-precision weights, whatever the base was stored as
-                config = json.loads((dirs[0] / statedir.CONFIG).read_text())
+            if config is not None:  # merged: full-precision weights, whatever the base was stored as
                 config.pop("quantization_config", None)
                 (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         told = _save_tokenizer(tokenizer, chat_template, described[0][0], tmp)
@@ -151,6 +151,9 @@ def _save_tokenizer(source: str | None, chat_template: str | None, plan, out: Pa
         if chat_template is not None:
             raise TensorstowError("export --chat-template: there is no tokenizer to give it to; pass --tokenizer DIR")
         return None
+    if not Path(source).is_dir():  # a name transformers would look up on the Hub, here none
+        raise TensorstowError(f"export --tokenizer {source}: no such directory; pass the directory a tokenizer was "
+                              f"saved to (save_pretrained)")
     try:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(source)

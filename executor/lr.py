@@ -39,8 +39,8 @@ class LRSchedule:
     def __post_init__(self):
         if self.name not in SCHEDULERS:
             raise TensorstowError(f"unknown lr scheduler '{self.name}': use one of {', '.join(SCHEDULERS)}")
-        if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1 or self.lr < 0:
-            raise TensorstowError(f"lr schedule: need lr >= 0, warmup steps >= 0 and 0 <= min lr ratio <= 1; got "
+        if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1 or not 0 <= self.lr < math.inf:
+            raise TensorstowError(f"lr schedule: need a finite lr >= 0, warmup steps >= 0 and 0 <= min lr ratio <= 1; got "
                                   f"lr {self.lr}, {self.warmup_steps} warmup steps, min lr ratio {self.min_lr_ratio}")
         if self.name == "constant" and self.warmup_steps:
             raise TensorstowError("the constant lr scheduler has no warmup: use constant_with_warmup")

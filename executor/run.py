@@ -6,6 +6,7 @@ import dataclasses
 import datetime
 import errno
 import json
+import math
 import os
 import signal
 import statistics
@@ -121,6 +122,17 @@ def _check_run(plan: Plan, run: Run, rank: int | None) -> None:
     its data, its `--resume-changed` groups, a plan made for other hardware."""
     if run.steps is not None and run.steps < 1:
         raise TensorstowError(f"--steps must be >= 1, got {run.steps}")
+    if run.lr is not None and not 0 <= run.lr < math.inf:
+        raise TensorstowError(f"--lr must be a finite number >= 0, got {run.lr}")
+    if not 0 <= run.seed < 2 ** 63:
+        raise TensorstowError(f"--seed must be in [0, 2**63), got {run.seed}")
+    if run.trace is not None:  # checked before training, which would end without the trace
+        try:
+            with tempfile.TemporaryFile(dir=Path(run.trace).parent):
+                pass
+        except OSError as e:
+            raise TensorstowError(f"--trace {run.trace}: cannot write a file in its directory ({e.strerror or e}); "
+                                  f"pass a path this user can write") from None
     for flag, source in (("--data", run.data), ("--eval-data", run.eval_data)):
         if source not in (None, "synthetic") and not Path(source).exists():
             raise TensorstowError(f"{flag} {source} does not exist: pass a JSONL file, a `datasets` directory, a "
@@ -245,7 +257,8 @@ def _held_out(ex: Executor, plan: Plan, run: Run, out) -> list:
     m = plan.model
     rows = ex.rows
     if run.eval_batches is not None and run.eval_batches < 1:
-        raise TensorstowError(f"--eval-batches must be >= 1, got {run.eval_batches}")
+        raise TensorstowError(f"the number of evaluation batches (--eval-batches; evaluate's --batches) must be >= 1, "
+                              f"got {run.eval_batches}")
     if run.eval_every < 0:
         raise TensorstowError(f"--eval-every must be >= 0, got {run.eval_every}")
     if not is_examples(run.eval_data):
@@ -258,6 +271,10 @@ def _held_out(ex: Executor, plan: Plan, run: Run, out) -> list:
     n = run.eval_batches or examples.steps_per_epoch(rows)
     if n < 1:
         raise TensorstowError(f"--eval-data {run.eval_data} holds fewer examples than one batch of {rows}")
+    if n > examples.steps_per_epoch(rows):  # more would evaluate examples twice
+        raise TensorstowError(f"{run.eval_data} holds {examples.steps_per_epoch(rows)} evaluation batches of {rows} "
+                              f"rows, and {n} were asked for (--eval-batches; evaluate's --batches): ask for at most "
+                              f"that many, or leave the count out to evaluate all of them")
     if run.eval_batches is None and len(examples) % rows:
         print(f"eval data {run.eval_data}: the last {len(examples) % rows} of its {len(examples)} "
               f"{'windows' if plan.options.packing else 'examples'} are not evaluated (fewer than a batch of {rows} "
@@ -291,6 +308,9 @@ def _tokenizer(path: str | None, model: str):
         from transformers import AutoTokenizer
     except ImportError:
         raise TensorstowError("tokenizing examples needs transformers (pip install 'tensorstow[hf]')") from None
+    if path is not None and not Path(path).is_dir():  # a name transformers would look up on the Hub, here none
+        raise TensorstowError(f"--tokenizer {path}: no such directory; pass the directory a tokenizer was saved to "
+                              f"(save_pretrained)")
     try:
         return AutoTokenizer.from_pretrained(path or model[len(hf.PREFIX):])
     except (OSError, ValueError) as e:
@@ -452,7 +472,17 @@ class _Log:
         parse); a whole one missing its newline gets it. Anything else there is no log of ours:
         refused, never cut."""
         size = os.fstat(self.fd).st_size
-        torn = self._tail()
+        torn = self._tail(size)
+        whole = size - torn  # the complete lines: the last one a record of ours, or this is no log of ours
+        if whole:
+            last = self._tail(whole - 1)
+            try:
+                if not isinstance(json.loads(os.pread(self.fd, last, whole - 1 - last)), dict):
+                    raise ValueError("not an object")
+            except ValueError:
+                self.close()
+                raise TensorstowError(f"--log-json {self.path}: its last line is not a JSON record, so it is no log "
+                                      f"of `execute`'s; pass a new path, or that of a log execute wrote") from None
         if not torn:
             return
         tail = os.pread(self.fd, torn, size - torn)
@@ -469,9 +499,8 @@ class _Log:
         os.ftruncate(self.fd, size - torn)
         print(f"log {self.path}: cut a torn last record ({torn} bytes) that an interrupted run left", file=out)
 
-    def _tail(self) -> int:
-        """Bytes after the file's last newline."""
-        size = os.fstat(self.fd).st_size
+    def _tail(self, size: int) -> int:
+        """Bytes after the last newline of the file's first `size` bytes."""
         at = size
         while at > 0:
             chunk = os.pread(self.fd, min(1 << 16, at), max(0, at - (1 << 16)))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import json
 import os
 import re
@@ -342,9 +343,15 @@ def write_description(d: Path, layouts: dict, names: dict[str, str], frozen: set
     """layout.json (and config.json for an `hf:` model; for a PEFT model its adapter_config.json
     and, in the layout, its adapter's name), unless already there. `peft`: (adapter name, its
     config as a dict)."""
-    if peft is not None and not (d / ADAPTER_CONFIG).exists():
-        write_atomic(d / ADAPTER_CONFIG, json.dumps(peft[1], indent=2, sort_keys=True, default=_jsonable) + "\n")
-    desc = {"name_prefix": prefix, "buffers": {}, **({"peft_adapter": peft[0]} if peft else {})}
+    files = {}  # what export copies: written again where missing, damaged or edited, with its digest
+    if peft is not None:
+        files[ADAPTER_CONFIG] = json.dumps(peft[1], indent=2, sort_keys=True, default=_jsonable) + "\n"
+    if hf_config is not None:
+        files[CONFIG] = hf_config.to_json_string()
+    for file, text in files.items():
+        _write_unless_held(d / file, text)
+    desc = {"name_prefix": prefix, "buffers": {}, **({"peft_adapter": peft[0]} if peft else {}),
+            "files": {file: digest(text) for file, text in files.items()}}
     def name(key: str) -> str:  # a unit's rows of a weight: the weight's name with the rows, `w[0:4]`
         base, rows = member_rows(key)
         return names.get(base, base) if rows is None else rows_member(names.get(base, base), rows)
@@ -354,15 +361,36 @@ def write_description(d: Path, layouts: dict, names: dict[str, str], frozen: set
              "shape": list(s.shape), "offset": s.offset, "nbytes": s.nbytes,
              "frozen": member_rows(name(s.key))[0] in frozen}
             for s in layout.slots.values()]
-    text = json.dumps(desc, indent=1, sort_keys=True) + "\n"
+    _write_unless_held(d / LAYOUT, json.dumps(desc, indent=1, sort_keys=True) + "\n")
+
+
+def _write_unless_held(path: Path, text: str) -> None:
+    """`text` into `path` unless it holds it: a missing, damaged or edited description is derived
+    from the plan and the model, so written again."""
     try:
-        held = (d / LAYOUT).read_text()
+        held = path.read_text()
     except (OSError, UnicodeDecodeError):
         held = None
-    if held != text:  # missing, damaged or edited: it is derived from the plan, so written again
-        write_atomic(d / LAYOUT, text)
-    if hf_config is not None and not (d / CONFIG).exists():
-        write_atomic(d / CONFIG, hf_config.to_json_string())
+    if held != text:
+        write_atomic(path, text)
+
+
+def digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def described_file(d: Path, layout: dict, file: str) -> dict:
+    """The JSON of `file` (config.json, adapter_config.json) in state dir `d`, as `execute` wrote
+    it (its digest in the layout), else one error: export must not copy an edited or damaged one."""
+    try:
+        text = (d / file).read_text()
+        want = layout.get("files", {}).get(file)
+        if want is not None and digest(text) != want:
+            raise ValueError("it differs from what execute wrote: edited or damaged")
+        return json.loads(text)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise TensorstowError(f"state dir {d}: {file} cannot be used ({e}); run the same `tensorstow execute` "
+                              f"command on it again, which writes it anew from the plan and the model") from None
 
 
 def _jsonable(v):

@@ -199,6 +199,11 @@ class Plan:
 
     def _check(self, where: str) -> None:
         """What types cannot say: program order and references."""
+        if not self.hardware.spec.gpus:
+            raise TensorstowError(f"{where}: field 'hardware.spec.gpus': expected a non-empty list of GPU objects; "
+                                  f"re-plan it")
+        if not self.instructions:
+            raise TensorstowError(f"{where}: field 'instructions' is empty: a plan's step has instructions; re-plan it")
         for label, k, ins in [*(("instruction", k, i) for k, i in enumerate(self.instructions)),
                               *(("eval instruction", k, i) for k, i in enumerate(self.eval_instructions)),
                               *(("redo instruction", k, i) for k, i in enumerate(self.redo_instructions))]:

@@ -127,6 +127,23 @@ def test_execute_errors(ssd_plan, tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("extra,needle", [
+    (["--lr", "nan"], "--lr must be a finite number >= 0"),
+    (["--lr", "inf"], "--lr must be a finite number >= 0"),
+    (["--seed", "-1"], "--seed must be in [0, 2**63)"),
+    (["--seed", str(2 ** 70)], "--seed must be in [0, 2**63)"),
+    (["--trace", "/no-such-dir/trace.json"], "--trace /no-such-dir/trace.json: cannot write"),
+])
+def test_run_options_out_of_range_are_one_line_before_anything_is_written(extra, needle, ssd_plan, tmp_path, capsys):
+    """A learning rate that is no finite number (it trained to NaN, or failed at the first update
+    after the run record held it, so that the right rerun was refused), a seed torch cannot take,
+    a trace nobody can write (found only after training)."""
+    assert main(["execute", str(ssd_plan), "--hw-mismatch", "ok", "--steps", "2", "--state-dir", str(tmp_path / "s"),
+                 *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err and not (tmp_path / "s").exists()
+
+
 def test_fp16_execute_logs_the_loss_scale_and_skipped_updates(tmp_path, capsys):
     """fp16-mixed runs say which steps overflow skipped, with the scale (text and JSON log)."""
     plan = tmp_path / "p.json"

@@ -381,7 +381,7 @@ def test_pretrained_llama_finetunes_from_prompt_completion_like_eager(tmp_path):
 
 
 @pytest.mark.parametrize("targets", ["q_proj,v_proj", "q_proj,embed_tokens"], ids=["linear", "embedding"])
-def test_lora_from_the_command_line_exports_an_adapter_and_merged_weights(targets, tmp_path):
+def test_lora_from_the_command_line_exports_an_adapter_and_merged_weights(targets, tmp_path, capsys):
     """`plan hf:DIR --lora r=4,alpha=8,targets=q_proj,v_proj` with the recipe (accumulation,
     clipping, warmup + cosine), `execute`, `export`: the adapter loads with
     `PeftModel.from_pretrained` onto the base and equals eager PEFT's trained adapters (the frozen
@@ -423,6 +423,25 @@ def test_lora_from_the_command_line_exports_an_adapter_and_merged_weights(target
     assert merged.keys() == eager_merged.keys()
     bad = [n for n in eager_merged if not torch.equal(merged[n], eager_merged[n])]
     assert not bad, f"merged weights differ from merge_and_unload: {bad[:4]}"
+    if targets != "q_proj,v_proj":
+        return
+    assert main(["export", str(state), "--tokenizer", str(tmp_path / "no-such-dir"), "-o", str(tmp_path / "t")]) == 2
+    assert "no such directory" in capsys.readouterr().err and not (tmp_path / "t").exists()
+    # an edited or damaged adapter or model config in the state dir is not exported (it would merge
+    # at another scale, or load adapters onto other modules); the same execute writes it anew
+    config = state / "adapter_config.json"
+    config.write_text(config.read_text().replace('"lora_alpha": 8.0', '"lora_alpha": 800.0'))
+    (state / "config.json").write_text("{damaged")
+    capsys.readouterr()
+    assert main(["export", str(state), "--merge", "-o", str(tmp_path / "edited")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "adapter_config.json" in err and "edited or damaged" in err
+    assert not (tmp_path / "edited").exists()
+    assert main(["execute", str(plan), "--hw-mismatch", "ok", "--data", str(data), "--epochs", str(EPOCHS),
+                 "--state-dir", str(state)]) == 0
+    assert main(["export", str(state), "--merge", "-o", str(tmp_path / "again")]) == 0
+    again = weights(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again"))
+    assert all(torch.equal(again[n], merged[n]) for n in merged)
 
 
 def test_held_out_examples_short_of_a_batch_are_said_to_be_left_out(tmp_path, capsys):
@@ -439,3 +458,11 @@ def test_held_out_examples_short_of_a_batch_are_said_to_be_left_out(tmp_path, ca
     out = capsys.readouterr().out
     assert f"eval data {evals}: the last 3 of its 11 examples are not evaluated" in out
     assert "eval after step 1/1" in out
+    # more batches than the data holds would evaluate examples twice: refused
+    assert main(["execute", str(plan), "--hw-mismatch", "ok", "--data", str(data), "--steps", "1",
+                 "--eval-data", str(evals), "--eval-every", "1", "--eval-batches", "2"]) == 2
+    assert f"{evals} holds 1 evaluation batches of 8 rows, and 2 were asked for" in capsys.readouterr().err
+    # a tokenizer path that is no directory: one line at once (transformers would try the Hub under that name)
+    assert main(["execute", str(plan), "--hw-mismatch", "ok", "--data", str(data), "--steps", "1",
+                 "--tokenizer", str(tmp_path / "no-such-dir")]) == 2
+    assert "--tokenizer" in capsys.readouterr().err

@@ -72,6 +72,8 @@ def _edit(d, path, value):
     (("options", "betas"), [0.9], "field 'options.betas': expected a list of 2, got 1 items"),
     (("predicted", "peak_bytes"), [1], "field 'predicted.peak_bytes': expected a JSON object, got list"),
     (("schema_version",), 7, "has schema_version 7, this tensorstow reads 4; re-plan it"),
+    (("hardware", "spec", "gpus"), [], "field 'hardware.spec.gpus': expected a non-empty list of GPU objects"),
+    (("instructions",), [], "field 'instructions' is empty"),
 ])
 def test_malformed_plans_name_the_field(path, value, message):
     d = make_plan(tiny_options(policy="zero-infinity"), load_hardware("lohan-rtx4090")).to_json()

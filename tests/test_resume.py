@@ -487,3 +487,17 @@ def test_the_directory_of_a_multi_process_run_is_claimed_as_a_state_dir(tmp_path
     racing = tmp_path / "state"
     (racing / "rank1").mkdir(parents=True)  # another rank got there first
     assert claim_parent(racing) == racing and (racing / "tensorstow.json").is_file()
+
+
+@pytest.mark.parametrize("text", ["my notes\nsecond line\n", "my notes\n{\"step\": 1", "[1, 2]\n"],
+                         ids=["text", "text-then-torn-record", "json-not-a-record"])
+def test_a_log_path_holding_a_users_file_is_refused_untouched(text, tmp_path):
+    """`--log-json` on a file that is no log of execute's (its last whole line is no JSON record):
+    refused in one line, the file left as it was (a text ending in a newline had a record appended)."""
+    from tensorstow.errors import TensorstowError
+    from tensorstow.executor import run as run_module
+    path = tmp_path / "notes.txt"
+    path.write_text(text)
+    with pytest.raises(TensorstowError, match="no log of"):
+        run_module._Log(str(path), sys.stdout)
+    assert path.read_text() == text
