@@ -2,18 +2,21 @@
 tokenized, cut to the plan's sequence, and the order the steps take them in.
 
 Each line of a JSONL file (or each row of a directory `datasets.Dataset.save_to_disk` wrote) is
-one example, in one of three forms:
+one example, in one of these forms:
 
     {"input_ids": [...], "labels": [...]}   pre-tokenized; labels default to input_ids; a label
-                                            equal to the model's ignore index is left out
+                                            equal to the model's ignore index is left out; an
+                                            `attention_mask` of ones and the source it was made
+                                            from (text, messages, ...) may come along, no other key
     {"prompt": str, "completion": str}      ids = tok(prompt) + tok(completion, no special
                                             tokens) + [eos]; labels ignore the prompt's ids
                                             (TRL's completion-only loss)
     {"text": str}                           ids = tok(text) + [eos]; every token is a label
     {"messages": [{"role": ..., "content": ...}, ...], "tools": [...]}
-                                            a conversation: ids and the assistant mask from
-                                            `tok.apply_chat_template(messages, tools=tools,
-                                            tokenize=True, return_dict=True,
+                                            a conversation (an assistant's tool call may give
+                                            `tool_calls` instead of `content`): ids and the
+                                            assistant mask from `tok.apply_chat_template(messages,
+                                            tools=tools, tokenize=True, return_dict=True,
                                             return_assistant_tokens_mask=True)`; labels are the
                                             assistant's tokens (TRL's assistant_only_loss)
     {"prompt": [messages], "completion": [messages]}
@@ -27,10 +30,12 @@ every token of a text or conversational example a label. An assistant-only loss 
 that marks the assistant's tokens (`{% generation %}`): one that does not is refused before any
 step (transformers would return an all-zero mask: nothing to learn). A text or conversational
 example left with no label in its row (its assistant tokens or completion cut off at seq + 1, or
-none) is counted and left out (`Examples.left_out`), never trained on silently.
+none) is counted and left out (`Examples.left_out`), never trained on silently; data in which no
+example of any form has a label within seq + 1 is refused.
 
-A bad example (not UTF-8, not JSON, a field of the wrong type, an id or label outside the
-vocabulary) is refused with where it is: `FILE:LINE` (1-based) or `DIR row N` (0-based), and its
+A bad example (not UTF-8, not JSON, two forms at once, a field of the wrong type, a message
+without content, a key the pre-tokenized form does not take, no input_ids, an id or label outside
+the vocabulary) is refused with where it is: `FILE:LINE` (1-based) or `DIR row N` (0-based), and its
 field. `tok` is the model's tokenizer (`AutoTokenizer` of the `hf:` directory, or `--tokenizer DIR`).
 Each example is truncated or right-padded to seq + 1 tokens (the tokenizer's pad id, else its
 eos; padded labels ignored). A row's input is its first seq tokens, its targets the labels of the
@@ -67,6 +72,11 @@ import torch
 from tensorstow.errors import TensorstowError
 
 FORMATS = ("input_ids", "messages", "prompt", "text")
+PRETOKENIZED = {"input_ids", "labels", "attention_mask"}
+"""The keys a pre-tokenized example may have (its attention_mask all ones: TRL ignores the column),
+besides the `SOURCES` it was tokenized from."""
+SOURCES = {"text", "messages", "prompt", "completion", "tools"}
+"""The other forms' keys: beside input_ids, what the ids were made from (ignored, as TRL ignores them)."""
 LOSS_ON = ("assistant", "all")
 """Which tokens of a text or conversational example are labels (`Run.loss_on`)."""
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -175,9 +185,25 @@ def tokenize(records: list[tuple[str, dict]], tokenizer, ignore: int, vocab: int
     its template's end-of-turn tokens are its labels)."""
     out = []
     for where, r in records:
-        form = next((f for f in FORMATS if f in r), None)
+        forms = [f for f in FORMATS if f in r]
+        if len(forms) > 1 and forms[0] != "input_ids":  # tokenized data keeps its source (`ds.map`): TRL takes the ids
+            raise TensorstowError(f"{where}: the example has both {forms[0]} and {forms[1]}, two forms of example: "
+                                  f"keep one of them")
+        form = forms[0] if forms else None
         if form == "input_ids":
+            extra = sorted(set(r) - PRETOKENIZED - SOURCES)
+            if extra:  # a misspelt `labels` would leave every token a label
+                raise TensorstowError(f"{where}: the pre-tokenized example has unknown key{'s' * (len(extra) > 1)} "
+                                      f"{', '.join(extra)}: beside input_ids it takes labels and an attention_mask "
+                                      f"(of ones); rename a misspelt key, drop the others")
             ids = _token_ids(r["input_ids"], "input_ids", where)
+            if not ids:
+                raise TensorstowError(f"{where}: input_ids is empty: give the example's token ids, or drop it")
+            mask = r.get("attention_mask")
+            if mask is not None and not (isinstance(mask, (list, tuple, np.ndarray)) and list(mask) == [1] * len(ids)):
+                raise TensorstowError(f"{where}: attention_mask must be a 1 for each of the {len(ids)} input_ids "
+                                      f"(every token of an example is attended to): cut the padding off input_ids, "
+                                      f"or drop the mask")
             labels = _token_ids(r["labels"], "labels", where) if "labels" in r else ids
             if len(labels) != len(ids):
                 raise TensorstowError(f"{where}: {len(ids)} input_ids but {len(labels)} labels; give one label "
@@ -263,6 +289,10 @@ def _messages(r: dict, field: str, where: str) -> list[dict]:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise TensorstowError(f"{where}: {field}[{k}] must be a message object with a string \"role\", got "
                                   f"{_shown(m)}")
+        if m.get("content") is None and not m.get("tool_calls"):  # the template would render it as an empty turn
+            has = "\"content\": null" if "content" in m else f"no \"content\" (its keys: {', '.join(sorted(m))})"
+            raise TensorstowError(f"{where}: {field}[{k}] has {has}: give every message its \"content\" (an "
+                                  f"assistant's tool call may give \"tool_calls\" instead)")
     return value
 
 
@@ -371,14 +401,17 @@ class Examples:
         pairs = tokenize(records, tokenizer, ignore, vocab, chat, empty_turns)
         width = seq + 1
         long = [where for (where, r), (i, _) in zip(records, pairs) if "input_ids" not in r and len(i) > width]
-        # a row's targets are the labels of its last seq tokens: one from text without any is left out
-        empty = [k for k, ((_, r), (_, lab)) in enumerate(zip(records, pairs))
-                 if "input_ids" not in r and all(t == ignore for t in lab[1:width])]
+        # a row's targets are the labels of its last seq tokens: data without any is refused, and an example
+        # from text without any left out (a pre-tokenized one is kept as it is given)
+        unlabelled = [k for k, (_, lab) in enumerate(pairs) if all(t == ignore for t in lab[1:width])]
+        if len(unlabelled) == len(pairs):
+            first, r = records[0]
+            fix = (f"give labels other than the ignore index {ignore}" if "input_ids" in r else
+                   "with --loss-on assistant the chat template must mark the assistant's tokens")
+            raise TensorstowError(f"data {source}: no example has a label within seq + 1 = {width} tokens (first: "
+                                  f"{first}); {fix}, and a longer --seq keeps more of each example")
+        empty = [k for k in unlabelled if "input_ids" not in records[k][1]]
         if empty:
-            if len(empty) == len(pairs):
-                raise TensorstowError(f"data {source}: no example has a label within seq + 1 = {width} tokens "
-                                      f"(first: {records[empty[0]][0]}); with --loss-on assistant the chat template "
-                                      f"must mark the assistant's tokens, and a longer --seq keeps more of each example")
             gone = set(empty)
             pairs = [p for k, p in enumerate(pairs) if k not in gone]
         left_out = tuple(records[k][0] for k in empty)

@@ -3,6 +3,7 @@
 silently accepted; and exported files get the mode any new file gets."""
 import json
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -88,10 +89,25 @@ def test_text_fields_that_are_not_strings_are_refused(tok, tmp_path, row, field,
      rf"labels holds -1, neither the ignore index -100 nor in the model's vocabulary \[0, {V}\)"),
     ({"input_ids": [1, 2, 3], "labels": [1, 2]}, r"3 input_ids but 2 labels"),
     ({"question": "a"}, r"the example has keys \['question'\]: give input_ids"),
+    ({"input_ids": []}, r"input_ids is empty: give the example's token ids, or drop it$"),
+    ({"input_ids": [1, 2, 3], "label": [-100, 2, 3]},  # else every token a label
+     r"the pre-tokenized example has unknown key label: beside input_ids it takes labels and an attention_mask "
+     r"\(of ones\); rename a misspelt key, drop the others$"),
+    ({"input_ids": [1, 2, 3], "labels": [1, 2, 3], "token_type_ids": [0, 0, 0], "id": 7},
+     r"the pre-tokenized example has unknown keys id, token_type_ids: beside input_ids it takes labels"),
+    ({"input_ids": [1, 2, 3], "attention_mask": [0, 1, 1]},
+     r"attention_mask must be a 1 for each of the 3 input_ids \(every token of an example is attended to\): cut the "
+     r"padding off input_ids, or drop the mask$"),
+    ({"input_ids": [1, 2, 3], "attention_mask": [1, 1]}, r"attention_mask must be a 1 for each of the 3 input_ids"),
+    ({"text": "a", "messages": [{"role": "user", "content": "a"}]}, r"the example has both messages and text"),
+    ({"prompt": "a", "completion": "b", "text": "c"}, r"the example has both prompt and text"),
 ])
 def test_an_out_of_vocabulary_id_or_label_names_its_line_and_row(tmp_path, row, says):
-    with pytest.raises(TensorstowError, match=rf"data.jsonl:3: {says}"):
+    """A bad example is one line naming its line (row) and what is wrong with it: never trained on as
+    another form, with a misspelt key dropped, or with no tokens."""
+    with pytest.raises(TensorstowError, match=rf"data.jsonl:3: {says}") as e:
         load(write_jsonl(tmp_path / "data.jsonl", [GOOD, GOOD, row]))
+    assert "\n" not in str(e.value)
     datasets = pytest.importorskip("datasets")
     datasets.disable_progress_bars()
     columns = {**GOOD, **row}  # a row lacking a column holds None in it
@@ -99,6 +115,64 @@ def test_an_out_of_vocabulary_id_or_label_names_its_line_and_row(tmp_path, row, 
         str(tmp_path / "ds"))
     with pytest.raises(TensorstowError, match=rf"ds row 2: {says}"):
         load(str(tmp_path / "ds"))
+
+
+@pytest.mark.parametrize("rows, fix", [
+    ([{"input_ids": [1, 2, 3], "labels": [-100, -100, -100]}] * 2, "give labels other than the ignore index -100"),
+    ([{"input_ids": [1, 2, 3], "labels": [1, -100, -100]}, {"input_ids": [4]}],  # a first label is no one's target
+     "give labels other than the ignore index -100"),
+    ([{"input_ids": list(range(1, 13)), "labels": [-100] * 10 + [11, 12]}],  # its labels past seq + 1
+     "give labels other than the ignore index -100"),
+    ([{"prompt": " ".join(["the cat sat on a mat"] * 4), "completion": " a dog"}],  # the completion past seq + 1
+     "with --loss-on assistant the chat template must mark the assistant's tokens"),
+])
+def test_data_in_which_no_example_has_a_label_is_refused(request, tmp_path, rows, fix):
+    """Of every form, as data of text without labels is: a run would take steps that update nothing."""
+    tokenizer = None if all("input_ids" in r for r in rows) else request.getfixturevalue("tok")
+    with pytest.raises(TensorstowError, match=rf"^data \S*data.jsonl: no example has a label within seq \+ 1 = 9 "
+                                              rf"tokens \(first: \S*data.jsonl:1\); {fix}, and a longer --seq keeps "
+                                              rf"more of each example$"):
+        load(write_jsonl(tmp_path / "data.jsonl", rows), tokenizer)
+
+
+def test_a_pretokenized_example_without_a_label_beside_labelled_ones_is_kept(tmp_path):
+    """As it is given (a text example without one is left out); an attention_mask of ones is taken,
+    and the text or messages the ids were made from (`ds.map(tokenize)` keeps them) are left aside,
+    as TRL leaves them: the ids are the example."""
+    unlabelled = {"input_ids": [4, 5], "labels": [-100, -100], "attention_mask": [1, 1]}
+    sourced = {"input_ids": [6, 7, 8], "text": "abc", "messages": [{"role": "user", "content": "abc"}]}
+    ex = load(write_jsonl(tmp_path / "data.jsonl", [GOOD, unlabelled, sourced]))
+    assert len(ex) == 3 and ex.left_out == () and ex.notes == ()
+    assert ex.ids[1, :2].tolist() == [4, 5] and set(ex.labels[1].tolist()) == {-100}
+    assert ex.ids[2, :3].tolist() == [6, 7, 8] and ex.labels[2, :3].tolist() == [6, 7, 8]
+
+
+@pytest.fixture(scope="module")
+def nano_plan(tmp_path_factory):
+    """A plan of a nanoGPT-style model (vocabulary 128, ignore index -1, as nanoGPT's)."""
+    from tensorstow.cli import main
+    plan = tmp_path_factory.mktemp("nano") / "plan.json"
+    assert main(["plan", "tests.fixtures.real_models:nano_gpt_dropout", "--hw", "lohan-rtx4090", "--batch", "2",
+                 "--seq", "16", "--precision", "fp32", "--policy", "stronghold", "--gpu-mem", "400KB",
+                 "-o", str(plan)]) == 0
+    return plan
+
+
+@pytest.mark.parametrize("row, says", [
+    ({"input_ids": [1, 2, 3], "label": [-1, 2, 3]}, r"data.jsonl:2: the pre-tokenized example has unknown key label"),
+    ({"input_ids": []}, r"data.jsonl:2: input_ids is empty"),
+    ({"input_ids": [1, 2, 3], "labels": [-1, -1, -1]}, r"data \S*data.jsonl: no example has a label"),
+])
+def test_execute_refuses_bad_examples_in_one_line_before_any_step(nano_plan, tmp_path, capsys, row, says):
+    from tensorstow.cli import main
+    first = {"input_ids": [1, 2, 3], "labels": [-1, -1, -1]}
+    data = write_jsonl(tmp_path / "data.jsonl", [first, row])
+    capsys.readouterr()
+    code = main(["execute", str(nano_plan), "--hw-mismatch", "ok", "--steps", "1", "--data", data,
+                 "--state-dir", str(tmp_path / "s")])
+    out, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1 and err.startswith("tensorstow: error: "), err
+    assert re.search(says, err) and "step 1/" not in out, (out, err)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "missing"])

@@ -152,12 +152,43 @@ def test_examples_whose_assistant_tokens_are_cut_off_are_counted_and_left_out(ck
     ({"messages": [{"content": "hi"}]}, r":1: messages\[0\] must be a message object with a string \"role\""),
     ({"messages": [{"role": "user", "content": "a"}], "tools": "{not json"}, r":1: tools is a string that is not JSON"),
     ({"prompt": [{"role": "user", "content": "a"}], "completion": "b"}, r":1: completion must be a non-empty list"),
+    ({"messages": [{"role": "user", "contnet": "hi"}, {"role": "assistant", "content": "a"}]},  # else an empty turn
+     r":1: messages\[0\] has no \"content\" \(its keys: contnet, role\): give every message its \"content\" \(an "
+     r"assistant's tool call may give \"tool_calls\" instead\)$"),
+    ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "tool_calls": []}]},
+     r":1: messages\[1\] has no \"content\" \(its keys: role, tool_calls\)"),
+    ({"prompt": [{"role": "user", "content": "a"}], "completion": [{"role": "assistant", "content": None}]},
+     r":1: completion\[0\] has \"content\": null: give every message its \"content\""),
+    ({"messages": [{"role": "user", "content": "a"}], "text": "a"},
+     r":1: the example has both messages and text, two forms of example: keep one of them$"),
 ])
 def test_bad_conversations_are_one_line_naming_the_line(ckpt, tmp_path, row, says):
     tok = transformers.AutoTokenizer.from_pretrained(ckpt)
     data = write_jsonl(tmp_path / "bad.jsonl", [row])
-    with pytest.raises(TensorstowError, match=says):
+    with pytest.raises(TensorstowError, match=says) as e:
         tokenize(read_records(str(data)), tok, -100, len(tok))
+    assert "\n" not in str(e.value)
+
+
+def test_an_assistant_tool_call_needs_no_content(ckpt, tmp_path):
+    """`{"role": "assistant", "tool_calls": [...]}` without content (or with it null), as transformers
+    and TRL take a tool call: tokenized as TRL tokenizes it, the call among the labels."""
+    calls = TEMPLATE.replace("{{ m['content'] }}{{ eos_token }}{% endgeneration %}",
+                             "{% for c in m['tool_calls'] or [] %}<call>{{ c['function']['name'] }}{% endfor %}"
+                             "{{ m['content'] or '' }}{{ eos_token }}{% endgeneration %}")
+    call = {"type": "function", "function": {"name": "park", "arguments": {"where": "hill"}}}
+    turns = [{"role": "user", "content": "the cat"}, {"role": "assistant", "tool_calls": [call]},
+             {"role": "tool", "content": "a dog"}, {"role": "assistant", "content": "the bird"}]
+    rows = [{"messages": turns}, {"messages": [dict(m, content=m.get("content")) for m in turns]}]
+    f = tmp_path / "calls.jinja"
+    f.write_text(calls)
+    got = ours(ckpt, rows, Chat.of(str(f)))
+    tok = transformers.AutoTokenizer.from_pretrained(ckpt)
+    tok.chat_template = calls
+    tok.save_pretrained(tmp_path / "tok")
+    transformers.AutoModelForCausalLM.from_pretrained(ckpt).save_pretrained(tmp_path / "tok")
+    assert got == trl_tokens(tmp_path / "tok", rows, tmp_path / "t", assistant_only_loss=True)
+    assert got[0] == got[1] and "callpark</s>" in tok.decode([t for t in got[0][1] if t != -100])
 
 
 @pytest.mark.parametrize("rule, row, why", [
