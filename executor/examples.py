@@ -72,6 +72,9 @@ import torch
 from tensorstow.errors import TensorstowError
 
 FORMATS = ("input_ids", "messages", "prompt", "text")
+TRAIN, HELD_OUT = ("train",), ("validation", "test")
+"""The split of a `DatasetDict` that training data reads, and those evaluation data reads (the first
+it has): never the training split, which would evaluate on what was trained on."""
 PRETOKENIZED = {"input_ids", "labels", "attention_mask"}
 """The keys a pre-tokenized example may have (its attention_mask all ones: TRL ignores the column),
 besides the `SOURCES` it was tokenized from."""
@@ -90,12 +93,12 @@ def is_examples(source: str) -> bool:
     return p.suffix in (".jsonl", ".json") or p.is_dir()
 
 
-def read_records(source: str) -> list[tuple[str, dict]]:
+def read_records(source: str, splits: tuple[str, ...] = TRAIN) -> list[tuple[str, dict]]:
     """The examples of a JSONL file or a `save_to_disk` directory, as dicts, each with where it is
     from: `FILE:LINE` (1-based) or `DIR row N` (0-based), the prefix of its error messages."""
     p = Path(source)
     if p.is_dir():
-        return _read_datasets_dir(source)
+        return _read_datasets_dir(source, splits)
     if not p.is_file():
         raise TensorstowError(f"data file {source} does not exist")
     out = []
@@ -121,9 +124,10 @@ def read_records(source: str) -> list[tuple[str, dict]]:
     return out
 
 
-def _read_datasets_dir(source: str) -> list[tuple[str, dict]]:
-    """The rows of a directory `datasets.Dataset.save_to_disk` wrote (of its "train" split for a
-    `DatasetDict`), as `read_records` gives them."""
+def _read_datasets_dir(source: str, splits: tuple[str, ...]) -> list[tuple[str, dict]]:
+    """The rows of a directory `datasets.Dataset.save_to_disk` wrote (of a `DatasetDict`, the
+    first of `splits` it has: `TRAIN` for training data, `HELD_OUT` for evaluation data), as
+    `read_records` gives them."""
     try:
         import datasets
         import pyarrow
@@ -138,9 +142,11 @@ def _read_datasets_dir(source: str) -> list[tuple[str, dict]]:
     try:
         ds = datasets.load_from_disk(str(p))
         if isinstance(ds, datasets.DatasetDict):
-            if "train" not in ds:
-                raise TensorstowError(f"data {source} holds splits {sorted(ds)}: pass the directory of one split")
-            ds = ds["train"]
+            split = next((name for name in splits if name in ds), None)
+            if split is None:
+                raise TensorstowError(f"data {source} holds splits {sorted(ds)}, none of {', '.join(splits)}: pass "
+                                      f"the directory of one split")
+            ds = ds[split]
         rows = list(ds)  # every row read here: a damaged arrow file fails now, not mid-run
     except TensorstowError:
         raise
@@ -395,8 +401,8 @@ class Examples:
 
     @staticmethod
     def load(source: str, seq: int, vocab: int | None, *, tokenizer=None, ignore: int = -100,
-             packing: bool = False, chat: Chat = Chat()) -> "Examples":
-        records = read_records(source)
+             packing: bool = False, chat: Chat = Chat(), splits: tuple[str, ...] = TRAIN) -> "Examples":
+        records = read_records(source, splits)
         empty_turns: list[str] = []
         pairs = tokenize(records, tokenizer, ignore, vocab, chat, empty_turns)
         width = seq + 1

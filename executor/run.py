@@ -27,7 +27,7 @@ from tensorstow.executor.cuda import hardware_differences, resolve_device
 from tensorstow.executor.data import batches, tokens
 from tensorstow.executor.distributed import (LOST, TIMEOUT_S, Comm, agree_on_step, launch, peer_lost, rank_cores,
                                              rank_dir)
-from tensorstow.executor.examples import Chat, Examples, is_examples
+from tensorstow.executor.examples import HELD_OUT, TRAIN, Chat, Examples, is_examples
 from tensorstow.executor.lr import LRSchedule
 from tensorstow.executor.lanes import lane_cores
 from tensorstow.executor.executor import Executor
@@ -181,13 +181,13 @@ def _one_document(x: torch.Tensor, plan: Plan) -> tuple:
     return (torch.arange(x.shape[1]).expand_as(x).contiguous(),) if plan.options.packing else ()
 
 
-def _examples(source: str, ex: Executor, plan: Plan, run: Run) -> Examples:
+def _examples(source: str, ex: Executor, plan: Plan, run: Run, held_out: bool = False) -> Examples:
     """`source`'s examples at the plan's seq, tokenized as the run says, padding labelled with the
-    model's own ignore index."""
+    model's own ignore index; `held_out`: evaluation data (a `DatasetDict`'s held-out split)."""
     ignored = ex.program.ignore_index
     examples = Examples.load(source, plan.model.seq, ex.vocab, tokenizer=_tokenizer(run.tokenizer, plan.options.model),
                              ignore=-100 if -100 in ignored else min(ignored), packing=plan.options.packing,
-                             chat=Chat.of(run.chat_template, run.loss_on))
+                             chat=Chat.of(run.chat_template, run.loss_on), splits=HELD_OUT if held_out else TRAIN)
     for note in examples.notes:
         print(f"data {source}: {note}", flush=True)
     return examples
@@ -267,7 +267,7 @@ def _held_out(ex: Executor, plan: Plan, run: Run, out) -> list:
         seed = run.seed + 1 if run.eval_data == "synthetic" else run.seed
         return [(x, y, *_one_document(x, plan))
                 for x, y in batches(run.eval_data, rows, m.seq, ex.vocab, run.eval_batches or 1, seed, 0)]
-    examples = _examples(run.eval_data, ex, plan, run)
+    examples = _examples(run.eval_data, ex, plan, run, held_out=True)
     n = run.eval_batches or examples.steps_per_epoch(rows)
     if n < 1:
         raise TensorstowError(f"--eval-data {run.eval_data} holds fewer examples than one batch of {rows}")

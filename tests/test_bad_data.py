@@ -209,3 +209,20 @@ def test_exported_files_get_the_mode_of_any_new_file(tmp_path):
     files = sorted((tmp_path / "out").iterdir())
     assert len([f for f in files if f.suffix == ".safetensors"]) > 1
     assert {f.name: oct(stat.S_IMODE(f.stat().st_mode)) for f in files} == {f.name: oct(0o666 & ~umask) for f in files}
+
+
+def test_evaluation_data_reads_a_dataset_dicts_held_out_split_never_train(tmp_path):
+    """A `DatasetDict` directory: training data reads its train split, evaluation data its
+    validation (else test) split; one with neither is refused rather than evaluated on train."""
+    datasets = pytest.importorskip("datasets")
+    datasets.disable_progress_bars()
+    from tensorstow.executor.examples import HELD_OUT
+    rows = {name: [{"input_ids": [k + 1, k + 2, k + 3]}] * 4 for k, name in enumerate(["train", "test"])}
+    d = tmp_path / "dict"
+    datasets.DatasetDict({name: datasets.Dataset.from_list(r) for name, r in rows.items()}).save_to_disk(str(d))
+    assert Examples.load(str(d), 4, 100).ids[0, :3].tolist() == [1, 2, 3]
+    assert Examples.load(str(d), 4, 100, splits=HELD_OUT).ids[0, :3].tolist() == [2, 3, 4]
+    only = tmp_path / "only-train"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows["train"])}).save_to_disk(str(only))
+    with pytest.raises(TensorstowError, match=r"holds splits \['train'\], none of validation, test: pass the directory"):
+        Examples.load(str(only), 4, 100, splits=HELD_OUT)
