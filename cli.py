@@ -206,6 +206,7 @@ def diff_text(a, b) -> tuple[str, bool]:
             out.append(f"{key}: {x.name} ({x.fingerprint}) -> {y.name} ({y.fingerprint})"
                        + ("; same model and options, so the traced graph itself changed (torch or model code)"
                           if key == "model" and x.name == y.name and a.options == b.options else ""))
+    out += _hardware_lines(a.hardware.spec.to_json(), b.hardware.spec.to_json())
     for what, x, y in (("option", dataclasses.asdict(a.options), dataclasses.asdict(b.options)),
                        ("run option", a.run.to_json() if a.run else {}, b.run.to_json() if b.run else {})):
         for k in sorted(set(x) | set(y)):  # a recorded run leaves its defaults out ("-")
@@ -243,11 +244,46 @@ def diff_text(a, b) -> tuple[str, bool]:
                              if getattr(ba[n], f) != getattr(bb[n], f)}) if what == "changed" else []
             out.append(f"buffers {what}: {len(names)} ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})"
                        + (f"; fields {', '.join(fields)}" if fields else ""))
-    ia, ib = a.instructions, b.instructions
-    if ia != ib:
-        out.append(f"instructions: {len(ia)} -> {len(ib)}"
-                   + ("" if len(ia) != len(ib) else f" ({sum(x != y for x, y in zip(ia, ib))} differ)"))
+    for g in sorted(set(a.pools) | set(b.pools)):
+        x, y = (dataclasses.asdict(p.pools[g]) if g in p.pools else {} for p in (a, b))
+        for f in sorted(set(x) | set(y)):
+            if x.get(f) != y.get(f):
+                out.append(f"pools {g} {f}: {_fmt(x[f]) if f in x else '-'} -> {_fmt(y[f]) if f in y else '-'}")
+    for what in ("instructions", "eval_instructions", "redo_instructions"):
+        ia, ib = getattr(a, what), getattr(b, what)
+        if ia != ib:
+            out.append(f"{what.replace('_', ' ')}: {len(ia)} -> {len(ib)}"
+                       + ("" if len(ia) != len(ib) else f" ({sum(x != y for x, y in zip(ia, ib))} differ)"))
     return ("\n".join(out) if out else "plans are identical"), not out
+
+
+def _hardware_lines(x: dict, y: dict, most: int = 8) -> list[str]:
+    """The fields of two hardware specs (`Hardware.to_json`) that differ, a line each (a rate curve
+    by its length, a long text cut short), the first `most` of them and a count of the rest."""
+    def shown(v) -> str:
+        if isinstance(v, list):
+            return f"{len(v)} values"
+        text = f"{v:.6g}" if isinstance(v, float) else str(v)
+        return text if len(text) <= 60 else text[:57] + "..."
+    fx, fy = _fields(x), _fields(y)
+    out = [f"hardware {k}: {shown(fx.get(k, '-'))} -> {shown(fy.get(k, '-'))}"
+           for k in sorted(set(fx) | set(fy)) if fx.get(k, "-") != fy.get(k, "-")]
+    return out[:most] + ([f"hardware: {len(out) - most} more fields differ"] if len(out) > most else [])
+
+
+def _fields(d: dict, at: str = "") -> dict:
+    """A hardware spec's JSON as {field path: value}, a path like `gpus[0].flops`."""
+    out = {}
+    for k, v in d.items():
+        name = f"{at}.{k}" if at else k
+        if isinstance(v, dict):
+            out |= _fields(v, name)
+        elif isinstance(v, list) and v and all(isinstance(e, dict) for e in v):
+            for i, e in enumerate(v):
+                out |= _fields(e, f"{name}[{i}]")
+        else:
+            out[name] = v
+    return out
 
 
 def _block_key(b: str):
@@ -482,9 +518,9 @@ def cmd_execute(args) -> int:
 
 def cmd_evaluate(args) -> int:
     from tensorstow.executor.run import evaluate_state
-    evaluate_state(load_plan(args.plan), Run(state_dir=args.state_dir, eval_data=args.data, eval_batches=args.batches,
-                                             tokenizer=args.tokenizer, seed=args.seed,
-                                             chat_template=args.chat_template, loss_on=args.loss_on))
+    run = Run(state_dir=args.state_dir, eval_data=args.data, eval_batches=args.batches, tokenizer=args.tokenizer,
+              seed=args.seed, chat_template=args.chat_template, loss_on=args.loss_on)
+    evaluate_state(load_plan(args.plan), run)
     return 0
 
 
@@ -521,7 +557,7 @@ def _recipe(path) -> tuple[dict, dict]:
     if not isinstance(run, dict):
         raise TensorstowError(f"recipe file {path}: 'execute' must be a table ([execute])")
     run = {k.replace("-", "_"): v for k, v in run.items()}
-    Run.from_json(run, where=f"recipe file {path}: [execute]")  # names and types checked here
+    Run.from_json(run, where=f"recipe file {path}: [execute]")  # names, types and ranges checked here
     for o in asked():
         if o.name in norm:
             _check_type(o, norm[o.name], path)
@@ -529,21 +565,41 @@ def _recipe(path) -> tuple[dict, dict]:
 
 
 def _check_type(o, v, path) -> None:
-    """A recipe's value for plan option `o` has the option's type (a size may be a string)."""
+    """A recipe's value for plan option `o` has the option's type (a size may be a string; a tuple
+    is a list of that many values, or any number for `tuple[X, ...]`, each of its type)."""
     tp = o.type
-    ok = (v is None and o.optional) or (isinstance(v, str) and (tp is str or o.size)) or (
-        tp is bool and isinstance(v, bool)) or (tp in (int, float) and isinstance(v, (int, float))
-                                                 and not isinstance(v, bool) and (tp is float or isinstance(v, int))) or (
-        typing.get_origin(tp) is tuple and isinstance(v, list) and (
-            len(v) == len(typing.get_args(tp)) or (typing.get_args(tp)[-1] is Ellipsis and all(
-                isinstance(x, typing.get_args(tp)[0]) for x in v))))
+    if typing.get_origin(tp) is tuple:
+        elems = typing.get_args(tp)
+        many = elems[-1] is Ellipsis
+        kinds = [elems[0]] * len(v) if many and isinstance(v, list) else elems
+        ok = isinstance(v, list) and len(v) == len(kinds) and all(map(_is, kinds, v))
+        want = f"list of {'' if many else f'{len(elems)} '}{_type_name(elems[0])}s" + (
+            f" (e.g. {o.name} = {json.dumps(list(o.default))})" if o.default else "")
+    else:
+        ok = (v is None and o.optional) or (isinstance(v, str) and o.size) or _is(tp, v)
+        want = _type_name(tp)
     if not ok:
-        raise TensorstowError(f"recipe file {path}: {o.name} = {v!r} is not a valid {getattr(tp, '__name__', tp)}")
+        raise TensorstowError(f"recipe file {path}: {o.name} = {v!r} is not a valid {want}")
+
+
+def _is(tp: type, v) -> bool:
+    """TOML value `v` is a `tp` (bool, int, float or str); an integer is a float too, a bool no number."""
+    if tp is bool or isinstance(v, bool):
+        return tp is bool and isinstance(v, bool)
+    return isinstance(v, (int, float) if tp is float else tp)
+
+
+def _type_name(tp: type) -> str:
+    return {float: "number", str: "string"}.get(tp, getattr(tp, "__name__", str(tp)))
 
 
 def cmd_export(args) -> int:
     from tensorstow.executor.export import export
-    r = export(args.state_dir, args.output, shard_bytes=parse_size(args.shard_size), merge=args.merge,
+    shard_bytes = parse_size(args.shard_size)
+    if shard_bytes < 1:
+        raise TensorstowError(f"--shard-size {args.shard_size} is {shard_bytes} bytes: give the largest file's size, "
+                              f"at least 1 byte (e.g. 4GB, 500MB)")
+    r = export(args.state_dir, args.output, shard_bytes=shard_bytes, merge=args.merge,
                tokenizer=args.tokenizer, chat_template=args.chat_template)
     told = f", and the tokenizer of {r['tokenizer']}" if r["tokenizer"] else ""
     print(f"exported step {r['step']}: {r['tensors']} tensors, {_fmt(r['bytes'])} in {r['files']} file(s){told} "

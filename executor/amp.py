@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from tensorstow.errors import TensorstowError
+from tensorstow.schema.options import check_loss_scaling
 
 AMP = "AMP"
 """Store buffer holding the scaler state at a commit: scale (fp32), growth tracker (int32) and
@@ -26,12 +26,7 @@ class LossScaler:
         self.growth_factor = float(options.growth_factor)
         self.backoff_factor = float(options.backoff_factor)
         self.growth_interval = int(options.growth_interval)
-        if not (options.init_scale > 0 and self.growth_factor > 1 and 0 < self.backoff_factor < 1
-                and self.growth_interval >= 1):
-            raise TensorstowError(
-                f"plan options: loss scaling needs init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1 "
-                f"and growth_interval >= 1 (got {options.init_scale}, {options.growth_factor}, "
-                f"{options.backoff_factor}, {options.growth_interval})")
+        check_loss_scaling(options)  # a plan file edited by hand: one line, as `plan` refuses it
         self.scale = torch.full((1,), float(options.init_scale), dtype=torch.float32, device=device)
         self.growth_tracker = torch.zeros(1, dtype=torch.int32, device=device)
         self.found_inf = torch.zeros(1, dtype=torch.float32, device=device)

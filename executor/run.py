@@ -124,8 +124,6 @@ def _check_run(plan: Plan, run: Run, rank: int | None) -> None:
         raise TensorstowError(f"--steps must be >= 1, got {run.steps}")
     if run.lr is not None and not 0 <= run.lr < math.inf:
         raise TensorstowError(f"--lr must be a finite number >= 0, got {run.lr}")
-    if not 0 <= run.seed < 2 ** 63:
-        raise TensorstowError(f"--seed must be in [0, 2**63), got {run.seed}")
     if run.trace is not None:  # checked before training, which would end without the trace
         try:
             with tempfile.TemporaryFile(dir=Path(run.trace).parent):

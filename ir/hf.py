@@ -167,6 +167,8 @@ def lora_config(spec: str):
             key = name.strip()
             if key not in keys:
                 raise TensorstowError(f"--lora {spec}: unknown key '{key}'; use r, alpha, targets, parameters and dropout")
+            if key in given:  # else the last would win, silently
+                raise TensorstowError(f"--lora {spec}: '{key}' is given twice; give each key once")
             given[key] = [value.strip()]
         elif key in ("targets", "parameters") and item:  # targets=q_proj,v_proj: the names after the first
             given[key].append(item)

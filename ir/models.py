@@ -8,7 +8,9 @@ User models follow nanoGPT's convention: a factory with no arguments returns an
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -215,7 +217,14 @@ class ModelSpec:
         if self.name.startswith(hf.PREFIX):
             return hf.load(self.name, weights=weights, lora=self.lora, quantize=self.quantize,
                            quantize_skip=self.quantize_skip)
-        m = _load_factory(self.name)()
+        fn = _load_factory(self.name)
+        try:
+            m = fn()
+        except TensorstowError:
+            raise
+        except Exception as e:  # the user's code: where in it, and what
+            raise TensorstowError(f"model '{self.name}': the factory raised at {_raised(e, _files_of(fn))}; fix "
+                                  f"it (--debug prints the traceback)") from e
         if not isinstance(m, nn.Module):
             raise TensorstowError(f"model '{self.name}': the factory returned {type(m).__name__}, "
                                   f"not an nn.Module")
@@ -223,16 +232,42 @@ class ModelSpec:
 
 
 def _load_factory(ref: str):
+    """The factory `pkg.module:function` names; one TensorstowError where the module cannot be
+    found, does not compile or raises as it is imported (naming its file and line)."""
     mod_name, _, attr = ref.partition(":")
     try:
         mod = importlib.import_module(mod_name)
     except ImportError as e:
         raise TensorstowError(f"model '{ref}': cannot import module '{mod_name}' ({e}); "
                               f"check PYTHONPATH or the spelling") from None
+    except SyntaxError as e:  # also its subclasses IndentationError and TabError
+        raise TensorstowError(f"model '{ref}': module '{mod_name}' does not compile: {e.filename}:{e.lineno}: "
+                              f"{type(e).__name__}: {e.msg}; fix the module") from e
+    except Exception as e:
+        raise TensorstowError(f"model '{ref}': importing module '{mod_name}' raised at {_raised(e, module=mod_name)}; "
+                              f"fix the module (--debug prints the traceback)") from e
     fn = getattr(mod, attr, None)
     if not callable(fn):
         raise TensorstowError(f"model '{ref}': module '{mod_name}' has no callable '{attr}'")
     return fn
+
+
+def _files_of(fn) -> set[str]:
+    """The source files of a factory: its own code's and its module's."""
+    code = getattr(fn, "__code__", None)
+    module = inspect.getmodule(fn)
+    return {f for f in (code and code.co_filename, getattr(module, "__file__", None)) if f}
+
+
+def _raised(e: Exception, files: set[str] = frozenset(), module: str | None = None) -> str:
+    """"FILE:LINE: TYPE: message" for an exception the user's code raised, FILE:LINE the deepest
+    frame of its traceback in one of `files` or in `module` (the user's own code rather than the
+    library it called), else its deepest frame."""
+    frames = list(traceback.walk_tb(e.__traceback__))
+    mine = [(f, n) for f, n in frames if f.f_code.co_filename in files or
+            (module is not None and f.f_globals.get("__name__") == module)] or frames
+    at = f"{mine[-1][0].f_code.co_filename}:{mine[-1][1]}: " if mine else ""
+    return f"{at}{type(e).__name__}: {' '.join(str(e).split())}"
 
 
 def resolve_model(name: str, lora: str | None = None, quantize: str | None = None,

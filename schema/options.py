@@ -178,19 +178,39 @@ class Options:
 
 
 def check_values(o: Options) -> None:
-    """One TensorstowError for sizes and optimizer settings no step can run with (torch.optim's
-    own rules for Adam: lr, eps, weight decay >= 0, each beta in [0, 1))."""
+    """One TensorstowError for sizes, optimizer and loss-scaling settings no step can run with
+    (torch.optim's own rules for Adam: lr, eps, weight decay >= 0, each beta in [0, 1); fp16-mixed:
+    `check_loss_scaling`), and an empty --lora spec."""
     finite = "must be a finite number >= 0"
     bad = [f"--{name.replace('_', '-')} {value} {rule}" for name, value, ok, rule in (
         ("batch", o.batch, o.batch >= 0, "must be >= 1 (0: the model's default)"),
         ("seq", o.seq, o.seq >= 0, "must be >= 1 (0: the model's default)"),
         ("grad_accum", o.grad_accum, o.grad_accum >= 1, "must be >= 1"),
+        ("microbatches", o.microbatches, o.microbatches >= 0, "must be >= 1 (0: as many as GPUs)"),
+        ("lora", repr(o.lora), o.lora is None or o.lora.strip(),
+         "must name the adapters, r=8,alpha=16,targets=q_proj,v_proj (leave --lora out to train every weight)"),
         ("lr", o.lr, math.isfinite(o.lr) and o.lr >= 0, finite), ("eps", o.eps, math.isfinite(o.eps) and o.eps >= 0, finite),
         ("weight_decay", o.weight_decay, math.isfinite(o.weight_decay) and o.weight_decay >= 0, finite),
         ("betas", " ".join(map(str, o.betas)), all(math.isfinite(b) and 0 <= b < 1 for b in o.betas),
          "must each be in [0, 1)")) if not ok]
     if bad:
         raise TensorstowError(f"plan options: {'; '.join(bad)}")
+    if o.precision == "fp16-mixed":
+        check_loss_scaling(o)
+
+
+def check_loss_scaling(o: Options) -> None:
+    """One TensorstowError for dynamic loss scaling settings torch.amp.GradScaler's update cannot
+    run with: a finite init_scale > 0, a finite growth_factor > 1, 0 < backoff_factor < 1 and
+    growth_interval >= 1 (the scale must grow after clean steps and shrink after an overflow)."""
+    bad = [f"--{name.replace('_', '-')} {value} {rule}" for name, value, ok, rule in (
+        ("init_scale", o.init_scale, math.isfinite(o.init_scale) and o.init_scale > 0, "must be a finite number > 0"),
+        ("growth_factor", o.growth_factor, math.isfinite(o.growth_factor) and o.growth_factor > 1,
+         "must be a finite number > 1"),
+        ("backoff_factor", o.backoff_factor, 0 < o.backoff_factor < 1, "must be in (0, 1)"),
+        ("growth_interval", o.growth_interval, o.growth_interval >= 1, "must be >= 1")) if not ok]
+    if bad:
+        raise TensorstowError(f"plan options: fp16-mixed loss scaling: {'; '.join(bad)}")
 
 
 @dataclass(frozen=True)
@@ -215,8 +235,8 @@ def parse_param_group(spec: str) -> ParamGroup:
             values[key] = float(value)
         except ValueError:
             raise TensorstowError(f"param group {spec!r}: {key} must be a number, got {value.strip()!r}") from None
-        if values[key] < 0:
-            raise TensorstowError(f"param group {spec!r}: {key} must be >= 0")
+        if not 0 <= values[key] < math.inf:  # nan or inf would train to NaN, or fail at the first update
+            raise TensorstowError(f"param group {spec!r}: {key} must be a finite number >= 0, got {value.strip()}")
     if not pattern.strip():
         raise TensorstowError(f"param group {spec!r}: no parameter name pattern before ':'")
     return ParamGroup(pattern.strip(), **values)

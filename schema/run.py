@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from tensorstow.errors import TensorstowError
 from tensorstow.schema.options import LR_SCHEDULERS
 from tensorstow.schema.typed import decode
 
@@ -122,6 +123,11 @@ class Run:
     """Optimizer steps of linear warmup from 0 (default: the plan's)."""
     min_lr_ratio: float | None = None
     """linear and cosine end at this fraction of the peak instead of 0 (default: the plan's)."""
+
+    def __post_init__(self):
+        if not 0 <= self.seed < 2 ** 63:  # torch.manual_seed and the data's generators take no other
+            raise TensorstowError(f"seed {self.seed} is outside [0, 2**63) (--seed, or a recipe's seed =): give an "
+                                  f"integer from 0 to 2**63 - 1")
 
     def to_json(self) -> dict:
         """The fields that differ from their defaults."""

@@ -17,6 +17,7 @@ def run(*args, cwd=None):
 
 
 GOLDEN = sorted((ROOT / "plans").glob("*.json"))
+TINY = str(ROOT / "plans" / "gpt-tiny__lohan-rtx4090__lohan.json")
 
 
 @pytest.mark.parametrize("path", GOLDEN, ids=[p.stem for p in GOLDEN])
@@ -93,6 +94,24 @@ def test_plan_show_diff(tmp_path, capsys):
     assert "compute fwd:b0" in names and "mem gpu0" in names
 
 
+@pytest.mark.parametrize("edit,line", [
+    (lambda d: d["eval_instructions"][0].update(est_s=1.0), "eval instructions: 33 -> 33 (1 differ)"),
+    (lambda d: d.update(redo_instructions=d["eval_instructions"][:1]), "redo instructions: 0 -> 1"),
+    (lambda d: d["pools"]["gpu0"].update(device=2 * d["pools"]["gpu0"]["device"]),
+     "pools gpu0 device: 7.2 MB -> 14.4 MB"),
+    (lambda d: d["hardware"]["spec"]["dram"].update(bandwidth=1e11), "hardware dram.bandwidth: 3.75424e+11 -> 1e+11"),
+], ids=["eval", "redo", "pools", "hardware-spec"])
+def test_diff_names_every_part_of_a_plan_that_differs(edit, line, tmp_path, capsys):
+    """Plans that differ only in their evaluation or redo program, their arenas or their hardware
+    spec's numbers (under the same fingerprint) are not identical: `diff` says what differs, a line
+    each, and exits 1 (it called them identical)."""
+    d = json.loads(Path(TINY).read_text())
+    edit(d)
+    (tmp_path / "b.json").write_text(json.dumps(d))
+    assert main(["diff", TINY, str(tmp_path / "b.json")]) == 1
+    assert capsys.readouterr().out.splitlines() == [line]
+
+
 def test_show_replays_the_file_as_written(tmp_path, capsys):
     """`show` re-simulates the plan file: a file whose instructions were edited after planning
     no longer gives its own predicted step time, and says so."""
@@ -117,6 +136,24 @@ def test_show_replays_the_file_as_written(tmp_path, capsys):
     (["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--policy", "magic"], "unknown policy 'magic'"),
     (["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--gpu-mem", "12XB"], "cannot read size '12XB'"),
     (["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--seq", "4096"], "exceeds the model's block_size"),
+    # what execute would refuse, plan refuses (it planned them)
+    (["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--precision", "fp16-mixed", "--init-scale", "0"],
+     "--init-scale 0.0 must be a finite number > 0"),
+    (["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--precision", "fp16-mixed", "--growth-factor", "0.5"],
+     "--growth-factor 0.5 must be a finite number > 1"),
+    (["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--precision", "fp16-mixed", "--backoff-factor", "2"],
+     "--backoff-factor 2.0 must be in (0, 1)"),
+    (["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--microbatches", "-1"], "--microbatches -1 must be >= 1"),
+    (["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--lora", ""], "--lora '' must name the adapters"),
+    (["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--param-groups", "*:lr_scale=nan"],
+     "lr_scale must be a finite number >= 0, got nan"),
+    (["export", "no-state-dir", "-o", "no-out", "--shard-size", "0"], "--shard-size 0 is 0 bytes"),
+    (["export", "no-state-dir", "-o", "no-out", "--shard-size", "0.5"], "--shard-size 0.5 is 0 bytes"),
+    # a seed torch.manual_seed and the data's generators cannot take (a ValueError or OverflowError)
+    (["execute", TINY, "--steps", "1", "--seed", "-1"], "seed -1 is outside [0, 2**63)"),
+    (["execute", TINY, "--steps", "1", "--seed", str(10 ** 23)], f"seed {10 ** 23} is outside [0, 2**63)"),
+    (["evaluate", TINY, "--state-dir", "no-state-dir", "--data", "synthetic", "--seed", "-1"],
+     "seed -1 is outside [0, 2**63)"),
 ])
 def test_bad_input_gives_one_clear_line(args, needle, capsys):
     assert main(args) == 2
@@ -140,6 +177,26 @@ def test_bad_options_fail_before_the_machine_is_probed(args, needle, capsys, mon
     assert main(args) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("tensorstow: error:") and needle in lines[0]
+
+
+@pytest.mark.parametrize("source,needle", [
+    ('def make():\n    raise RuntimeError("no weights here")\n',
+     "the factory raised at {file}:2: RuntimeError: no weights here"),
+    ("def make(:\n    pass\n", "does not compile: {file}:1: SyntaxError: "),
+    ('import json\nCONFIG = json.loads("{{")\ndef make():\n    pass\n', "raised at {file}:2: JSONDecodeError: "),
+], ids=["factory-raises", "syntax-error", "import-raises"])
+def test_a_model_factory_that_fails_is_one_line_naming_its_file_and_line(source, needle, tmp_path, monkeypatch,
+                                                                         capsys, request):
+    """A `module:function` model whose module does not compile, raises as it is imported, or whose
+    factory raises: one line naming the user's file and line and the error (they were tracebacks)."""
+    name = f"user_model_{request.node.callspec.id.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    assert main(["plan", f"{name}:make", "--hw", "lohan-rtx4090"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"tensorstow: error: model '{name}:make': "), lines
+    assert needle.format(file=tmp_path / f"{name}.py") in lines[0], lines
 
 
 def test_error_exit_status_of_the_real_process():
@@ -355,3 +412,12 @@ def test_the_summary_leaves_the_policys_search_notes_to_verbose(tmp_path, capsys
         assert main(cmd) == 0
         loud = capsys.readouterr().out
         assert all(f"note: {n}" in loud for n in search) and "left out (-v shows them)" not in loud
+
+
+def test_a_lora_key_given_twice_is_refused():
+    """`--lora r=8,r=4,...`: the last value won silently."""
+    pytest.importorskip("peft")
+    from tensorstow.errors import TensorstowError
+    from tensorstow.ir.hf import lora_config
+    with pytest.raises(TensorstowError, match="'r' is given twice; give each key once"):
+        lora_config("r=8,r=4,targets=q_proj")

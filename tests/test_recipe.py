@@ -75,6 +75,11 @@ def test_execute_runs_the_plans_recipe_and_flags_override_it(tmp_path, capsys):
     (RECIPE.replace("steps = 3", 'steps = "3"'), "[execute]: field 'steps': expected an integer"),
     ("model = \"gpt-tiny\"\n[execute\n", "not valid TOML"),
     ("hw = \"lohan-rtx4090\"\n", "name the model"),
+    ('betas = ["a", "b"]\n' + RECIPE,
+     "betas = ['a', 'b'] is not a valid list of 2 numbers (e.g. betas = [0.9, 0.999])"),
+    ("betas = [0.9]\n" + RECIPE, "betas = [0.9] is not a valid list of 2 numbers"),
+    ("param_groups = [1, 2]\n" + RECIPE, "param_groups = [1, 2] is not a valid list of strings"),
+    (RECIPE + "seed = -1\n", "seed -1 is outside [0, 2**63)"),
 ])
 def test_a_bad_recipe_is_one_line_naming_the_key(text, where, tmp_path, capsys):
     recipe = write(tmp_path / "r.toml", text)
