@@ -202,7 +202,7 @@ def launch(nproc: int, kw: dict, out=None) -> None:
             return
         cause = _cause(why, stopped, seen)
         state = kw.get("state_dir")
-        refused = procs[cause].returncode == 2  # the rank refused its input: its line says what to change
+        refused = procs[cause].returncode == 2  # a TensorstowError: its line says what to change first
         resume = "; every rank stopped" + (f", and {state} keeps the last step all ranks committed" if state else "") + (
             "" if refused or not state else ": run the same command to resume")
         raise TensorstowError(f"rank {cause} of {nproc} {why[cause]}{resume}")

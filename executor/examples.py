@@ -6,8 +6,8 @@ one example, in one of these forms:
 
     {"input_ids": [...], "labels": [...]}   pre-tokenized; labels default to input_ids; a label
                                             equal to the model's ignore index is left out; an
-                                            `attention_mask` of ones and the source it was made
-                                            from (text, messages, ...) may come along, no other key
+                                            `attention_mask` of ones may come along; other keys
+                                            are left aside, but not a misspelt one
     {"prompt": str, "completion": str}      ids = tok(prompt) + tok(completion, no special
                                             tokens) + [eos]; labels ignore the prompt's ids
                                             (TRL's completion-only loss)
@@ -58,6 +58,7 @@ steps an epoch), so a resumed run continues at the very example an uninterrupted
 from __future__ import annotations
 
 import bisect
+import difflib
 import json
 import math
 import re
@@ -76,10 +77,11 @@ TRAIN, HELD_OUT = ("train",), ("validation", "test")
 """The split of a `DatasetDict` that training data reads, and those evaluation data reads (the first
 it has): never the training split, which would evaluate on what was trained on."""
 PRETOKENIZED = {"input_ids", "labels", "attention_mask"}
-"""The keys a pre-tokenized example may have (its attention_mask all ones: TRL ignores the column),
-besides the `SOURCES` it was tokenized from."""
-SOURCES = {"text", "messages", "prompt", "completion", "tools"}
-"""The other forms' keys: beside input_ids, what the ids were made from (ignored, as TRL ignores them)."""
+"""The keys a pre-tokenized example is read by (its attention_mask all ones: TRL ignores the
+column); others are left aside, but one close to these (a misspelt `label`) is refused."""
+LABEL_MASKS = {"completion_mask", "assistant_masks"}
+"""TRL's columns that say which of a pre-tokenized example's tokens are labels: refused, not left
+aside (every token would be a label); `labels` says it here."""
 LOSS_ON = ("assistant", "all")
 """Which tokens of a text or conversational example are labels (`Run.loss_on`)."""
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
@@ -147,9 +149,13 @@ def _read_datasets_dir(source: str, splits: tuple[str, ...]) -> list[tuple[str, 
                 raise TensorstowError(f"data {source} holds splits {sorted(ds)}, none of {', '.join(splits)}: pass "
                                       f"the directory of one split")
             ds = ds[split]
+        if not ds.num_rows:
+            raise TensorstowError(f"data {source}: the datasets directory holds no rows: give one with examples")
         rows = list(ds)  # every row read here: a damaged arrow file fails now, not mid-run
     except TensorstowError:
         raise
+    except IndexError:  # datasets finds no table to load: the directory of an empty dataset
+        raise TensorstowError(f"data {source}: the datasets directory holds no rows: give one with examples") from None
     except (OSError, ValueError, KeyError, pyarrow.ArrowException) as e:  # a truncated file, damaged metadata
         first = str(e).splitlines()[0] if str(e) else type(e).__name__  # an OSError's message names its file
         raise TensorstowError(f"data {source}: cannot read the datasets directory ({first}); it is damaged or "
@@ -197,11 +203,16 @@ def tokenize(records: list[tuple[str, dict]], tokenizer, ignore: int, vocab: int
                                   f"keep one of them")
         form = forms[0] if forms else None
         if form == "input_ids":
-            extra = sorted(set(r) - PRETOKENIZED - SOURCES)
-            if extra:  # a misspelt `labels` would leave every token a label
-                raise TensorstowError(f"{where}: the pre-tokenized example has unknown key{'s' * (len(extra) > 1)} "
-                                      f"{', '.join(extra)}: beside input_ids it takes labels and an attention_mask "
-                                      f"(of ones); rename a misspelt key, drop the others")
+            extra = sorted(set(r) - PRETOKENIZED)  # other columns (its text, an id, token_type_ids) left aside, as TRL
+            masks = [k for k in extra if k in LABEL_MASKS]
+            if masks:  # left aside, every token would be a label
+                raise TensorstowError(f"{where}: the pre-tokenized example's {masks[0]} says which tokens are labels, "
+                                      f"which tensorstow reads from labels: give labels (the input_id where the mask "
+                                      f"is 1, -100 elsewhere) instead")
+            near = [(k, m[0]) for k in extra for m in [difflib.get_close_matches(k, sorted(PRETOKENIZED), 1, 0.8)] if m]
+            if near:  # a misspelt `labels` would leave every token a label
+                raise TensorstowError(f"{where}: the pre-tokenized example has key {near[0][0]}, not {near[0][1]}: "
+                                      f"rename the misspelt key")
             ids = _token_ids(r["input_ids"], "input_ids", where)
             if not ids:
                 raise TensorstowError(f"{where}: input_ids is empty: give the example's token ids, or drop it")

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import signal
+import stat
 import statistics
 import sys
 import tempfile
@@ -229,7 +230,7 @@ def evaluate_state(plan: Plan, run: Run, *, out=None) -> dict:
         ex = Executor(plan, model, mode=pick_mode(run.mode, plan, run.device), ssd_store=store, resume=True,
                       init_values=init, lr_schedule=LRSchedule("constant", plan.options.lr), device=run.device)
         try:
-            held_out = _eval_batches(ex, plan, run)[0]
+            held_out = _eval_batches(ex, plan, run, out)[0]
             t0 = time.perf_counter()
             value = ex.evaluate(held_out)
             dt = time.perf_counter() - t0
@@ -469,13 +470,16 @@ class _Log:
         """Cut a torn last record (bytes after the last newline that begin a JSON object but do not
         parse); a whole one missing its newline gets it. Anything else there is no log of ours:
         refused, never cut."""
+        if not stat.S_ISREG(os.fstat(self.fd).st_mode):  # a pipe or a terminal: nothing to read back
+            return
         size = os.fstat(self.fd).st_size
         torn = self._tail(size)
         whole = size - torn  # the complete lines: the last one a record of ours, or this is no log of ours
-        if whole:
-            last = self._tail(whole - 1)
+        lines = os.pread(self.fd, min(whole, 1 << 20), whole - min(whole, 1 << 20)).split(b"\n")
+        last = next((line for line in reversed(lines) if line.strip()), None)
+        if last is not None:
             try:
-                if not isinstance(json.loads(os.pread(self.fd, last, whole - 1 - last)), dict):
+                if not isinstance(json.loads(last), dict):
                     raise ValueError("not an object")
             except ValueError:
                 self.close()
@@ -735,7 +739,8 @@ def worker(kw: dict) -> int:
         # connections while it was still tearing its own down
         dist.barrier()
         return 0
-    except TensorstowError as e:  # refused as it stands: a rerun fails the same way (the launcher says so)
+    except TensorstowError as e:  # its line says what to change (an input refused, a full disk): the launcher
+        # adds no "run the same command"
         print(f"tensorstow: error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 - one line for the launcher, not a traceback

@@ -178,8 +178,16 @@ def survey(state_dir, ranks: bool = False) -> str:
         return "foreign"
     if _store_manifest(d):
         return "state"
-    return "new" if all(_own_temporary(n) or (ranks and RANK_DIR.fullmatch(n) and survey(d / n) != "foreign")
+    return "new" if all(_own_temporary(n) or (ranks and RANK_DIR.fullmatch(n) and _survey_or_foreign(d / n) != "foreign")
                         for n in names) else "foreign"
+
+
+def _survey_or_foreign(d: Path) -> str:
+    """`survey(d)`, a directory it cannot read being "foreign" (the user's, untouched)."""
+    try:
+        return survey(d)
+    except OSError:
+        return "foreign"
 
 
 def _refuse_foreign(d: Path, verb: str) -> TensorstowError:
@@ -255,7 +263,7 @@ def claim_parent(state_dir) -> Path:
 
 def rank_dirs(d: Path) -> list[Path]:
     """The `rank<K>` state dirs of a multi-process run in `d`, in rank order."""
-    found = [p for p in d.iterdir() if p.is_dir() and RANK_DIR.fullmatch(p.name) and survey(p) == "state"] if d.is_dir() else []
+    found = [p for p in d.iterdir() if p.is_dir() and RANK_DIR.fullmatch(p.name) and _survey_or_foreign(p) == "state"] if d.is_dir() else []
     return sorted(found, key=lambda p: int(p.name[4:]))
 
 

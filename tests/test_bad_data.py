@@ -91,10 +91,9 @@ def test_text_fields_that_are_not_strings_are_refused(tok, tmp_path, row, field,
     ({"question": "a"}, r"the example has keys \['question'\]: give input_ids"),
     ({"input_ids": []}, r"input_ids is empty: give the example's token ids, or drop it$"),
     ({"input_ids": [1, 2, 3], "label": [-100, 2, 3]},  # else every token a label
-     r"the pre-tokenized example has unknown key label: beside input_ids it takes labels and an attention_mask "
-     r"\(of ones\); rename a misspelt key, drop the others$"),
-    ({"input_ids": [1, 2, 3], "labels": [1, 2, 3], "token_type_ids": [0, 0, 0], "id": 7},
-     r"the pre-tokenized example has unknown keys id, token_type_ids: beside input_ids it takes labels"),
+     r"the pre-tokenized example has key label, not labels: rename the misspelt key$"),
+    ({"input_ids": [1, 2, 3], "completion_mask": [0, 1, 1]},
+     r"the pre-tokenized example's completion_mask says which tokens are labels, which tensorstow reads from labels"),
     ({"input_ids": [1, 2, 3], "attention_mask": [0, 1, 1]},
      r"attention_mask must be a 1 for each of the 3 input_ids \(every token of an example is attended to\): cut the "
      r"padding off input_ids, or drop the mask$"),
@@ -137,10 +136,11 @@ def test_data_in_which_no_example_has_a_label_is_refused(request, tmp_path, rows
 
 def test_a_pretokenized_example_without_a_label_beside_labelled_ones_is_kept(tmp_path):
     """As it is given (a text example without one is left out); an attention_mask of ones is taken,
-    and the text or messages the ids were made from (`ds.map(tokenize)` keeps them) are left aside,
-    as TRL leaves them: the ids are the example."""
+    and the other columns (the text or messages the ids were made from, which `ds.map(tokenize)`
+    keeps, an id, token_type_ids) are left aside, as TRL leaves them: the ids are the example."""
     unlabelled = {"input_ids": [4, 5], "labels": [-100, -100], "attention_mask": [1, 1]}
-    sourced = {"input_ids": [6, 7, 8], "text": "abc", "messages": [{"role": "user", "content": "abc"}]}
+    sourced = {"input_ids": [6, 7, 8], "text": "abc", "messages": [{"role": "user", "content": "abc"}], "id": 7,
+               "token_type_ids": [0, 0, 0]}
     ex = load(write_jsonl(tmp_path / "data.jsonl", [GOOD, unlabelled, sourced]))
     assert len(ex) == 3 and ex.left_out == () and ex.notes == ()
     assert ex.ids[1, :2].tolist() == [4, 5] and set(ex.labels[1].tolist()) == {-100}
@@ -159,7 +159,7 @@ def nano_plan(tmp_path_factory):
 
 
 @pytest.mark.parametrize("row, says", [
-    ({"input_ids": [1, 2, 3], "label": [-1, 2, 3]}, r"data.jsonl:2: the pre-tokenized example has unknown key label"),
+    ({"input_ids": [1, 2, 3], "label": [-1, 2, 3]}, r"data.jsonl:2: the pre-tokenized example has key label, not labels"),
     ({"input_ids": []}, r"data.jsonl:2: input_ids is empty"),
     ({"input_ids": [1, 2, 3], "labels": [-1, -1, -1]}, r"data \S*data.jsonl: no example has a label"),
 ])
@@ -226,3 +226,12 @@ def test_evaluation_data_reads_a_dataset_dicts_held_out_split_never_train(tmp_pa
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows["train"])}).save_to_disk(str(only))
     with pytest.raises(TensorstowError, match=r"holds splits \['train'\], none of validation, test: pass the directory"):
         Examples.load(str(only), 4, 100, splits=HELD_OUT)
+
+
+def test_an_empty_datasets_directory_is_one_line(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    datasets.disable_progress_bars()
+    d = tmp_path / "empty"
+    datasets.Dataset.from_list([GOOD]).select([]).save_to_disk(str(d))
+    with pytest.raises(TensorstowError, match="the datasets directory holds no rows"):
+        load(str(d))
