@@ -223,12 +223,17 @@ class ModelSpec:
         except TensorstowError:
             raise
         except Exception as e:  # the user's code: where in it, and what
-            raise TensorstowError(f"model '{self.name}': the factory raised at {_raised(e, _files_of(fn))}; fix "
-                                  f"it (--debug prints the traceback)") from e
+            raise FactoryError(f"model '{self.name}': the factory raised at {_raised(e, _files_of(fn))}; fix "
+                               f"it (--debug prints the traceback)") from e
         if not isinstance(m, nn.Module):
             raise TensorstowError(f"model '{self.name}': the factory returned {type(m).__name__}, "
                                   f"not an nn.Module")
         return hf.wrap(m)
+
+
+class FactoryError(TensorstowError):
+    """A model factory raised (`ModelSpec.build`); the exception it raised is the cause. Tracing
+    builds on fake tensors or the meta device first, which some factories' code cannot run on."""
 
 
 def _load_factory(ref: str):

@@ -497,20 +497,18 @@ def _build_without_memory(spec, fm: FakeTensorMode) -> nn.Module:
     """The model for tracing, built on fake tensors; a factory whose code cannot run on them
     (PEFT moves adapters with swap_tensors) is built on the meta device, and one that fails
     there too is built for real (its parameters then take host memory while planning)."""
-    try:
-        with fm:
-            return spec.build(weights=False)
-    except TensorstowError:
-        raise
-    except Exception:
-        pass
-    try:
-        with torch.device("meta"):
-            return spec.build(weights=False)
-    except TensorstowError:
-        raise
-    except Exception:
-        return spec.build(weights=False)
+    from tensorstow.ir.models import FactoryError
+    for where in (fm, torch.device("meta")):
+        try:
+            with where:
+                return spec.build(weights=False)
+        except FactoryError:  # the factory's own code failed there (a TensorstowError it raised is the user's)
+            continue
+        except TensorstowError:
+            raise
+        except Exception:  # noqa: BLE001 - library code that cannot run on fake or meta tensors
+            continue
+    return spec.build(weights=False)
 
 
 @contextmanager
