@@ -67,18 +67,8 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, merge: bool = 
     from safetensors.torch import save_file
 
     d, out = Path(state_dir), Path(out_dir)
-    ranks = statedir.rank_dirs(d)
-    if ranks and (d / statedir.PLAN).exists():
-        raise TensorstowError(f"export: {d} holds a one-process run ({statedir.PLAN}) and a run of several processes "
-                              f"({ranks[0].name}/ ...), written by two runs: move one of them to a directory of its own")
-    dirs = ranks or [d]
-    described = [statedir.read(x) for x in dirs]
+    dirs, described = _described(d)
     dp = described[0][0].decisions.dp
-    if dirs is ranks:
-        n = dp if dp > 1 else len(described[0][0].hardware.spec.gpus)
-        if [x.name for x in ranks] != [f"rank{k}" for k in range(n)]:
-            raise TensorstowError(f"export: {d} holds {', '.join(x.name for x in ranks)} but its plan runs on {n} "
-                                  f"GPUs (rank0..rank{n - 1}): a rank's state is missing; restore it")
     if out.exists() and any(out.iterdir()):
         raise TensorstowError(f"export: {out} exists and is not empty; choose a new directory")
     stores, tmp = [], None
@@ -138,6 +128,24 @@ def export(state_dir, out_dir, *, shard_bytes: int = SHARD_BYTES, merge: bool = 
         for st in stores:
             st.close()
     return {"step": step, "tensors": total, "bytes": sum(sizes), "files": len(sizes), "tokenizer": told}
+
+
+def _described(d: Path) -> tuple[list[Path], list[tuple]]:
+    """The state dirs of state dir `d` (itself, or a multi-process run's `rank<K>/`, every one) and
+    the (plan, layout) each holds; one error where a rank is missing or `d` holds both kinds."""
+    ranks = statedir.rank_dirs(d)
+    if ranks and (d / statedir.PLAN).exists():
+        raise TensorstowError(f"export: {d} holds a one-process run ({statedir.PLAN}) and a run of several processes "
+                              f"({ranks[0].name}/ ...), written by two runs: move one of them to a directory of its own")
+    dirs = ranks or [d]
+    described = [statedir.read(x) for x in dirs]
+    plan = described[0][0]
+    if ranks:
+        n = plan.decisions.dp if plan.decisions.dp > 1 else len(plan.hardware.spec.gpus)
+        if [x.name for x in ranks] != [f"rank{k}" for k in range(n)]:
+            raise TensorstowError(f"export: {d} holds {', '.join(x.name for x in ranks)} but its plan runs on {n} "
+                                  f"GPUs (rank0..rank{n - 1}): a rank's state is missing; restore it")
+    return dirs, described
 
 
 def _save_tokenizer(source: str | None, chat_template: str | None, plan, out: Path) -> str | None:
