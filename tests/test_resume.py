@@ -501,3 +501,14 @@ def test_a_log_path_holding_a_users_file_is_refused_untouched(text, tmp_path):
     with pytest.raises(TensorstowError, match="no log of"):
         run_module._Log(str(path), sys.stdout)
     assert path.read_text() == text
+
+
+@pytest.mark.parametrize("text", ["", "\n", '{"step": 1, "loss": 2.0}\n\n'], ids=["empty", "blank", "blank-after-a-record"])
+def test_a_log_of_ours_or_an_empty_file_is_appended_to(text, tmp_path):
+    """An empty file, or a log whose last record a blank line follows, is taken as a log."""
+    from tensorstow.executor import run as run_module
+    path = tmp_path / "log.jsonl"
+    path.write_text(text)
+    with run_module._Log(str(path), sys.stdout) as lg:
+        lg.write({"step": 2, "loss": 1.0})
+    assert path.read_text().endswith('{"step": 2, "loss": 1.0}\n') and path.read_text().startswith(text)
