@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 
 from tensorstow.calibrate import hardware_for
-from tensorstow.errors import Interrupted, TensorstowError
+from tensorstow.errors import Interrupted, TensorstowError, check_writable
 from tensorstow.planner.pools import arena_need
 from tensorstow.planner.simulate import ScheduleError
 from tensorstow.schema.hardware import parse_size
@@ -325,6 +325,9 @@ def cmd_plan(args) -> int:
     from tensorstow.planner.plan import make_plan
     from tensorstow.planner.simulate import perfetto_trace, write_trace
     o = _options(args)
+    for path, flag in ((args.output, "-o"), (args.trace, "--trace")):  # before the planning, which may take minutes
+        if path:
+            check_writable(path, flag)
     if args.clip_rate_from:
         o = dataclasses.replace(o, clip_rate=clip_rate_of(args.clip_rate_from, o))
     if args.sweep:
@@ -486,6 +489,8 @@ def _old_options(f: Path, why: TensorstowError):
 
 def cmd_probe(args) -> int:
     from tensorstow.calibrate import probe
+    if args.output:  # before the probe, which takes a minute
+        check_writable(args.output, "-o")
     hw = probe(disk_dir=args.disk_dir, quick=not args.full)
     from tensorstow.executor import adam, aio
     aio.default_engine()

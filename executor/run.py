@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tensorstow.errors import Interrupted, TensorstowError
+from tensorstow.errors import Interrupted, TensorstowError, check_writable
 from tensorstow.executor import adam, aio, graphs, malloc, record, statedir
 from tensorstow.executor.cuda import hardware_differences, resolve_device
 from tensorstow.executor.data import batches, tokens
@@ -125,13 +125,8 @@ def _check_run(plan: Plan, run: Run, rank: int | None) -> None:
         raise TensorstowError(f"--steps must be >= 1, got {run.steps}")
     if run.lr is not None and not 0 <= run.lr < math.inf:
         raise TensorstowError(f"--lr must be a finite number >= 0, got {run.lr}")
-    if run.trace is not None:  # checked before training, which would end without the trace
-        try:
-            with tempfile.TemporaryFile(dir=Path(run.trace).parent):
-                pass
-        except OSError as e:
-            raise TensorstowError(f"--trace {run.trace}: cannot write a file in its directory ({e.strerror or e}); "
-                                  f"pass a path this user can write") from None
+    if run.trace is not None:
+        check_writable(run.trace, "--trace")
     for flag, source in (("--data", run.data), ("--eval-data", run.eval_data)):
         if source not in (None, "synthetic") and not Path(source).exists():
             raise TensorstowError(f"{flag} {source} does not exist: pass a JSONL file, a `datasets` directory, a "

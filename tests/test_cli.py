@@ -147,6 +147,10 @@ def test_show_replays_the_file_as_written(tmp_path, capsys):
     (["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--lora", ""], "--lora '' must name the adapters"),
     (["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--param-groups", "*:lr_scale=nan"],
      "lr_scale must be a finite number >= 0, got nan"),
+    # an output nobody can write, found before the work (it was found after planning or probing)
+    (["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "-o", "/no-such-dir/p.json"], "-o /no-such-dir/p.json: cannot write"),
+    (["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--trace", "/no-such-dir/t.json"], "--trace /no-such-dir/t.json"),
+    (["probe", "-o", "/no-such-dir/spec.json"], "-o /no-such-dir/spec.json: cannot write"),
     (["export", "no-state-dir", "-o", "no-out", "--shard-size", "0"], "--shard-size 0 is 0 bytes"),
     (["export", "no-state-dir", "-o", "no-out", "--shard-size", "0.5"], "--shard-size 0.5 is 0 bytes"),
     # a seed torch.manual_seed and the data's generators cannot take (a ValueError or OverflowError)
