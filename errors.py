@@ -1,4 +1,5 @@
-"""The one error type tensorstow raises for bad input. Every layer imports it from here."""
+"""The one error type tensorstow raises for bad input, and the check of an output path every
+command makes before its work. Every layer imports them from here."""
 import tempfile
 from pathlib import Path
 

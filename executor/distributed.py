@@ -182,7 +182,7 @@ def launch(nproc: int, kw: dict, out=None) -> None:
                         env=dict(env, RANK=str(k)), stdout=None if k == 0 else subprocess.DEVNULL, stderr=err,
                         start_new_session=True))
             seen = _watch(procs)
-        except KeyboardInterrupt:  # Ctrl-C: the ranks (sessions of their own) are stopped where they are
+        except KeyboardInterrupt:  # Ctrl-C: the ranks (process groups of their own) are stopped where they are
             _stop(procs)
             state = kw.get("state_dir")
             raise Interrupted("interrupted: every rank stopped" + (

@@ -141,6 +141,7 @@ def _read_datasets_dir(source: str, splits: tuple[str, ...]) -> list[tuple[str, 
     if not any((p / m).is_file() for m in marks):
         raise TensorstowError(f"data {source}: not a directory `datasets` save_to_disk wrote (it holds no "
                               f"{' or '.join(marks)})")
+    no_rows = f"data {source}: the datasets directory holds no rows: give one with examples"
     try:
         ds = datasets.load_from_disk(str(p))
         if isinstance(ds, datasets.DatasetDict):
@@ -150,12 +151,12 @@ def _read_datasets_dir(source: str, splits: tuple[str, ...]) -> list[tuple[str, 
                                       f"the directory of one split")
             ds = ds[split]
         if not ds.num_rows:
-            raise TensorstowError(f"data {source}: the datasets directory holds no rows: give one with examples")
+            raise TensorstowError(no_rows)
         rows = list(ds)  # every row read here: a damaged arrow file fails now, not mid-run
     except TensorstowError:
         raise
     except IndexError:  # datasets finds no table to load: the directory of an empty dataset
-        raise TensorstowError(f"data {source}: the datasets directory holds no rows: give one with examples") from None
+        raise TensorstowError(no_rows) from None
     except (OSError, ValueError, KeyError, pyarrow.ArrowException) as e:  # a truncated file, damaged metadata
         first = str(e).splitlines()[0] if str(e) else type(e).__name__  # an OSError's message names its file
         raise TensorstowError(f"data {source}: cannot read the datasets directory ({first}); it is damaged or "

@@ -6,7 +6,6 @@ import dataclasses
 import datetime
 import errno
 import json
-import math
 import os
 import signal
 import stat
@@ -123,8 +122,6 @@ def _check_run(plan: Plan, run: Run, rank: int | None) -> None:
     its data, its `--resume-changed` groups, a plan made for other hardware."""
     if run.steps is not None and run.steps < 1:
         raise TensorstowError(f"--steps must be >= 1, got {run.steps}")
-    if run.lr is not None and not 0 <= run.lr < math.inf:
-        raise TensorstowError(f"--lr must be a finite number >= 0, got {run.lr}")
     if run.trace is not None:
         check_writable(run.trace, "--trace")
     for flag, source in (("--data", run.data), ("--eval-data", run.eval_data)):

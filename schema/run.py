@@ -8,6 +8,7 @@ first of: its flag, the recipe file it is given, the plan's record, the default 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from tensorstow.errors import TensorstowError
@@ -125,9 +126,12 @@ class Run:
     """linear and cosine end at this fraction of the peak instead of 0 (default: the plan's)."""
 
     def __post_init__(self):
+        """The ranges a run's types cannot say, however the run is made (flags, a recipe, the API)."""
         if not 0 <= self.seed < 2 ** 63:  # torch.manual_seed and the data's generators take no other
             raise TensorstowError(f"seed {self.seed} is outside [0, 2**63) (--seed, or a recipe's seed =): give an "
                                   f"integer from 0 to 2**63 - 1")
+        if self.lr is not None and not 0 <= self.lr < math.inf:  # nan or inf trains to NaN, or fails at an update
+            raise TensorstowError(f"--lr must be a finite number >= 0, got {self.lr}")
 
     def to_json(self) -> dict:
         """The fields that differ from their defaults."""
