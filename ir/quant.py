@@ -59,6 +59,7 @@ class Quantization:
         if rest not in ([], ["double"]) or rest and quant_type == "int8":
             raise TensorstowError(f"--quantize {spec}: the only part after the format is ',double', for nf4 and fp4")
         patterns = tuple(p.strip() for p in (skip or "").split(",") if p.strip())
+        _bitsandbytes()  # a quantized base is stored and dequantized by it: say so before anything is planned
         return Quantization(quant_type, bool(rest), patterns)
 
     def skips(self, name: str) -> bool:
@@ -73,7 +74,7 @@ def _bitsandbytes():
         import bitsandbytes.functional as bnb_f
         return bnb_f
     except ImportError:
-        raise TensorstowError("--quantize needs bitsandbytes (pip install 'tensorstow[hf]')") from None
+        raise TensorstowError("--quantize needs bitsandbytes (pip install 'tensorstow[qlora]')") from None
 
 
 def quantized_parts(weight: torch.Tensor, q: Quantization) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
-pytest.importorskip("bitsandbytes", reason="bitsandbytes (the hf extra) quantizes the base")
+pytest.importorskip("bitsandbytes", reason="bitsandbytes (the qlora extra) quantizes the base")
 
 import tensorstow  # noqa: E402
 from tensorstow import TensorstowError  # noqa: E402
@@ -132,7 +132,7 @@ def test_qlora_trains_like_eager_peft_on_a_bitsandbytes_base(quant, precision, t
     ex.close()
 
 
-def test_quantize_needs_lora_and_a_known_format(tmp_path, capsys):
+def test_quantize_needs_lora_a_known_format_and_bitsandbytes(tmp_path, capsys, monkeypatch):
     ckpt = tmp_path / "ckpt"
     pretrained(ckpt)
     capsys.readouterr()
@@ -147,6 +147,11 @@ def test_quantize_needs_lora_and_a_known_format(tmp_path, capsys):
         tensorstow.plan(f"hf:{ckpt}", hw="lohan-rtx4090", quantize="nf4")
     with pytest.raises(TensorstowError, match="quantize: a model object is traced as it is"):
         tensorstow.plan(transformers.AutoModelForCausalLM.from_pretrained(ckpt), hw="lohan-rtx4090", quantize="nf4")
+    for module in ("bitsandbytes", "bitsandbytes.functional"):  # as on a machine without the qlora extra
+        monkeypatch.setitem(sys.modules, module, None)
+    capsys.readouterr()
+    assert main(["plan", f"hf:{ckpt}", "--hw", "lohan-rtx4090", "--lora", LORA, "--quantize", "nf4"]) == 2
+    assert capsys.readouterr().err == "tensorstow: error: --quantize needs bitsandbytes (pip install 'tensorstow[qlora]')\n"
 
 
 def test_the_lm_head_stays_full_precision_whatever_its_name():
