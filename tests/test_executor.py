@@ -732,7 +732,7 @@ def test_a_failed_fp16_step_does_not_make_the_next_one_skip(tmp_path):
     assert ex.opt_steps == 2 and ex.loss_scale == 65536.0
 
 
-def assert_close_to_eager(got, want, *, lr: float, loss_rtol: float = 1e-5, precision: str = "fp32") -> None:
+def assert_close_to_eager(got, want, *, lr: float, precision: str = "fp32") -> None:
     """The fast optimizer's tolerance. It differs from torch's single-tensor AdamW only in the
     rounding of sqrt (correctly rounded vs MKL's, 1 ulp apart for some inputs), so the first
     step's parameters differ by at most an ulp; later steps see slightly different gradients.
@@ -740,10 +740,13 @@ def assert_close_to_eager(got, want, *, lr: float, loss_rtol: float = 1e-5, prec
     that difference propagates, a parameter stays within a small fraction of one step's move:
     atol = lr / 10 per step. Not so where the gradient is zero but for rounding (`_noise_gradients`:
     attention's key bias, which softmax cannot see): Adam scales that noise to a full step of
-    either sign, so two runs may part by up to 2 lr a step there. Losses: a relative 1e-5 (fp32
-    sums of ~1e4 terms)."""
+    either sign, so two runs may part by up to 2 lr a step there. Losses: a relative 1e-5 in fp32
+    (sums of ~1e4 terms). With 16-bit compute copies, a master an ulp apart can round to the
+    neighbouring 16-bit value (2^-8 apart in bf16), and the loss moves with the weights that
+    flip: which flip depends on the CPU's sqrt kernel (AVX2's gave a relative 7.8e-5 in bf16), so
+    a relative 1e-3, ten times under the 1% eager autocast is held to elsewhere."""
     (gl, gp), (wl, wp) = got, want
-    assert gl == pytest.approx(wl, rel=loss_rtol)
+    assert gl == pytest.approx(wl, rel=1e-5 if precision == "fp32" else 1e-3)
     assert gp.keys() == wp.keys()
     noise = _noise_gradients(precision)
     for n in wp:
