@@ -84,7 +84,7 @@ def test_log_records_each_steps_learning_rate_as_transformers_schedules_it(ssd_p
 
 
 def test_sigkill_then_resume_equals_uninterrupted(ssd_plan, tmp_path):
-    """Killed at random moments and resumed, a run with a warmup + cosine schedule commits the
+    """Killed at a random moment and resumed, a run with a warmup + cosine schedule commits the
     same state as an uninterrupted one: the schedule continues where the commit left it."""
     ref = tmp_path / "ref"
     r = execute(ssd_plan, ref, *SCHEDULE)
@@ -92,31 +92,30 @@ def test_sigkill_then_resume_equals_uninterrupted(ssd_plan, tmp_path):
     ref_step, ref_state = committed_state(ssd_plan, ref)
     assert ref_step == STEPS
     rng = random.Random(1234)
-    for trial in range(2):
-        state = tmp_path / f"killed{trial}"
-        p = execute(ssd_plan, state, *SCHEDULE, wait=False)
-        # wait until a random step has been printed, then kill at a random moment inside the next
-        target = rng.randint(1, STEPS - 2)
-        seen = 0
-        for line in p.stdout:
-            if line.startswith("step "):
-                seen += 1
-                if seen >= target:
-                    break
-        time.sleep(rng.uniform(0, 0.3))
-        p.send_signal(signal.SIGKILL)
-        p.wait()
-        step, _ = committed_state(ssd_plan, state)
-        # "step N" printed: step N-1 is durable, N's commit may still be in the background; the
-        # child may have run to the end before its output was read (a loaded machine)
-        assert step is not None and target - 1 <= step <= STEPS
-        r = execute(ssd_plan, state, *SCHEDULE)
-        assert r.returncode == 0, r.stderr
-        assert (f"resuming from step {step}" if step < STEPS else "nothing left to train") in r.stdout
-        final_step, final = committed_state(ssd_plan, state)
-        assert final_step == STEPS
-        for name, buf in ref_state.items():
-            assert torch.equal(final[name], buf), name
+    state = tmp_path / "killed"  # one kill: tests/test_state_dir.py and test_resume.py kill at many more moments
+    p = execute(ssd_plan, state, *SCHEDULE, wait=False)
+    # wait until a random step has been printed, then kill at a random moment inside the next
+    target = rng.randint(1, STEPS - 2)
+    seen = 0
+    for line in p.stdout:
+        if line.startswith("step "):
+            seen += 1
+            if seen >= target:
+                break
+    time.sleep(rng.uniform(0, 0.3))
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    step, _ = committed_state(ssd_plan, state)
+    # "step N" printed: step N-1 is durable, N's commit may still be in the background; the
+    # child may have run to the end before its output was read (a loaded machine)
+    assert step is not None and target - 1 <= step <= STEPS
+    r = execute(ssd_plan, state, *SCHEDULE)
+    assert r.returncode == 0, r.stderr
+    assert (f"resuming from step {step}" if step < STEPS else "nothing left to train") in r.stdout
+    final_step, final = committed_state(ssd_plan, state)
+    assert final_step == STEPS
+    for name, buf in ref_state.items():
+        assert torch.equal(final[name], buf), name
 
 
 def test_execute_errors(ssd_plan, tmp_path, capsys):

@@ -318,12 +318,13 @@ EVENTS = st.one_of(
     st.tuples(st.just("changed"), st.sampled_from(sorted(set(CHANGES) - {"edited data", "recipe"}))))
 
 
-@settings(max_examples=2, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+# the two examples hold every kind of event, the random sequence mixes them otherwise
+@settings(max_examples=1, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @given(events=st.lists(EVENTS, min_size=1, max_size=3))
-@example(events=[("eval", 3), ("changed", "seed")])          # killed in an evaluation; then another seed
-@example(events=[("sigint", 5), ("commit", 7)])              # Ctrl-C, then killed mid-commit
-@example(events=[("eval", 10)])                              # killed in the final evaluation
-@example(events=[("sigint2", 2), ("changed", "epochs"), ("step", 9)])
+@example(events=[("eval", 3), ("changed", "seed"), ("sigint", 5), ("eval", 10)])  # killed in an evaluation, another
+#   seed refused, Ctrl-C, killed in the final evaluation
+@example(events=[("sigint2", 2), ("changed", "epochs"), ("commit", 7), ("step", 9)])  # Ctrl-C twice, a longer run
+#   refused, killed mid-commit, killed as a step begins
 def test_any_sequence_of_kills_ctrl_c_and_changed_resumes_ends_as_the_uninterrupted_run(events, base, tmp_path_factory):
     """Random sequences of {SIGKILL at a step's start, inside a commit or inside an evaluation;
     Ctrl-C once or twice; a resume with one input changed}, then a resume with the same inputs to

@@ -253,7 +253,7 @@ def _killed_at_random(args, rng, runtime: float, kills: int) -> int:
 
 @pytest.mark.parametrize("policy", ["zero-infinity", "lohan"])
 def test_sigkills_then_resume_equal_an_uninterrupted_run(policy, plans, tmp_path):
-    """Six kills of each: a plan committing at the end of each step, and one whose steps commit
+    """Four kills of each: a plan committing at the end of each step, and one whose steps commit
     the step before once its deferred write-backs are home."""
     import random
     import time
@@ -263,7 +263,7 @@ def test_sigkills_then_resume_equal_an_uninterrupted_run(policy, plans, tmp_path
     p = _cli(*args, tmp_path / "ref")
     assert p.wait() == 0
     runtime = time.monotonic() - t0  # this machine's pace, now: kills land all over a run
-    assert _killed_at_random([*args, tmp_path / "killed"], rng, runtime, kills=6) == 0
+    assert _killed_at_random([*args, tmp_path / "killed"], rng, runtime, kills=4) == 0
     # export killed at random moments: OUT_DIR is never half-written (absent, or complete)
     from safetensors.torch import load_file
     out = tmp_path / "out"
