@@ -151,7 +151,7 @@ def _described(d: Path) -> tuple[list[Path], list[tuple]]:
 def _save_tokenizer(source: str | None, chat_template: str | None, plan, out: Path) -> str | None:
     """The tokenizer of `source` (else of the plan's `hf:` directory, where it has one) saved into
     `out` with `chat_template`'s text as its template; returns where it came from (None: none)."""
-    from tensorstow.ir.hf import PREFIX, has_tokenizer
+    from tensorstow.ir.hf import PREFIX, check_tokenizer_dir, has_tokenizer
     model = plan.options.model
     if source is None and model.startswith(PREFIX) and has_tokenizer(Path(model[len(PREFIX):])):
         source = model[len(PREFIX):]
@@ -159,9 +159,7 @@ def _save_tokenizer(source: str | None, chat_template: str | None, plan, out: Pa
         if chat_template is not None:
             raise TensorstowError("export --chat-template: there is no tokenizer to give it to; pass --tokenizer DIR")
         return None
-    if not Path(source).is_dir():  # a name transformers would look up on the Hub, here none
-        raise TensorstowError(f"export --tokenizer {source}: no such directory; pass the directory a tokenizer was "
-                              f"saved to (save_pretrained)")
+    check_tokenizer_dir(source, "export --tokenizer")
     try:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(source)

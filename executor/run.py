@@ -299,9 +299,8 @@ def _tokenizer(path: str | None, model: str):
         from transformers import AutoTokenizer
     except ImportError:
         raise TensorstowError("tokenizing examples needs transformers (pip install 'tensorstow[hf]')") from None
-    if path is not None and not Path(path).is_dir():  # a name transformers would look up on the Hub, here none
-        raise TensorstowError(f"--tokenizer {path}: no such directory; pass the directory a tokenizer was saved to "
-                              f"(save_pretrained)")
+    if path is not None:
+        hf.check_tokenizer_dir(path, "--tokenizer")
     try:
         return AutoTokenizer.from_pretrained(path or model[len(hf.PREFIX):])
     except (OSError, ValueError) as e:

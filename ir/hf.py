@@ -148,6 +148,13 @@ def has_tokenizer(d: Path) -> bool:
     return any((d / f).is_file() for f in TOKENIZER_FILES)
 
 
+def check_tokenizer_dir(path: str, flag: str) -> None:
+    """Refuse a `--tokenizer` that is no directory: transformers would look the name up on the Hub."""
+    if not Path(path).is_dir():
+        raise TensorstowError(f"{flag} {path}: no such directory; pass the directory a tokenizer was saved to "
+                              f"(save_pretrained)")
+
+
 def lora_config(spec: str):
     """`Options.lora` ("r=8,alpha=16,targets=q_proj,v_proj[,dropout=0.1]") as a peft LoraConfig;
     `parameters=mlp.experts.gate_up_proj,...` also adapts those parameters themselves (LoraConfig's

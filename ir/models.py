@@ -284,8 +284,9 @@ def resolve_model(name: str, lora: str | None = None, quantize: str | None = Non
         raise TensorstowError(f"--quantize {quantize}: a quantized base is frozen, so it trains only adapters: add "
                               f"--lora r=...,targets=... (QLoRA)")
     if quantize:
-        from tensorstow.ir.quant import Quantization
+        from tensorstow.ir.quant import Quantization, bitsandbytes_functional
         Quantization.parse(quantize, quantize_skip)  # fail early with a clear message
+        bitsandbytes_functional()  # which stores and dequantizes the base: its absence said before any planning
     elif quantize_skip:
         raise TensorstowError(f"--quantize-skip {quantize_skip}: it names layers --quantize leaves alone; give --quantize")
     if lora and not name.startswith(hf.PREFIX):

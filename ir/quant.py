@@ -59,7 +59,6 @@ class Quantization:
         if rest not in ([], ["double"]) or rest and quant_type == "int8":
             raise TensorstowError(f"--quantize {spec}: the only part after the format is ',double', for nf4 and fp4")
         patterns = tuple(p.strip() for p in (skip or "").split(",") if p.strip())
-        _bitsandbytes()  # a quantized base is stored and dequantized by it: say so before anything is planned
         return Quantization(quant_type, bool(rest), patterns)
 
     def skips(self, name: str) -> bool:
@@ -68,7 +67,7 @@ class Quantization:
         return leaf in SKIP or any(fnmatch.fnmatchcase(name, p) or fnmatch.fnmatchcase(leaf, p) for p in self.skip)
 
 
-def _bitsandbytes():
+def bitsandbytes_functional():
     """`bitsandbytes.functional` (importing it registers `torch.ops.bitsandbytes`)."""
     try:
         import bitsandbytes.functional as bnb_f
@@ -82,10 +81,10 @@ def quantized_parts(weight: torch.Tensor, q: Quantization) -> dict[str, torch.Te
     4-bit by `quantize_4bit`, int8 by `int8_vectorwise_quant` of the fp16 weight (what transformers'
     `load_in_8bit` stores)."""
     if q.quant_type == "int8":
-        _bitsandbytes()
+        bitsandbytes_functional()
         codes, scb, _ = torch.ops.bitsandbytes.int8_vectorwise_quant(weight.detach().to(torch.float16), 0.0)
         return {"weight": codes, "weight_scb": scb}
-    codes, state = _bitsandbytes().quantize_4bit(weight.detach().float(), blocksize=BLOCKSIZE,
+    codes, state = bitsandbytes_functional().quantize_4bit(weight.detach().float(), blocksize=BLOCKSIZE,
                                                  quant_type=q.quant_type, compress_statistics=q.double)
     parts = {"weight": codes.view(weight.shape[0], -1), "weight_absmax": state.absmax}
     if q.double:
@@ -109,7 +108,7 @@ def parts_stored(key: str, files, read, q: Quantization) -> dict[str, torch.Tens
                                   f"plan it with --quantize int8")
         return None
     stored = {k[len(key) + 1:]: read(k) for k in files if k.startswith(f"{key}.")}
-    state = _bitsandbytes().QuantState.from_dict(stored, torch.device("cpu"))
+    state = bitsandbytes_functional().QuantState.from_dict(stored, torch.device("cpu"))
     if q.quant_type == "int8" or state.quant_type != q.quant_type or bool(state.nested) != q.double or state.blocksize != BLOCKSIZE:
         saved = state.quant_type + (",double" if state.nested else "")
         raise TensorstowError(f"the checkpoint stores {key} as {saved} in blocks of {state.blocksize}, not as the plan's "
@@ -141,7 +140,7 @@ def dequantized(parts: dict[str, torch.Tensor], quant_type: str, dtype: torch.dt
     training path (`MatMul8bitFp`) does, the codes in `dtype` (the input's) times their row's scale / 127."""
     if "weight_scb" in parts:
         return parts["weight"].to(dtype).mul_(parts["weight_scb"].unsqueeze(1).mul(1.0 / 127.0))
-    _bitsandbytes()  # its ops registered (an export merging a base runs without the step's imports)
+    bitsandbytes_functional()  # its ops registered (an export merging a base runs without the step's imports)
     codes, absmax = parts["weight"], parts["weight_absmax"]
     if "weight_nested_absmax" in parts:
         absmax = torch.ops.bitsandbytes.dequantize_blockwise(absmax, parts["weight_nested_absmax"],
@@ -159,7 +158,7 @@ class QuantLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear, q: Quantization):
         super().__init__()
-        _bitsandbytes()
+        bitsandbytes_functional()
         self.in_features, self.out_features, self.quant_type = linear.in_features, linear.out_features, q.quant_type
         w = linear.weight
         if q.quant_type != "int8" and (w.numel() % BLOCKSIZE or self.in_features % 2):
