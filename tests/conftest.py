@@ -1,7 +1,14 @@
 import functools
+import os
 
-import pytest
-import torch
+# Each xdist worker gets its share of the cores for torch's intra-op threads (and the processes a
+# test starts inherit it): two workers of two threads each on two cores spin against each other.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault("OMP_NUM_THREADS",
+                          str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from tensorstow.executor import cuda
 from tensorstow.ir.models import GPT, PRESETS
