@@ -3,6 +3,7 @@ a small dependency-free SVG line plot (LoHan Fig. 10 style)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from html import escape
 
 from tensorstow.errors import TensorstowError
@@ -95,6 +96,7 @@ def largest_fitting(options: Options, hw, *, batches=(1, 2, 4, 8, 16, 32, 64), s
         names = sorted((n for n in PRESETS if n.startswith("gpt3-")), key=lambda n: gpt_param_count(PRESETS[n]))
         refs, params = {n: n for n in names}, lambda n: gpt_param_count(PRESETS[n])
 
+    @functools.lru_cache(maxsize=None)  # the sweep begins at batch 1, which the search planned
     def fits(name, batch):
         o = dataclasses.replace(options, model=refs[name], batch=batch)
         p = plan_problem(build_problem(o, hw), o.policy)
