@@ -8,6 +8,8 @@ The buffer kinds and the names they use are `schema.schedule`'s.
 """
 from __future__ import annotations
 
+import functools
+
 from tensorstow.planner.cost import BlockProfile, shard_count
 from tensorstow.schema.schedule import (CPU_OPTIMIZER, OPTIMIZER_INPUTS, TIERS, BlockDecision, Buffer, BufferKind, Decisions,
                                         Instr, InstrKind, Stream, block_of, buffer_kind, carried_buffers, member_rows,
@@ -93,10 +95,16 @@ def state_buffers(b: str, own: dict, d: BlockDecision, fp32_grads: bool, mixed: 
            f"G:{b}": Buffer(f"G:{b}", own["grad_fp32_bytes"] if fp32_grads else own["grad_bytes"], b,
                             members=own["grads"])}
     if mixed:
-        out[f"M:{b}"] = Buffer(f"M:{b}", 4 * n, b, d.states, tuple(_state_member(q, ".master") for q in params))
-    out[f"OS:{b}"] = Buffer(f"OS:{b}", 8 * n, b, d.states,
-                            tuple(_state_member(q, s) for q in params for s in (".exp_avg", ".exp_avg_sq")))
+        out[f"M:{b}"] = Buffer(f"M:{b}", 4 * n, b, d.states, _state_members(tuple(params), (".master",)))
+    out[f"OS:{b}"] = Buffer(f"OS:{b}", 8 * n, b, d.states, _state_members(tuple(params), (".exp_avg", ".exp_avg_sq")))
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _state_members(params: tuple[str, ...], suffixes: tuple[str, ...]) -> tuple[str, ...]:
+    """The members of the optimizer state of `params` (`_state_member`), each parameter's
+    `suffixes` in turn. Made once per block: every candidate a search replays has them."""
+    return tuple(_state_member(q, s) for q in params for s in suffixes)
 
 
 def _state_member(param: str, suffix: str) -> str:
@@ -142,6 +150,21 @@ def swap_bytes(p: BlockProfile, reforward: bool) -> int:
     return p.swap_bytes if reforward and p.rest else p.saved_bytes
 
 
+@functools.cache
+def _routes(gpu: str) -> tuple[dict, dict]:
+    """How `Emitter.move` copies to and from GPU tier `gpu`: (src, dst) -> the tiers a copy goes
+    through where not straight (SSD <-> GPU through DRAM), and (src, dst) of a hop -> (its
+    `InstrKind`, load towards the device or store away from it; its stream, None for an SSD read,
+    whose stream depends on the buffer: `ssd_read_stream`)."""
+    paths = {("ssd", gpu): ("ssd", "dram", gpu), (gpu, "ssd"): (gpu, "dram", "ssd")}
+    hops = {}
+    for (a, b), stream in {("ssd", "dram"): None, ("dram", "ssd"): "ssd.write", ("dram", gpu): f"{gpu}.h2d",
+                           (gpu, "dram"): f"{gpu}.d2h"}.items():
+        kind = InstrKind.LOAD if TIERS.index(tier_class(b)) < TIERS.index(tier_class(a)) else InstrKind.STORE
+        hops[(a, b)] = (kind, stream)
+    return paths, hops
+
+
 class Emitter:
     """Appends instructions to one step's list and tracks where each buffer's copies are, so
     every copy waits for what it needs: the copy it is made from, and the release of the previous
@@ -166,36 +189,44 @@ class Emitter:
         self.commit: int | None = None
         """`Decisions.deferred_writes`: the commit of the previous step, which updates and SSD
         writes follow."""
+        self.reads: dict[str, str] = {}
+        """Buffer -> the stream its SSD reads go on (`ssd_read_stream`)."""
 
     def emit(self, kind, stream, deps=(), **kw) -> int:
         """Append one instruction (an `Instr`'s fields in `kw`) after `deps`; returns its id.
         A copy may only appear where the previous copy of the same buffer is gone, so it also waits
         for that copy's free; an `ssd.read` waits for the latest `ssd.first` read
         (`ssd_read_stream`), and an update or SSD write for the previous step's commit."""
-        made = [(a, Stream.of(stream).device if stream != CPU_OPTIMIZER else "dram") for a in kw.get("allocs", ())]
+        after = set(deps)
+        freed = self.freed
+        allocs = kw.get("allocs")
+        if allocs:
+            dev = Stream.of(stream).device if stream != CPU_OPTIMIZER else "dram"
+            after.update([freed.get((a, dev)) for a in allocs])
         if kind in (InstrKind.LOAD, InstrKind.STORE, InstrKind.SEND):
-            made.append((kw["tensor"], kw["dst"]))
-        deps = (*deps, *(self.freed.get(m) for m in made))
+            after.add(freed.get((kw["tensor"], kw["dst"])))
         if self.reads_first and stream == "ssd.read":  # paced by the reads for computations
-            deps = (*deps, self.last_first)
+            after.add(self.last_first)
         if kind == "optimizer_step" or stream == "ssd.write":  # the previous step is committed first
-            deps = (*deps, self.commit)
+            after.add(self.commit)
+        after.discard(None)
         i = len(self.instrs)
-        self.instrs.append(Instr(id=i, kind=kind, stream=stream,
-                                 deps=tuple(sorted({d for d in deps if d is not None})), **kw))
+        self.instrs.append(Instr(id=i, kind=kind, stream=stream, deps=tuple(sorted(after)), **kw))
         if stream == "ssd.first":
             self.last_first = i
         return i
 
     def move(self, buf: str, src: str, dst: str, deps=()) -> int:
         """Copy buf src -> dst, through DRAM when needed; returns the last instruction."""
-        g = self.gpu
-        path = {("ssd", g): ["ssd", "dram", g], (g, "ssd"): [g, "dram", "ssd"]}.get((src, dst), [src, dst])
+        paths, hops = _routes(self.gpu)
+        path = paths.get((src, dst)) or (src, dst)
         last = None
         for a, b in zip(path, path[1:]):
-            stream = {("ssd", "dram"): ssd_read_stream(buf, self.reads_first), ("dram", "ssd"): "ssd.write",
-                      ("dram", g): f"{g}.h2d", (g, "dram"): f"{g}.d2h"}[(a, b)]
-            kind = InstrKind.LOAD if TIERS.index(tier_class(b)) < TIERS.index(tier_class(a)) else InstrKind.STORE
+            kind, stream = hops[(a, b)]
+            if stream is None:
+                stream = self.reads.get(buf)
+                if stream is None:
+                    stream = self.reads[buf] = ssd_read_stream(buf, self.reads_first)
             last = self.emit(kind, stream, (*deps, last, self.where.get((buf, a))), tensor=buf, src=a, dst=b)
             self.where[(buf, b)] = last
             if a != src:  # an intermediate hop: release it once the next hop is done

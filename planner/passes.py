@@ -21,7 +21,7 @@ from tensorstow.planner.lower import buffers_for, lower, units_of
 from tensorstow.planner.pipeline import lower_pipeline, pipeline_buffers
 from tensorstow.planner.problem import Problem, waits_for_every_gradient
 from tensorstow.planner.result import PlanResult, durations, fmt_bytes
-from tensorstow.planner.simulate import compute_slowdown, contention, simulate
+from tensorstow.planner.simulate import SimResult, compute_slowdown, contention, simulate
 from tensorstow.schema.schedule import (TIERS, Decisions, Instr, InstrKind, carried_buffers, final_residency,
                                         initial_residency, is_gpu)
 
@@ -176,11 +176,32 @@ WAIT_NOTE = "copies wait for room on "
 
 
 def lower_and_simulate(problem: Problem, decisions: Decisions, wait: bool = False) -> PlanResult:
+    """The decisions lowered (planner.lower, planner.pipeline), simulated and fenced (`replay`),
+    with their notes. A policy's search and the passes after it replay many decisions more than
+    once: each replay is kept for the problem (`Problem.replays`) and reused for equal decisions;
+    their notes change nothing of it."""
     micro = decisions.microbatches()
     inputs = sum(t.nbytes for t in problem.graph.tensors if t.kind == "input")
     notes = tuple(n for n in decisions.notes if not n.startswith(WAIT_NOTE))  # this replay's own, added below
-    decisions = dataclasses.replace(decisions, notes=notes, device_reserved=micro * inputs,
+    decisions = dataclasses.replace(decisions, notes=(), device_reserved=micro * inputs,
                                     updates_wait=waits_for_every_gradient(problem.options), dp=problem.options.dp)
+    key, kept = repr(decisions), problem.replays
+    r = kept.get((key, wait))
+    if r is None and wait:  # a replay that fits waits for nothing
+        plain = kept.get((key, False))
+        r = plain if plain is not None and plain.fits else None
+    if r is None and not wait:  # a waiting replay whose copies waited for nothing is the plain one
+        waited = kept.get((key, True))
+        r = waited if waited is not None and not waited.over_unless_waiting else None
+    if r is None:
+        r = replay(problem, decisions, wait)
+        kept.put((key, wait), r, len(r.instructions))
+    return dataclasses.replace(r, decisions=dataclasses.replace(r.decisions, notes=(*notes, *r.decisions.notes)))
+
+
+def replay(problem: Problem, decisions: Decisions, wait: bool) -> PlanResult:
+    """`lower_and_simulate` of decisions without notes: its only note says where copies wait for
+    room (`wait_for_room`, with `wait`)."""
     if decisions.pipeline is None:
         bufs = buffers_for(problem.order, problem.profiles, problem.profile_of, decisions, problem.mixed)
         instrs = lower(problem.order, problem.profiles, problem.profile_of, decisions, bufs, mixed=problem.mixed)
@@ -206,21 +227,40 @@ def lower_and_simulate(problem: Problem, decisions: Decisions, wait: bool = Fals
             instrs, sim = fitted
             decisions = dataclasses.replace(decisions, notes=(*decisions.notes, WAIT_NOTE + ", ".join(
                 f"{t} (without the waits {fmt_bytes(n)} at peak > {fmt_bytes(c)})" for t, (n, c) in sorted(over.items()))))
-    # Memory fences: an allocation waits for the releases that preceded it in the replay, so an
-    # executor whose real timing differs (overlap mode) never holds more than the simulated peak.
-    # They change no start or end of this replay, which stands for the fenced schedule
-    # (`check_fences` replays a policy's final plan to make sure).
-    instrs = [_with(i, deps=tuple(sorted(set(i.deps) | set(sim.fences.get(i.id, ())))), contended_s=max(0.0, ran - d))
-              for i, ran, d in zip(instrs, sim.durations, dur)]
-    return PlanResult(problem, decisions, bufs, instrs, sim, dur, over_unless_waiting=over)
+    return PlanResult(problem, decisions, bufs, fenced(instrs, sim, dur), sim, dur, over_unless_waiting=over)
 
 
-def _with(ins: Instr, **fields) -> Instr:
-    """`ins` with `fields` replaced; `ins` itself where they hold those values already (most
-    instructions of a search's candidates: no fence, no contention)."""
-    if all(getattr(ins, k) == v for k, v in fields.items()):
-        return ins
-    return dataclasses.replace(ins, **fields)
+def fenced(instrs: list[Instr], sim: SimResult, dur: list[float]) -> list[Instr]:
+    """The instructions with their memory fences among their dependencies (sorted, each once, as
+    `Emitter.emit` makes them) and what contention added to their durations (`Instr.contended_s`);
+    an instruction itself where neither changes it (most of a search's candidates: no fence, no
+    contention).
+
+    Memory fences: an allocation waits for the releases that preceded it in the replay, so an
+    executor whose real timing differs (overlap mode) never holds more than the simulated peak.
+    They change no start or end of this replay, which stands for the fenced schedule
+    (`check_fences` replays a policy's final plan to make sure)."""
+    fences, out = sim.fences, []
+    for ins, ran, d in zip(instrs, sim.durations, dur):
+        f = fences.get(ins.id)
+        contended = max(0.0, ran - d)
+        if f:
+            out.append(replaced(ins, deps=tuple(sorted(set(ins.deps).union(f))), contended_s=contended))
+        elif contended != ins.contended_s:
+            out.append(replaced(ins, deps=ins.deps, contended_s=contended))
+        else:
+            out.append(ins)
+    return out
+
+
+def replaced(ins: Instr, **fields) -> Instr:
+    """`dataclasses.replace(ins, **fields)` in short: an `Instr` is its fields alone (no checks,
+    nothing derived from them), and a plan's replays make one per fenced or contended instruction."""
+    return Instr(*[fields[k] if k in fields else getattr(ins, k) for k in INSTR_FIELDS])
+
+
+INSTR_FIELDS = tuple(f.name for f in dataclasses.fields(Instr))
+"""An `Instr`'s fields, in order."""
 
 
 def check_fences(plan: PlanResult) -> None:

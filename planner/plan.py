@@ -7,6 +7,9 @@ the typed plan file (`schema.plan.Plan`). Same inputs give byte-identical JSON.
 from __future__ import annotations
 
 import dataclasses
+import gc
+import threading
+from contextlib import contextmanager
 
 from tensorstow.errors import TensorstowError
 from tensorstow.planner import cost
@@ -37,10 +40,18 @@ def policy_plan(problem: Problem, name: str) -> PlanResult:
 
 def plan_problem(problem: Problem, policy: str) -> PlanResult:
     """Plan with one policy, or with `auto`: every policy, keeping the fastest feasible; with
-    `--expert-groups 0`, with the group count it chooses (`expert_groups_chosen`)."""
-    if problem.options.expert_groups == 0:
-        return expert_groups_chosen(problem, policy)
-    return _plan_with(problem, policy)
+    `--expert-groups 0`, with the group count it chooses (`expert_groups_chosen`). The replays
+    the search kept (`Problem.replays`) go once it is done."""
+    try:
+        with fewer_collections():
+            if problem.options.expert_groups == 0:
+                plan = expert_groups_chosen(problem, policy)
+            else:
+                plan = _plan_with(problem, policy)
+        plan.problem.replays.clear()  # a problem made for the plan (data parallel, expert groups)
+        return plan
+    finally:
+        problem.replays.clear()
 
 
 def _plan_with(problem: Problem, policy: str) -> PlanResult:
@@ -113,12 +124,49 @@ EXPERT_GROUP_CHOICES = (1, 2, 4, 8)
 
 
 def make_plan(options: Options, hw: Hardware, model=None) -> PlanResult:
-    problem = build_problem(options, hw, model)
-    plan = plan_problem(problem, options.policy)
-    over = plan.over_capacity()
-    if over:
-        raise TensorstowError(infeasible_message(plan, over))
-    return _within_arena(plan, problem, options.policy)
+    with fewer_collections():
+        problem = build_problem(options, hw, model)
+        plan = plan_problem(problem, options.policy)
+        over = plan.over_capacity()
+        if over:
+            raise TensorstowError(infeasible_message(plan, over))
+        return _within_arena(plan, problem, options.policy)
+
+
+PLANNING_GC_THRESHOLD = 50_000
+"""Allocations between two collections of the garbage collector's youngest generation while
+planning (`fewer_collections`; Python's default: 700)."""
+
+_collections = threading.Lock()
+_planning = 0
+"""Plannings in progress (`fewer_collections`)."""
+_thresholds = gc.get_threshold()
+"""The collector's thresholds from before the plannings in progress."""
+
+
+@contextmanager
+def fewer_collections():
+    """Python's garbage collector collecting its youngest generation every PLANNING_GC_THRESHOLD
+    allocations while planning, its thresholds restored after. A plan's search allocates millions
+    of short-lived objects (instructions, their replays' events) beside a large long-lived heap
+    (torch, the traced model): at the default threshold enough of them live through two young
+    collections to set off a full one every few replays, a fifth to a quarter of the planning
+    time. Planning makes little cyclic garbage, which is then collected a little later. A
+    collector made to collect nothing (threshold 0) stays so."""
+    global _planning, _thresholds
+    with _collections:
+        if not _planning:
+            _thresholds = gc.get_threshold()
+            if _thresholds[0]:
+                gc.set_threshold(max(PLANNING_GC_THRESHOLD, _thresholds[0]), *_thresholds[1:])
+        _planning += 1
+    try:
+        yield
+    finally:
+        with _collections:
+            _planning -= 1
+            if not _planning:
+                gc.set_threshold(*_thresholds)
 
 
 def with_note(plan: PlanResult, note: str) -> PlanResult:

@@ -5,6 +5,7 @@ checked here. Its decisions are measured with `planner.passes.schedule`, which r
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from tensorstow.errors import TensorstowError
@@ -14,6 +15,48 @@ from tensorstow.ir.trace import PRECISIONS, model_dims, trace_model, trace_spec
 from tensorstow.planner import cost
 from tensorstow.schema.hardware import Hardware
 from tensorstow.schema.options import LR_SCHEDULERS, Options, check_values, parse_param_group
+
+
+REPLAY_BUDGET = 400_000
+"""Instructions the replays a problem keeps (`Problem.replays`) hold together, at most: a search's
+candidates come back after some dozens of others (a 70B model's replay holds some 4,000 to 11,000
+instructions, a small model's hundreds)."""
+
+
+class Memo:
+    """Values by key, the least recently used dropped first once those kept weigh more than
+    `budget` together (a value's weight: the caller's measure of its size)."""
+
+    def __init__(self, budget: int):
+        self.budget = budget
+        self.weight = 0
+        """What the values kept weigh together."""
+        self.items: OrderedDict = OrderedDict()
+        """Key -> (value, weight), least recently used first."""
+
+    def get(self, key):
+        """The value kept for `key`, else None."""
+        item = self.items.get(key)
+        if item is None:
+            return None
+        self.items.move_to_end(key)
+        return item[0]
+
+    def clear(self) -> None:
+        """Drop every value kept."""
+        self.items.clear()
+        self.weight = 0
+
+    def put(self, key, value, weight: int) -> None:
+        """Keep `value` for `key` (not where it alone weighs more than the budget)."""
+        if key in self.items:
+            self.weight -= self.items.pop(key)[1]
+        if weight > self.budget:
+            return
+        self.items[key] = (value, weight)
+        self.weight += weight
+        while self.weight > self.budget:
+            self.weight -= self.items.popitem(last=False)[1][1]
 
 
 @dataclass
@@ -35,6 +78,11 @@ class Problem:
     plans: dict = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
     """Each heuristic policy's plan for this problem, once made (`planner.policies.planned`); a
     problem made from it by `dataclasses.replace` starts without them."""
+    replays: Memo = dataclasses.field(default_factory=lambda: Memo(REPLAY_BUDGET), init=False, repr=False,
+                                      compare=False)
+    """Replays of decisions (`planner.passes.lower_and_simulate`) by the decisions (without their
+    notes) and whether copies waited for room, the latest used kept (`REPLAY_BUDGET`); a problem made
+    from it by `dataclasses.replace` starts without them."""
 
     @property
     def mixed(self) -> bool:

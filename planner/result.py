@@ -154,7 +154,9 @@ def _profile_info(p: cost.BlockProfile) -> ProfileInfo:
 
 
 def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer], decisions: Decisions) -> list[float]:
-    hw, out = problem.hw, []
+    """The modeled duration of each instruction. It follows from the instruction's kind, segment and
+    tiers and its buffer's size, member count, home and kind alone, so each distinct one is worked
+    out once (a step repeats them: each layer's copies, each microbatch)."""
     pl = decisions.pipeline
     zero3 = len(pl.gpus) if pl is not None and pl.kind == "data-parallel" else 0  # DeepSpeed ZeRO-3 on N GPUs
     # DeepSpeed's gradient to the host on one GPU: the same blocking copy_, whether the optimizer's
@@ -163,33 +165,49 @@ def durations(problem: Problem, instrs: list[Instr], buffers: dict[str, Buffer],
     flushes = zero3 or (1 if decisions.blocking_copies else 0)
     # what the converting copy reads: the gradient's 16-bit bytes, where G is sized fp32 for SSD
     half = 2 if problem.mixed and decisions.swap_grads else 1
+    out, known = [], {}
     for ins in instrs:
-        if ins.kind in (InstrKind.COMPUTE, InstrKind.RECOMPUTE):
-            phase, b = split_segment(ins.segment)
-            prof = problem.profiles[problem.profile_of[b]]
-            out.append({"fwd": prof.fwd_time_s, "bwd": prof.bwd_time_s, "refwd": prof.refwd_time_s,
-                        "bwd1": prof.bwd1_time_s, "bwd2": prof.bwd2_time_s}[phase])
-        elif flushes and ins.kind == InstrKind.STORE and buffers[ins.tensor].kind == "gradient" and is_gpu(ins.src):
-            buf = buffers[ins.tensor]
-            out.append(cost.zero3_grad_flush_time(buf.bytes // half, gpu_index(ins.src), flushes, problem.mixed, hw,
-                                                  tensors=max(1, len(buf.members))))
-        elif ins.kind in (InstrKind.LOAD, InstrKind.STORE, InstrKind.SEND):
-            buf = buffers[ins.tensor]
-            out.append(cost.transfer_time(buf.bytes, ins.src, ins.dst, hw, tensors=max(1, len(buf.members)),
-                                          durable=bool(buf.home)))
-        elif ins.kind == InstrKind.COMMIT:
-            out.append(cost.commit_time(hw, instrs))
-        elif ins.kind in (InstrKind.REDUCE, InstrKind.GATHER):
-            buf = buffers[ins.tensor]
-            collective = cost.all_reduce_time if ins.kind == InstrKind.REDUCE else cost.all_gather_time
-            out.append(collective(buf.bytes, ins.dst, problem, tensors=max(1, len(buf.members))))
-        elif ins.kind == InstrKind.OPTIMIZER_STEP:
-            prof = problem.profiles[problem.profile_of[ins.segment]] if zero3 else None
-            out.append(cost.segment_update_time(problem, ins.segment, ins.dst)
-                       + (cost.zero3_param_writeback_time(prof.param_bytes, zero3, problem.mixed, hw) if zero3 else 0.0))
-        else:
+        if ins.kind == InstrKind.FREE:
             out.append(0.0)
+            continue
+        buf = buffers.get(ins.tensor)
+        key = (ins.kind, ins.segment, ins.src, ins.dst, ins.tensor if buf is None else
+               (buf.bytes, len(buf.members), bool(buf.home), buf.kind if flushes else ""))
+        t = known.get(key)
+        if t is None:
+            t = known[key] = _duration(problem, ins, instrs, buffers, zero3, flushes, half)
+        out.append(t)
     return out
+
+
+def _duration(problem: Problem, ins: Instr, instrs: list[Instr], buffers: dict[str, Buffer], zero3: int,
+              flushes: int, half: int) -> float:
+    """One instruction's modeled duration (`durations`)."""
+    hw = problem.hw
+    if ins.kind in (InstrKind.COMPUTE, InstrKind.RECOMPUTE):
+        phase, b = split_segment(ins.segment)
+        prof = problem.profiles[problem.profile_of[b]]
+        return {"fwd": prof.fwd_time_s, "bwd": prof.bwd_time_s, "refwd": prof.refwd_time_s,
+                "bwd1": prof.bwd1_time_s, "bwd2": prof.bwd2_time_s}[phase]
+    if flushes and ins.kind == InstrKind.STORE and buffers[ins.tensor].kind == "gradient" and is_gpu(ins.src):
+        buf = buffers[ins.tensor]
+        return cost.zero3_grad_flush_time(buf.bytes // half, gpu_index(ins.src), flushes, problem.mixed, hw,
+                                          tensors=max(1, len(buf.members)))
+    if ins.kind in (InstrKind.LOAD, InstrKind.STORE, InstrKind.SEND):
+        buf = buffers[ins.tensor]
+        return cost.transfer_time(buf.bytes, ins.src, ins.dst, hw, tensors=max(1, len(buf.members)),
+                                  durable=bool(buf.home))
+    if ins.kind == InstrKind.COMMIT:
+        return cost.commit_time(hw, instrs)
+    if ins.kind in (InstrKind.REDUCE, InstrKind.GATHER):
+        buf = buffers[ins.tensor]
+        collective = cost.all_reduce_time if ins.kind == InstrKind.REDUCE else cost.all_gather_time
+        return collective(buf.bytes, ins.dst, problem, tensors=max(1, len(buf.members)))
+    if ins.kind == InstrKind.OPTIMIZER_STEP:
+        prof = problem.profiles[problem.profile_of[ins.segment]] if zero3 else None
+        return (cost.segment_update_time(problem, ins.segment, ins.dst)
+                + (cost.zero3_param_writeback_time(prof.param_bytes, zero3, problem.mixed, hw) if zero3 else 0.0))
+    return 0.0
 
 
 def side_program(plan: PlanResult, lowering, redo: bool = False) -> tuple[list[Instr], float]:

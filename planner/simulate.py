@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import json
+import operator
 from dataclasses import dataclass, field
 
 from tensorstow.ir.graph import lsum
@@ -108,8 +109,7 @@ def contention(instrs: list[Instr], hw) -> tuple[list[tuple[str, ...]], dict[str
     def up(k: int, way: str) -> tuple[str, ...]:
         return (f"rc{gpus[k].root_complex}.{way}",) if rc_bw else ()
 
-    extra = []
-    for ins in instrs:
+    def links(ins: Instr) -> tuple[str, ...]:
         x: tuple[str, ...] = ()
         if ins.kind == InstrKind.SEND and not hw.gpu_p2p_bw:
             a, b = gpu_index(ins.src), gpu_index(ins.dst)
@@ -121,6 +121,14 @@ def contention(instrs: list[Instr], hw) -> tuple[list[tuple[str, ...]], dict[str
             x = (*up(gpu_index(g), way), *dram)
         if HOST_CORE in slots and _host_work(ins):
             x = (*x, HOST_CORE)
+        return x
+
+    extra, known = [], {}  # (kind, src, dst) -> the links of such an instruction
+    for ins in instrs:
+        key = (ins.kind, ins.src, ins.dst)
+        x = known.get(key)
+        if x is None:
+            x = known[key] = links(ins)
         extra.append(x)
     return extra, slots
 
@@ -167,7 +175,8 @@ def simulate(instrs: list[Instr], duration: list[float], nbytes: dict[str, int],
     if any(i.kind == InstrKind.COMMIT for i in instrs):
         commit_s = 0.0  # the plan commits the previous step itself, where its state is whole on SSD
     background = commit_background(instrs)
-    uses = [(resource_of(instrs[i].stream), *extra[i]) for i in range(n)]
+    resource = {s: resource_of(s) for s in {ins.stream for ins in instrs}}
+    uses = [(resource[ins.stream], *x) for ins, x in zip(instrs, extra)]
     mem = _Memory(instrs, nbytes, initial, reserved, capacity) if capacity else None
     dispatch = _Dispatch(instrs, uses, slots, mem, ssd_write_after=commit_s if background else 0.0)
 
@@ -201,7 +210,11 @@ class _Dispatch:
     slot. SSD reads and writes share the SSD's slot, but a read on `ssd.first` pauses the write in
     progress (`reads_ssd_first`), which then ends later by the read's time; an SSD write waits for
     the background commit (`ssd_write_after`). With `mem` (`simulate`'s capacity) a copy also waits
-    for room."""
+    for room.
+
+    A stream's head keeps its candidate (earliest start, instruction, stream) until a dispatch
+    changes what that depends on: its stream, a dependency's end, or the slots of a resource it
+    uses (`changed`); only the heads that changes are worked out again."""
 
     def __init__(self, instrs: list[Instr], uses: list[tuple[str, ...]], slots: dict[str, int],
                  mem: _Memory | None, ssd_write_after: float):
@@ -210,9 +223,26 @@ class _Dispatch:
         """When SSD writes may start: after the background commit of the previous step (0: none)."""
         self.streams: dict[str, list[int]] = {}
         """Stream -> its instructions in program order (FIFO)."""
+        self.dependents: dict[int, list[int]] = {}
+        """Instruction -> the instructions that depend on it, where some do."""
         for ins in instrs:
             self.streams.setdefault(ins.stream, []).append(ins.id)
+            for d in ins.deps:
+                self.dependents.setdefault(d, []).append(ins.id)
         self.names = sorted(self.streams)
+        self.users: dict[str, set[str]] = {}
+        """Resource -> the streams with an instruction that uses it."""
+        for s, u in {(ins.stream, u) for ins, u in zip(instrs, uses)}:
+            for r in u:
+                self.users.setdefault(r, set()).add(s)
+        split = {u: (tuple(r for r in u if r != "ssd"), "ssd" in u) for u in set(uses)}
+        ssd = {}  # (kind, stream, dst) -> (`reads_ssd_first`, `writes_ssd`) of such an instruction
+        for ins in instrs:
+            if (ins.kind, ins.stream, ins.dst) not in ssd:
+                ssd[ins.kind, ins.stream, ins.dst] = (reads_ssd_first(ins), writes_ssd(ins))
+        self.waits = [(ins.deps, *split[u], *ssd[ins.kind, ins.stream, ins.dst]) for ins, u in zip(instrs, uses)]
+        """Per instruction, what `ready_time` reads of it: its dependencies, the resources it uses
+        but the SSD, whether it uses the SSD, reads on `ssd.first`, writes to the SSD."""
 
     def run(self, duration: list[float]) -> tuple[list, list, list[int]]:
         """(start, end, dispatch order) of every instruction."""
@@ -221,8 +251,10 @@ class _Dispatch:
             self.mem.reset()
         self.head = {s: 0 for s in self.streams}
         """Stream -> the position of its next instruction."""
-        self.active = list(self.names)
-        """The streams with instructions left, by name."""
+        self.cand: dict[str, tuple[float, int, str]] = {}
+        """Stream -> its head's candidate, where its dependencies have started (`candidates`)."""
+        self.stale = set(self.names)
+        """Streams whose head's candidate is worked out again before the next dispatch."""
         self.stream_free = {s: 0.0 for s in self.streams}
         """Stream -> when its last started instruction ends."""
         self.res_free: dict[str, list[float]] = {r: [0.0] * k for r, k in self.slots.items()}
@@ -235,80 +267,103 @@ class _Dispatch:
         self.reads_until = 0.0
         """The end of the last read that paused it."""
         now = 0.0  # start of the last instruction dispatched (dispatch is in start-time order)
-        while len(self.order) < n:
-            cands = self.candidates()
-            if not cands:
-                stuck = sorted(self.streams[s][self.head[s]] for s in self.active)
+        cand = self.cand
+        for _ in range(n):
+            self.candidates()
+            if not cand:
+                stuck = sorted(ids[self.head[s]] for s, ids in self.streams.items() if self.head[s] < len(ids))
                 raise ScheduleError(f"deadlock: instructions {stuck[:8]} wait on each other")
-            cands.sort()
-            best = cands[0]
             if self.mem is not None:
-                best = self.mem.pick(cands, now)
+                best = self.mem.pick(sorted(cand.values()), now)
+            else:
+                best = min(cand.values())
             t, i, s = best
             now = t
             self.dispatch(t, i, s, duration)
         return self.start, self.end, self.order
 
-    def candidates(self) -> list[tuple[float, int, str]]:
-        """(earliest start, instruction, stream) of each stream's head whose dependencies have ended."""
-        cands, end, instrs, streams, head = [], self.end, self.instrs, self.streams, self.head
-        for s in self.active:
-            i = streams[s][head[s]]
-            for d in instrs[i].deps:
+    def candidates(self) -> None:
+        """Work out again the (earliest start, instruction, stream) of each stale stream's head, a
+        candidate where its dependencies have ended."""
+        cand, end, streams, head, waits = self.cand, self.end, self.streams, self.head, self.waits
+        for s in self.stale:
+            cand.pop(s, None)
+            ids = streams[s]
+            if head[s] == len(ids):
+                continue  # done
+            i = ids[head[s]]
+            for d in waits[i][0]:
                 if end[d] is None:
                     break
             else:
-                cands.append((self.ready_time(i, s), i, s))
-        return cands
+                cand[s] = (self.ready_time(i, s), i, s)
+        self.stale.clear()
 
     def ready_time(self, i: int, s: str) -> float:
         """When instruction i, the head of stream s, can start: its stream free, its dependencies
         ended, a slot of each resource free; on the SSD, a read on `ssd.first` may go inside the
         write in progress (pausing it) rather than after it."""
-        ins, end, res_free, uses = self.instrs[i], self.end, self.res_free, self.uses[i]
+        deps, others, on_ssd, reads_first, writes = self.waits[i]
+        end, res_free = self.end, self.res_free
         t = self.stream_free[s]
-        for d in ins.deps:
-            t = max(t, end[d])
-        for r in uses:
-            if r != "ssd":
-                t = max(t, min(res_free.get(r, (0.0,))))
-        if "ssd" in uses:
+        for d in deps:
+            if end[d] > t:
+                t = end[d]
+        for r in others:
+            free = min(res_free.get(r, (0.0,)))
+            if free > t:
+                t = free
+        if on_ssd:
             ssd = min(res_free.get("ssd", (0.0,)))
             w = self.writing
-            if reads_ssd_first(ins) and w is not None and end[w] == ssd and self.start[w] <= t < ssd:
+            if reads_first and w is not None and end[w] == ssd and self.start[w] <= t < ssd:
                 t = max(t, self.reads_until)  # pauses the write (the aio engine runs it first)
             else:
                 t = max(t, ssd)
-        if writes_ssd(ins):  # over the files the background commit is syncing
+        if writes:  # over the files the background commit is syncing
             t = max(t, self.ssd_write_after)
         return t
 
     def dispatch(self, t: float, i: int, s: str, duration: list[float]) -> None:
         """Start instruction i of stream s at t: its stream and a slot of each resource it uses are
         busy until it ends; a read on `ssd.first` that starts inside a write pauses it."""
-        start, end, w = self.start, self.end, self.writing
-        start[i], end[i] = t, t + duration[i]
-        self.stream_free[s] = end[i]
-        paused = reads_ssd_first(self.instrs[i]) and w is not None and t < end[w]
+        start, end, w, res_free = self.start, self.end, self.writing, self.res_free
+        start[i] = t
+        end[i] = done = t + duration[i]
+        self.stream_free[s] = done
+        _, _, _, reads_first, writes = self.waits[i]
+        paused = reads_first and w is not None and t < end[w]
         if paused:  # the write finishes later by the read's time, on every resource it holds
             old, end[w] = end[w], end[w] + duration[i]
             self.stream_free[self.instrs[w].stream] = end[w]
             for r in self.uses[w]:
-                free = self.res_free[r]
+                free = res_free[r]
                 free[free.index(old)] = end[w]
-            self.reads_until = end[i]
+            self.reads_until = done
+            self.changed(w)
         for r in self.uses[i]:
             if not (paused and r == "ssd"):  # a pausing read runs inside the write's SSD slot
-                free = self.res_free.setdefault(r, [0.0])
-                free[free.index(min(free))] = end[i]
-        if writes_ssd(self.instrs[i]):
+                free = res_free.get(r)
+                if free is None:
+                    free = res_free[r] = [0.0]
+                free[free.index(min(free))] = done
+        if writes:
             self.writing = i
         if self.mem is not None:
-            self.mem.start(i, t, end[i])
+            self.mem.start(i, t, done)
         self.head[s] += 1
-        if self.head[s] == len(self.streams[s]):
-            self.active.remove(s)
+        self.changed(i)
         self.order.append(i)
+
+    def changed(self, i: int) -> None:
+        """Instruction i started or its end moved: the heads on its stream, on a resource it uses
+        or that wait on it are worked out again."""
+        stale, instrs, users = self.stale, self.instrs, self.users
+        stale.add(instrs[i].stream)
+        for r in self.uses[i]:
+            stale |= users[r]
+        for j in self.dependents.get(i, ()):
+            stale.add(instrs[j].stream)
 
 
 def _usage(instrs: list[Instr], duration: list[float], uses: list[tuple[str, ...]], extra: list[tuple[str, ...]],
@@ -317,12 +372,17 @@ def _usage(instrs: list[Instr], duration: list[float], uses: list[tuple[str, ...
     link's busy time is per slot; DRAM's is not reported."""
     busy: dict[str, float] = {}
     traffic: dict[str, int] = {}
+    busied = {u: tuple((r, slots.get(r, 1)) for r in u if r != "dram") for u in set(uses)}
+    crossed: dict[tuple, tuple[str, ...]] = {}  # (src, dst, links) -> the traffic keys of such a copy
     for ins in instrs:
-        for r in uses[ins.id]:
-            if r != "dram":
-                busy[r] = busy.get(r, 0.0) + duration[ins.id] / slots.get(r, 1)
+        for r, k in busied[uses[ins.id]]:
+            busy[r] = busy.get(r, 0.0) + duration[ins.id] / k
         if ins.kind in (InstrKind.LOAD, InstrKind.STORE, InstrKind.SEND):
-            for key in (f"{ins.src}->{ins.dst}", *(r for r in extra[ins.id] if r.startswith("rc"))):
+            way = (ins.src, ins.dst, extra[ins.id])
+            keys = crossed.get(way)
+            if keys is None:
+                keys = crossed[way] = (f"{ins.src}->{ins.dst}", *(r for r in extra[ins.id] if r.startswith("rc")))
+            for key in keys:
                 traffic[key] = traffic.get(key, 0) + nbytes[ins.tensor]
     return busy, traffic
 
@@ -334,20 +394,26 @@ def _memory_events(instrs: list[Instr], order: list[int], start: list, end: list
     after what it depends on); a zero-length instruction releases its workspace right after it
     starts."""
     events = []
+    add = events.append
+    devices: dict[str, str] = {}  # stream -> `_device_tier` of its instructions
     for k, i in enumerate(order):
         ins = instrs[i]
-        dev = _device_tier(ins)
+        at = (start[i], k, 0)
         if ins.kind == InstrKind.FREE:
-            events.append(((start[i], k, 0), "free", ins.tensor, ins.dst, None, i))
-        for a in ins.allocs:
-            events.append(((start[i], k, 0), "alloc", a, dev, None, i))
+            add((at, "free", ins.tensor, ins.dst, None, i))
+        if ins.allocs or ins.workspace:
+            dev = devices.get(ins.stream)
+            if dev is None:
+                dev = devices[ins.stream] = _device_tier(ins)
+            for a in ins.allocs:
+                add((at, "alloc", a, dev, None, i))
         if ins.kind in (InstrKind.LOAD, InstrKind.STORE, InstrKind.SEND):
-            events.append(((start[i], k, 0), "copy", ins.tensor, ins.dst, ins.src, i))
+            add((at, "copy", ins.tensor, ins.dst, ins.src, i))
         if ins.workspace:
-            events.append(((start[i], k, 0), "alloc", ins.workspace, dev, None, i))
+            add((at, "alloc", ins.workspace, dev, None, i))
             key = (end[i], k, 1) if end[i] == start[i] else (end[i], -1, k)
-            events.append((key, "free", ins.workspace, dev, None, i))
-    events.sort(key=lambda e: e[0])
+            add((key, "free", ins.workspace, dev, None, i))
+    events.sort(key=operator.itemgetter(0))
     return events
 
 
@@ -377,11 +443,13 @@ class _Joined:
         return 0 if self.count.get((g, tier)) else self.total[g]
 
     def add(self, buf: str, tier: str) -> int:
-        n = self.need(buf, tier)
+        """What `need` counts, and the buffer is there."""
         g = self.group.get(buf)
-        if g is not None and is_gpu(tier):
-            self.count[g, tier] = self.count.get((g, tier), 0) + 1
-        return n
+        if g is None or not is_gpu(tier):
+            return self.nbytes[buf]
+        held = self.count.get((g, tier), 0)
+        self.count[g, tier] = held + 1
+        return 0 if held else self.total[g]
 
     def remove(self, buf: str, tier: str) -> int:
         g = self.group.get(buf)
@@ -410,8 +478,13 @@ class _Ledger:
             self.use[t] = self.use.get(t, 0) + self.joined.add(b, t)
         self.peak = dict(self.use)
         """Tier -> its peak bytes."""
-        self.peak_live = {t: sorted(b for b, tt in self.live if tt == t) for t in self.use}
-        """Tier -> the buffers live at its peak."""
+        self.peak_live: dict[str, list[str]] = {}
+        """Tier -> the buffers live at its peak, once `replay` has ended."""
+        self.changes: dict[str, list[tuple[bool, str]]] = {}
+        """Tier -> (added, buffer) per change of what is live there, in replay order."""
+        self.peak_at = {t: 0 for t in self.use}
+        """Tier -> how many of its `changes` had happened at its peak: what is live at a peak is
+        worked out once, from those, rather than listed at every new peak."""
         self.timeline = {t: [(0.0, v)] for t, v in self.use.items()}
         """Tier -> (time, bytes live from then on), one point per change."""
         self.fences: dict[int, set[int]] = {}
@@ -420,28 +493,46 @@ class _Ledger:
         """Tier -> stream -> the latest instruction that released bytes there."""
 
     def replay(self, events: list[tuple]) -> None:
-        """Apply the events in order, then check the step ended where it should (`final`)."""
+        """Apply the events in order, then check the step ended where it should (`final`). A
+        release is recorded per stream; an allocation fences on the latest ones before it (`fence`)."""
+        timeline, use, last_release, instrs = self.timeline, self.use, self.last_release, self.instrs
         for key, what, buf, tier, src, owner in events:
-            self.fence(what, tier, owner)
             if what == "free":
+                releases = last_release.get(tier)
+                if releases is None:
+                    releases = last_release[tier] = {}
+                releases[instrs[owner].stream] = owner
                 self.release(buf, tier)
-            elif not self.make(what, buf, tier, src):
-                continue  # overwrite in place
-            self.timeline.setdefault(tier, [(0.0, 0)]).append((key[0], self.use[tier]))
+            else:
+                if tier in last_release:
+                    self.fence(tier, owner)
+                if not self.make(what, buf, tier, src):
+                    continue  # overwrite in place
+            line = timeline.get(tier)
+            if line is None:
+                line = timeline[tier] = [(0.0, 0)]
+            line.append((key[0], use[tier]))
         leftover = sorted(self.live - self.final)
         missing = sorted(self.final - self.live)
         if leftover or missing:
             raise ScheduleError(f"the step does not end in its final state: left {leftover[:5]}, "
                                 f"lost {missing[:5]}")
+        for t, k in self.peak_at.items():
+            live = {b for b, tt in self.initial if tt == t}
+            for added, b in self.changes.get(t, [])[:k]:
+                if added:
+                    live.add(b)
+                else:
+                    live.remove(b)
+            self.peak_live[t] = sorted(live)
 
-    def fence(self, what: str, tier: str, owner: int) -> None:
-        """A release is recorded per stream; an allocation fences on the latest ones before it in
-        program order that it does not already depend on."""
-        if what == "free":
-            self.last_release.setdefault(tier, {})[self.instrs[owner].stream] = owner
-        else:
-            self.fences.setdefault(owner, set()).update(
-                r for r in self.last_release.get(tier, {}).values() if r < owner and r not in self.instrs[owner].deps)
+    def fence(self, tier: str, owner: int) -> None:
+        """An allocation on `tier` by instruction `owner` fences on the latest release per stream
+        there before it in program order that it does not already depend on."""
+        deps = self.instrs[owner].deps
+        fences = [r for r in self.last_release[tier].values() if r < owner and r not in deps]
+        if fences:
+            self.fences.setdefault(owner, set()).update(fences)
 
     def release(self, buf: str, tier: str) -> None:
         """A free: the copy must be there."""
@@ -449,6 +540,7 @@ class _Ledger:
             raise ScheduleError(f"free of {buf} on {tier}, which does not hold it")
         self.live.remove((buf, tier))
         self.use[tier] -= self.joined.remove(buf, tier)
+        self.changes.setdefault(tier, []).append((False, buf))
 
     def make(self, what: str, buf: str, tier: str, src: str | None) -> bool:
         """An allocation or a copy's destination: False where the copy overwrites one already there."""
@@ -460,9 +552,11 @@ class _Ledger:
             return False
         self.live.add((buf, tier))
         self.use[tier] = self.use.get(tier, 0) + self.joined.add(buf, tier)
-        if self.use[tier] > self.peak.get(tier, -1) or tier not in self.peak_live:
+        changes = self.changes.setdefault(tier, [])
+        changes.append((True, buf))
+        if self.use[tier] > self.peak.get(tier, -1) or tier not in self.peak_at:
             self.peak[tier] = self.use[tier]
-            self.peak_live[tier] = sorted(b for b, t in self.live if t == tier)
+            self.peak_at[tier] = len(changes)
         return True
 
 
@@ -560,7 +654,7 @@ def commit_background(instrs: list[Instr]) -> bool:
     after the last instruction (`simulate`)."""
     if any(i.kind in (InstrKind.REDUCE, InstrKind.GATHER) for i in instrs):
         return False
-    return len({s.device for s in (Stream.of(i.stream) for i in instrs) if s.on_gpu}) <= 1
+    return len({s.device for s in map(Stream.of, {i.stream for i in instrs}) if s.on_gpu}) <= 1
 
 
 def sync_step_s(instrs: list[Instr], commit_s: float) -> float:
