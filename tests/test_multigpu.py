@@ -80,7 +80,8 @@ def assert_bit_identical(got: dict, want: dict) -> None:
     assert not bad, f"parameters differ: {bad[:5]}"
 
 
-@pytest.mark.parametrize("gpus,policy", [(2, "mobius"), (3, "mobius"), (2, "gpipe")])
+# mobius on 3 processes holds what 2 would (a first and a last stage) and a middle one
+@pytest.mark.parametrize("gpus,policy", [(3, "mobius"), (2, "gpipe")])
 def test_pipelines_on_n_processes_train_bit_identically_to_eager(gpus, policy, tmp_path):
     plan = mobius_plan(gpus, policy=policy, gpu_mem=24_000_000 if policy == "mobius" else 200_000_000)
     pl = plan.decisions.pipeline
@@ -99,9 +100,9 @@ def test_pipelines_on_n_processes_train_bit_identically_to_eager(gpus, policy, t
     assert printed == pytest.approx(losses, abs=1e-4)  # rank 0 prints the loss the last stage's rank computed
     assert sorted(p.name for p in (tmp_path / "state").iterdir()) == [*(f"rank{k}" for k in range(gpus)), "tensorstow.json"]
     assert_bit_identical(exported(tmp_path / "state", tmp_path), params)
-    if (gpus, policy) == (2, "mobius"):
-        # rank 1 one commit behind (a kill between the ranks' commits): export takes the step both
-        # ranks hold, rolling rank 0 back, and gives eager's weights after 2 steps
+    if policy == "mobius":
+        # rank 1 one commit behind (a kill between the ranks' commits): export takes the step every
+        # rank holds, rolling the others back, and gives eager's weights after 2 steps
         from tensorstow.executor import statedir
         with SSDStore(tmp_path / "state" / "rank1", statedir.store_sizes(plan, "gpu1")) as st:
             assert st.rollback() == 2
