@@ -124,13 +124,12 @@ EXPERT_GROUP_CHOICES = (1, 2, 4, 8)
 
 
 def make_plan(options: Options, hw: Hardware, model=None) -> PlanResult:
-    with fewer_collections():
-        problem = build_problem(options, hw, model)
-        plan = plan_problem(problem, options.policy)
-        over = plan.over_capacity()
-        if over:
-            raise TensorstowError(infeasible_message(plan, over))
-        return _within_arena(plan, problem, options.policy)
+    problem = build_problem(options, hw, model)
+    plan = plan_problem(problem, options.policy)
+    over = plan.over_capacity()
+    if over:
+        raise TensorstowError(infeasible_message(plan, over))
+    return _within_arena(plan, problem, options.policy)
 
 
 PLANNING_GC_THRESHOLD = 50_000

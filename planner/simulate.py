@@ -444,12 +444,11 @@ class _Joined:
 
     def add(self, buf: str, tier: str) -> int:
         """What `need` counts, and the buffer is there."""
+        n = self.need(buf, tier)
         g = self.group.get(buf)
-        if g is None or not is_gpu(tier):
-            return self.nbytes[buf]
-        held = self.count.get((g, tier), 0)
-        self.count[g, tier] = held + 1
-        return 0 if held else self.total[g]
+        if g is not None and is_gpu(tier):
+            self.count[g, tier] = self.count.get((g, tier), 0) + 1
+        return n
 
     def remove(self, buf: str, tier: str) -> int:
         g = self.group.get(buf)
