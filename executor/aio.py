@@ -236,9 +236,10 @@ _default_info: str | None = None
 
 def ext_cache_dir(name: str, source: Path) -> Path:
     """Where a C++ extension is built and cached: keyed by torch, Python, the environment (its
-    prefix and torch's install path: a build records them, and `cpp_extension.load` from another
-    venv would rebuild it, each undoing the other's, 14-30 s a first step) and the source's own
-    hash, so checkouts with different sources never rebuild (or load) each other's builds."""
+    prefix and torch's install path), the source's path and its hash. A build records its
+    environment's paths and its source's path, and `cpp_extension.load` from another venv or
+    another checkout would rebuild it, each undoing the other's (14-40 s a first step); checkouts
+    with different sources never load each other's builds."""
     if os.environ.get("TENSORSTOW_CACHE"):
         root = Path(os.environ["TENSORSTOW_CACHE"])
     elif os.environ.get("TORCH_EXTENSIONS_DIR"):
@@ -246,7 +247,7 @@ def ext_cache_dir(name: str, source: Path) -> Path:
     else:
         root = Path.home() / ".cache" / "tensorstow"
     import hashlib
-    digest = hashlib.sha256(source.read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256(source.read_bytes() + str(source.resolve()).encode()).hexdigest()[:12]
     env = hashlib.sha256(f"{sys.prefix}|{Path(torch.__file__).parent}".encode()).hexdigest()[:8]
     tag = f"torch{torch.__version__.replace('+', '_')}-py{sys.version_info.major}{sys.version_info.minor}-{env}"
     return root / "torch_extensions" / tag / f"{name}-{digest}"
