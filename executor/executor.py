@@ -159,6 +159,10 @@ class ExecutorConfig:
     """An iterator of (name, value) of the parameters in parameter order, or a mapping name ->
     value read on demand, used instead of the model's parameters (which may then live on the meta
     device: out-of-core initialisation)."""
+    built_from: object = None
+    """The `ir.models.ModelSpec` a module given as `model` was built from by `build_for_execution`
+    (as `tensorstow execute` builds it): its trace is kept for the process (`ir.kept`). None: a
+    module built otherwise, traced every time."""
     seed: int = 0
     """A model given as plans name it (a preset, `hf:DIR`, `pkg.module:factory`) is built as
     `tensorstow execute` builds it, with the weights `torch.manual_seed(seed); factory()` gives, or
@@ -198,7 +202,7 @@ class Executor:
             raise TensorstowError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
         tune_malloc()  # freed buffers are reused, not unmapped and faulted in again each step
         prog, model, init_values = compile_program(plan, model, rank=c.rank, comm=comm, traced=c.traced,
-                                                   init_values=c.init_values, seed=c.seed)
+                                                   init_values=c.init_values, seed=c.seed, built_from=c.built_from)
         self.program = prog
         """The plan compiled against the traced model (executor.program)."""
         if checkpoint_every > 1 and prog.speculated:

@@ -496,31 +496,39 @@ def check_runnable(plan: Plan, rank: int | None, comm=None) -> int:
     return rank
 
 
-def trace_for(plan: Plan, model: nn.Module) -> Traced:
+def trace_for(plan: Plan, model: nn.Module, spec=None) -> Traced:
     """`model` traced as the planner traced it for `plan` (ir.trace: the plan's batch, seq and
-    precision; a replicated plan's block templates): the joint graph the segments are made from."""
+    precision; a replicated plan's block templates): the joint graph the segments are made from.
+    `spec`: the reference `model` was built from, which keeps its trace for the process (`ir.kept`)."""
+    from tensorstow.ir.kept import source_of, traced_once
     m = plan.model
-    return trace_model(model, batch=m.batch, seq=m.seq, precision=m.precision, model_name=m.name,
-                       template=plan.replicated, packing=plan.options.packing)
+    source = None if spec is None else source_of(spec)
+    key = None if source is None else ("execute", source, m.name, m.batch, m.seq, m.precision, plan.replicated,
+                                       plan.options.packing)
+    return traced_once(key, lambda: trace_model(model, batch=m.batch, seq=m.seq, precision=m.precision,
+                                                model_name=m.name, template=plan.replicated,
+                                                packing=plan.options.packing))
 
 
 def compile_program(plan, model, *, rank: int | None = None, comm=None, traced: Traced | None = None,
-                    init_values=None, seed: int = 0) -> tuple[Program, nn.Module, object]:
+                    init_values=None, seed: int = 0, built_from=None) -> tuple[Program, nn.Module, object]:
     """(program, the model as it runs, its initial values): `model` a module, or a model as plans
     name it (a preset, `hf:DIR`, `pkg.module:factory`: built as `tensorstow execute` builds it,
     with `seed`'s weights or the checkpoint's, streamed); traced for `plan` unless `traced` is
     given; compiled into `plan`'s runtime tables for GPU `rank`."""
     plan = as_plan(plan)
     check_runnable(plan, rank, comm)
+    spec = built_from  # the ModelSpec a module was built from (`ExecutorConfig.built_from`)
     if isinstance(model, str):
         if init_values is not None:
             raise TensorstowError("init_values is for a model object; a model named by a string brings its own")
         o = plan.options  # the plan's LoRA adapters go on the model it names
         same = model == o.model
-        model, init_values = build_for_execution(resolve_model(model, *((o.lora, o.quantize, o.quantize_skip) if same
-                                                                        else ())), seed)
+        spec = resolve_model(model, *((o.lora, o.quantize, o.quantize_skip) if same else ()))
+        model, init_values = build_for_execution(spec, seed)
     model = wrap(model)
-    program = Program(plan, traced if traced is not None else trace_for(plan, model), model, rank=rank, comm=comm)
+    program = Program(plan, traced if traced is not None else trace_for(plan, model, spec), model, rank=rank,
+                      comm=comm)
     return program, model, init_values
 
 

@@ -78,7 +78,8 @@ def execute(plan: Plan, run: Run = Run(), *, out=None, rank: int | None = None, 
             start = store.committed_step() or 0
         # a constant rate until the data is read: the schedule needs the run's length
         ex = Executor(plan, model, mode=mode, ssd_store=store, resume=resume, checkpoint_every=run.checkpoint_every,
-                      init_values=init, rank=rank, comm=comm, lr_schedule=LRSchedule("constant", plan.options.lr),
+                      init_values=init, built_from=spec, rank=rank, comm=comm,
+                      lr_schedule=LRSchedule("constant", plan.options.lr),
                       graphs=run.graphs, device_arena=run.arena, device=run.device)
         if store is not None:
             statedir.describe(d, model, ex.program)
@@ -212,7 +213,8 @@ def evaluate_state(plan: Plan, run: Run, *, out=None) -> dict:
                               f"of a tensorstow execute run")
     owner = statedir.held(d, plan)  # the plan it trains
     o = plan.options
-    model, init = build_for_execution(resolve_model(o.model, o.lora, o.quantize, o.quantize_skip), run.seed)
+    spec = resolve_model(o.model, o.lora, o.quantize, o.quantize_skip)
+    model, init = build_for_execution(spec, run.seed)
     # read-only: an evaluation changes nothing in the state dir, which may be read-only to it
     with SSDStore(d, statedir.store_sizes(plan), owner=statedir.fingerprint(owner), read_only=True) as store:
         step = store.committed_step()
@@ -220,7 +222,8 @@ def evaluate_state(plan: Plan, run: Run, *, out=None) -> dict:
             raise TensorstowError(f"state dir {d} holds no committed step yet")
         # no update: any rate does (a linear or cosine one would need the run's length)
         ex = Executor(plan, model, mode=pick_mode(run.mode, plan, run.device), ssd_store=store, resume=True,
-                      init_values=init, lr_schedule=LRSchedule("constant", plan.options.lr), device=run.device)
+                      init_values=init, built_from=spec, lr_schedule=LRSchedule("constant", plan.options.lr),
+                      device=run.device)
         try:
             held_out = _eval_batches(ex, plan, run, out)[0]
             t0 = time.perf_counter()

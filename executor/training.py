@@ -246,7 +246,7 @@ class _Source:
         if self.stream is None:
             return {n: self.state[n] for n in names}
         if not hasattr(self.stream, "__next__"):  # a mapping read on demand (a checkpoint)
-            return {n: self.buffers[n] if n in self.buffers else self.stream[n] for n in names}
+            return {n: self.buffers[n] if n in self.buffers else self._shaped(n, self.stream[n]) for n in names}
         out = {}
         for n in names:
             if n in self.buffers:
@@ -258,5 +258,14 @@ class _Source:
                 except StopIteration:
                     raise TensorstowError(f"the initial values end before parameter {n}") from None
                 self.pending[k] = v
-            out[n] = self.pending.pop(n)
+            out[n] = self._shaped(n, self.pending.pop(n))
         return out
+
+    def _shaped(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """`value`, refused unless it has the shape of the model's parameter `name`."""
+        want = tuple(self.state[name].shape)
+        if tuple(value.shape) != want:
+            mismatch = getattr(self.stream, "mismatch", None)
+            raise TensorstowError(mismatch(name, tuple(value.shape), want) if mismatch else
+                                  f"the initial value of {name} is {tuple(value.shape)}, not the parameter's {want}")
+        return value

@@ -298,6 +298,7 @@ class Checkpoint:
         self.quantization = quantization
         """`ir.quant.Quantization` of the quantized parameters."""
         self._made: dict[str, dict[str, torch.Tensor]] = {}  # a weight's quantized parts, until both are taken
+        self.dir = d
         index = d / "model.safetensors.index.json"
         if index.is_file():
             files = {n: d / f for n, f in json.loads(index.read_text())["weight_map"].items()}
@@ -336,6 +337,12 @@ class Checkpoint:
             by_target[target] = owner[pattern]
         for target, by_pattern in sources.items():
             self.converted[target] = (by_target[target], {p: sorted(ks, key=dot_natural_key) for p, ks in by_pattern.items()})
+
+    def mismatch(self, name: str, got: tuple, want: tuple) -> str:
+        """The line refusing a tensor of shape `got` for the parameter `name` of shape `want`."""
+        return (f"model 'hf:{self.dir}': the checkpoint's {_checkpoint_key(name)} is {got} where the model its "
+                f"config.json describes has {want}: the weights were saved with another configuration; save the "
+                f"model and its config.json together (save_pretrained)")
 
     def _read(self, key: str) -> torch.Tensor:
         from safetensors import safe_open

@@ -570,9 +570,17 @@ def trace_model(model: nn.Module, *, batch: int, seq: int, precision: str = "fp3
 
 
 def trace_spec(spec, *, batch: int, seq: int | None = None, precision: str = "fp32", packing: bool = False) -> Traced:
-    """Trace a ModelSpec. Presets deeper than FULL_TRACE_LAYERS are built with 3 layers (first,
-    middle, last) on fake tensors and replicated by similarity: the middle layer's profile
-    stands for layers 1..L-2 (their signatures are equal by construction)."""
+    """Trace a ModelSpec (once per process for a preset or an `hf:` model: `ir.kept`). Presets
+    deeper than FULL_TRACE_LAYERS are built with 3 layers (first, middle, last) on fake tensors
+    and replicated by similarity: the middle layer's profile stands for layers 1..L-2 (their
+    signatures are equal by construction)."""
+    from tensorstow.ir.kept import source_of, traced_once
+    source = source_of(spec)
+    key = None if source is None else ("plan", source, batch, seq, precision, packing)
+    return traced_once(key, lambda: _trace_spec(spec, batch=batch, seq=seq, precision=precision, packing=packing))
+
+
+def _trace_spec(spec, *, batch: int, seq: int | None, precision: str, packing: bool) -> Traced:
     fm = FakeTensorMode(allow_non_fake_inputs=True)
     cfg = spec.config
     seq = seq or (cfg.block_size if cfg else None)

@@ -155,3 +155,61 @@ def test_a_torch_too_old_to_trace_gets_one_clear_error(monkeypatch):
     monkeypatch.delattr(functorch_config, "backward_pass_autocast")
     with pytest.raises(TensorstowError, match=r"install torch>=2\.10,<2\.15"):
         traced_tiny()
+
+
+def test_a_model_built_from_a_reference_is_traced_once_a_process_until_its_source_changes(tmp_path, monkeypatch):
+    """`ir.kept`: a preset's or an `hf:` directory's trace is kept for the process and given again
+    for the same inputs; an edited config.json, a weight file written again, another shape or
+    precision trace anew, and a factory (whose code may read anything) is traced every time."""
+    import transformers
+
+    import tensorstow.ir.trace as tr
+    from tensorstow.ir.kept import forget
+    forget()
+    calls = []
+    real = tr.trace
+    monkeypatch.setattr(tr, "trace", lambda *a, **k: calls.append(k["model_name"]) or real(*a, **k))
+    d = tmp_path / "llama"
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+    ref = f"hf:{d}"
+    first = trace_spec(resolve_model(ref), batch=2, seq=16)
+    assert trace_spec(resolve_model(ref), batch=2, seq=16) is first and calls == [ref]
+    assert trace_spec(resolve_model(ref), batch=2, seq=16, precision="bf16-mixed") is not first
+    assert trace_spec(resolve_model(ref), batch=1, seq=16) is not first and len(calls) == 3
+
+    cfg.intermediate_size = 96  # the same directory, another model: config.json alone edited
+    cfg.save_pretrained(d)
+    wider = trace_spec(resolve_model(ref), batch=2, seq=16)
+    assert wider.graph.fingerprint() != first.graph.fingerprint() and len(calls) == 4
+    forget()
+    assert trace_spec(resolve_model(ref), batch=2, seq=16).graph.fingerprint() == wider.graph.fingerprint()
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(d)  # weights to match, for the executor
+
+    kept = trace_spec(resolve_model(ref), batch=2, seq=16)
+    weights = next(d.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes())  # written again: its modification time moves on
+    import os
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 1))
+    assert trace_spec(resolve_model(ref), batch=2, seq=16) is not kept
+
+    import tensorstow
+    planned = tensorstow.plan(ref, batch=2, seq=16, precision="fp32", hw="lohan-rtx4090").to_plan()
+    n = len(calls)
+    runs = [tensorstow.Executor(planned, ref) for _ in range(2)]  # the executor traces the model it builds
+    assert len(calls) == n + 1
+    for ex in runs:
+        ex.close()
+    from tensorstow.cli import main
+    path = tmp_path / "plan.json"
+    path.write_text(planned.dumps())
+    for _ in range(2):  # `tensorstow execute` builds the model as the executor above did: the same trace
+        assert main(["execute", str(path), "--steps", "1", "--hw-mismatch", "ok"]) == 0
+    assert len(calls) == n + 1
+
+    assert trace_spec(resolve_model("gpt-tiny"), batch=2, seq=32) is trace_spec(resolve_model("gpt-tiny"), batch=2, seq=32)
+    n = len(calls)
+    factory = resolve_model("tests.fixtures.user_models:flat")
+    assert trace_spec(factory, batch=2) is not trace_spec(factory, batch=2) and len(calls) == n + 2
+    forget()

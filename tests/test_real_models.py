@@ -477,6 +477,27 @@ def test_hf_dir_without_config_is_one_line(tmp_path, capsys):
     assert rc == 2 and len(err.strip().splitlines()) == 1 and "config.json" in err
 
 
+def test_weights_saved_with_another_config_are_one_line_before_any_step(tmp_path, capsys):
+    """A config.json edited after save_pretrained (a wider MLP) beside the old weights: execute
+    refuses the first tensor whose shape differs, naming it (it trained into a traceback from the
+    first segment: "shape '[2, 16, 96]' is invalid for input of size 2048")."""
+    import transformers
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    d = tmp_path / "llama"
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(d)
+    cfg.intermediate_size = 96
+    cfg.save_pretrained(d)
+    plan = tmp_path / "plan.json"
+    assert main(["plan", f"hf:{d}", "--batch", "2", "--seq", "16", "--hw", "lohan-rtx4090", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["execute", str(plan), "--steps", "1", "--hw-mismatch", "ok", "--state-dir", str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"tensorstow: error: model 'hf:{d}': the checkpoint's model.layers.0.mlp.down_proj.weight is (32, 64) "
+                   f"where the model its config.json describes has (32, 96): the weights were saved with another "
+                   f"configuration; save the model and its config.json together (save_pretrained)"]
+
+
 @pytest.mark.parametrize("policy", ["all-gpu", "stronghold", "dos", "ilp"])
 def test_every_policy_trains_a_tied_model_with_dropout_exactly(policy, tmp_path):
     """The tied head and the dropout stream hold under every policy's plan (all-gpu at a budget
