@@ -500,14 +500,12 @@ def trace_for(plan: Plan, model: nn.Module, spec=None) -> Traced:
     """`model` traced as the planner traced it for `plan` (ir.trace: the plan's batch, seq and
     precision; a replicated plan's block templates): the joint graph the segments are made from.
     `spec`: the reference `model` was built from, which keeps its trace for the process (`ir.kept`)."""
-    from tensorstow.ir.kept import source_of, traced_once
+    from tensorstow.ir.kept import traced_once
     m = plan.model
-    source = None if spec is None else source_of(spec)
-    key = None if source is None else ("execute", source, m.name, m.batch, m.seq, m.precision, plan.replicated,
-                                       plan.options.packing)
-    return traced_once(key, lambda: trace_model(model, batch=m.batch, seq=m.seq, precision=m.precision,
-                                                model_name=m.name, template=plan.replicated,
-                                                packing=plan.options.packing))
+    inputs = ("execute", m.name, m.batch, m.seq, m.precision, plan.replicated, plan.options.packing)
+    return traced_once(spec, inputs, lambda: trace_model(model, batch=m.batch, seq=m.seq, precision=m.precision,
+                                                         model_name=m.name, template=plan.replicated,
+                                                         packing=plan.options.packing))
 
 
 def compile_program(plan, model, *, rank: int | None = None, comm=None, traced: Traced | None = None,

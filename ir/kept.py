@@ -55,11 +55,14 @@ def source_of(spec) -> tuple | None:
     return ("hf", tuple(files), *options)
 
 
-def traced_once(key: tuple | None, trace: Callable[[], object]):
-    """`trace()`, or what it returned for `key` before in this process (`key` None: always
-    traced). A trace that raises is not kept."""
-    if key is None:
+def traced_once(spec, inputs: tuple, trace: Callable[[], object]):
+    """`trace()` of the model built from `spec` (None: a model built otherwise), or what it
+    returned before in this process for the same source (`source_of`) and `inputs` (what the trace
+    is given besides the model). A trace that raises is not kept."""
+    source = None if spec is None else source_of(spec)
+    if source is None:
         return trace()
+    key = (source, *inputs)
     if key in _kept:
         _kept.move_to_end(key)
         return _kept[key]

@@ -574,10 +574,9 @@ def trace_spec(spec, *, batch: int, seq: int | None = None, precision: str = "fp
     deeper than FULL_TRACE_LAYERS are built with 3 layers (first, middle, last) on fake tensors
     and replicated by similarity: the middle layer's profile stands for layers 1..L-2 (their
     signatures are equal by construction)."""
-    from tensorstow.ir.kept import source_of, traced_once
-    source = source_of(spec)
-    key = None if source is None else ("plan", source, batch, seq, precision, packing)
-    return traced_once(key, lambda: _trace_spec(spec, batch=batch, seq=seq, precision=precision, packing=packing))
+    from tensorstow.ir.kept import traced_once
+    return traced_once(spec, ("plan", batch, seq, precision, packing),
+                       lambda: _trace_spec(spec, batch=batch, seq=seq, precision=precision, packing=packing))
 
 
 def _trace_spec(spec, *, batch: int, seq: int | None, precision: str, packing: bool) -> Traced:
