@@ -645,7 +645,8 @@ DEMO_LINE = ("With no arguments, `tensorstow` runs the built-in demo: it plans g
              "the SSD, then trains it 4 steps in a temporary directory and prints measured against "
              "predicted step time.")
 
-FIT_OPTIONS = ("hw", "policy", "precision", "seq", "gpu_mem", "dram", "ssds", "lora", "quantize", "quantize_skip")
+FIT_OPTIONS = ("hw", "policy", "precision", "seq", "gpu_mem", "dram", "ssds", "ssd_for", "lora", "quantize",
+               "quantize_skip")
 """The plan options `tensorstow fit` takes (it plans the GPT-3 presets itself, or with --lora the
 LLaMA-shaped models of `planner.report.LLAMA_LADDER`)."""
 

@@ -5,12 +5,14 @@
 # device arena off and on: on, each segment replays as a CUDA graph), the all-resident step replayed
 # as a graph against eager in three runs,
 # DRAM- and SSD-offloaded plans under lohan and ilp in sync and overlap mode (measured / predicted),
-# and the CUDA tests; `suite` (a second call) runs the whole suite. Every stage has its own time
+# the CUDA tests, and data parallel on the machine's CPU cores (`dp`: two gloo ranks' CPU updates
+# against one rank's on half the cores, where memory bandwidth is not shared by two of a VM's two
+# cores); `suite` (a second call) runs the whole suite. Every stage has its own time
 # limit and log under $OUT, and all of them end by DEADLINE seconds, so one that fails or runs long
 # does not hide the others.
 #
 # Usage: bash benchmarks/gpu_check.sh [STAGES]
-#   STAGES    default "env probe bench cuda"; also "profile", "demo" and "suite"
+#   STAGES    default "env probe bench cuda dp"; also "profile", "demo" and "suite"
 #   BENCH     "model:batch:seq:gpu-mem:precision:steps:offload:policy[:arena[:repeat]]" ... (offload: dram, ssd,
 #             ssd,dram, none; arena: the device arena, auto (default), on, off, or compare: each offloaded run
 #             off then on; repeat: runs of eager and the graph-replayed all-resident step, 0: none; default 1)
@@ -27,7 +29,7 @@ set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-STAGES=${*:-env probe bench cuda}
+STAGES=${*:-env probe bench cuda dp}
 DEVICE=${DEVICE:-cuda}
 DEADLINE=${DEADLINE:-540}
 BENCH=${BENCH:-"gpt3-1.3b:8:1024:20GB:bf16-mixed:4:dram:lohan:compare:3 gpt3-125m:8:1024:8GB:bf16-mixed:5:ssd,dram:lohan:auto:0 \
@@ -96,6 +98,12 @@ for s in $STAGES; do
       timeout "$t" python3 -m pytest tests/test_executor_cuda.py tests/test_cuda_lanes.py tests/test_device_ops.py \
         -o addopts="" -n 0 -p no:cacheprovider -q -rs >"$OUT/cuda_tests.log" 2>&1
       echo "rc $?"; grep -E "^(FAILED|ERROR)|passed|failed|skipped" "$OUT/cuda_tests.log" | tail -15 ;;
+    dp)
+      # benchmarks/RESULTS.md "Data parallel": the rows of this 16-core machine, CPU ranks (gloo)
+      t=$(budget 180); [ "$t" = 0 ] && { echo "skipped: out of time"; continue; }
+      CUDA_VISIBLE_DEVICES="" timeout "$t" python3 benchmarks/bench_dp.py --model gpt-medium --batch 1 \
+        --gpu-mem 120MB --steps 5 --modes sync >"$OUT/dp.log" 2>&1
+      echo "rc $?"; tail -8 "$OUT/dp.log" ;;
     profile)
       # where an all-resident step's host and device time go, eager vs each executor mode
       t=$(budget 120); [ "$t" = 0 ] && { echo "skipped: out of time"; continue; }

@@ -22,6 +22,7 @@ from tensorstow.planner.pipeline import lower_pipeline, pipeline_buffers
 from tensorstow.planner.problem import Problem, waits_for_every_gradient
 from tensorstow.planner.result import PlanResult, durations, fmt_bytes
 from tensorstow.planner.simulate import SimResult, compute_slowdown, contention, simulate
+from tensorstow.schema.options import ssd_kinds
 from tensorstow.schema.schedule import (TIERS, Decisions, Instr, InstrKind, carried_buffers, final_residency,
                                         initial_residency, is_gpu)
 
@@ -83,7 +84,7 @@ def accumulating(problem: Problem, decisions: Decisions) -> list[Decisions]:
         return [decisions]
     return [dataclasses.replace(decisions, grad_accum=k,
                                 blocks={b: dataclasses.replace(d, accum=t) for b, d in decisions.blocks.items()})
-            for t in TIERS]
+            for t in TIERS if t != "ssd" or "optimizer" in ssd_kinds(problem.options)]
 
 
 def speculating(problem: Problem, decisions: Decisions) -> Decisions | None:

@@ -14,7 +14,7 @@ from tensorstow.ir.models import DEFAULT_BATCH, ModelSpec, resolve_model
 from tensorstow.ir.trace import PRECISIONS, model_dims, trace_model, trace_spec
 from tensorstow.planner import cost
 from tensorstow.schema.hardware import Hardware
-from tensorstow.schema.options import LR_SCHEDULERS, Options, check_values, parse_param_group
+from tensorstow.schema.options import LR_SCHEDULERS, Options, check_values, parse_param_group, ssd_kinds
 
 
 REPLAY_BUDGET = 400_000
@@ -87,6 +87,15 @@ class Problem:
     @property
     def mixed(self) -> bool:
         return self.options.precision != "fp32"
+
+    def on_ssd(self, kind: str) -> bool:
+        """Whether the plan may keep `kind` (`schema.options.SSD_KINDS`) on the SSDs: the machine
+        has some and `Options.ssd_for` lets them hold it."""
+        return self.hw.ssd.count > 0 and kind in ssd_kinds(self.options)
+
+    def home(self, kind: str) -> str:
+        """The farthest tier `kind` may live on: the SSDs where `on_ssd`, else DRAM."""
+        return "ssd" if self.on_ssd(kind) else "dram"
 
     def capacity(self) -> dict[str, int]:
         """Per tier; "gpu" is the smallest GPU's (each GPU's own is `gpu_capacity`)."""

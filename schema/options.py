@@ -48,6 +48,13 @@ class Options:
     """Host memory (DRAM) capacity in bytes, e.g. 256GB (default: the hardware's)."""
     ssds: int | None = None
     """Number of SSDs (default: the hardware's)."""
+    ssd_for: str | None = None
+    """What the SSDs may hold, comma-separated: params (the parameters' homes, a frozen base's
+    too), optimizer (fp32 master weights, Adam states and the gradients that wait for them, as
+    DeepSpeed's offload_optimizer), activations (swapped activations and layer inputs); none; or
+    all (the default). What is kept off them lives in DRAM or on the GPU, or is recomputed: a
+    frozen base kept in DRAM reads nothing from the SSDs, and activations kept off them write
+    nothing to them every step (the SSD's endurance)."""
     optimizer: str = "adamw"
     """adam or adamw, with the semantics of torch.optim.Adam / AdamW."""
     lr: float = 1e-4
@@ -195,8 +202,27 @@ def check_values(o: Options) -> None:
          "must each be in [0, 1)")) if not ok]
     if bad:
         raise TensorstowError(f"plan options: {'; '.join(bad)}")
+    ssd_kinds(o)
     if o.precision == "fp16-mixed":
         check_loss_scaling(o)
+
+
+SSD_KINDS = ("params", "optimizer", "activations")
+"""What `Options.ssd_for` names."""
+
+
+def ssd_kinds(o: Options) -> frozenset[str]:
+    """The kinds of tensor `Options.ssd_for` lets the SSDs hold; one TensorstowError for a name
+    that is none of them."""
+    names = [x.strip() for x in (o.ssd_for or "all").split(",") if x.strip()]
+    if names in (["all"], ["none"]):
+        return frozenset(SSD_KINDS if names == ["all"] else ())
+    wrong = [n for n in names if n not in SSD_KINDS]
+    if wrong or not names:
+        what = f"{', '.join(map(repr, wrong))} is not what an SSD holds" if wrong else "names nothing"
+        raise TensorstowError(f"--ssd-for {o.ssd_for!r}: {what}; name some of {', '.join(SSD_KINDS)} "
+                              f"(comma-separated), all, or none")
+    return frozenset(names)
 
 
 def check_loss_scaling(o: Options) -> None:
@@ -263,7 +289,7 @@ LR_SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine")
 
 _LATER_OPTIONS = {"gpus": None, "microbatches": 0, "grad_accum": 1, "lora": None, "clip_rate": 0.5, "mapping": "cross", "decay_all": False, "param_groups": (), "max_grad_norm": 0.0,
                   "lr_scheduler": "constant", "warmup_steps": 0, "min_lr_ratio": 0.0, "packing": False, "quantize": None, "quantize_skip": None,
-                  "expert_groups": 1, "dp": 1, "nodes": 1, "net_bw": 25e9}
+                  "expert_groups": 1, "dp": 1, "nodes": 1, "net_bw": 25e9, "ssd_for": None}
 
 
 # ---- the options as the command line and the Python API take them -------------------------------

@@ -145,6 +145,8 @@ def test_show_replays_the_file_as_written(tmp_path, capsys):
      "--backoff-factor 2.0 must be in (0, 1)"),
     (["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--microbatches", "-1"], "--microbatches -1 must be >= 1"),
     (["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--lora", ""], "--lora '' must name the adapters"),
+    (["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--ssd-for", "weights,optimizer"],
+     "--ssd-for 'weights,optimizer': 'weights' is not what an SSD holds; name some of params, optimizer, activations"),
     (["plan", "gpt-tiny", "--hw", "lohan-rtx4090", "--param-groups", "*:lr_scale=nan"],
      "lr_scale must be a finite number >= 0, got nan"),
     # an output nobody can write, found before the work (it was found after planning or probing)

@@ -115,6 +115,11 @@ PLANS = {
         optimizer="cpu" if b in ("b0", "b2", "post") else "gpu",
         activations="swap_ssd" if b == "b3" else ("swap_dram" if b == "post" else "keep"),
         checkpoint="gpu"))),
+    # P and the Adam states on different tiers, CPU updates (`--ssd-for params` keeps the states off
+    # the SSDs, `--ssd-for optimizer` the parameters): fp32's P is the master the update reads
+    "split-homes": lambda: plan_json(mix(lambda b: BlockDecision(
+        params="ssd" if b in ("b0", "b2") else "dram", states="dram" if b in ("b0", "b2") else "ssd",
+        optimizer="cpu", activations="keep", checkpoint="gpu"))),
     # every block's P and Adam states on SSD, CPU updates; the write-backs of the last two updated
     # (the embedding, b0) run at the start of the next step (Decisions.deferred_writes)
     "deferred": lambda: plan_json(dataclasses.replace(mix(lambda b: BlockDecision(

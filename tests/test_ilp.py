@@ -24,7 +24,7 @@ def small_problem():
 
 def test_mip_optimum_equals_exhaustive_search(small_problem):
     p = small_problem
-    cs = ilp.combos(p.hw, choices=SMALL)
+    cs = ilp.combos(p, choices=SMALL)
     assert len(cs) == 16
     full = {t: v / ilp.MiB for t, v in p.capacity().items()}
     # capacities from roomy to tight, so the memory rows bind differently

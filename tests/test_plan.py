@@ -268,7 +268,7 @@ def test_a_cpu_update_costs_its_tensors_where_the_spec_states_it():
             assert after == before
     assert updates == len(p.order)
     prof = p.profiles[p.profile_of[p.order[1]]]
-    cpu = next(c for c in ilp.combos(slow) if c.opt == "cpu")
+    cpu = next(c for c in ilp.combos(p) if c.opt == "cpu")
     extra = ilp.coefficients(prof, cpu, p, last=False)["cpu_b"] - ilp.coefficients(prof, cpu, base_problem, last=False)["cpu_b"]
     assert extra == pytest.approx(len(p.graph.block(prof.name).params) * 1e-3)
 
@@ -428,3 +428,39 @@ def test_memory_fences_change_no_start_or_end_of_the_replay(policy):
     longer = [2 * d + 1e-3 if k == first else d for k, d in enumerate(r.sim.durations)]
     with pytest.raises(RuntimeError, match="memory fences change the replay"):
         check_fences(dataclasses.replace(r, sim=dataclasses.replace(r.sim, durations=longer)))
+
+
+SSD_KIND = {"P": "params", "C": "params", "M": "optimizer", "OS": "optimizer", "G": "optimizer"}
+"""What `--ssd-for` calls each buffer kind (the rest are activations: A, R, X, ...)."""
+
+
+def kinds_through_ssd(plan: Plan) -> set[str]:
+    return {SSD_KIND.get(i.tensor.split(":")[0], "activations") for i in plan.instructions
+            if i.kind in ("load", "store") and "ssd" in (i.src, i.dst)}
+
+
+@pytest.mark.parametrize("policy", ["lohan", "zero-infinity"])
+@pytest.mark.parametrize("ssd_for", ["params", "optimizer", "none", "activations,params"])
+def test_what_ssd_for_keeps_off_the_ssds_never_moves_through_them(policy, ssd_for):
+    hw = load_hardware("lohan-rtx4090")
+    everything = make_plan(tiny_options(policy=policy, grad_accum=2), hw).to_plan()
+    assert kinds_through_ssd(everything) >= {"params", "optimizer"}
+    plan = make_plan(tiny_options(policy=policy, grad_accum=2, ssd_for=ssd_for), hw).to_plan()
+    allowed = set() if ssd_for == "none" else set(ssd_for.split(","))
+    assert kinds_through_ssd(plan) == {"params", "optimizer"} & allowed
+    homes = {b.buffer_kind.value: b.home for b in plan.buffers.values() if b.home}
+    assert (homes["P"] == "ssd") == ("params" in allowed) and (homes["OS"] == "ssd") == ("optimizer" in allowed)
+    assert plan.options.to_json()["ssd_for"] == ssd_for and "ssd_for" not in everything.options.to_json()
+
+
+def test_the_ilp_chooses_the_ssd_only_for_what_ssd_for_lets_it_hold():
+    from tensorstow.planner.policies import ilp
+    hw = load_hardware("lohan-rtx4090")
+    field = {"ph": "params", "sh": "optimizer", "ck": "activations"}
+    for ssd_for in (None, "params", "optimizer", "activations", "none"):
+        cs = ilp.combos(build_problem(tiny_options(policy="ilp", ssd_for=ssd_for), hw))
+        on_ssd = {kind for c in cs for f, kind in field.items() if getattr(c, f) == "ssd"}
+        on_ssd |= {"activations" for c in cs if c.act == "swap_ssd"}
+        assert on_ssd == ({"params", "optimizer", "activations"} if ssd_for is None else
+                          set() if ssd_for == "none" else {ssd_for})
+        assert {c.ph for c in cs} >= {"gpu", "dram"} and {c.act for c in cs} >= {"keep", "recompute", "swap_dram"}

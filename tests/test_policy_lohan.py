@@ -150,3 +150,21 @@ def test_fuyou_swap_benefit_grows_with_batch():
         dec = lohan_decisions("gpt3-13b", "fuyou-a100-80g", batch)
         assert (len(swapped(dec)) > 0) == (gains[-1] > lohan.REL_TOL), (gains, dec.notes)
     assert gains == sorted(gains) and gains[0] < gains[-1], gains
+
+
+def test_activations_kept_off_the_ssds_spill_nowhere_but_dram():
+    # `--ssd-for params,optimizer`: LoHan Eq. 3's overflow has no SSD to go to. On the machine of
+    # test_swapped_activations_spill_from_dram_to_ssd (DRAM for 1.2 swapped blocks) every swapped
+    # block's activations go to DRAM, and the plan that fits swaps fewer or recomputes.
+    roomy = lohan._Search(problem("gpt-tiny", "lohan-rtx4090", 2))
+    k = len(roomy.ranked)
+    dram = roomy.memo[(0, 0, 1, 0)].dram_peak + roomy.size[0] * 6 // 5
+    assert lohan._Search(problem("gpt-tiny", "lohan-rtx4090", 2, dram)).count(k).n_dram < k
+    hw = load_hardware("lohan-rtx4090").with_overrides(dram=dram)
+    kept_off = build_problem(Options(model="gpt-tiny", hardware="lohan-rtx4090", batch=2, policy="lohan",
+                                     ssd_for="params,optimizer"), hw)
+    s = lohan._Search(kept_off)
+    assert s.dram_share(k) == k and s.count(k).n_dram == k
+    dec = lohan.plan(kept_off)
+    assert all(d.params == d.states == "ssd" and d.activations != "swap_ssd" for d in dec.blocks.values())
+    assert schedule(kept_off, dec).over_capacity() == {}

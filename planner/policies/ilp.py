@@ -81,10 +81,13 @@ class Combo:
                              checkpoint=self.ck, reforward=self.act in ("swap_dram", "swap_ssd"))
 
 
-def combos(hw, *, choices: dict[str, tuple[str, ...]] | None = None) -> list[Combo]:
-    tiers = ("gpu", "dram", "ssd") if hw.ssd.count > 0 else ("gpu", "dram")
-    acts = tuple(a for a in ACTIVATION_CHOICES if a != "swap_ssd" or "ssd" in tiers)
-    c = {"act": acts, "ck": tiers, "ph": tiers, "sh": tiers, "opt": ("gpu", "cpu")} | (choices or {})
+def combos(problem, *, choices: dict[str, tuple[str, ...]] | None = None) -> list[Combo]:
+    """Every combination of a block's choices, the SSD only for what `Options.ssd_for` lets it hold."""
+    def tiers(kind: str) -> tuple[str, ...]:
+        return ("gpu", "dram", "ssd") if problem.on_ssd(kind) else ("gpu", "dram")
+    acts = tuple(a for a in ACTIVATION_CHOICES if a != "swap_ssd" or problem.on_ssd("activations"))
+    c = {"act": acts, "ck": tiers("activations"), "ph": tiers("params"), "sh": tiers("optimizer"),
+         "opt": ("gpu", "cpu")} | (choices or {})
     out = [Combo(*t) for t in itertools.product(c["act"], c["ck"], c["ph"], c["sh"], c["opt"])]
     return [x for x in out if not (x.opt == "cpu" and x.sh == "gpu")]
 
@@ -214,7 +217,7 @@ class IlpResult:
 def solve(problem, *, choices=None, caps_mib: dict[str, float] | None = None, prefetch: int = 1,
           solver: str = "highs", time_limit: float = TIME_LIMIT_S, bound: float | None = None,
           start: dict[str, Combo] | None = None) -> IlpResult:
-    cs = combos(problem.hw, choices=choices)
+    cs = combos(problem, choices=choices)
     gr = groups(problem, cs)
     cap = caps_mib or {t: v / MiB for t, v in problem.capacity().items()}
     tr = transient(problem, prefetch)
@@ -300,7 +303,7 @@ def analytic(problem, assignment: dict[str, Combo], *, caps_mib=None, prefetch: 
 def assign(problem, counts: dict[str, dict[Combo, int]]) -> dict[str, Combo]:
     """Counts -> blocks, deterministically, spreading each combo evenly over its group
     (largest-remainder sequencing: the k-th GPU update lands every n/k blocks, as in DOS)."""
-    cs = combos(problem.hw)
+    cs = combos(problem)
     gr = groups(problem, cs)
     out = {}
     for g in gr.names:
@@ -458,9 +461,8 @@ def _choose(problem, heuristic_plans, schedule):
         why = ("no MIP plan fit in the simulator within the rounds and time budget" if best is None else
                f"the simulator ranks it faster ({incumbent[1].sim.step_time_s:.4g} s vs {best.sim.step_time_s:.4g} s)")
         return _with(incumbent[1], notes + [f"chosen: the incumbent from {incumbent[0]}: {why}"])
-    assignment = {b: Combo("recompute", "ssd" if problem.hw.ssd.count else "dram",
-                           "ssd" if problem.hw.ssd.count else "dram",
-                           "ssd" if problem.hw.ssd.count else "dram", "cpu") for b in problem.order}
+    assignment = {b: Combo("recompute", problem.home("activations"), problem.home("params"),
+                           problem.home("optimizer"), "cpu") for b in problem.order}
     dec = decisions_from(problem, assignment, notes=(*notes, "no feasible plan found; smallest-footprint decisions"))
     return schedule(problem, dec)
 
@@ -491,7 +493,7 @@ def _solve_rounds(problem, heuristic_plans, schedule):
             incumbent = (name, pl)
     start, bound = None, None
     if incumbent is not None:
-        cs = combos(problem.hw)
+        cs = combos(problem)
         dec = incumbent[1].decisions.blocks
         start = {b: Combo(d.activations, d.checkpoint, d.params, d.states, d.optimizer) for b, d in dec.items()}
         if all(c in cs for c in start.values()):

@@ -120,7 +120,9 @@ class _Search:
         self.wait = wait
         """Candidates are replayed with copies that wait for room (`passes.schedule(wait=True)`): the
         search `plan` makes again where no candidate fits without."""
-        self.home = "ssd" if problem.hw.ssd.count > 0 else "dram"
+        self.params_home, self.states_home = problem.home("params"), problem.home("optimizer")
+        self.acts_to_ssd = problem.on_ssd("activations")
+        """LoHan Eq. 3's overflow of swapped activations may go to SSD (`Options.ssd_for`)."""
         self.ranked = by_offloading_benefit(problem, reforward)
         self.size = [swap_bytes(problem.profiles[problem.profile_of[b]], reforward) for b in self.ranked]
         self.memo: dict[tuple[int, int, int, int], _Eval] = {}
@@ -139,7 +141,7 @@ class _Search:
             layer = self.problem.graph.block(b).kind == "layer" and b not in on_gpu
             acts = swap.get(b, "recompute") if layer else "keep"
             cut = self.problem.profiles[self.problem.profile_of[b]].bwd_cut if self.split and layer else 0
-            blocks[b] = BlockDecision(params=self.home, states=self.home, optimizer="cpu",
+            blocks[b] = BlockDecision(params=self.params_home, states=self.states_home, optimizer="cpu",
                                       activations=acts, checkpoint="dram" if layer else "gpu",
                                       reforward=self.reforward and b in swap, bwd_cut=cut)
         return Decisions(policy="lohan", blocks=blocks, prefetch=prefetch, overlap_optimizer=True,
@@ -161,7 +163,7 @@ class _Search:
     def dram_share(self, k: int) -> int:
         """LoHan Eq. 3: alpha*A_G2M = max(0, A_G2M - MEM_M^avail) goes to SSD; returns how many
         of the first k blocks stay in DRAM."""
-        if self.home == "dram":
+        if not self.acts_to_ssd:
             return k
         n, total = 0, 0
         while n < k and total + self.size[n] <= self.mem_avail:
@@ -176,7 +178,7 @@ class _Search:
         n_dram = self.dram_share(k)
         r = self.evaluate(k, n_dram, 1)
         for _ in range(DRAM_RETRIES):
-            if "dram" not in r.over or n_dram == 0 or self.home == "dram":
+            if "dram" not in r.over or n_dram == 0 or not self.acts_to_ssd:
                 break
             excess = r.over["dram"][0] - r.over["dram"][1]
             while n_dram > 0 and excess > 0:  # LoHan Eq. 3: the overflow goes to SSD
@@ -306,8 +308,10 @@ def plan(problem: Problem, split: bool = True, keep: bool = True) -> Decisions:
                 f"{'%.4g' % times[2].step_time_s}s")
     if s.split:
         how += "; each layer block's backward runs in two parts, the first releasing what only it reads"
+    homes = (f"P, M, OS on {s.params_home}" if s.params_home == s.states_home else
+             f"P on {s.params_home}, M, OS on {s.states_home}")
     notes = (
-        f"P, M, OS on {s.home}; CPU Adam overlapped with backward (LoHan §IV-C active gradient "
+        f"{homes}; CPU Adam overlapped with backward (LoHan §IV-C active gradient "
         f"offloading), SSD read/update/write pipelined (LoHan Fig. 3b)",
         f"of {len(s.ranked)} layer blocks, {len(on_gpu)} keep their activations on the GPU "
         f"(the most it has room for, LoHan Eq. 3 one tier up), {swapped} swap theirs (A_G2M "

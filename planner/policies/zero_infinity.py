@@ -66,11 +66,11 @@ def deepspeed_host_bytes(params: int, param_bytes: int, largest_param: int, pin_
 
 
 def plan(problem) -> Decisions:
-    home = "ssd" if problem.hw.ssd.count > 0 else "dram"
+    home, params_home = problem.home("optimizer"), problem.home("params")
     blocks = {}
     for b in problem.order:
         layer = problem.graph.block(b).kind == "layer"
-        blocks[b] = BlockDecision(params=home, states=home, optimizer="cpu",
+        blocks[b] = BlockDecision(params=params_home, states=home, optimizer="cpu",
                                   activations="recompute" if layer else "keep",
                                   checkpoint="dram" if layer else "gpu")
     params = sum(problem.profiles[problem.profile_of[b]].param_count for b in problem.order)
@@ -79,7 +79,8 @@ def plan(problem) -> Decisions:
     gb = ", ".join(f"{k} {v / 1e9:.3g} GB" for k, v in host.items())
     return Decisions(policy="zero-infinity", blocks=blocks, prefetch=0, overlap_optimizer=False,
                      serialize_optimizer=True, swap_grads=home == "ssd", blocking_copies=True, host_reserved=sum(host.values()),
-                     notes=(f"parameters and optimizer states on {home}",
+                     notes=(f"parameters and optimizer states on {home}" if home == params_home else
+                            f"parameters on {params_home}, optimizer states on {home}",
                             "each block's parameters fetched when it runs, not ahead (Fuyou Fig. 2a: "
                             "GPU compute and PCIe transfers almost serialized)",
                             *(("fp32 gradients to SSD and back for the update (DeepSpeed "
