@@ -269,6 +269,7 @@ def _cpu_device_tier(p: _Params, total_ram: int, copy_bw: float, dram: DRAM, dis
         bf16 = _cpu_bf16_ratio()
         curves = _cpu_rate_curves(flops, bf16)
         elementwise_bw = _cpu_elementwise_bw(p.cpu_block_reps)
+        dequant = _cpu_dequant_rate(p.cpu_block_reps)
         op_s = _op_dispatch_s(p.cpu_block_reps)
         per_tensor = _copy_tensor_s(p.memcpy_reps)
         contention = _host_contention(p.cpu_block_reps)
@@ -276,7 +277,8 @@ def _cpu_device_tier(p: _Params, total_ram: int, copy_bw: float, dram: DRAM, dis
     budget = total_ram // CPU_GPU_FRACTION
     gpus = (GPU(name=CPU_GPU_NAME, memory_bytes=budget, flops=flops * bf16, flops_fp32=flops, mem_bw=2 * copy_bw,
                 h2d_bw=copy_bw, d2h_bw=copy_bw, op_s=op_s, copy_tensor_s=per_tensor, host_contention=contention,
-                ssd_contention=ssd_contention, elementwise_bw=min(elementwise_bw, 2 * copy_bw), **curves),)
+                ssd_contention=ssd_contention, elementwise_bw=min(elementwise_bw, 2 * copy_bw), dequant_rate=dequant,
+                **curves),)
     # Device tier and DRAM tier share the same RAM: do not count it twice.
     dram = DRAM(capacity_bytes=max(0, dram.capacity_bytes - budget), bandwidth=dram.bandwidth)
     notes.append(f"no CUDA: device tier = CPU memory, 1/{CPU_GPU_FRACTION} of RAM "
@@ -286,7 +288,10 @@ def _cpu_device_tier(p: _Params, total_ram: int, copy_bw: float, dram: DRAM, dis
                  f"{'x'.join(map(str, MM16))} matmul's rate / an fp32 one's ({bf16:.3g}); "
                  f"{_curves_note(curves)}; elementwise_bw = the bytes over the time of the ops besides matmuls and "
                  f"attention in the executor's run of that block's joint graph ({gpus[0].elementwise_bw / 1e9:.2f} GB/s); "
-                 f"op_s = the executor's "
+                 + (f"dequant_rate = the weights over the time of the NF4 dequantizations (bitsandbytes) in the "
+                    f"executor's run of a one-layer d-{DEQUANT_BLOCK[0]} GPT's joint graph ({dequant / 1e9:.3g} G "
+                    f"weights/s); " if dequant else "")
+                 + f"op_s = the executor's "
                  f"segment runner per op on a tiny GPT ({op_s * 1e6:.1f} us); copy_tensor_s = the executor's "
                  f"stores per tensor of a copy ({per_tensor * 1e6:.1f} us); host_contention = that block beside a "
                  f"{CONTENTION_COPY_BYTES // MiB} MiB copy loop / alone, less 1 ({contention:.3f}); "
@@ -460,6 +465,61 @@ def _cpu_block_flops(reps: int) -> float:
     return flops / _typical_time(step, reps)
 
 
+DEQUANT_SHAPE = (4096, 4096)
+"""The NF4 weight whose dequantization gives a GPU's `dequant_rate`: a 7B model's attention projection."""
+DEQUANT_BLOCK = (2048, 16, 1, 64)
+"""(d, heads, batch, seq) of the one-layer GPT whose NF4 linear layers give the CPU device tier's
+`dequant_rate`: weights of 4-17 M parameters, as a 3B-70B model's."""
+
+
+def _has_bitsandbytes() -> bool:
+    from tensorstow.ir import quant
+    try:
+        quant.bitsandbytes_functional()
+    except TensorstowError:
+        return False
+    return True
+
+
+def _dequant_rate(device, timed) -> float:
+    """A GPU's `dequant_rate`: weights a second `ir.quant.dequantized` makes of an NF4 weight of
+    DEQUANT_SHAPE on `device` (`timed(fn)`: its seconds; the caching allocator reuses its output's
+    memory, as in a step); 0 where bitsandbytes is not installed (the `qlora` extra)."""
+    import torch
+
+    from tensorstow.ir import quant
+    if not _has_bitsandbytes():
+        return 0.0
+    w = torch.randn(DEQUANT_SHAPE, generator=torch.Generator().manual_seed(0)) * 0.02
+    parts = {k: v.to(device) for k, v in quant.quantized_parts(w, quant.Quantization("nf4")).items()}
+    return w.numel() / timed(lambda: quant.dequantized(parts, "nf4"))
+
+
+def _cpu_dequant_rate(reps: int) -> float:
+    """The CPU device tier's `dequant_rate`, in place: the weights the NF4 linear layers of a
+    one-layer GPT of DEQUANT_BLOCK's shape make over the seconds their dequantizations take in the
+    executor's run of its joint graph (each timed as it dispatches, as `_cpu_elementwise_bw` times
+    the other ops; the median of `reps` steps). A lone call timed over and over ran 1.6-1.9 G
+    weights/s where its output's pages stayed mapped and 0.33 where they were fresh each time; a 3B
+    QLoRA step's ran 0.45-1.75 by size (benchmarks/RESULTS.md "QLoRA larger than DRAM"). 0 where
+    bitsandbytes is not installed."""
+    from tensorstow.executor import malloc
+    from tensorstow.ir.models import GPTConfig
+    if not _has_bitsandbytes():
+        return 0.0
+    malloc.tune()  # the executor's allocator settings: where a step's large outputs come from
+    d, heads, batch, seq = DEQUANT_BLOCK
+    step = _joint_step(GPTConfig(n_layer=1, n_head=heads, n_embd=d, vocab_size=64, block_size=seq), batch, seq,
+                       quantize="nf4")
+    step()  # warm-up
+    timed = []
+    for _ in range(reps):
+        with _op_timer(dequant=True) as t:
+            step()
+        timed.append(t)
+    return timed[0].weights / max(statistics.median(t.seconds for t in timed), 1e-9)
+
+
 def _cpu_elementwise_bw(reps: int) -> float:
     """`GPU.elementwise_bw` of the CPU device tier: the executor's segment runner over the joint
     graph of a one-layer GPT of CPU_BLOCK's width and tokens, each op timed as it dispatches
@@ -479,35 +539,38 @@ def _cpu_elementwise_bw(reps: int) -> float:
     return timed[0].bytes / max(statistics.median(t.seconds for t in timed), 1e-9)
 
 
-def _op_timer():
+def _op_timer(dequant: bool = False):
     """A TorchDispatchMode that sums the seconds and bytes (inputs and outputs) of the aten ops
-    dispatched under it that are not views, matmuls or attention (`cost.op_kind`)."""
+    dispatched under it that are not views, matmuls or attention (`cost.op_kind`); with `dequant`,
+    of the 4-bit dequantizations (`cost.DEQUANT_4BIT`) only, and the weights they make (`weights`)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
-    from tensorstow.planner.cost import op_kind
+    from tensorstow.planner.cost import DEQUANT_4BIT, op_kind
 
     class OpTimer(TorchDispatchMode):
         def __init__(self):
             super().__init__()
-            self.seconds, self.bytes = 0.0, 0
+            self.seconds, self.bytes, self.weights = 0.0, 0, 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             t = time.perf_counter()
             out = func(*args, **(kwargs or {}))
             dt = time.perf_counter() - t
-            if not func.is_view and not op_kind(str(func)):
+            if str(func).startswith(DEQUANT_4BIT) if dequant else not func.is_view and not op_kind(str(func)):
                 self.seconds += dt
                 self.bytes += sum(a.nbytes for a in tree_leaves((args, kwargs, out)) if isinstance(a, torch.Tensor))
+                self.weights += out.numel() if dequant else 0
             return out
 
     return OpTimer()
 
 
-def _joint_step(config, batch: int, seq: int):
+def _joint_step(config, batch: int, seq: int, quantize: str | None = None):
     """A callable that runs the traced joint graph of `GPT(config)` (seeded) once, forward and
-    backward, through the executor's segment runner and a device tier of CPU memory."""
+    backward, through the executor's segment runner and a device tier of CPU memory; `quantize`:
+    its linear layers but the LM head frozen and stored so (`ir.quant`, as a QLoRA base)."""
     import torch
 
     from tensorstow.executor.segments import Joint
@@ -516,6 +579,9 @@ def _joint_step(config, batch: int, seq: int):
     from tensorstow.ir.trace import trace
     torch.manual_seed(0)
     model = GPT(config)
+    if quantize:
+        from tensorstow.ir import quant
+        quant.quantize_linears(model, quant.Quantization.parse(quantize))
     traced = trace(model, batch=batch, seq=seq, precision="fp32", model_name="probe")
     joint = Joint(traced)
     start = {joint.placeholder[n]: p.detach() for n, p in model.named_parameters()}
@@ -1217,6 +1283,7 @@ def _probe_one_cuda(dev: int, p: _Params) -> tuple[GPU, str]:
         unaligned = _linear_rates(dev, dtype, fits(GPU_UNALIGNED_SHAPES), timer)
         attention = _attention_rates(dev, dtype, GPU_ATTENTION_SHAPES, timer)
         kernel_s = _kernel_floor(dev, timer)
+        dequant = _dequant_rate(torch.device("cuda", dev), lambda fn: _cuda_best(fn, p.gpu_copy_reps))
         grouped, grouped_note = _cuda_grouped_rates(dev, dtype, timer)
         torch.cuda.empty_cache()
 
@@ -1250,10 +1317,12 @@ def _probe_one_cuda(dev: int, p: _Params) -> tuple[GPU, str]:
              f"not a multiple of 8) at {len(unaligned)} ({min((r for _, r in unaligned), default=0) / 1e12:.0f}-"
              f"{max((r for _, r in unaligned), default=0) / 1e12:.0f}); attention_rates: causal "
              f"attention forward + backward at {len(attention)} sizes ({attention[0][1] / 1e12:.0f}-"
-             f"{max(r for _, r in attention) / 1e12:.0f} TFLOPS); kernel_s {kernel_s * 1e6:.1f} us; {grouped_note}")
+             f"{max(r for _, r in attention) / 1e12:.0f} TFLOPS); kernel_s {kernel_s * 1e6:.1f} us; {grouped_note}"
+             + (f"; dequant_rate: an NF4 {DEQUANT_SHAPE[0]}x{DEQUANT_SHAPE[1]} weight by bitsandbytes "
+                f"({dequant / 1e9:.3g} G weights/s)" if dequant else ""))
     return GPU(name=props.name, memory_bytes=int(props.total_memory), flops=flops, mem_bw=mem_bw, h2d_bw=h2d,
                matmul_rates=linear, matmul_rates_unaligned=unaligned, attention_rates=attention, kernel_s=kernel_s,
-               **grouped,
+               dequant_rate=dequant, **grouped,
                d2h_bw=d2h, d2h_convert_bw=d2h_conv, h2d_convert_bw=h2d_conv, copy_tensor_s=per_tensor,
                reserved_bytes=context + CUDA_WORKSPACE_BYTES,
                compute_capability=float(f"{props.major}.{props.minor}")), note

@@ -20,7 +20,7 @@ from tensorstow.errors import Interrupted, TensorstowError, check_writable
 from tensorstow.planner.pools import arena_need
 from tensorstow.planner.simulate import ScheduleError
 from tensorstow.schema.hardware import parse_size
-from tensorstow.schema.options import asked, field_docs, from_asked
+from tensorstow.schema.options import SSD_KINDS, asked, field_docs, from_asked, ssd_kinds
 from tensorstow.schema.run import CHOICES as RUN_CHOICES
 from tensorstow.schema.run import Run
 from tensorstow.schema.schedule import SEARCH_NOTE, TIERS, InstrKind, UNIT, block_of, member_rows, parent_of, units_by_block
@@ -83,7 +83,9 @@ def summary(plan, sim=None, verbose: bool = False) -> str:
            if m.active_params is not None else ""),
         f"bottleneck: {bn}" + (f" (busy {busy[bn]:.4g} s = {100 * busy[bn] / step:.0f}% of the step)" if bn in busy and step else ""),
         "memory peak / capacity: " + "   ".join(
-            f"{t} {_fmt(pred.peak_bytes.get(t, 0))} / {_fmt(pred.capacity_bytes.get(t, 0))}" for t in TIERS),
+            f"{t} {_fmt(pred.peak_bytes.get(t, 0))} / {_fmt(pred.capacity_bytes.get(t, 0))}" for t in TIERS)
+        + ("" if plan.options.ssd_for is None else f"   (--ssd-for {plan.options.ssd_for}: the SSDs hold "
+           + (", ".join(k for k in SSD_KINDS if k in ssd_kinds(plan.options)) or "nothing") + ")"),
         *_arena_lines(plan),
         "busy: " + ", ".join(f"{k} {v:.4g} s" for k, v in sorted(busy.items(), key=lambda kv: -kv[1])),
         "traffic: " + (", ".join(f"{k} {_fmt(v)}" for k, v in pred.traffic_bytes.items()) or "none"),

@@ -2,6 +2,12 @@
 
     python benchmarks/bench_scale.py [--model gpt3-1.3b] [--dram 6GB] [--gpu-mem 2GB] [--batch 1]
         [--seq 512] [--precision fp32] [--steps 3] [--mode both] [--threads 1] [--dir DIR] [--expert-groups N]
+        [--llama llama-3b --lora SPEC --quantize nf4 --ssd-for KINDS]
+
+QLoRA (benchmarks/RESULTS.md, "QLoRA larger than DRAM"): `--llama llama-3b` writes a 3.2B
+LLaMA-shaped checkpoint with random bf16 weights under --dir (6.4 GB, more than --dram), and
+`--lora ... --quantize nf4` trains adapters on its base stored in NF4 (about 2.4 GB with the
+full-precision embeddings and head), quantized from the checkpoint as it is read.
 
 Probes this machine (`tensorstow probe`, its disk under DIR) with `--threads` torch threads,
 plans the model for it with the given DRAM and device budgets (the device tier is CPU memory
@@ -59,12 +65,45 @@ HOST_OVERHEAD_MB = 300
 as docs/architecture.md states it (the model's trace, allocator arenas, the optimizer's transients)."""
 
 
-def imports_rss_mb(env: dict) -> float:
-    """Peak RSS of a process that only imports what `tensorstow execute` imports."""
-    code = ("import resource, tensorstow.cli, tensorstow.executor.run; "
+def imports_rss_mb(env: dict, extra: str = "") -> float:
+    """Peak RSS of a process that only imports what `tensorstow execute` imports (and `extra`,
+    comma-separated modules: an `hf:` model's transformers, a quantized base's bitsandbytes)."""
+    code = (f"import resource, tensorstow.cli, tensorstow.executor.run{', ' + extra if extra else ''}; "
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     return int(r.stdout.split()[-1]) / 1024
+
+
+def write_llama(name: str, root: Path, seq: int) -> tuple[str, int]:
+    """A LLaMA-shaped checkpoint of `planner.report.LLAMA_LADDER` with random bf16 weights (norms
+    1), written tensor by tensor in shards of about 2 GB as `save_pretrained` writes them, so
+    nothing downloads and the writer never holds more than a shard; returns (its `hf:` reference,
+    its bytes)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from tensorstow.planner.report import llama_config
+    config = llama_config(name, seq) | {"torch_dtype": "bfloat16"}
+    (root / "config.json").write_text(json.dumps(config))
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in LlamaForCausalLM(LlamaConfig(**config)).state_dict().items()}
+    gen = torch.Generator().manual_seed(0)
+    shards, shard, size, total = [], {}, 0, 0  # shards: each one's tensor names
+    for k, shape in shapes.items():
+        t = (torch.ones(shape) if k.endswith("norm.weight") else torch.randn(shape, generator=gen) * 0.02)
+        shard[k] = t.to(torch.bfloat16)
+        size += shard[k].nbytes
+        if size >= 2e9 or k == list(shapes)[-1]:
+            shards.append(list(shard))
+            save_file(shard, root / f"shard-{len(shards)}.safetensors", metadata={"format": "pt"})
+            total, shard, size = total + size, {}, 0
+    n = len(shards)
+    for i in range(1, n + 1):
+        (root / f"shard-{i}.safetensors").rename(root / f"model-{i:05d}-of-{n:05d}.safetensors")
+    index = {k: f"model-{i:05d}-of-{n:05d}.safetensors" for i, names in enumerate(shards, 1) for k in names}
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                   "weight_map": index}))
+    return f"hf:{root}", total
 
 
 def run_mode(plan: Path, state: Path, mode: str, steps: int, env: dict) -> dict:
@@ -110,6 +149,11 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--policy", default="lohan")
     ap.add_argument("--expert-groups", default="1", help="a mixture of experts: its experts in this many units a layer")
+    ap.add_argument("--llama", default=None, help="train a LLaMA-shaped model of planner.report.LLAMA_LADDER (llama-3b, "
+                                                  "...) with random bf16 weights written under --dir, instead of --model")
+    ap.add_argument("--lora", default=None, help="plan --lora: train adapters on the frozen base")
+    ap.add_argument("--quantize", default=None, help="plan --quantize (with --lora): the base stored quantized (QLoRA)")
+    ap.add_argument("--ssd-for", default=None, help="plan --ssd-for: what the SSDs may hold")
     ap.add_argument("--mode", default="both", choices=["sync", "overlap", "both"])
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads of the compute (1 on a 2-core box leaves a core to the other lanes)")
@@ -126,8 +170,14 @@ def main() -> int:
         hw = json.loads(spec.read_text())
         ssd_read, ssd_write = hw["ssd"]["read_bw"], hw["ssd"]["write_bw"]
         plan = work / "plan.json"
-        r = tensorstow("plan", a.model, "--hw", str(spec), "--dram", a.dram, "--gpu-mem", a.gpu_mem, "--ssds", "1",
-                       "--policy", a.policy, "--precision", a.precision, "--batch", a.batch, "--seq", a.seq,
+        model, base_bytes = a.model, 0
+        if a.llama:
+            (work / a.llama).mkdir()
+            model, base_bytes = write_llama(a.llama, work / a.llama, int(a.seq))
+        extra = [f"--{k.replace('_', '-')}={v}" for k, v in (("lora", a.lora), ("quantize", a.quantize),
+                                                            ("ssd_for", a.ssd_for)) if v]
+        r = tensorstow("plan", model, "--hw", str(spec), "--dram", a.dram, "--gpu-mem", a.gpu_mem, "--ssds", "1",
+                       "--policy", a.policy, "--precision", a.precision, "--batch", a.batch, "--seq", a.seq, *extra,
                        *(["--expert-groups", a.expert_groups] if a.expert_groups != "1" else []), "-o", str(plan), env=env)
         print(r.stdout)
         if r.returncode:
@@ -135,13 +185,21 @@ def main() -> int:
             return 1
         p = Plan.load(plan)
         state = sum(b.bytes for n, b in p.buffers.items() if b.buffer_kind in ("P", "M", "OS", "G"))
-        print(f"{a.model}: {p.model.params / 1e9:.2f}B parameters, {a.precision} training state (P+M+G+OS) "
-              f"{state / 1e9:.1f} GB = {state / p.predicted.capacity_bytes['dram']:.1f}x --dram {a.dram}; "
+        print(f"{a.llama or a.model}: {p.model.params / 1e9:.3g}B parameters trained, {a.precision} training state "
+              f"(P+M+G+OS) {state / 1e9:.2g} GB = {state / p.predicted.capacity_bytes['dram']:.2g}x --dram {a.dram}; "
               f"{a.threads} torch thread(s)")
+        if p.model.frozen_params:  # a frozen base (LoRA): what it takes stored as planned, and where it lives
+            stored = {n: b for n, b in p.buffers.items() if b.buffer_kind == "C"}
+            homes = sorted({b.home for b in stored.values()})
+            print(f"frozen base: {p.model.frozen_params / 1e9:.2f}B parameters, {base_bytes / 1e9:.2f} GB in the checkpoint "
+                  f"({base_bytes / p.predicted.capacity_bytes['dram']:.1f}x --dram {a.dram}), stored as planned "
+                  f"({a.quantize or 'full precision'}) {sum(b.bytes for b in stored.values()) / 1e9:.2f} GB, home "
+                  f"{', '.join(homes)}; {p.model.params / 1e6:.3g}M parameters trained")
         plan_r = p.predicted.traffic_bytes.get("ssd->dram", 0)
         plan_w = p.predicted.traffic_bytes.get("dram->ssd", 0)
         budget_mb = (p.predicted.capacity_bytes["dram"] + p.predicted.capacity_bytes["gpu"]) / 2**20
-        imports_mb = imports_rss_mb(env)
+        imports_mb = imports_rss_mb(env, ", ".join(m for m, on in (("transformers", model.startswith("hf:")),
+                                                                  ("bitsandbytes", a.quantize)) if on))
         runs = {}
         for mode in ("sync", "overlap") if a.mode == "both" else (a.mode,):
             runs[mode] = run_mode(plan, work / f"state-{mode}", mode, a.steps, env)
@@ -172,8 +230,9 @@ def main() -> int:
         if len(runs) == 2:
             same = [r["loss"] for r in runs["sync"]["rows"]] == [r["loss"] for r in runs["overlap"]["rows"]]
             print(f"losses of the two modes equal: {same}")
-        fit = tensorstow("fit", "--hw", "local", "--policy", a.policy, env=env)
-        print("largest GPT-3 preset per `tensorstow fit --hw local` (this box's real DRAM and disk):")
+        fit = tensorstow("fit", "--hw", "local", "--policy", a.policy, *extra, env=env)
+        print(f"largest {'LLaMA-shaped model' if a.lora else 'GPT-3 preset'} per `tensorstow fit --hw local` "
+              f"{' '.join(extra)} (this box's real DRAM and disk):")
         print(fit.stdout or fit.stderr)
         return 0
     finally:

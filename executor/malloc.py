@@ -9,8 +9,11 @@ again: on the 2-core VM that was 0.03 s of a 0.27 s gpt-small step (benchmarks/R
 with `retain:true` and PyTorch's CUDA caching allocator do for their memory.
 
 What it changes:
-- the mmap threshold, fixed at glibc's maximum (32 MiB on 64-bit; larger tensors are still
-  mapped, and given back, each time);
+- no `mmap` of its own (`M_MMAP_MAX` 0; the threshold fixed at glibc's maximum, 32 MiB, where
+  another setting lets it map): a tensor of 32 MiB and up comes from the heap too, a freed one's
+  pages reused by the next. Mapped and given back each time, each such tensor faulted its pages in
+  again: a QLoRA step's dequantized 96 MiB weights took 45-48 ms each against 14 ms from the heap,
+  a 3B model's 64-token step 20.3 s against 17.0 (benchmarks/RESULTS.md "QLoRA larger than DRAM");
 - the trim threshold: freed heap is kept up to 128 MiB (a larger one took an out-of-core run's
   peak RSS past its --dram + --gpu-mem budget, tests/test_scale.py, for no measurable speed:
   benchmarks/RESULTS.md "Host memory and threads");
@@ -45,6 +48,7 @@ from pathlib import Path
 M_TRIM_THRESHOLD = -1  # <malloc.h>
 M_TOP_PAD = -2
 M_MMAP_THRESHOLD = -3
+M_MMAP_MAX = -4
 M_ARENA_MAX = -8
 MMAP_THRESHOLD_MAX = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX with 8-byte longs
 TRIM_THRESHOLD = 128 << 20
@@ -85,7 +89,8 @@ def _tune() -> bool:
             except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to set
                 return False
             mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-            _tuned = all([mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX), mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD),
+            _tuned = all([mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX), mallopt(M_MMAP_MAX, 0),
+                          mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD),
                           mallopt(M_TOP_PAD, TOP_PAD), mallopt(M_ARENA_MAX, ARENAS)])
             if _tuned:
                 _use_malloc_allocator()

@@ -292,9 +292,17 @@ def ops_time(ops, tensors, hw: Hardware) -> float:
     return lsum(ir_op_time(o, tensors, hw) for o in ops)
 
 
+DEQUANT_4BIT = "bitsandbytes.dequantize_4bit"
+"""The op that makes a 4-bit weight of its codes and scales (`ir.quant.dequantized`), priced at
+`GPU.dequant_rate` where the probe measured it."""
+
+
 def ir_op_time(o, tensors, hw: Hardware) -> float:
     """`op_time` of an IR op: its precision and kind read from its inputs; a grouped matmul's rate is
     its layout's at its rows per group (`grouped_layout`)."""
+    g = hw.gpus[0]
+    if g.dequant_rate and DEQUANT_4BIT in o.target:  # a QLoRA base's weight, at its probed rate
+        return max(math.prod(tensors[o.outputs[0]].shape) / g.dequant_rate, g.kernel_s) + g.op_s
     kind, rows = grouped_layout(o, tensors) if "_grouped_mm" in o.target else (matmul_kind(o, tensors), 0.0)
     return op_time(o.flops, o.bytes_in + o.bytes_out, hw, fp32=_in_fp32(o, tensors), kind=kind,
                    groups=expert_groups(o, tensors), rows=rows)

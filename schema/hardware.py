@@ -38,7 +38,7 @@ OMITTED_WHEN_ZERO = ("op_s", "matmul_rates", "matmul_rates_unaligned", "attentio
                      "attention_rates_fp32", "grouped_mm_rates", "grouped_mm_wgrad_rates", "grouped_mm_rates_fp32",
                      "grouped_mm_wgrad_rates_fp32", "elementwise_bw", "kernel_s", "d2h_convert_bw", "h2d_convert_bw", "copy_tensor_s", "host_contention", "ssd_contention",
                      "compute_capability", "request_s", "commit_s", "sync_s", "flush_bw", "adam_tensor_s",
-                     "gloo_bw", "gloo_gather_bw", "gloo_step_s")
+                     "gloo_bw", "gloo_gather_bw", "gloo_step_s", "dequant_rate")
 """GPU, SSD and CPU fields a spec's JSON leaves out when 0 (added after specs existed: their
 fingerprints stay)."""
 
@@ -164,6 +164,14 @@ class GPU:
     tier's probe runs the executor over a GPT block's joint graph and times each op as it
     dispatches (below a memcpy's rate: benchmarks/RESULTS.md "The probe"). 0:
     `mem_bw`. Left out of the spec's JSON when 0."""
+    dequant_rate: float = 0.0
+    """Weights a second bitsandbytes' `dequantize_4bit` makes of a 4-bit (NF4/FP4) weight, as a
+    QLoRA step dequantizes its base (`ir.quant.dequantized`), where bitsandbytes is installed: on a
+    GPU `tensorstow probe` times a 4096 x 4096 NF4 weight; on the CPU device tier the NF4 linear
+    layers of a one-layer d-2048 GPT in the executor's run of its joint graph (1.85 G weights/s on
+    one core of a 2-core AMD EPYC VM, where the elementwise rate prices the op's bytes at 2.4;
+    benchmarks/RESULTS.md "QLoRA larger than DRAM"). 0: priced as an elementwise op by its bytes.
+    Left out of the spec's JSON when 0."""
     kernel_s: float = 0.0
     """Seconds an op that touches memory takes at least on the device's compute stream: tiny ops
     launched back to back from Python (kernel launch and the dispatcher; `tensorstow probe` times
@@ -182,7 +190,7 @@ class GPU:
         def curve(c):
             return tuple((f, r / n) for f, r in c)
         return dataclasses.replace(self, memory_bytes=self.memory_bytes // n, flops=self.flops / n, flops_fp32=self.flops_fp32 / n, mem_bw=self.mem_bw / n,
-                                   elementwise_bw=self.elementwise_bw / n,
+                                   elementwise_bw=self.elementwise_bw / n, dequant_rate=self.dequant_rate / n,
                                    **{k: curve(getattr(self, k)) for k in RATE_CURVES})
 
     @property

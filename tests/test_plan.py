@@ -5,6 +5,7 @@ import json
 import pytest
 
 from tensorstow import TensorstowError
+from tensorstow.cli import summary
 from tensorstow.schema.hardware import Hardware
 from tensorstow.planner.presets import load_hardware
 from tensorstow.schema.options import Options
@@ -451,6 +452,8 @@ def test_what_ssd_for_keeps_off_the_ssds_never_moves_through_them(policy, ssd_fo
     homes = {b.buffer_kind.value: b.home for b in plan.buffers.values() if b.home}
     assert (homes["P"] == "ssd") == ("params" in allowed) and (homes["OS"] == "ssd") == ("optimizer" in allowed)
     assert plan.options.to_json()["ssd_for"] == ssd_for and "ssd_for" not in everything.options.to_json()
+    held = "nothing" if ssd_for == "none" else ", ".join(k for k in ("params", "optimizer", "activations") if k in allowed)
+    assert f"(--ssd-for {ssd_for}: the SSDs hold {held})" in summary(plan) and "--ssd-for" not in summary(everything)
 
 
 def test_the_ilp_chooses_the_ssd_only_for_what_ssd_for_lets_it_hold():

@@ -271,3 +271,54 @@ def test_fit_finds_the_largest_model_this_machine_can_qlora(monkeypatch, capsys)
     ladder = list(report.LLAMA_LADDER)
     assert found[False] in ladder and found[True] in ladder
     assert ladder.index(found[True]) > ladder.index(found[False])
+
+
+def test_a_4bit_base_dequantizes_at_the_probed_rate(tmp_path):
+    """`GPU.dequant_rate` (`tensorstow probe` times bitsandbytes' `dequantize_4bit`): each weight of
+    the base the step dequantizes takes its weights over that rate (on a CPU core 0.33 G weights/s,
+    7x below what `elementwise_bw` gives its bytes), the block's forward with it; a spec without
+    the rate prices the op by its bytes, as before. The rate travels in the spec, is left out at
+    0, and processes that share the device split it."""
+    import dataclasses
+    import math
+
+    from tensorstow.planner import cost
+    from tensorstow.planner.presets import load_hardware
+    from tensorstow.planner.problem import build_problem
+    from tensorstow.schema.hardware import Hardware
+    from tensorstow.schema.options import Options
+    ckpt = tmp_path / "ckpt"
+    pretrained(ckpt)
+    o = Options(model=f"hf:{ckpt}", hardware="lohan-rtx4090", batch=BATCH, seq=SEQ, precision="fp32", lora=LORA,
+                quantize="nf4")
+    hw = load_hardware("lohan-rtx4090")
+    rated = dataclasses.replace(hw, gpus=(dataclasses.replace(hw.gpus[0], dequant_rate=3e5),))
+    assert "dequant_rate" not in hw.to_json()["gpus"][0] and Hardware.from_json(rated.to_json()) == rated
+    assert rated.gpus[0].shared_by(2).dequant_rate == 1.5e5
+    plain, probed = build_problem(o, hw), build_problem(o, rated)
+    tensors = {t.name: t for t in plain.graph.tensors}
+    dequants = [op for op in plain.graph.ops if op.target.startswith(cost.DEQUANT_4BIT)]
+    assert len(dequants) == 3 * 7  # every projection of every layer, once in the forward
+    g = rated.gpus[0]
+    extra = 0.0
+    for op in dequants:
+        weights = math.prod(tensors[op.outputs[0]].shape)
+        assert cost.ir_op_time(op, tensors, rated) == pytest.approx(weights / 3e5 + g.op_s)
+        assert cost.ir_op_time(op, tensors, hw) == cost.op_time(0, op.bytes_in + op.bytes_out, hw)
+        if op.block == "b1":
+            extra += cost.ir_op_time(op, tensors, rated) - cost.ir_op_time(op, tensors, hw)
+    b1 = (plain.profiles[plain.profile_of["b1"]], probed.profiles[probed.profile_of["b1"]])
+    assert b1[1].fwd_time_s - b1[0].fwd_time_s == pytest.approx(extra) and extra > 0
+
+
+def test_the_probe_times_the_dequantizations_it_prices():
+    """The CPU tier's `dequant_rate` is timed in place: the op timer with `dequant` counts the 4-bit
+    dequantizations dispatched under it, and the weights they make, and nothing else."""
+    from tensorstow import calibrate
+    from tensorstow.ir import quant
+    parts = quant.quantized_parts(torch.randn(64, 128), quant.Quantization("nf4"))
+    x = torch.randn(4, 128)
+    with calibrate._op_timer(dequant=True) as t:
+        (x @ quant.dequantized(parts, "nf4").t()).relu().sum()
+    assert t.weights == 64 * 128 and t.seconds > 0
+    assert t.bytes == parts["weight"].nbytes + parts["weight_absmax"].nbytes + 64 * 128 * 4
