@@ -138,7 +138,23 @@ def run_mode(plan: Path, state: Path, mode: str, steps: int, env: dict) -> dict:
             "written": (marks[last][1] - marks[first][1]) / max(last - first, 1)}
 
 
-def main() -> int:
+def describe(p: Plan, a, base_bytes: int) -> None:
+    """What the plan trains against --dram: the training state, and a frozen base's bytes in the
+    checkpoint, stored as planned, and its home."""
+    state = sum(b.bytes for n, b in p.buffers.items() if b.buffer_kind in ("P", "M", "OS", "G"))
+    print(f"{a.llama or a.model}: {p.model.params / 1e9:.3g}B parameters trained, {a.precision} training state "
+          f"(P+M+G+OS) {state / 1e9:.2g} GB = {state / p.predicted.capacity_bytes['dram']:.2g}x --dram {a.dram}; "
+          f"{a.threads} torch thread(s)")
+    if p.model.frozen_params:  # a frozen base (LoRA): what it takes stored as planned, and where it lives
+        stored = {n: b for n, b in p.buffers.items() if b.buffer_kind == "C"}
+        homes = sorted({b.home for b in stored.values()})
+        print(f"frozen base: {p.model.frozen_params / 1e9:.2f}B parameters, {base_bytes / 1e9:.2f} GB in the checkpoint "
+              f"({base_bytes / p.predicted.capacity_bytes['dram']:.1f}x --dram {a.dram}), stored as planned "
+              f"({a.quantize or 'full precision'}) {sum(b.bytes for b in stored.values()) / 1e9:.2f} GB, home "
+              f"{', '.join(homes)}; {p.model.params / 1e6:.3g}M parameters trained")
+
+
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt3-1.3b")
     ap.add_argument("--dram", default="6GB")
@@ -158,7 +174,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads of the compute (1 on a 2-core box leaves a core to the other lanes)")
     ap.add_argument("--dir", default=None, help="directory on the disk to train from (default: a temp dir here)")
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def main() -> int:
+    a = parse_args()
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads)}
     work = Path(tempfile.mkdtemp(prefix="bench-scale-", dir=a.dir or "."))
     try:
@@ -184,17 +204,7 @@ def main() -> int:
             print(r.stderr, file=sys.stderr)
             return 1
         p = Plan.load(plan)
-        state = sum(b.bytes for n, b in p.buffers.items() if b.buffer_kind in ("P", "M", "OS", "G"))
-        print(f"{a.llama or a.model}: {p.model.params / 1e9:.3g}B parameters trained, {a.precision} training state "
-              f"(P+M+G+OS) {state / 1e9:.2g} GB = {state / p.predicted.capacity_bytes['dram']:.2g}x --dram {a.dram}; "
-              f"{a.threads} torch thread(s)")
-        if p.model.frozen_params:  # a frozen base (LoRA): what it takes stored as planned, and where it lives
-            stored = {n: b for n, b in p.buffers.items() if b.buffer_kind == "C"}
-            homes = sorted({b.home for b in stored.values()})
-            print(f"frozen base: {p.model.frozen_params / 1e9:.2f}B parameters, {base_bytes / 1e9:.2f} GB in the checkpoint "
-                  f"({base_bytes / p.predicted.capacity_bytes['dram']:.1f}x --dram {a.dram}), stored as planned "
-                  f"({a.quantize or 'full precision'}) {sum(b.bytes for b in stored.values()) / 1e9:.2f} GB, home "
-                  f"{', '.join(homes)}; {p.model.params / 1e6:.3g}M parameters trained")
+        describe(p, a, base_bytes)
         plan_r = p.predicted.traffic_bytes.get("ssd->dram", 0)
         plan_w = p.predicted.traffic_bytes.get("dram->ssd", 0)
         budget_mb = (p.predicted.capacity_bytes["dram"] + p.predicted.capacity_bytes["gpu"]) / 2**20
