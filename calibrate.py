@@ -268,6 +268,7 @@ def _cpu_device_tier(p: _Params, total_ram: int, copy_bw: float, dram: DRAM, dis
         flops = _cpu_block_flops(p.cpu_block_reps)
         bf16 = _cpu_bf16_ratio()
         curves = _cpu_rate_curves(flops, bf16)
+        row_factors = _cpu_row_factors()
         elementwise_bw = _cpu_elementwise_bw(p.cpu_block_reps)
         dequant = _cpu_dequant_rate(p.cpu_block_reps)
         op_s = _op_dispatch_s(p.cpu_block_reps)
@@ -278,7 +279,7 @@ def _cpu_device_tier(p: _Params, total_ram: int, copy_bw: float, dram: DRAM, dis
     gpus = (GPU(name=CPU_GPU_NAME, memory_bytes=budget, flops=flops * bf16, flops_fp32=flops, mem_bw=2 * copy_bw,
                 h2d_bw=copy_bw, d2h_bw=copy_bw, op_s=op_s, copy_tensor_s=per_tensor, host_contention=contention,
                 ssd_contention=ssd_contention, elementwise_bw=min(elementwise_bw, 2 * copy_bw), dequant_rate=dequant,
-                **curves),)
+                matmul_row_factors=row_factors, **curves),)
     # Device tier and DRAM tier share the same RAM: do not count it twice.
     dram = DRAM(capacity_bytes=max(0, dram.capacity_bytes - budget), bandwidth=dram.bandwidth)
     notes.append(f"no CUDA: device tier = CPU memory, 1/{CPU_GPU_FRACTION} of RAM "
@@ -286,7 +287,9 @@ def _cpu_device_tier(p: _Params, total_ram: int, copy_bw: float, dram: DRAM, dis
                  f"flops_fp32 = fp32 GPT block (d {CPU_BLOCK[0]}, batch {CPU_BLOCK[2]} x seq {CPU_BLOCK[3]}) "
                  f"forward + backward on {torch.get_num_threads()} thread(s), flops = that x a bf16 "
                  f"{'x'.join(map(str, MM16))} matmul's rate / an fp32 one's ({bf16:.3g}); "
-                 f"{_curves_note(curves)}; elementwise_bw = the bytes over the time of the ops besides matmuls and "
+                 f"{_curves_note(curves)}; matmul_row_factors = a {CPU_ROWS_LAYER[0]} -> {CPU_ROWS_LAYER[1]} "
+                 f"linear layer's forward and input gradient (fp32) at {'/'.join(map(str, CPU_ROWS))} tokens, each "
+                 f"rate over the {CPU_ROWS_FULL}-token one ({' '.join(f'{f:.2f}' for _, f in row_factors)}); elementwise_bw = the bytes over the time of the ops besides matmuls and "
                  f"attention in the executor's run of that block's joint graph ({gpus[0].elementwise_bw / 1e9:.2f} GB/s); "
                  + (f"dequant_rate = the weights over the time of the NF4 dequantizations (bitsandbytes) in the "
                     f"executor's run of a one-layer d-{DEQUANT_BLOCK[0]} GPT's joint graph ({dequant / 1e9:.3g} G "
@@ -752,10 +755,18 @@ def _cpu_bf16_ratio() -> float:
     return min(1.0, rate[torch.bfloat16] / rate[torch.float32])
 
 
-CPU_LINEAR_SHAPES = ((128, 512, 512), (512, 512, 2048), (512, 2048, 8192))
+CPU_ROWS_FULL = 512
+"""Tokens of every linear layer the CPU device tier's matmul curves time; fewer take
+`GPU.matmul_row_factors` of their rate."""
+CPU_LINEAR_SHAPES = ((CPU_ROWS_FULL, 256, 256), (CPU_ROWS_FULL, 512, 2048), (CPU_ROWS_FULL, 2048, 8192))
 """(tokens, in features, out features) of the linear layers whose matmuls give the CPU device
 tier's `matmul_rates` (bf16) and `matmul_rates_fp32`: from a small model's projection to a
 1.3B model's MLP (one core of a 2-core Xeon VM: fp32 120-155 GFLOP/s, bf16 77-83)."""
+CPU_ROWS = (32, 64, 128, 256, CPU_ROWS_FULL)
+CPU_ROWS_LAYER = (1024, 4096)
+"""Rows, and (in, out) features of the linear layer, at which the CPU device tier's
+`matmul_row_factors` are timed (its forward and input gradient, fp32): a 3B-70B model's
+fine-tuning batches of 128-2048 tokens run many microbatches of few tokens."""
 CPU_ATTENTION_SHAPES = ((1, 8, 128, 64), (1, 16, 512, 128))
 """(batch, heads, seq, head dim) of the causal attentions that give the CPU device tier's
 `attention_rates` and `attention_rates_fp32`."""
@@ -793,6 +804,22 @@ def _cpu_rate_curves(block_flops: float, bf16: float) -> dict[str, tuple[tuple[f
         curves["grouped_mm_rates" + suffix], curves["grouped_mm_wgrad_rates" + suffix] = _grouped_rates(
             "cpu", dtype, CPU_GROUPED_SHAPE, quick(CPU_GROUPED_ROWS, lambda r: 6 * e * r * k * n), timer)
     return curves
+
+
+def _cpu_row_factors() -> tuple[tuple[float, float], ...]:
+    """`GPU.matmul_row_factors`: a CPU_ROWS_LAYER linear layer's forward and input gradient in fp32
+    at each of CPU_ROWS tokens, timed together (the fastest of CPU_CURVE_REPS calls, as the curves
+    are), each rate over the one at CPU_ROWS_FULL."""
+    import torch
+
+    k, n = CPU_ROWS_LAYER
+    w = torch.randn(n, k)
+    rates = []
+    for r in CPU_ROWS:
+        x, dy = torch.randn(r, k), torch.randn(r, n)
+        rates.append(r / _typical_time(lambda: (torch.mm(x, w.t()), torch.mm(dy, w)), reps=CPU_CURVE_REPS, warmup=0,
+                                       pick=min))
+    return tuple((float(r), rate / rates[-1]) for r, rate in zip(CPU_ROWS, rates))
 
 
 CPU_GROUPED_SHAPE = (8, 1024, 1024)

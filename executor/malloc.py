@@ -14,9 +14,13 @@ What it changes:
   pages reused by the next. Mapped and given back each time, each such tensor faulted its pages in
   again: a QLoRA step's dequantized 96 MiB weights took 45-48 ms each against 14 ms from the heap,
   a 3B model's 64-token step 20.3 s against 17.0 (benchmarks/RESULTS.md "QLoRA larger than DRAM");
-- the trim threshold: freed heap is kept up to 128 MiB (a larger one took an out-of-core run's
-  peak RSS past its --dram + --gpu-mem budget, tests/test_scale.py, for no measurable speed:
-  benchmarks/RESULTS.md "Host memory and threads");
+- no trimming as blocks are freed (`M_TRIM_THRESHOLD` -1): freed heap stays for the next step's
+  blocks of its size, which its high-water mark had held anyway, and goes back to the system at
+  one place a step instead (`give_back_free_heap`, below). Trimmed whenever 128 MiB at its top
+  lay free, a 3B QLoRA step faulted 2.1 GB of pages in again (546,000 faults) and ran 27.6-31.1 s
+  against 24.2-25.9 s without, its peak RSS the same 4855 MiB (benchmarks/RESULTS.md "QLoRA larger
+  than DRAM"); gpt-medium from SSD under tests/test_scale.py's 200 MB budget peaked at the same
+  RSS with and without;
 - the top pad: a heap grows 256 MiB at a time (address space; its pages are resident once used);
 - one arena for every thread (`M_ARENA_MAX` 1). glibc otherwise gives each thread that allocates
   an arena of its own, up to 8 per core, each keeping its own freed blocks: overlap mode runs each
@@ -51,7 +55,8 @@ M_MMAP_THRESHOLD = -3
 M_MMAP_MAX = -4
 M_ARENA_MAX = -8
 MMAP_THRESHOLD_MAX = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX with 8-byte longs
-TRIM_THRESHOLD = 128 << 20
+TRIM_THRESHOLD = -1
+"""glibc's `M_TRIM_THRESHOLD` value that turns trimming off (mallopt(3))."""
 HEAP_FREE_KEPT = 512 << 20
 """Free heap bytes `give_back_free_heap` leaves in place."""
 TOP_PAD = 256 << 20

@@ -179,7 +179,7 @@ def commit_time(hw, instrs) -> float:
 
 
 def op_time(flops: int, nbytes: int, hw: Hardware, gpu: int = 0, fp32: bool = False, kind: str = "",
-            groups: int = 1, rows: float = 0.0) -> float:
+            groups: int = 1, rows: float = 0.0, matmul_rows: float = 0.0) -> float:
     """Roofline time of one op, plus the host's dispatch cost per op (`GPU.op_s`); `fp32`: its math
     runs in fp32. `kind` ("matmul", "attention", "attention_bwd" from `op_kind`,
     "matmul_unaligned" from `matmul_kind`, "grouped_mm", "grouped_mm_wgrad" from `grouped_layout`):
@@ -187,7 +187,9 @@ def op_time(flops: int, nbytes: int, hw: Hardware, gpu: int = 0, fp32: bool = Fa
     where it has one,
     else at `flops_fp32` (fp32, where the GPU has one) or `flops`; a grouped matmul of `groups`
     groups of `rows` rows each, at its layout's rate at those rows (`GPU.grouped_mm_rates`), else at
-    the matmul rate of one group's share (`flops / groups`). An op that touches memory takes at
+    the matmul rate of one group's share (`flops / groups`); an fp32 matmul whose output has
+    `matmul_rows` rows or columns (`matmul_rows`) at that share of its rate (`GPU.matmul_row_factors`,
+    the CPU device tier). An op that touches memory takes at
     least `GPU.kernel_s`. An op without FLOPs moves its bytes at `GPU.elementwise_bw` where the
     probe measured one, else at `mem_bw`."""
     g = hw.gpus[gpu]
@@ -196,6 +198,8 @@ def op_time(flops: int, nbytes: int, hw: Hardware, gpu: int = 0, fp32: bool = Fa
         rate = measured_rate(g, "matmul" if kind.startswith("grouped") else kind, flops / groups, fp32)
     if not rate:
         rate = g.flops_fp32 if fp32 and g.flops_fp32 else g.flops
+    if fp32 and matmul_rows and g.matmul_row_factors and kind.startswith("matmul"):
+        rate *= _interpolate(g.matmul_row_factors, matmul_rows)
     bw = g.elementwise_bw if not flops and g.elementwise_bw else g.mem_bw
     t = max(flops / rate, nbytes / bw)
     if flops or nbytes:
@@ -305,7 +309,20 @@ def ir_op_time(o, tensors, hw: Hardware) -> float:
         return max(math.prod(tensors[o.outputs[0]].shape) / g.dequant_rate, g.kernel_s) + g.op_s
     kind, rows = grouped_layout(o, tensors) if "_grouped_mm" in o.target else (matmul_kind(o, tensors), 0.0)
     return op_time(o.flops, o.bytes_in + o.bytes_out, hw, fp32=_in_fp32(o, tensors), kind=kind,
-                   groups=expert_groups(o, tensors), rows=rows)
+                   groups=expert_groups(o, tensors), rows=rows,
+                   matmul_rows=matmul_rows(o, tensors) if kind.startswith("matmul") else 0.0)
+
+
+def matmul_rows(o, tensors) -> float:
+    """The fewer of a matmul's output rows and columns, which `GPU.matmul_row_factors` prices: a
+    linear layer's forward or input gradient on few tokens has that many rows (a batched matmul's
+    per matrix); its weight gradient, weight-shaped, has the weight's. 0 where the output is not a
+    matrix."""
+    out = tensors[o.outputs[0]].shape if o.outputs and o.outputs[0] in tensors else ()
+    if len(out) < 2:
+        return 0.0
+    rows = out[-2] if "bmm" in o.target else math.prod(out[:-1])
+    return float(min(rows, out[-1]))
 
 
 def expert_groups(o, tensors) -> int:

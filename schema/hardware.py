@@ -38,7 +38,7 @@ OMITTED_WHEN_ZERO = ("op_s", "matmul_rates", "matmul_rates_unaligned", "attentio
                      "attention_rates_fp32", "grouped_mm_rates", "grouped_mm_wgrad_rates", "grouped_mm_rates_fp32",
                      "grouped_mm_wgrad_rates_fp32", "elementwise_bw", "kernel_s", "d2h_convert_bw", "h2d_convert_bw", "copy_tensor_s", "host_contention", "ssd_contention",
                      "compute_capability", "request_s", "commit_s", "sync_s", "flush_bw", "adam_tensor_s",
-                     "gloo_bw", "gloo_gather_bw", "gloo_step_s", "dequant_rate")
+                     "gloo_bw", "gloo_gather_bw", "gloo_step_s", "dequant_rate", "matmul_row_factors")
 """GPU, SSD and CPU fields a spec's JSON leaves out when 0 (added after specs existed: their
 fingerprints stay)."""
 
@@ -158,6 +158,17 @@ class GPU:
     8 x 4096 x 2048 layer at 64-4096 rows, at each precision where the GPU runs `_grouped_mm`.
     Empty (the presets, a GPU without it): `matmul_rates` at one group's FLOPs. Left out of the
     spec's JSON when empty."""
+    matmul_row_factors: tuple[tuple[float, float], ...] = ()
+    """(rows, factor), ascending: the share of `matmul_rates_fp32` an fp32 matmul gets whose output
+    has that few rows or columns (`cost.matmul_rows`: the tokens of a forward or an input
+    gradient), against 512 rows (`calibrate.CPU_ROWS_FULL`), where every point of the CPU device tier's curves is
+    timed. A CPU's matmul kernel packs the weight once per call and reuses it for every row, so a
+    few tokens pay the packing nearly alone: on one core of a 2-core AMD EPYC VM a linear layer's
+    forward and input gradient ran 0.60 / 0.75 / 0.89 / 0.96 of their 512-row rate at 32 / 64 /
+    128 / 256 rows, at d 1024 -> 4096 and 2048 -> 8192 alike (benchmarks/RESULTS.md "QLoRA larger
+    than DRAM"). The CPU device tier's probe times that layer's two matmuls at those rows; log-log
+    interpolation, held at the ends. Empty (the presets, a GPU, whose curves span the tokens its
+    plans run): 1. Left out of the spec's JSON when empty."""
     elementwise_bw: float = 0.0
     """Bytes/s the ops without FLOPs (elementwise, norms, softmax, reductions) move, where it is
     below `mem_bw`. On a CPU they compute per element besides streaming memory: the CPU device

@@ -179,6 +179,41 @@ def test_fp32_ops_take_the_fp32_curves_and_never_the_16_bit_ones():
     assert t(1e10, kind="matmul") == pytest.approx(1e10 / (g.flops / 3))  # 16-bit: its own curve
 
 
+def test_an_fp32_matmul_on_few_tokens_takes_its_row_factor_of_the_rate():
+    """`GPU.matmul_row_factors` (the CPU device tier): an fp32 matmul whose output has few rows or
+    columns runs at the factor interpolated at them (log-log, held at the ends), one with as many
+    as the last point at the full rate; 16-bit matmuls and the other ops never take it. In a traced
+    fp32 GPT of 48 tokens, a forward's and an input gradient's output has 48 rows and a weight
+    gradient's the weight's (64 and up), so the forward prices slower and the weight gradient as
+    before.
+    Guards the 3B QLoRA step at 128 tokens, whose matmuls ran 1.03-1.18x the 512-token curve."""
+    hw = load_hardware("lohan-rtx4090")
+    g = hw.gpus[0]
+    curve = _with(hw, matmul_rates_fp32=((1.0, g.flops_fp32 / 2),), matmul_rates=((1.0, g.flops / 2),))
+    rows = _with(curve, matmul_row_factors=((32.0, 0.5), (128.0, 0.8), (512.0, 1.0)))
+    t = lambda spec, **kw: cost.op_time(1e10, 0, spec, **kw)  # noqa: E731
+    full = t(curve, fp32=True, kind="matmul")
+    assert t(rows, fp32=True, kind="matmul", matmul_rows=128) == pytest.approx(full / 0.8)
+    assert t(rows, fp32=True, kind="matmul", matmul_rows=64) == pytest.approx(full / math.sqrt(0.5 * 0.8))
+    assert t(rows, fp32=True, kind="matmul", matmul_rows=8) == pytest.approx(full / 0.5)
+    assert t(rows, fp32=True, kind="matmul", matmul_rows=4096) == pytest.approx(full)
+    assert t(rows, kind="matmul", matmul_rows=128) == pytest.approx(t(curve, kind="matmul"))  # 16-bit
+    assert t(rows, fp32=True, kind="attention", matmul_rows=128) == t(curve, fp32=True, kind="attention")
+    o = Options(model="gpt-tiny", hardware="lohan-rtx4090", batch=1, seq=48, precision="fp32")
+    graph = build_problem(o, curve).graph
+    tensors = {t.name: t for t in graph.tensors}
+    mms = [op for op in graph.ops if op.block.startswith("b") and cost.op_kind(op.target) == "matmul"
+           and len(tensors[op.outputs[0]].shape) == 2]
+    fwd = [op for op in mms if op.phase == "fwd"]
+    wgrad = [op for op in mms if op.phase == "bwd" and cost.matmul_rows(op, tensors) > 48]
+    assert fwd and wgrad and {cost.matmul_rows(op, tensors) for op in fwd} == {48.0}
+    slow = _with(hw, matmul_rates_fp32=((1.0, 1e9),))  # a CPU's rate: its FLOPs, not its bytes, decide
+    tiny_rows = _with(slow, matmul_row_factors=((16.0, 0.5), (48.0, 0.8), (64.0, 1.0)))  # gpt-tiny: d 64
+    assert cost.ir_op_time(fwd[0], tensors, tiny_rows) == pytest.approx(fwd[0].flops / 0.8e9)
+    assert cost.ir_op_time(fwd[0], tensors, slow) == pytest.approx(fwd[0].flops / 1e9)
+    assert cost.ir_op_time(wgrad[0], tensors, tiny_rows) == cost.ir_op_time(wgrad[0], tensors, slow)
+
+
 def test_ops_without_flops_move_their_bytes_at_the_elementwise_bandwidth():
     """The ops between the matmuls (GELU, norms, softmax, adds) at `elementwise_bw` where the
     spec has one; a matmul's bytes, and every op of a spec without it, at `mem_bw`."""

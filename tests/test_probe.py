@@ -70,6 +70,10 @@ def test_the_cpu_tier_prices_matmuls_and_attention_at_both_precisions(measured):
     rows = [r for r, _ in g.grouped_mm_rates_fp32]  # the smallest always, larger ones where they are quick
     assert rows == [r for r, _ in g.grouped_mm_wgrad_rates_fp32] == list(probe_mod.CPU_GROUPED_ROWS[:len(rows)])
     assert 0 < g.elementwise_bw <= g.mem_bw
+    # the share of the 512-token rate at fewer tokens: every probed row count, the last one itself
+    assert [r for r, _ in g.matmul_row_factors] == list(map(float, probe_mod.CPU_ROWS))
+    assert g.matmul_row_factors[-1] == (float(probe_mod.CPU_ROWS_FULL), 1.0)
+    assert all(f > 0 for _, f in g.matmul_row_factors) and "matmul_row_factors" in measured[0].source
     assert "matmul_rates[_fp32]" in measured[0].source and "elementwise_bw" in measured[0].source
     assert "grouped_mm[_wgrad]_rates[_fp32]" in measured[0].source
 
@@ -266,7 +270,7 @@ def _fake_measurements(monkeypatch, tmp_path, calls: list) -> None:
                                                                               "grouped_mm_rates", "grouped_mm_rates_fp32",
                                                                               "grouped_mm_wgrad_rates",
                                                                               "grouped_mm_wgrad_rates_fp32")}), ("_cpu_elementwise_bw", 4e9),
-                       ("_cpu_bf16_ratio", 0.5), ("_op_dispatch_s", 1e-5), ("_copy_tensor_s", 1e-5), ("_adam_tensor_s", 2e-5),
+                       ("_cpu_bf16_ratio", 0.5), ("_cpu_row_factors", ((512.0, 1.0),)), ("_op_dispatch_s", 1e-5), ("_copy_tensor_s", 1e-5), ("_adam_tensor_s", 2e-5),
                        ("_host_contention", 0.1), ("_ssd_contention", 0.05)):
         monkeypatch.setattr(probe_mod, fn, recorder(fn, result))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
