@@ -188,8 +188,8 @@ def op_time(flops: int, nbytes: int, hw: Hardware, gpu: int = 0, fp32: bool = Fa
     else at `flops_fp32` (fp32, where the GPU has one) or `flops`; a grouped matmul of `groups`
     groups of `rows` rows each, at its layout's rate at those rows (`GPU.grouped_mm_rates`), else at
     the matmul rate of one group's share (`flops / groups`); an fp32 matmul whose output has
-    `matmul_rows` rows or columns (`matmul_rows`) at that share of its rate (`GPU.matmul_row_factors`,
-    the CPU device tier). An op that touches memory takes at
+    `matmul_rows` rows or columns (the fewer: `matmul_rows`) at the share of its rate
+    `GPU.matmul_row_factors` gives there (the CPU device tier). An op that touches memory takes at
     least `GPU.kernel_s`. An op without FLOPs moves its bytes at `GPU.elementwise_bw` where the
     probe measured one, else at `mem_bw`."""
     g = hw.gpus[gpu]

@@ -161,8 +161,8 @@ class GPU:
     matmul_row_factors: tuple[tuple[float, float], ...] = ()
     """(rows, factor), ascending: the share of `matmul_rates_fp32` an fp32 matmul gets whose output
     has that few rows or columns (`cost.matmul_rows`: the tokens of a forward or an input
-    gradient), against 512 rows (`calibrate.CPU_ROWS_FULL`), where every point of the CPU device tier's curves is
-    timed. A CPU's matmul kernel packs the weight once per call and reuses it for every row, so a
+    gradient), against 512 rows (`calibrate.CPU_ROWS_FULL`), at which every point of the CPU
+    device tier's curves is timed. A CPU's matmul kernel packs the weight once per call and reuses it for every row, so a
     few tokens pay the packing nearly alone: on one core of a 2-core AMD EPYC VM a linear layer's
     forward and input gradient ran 0.60 / 0.75 / 0.89 / 0.96 of their 512-row rate at 32 / 64 /
     128 / 256 rows, at d 1024 -> 4096 and 2048 -> 8192 alike (benchmarks/RESULTS.md "QLoRA larger
